@@ -1,0 +1,179 @@
+"""Prefill benchmark on the DESIGN.md workload: variantgen kernels next to FlashInfer's.
+
+8 requests x 8192 tokens, 32/8 heads, head dim 128, bf16, paged KV (page 16), three
+1024-token image spans per request. Every kernel is timed in the same process with CUDA
+events (median of --iters runs after warm-up). Writes bench/results/prefill-<date>-<gpu>.json
+(or --out). Run on the GPU machine:  python bench/bench_prefill.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import variantgen  # noqa: E402
+from variantgen.testing import random_paged_batch, spans_to_ranges  # noqa: E402
+
+B, L, HQ, HKV, D, PS = 8, 8192, 32, 8, 128, 16
+SPANS = [(1024 + 2048 * i, 1024 + 2048 * i + 1023) for i in range(3)]
+
+
+def bench(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        z.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(z))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--skip", default="", help="comma list of rows to skip (fa3, flashinfer_mm_prefix, flex)")
+    args = ap.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    import flashinfer
+
+    dev = "cuda"
+    res: dict = {
+        "date": dt.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "flashinfer": flashinfer.__version__,
+        "variantgen": variantgen.__version__,
+        "host": platform.node(),
+        "workload": dict(batch=B, tokens=L, qo_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PS,
+                         spans=SPANS, dtype="bf16"),
+        "ms": {},
+        "notes": {},
+    }
+    try:
+        res["nvcc"] = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.splitlines()[-1]
+    except OSError:
+        res["nvcc"] = None
+    batch = random_paged_batch([L] * B, [L] * B, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
+                               device=dev, seed=2)
+    ranges = spans_to_ranges(batch.qo_lens, batch.kv_lens, [SPANS] * B).to(dev)
+    kv = (batch.k_cache, batch.v_cache)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    ms = res["ms"]
+
+    def record(name, fn):
+        ms[name] = round(bench(fn, args.iters), 3)
+        print(f"{name:40s} {ms[name]:8.3f} ms", flush=True)
+
+    # FlashInfer built-in kernels (their JIT modules compile on first use here).
+    for be in ("fa2", "fa3"):
+        if be in skip:
+            continue
+        t = time.perf_counter()
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=be)
+        w.plan(*batch.plan_args()[:6], D, PS, causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        w.run(batch.q, kv)
+        torch.cuda.synchronize()
+        res["notes"][f"flashinfer_{be}_first_call_s"] = round(time.perf_counter() - t, 1)
+        record(f"flashinfer_causal_{be}", lambda w=w: w.run(batch.q, kv))
+        w.plan(*batch.plan_args()[:6], D, PS, causal=False, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        record(f"flashinfer_full_{be}", lambda w=w: w.run(batch.q, kv))
+    ref_out = None
+    if "flashinfer_mm_prefix" not in skip:
+        fw = flashinfer.BatchPrefillWithCausalBidirectionalRangesWrapper(
+            ws, "NHD", q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, head_dim_qk=D, head_dim_vo=D)
+        fw.plan(*batch.plan_args()[:6], D, PS)
+        record("flashinfer_mm_prefix_wrapper", lambda: fw.run(batch.q, kv, ranges))
+        ref_out = fw.run(batch.q, kv, ranges).float()
+
+    # variantgen kernels: module load from the cache, then plan + run.
+    for name, spec_args in (("causal", {}), ("mm_prefix", {"ranges": ranges})):
+        t = time.perf_counter()
+        w = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
+                                    kv_dtype="bf16")
+        res["notes"][f"variantgen_{name}_make_wrapper_s"] = round(time.perf_counter() - t, 3)
+        res["notes"][f"variantgen_{name}_module_built_now"] = w.build.built
+        modes = [False]
+        try:
+            from variantgen.intervals import analyze
+
+            if analyze(w.spec).planner_ready:
+                modes.append(True)
+        except ImportError:
+            pass
+        for skip_tiles in modes:
+            tag = f"variantgen_{name}" + ("_planned" if skip_tiles else "_direct")
+            plan_kw = {"skip_tiles": skip_tiles, **(spec_args if skip_tiles else {})}
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            w.plan(*batch.plan_args(), **plan_kw)
+            torch.cuda.synchronize()
+            res["notes"][f"{tag}_plan_ms"] = round((time.perf_counter() - t) * 1e3, 3)
+            res["notes"][f"{tag}_launches"] = w.plan_stats.get("launches")
+            record(tag, lambda w=w, a=spec_args: w.run(batch.q, kv, **a))
+            if name == "mm_prefix" and ref_out is not None:
+                o = w.run(batch.q, kv, **spec_args).float()
+                res["notes"][f"{tag}_vs_flashinfer_max_abs"] = (o - ref_out).abs().max().item()
+    # Sliding window (w = 1024): FlashInfer's built-in windowed causal vs the planned variant.
+    w_left = 1024
+    if "fa2" not in skip:
+        fwin = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+        fwin.plan(*batch.plan_args()[:6], D, PS, causal=True, window_left=w_left, q_data_type=torch.bfloat16,
+                  kv_data_type=torch.bfloat16)
+        record("flashinfer_sliding_window_fa2", lambda: fwin.run(batch.q, kv))
+        ref_win = fwin.run(batch.q, kv).float()
+    sw = variantgen.make_wrapper(ROOT / "specs" / "sliding_window.yaml", ws, head_dim_qk=D, q_dtype="bf16",
+                                 kv_dtype="bf16")
+    sw.plan(*batch.plan_args(), window=w_left)
+    res["notes"]["variantgen_sliding_window_planned_launches"] = sw.plan_stats.get("launches")
+    record("variantgen_sliding_window_planned", lambda: sw.run(batch.q, kv, window=w_left))
+    if "fa2" not in skip:
+        res["notes"]["sliding_window_vs_flashinfer_max_abs"] = (
+            sw.run(batch.q, kv, window=w_left).float() - ref_win).abs().max().item()
+    # Ratios the issues state targets for.
+    def ratio(a, b):
+        return round(ms[a] / ms[b], 3) if a in ms and b in ms else None
+
+    res["ratios"] = {
+        "causal_direct_vs_flashinfer_fa2_causal": ratio("variantgen_causal_direct", "flashinfer_causal_fa2"),
+        "mm_prefix_direct_vs_flashinfer_mm_prefix": ratio("variantgen_mm_prefix_direct",
+                                                          "flashinfer_mm_prefix_wrapper"),
+        "mm_prefix_planned_vs_flashinfer_fa2_causal": ratio("variantgen_mm_prefix_planned", "flashinfer_causal_fa2"),
+        "mm_prefix_planned_vs_flashinfer_fa3_causal": ratio("variantgen_mm_prefix_planned", "flashinfer_causal_fa3"),
+        "mm_prefix_planned_vs_flashinfer_mm_prefix": ratio("variantgen_mm_prefix_planned",
+                                                           "flashinfer_mm_prefix_wrapper"),
+        "causal_planned_vs_flashinfer_fa2_causal": ratio("variantgen_causal_planned", "flashinfer_causal_fa2"),
+        "sliding_window_planned_vs_flashinfer_fa2": ratio("variantgen_sliding_window_planned",
+                                                          "flashinfer_sliding_window_fa2"),
+    }
+    print(json.dumps(res["ratios"], indent=1))
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
+        f"prefill-{res['date']}-{res['gpu'].replace(' ', '_')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], out.name).write_text(json.dumps(res, indent=1))
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""How a vLLM-style serving engine picks an attention backend per layer group.
+
+A hybrid model has several layer groups (head size, KV-cache dtype). For each, the engine
+asks variantgen.probe() whether the multimodal-prefix spec can run here, and only then
+advertises the spec backend and builds its wrapper; otherwise it demotes the group to a
+plain causal backend and logs why. Runs anywhere: on a CPU box every group is demoted.
+"""
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import variantgen
+from variantgen.testing import random_paged_batch, spans_to_ranges
+
+SPEC = Path(__file__).resolve().parent.parent / "specs" / "mm_prefix.yaml"
+TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
+log = logging.getLogger("engine")
+
+
+@dataclass
+class LayerGroup:
+    name: str
+    head_size: int
+    kv_dtype: str  # KV-cache dtype of this group's layers
+    q_dtype: str = "bf16"
+
+
+class Engine:
+    def __init__(self, groups: list[LayerGroup]):
+        self.wrappers = {}  # group name -> variantgen wrapper, only for groups that passed the probe
+        for g in groups:
+            r = variantgen.probe(SPEC, head_dim_qk=g.head_size, q_dtype=g.q_dtype, kv_dtype=g.kv_dtype)
+            if r.ok and r.details.get("loaded"):
+                log.info("group %s: advertising mm_prefix backend (%s, from %s)", g.name, r.uri, r.source)
+                ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+                self.wrappers[g.name] = variantgen.make_wrapper(
+                    SPEC, ws, head_dim_qk=g.head_size, q_dtype=g.q_dtype, kv_dtype=g.kv_dtype)
+            else:
+                why = r.reason or "module is not loadable here (no CUDA device)"
+                log.warning("group %s (head %d, kv %s): demoted to plain causal: %s",
+                            g.name, g.head_size, g.kv_dtype, why)
+
+    def dispatch(self, batch: dict) -> str:
+        wrapper = self.wrappers.get(batch["group"].name)
+        if batch["mm_spans"] and wrapper is not None:
+            wrapper.plan(*batch["paged"].plan_args())
+            wrapper.run(batch["paged"].q, (batch["paged"].k_cache, batch["paged"].v_cache), ranges=batch["ranges"])
+            return f"mm_prefix kernel, {len(batch['mm_spans'])} bidirectional span(s)"
+        # A real engine calls its stock causal prefill here (FlashInfer's paged wrapper).
+        return "plain causal prefill"
+
+
+def make_batch(group: LayerGroup, tokens: int, spans: list, gpu: bool) -> dict:
+    batch = {"group": group, "mm_spans": spans}
+    if gpu:  # real tensors only where a kernel can run
+        paged = random_paged_batch([tokens], [tokens], num_qo_heads=8, num_kv_heads=2, head_dim=group.head_size,
+                                   page_size=16, dtype=TORCH[group.q_dtype], kv_dtype=TORCH[group.kv_dtype],
+                                   device="cuda")
+        batch.update(paged=paged, ranges=spans_to_ranges([tokens], [tokens], [spans]).cuda())
+    return batch
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    groups = [LayerGroup("global", 256, "bf16"), LayerGroup("local", 128, "fp8_e4m3"), LayerGroup("odd", 80, "bf16")]
+    engine = Engine(groups)
+    gpu = torch.cuda.is_available()
+    for spans in ([], [(10, 265)]):
+        for g in groups:
+            print(f"{g.name:6} {len(spans)} span(s) -> {engine.dispatch(make_batch(g, 300, spans, gpu))}")

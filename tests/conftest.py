@@ -1,0 +1,118 @@
+"""Shared fixtures of the CPU test suite.
+
+* ``spec_text(text, name=...)`` writes dedented YAML into tmp_path and returns the path;
+* ``spec_from(text)`` parses dedented YAML into a VariantSpec (path ``spec.yaml``);
+* ``vg_env`` points VARIANTGEN_CACHE_DIR at a fresh tmp folder (and lets a test set more
+  variables), re-reading the settings before and after;
+* tests marked ``gpu`` are skipped when torch sees no CUDA device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import variantgen
+from variantgen import env as vg_env_mod
+from variantgen.env import REPO_DIR
+
+SPECS_DIR = REPO_DIR / "specs"
+TEMPLATES_DIR = REPO_DIR / "templates"
+SPEC_FILES = sorted(SPECS_DIR.glob("*.yaml"))
+
+# Every variable variantgen.env reads: a test environment starts without them.
+VG_VARIABLES = (
+    "VARIANTGEN_CACHE_DIR", "VARIANTGEN_DISABLE_JIT", "FLASHINFER_DISABLE_JIT", "VARIANTGEN_ARCH",
+    "VARIANTGEN_BUILD_JOBS", "MAX_JOBS", "VARIANTGEN_NVCC_THREADS", "VARIANTGEN_TEMPLATE_DIR",
+    "VARIANTGEN_LOCK_TIMEOUT", "CUDA_HOME", "CUDA_PATH",
+)
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.fixture(autouse=True)
+def _skip_gpu_tests_without_cuda(request):
+    """Tests marked ``gpu`` run only where torch sees a CUDA device."""
+    if request.node.get_closest_marker("gpu") is not None and not cuda_available():
+        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
+@pytest.fixture
+def spec_text(tmp_path):
+    """Write (dedented) YAML to a file under tmp_path; returns its Path."""
+
+    def write(text: str | bytes, name: str = "spec.yaml") -> Path:
+        path = tmp_path / name
+        if isinstance(text, bytes):
+            path.write_bytes(text)
+        else:
+            path.write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+        return path
+
+    return write
+
+
+@pytest.fixture
+def spec_from():
+    """Parse (dedented) YAML text into a VariantSpec; errors name ``spec.yaml``."""
+
+    def parse(text: str, path: str = "spec.yaml") -> variantgen.VariantSpec:
+        return variantgen.parse_spec(textwrap.dedent(text).lstrip("\n"), path)
+
+    return parse
+
+
+class VgEnv:
+    """Set variantgen environment variables for one test; settings are re-read each time."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, cache_dir: Path):
+        self._mp = monkeypatch
+        self.cache_dir = cache_dir
+
+    def set(self, **variables: str | os.PathLike | None):
+        for name, value in variables.items():
+            if value is None:
+                self._mp.delenv(name, raising=False)
+            else:
+                self._mp.setenv(name, str(value))
+        return vg_env_mod.reload_settings()
+
+    @property
+    def settings(self):
+        return vg_env_mod.settings()
+
+
+@pytest.fixture
+def vg_env(tmp_path, monkeypatch):
+    """A private cache dir (tmp_path/cache) and a clean variantgen environment."""
+    for name in VG_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    cache_dir = tmp_path / "cache"
+    monkeypatch.setenv("VARIANTGEN_CACHE_DIR", str(cache_dir))
+    vg_env_mod.reload_settings()
+    try:
+        yield VgEnv(monkeypatch, cache_dir)
+    finally:
+        monkeypatch.undo()
+        vg_env_mod.reload_settings()
+
+
+@pytest.fixture
+def template_copy(tmp_path, vg_env):
+    """A private copy of templates/, selected through VARIANTGEN_TEMPLATE_DIR."""
+    dest = tmp_path / "templates"
+    shutil.copytree(TEMPLATES_DIR, dest)
+    vg_env.set(VARIANTGEN_TEMPLATE_DIR=dest)
+    return dest

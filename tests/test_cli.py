@@ -1,0 +1,420 @@
+"""The `variantgen` command line, through click's CliRunner. Nothing is compiled: builds
+are replaced by fakes, caches are filled with dummy modules."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import variantgen
+from variantgen import build
+from variantgen.cache import MANIFEST, Cache, Entry, ModuleKey
+from variantgen.cli import main
+from variantgen.errors import BuildError
+from variantgen.render import ModuleConfig, render_module
+
+probe_mod = importlib.import_module("variantgen.probe")
+REPO = Path(__file__).resolve().parents[1]
+SPECS = REPO / "specs"
+MM = SPECS / "mm_prefix.yaml"
+CAUSAL = SPECS / "causal.yaml"
+FAKE_TC = build.Toolchain(Path("/opt/fake-cuda"), Path("/opt/fake-cuda/bin/nvcc"), "V13.0.88", "/usr/bin/c++",
+                          "c++ (fake) 12.2.0")
+
+
+@pytest.fixture(autouse=True)
+def clean(vg_env, monkeypatch):
+    probe_mod.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(build, "toolchain", lambda: FAKE_TC)
+    level = logging.getLogger("variantgen").level
+    yield vg_env
+    logging.getLogger("variantgen").setLevel(level)
+    probe_mod.cache_clear()
+
+
+def run(*args: str, input: str | None = None):
+    return CliRunner().invoke(main, [str(a) for a in args], input=input)
+
+
+def publish_fake(cache: Cache, cfg: ModuleConfig, *, built_at: float | None = None) -> Entry:
+    rendered = render_module(cfg)
+    key = build.module_key(rendered, FAKE_TC)
+    staging = cache.new_staging(key.uri)
+    (staging / f"{key.uri}.so").write_bytes(b"\x7fELF dummy " + key.uri.encode() + b"\0" * 4096)
+    manifest = {"module_file": f"{key.uri}.so", "config": cfg.describe(), "inputs": dict(key.inputs),
+                "inputs_digest": key.inputs_digest, "toolchain": dict(key.toolchain), "key_digest": key.digest,
+                "built_at": built_at if built_at is not None else time.time()}
+    return cache.publish(key.uri, staging, manifest)
+
+
+def config(spec: Path = MM, hd: int = 128, arch: str = "9.0a", q: str = "bf16", kv: str = "bf16") -> ModuleConfig:
+    return ModuleConfig(variantgen.load_spec(spec), hd, hd, q, kv, q, arch)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_help_and_version():
+    r = run("--help")
+    assert r.exit_code == 0
+    for cmd in ("validate", "render", "precompile", "probe", "list", "clear", "check"):
+        assert cmd in r.output
+    assert variantgen.__version__ in run("--version").output
+
+
+def test_errors_are_one_line_without_traceback():
+    r = run("render", MM, "--head-dim", "128", "--dtype", "fp32")
+    assert r.exit_code == 1
+    assert r.stderr.strip() == ("error: --dtype='fp32': unsupported dtype; expected one of "
+                                "['bf16', 'fp16', 'fp8_e4m3', 'fp8_e5m2']")
+    assert "Traceback" not in r.output
+    r = run("render", SPECS / "nope.yaml", "--head-dim", "128", "--dtype", "bf16")
+    assert r.exit_code == 1 and r.stderr.startswith("error: ") and "spec file not found" in r.stderr
+
+
+def test_usage_errors_exit_2():
+    assert run("render", MM, "--dtype", "bf16").exit_code == 2  # --head-dim missing
+    assert run("--log-level", "loud", "list").exit_code == 2
+
+
+# ----------------------------------------------------------------------------- validate
+
+
+def test_validate_ok():
+    paths = sorted(SPECS.glob("*.yaml"))
+    r = run("validate", *paths)
+    assert r.exit_code == 0, r.output
+    for p in paths:
+        assert f"ok  {p} ({p.stem})" in r.stdout
+
+
+def test_validate_reports_every_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: Bad\nmask: kv_pos <= qq_pos\nfoo: 1\n")
+    r = run("validate", CAUSAL, bad)
+    assert r.exit_code == 1
+    assert f"ok  {CAUSAL} (causal)" in r.stdout
+    assert f"{bad}:1:7: name: spec name 'Bad'" in r.stdout
+    assert f"{bad}:2:17: mask: unknown name `qq_pos`" in r.stdout
+    assert f"{bad}:3:1: foo: unknown field" in r.stdout
+    assert "hint: did you mean `q_pos`?" in r.stdout
+    assert re.search(r"\n\s+\^", r.stdout)  # caret lines
+    assert "1 of 2 spec file(s) have errors" in r.stderr
+
+
+def test_validate_missing_file(tmp_path):
+    r = run("validate", tmp_path / "missing.yaml")
+    assert r.exit_code == 1 and "spec file not found" in r.stdout
+
+
+# ----------------------------------------------------------------------------- render
+
+
+def test_render_prints_the_variant_struct():
+    r = run("render", MM, "--head-dim", "128", "--dtype", "bf16")
+    assert r.exit_code == 0, r.output
+    assert "struct VG_MmPrefix : AttentionVariantBase" in r.stdout
+    assert "ranges" in r.stdout
+
+
+def test_render_one_file_or_all(tmp_path):
+    r = run("render", CAUSAL, "--head-dim", "64", "--dtype", "fp16", "--file", "binding.cu")
+    assert r.exit_code == 0 and "// =====" not in r.stdout
+    r = run("render", CAUSAL, "--head-dim", "64", "--dtype", "fp16", "--file", "all")
+    assert r.exit_code == 0
+    assert "// ===== variant.cuh =====" in r.stdout and "// ===== binding.cu =====" in r.stdout
+    r = run("render", CAUSAL, "--head-dim", "64", "--dtype", "fp16", "--file", "nope.cu")
+    assert r.exit_code == 2 and "variant.cuh" in r.output
+
+
+def test_render_writes_all_files(tmp_path):
+    out = tmp_path / "out"
+    r = run("render", MM, "--head-dim", "256", "--dtype", "bf16", "--kv-dtype", "fp8_e4m3", "-o", out)
+    assert r.exit_code == 0, r.output
+    names = {p.name for p in out.iterdir()}
+    expected = set(render_module(config(hd=256, kv="fp8_e4m3")).files)
+    assert names == expected and "variant.cuh" in names
+    assert "__nv_fp8_e4m3" in (out / "batch_prefill_config.inc").read_text()
+
+
+def test_render_unsupported_combination():
+    r = run("render", MM, "--head-dim", "96", "--dtype", "bf16")
+    assert r.exit_code == 1 and "head_dim_qk=96" in r.stderr
+
+
+# ----------------------------------------------------------------------------- precompile
+
+
+@pytest.fixture
+def fake_builds(monkeypatch):
+    """build.build_module replaced: records (uri_prefix, cache root, jobs), fails for hd 256 on request."""
+    calls: list[tuple[str, str, int | None]] = []
+    lock = threading.Lock()
+    state = {"fail_hd": None, "threads": set()}
+
+    def fake(cfg, cache, *, jobs=None, rendered=None, allow_build=True):
+        with lock:
+            calls.append((cfg.uri_prefix, str(cache.root), jobs))
+            state["threads"].add(threading.get_ident())
+        time.sleep(0.01)
+        if cfg.head_dim_qk == state["fail_hd"]:
+            raise BuildError(f"building module {cfg.uri_prefix}_0123456789ab failed (ninja exit 1 after 2.0s)",
+                             log_path=f"/c/.failed/{cfg.uri_prefix}/build.log",
+                             output="paged_kernel_custom_cta16.cu(3): error: expected a ';'\n")
+        uri = f"{cfg.uri_prefix}_0123456789ab"
+        entry = Entry(cache.root, uri, {"module_file": f"{uri}.so"})
+        return build.BuildResult(entry, ModuleKey(cfg.uri_prefix, ()), built=cfg.arch != "8.0", seconds=1.5)
+
+    monkeypatch.setattr(build, "build_module", fake)
+    return calls, state
+
+
+MATRIX = ("precompile", MM, CAUSAL, "--head-dim", "64,128,256", "--dtype", "bf16,fp16", "--arch", "8.0,9.0a")
+
+
+def test_precompile_expands_the_matrix(fake_builds, clean):
+    calls, _ = fake_builds
+    r = run(*MATRIX)
+    assert r.exit_code == 0, r.output
+    prefixes = sorted(c[0] for c in calls)
+    assert len(prefixes) == 2 * 3 * 2 * 2 == len(set(prefixes))
+    assert "vg_mm_prefix_fa2_prefill_qfp16_kvfp16_ofp16_hd256x256_sm80" in prefixes
+    assert "vg_causal_fa2_prefill_qbf16_kvbf16_obf16_hd64x64_sm90a" in prefixes
+    assert {c[1] for c in calls} == {str(clean.cache_dir)}
+    # summary table: uri, status, seconds
+    assert re.search(r"vg_causal_fa2_prefill_qbf16_kvbf16_obf16_hd64x64_sm80_0123456789ab\s+cached\s+1\.5", r.stdout)
+    assert re.search(r"vg_causal_fa2_prefill_qbf16_kvbf16_obf16_hd64x64_sm90a_0123456789ab\s+built\s+1\.5", r.stdout)
+    assert "12 built, 12 cached, 0 failed" in r.stdout
+
+
+def test_precompile_kv_dtypes_and_options(fake_builds, tmp_path):
+    calls, state = fake_builds
+    r = run("precompile", MM, "--head-dim", "128", "--dtype", "bf16", "--kv-dtype", "bf16,fp8_e4m3",
+            "--arch", "sm_90a", "-j", "3", "--jobs-per-module", "5", "--cache-dir", tmp_path / "c")
+    assert r.exit_code == 0, r.output
+    assert sorted(c[0] for c in calls) == [
+        "vg_mm_prefix_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a",
+        "vg_mm_prefix_fa2_prefill_qbf16_kvfp8_e4m3_obf16_hd128x128_sm90a",
+    ]
+    assert {c[1] for c in calls} == {str(tmp_path / "c")} and {c[2] for c in calls} == {5}
+
+
+def test_precompile_skips_invalid_combinations(fake_builds, tmp_path):
+    calls, _ = fake_builds
+    fa3 = tmp_path / "fa3only.yaml"
+    fa3.write_text("name: fa3only\nmask: kv_pos <= q_pos\nbackends: [fa3]\n")
+    r = run("precompile", MM, fa3, "--head-dim", "96,128", "--dtype", "bf16,fp8_e4m3", "--arch", "9.0a")
+    assert r.exit_code == 0, r.output
+    assert [c[0] for c in calls] == ["vg_mm_prefix_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a"]
+    skips = [line for line in r.stdout.splitlines() if line.startswith("skip  ")]
+    assert len(skips) == 2 * 2 * 2 - 1  # specs x head dims x dtypes, one valid
+    assert any("hd=96" in s and "support equal head dims" in s for s in skips)
+    assert any("q=fp8_e4m3" in s and "fp8 query is not supported" in s for s in skips)
+    assert any(s.startswith("skip  fa3only ") and "allows only ['fa3']" in s for s in skips)
+
+
+def test_precompile_sharding_is_a_deterministic_partition(fake_builds):
+    calls, _ = fake_builds
+    full = run(*MATRIX, "--dry-run")
+    assert full.exit_code == 0 and calls == []
+    everything = [line for line in full.stdout.splitlines() if line.startswith("vg_")]
+    assert everything == sorted(everything) and len(everything) == 24
+    shards = []
+    for i in range(5):
+        r = run(*MATRIX, "--shard", f"{i}/5", "--dry-run")
+        assert r.exit_code == 0 and f"shard {i}/5: " in r.stdout
+        shards.append([line for line in r.stdout.splitlines() if line.startswith("vg_")])
+        again = run(*MATRIX, "--shard", f"{i}/5", "--dry-run")
+        assert again.stdout == r.stdout
+    assert shards[1] == everything[1::5]
+    assert sorted(sum(shards, [])) == everything  # disjoint and complete
+    # The order of the arguments does not change the shards.
+    r = run("precompile", CAUSAL, MM, "--head-dim", "256,64,128", "--dtype", "fp16,bf16", "--arch", "9.0a,8.0",
+            "--shard", "1/5", "--dry-run")
+    assert [line for line in r.stdout.splitlines() if line.startswith("vg_")] == shards[1]
+    # Building a shard builds exactly its modules.
+    r = run(*MATRIX, "--shard", "2/5")
+    assert r.exit_code == 0 and sorted(c[0] for c in calls) == shards[2]
+
+
+@pytest.mark.parametrize("shard", ["5/5", "-1/2", "1", "a/b", "0/0"])
+def test_precompile_bad_shard(shard):
+    r = run(*MATRIX, "--shard", shard, "--dry-run")
+    assert r.exit_code == 2 and "--shard" in r.output
+
+
+def test_precompile_failures_exit_1_with_the_build_error(fake_builds):
+    calls, state = fake_builds
+    state["fail_hd"] = 256
+    r = run(*MATRIX, "-j", "4")
+    assert r.exit_code == 1
+    assert len(calls) == 24
+    assert "16 built" not in r.stdout and "8 failed" in r.stdout
+    assert re.search(r"vg_mm_prefix_fa2_prefill_qbf16_kvbf16_obf16_hd256x256_sm80_\*\s+failed", r.stdout)
+    assert "first error: paged_kernel_custom_cta16.cu(3): error: expected a ';'" in r.stderr
+    assert "full log: /c/.failed/" in r.stderr and "Traceback" not in r.output
+
+
+def test_precompile_runs_modules_in_parallel(fake_builds):
+    calls, state = fake_builds
+    r = run(*MATRIX, "-j", "4")
+    assert r.exit_code == 0 and len(calls) == 24
+    assert len(state["threads"]) > 1
+
+
+def test_precompile_arch_defaults(fake_builds, clean):
+    calls, _ = fake_builds
+    r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "bf16")
+    assert r.exit_code == 2 and "no --arch given" in r.output and calls == []
+    clean.set(VARIANTGEN_ARCH="8.6")
+    r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "bf16")
+    assert r.exit_code == 0 and [c[0] for c in calls] == ["vg_causal_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm86"]
+
+
+def test_precompile_bad_inputs(fake_builds, tmp_path):
+    r = run("precompile", CAUSAL, "--head-dim", "128,big", "--dtype", "bf16", "--arch", "9.0a")
+    assert r.exit_code == 2 and "'big' is not a whole number" in r.output
+    r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "float32", "--arch", "9.0a")
+    assert r.exit_code == 1 and r.stderr.startswith("error: --dtype='float32'")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\n")
+    r = run("precompile", bad, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a")
+    assert r.exit_code == 1 and "missing required field `mask`" in r.stderr
+
+
+# ----------------------------------------------------------------------------- probe
+
+
+def test_probe_without_gpu_or_arch_exits_1():
+    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16")
+    assert r.exit_code == 1
+    assert "ok:      no" in r.stdout
+    assert "reason:  no CUDA device visible and no target arch given" in r.stdout
+
+
+def test_probe_finds_a_cached_module(clean):
+    entry = publish_fake(Cache(clean.cache_dir), config())
+    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--no-build")
+    assert r.exit_code == 0, r.output
+    assert "ok:      yes" in r.stdout and f"uri:     {entry.uri}" in r.stdout and "source:  cache" in r.stdout
+    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--json")
+    data = json.loads(r.stdout)
+    assert r.exit_code == 0 and data["ok"] is True and data["uri"] == entry.uri
+
+
+def test_probe_no_build_prints_the_precompile_command(tmp_path):
+    r = run("probe", CAUSAL, "--head-dim", "64", "--dtype", "fp16", "--arch", "8.0", "--no-build",
+            "--cache-dir", tmp_path / "c")
+    assert r.exit_code == 1
+    assert (f"run: variantgen precompile {CAUSAL} --head-dim 64 --dtype fp16 --kv-dtype fp16 --arch 8.0 "
+            f"--cache-dir {tmp_path / 'c'}") in r.stdout
+
+
+def test_probe_unsupported_combination():
+    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--backend", "fa3", "--arch", "9.0a")
+    assert r.exit_code == 1 and "fa3 variants are not generated yet" in r.stdout
+
+
+# ----------------------------------------------------------------------------- list / clear
+
+
+@pytest.fixture
+def filled(clean):
+    cache = Cache(clean.cache_dir)
+    old = time.time() - 10 * 86400
+    entries = {
+        "mm": publish_fake(cache, config()),
+        "causal": publish_fake(cache, config(CAUSAL, hd=64, arch="8.0"), built_at=old),
+        "causal_fp8": publish_fake(cache, config(CAUSAL, kv="fp8_e4m3")),
+    }
+    damaged = cache.root / "vg_causal_fa2_prefill_qfp16_kvfp16_ofp16_hd128x128_sm80_000000000000"
+    damaged.mkdir()
+    (damaged / "half-written.so").write_bytes(b"x")
+    return cache, entries, damaged
+
+
+def test_list_shows_the_cache(filled):
+    cache, entries, damaged = filled
+    r = run("list")
+    assert r.exit_code == 0, r.output
+    lines = r.stdout.splitlines()
+    assert lines[0].split() == ["uri", "spec", "head", "dims", "q/kv/o", "backend", "size", "age", "flashinfer",
+                                "nvcc", "arch"]
+    row = next(line for line in lines if line.startswith(entries["causal"].uri)).split()
+    assert row[1:5] == ["causal", "64x64", "bf16/bf16/bf16", "fa2"]
+    assert row[7] == "10d" and row[-2:] == ["V13.0.88", "8.0"]
+    assert row[8] == build.flashinfer_info().version
+    assert any(line.startswith(entries["causal_fp8"].uri) and "bf16/fp8_e4m3/bf16" in line for line in lines)
+    assert any(line.startswith(damaged.name) and "damaged: entry" in line and "no manifest" in line
+               for line in lines)
+    assert f"4 module(s) in {cache.root}" in r.stdout
+
+
+def test_list_verbose_prints_the_key_parts(filled):
+    _, entries, _ = filled
+    r = run("list", "-v")
+    assert r.exit_code == 0
+    block = r.stdout.split(f"\n{entries['mm'].uri}\n", 1)[1]
+    for part in ("sources:", "templates:", "flags:", "flashinfer:", "tvm_ffi:", "arch: 9.0a", "variantgen:",
+                 "toolchain.nvcc: V13.0.88", "toolchain.cxx: c++ (fake) 12.2.0", "inputs_digest:",
+                 "config.spec: mm_prefix"):
+        assert part in block
+
+
+def test_list_with_global_cache_dir(tmp_path, filled):
+    other = Cache(tmp_path / "other")
+    e = publish_fake(other, config(CAUSAL))
+    r = run("--cache-dir", other.root, "--log-level", "debug", "list")
+    assert r.exit_code == 0 and e.uri in r.stdout and "1 module(s)" in r.stdout
+    r = run("list", "--cache-dir", tmp_path / "empty")
+    assert r.exit_code == 0 and "no modules in" in r.stdout
+
+
+def test_clear_by_spec_name(filled):
+    cache, entries, damaged = filled
+    r = run("clear", "causal", "--yes")
+    assert r.exit_code == 0, r.output
+    assert "removed 3 modules" in r.stdout  # two entries and the damaged causal folder
+    assert [uri for uri, _ in cache.entries()] == [entries["mm"].uri]
+
+
+def test_clear_older_than(filled):
+    cache, entries, _ = filled
+    r = run("clear", "--older-than", "7", "--yes")
+    assert r.exit_code == 0 and "removed 1 module" in r.stdout
+    assert entries["causal"].uri not in [uri for uri, _ in cache.entries()]
+
+
+def test_clear_asks_first(filled):
+    cache, _, _ = filled
+    r = run("clear", input="n\n")
+    assert r.exit_code == 1 and len(list(cache.entries())) == 4
+    r = run("clear", input="y\n")
+    assert r.exit_code == 0 and "removed 4 modules" in r.stdout and list(cache.entries()) == []
+    r = run("clear", "--yes")
+    assert r.exit_code == 0 and "removed 0 modules" in r.stdout
+
+
+def test_clear_unknown_spec_removes_nothing(filled):
+    cache, _, _ = filled
+    r = run("clear", "alibi", "--yes")
+    assert r.exit_code == 0 and "removed 0 modules" in r.stdout and len(list(cache.entries())) == 4
+    assert (cache.root / next(iter(cache.entries()))[0] / MANIFEST).exists()
+
+
+# ----------------------------------------------------------------------------- check
+
+
+def test_check_needs_a_gpu():
+    r = run("check", MM, "--head-dim", "128", "--dtype", "bf16")
+    assert r.exit_code == 2 and "check needs a CUDA GPU" in r.stderr

@@ -1,0 +1,142 @@
+"""GPU correctness: every shipped spec against its derived reference, and mm_prefix
+against FlashInfer's own hand-written kernel. Run on the H200 with `pytest -m gpu`.
+
+Modules are looked up in (or built into) VARIANTGEN_CACHE_DIR; precompile them with
+`variantgen precompile` to keep device time for the tests themselves.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import variantgen
+from variantgen.reference import reference_attention
+from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+SPECS = Path(__file__).resolve().parents[1] / "specs"
+ALL_SPECS = sorted(p.stem for p in SPECS.glob("*.yaml"))
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Ragged batch with chunked prefill (kv_len > qo_len), a single-token request and one
+# request whose queries start at position 0.
+QO_LENS = [37, 300, 1, 129, 513]
+KV_LENS = [37, 812, 700, 1000, 513]
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    return torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.float()
+    assert torch.isfinite(out).all(), "kernel output has NaN/inf"
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+
+
+def check(spec_name, workspace, *, head_dim=128, dtype="bf16", heads=(32, 8), page_size=16, seed=0,
+          skip_tiles=False, qo_lens=QO_LENS, kv_lens=KV_LENS, args=None):
+    spec = variantgen.load_spec(SPECS / f"{spec_name}.yaml")
+    wrapper = variantgen.make_wrapper(spec, workspace, head_dim_qk=head_dim, q_dtype=dtype, kv_dtype=dtype)
+    batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=heads[0], num_kv_heads=heads[1],
+                               head_dim=head_dim, page_size=page_size, dtype=DTYPES[dtype], device="cuda", seed=seed)
+    args = args if args is not None else random_spec_args(spec, batch, seed=seed)
+    plan_kw = dict(skip_tiles=skip_tiles)
+    if skip_tiles:
+        plan_kw.update(args)  # the interval plan reads the spans and the windows
+    wrapper.plan(*batch.plan_args(), **plan_kw)
+    out = wrapper.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
+                              batch.kv_indices, batch.last_page_len, args)
+    err = rel_error(out, ref)
+    assert err < 1e-2, f"{spec_name} hd{head_dim} {dtype} heads{heads} page{page_size}: rel. error {err:.3e}"
+    return err
+
+
+@pytest.mark.parametrize("spec_name", ALL_SPECS)
+def test_spec_vs_reference(spec_name, workspace):
+    check(spec_name, workspace)
+
+
+@pytest.mark.parametrize("spec_name", ["mm_prefix", "softcap", "document"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_wide_matrix(spec_name, head_dim, dtype, page_size, workspace):
+    check(spec_name, workspace, head_dim=head_dim, dtype=dtype, heads=(8, 8), page_size=page_size, seed=3)
+
+
+def test_scales_and_lse(workspace):
+    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
+    b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                           device="cuda", seed=5)
+    args = random_spec_args(spec, b, seed=5)
+    w.plan(*b.plan_args(), skip_tiles=False)
+    out, lse = w.run(b.q, (b.k_cache, b.v_cache), q_scale=0.5, k_scale=1.5, v_scale=0.25, return_lse=True, **args)
+    ref, ref_lse = reference_attention(spec, b.q, (b.k_cache, b.v_cache), b.qo_indptr, b.kv_indptr, b.kv_indices,
+                                       b.last_page_len, args, q_scale=0.5, k_scale=1.5, v_scale=0.25,
+                                       return_lse=True)
+    assert rel_error(out, ref) < 1e-2
+    assert torch.allclose(lse, ref_lse, atol=2e-2, rtol=1e-3)
+
+
+@pytest.mark.parametrize("causal_window_left,range_window_left", [(-1, -1), (100, -1), (-1, 50), (64, 200)])
+def test_mm_prefix_matches_flashinfer(causal_window_left, range_window_left, workspace):
+    import flashinfer
+
+    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
+    b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                           device="cuda", seed=11)
+    spans = [[(0, 10)], [(100, 700), (750, 811)], [(0, 699)], [(500, 999)], [(0, 63), (100, 400)]]
+    ranges = spans_to_ranges(b.qo_lens, b.kv_lens, spans).cuda()
+    windows = dict(causal_window_left=causal_window_left, range_window_left=range_window_left)
+    w.plan(*b.plan_args(), skip_tiles=False)
+    ours = w.run(b.q, (b.k_cache, b.v_cache), ranges=ranges, **windows)
+    fw = flashinfer.BatchPrefillWithCausalBidirectionalRangesWrapper(
+        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16, head_dim_qk=128, head_dim_vo=128)
+    fw.plan(*b.plan_args()[:6], 128, 16)
+    theirs = fw.run(b.q, (b.k_cache, b.v_cache), ranges, **windows)
+    diff = (ours.float() - theirs.float()).abs().max().item()
+    assert diff <= 1e-3, f"max abs diff vs FlashInfer's mm-prefix wrapper: {diff}"
+
+
+# ------------------------------------------------------------------ interval planner
+
+
+@pytest.mark.parametrize("spec_name", ALL_SPECS)
+def test_spec_planned_vs_reference(spec_name, workspace):
+    check(spec_name, workspace, skip_tiles=True, seed=1)
+
+
+ADVERSARIAL = {
+    # name: (qo_lens, kv_lens, spans per request)
+    "span_at_first_and_last_token": ([64, 64], [64, 200], [[(0, 0), (63, 63)], [(199, 199), (136, 150)]]),
+    "span_crossing_chunks": ([700], [700], [[(100, 650)]]),
+    "boundary_inside_page": ([50], [90], [[(43, 77)]]),
+    "empty_spans_and_qo_len_1": ([1, 1, 5], [1, 300, 5], [[], [(10, 299)], []]),
+    "chunked_prefill_kv_much_longer": ([17, 130], [4000, 3000], [[(3990, 3999)], [(0, 2999)]]),
+    "no_spans": ([200, 33], [260, 33], [[], []]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ADVERSARIAL))
+@pytest.mark.parametrize("windows", [(-1, -1), (5, -1), (-1, 7), (3, 20)])
+def test_mm_prefix_planner_adversarial(case, windows, workspace):
+    qo, kv, spans = ADVERSARIAL[case]
+    args = {"ranges": spans_to_ranges(qo, kv, spans).cuda(), "causal_window_left": windows[0],
+            "range_window_left": windows[1]}
+    check("mm_prefix", workspace, skip_tiles=True, qo_lens=qo, kv_lens=kv, args=args)
+    check("mm_prefix", workspace, skip_tiles=False, qo_lens=qo, kv_lens=kv, args=args)
+
+
+@pytest.mark.parametrize("window", [3, 15, 16, 100])
+def test_sliding_window_planner_small_windows(window, workspace):
+    spec_args = {"window": window}
+    check("sliding_window", workspace, skip_tiles=True, args=spec_args)

@@ -1,0 +1,552 @@
+"""variantgen.probe: every reason, injected; never raises; memoization; relocatable caches.
+
+No test compiles anything: the toolchain is faked (or deliberately broken) and builds are
+replaced by a function that publishes a dummy module into the cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import variantgen
+from variantgen import build
+from variantgen.cache import Cache, ModuleKey
+from variantgen.errors import BuildError, CacheError
+from variantgen.probe import ProbeResult, probe
+from variantgen.render import ModuleConfig, render_module
+
+# `variantgen.probe` is both the package's function and the submodule; take the module.
+probe_mod = importlib.import_module("variantgen.probe")
+
+REPO = Path(__file__).resolve().parents[1]
+MM = REPO / "specs" / "mm_prefix.yaml"
+CAUSAL = REPO / "specs" / "causal.yaml"
+FAKE_TC = build.Toolchain(Path("/opt/fake-cuda"), Path("/opt/fake-cuda/bin/nvcc"), "V13.0.88", "/usr/bin/c++",
+                          "c++ (fake) 12.2.0")
+REAL_TOOLCHAIN = build.toolchain
+BASE = dict(head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
+
+
+def publish_fake(cache: Cache, cfg: ModuleConfig, tc: build.Toolchain | None = FAKE_TC,
+                 toolchain_parts: tuple | None = None):
+    """Publish a dummy module for ``cfg`` whose key matches what build_module computes."""
+    rendered = render_module(cfg)
+    base = build.module_key(rendered, tc)
+    key = ModuleKey(base.prefix, base.inputs, toolchain_parts) if toolchain_parts is not None else base
+    staging = cache.new_staging(key.uri)
+    (staging / f"{key.uri}.so").write_bytes(b"\x7fELF not really a module " + key.uri.encode())
+    manifest = {
+        "module_file": f"{key.uri}.so",
+        "config": cfg.describe(),
+        "inputs": dict(key.inputs),
+        "inputs_digest": key.inputs_digest,
+        "toolchain": dict(key.toolchain),
+        "key_digest": key.digest,
+        "built_at": time.time(),
+    }
+    return cache.publish(key.uri, staging, manifest)
+
+
+def mm_config(arch: str = "9.0a", **kw) -> ModuleConfig:
+    fields = dict(head_dim_qk=128, head_dim_vo=128, q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16", arch=arch)
+    fields.update(kw)
+    return ModuleConfig(variantgen.load_spec(MM), **fields)
+
+
+@pytest.fixture(autouse=True)
+def clean(vg_env, monkeypatch):
+    """Private cache, clean environment, no GPU, a fake toolchain, an empty memo."""
+    probe_mod.cache_clear()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(build, "toolchain", lambda: FAKE_TC)
+    yield vg_env
+    probe_mod.cache_clear()
+
+
+@pytest.fixture
+def fake_build(monkeypatch):
+    """Replace the ninja build with publishing a dummy module; counts the builds."""
+    calls = []
+
+    def fake_build_locked(rendered, key, tc, cache, jobs):
+        calls.append(key.uri)
+        return publish_fake(cache, rendered.config, tc)
+
+    monkeypatch.setattr(build, "_build_locked", fake_build_locked)
+    return calls
+
+
+# ----------------------------------------------------------------------------- result type
+
+
+def test_result_is_frozen_and_truthy():
+    r = ProbeResult(True, "", "vg_x", "cache", "/x.so", 0.1, {})
+    assert bool(r) and r.reason == ""
+    assert not ProbeResult(False, "nope")
+    with pytest.raises(AttributeError):
+        r.ok = False  # type: ignore[misc]
+
+
+def test_package_level_probe_stays_callable():
+    # `import variantgen.probe` rebinds the package attribute to the module; it must still work.
+    r = variantgen.probe(MM, **BASE, arch="9.0a", build=False)
+    assert isinstance(r, ProbeResult)
+    r2 = variantgen.probe(MM, **BASE, arch="9.0a", build=False)
+    assert r2 is r
+
+
+# ----------------------------------------------------------------------------- 1. spec
+
+
+def test_invalid_spec_reason_is_the_spec_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nmask: kv_pos <= qq_pos\n")
+    with pytest.raises(variantgen.SpecError) as e:
+        variantgen.load_spec(bad)
+    r = probe(bad, **BASE, arch="9.0a")
+    assert not r and r.reason == str(e.value)
+    assert f"{bad}:2:" in r.reason and "qq_pos" in r.reason
+    assert r.source == "not built" and r.uri is None
+
+
+def test_missing_spec_file(tmp_path):
+    r = probe(tmp_path / "nope.yaml", **BASE, arch="9.0a")
+    assert not r and "spec file not found" in r.reason
+
+
+def test_spec_of_wrong_type():
+    r = probe(42, **BASE, arch="9.0a")  # type: ignore[arg-type]
+    assert not r and "VariantSpec or a path" in r.reason
+
+
+# ----------------------------------------------------------------------------- 2. flashinfer
+
+
+def test_flashinfer_not_importable(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flashinfer", None)
+    r = probe(MM, **BASE, arch="9.0a")
+    assert not r
+    assert "flashinfer is not importable" in r.reason and ">= 0.7.2" in r.reason
+
+
+def test_flashinfer_too_old(monkeypatch):
+    import flashinfer
+
+    monkeypatch.setattr(flashinfer, "__version__", "0.6.1")
+    r = probe(MM, **BASE, arch="9.0a")
+    assert not r
+    assert "flashinfer 0.6.1 is too old" in r.reason and ">= 0.7.2" in r.reason
+
+
+def test_flashinfer_without_sources(monkeypatch, tmp_path):
+    from flashinfer.jit import env as fi_env
+
+    monkeypatch.setattr(fi_env, "FLASHINFER_CSRC_DIR", tmp_path)
+    r = probe(MM, **BASE, arch="9.0a")
+    assert not r and "batch_prefill_paged.cu" in r.reason and ">= 0.7.2" in r.reason
+
+
+def test_flashinfer_without_prefill_plan(monkeypatch, tmp_path):
+    from flashinfer.jit import env as fi_env
+
+    (tmp_path / "flashinfer" / "attention").mkdir(parents=True)
+    (tmp_path / "flashinfer" / "attention" / "scheduler.cuh").write_text("// old scheduler\n")
+    monkeypatch.setattr(fi_env, "FLASHINFER_INCLUDE_DIR", tmp_path)
+    r = probe(MM, **BASE, arch="9.0a")
+    assert not r and "PrefillPlan" in r.reason
+
+
+def test_version_comparison():
+    assert probe_mod._version_at_least("0.7.2.post1", "0.7.2")
+    assert probe_mod._version_at_least("0.8.0rc1", "0.7.2")
+    assert not probe_mod._version_at_least("0.7.1", "0.7.2")
+    assert not probe_mod._version_at_least("garbage", "0.7.2")
+
+
+# ----------------------------------------------------------------------------- 3. combinations
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    (dict(q_dtype="fp8_e4m3"), "fp8 query is not supported by fa2"),
+    (dict(o_dtype="fp8_e4m3"), "fp8 output is not supported by fa2"),
+    (dict(head_dim_qk=96), "support equal head dims in [64, 128, 256]"),
+    (dict(head_dim_qk=128, head_dim_vo=64), "support equal head dims"),
+    (dict(backend="fa3"), "fa3 variants are not generated yet; fa2 modules run on sm90"),
+    (dict(backend="cudnn"), "backend='cudnn'"),
+    (dict(q_dtype="fp32"), "unsupported dtype"),
+    (dict(head_dim_qk="128"), "expected a whole number"),
+    (dict(page_size=0), "page_size=0: expected a positive whole number"),
+    (dict(page_size=-16), "page_size=-16"),
+    (dict(page_size=16.0), "page_size=16.0"),
+    (dict(page_size=True), "page_size=True"),
+    (dict(arch="7.5"), "fa2 needs sm80 or newer"),
+    (dict(arch="hopper"), "expected a compute capability"),
+])
+def test_unsupported_combinations(kwargs, expected):
+    args = dict(BASE, arch="9.0a")
+    args.update(kwargs)
+    r = probe(MM, **args)
+    assert not r and expected in r.reason
+    assert r.source == "not built"
+
+
+def test_backend_not_allowed_by_spec(tmp_path):
+    spec = tmp_path / "fa3only.yaml"
+    spec.write_text("name: fa3only\nmask: kv_pos <= q_pos\nbackends: [fa3]\n")
+    r = probe(spec, **BASE, arch="9.0a")
+    assert not r and "spec `fa3only` allows only ['fa3']" in r.reason
+
+
+def test_torch_dtypes_are_accepted(fake_build):
+    r = probe(MM, head_dim_qk=128, q_dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, arch="9.0a")
+    assert r, r.reason
+    assert "_qbf16_kvfp8_e4m3_obf16_" in r.uri
+
+
+def test_valid_page_size(fake_build):
+    assert probe(MM, **BASE, arch="9.0a", page_size=16)
+
+
+# ----------------------------------------------------------------------------- 4. device
+
+
+def _fake_gpu(monkeypatch, capability):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def test_gpu_too_old(monkeypatch):
+    _fake_gpu(monkeypatch, (7, 5))
+    r = probe(MM, **BASE)
+    assert not r and r.reason == "GPU sm75 is older than sm80, which fa2 needs"
+
+
+def test_no_device_and_no_arch():
+    r = probe(MM, **BASE)
+    assert not r
+    assert r.reason == "no CUDA device visible and no target arch given (pass arch= or set VARIANTGEN_ARCH)"
+
+
+def test_device_given_but_unusable():
+    r = probe(MM, **BASE, device="cuda:3")  # CUDA is "unavailable" here
+    assert not r and "cannot query CUDA device cuda:3" in r.reason
+
+
+@pytest.mark.parametrize("capability, arch", [((9, 0), "9.0a"), ((8, 6), "8.6"), ((8, 0), "8.0"), ((10, 0), "10.0")])
+def test_arch_from_device(monkeypatch, clean, capability, arch):
+    _fake_gpu(monkeypatch, capability)
+    clean.set(VARIANTGEN_DISABLE_JIT="1")
+    r = probe(MM, **BASE)
+    assert not r and f"--arch {arch} " in r.reason
+    assert r.details["arch"] == arch
+
+
+def test_arch_from_environment(clean):
+    clean.set(VARIANTGEN_ARCH="sm_80", VARIANTGEN_DISABLE_JIT="1")
+    r = probe(MM, **BASE)
+    assert not r and "--arch 8.0 " in r.reason and "_sm80_" in r.uri
+
+
+def test_explicit_arch_works_without_gpu(fake_build):
+    r = probe(MM, **BASE, arch="90a")
+    assert r, r.reason
+    assert r.source == "built" and r.details["loaded"] is False and "_sm90a_" in r.uri
+
+
+# ----------------------------------------------------------------------------- 5. JIT disabled
+
+
+def _expected_uri(cfg: ModuleConfig) -> str:
+    return build.module_key(render_module(cfg), FAKE_TC).uri
+
+
+@pytest.mark.parametrize("variable", ["VARIANTGEN_DISABLE_JIT", "FLASHINFER_DISABLE_JIT"])
+def test_jit_disabled_reason_has_the_exact_precompile_command(clean, variable):
+    clean.set(**{variable: "1"})
+    cache_dir = clean.cache_dir
+    r = probe(MM, **BASE, arch="9.0a")
+    uri = _expected_uri(mm_config())
+    assert not r
+    assert r.reason == (
+        f"JIT disabled by {variable} and module {uri} is not precompiled in {cache_dir}; run: "
+        f"variantgen precompile {MM} --head-dim 128 --dtype bf16 --kv-dtype bf16 --arch 9.0a "
+        f"--cache-dir {cache_dir}")
+    assert r.uri == uri
+
+
+def test_build_false_reason_and_command_with_other_dtypes(tmp_path):
+    r = probe(MM, head_dim_qk=256, q_dtype="fp16", kv_dtype="fp8_e5m2", arch="8.0", build=False,
+              cache_dir=tmp_path / "c")
+    assert not r
+    assert r.reason.startswith("building disabled (build=False) and module vg_mm_prefix_fa2_prefill_qfp16_kvfp8_e5m2")
+    assert r.reason.endswith(f"run: variantgen precompile {MM} --head-dim 256 --dtype fp16 --kv-dtype fp8_e5m2 "
+                             f"--arch 8.0 --cache-dir {tmp_path / 'c'}")
+
+
+def test_jit_disabled_reason_quotes_paths(clean, tmp_path):
+    clean.set(VARIANTGEN_DISABLE_JIT="1")
+    odd = tmp_path / "my specs"
+    odd.mkdir()
+    shutil.copy(CAUSAL, odd / "causal.yaml")
+    r = probe(odd / "causal.yaml", **BASE, arch="9.0a", cache_dir=tmp_path / "a cache")
+    assert f"precompile '{odd / 'causal.yaml'}' " in r.reason
+    assert r.reason.endswith(f"--cache-dir '{tmp_path / 'a cache'}'")
+
+
+def test_jit_disabled_without_toolchain_finds_precompiled_module(clean, monkeypatch):
+    entry = publish_fake(Cache(clean.cache_dir), mm_config())  # built on a "build box"
+    clean.set(VARIANTGEN_DISABLE_JIT="1")
+
+    def no_nvcc():
+        raise build.ToolchainError("nvcc not found")
+
+    monkeypatch.setattr(build, "toolchain", no_nvcc)
+    r = probe(MM, **BASE, arch="9.0a")
+    assert r, r.reason
+    assert r.source == "cache" and r.uri == entry.uri and r.module_path == str(entry.module_path)
+
+
+# ----------------------------------------------------------------------------- 6. toolchain
+
+
+def test_nvcc_not_found_lists_the_paths_tried(clean, monkeypatch, tmp_path):
+    monkeypatch.setattr(build, "toolchain", REAL_TOOLCHAIN)  # the real discovery this time
+    clean.set(CUDA_HOME=tmp_path / "no-cuda")
+    build.toolchain.cache_clear()
+    try:
+        r = probe(MM, **BASE, arch="9.0a")
+    finally:
+        build.toolchain.cache_clear()
+    assert not r
+    assert "nvcc not found" in r.reason and str(tmp_path / "no-cuda" / "bin" / "nvcc") in r.reason
+    assert "CUDA_HOME" in r.reason
+
+
+def test_nvcc_missing_but_module_built_elsewhere_gets_a_hint(clean, monkeypatch):
+    publish_fake(Cache(clean.cache_dir), mm_config(), toolchain_parts=(("nvcc", "V12.8.93"), ("cxx", "other")))
+
+    def no_nvcc():
+        raise build.ToolchainError("nvcc not found (looked in CUDA_HOME: tried /x/bin/nvcc)")
+
+    monkeypatch.setattr(build, "toolchain", no_nvcc)
+    r = probe(MM, **BASE, arch="9.0a")
+    assert not r and r.reason.startswith("nvcc not found") and "VARIANTGEN_DISABLE_JIT=1" in r.reason
+
+
+# ----------------------------------------------------------------------------- 7. cache not writable
+
+
+def _read_only(monkeypatch):
+    def writable(self):
+        return False, f"cache directory {self.root} is not writable (Permission denied)"
+
+    monkeypatch.setattr(Cache, "writable", writable)
+
+
+def test_cache_not_writable(monkeypatch, clean, fake_build):
+    _read_only(monkeypatch)
+    r = probe(MM, **BASE, arch="9.0a")
+    assert not r and r.reason.startswith(f"cache directory {clean.cache_dir} is not writable")
+    assert fake_build == []
+
+
+def test_read_only_cache_with_the_module_succeeds(monkeypatch, clean, fake_build):
+    entry = publish_fake(Cache(clean.cache_dir), mm_config())
+    _read_only(monkeypatch)
+    r = probe(MM, **BASE, arch="9.0a")
+    assert r, r.reason
+    assert r.source == "cache" and r.uri == entry.uri and r.details["loaded"] is False
+    assert fake_build == []
+
+
+# ----------------------------------------------------------------------------- 8. build failure
+
+
+def test_build_failure_names_first_error_and_log(monkeypatch, tmp_path):
+    log_path = tmp_path / "build.log"
+
+    def failing(rendered, key, tc, cache, jobs):
+        raise BuildError(f"building module {key.uri} failed (ninja exit 1 after 3.0s)", log_path=str(log_path),
+                         output="[1/13] nvcc binding.cu\nvariant.cuh(57): error: identifier \"qq\" is undefined\n"
+                                "1 error detected\n")
+
+    monkeypatch.setattr(build, "_build_locked", failing)
+    r = probe(MM, **BASE, arch="9.0a")
+    assert not r
+    assert 'variant.cuh(57): error: identifier "qq" is undefined' in r.reason
+    assert str(log_path) in r.reason
+    assert r.details["log_path"] == str(log_path) and r.uri and r.uri in r.reason
+
+
+# ----------------------------------------------------------------------------- 9. success
+
+
+def test_success_builds_then_finds_in_cache(fake_build):
+    r = probe(MM, **BASE, arch="9.0a")
+    assert r and r.source == "built" and r.reason == ""
+    assert Path(r.module_path).is_file() and r.details["loaded"] is False
+    probe_mod.cache_clear()
+    r2 = probe(MM, **BASE, arch="9.0a")
+    assert r2 and r2.source == "cache" and r2.uri == r.uri
+    assert len(fake_build) == 1
+
+
+def test_success_on_a_gpu_loads_the_module(monkeypatch, fake_build):
+    _fake_gpu(monkeypatch, (9, 0))
+    loaded = []
+    monkeypatch.setattr(build, "load_module", lambda entry: loaded.append(entry.uri) or object())
+    r = probe(MM, **BASE)
+    assert r, r.reason
+    assert r.details["loaded"] is True and loaded == [r.uri] and "_sm90a_" in r.uri
+
+
+def test_load_failure_is_a_reason(monkeypatch, fake_build):
+    _fake_gpu(monkeypatch, (9, 0))
+
+    def bad_load(entry):
+        raise RuntimeError("undefined symbol: foo")
+
+    monkeypatch.setattr(build, "load_module", bad_load)
+    r = probe(MM, **BASE)
+    assert not r and "failed to load" in r.reason and "undefined symbol: foo" in r.reason
+
+
+def test_explicit_arch_differing_from_the_gpu_is_not_loaded(monkeypatch, fake_build):
+    _fake_gpu(monkeypatch, (9, 0))
+    monkeypatch.setattr(build, "load_module", lambda entry: pytest.fail("must not load an sm80 module on sm90a"))
+    r = probe(MM, **BASE, arch="8.0")
+    assert r and r.details["loaded"] is False and "not loaded" in r.details["note"]
+
+
+def test_spec_object_is_accepted(fake_build):
+    spec = variantgen.load_spec(CAUSAL)
+    r = probe(spec, **BASE, arch="9.0a")
+    assert r and r.uri.startswith("vg_causal_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a_")
+
+
+# ----------------------------------------------------------------------------- never raises
+
+
+def test_unexpected_exception_becomes_internal_error(monkeypatch):
+    def boom(config):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(probe_mod.render, "render_module", boom)
+    r = probe(MM, **BASE, arch="9.0a")
+    assert not r and r.reason == "internal error: RuntimeError: boom"
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(head_dim_qk=None, q_dtype="bf16", kv_dtype="bf16"),
+    dict(head_dim_qk=128, q_dtype=object(), kv_dtype="bf16"),
+    dict(head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", cache_dir=123),
+    dict(head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", device=object()),
+    dict(head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", backend=["fa2"]),
+])
+def test_never_raises_on_garbage(kwargs):
+    r = probe(MM, **kwargs, arch="9.0a")
+    assert isinstance(r, ProbeResult) and isinstance(r.reason, str)
+
+
+def test_bad_environment_is_a_reason(monkeypatch):
+    from variantgen import env
+
+    monkeypatch.setenv("VARIANTGEN_BUILD_JOBS", "lots")
+    env.settings.cache_clear()  # settings() now raises ValueError; probe must not
+    r = probe(MM, **BASE, arch="9.0a")
+    assert not r and "VARIANTGEN_BUILD_JOBS" in r.reason
+
+
+# ----------------------------------------------------------------------------- memoization
+
+
+def test_results_are_memoized_per_argument_combination(fake_build, monkeypatch):
+    calls = []
+    real = build.build_module
+    monkeypatch.setattr(build, "build_module", lambda *a, **k: calls.append(1) or real(*a, **k))
+    r1 = probe(MM, **BASE, arch="9.0a")
+    r2 = probe(MM, **BASE, arch="9.0a")
+    assert r1 is r2 and len(calls) == 1
+    r3 = probe(MM, **BASE, arch="8.0")
+    assert r3 is not r1 and len(calls) == 2
+    r4 = probe(MM, head_dim_qk=128, q_dtype=torch.bfloat16, kv_dtype="bfloat16", arch="9.0a")
+    assert r4.uri == r1.uri and len(calls) == 3  # other spelling: another combination, same module
+    probe_mod.cache_clear()
+    probe(MM, **BASE, arch="9.0a")
+    assert len(calls) == 4
+
+
+def test_negative_results_are_memoized():
+    r1 = probe(MM, **BASE)
+    assert probe(MM, **BASE) is r1
+
+
+def test_environment_change_is_a_new_combination(clean, fake_build):
+    clean.set(VARIANTGEN_DISABLE_JIT="1")
+    assert not probe(MM, **BASE, arch="9.0a")
+    clean.set(VARIANTGEN_DISABLE_JIT=None)
+    assert probe(MM, **BASE, arch="9.0a")
+
+
+def test_lock_timeout_is_not_memoized(monkeypatch, fake_build):
+    real = build.build_module
+    attempts = []
+
+    def flaky(config, cache, **kwargs):
+        attempts.append(1)
+        if len(attempts) == 1:
+            raise CacheError("timed out after 1800s waiting for another build of vg_x (lock /c/.locks/vg_x.lock)")
+        return real(config, cache, **kwargs)
+
+    monkeypatch.setattr(build, "build_module", flaky)
+    r1 = probe(MM, **BASE, arch="9.0a")
+    assert not r1 and "timed out" in r1.reason
+    r2 = probe(MM, **BASE, arch="9.0a")
+    assert r2, r2.reason
+    assert len(attempts) == 2
+
+
+def test_edited_spec_file_is_a_new_combination(tmp_path, fake_build):
+    spec = tmp_path / "s.yaml"
+    spec.write_text("name: s\nmask: kv_pos <= q_pos\n")
+    assert probe(spec, **BASE, arch="9.0a")
+    spec.write_text("name: s\nmask: kv_pos <= qq_pos   # broken\n")
+    assert not probe(spec, **BASE, arch="9.0a")
+
+
+# ----------------------------------------------------------------------------- relocatable
+
+
+def test_precompiled_cache_is_relocatable(clean, tmp_path, monkeypatch):
+    """A cache built on a build box (other toolchain, other path), copied to a server with JIT
+    disabled and no nvcc, is found by its inputs."""
+    box = Cache(tmp_path / "build-box-cache")
+    cfg = mm_config()
+    entry = publish_fake(box, cfg, toolchain_parts=(("nvcc", "V12.8.93"), ("cxx", "g++ 11.4.0")))
+    assert entry.manifest["inputs_digest"] == build.module_key(render_module(cfg), None).inputs_digest
+    served = tmp_path / "served" / "cache"
+    shutil.copytree(box.root, served)
+    shutil.rmtree(box.root)
+
+    def no_nvcc():
+        raise build.ToolchainError("nvcc not found")
+
+    monkeypatch.setattr(build, "toolchain", no_nvcc)
+    clean.set(VARIANTGEN_DISABLE_JIT="1")
+    r = probe(MM, **BASE, arch="9.0a", cache_dir=served)
+    assert r, r.reason
+    assert r.source == "cache" and r.uri == entry.uri
+    assert Path(r.module_path) == served / entry.uri / f"{entry.uri}.so"
+
+    # With a local nvcc (another version) and JIT disabled, the same entry is still used.
+    probe_mod.cache_clear()
+    monkeypatch.setattr(build, "toolchain", lambda: FAKE_TC)
+    r2 = probe(MM, **BASE, arch="9.0a", cache_dir=served)
+    assert r2 and r2.uri == entry.uri and r2.source == "cache"

@@ -1,0 +1,370 @@
+"""Rendering FA2 module sources: hooks, sanitising, argument order, config validation."""
+
+from __future__ import annotations
+
+import re
+
+import jinja2
+import pytest
+from conftest import SPEC_FILES, SPECS_DIR
+
+import variantgen
+from variantgen import codegen, render
+from variantgen.render import ModuleConfig, canonical_arch, canonical_dtype, kernel_args, render_module
+
+
+def config(spec, **overrides) -> ModuleConfig:
+    kw = dict(head_dim_qk=128, head_dim_vo=128, q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16", arch="9.0a")
+    kw.update(overrides)
+    return ModuleConfig(spec, **kw)
+
+
+def shipped(name: str):
+    return variantgen.load_spec(SPECS_DIR / f"{name}.yaml")
+
+
+def all_text(module) -> str:
+    return "\n".join(module.files.values())
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(vg_env):
+    """Every render test reads the checkout's templates and a private cache dir."""
+
+
+# ----------------------------------------------------------------------------- hooks
+
+
+@pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.stem)
+def test_every_shipped_spec_renders(path):
+    spec = variantgen.load_spec(path)
+    module = render_module(config(spec))
+    variant = module.files["variant.cuh"]
+    assert "REGISTER_LOGITS_MASK" in variant
+    assert ("REGISTER_LOGITS_TRANSFORM" in variant) == (spec.logits is not None)
+    assert "window_left =" in variant
+    assert codegen.emit_mask(spec).code in variant
+    if spec.logits is not None:
+        assert codegen.emit_logits(spec).code in variant
+    assert f"struct {render.struct_name(spec)}" in variant
+    # one kernel unit per mask mode and CTA tile, plus the binding
+    assert module.compile_units[0] == "binding.cu"
+    assert len(module.compile_units) == 1 + 3 * len(render.FA2_CTA_TILES_Q)
+    assert set(module.compile_units) <= set(module.files)
+    assert {"variant.cuh", "batch_prefill_config.inc"} <= set(module.files)
+    assert "{{" not in all_text(module) and "{%" not in all_text(module)
+    assert len(module.source_digest()) == 64 and len(module.template_digest) == 64
+
+
+def test_query_clamp_guards_padding_lanes():
+    variant = render_module(config(shipped("causal"))).files["variant.cuh"]
+    assert "qo_idx < qo_len ? qo_idx : qo_len - 1" in variant
+    assert "const int32_t q_pos = q_pos_base + q_local;" in variant
+    assert "const int32_t kv_pos = kv_pos_base + kv_local;" in variant
+
+
+def test_transform_only_with_logits():
+    assert "REGISTER_LOGITS_TRANSFORM" not in render_module(config(shipped("sliding_window"))).files["variant.cuh"]
+    softcap = render_module(config(shipped("softcap"))).files["variant.cuh"]
+    assert "REGISTER_LOGITS_TRANSFORM" in softcap
+    assert "vg_tanh(" in softcap and "arg_soft_cap" in softcap
+
+
+def test_locals_only_for_used_builtins():
+    causal = render_module(config(shipped("causal"))).files["variant.cuh"]
+    assert "const int32_t q_row =" not in causal and "const int32_t kv_row =" not in causal
+    document = render_module(config(shipped("document"))).files["variant.cuh"]
+    assert "const int32_t kv_row = kv_row_base + kv_pos;" in document
+    assert "const int32_t q_kv_row = kv_row_base + q_pos;" in document
+
+
+def test_mask_modes_and_dtypes(spec_from):
+    spec = spec_from("name: x\nmask: kv_pos <= q_pos\n")
+    module = render_module(config(spec, kv_dtype="fp8_e4m3", o_dtype="fp16", mask_modes=("custom",),
+                                  head_dim_qk=64, head_dim_vo=64))
+    assert module.compile_units == ("binding.cu", "paged_kernel_custom_cta16.cu", "paged_kernel_custom_cta64.cu",
+                                    "paged_kernel_custom_cta128.cu")
+    inc = module.files["batch_prefill_config.inc"]
+    assert "using DTypeKV = __nv_fp8_e4m3;" in inc and "using DTypeO = half;" in inc
+    assert "using DTypeQ = nv_bfloat16;" in inc
+    assert "constexpr int HEAD_DIM_QK = 64;" in inc
+    assert "MaskMode::kCustom" in inc and "MaskMode::kCausal" not in inc
+
+
+def test_rendering_is_deterministic():
+    a = render_module(config(shipped("mm_prefix")))
+    b = render_module(config(shipped("mm_prefix")))
+    assert a.files == b.files and a.source_digest() == b.source_digest()
+    c = render_module(config(shipped("mm_prefix"), head_dim_qk=256, head_dim_vo=256))
+    assert c.source_digest() != a.source_digest()
+
+
+def test_uri_prefix_and_struct_name():
+    cfg = config(shipped("mm_prefix"), kv_dtype="fp8_e5m2", arch="sm_100a")
+    assert cfg.uri_prefix == "vg_mm_prefix_fa2_prefill_qbf16_kvfp8_e5m2_obf16_hd128x128_sm100a"
+    assert cfg.arch_tag == "100a"
+    assert render.struct_name(cfg.spec) == "VG_MmPrefix"
+    assert cfg.describe()["arch"] == "10.0a"
+
+
+# ----------------------------------------------------------------------------- argument order
+
+
+def test_kernel_argument_order(spec_from):
+    spec = spec_from(
+        """
+        name: order
+        tensors:
+          zeta: {dtype: float32, shape: [num_qo_heads]}
+          alpha: {dtype: int32, shape: [total_kv]}
+        scalars:
+          win: {dtype: int, default: 4}
+          cap: {dtype: float, default: 1.0}
+          on_off: {dtype: bool, default: true}
+        mask: "kv_pos <= q_pos and alpha[kv_pos] >= 0 and (on_off or win > 0)"
+        logits: logits * cap + zeta[qo_head]
+        """
+    )
+    module = render_module(config(spec))
+    assert [(a.name, a.cpp_type) for a in module.tensor_args] == [
+        ("zeta", "float"), ("alpha", "int32_t"), ("vg_meta", "int32_t")]
+    assert [(a.name, a.cpp_type) for a in module.scalar_args] == [
+        ("win", "int64_t"), ("cap", "double"), ("on_off", "bool"), ("sm_scale", "double"), ("v_scale", "double"),
+        ("vg_rows_alpha", "int64_t")]  # alpha[kv_pos] is not provably in range: clamped at run time
+    assert module.clamped_tensors == ("alpha",)
+    inc = module.files["batch_prefill_config.inc"]
+    params = re.search(r"#define ADDITIONAL_FUNC_PARAMS (.*)", inc).group(1)
+    assert params == (", ffi::Tensor zeta, ffi::Tensor alpha, ffi::Tensor vg_meta, int64_t win, double cap, "
+                      "bool on_off, double sm_scale, double v_scale, int64_t vg_rows_alpha")
+    variant = module.files["variant.cuh"]
+    assert "vg_clamp(kv_pos, int32_t(params.vg_rows_alpha))" in variant
+    assert "params.zeta[qo_head]" in variant  # in range by construction: no clamp
+
+
+def test_no_v_scale_without_qkv_scales(spec_from):
+    spec = spec_from("name: x\nmask: kv_pos <= q_pos\nscales: {qkv_scales: false}\n")
+    tensors, scalars = kernel_args(spec)
+    assert [a.name for a in tensors] == ["vg_meta"]
+    assert [a.name for a in scalars] == ["sm_scale"]
+
+
+def test_kernel_args_of_shipped_specs():
+    tensors, scalars = kernel_args(shipped("mm_prefix"))
+    assert [a.name for a in tensors] == ["ranges", "vg_meta"]
+    assert [a.name for a in scalars] == ["causal_window_left", "range_window_left", "sm_scale", "v_scale"]
+
+
+# ----------------------------------------------------------------------------- codegen
+
+
+def test_codegen_of_constants_and_operators(spec_from):
+    spec = spec_from(
+        "name: x\nscalars:\n  d: {dtype: int, default: 3}\n"
+        "mask: 'kv_pos // d == q_pos % d and -5 < kv_pos and not (kv_pos / 2 > 1.5e-07) and abs(-kv_pos) >= 0'\n"
+    )
+    code = codegen.emit_mask(spec).code
+    assert "vg_floordiv(kv_pos, arg_d)" in code and "vg_mod(q_pos, arg_d)" in code
+    assert "int32_t(-5LL)" in code
+    assert "vg_div(float(kv_pos), float(int32_t(2)))" in code
+    assert "1.5e-07f" in code and "(!" in code and "vg_abs((-kv_pos))" in code
+    assert codegen.emit_mask(spec).builtins == {"kv_pos", "q_pos"}
+
+
+def test_codegen_index_flattening(spec_from):
+    spec = spec_from("name: x\ntensors:\n  r: {dtype: int32, shape: [total_q, 2]}\nmask: r[q_row, 1] <= kv_pos\n")
+    snippet = codegen.emit_mask(spec)
+    assert snippet.code == "(params.r[(q_row) * int32_t(2) + int32_t(1)] <= kv_pos)"
+    assert snippet.clamped_tensors == frozenset()
+    spec = spec_from("name: x\ntensors:\n  r: {dtype: int32, shape: [total_q, 2]}\nmask: r[q_row, q_idx] <= kv_pos\n")
+    assert "vg_clamp(q_local, int32_t(2))" in codegen.emit_mask(spec).code
+
+
+# ----------------------------------------------------------------------------- sanitising
+
+
+EVIL_TEXTS = ["*/ #include <evil.h> /*", "line one\n#error injected\nline three", "\\", "??/", "\u202e rtl"]
+
+
+def test_description_and_docs_never_reach_the_sources(spec_from):
+    spec = spec_from(
+        """
+        name: evil
+        description: "MARK_DESC */ #include <evil.h> /*\\n#error MARK_DESC_LINE\\n"
+        tensors:
+          ids: {dtype: int32, shape: [total_kv], doc: "MARK_TDOC */ asm(\\"MARK_ASM\\");"}
+        scalars:
+          w: {dtype: int, default: 1, doc: "MARK_SDOC\\n#define x"}
+        mask: kv_pos <= q_pos and ids[kv_row] >= w  # MARK_COMMENT
+        """
+    )
+    text = all_text(render_module(config(spec)))
+    for marker in ("MARK_DESC", "MARK_DESC_LINE", "MARK_TDOC", "MARK_SDOC", "MARK_COMMENT", "evil.h", "MARK_ASM",
+                   "#error", "#define x"):
+        assert marker not in text, marker
+
+
+@pytest.mark.parametrize("how", ["file", "path"])
+def test_spec_file_name_cannot_break_out_of_its_comment(spec_text, how):
+    text = "name: x\nmask: kv_pos <= q_pos\n"
+    if how == "file":  # a file name can hold anything but '/' and NUL
+        spec = variantgen.load_spec(spec_text(text, name="a *\\ b\n#error BROKEN\\\n.yaml"))
+    else:
+        spec = variantgen.parse_spec(text, "dir/a *\r\n#error BROKEN /* x \\")
+    variant = render_module(config(spec)).files["variant.cuh"]
+    source_lines = [line for line in variant.splitlines() if "Source:" in line]
+    assert len(source_lines) == 1 and source_lines[0].startswith("// Source: ")
+    assert "*/" not in source_lines[0] and "\\" not in source_lines[0]
+    assert not any(line.lstrip().startswith("#error") for line in variant.splitlines())
+
+
+def test_expression_comments_come_from_the_tree(spec_from):
+    spec = spec_from("name: x\nmask: kv_pos <= q_pos   # MARK_TRAILING\n")
+    variant = render_module(config(spec)).files["variant.cuh"]
+    assert "MARK_TRAILING" not in variant
+    assert "// mask:   (kv_pos <= q_pos)" in variant
+
+
+@pytest.mark.parametrize("text", EVIL_TEXTS)
+def test_comment_text_is_one_safe_line(text):
+    out = codegen.comment_text(text)
+    assert "\n" not in out and "\r" not in out
+    assert "*/" not in out and "/*" not in out and "\\" not in out
+    assert all(32 <= ord(ch) < 127 for ch in out)
+
+
+def test_comment_text_truncates():
+    out = codegen.comment_text("x" * 1000)
+    assert out == "x" * 300 + " ..."
+
+
+def test_spec_names_reach_cpp_only_as_checked_identifiers(spec_from):
+    spec = spec_from("name: a_b9\ntensors:\n  t_1: {dtype: int32, shape: [batch]}\nmask: t_1[request] > 0\n")
+    module = render_module(config(spec))
+    idents = set(re.findall(r"params\.([A-Za-z_][A-Za-z0-9_]*)", all_text(module)))
+    assert "t_1" in idents
+    assert render.struct_name(spec) == "VG_AB9"
+
+
+# ----------------------------------------------------------------------------- templates
+
+
+def test_strict_undefined_raises():
+    env = render.environment()
+    assert env.undefined is jinja2.StrictUndefined
+    with pytest.raises(jinja2.UndefinedError):
+        env.from_string("x = {{ not_defined }};").render()
+    with pytest.raises(jinja2.UndefinedError):
+        env.get_template("fa2/variant.cuh.jinja").render({"vg_version": "0"})
+
+
+def test_missing_context_variable_raises(monkeypatch):
+    real = render.environment
+
+    class Shim:
+        def __init__(self, env):
+            self.env = env
+
+        def get_template(self, name):
+            template = self.env.get_template(name)
+
+            class Wrapped:
+                def render(self, ctx, **kw):
+                    ctx = {k: v for k, v in ctx.items() if k != "struct_name"}
+                    return template.render(ctx, **kw)
+
+            return Wrapped()
+
+    monkeypatch.setattr(render, "environment", lambda: Shim(real()))
+    with pytest.raises(jinja2.UndefinedError, match="struct_name"):
+        render_module(config(shipped("causal")))
+
+
+def test_template_files_listed():
+    names = [p.name for p in render.template_files()]
+    assert "variant.cuh.jinja" in names and names == sorted(names)
+
+
+# ----------------------------------------------------------------------------- config validation
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"q_dtype": "fp8_e4m3"}, "q_dtype=fp8_e4m3: fp8 query is not supported by fa2 (its tensor-core path needs "
+                                  "16-bit queries); use bf16 or fp16 queries with an fp8 KV cache"),
+        ({"o_dtype": "fp8_e5m2"}, "o_dtype=fp8_e5m2: fp8 output is not supported by fa2"),
+        ({"head_dim_qk": 96, "head_dim_vo": 96}, "head_dim_qk=96, head_dim_vo=96: fa2 variant modules support equal "
+                                                 "head dims in [64, 128, 256]"),
+        ({"head_dim_vo": 64}, "head_dim_qk=128, head_dim_vo=64: fa2 variant modules support equal head dims in "
+                              "[64, 128, 256]"),
+        ({"arch": "7.5"}, "arch=7.5: fa2 needs sm80 or newer"),
+        ({"arch": "hopper"}, "arch='hopper': expected a compute capability such as 8.0, 9.0a or 10.0a"),
+        ({"kv_dtype": "float32"}, "kv_dtype='float32': expected one of ['bf16', 'fp16', 'fp8_e4m3', 'fp8_e5m2']"),
+        ({"mask_modes": ()}, "mask_modes=(): expected a non-empty subset of ['none', 'causal', 'custom']"),
+        ({"mask_modes": ("causal", "sliding")}, "mask_modes=('causal', 'sliding'): expected a non-empty subset of "
+                                                "['none', 'causal', 'custom']"),
+        ({"backend": "fa3"}, "backend='fa3': only 'fa2' modules are generated; sm90 runs fa2 modules "
+                             "(see README: backends)"),
+    ],
+)
+def test_module_config_validation(overrides, message):
+    with pytest.raises(ValueError) as info:
+        config(shipped("causal"), **overrides)
+    assert str(info.value) == message
+
+
+def test_backend_not_allowed_by_spec(spec_from):
+    spec = spec_from("name: x\nmask: kv_pos <= q_pos\nbackends: [fa3]\n")
+    with pytest.raises(ValueError, match=re.escape("backend='fa2': spec `x` allows only ['fa3']")):
+        config(spec)
+
+
+def test_problems_lists_everything():
+    cfg = config(shipped("causal"))
+    object.__setattr__(cfg, "q_dtype", "fp8_e4m3")
+    object.__setattr__(cfg, "arch", "7.0")
+    problems = cfg.problems()
+    assert len(problems) == 2 and problems[0].startswith("q_dtype=fp8_e4m3") and problems[1] == (
+        "arch=7.0: fa2 needs sm80 or newer")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("9.0a", "9.0a"), ("90a", "9.0a"), ("sm_90a", "9.0a"), ("sm90a", "9.0a"), ("SM_90A", "9.0a"),
+        ("compute_90a", "9.0a"), ("8.0", "8.0"), ("80", "8.0"), ("sm_86", "8.6"), ("10.0a", "10.0a"),
+        ("100a", "10.0a"), ("sm_120f", "12.0f"), (" 8.9 ", "8.9"), ("09.0", "9.0"),
+    ],
+)
+def test_canonical_arch(value, expected):
+    assert canonical_arch(value) == expected
+
+
+@pytest.mark.parametrize("value", ["", "9", "sm_9", "9.x", "x.0", "9.0.1", "hopper", "9.0b", "a"])
+def test_canonical_arch_rejects(value):
+    with pytest.raises(ValueError, match=re.escape(f"arch={value!r}: expected a compute capability")):
+        canonical_arch(value)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("bf16", "bf16"), ("bfloat16", "bf16"), ("torch.bfloat16", "bf16"), ("BF16", "bf16"),
+        ("half", "fp16"), ("float16", "fp16"), ("fp8", "fp8_e4m3"), ("float8_e4m3fn", "fp8_e4m3"),
+        ("e5m2", "fp8_e5m2"), ("torch.float8_e5m2", "fp8_e5m2"),
+    ],
+)
+def test_canonical_dtype(value, expected):
+    assert canonical_dtype(value, "q_dtype") == expected
+
+
+def test_canonical_dtype_of_torch_dtypes():
+    import torch
+
+    assert canonical_dtype(torch.bfloat16, "q") == "bf16"
+    assert canonical_dtype(torch.float16, "q") == "fp16"
+    assert canonical_dtype(torch.float8_e4m3fn, "kv") == "fp8_e4m3"
+    with pytest.raises(ValueError) as info:
+        canonical_dtype(torch.float32, "kv_dtype")
+    assert str(info.value) == ("kv_dtype=torch.float32: unsupported dtype; expected one of "
+                               "['bf16', 'fp16', 'fp8_e4m3', 'fp8_e5m2']")

@@ -1,0 +1,655 @@
+"""Spec files: every shipped spec loads; bad specs fail with exact, located messages."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+from conftest import SPEC_FILES, SPECS_DIR
+
+import variantgen
+from variantgen import expr
+from variantgen import spec as spec_mod
+from variantgen.errors import SpecError, SpecErrors
+from variantgen.expr import Type
+
+CAUSAL = "name: x\nmask: kv_pos <= q_pos\n"
+
+
+def fails(text: str, path: str = "spec.yaml") -> SpecError:
+    with pytest.raises(SpecError) as info:
+        variantgen.parse_spec(text, path)
+    return info.value
+
+
+def all_errors(err: SpecError) -> list[SpecError]:
+    return err.errors if isinstance(err, SpecErrors) else [err]
+
+
+def one(text: str) -> SpecError:
+    err = fails(text)
+    errors = all_errors(err)
+    assert len(errors) == 1, [str(e) for e in errors]
+    return errors[0]
+
+
+# ----------------------------------------------------------------------------- shipped specs
+
+
+def test_specs_are_shipped():
+    assert {p.stem for p in SPEC_FILES} >= {
+        "alibi", "attention_sink", "causal", "chunked_local", "document", "mm_prefix", "prefix_lm",
+        "sliding_window", "softcap",
+    }
+
+
+@pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.stem)
+def test_every_shipped_spec_loads(path):
+    spec = variantgen.load_spec(path)
+    assert spec.name == path.stem
+    assert spec.path == str(path)
+    assert spec.mask.ty is Type.BOOL
+    assert spec.description and spec.description == spec.description.strip()
+    assert spec.backends == ("fa2",)
+    if spec.logits is not None:
+        assert spec.logits.ty in (Type.FLOAT, Type.INT)
+        assert "logits" in expr.names_used(spec.logits)
+    # the canonical form is stable and re-parses to the same tree
+    assert expr.parse(spec.canonical()["mask"]) == spec.mask
+    assert len(spec.digest) == 64 and spec.digest == variantgen.load_spec(path).digest
+    for name in spec.tensor_names + spec.scalar_names:
+        assert spec_mod.ARG_RE.match(name)
+
+
+def test_shipped_spec_details():
+    mm = variantgen.load_spec(SPECS_DIR / "mm_prefix.yaml")
+    assert mm.tensor_names == ("ranges",)
+    assert mm.tensors[0].shape == ("total_q", 2) and mm.tensors[0].dtype == "int32"
+    assert mm.scalar_names == ("causal_window_left", "range_window_left")
+    assert [s.default for s in mm.scalars] == [-1, -1]
+    softcap = variantgen.load_spec(SPECS_DIR / "softcap.yaml")
+    assert softcap.scalars[0].default == 50.0 and isinstance(softcap.scalars[0].default, float)
+    assert expr.to_source(softcap.logits) == "(soft_cap * tanh((logits / soft_cap)))"
+    assert softcap.uses("soft_cap") and softcap.uses("logits") and not softcap.uses("q_idx")
+
+
+def test_digest_ignores_description_and_comments_but_not_the_mask(spec_from):
+    a = spec_from("# one\nname: x\ndescription: first\nmask: kv_pos <= q_pos\n")
+    b = spec_from("name: x\ndescription: second\nmask: 'kv_pos   <=   q_pos'  # two\n")
+    c = spec_from("name: x\nmask: kv_pos < q_pos\n")
+    assert a.digest == b.digest
+    assert a.digest != c.digest
+
+
+def test_optional_fields_and_defaults(spec_from):
+    spec = spec_from(
+        """
+        name: full
+        description: |
+          Two lines
+          of text.
+        tensors:
+          ids: {dtype: int32, shape: [total_kv], doc: "  ids  "}
+          bias: {dtype: float32, shape: [num_qo_heads, 4]}
+        scalars:
+          n: {dtype: int, default: -3}
+          g: {dtype: float, default: 2}
+          enabled: {dtype: bool, default: false}
+        mask: "ids[kv_row] == ids[q_kv_row] and (enabled or n < 0)"
+        logits: logits * g + bias[qo_head, 3]
+        scales: {sm_scale: 0.125, qkv_scales: false}
+        backends: [fa2, fa3, fa2]
+        """
+    )
+    assert spec.description == "Two lines\nof text."
+    assert spec.tensors[0].doc == "ids" and spec.tensors[0].cpp_type == "int32_t"
+    assert spec.tensors[1].cpp_type == "float" and spec.tensors[1].elem is Type.FLOAT
+    assert [(s.name, s.dtype, s.default) for s in spec.scalars] == [("n", "int", -3), ("g", "float", 2.0),
+                                                                    ("enabled", "bool", False)]
+    assert isinstance(spec.scalars[1].default, float)
+    assert spec.sm_scale == 0.125 and spec.qkv_scales is False
+    assert spec.backends == ("fa2", "fa3")
+    assert spec.logits_text == "logits * g + bias[qo_head, 3]"
+    assert set(spec.locations) == {"name", "description", "tensors", "scalars", "mask", "logits", "scales",
+                                   "backends"}
+    assert str(spec.locations["mask"]) == "spec.yaml:12:1"
+
+
+def test_sm_scale_default_and_null_logits(spec_from):
+    spec = spec_from("name: x\nmask: kv_pos <= q_pos\nlogits: null\nscales: {sm_scale: default}\n")
+    assert spec.logits is None and spec.sm_scale is None and spec.qkv_scales is True
+
+
+# ----------------------------------------------------------------------------- required / unknown fields
+
+
+def test_missing_name():
+    err = one("mask: kv_pos <= q_pos\n")
+    assert str(err.location) == "spec.yaml:1:1"
+    assert err.field == "name" and err.message == "missing required field `name`"
+
+
+def test_missing_mask():
+    err = one("name: x\n")
+    assert str(err).startswith("spec.yaml:1:1: mask: missing required field `mask` "
+                               "(a bool expression; `kv_pos <= q_pos` is causal)")
+
+
+def test_unknown_top_level_field_with_suggestion():
+    err = one(CAUSAL + "maks: kv_pos < 3\n")
+    assert str(err.location) == "spec.yaml:3:1"
+    assert err.field == "maks"
+    assert err.message == ("unknown field; expected one of: name, description, tensors, scalars, mask, logits, "
+                           "scales, backends")
+    assert err.hint == "did you mean `mask`?"
+    assert str(err).endswith("\n    maks: kv_pos < 3\n    ^\n  hint: did you mean `mask`?")
+
+
+def test_unknown_nested_fields():
+    err = one(CAUSAL + "tensors:\n  a: {dtype: int32, shape: [batch], dtyp: x}\n")
+    assert err.field == "tensors.a.dtyp" and err.hint == "did you mean `dtype`?"
+    assert err.message == "unknown field; expected dtype, shape, doc"
+    err = one(CAUSAL + "scalars:\n  a: {dtype: int, default: 1, defualt: 2}\n")
+    assert err.field == "scalars.a.defualt" and err.message == "unknown field; expected dtype, default, doc"
+    err = one(CAUSAL + "scales: {sm_scal: 1.0}\n")
+    assert err.field == "scales.sm_scal" and err.hint == "did you mean `sm_scale`?"
+
+
+def test_duplicate_top_level_key():
+    err = one("name: x\nmask: kv_pos <= q_pos\nname: y\n")
+    assert str(err.location) == "spec.yaml:3:1"
+    assert err.field == "name" and err.message == "duplicate key `name` (first at line 1)"
+
+
+def test_duplicate_nested_key():
+    err = one(CAUSAL + "scalars:\n  w: {dtype: int, default: 1}\n  w: {dtype: int, default: 2}\n")
+    assert str(err.location) == "spec.yaml:5:3"
+    assert err.field == "scalars.w" and err.message == "duplicate key `w` (first at line 4)"
+
+
+def test_non_mapping_documents():
+    err = one("- name\n- mask\n")
+    assert str(err.location) == "spec.yaml:1:1"
+    assert err.message == "expected a mapping (key: value lines), got a list"
+    assert one("just text\n").message == "expected a mapping (key: value lines), got the value 'just text'"
+
+
+def test_non_string_keys():
+    err = one(CAUSAL + "1: 2\n")
+    assert err.message == "keys must be plain names, got the value '1'"
+    assert one(CAUSAL + "? [a, b]\n: 1\n").message == "keys must be plain names, got a list"
+    assert "keys must be plain names" in one(CAUSAL + "<<: {a: 1}\n").message
+
+
+def test_empty_document_marker():
+    err = one("---\n")
+    assert str(err) == "spec.yaml:2:1: expected a mapping (key: value lines), got the value ''"
+
+
+def test_empty_spec():
+    for text in ("", "\n\n", "# just a comment\n", "# a\n\n# b\n"):
+        err = fails(text)
+        assert str(err) == "spec.yaml:1:1: spec is empty; expected a mapping with at least `name` and `mask`"
+
+
+def test_empty_file(spec_text):
+    path = spec_text("")
+    err = pytest.raises(SpecError, variantgen.load_spec, path).value
+    assert str(err) == f"{path}:1:1: spec is empty; expected a mapping with at least `name` and `mask`"
+
+
+# ----------------------------------------------------------------------------- names
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", "Causal", "1abc", "_x", "a-b", "a.b", "a" * 49, "caus al", "é"])
+def test_bad_spec_names(name):
+    err = one(f"name: {name!r}\nmask: kv_pos <= q_pos\n".replace("\\", "\\\\"))
+    assert err.field == "name"
+    assert err.message == (f"spec name {name!r} must match ^[a-z][a-z0-9_]{{0,47}}$ "
+                           "(it becomes part of module names and cache paths)")
+    assert str(err.location) == "spec.yaml:1:7"
+
+
+def test_longest_spec_name_is_fine(spec_from):
+    assert spec_from("name: " + "a" * 48 + "\nmask: kv_pos <= q_pos\n").name == "a" * 48
+
+
+def test_spec_name_with_nul():
+    err = fails('name: "a\\0b"\nmask: kv_pos <= q_pos\n')
+    assert err.message == "spec name 'a\\x00b' must match ^[a-z][a-z0-9_]{0,47}$ " \
+                          "(it becomes part of module names and cache paths)"
+    raw = fails("name: a\0b\nmask: kv_pos <= q_pos\n")
+    assert str(raw) == "spec.yaml:1: spec contains a NUL byte"
+
+
+def test_spec_name_must_be_text():
+    err = one("name: 5\nmask: kv_pos <= q_pos\n")
+    assert err.message == "expected text, got an int 5" and err.hint == "quote the value"
+    assert one("name: [a]\nmask: kv_pos <= q_pos\n").message == "expected a single value, got a list"
+    assert one("name:\nmask: kv_pos <= q_pos\n").message == "expected text, got nothing None"
+
+
+RESERVED_MSG = "`{}` is reserved (a C++ keyword or a FlashInfer kernel parameter it would shadow); choose another name"
+BUILTIN_MSG = "`{}` is a built-in name of the expression language and cannot be declared"
+PATTERN_MSG = ("argument name {!r} must match ^[a-z][a-z0-9_]{{0,31}}$ (lower case letters, digits, '_'; "
+               "at most 32 characters)")
+
+
+@pytest.mark.parametrize(
+    ("name", "template"),
+    [
+        ("params", RESERVED_MSG),
+        ("q_indptr", RESERVED_MSG),
+        ("kv_indptr", RESERVED_MSG),
+        ("sm_scale", RESERVED_MSG),
+        ("window_left", RESERVED_MSG),
+        ("int", RESERVED_MSG),
+        ("float", BUILTIN_MSG),  # a function of the language
+        ("asm", RESERVED_MSG),
+        ("return", RESERVED_MSG),
+        ("std", RESERVED_MSG),
+        ("and", RESERVED_MSG),
+        ("if", RESERVED_MSG),
+        ("kv_len", BUILTIN_MSG),
+        ("q_pos", BUILTIN_MSG),
+        ("min", BUILTIN_MSG),
+        ("logits", BUILTIN_MSG),
+        ("Abc", PATTERN_MSG),
+        ("x" * 33, PATTERN_MSG),
+        ("_x", PATTERN_MSG),
+        ("9x", PATTERN_MSG),
+    ],
+)
+@pytest.mark.parametrize("section", ["tensors", "scalars"])
+def test_reserved_and_invalid_argument_names(name, template, section):
+    decl = "{dtype: int32, shape: [batch]}" if section == "tensors" else "{dtype: int, default: 0}"
+    err = one(f"{CAUSAL}{section}:\n  {name}: {decl}\n")
+    assert err.field == f"{section}.{name}"
+    assert err.message == template.format(name)
+    assert str(err.location) == "spec.yaml:4:3"
+
+
+def test_vg_prefix_is_reserved():
+    err = one(CAUSAL + "scalars:\n  vg_x: {dtype: int, default: 0}\n")
+    assert err.message == "names starting with 'vg_' are reserved for variantgen internals: 'vg_x'"
+
+
+def test_name_declared_twice_across_sections():
+    err = one(CAUSAL + "tensors:\n  a: {dtype: int32, shape: [batch]}\nscalars:\n  a: {dtype: int, default: 1}\n")
+    assert err.field == "scalars.a" and err.message == "`a` is already declared as a tensor"
+
+
+# ----------------------------------------------------------------------------- tensors and scalars
+
+
+def test_wrong_tensor_dtype():
+    err = one(CAUSAL + "tensors:\n  a:\n    dtype: float64\n    shape: [total_q]\n")
+    assert str(err.location) == "spec.yaml:5:12"
+    assert err.field == "tensors.a.dtype"
+    assert err.message == "unsupported tensor dtype 'float64'; expected one of: int32, float32"
+    assert err.hint == "did you mean `float32`?"
+
+
+def test_wrong_scalar_dtype():
+    err = one(CAUSAL + "scalars:\n  a: {dtype: int32, default: 1}\n")
+    assert err.field == "scalars.a.dtype"
+    assert err.message == "unsupported scalar dtype 'int32'; expected one of: int, float, bool"
+    assert err.hint == "did you mean `int`?"
+
+
+def test_missing_dtype_shape_default():
+    text = CAUSAL + ("tensors:\n  a: {shape: [batch]}\n  b: {dtype: int32}\n"
+                     "scalars:\n  c: {dtype: int}\n  d: {default: 1}\n")
+    errors = all_errors(fails(text))
+    assert [(e.field, e.message) for e in errors] == [
+        ("tensors.a.dtype", "missing dtype; expected one of: int32, float32"),
+        ("tensors.b.shape", "missing shape, e.g. [total_q, 2]"),
+        ("scalars.c.default", "missing default (an int); run() uses it when the argument is omitted"),
+        ("scalars.d.dtype", "missing dtype; expected one of: int, float, bool"),
+    ]
+
+
+def test_unknown_shape_dimension():
+    err = one(CAUSAL + "tensors:\n  a:\n    dtype: int32\n    shape: [total_qq]\n")
+    assert str(err.location) == "spec.yaml:6:13"
+    assert err.field == "tensors.a.shape[0]"
+    assert err.message == ("unknown dimension 'total_qq'; expected a positive int or one of: total_q, total_kv, "
+                           "batch, num_qo_heads, num_kv_heads")
+    assert err.hint == "did you mean `total_q`?"
+
+
+def test_bad_shapes():
+    text = CAUSAL + ("tensors:\n  a: {dtype: int32, shape: [total_q, 0, 70000, true]}\n"
+                     "  b: {dtype: int32, shape: []}\n  c: {dtype: int32, shape: [1, 2, 3, 4, 5]}\n"
+                     "  d: {dtype: int32, shape: batch}\n")
+    errors = all_errors(fails(text))
+    assert [(str(e.location), e.field, e.message) for e in errors] == [
+        ("spec.yaml:4:38", "tensors.a.shape[1]", "fixed size must be 1..65536, got 0"),
+        ("spec.yaml:4:41", "tensors.a.shape[2]", "fixed size must be 1..65536, got 70000"),
+        ("spec.yaml:4:48", "tensors.a.shape[3]", "expected a dimension name or a size, got a bool"),
+        ("spec.yaml:5:28", "tensors.b.shape", "expected a non-empty list of dimensions, e.g. [total_q, 2]"),
+        ("spec.yaml:6:28", "tensors.c.shape", "at most 4 dimensions are supported, got 5"),
+        ("spec.yaml:7:28", "tensors.d.shape", "expected a non-empty list of dimensions, e.g. [total_q, 2]"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "default", "message"),
+    [
+        ("int", "1.5", "default must be an int, got a float 1.5"),
+        ("int", '"x"', "default must be an int, got text 'x'"),
+        ("int", "true", "default must be an int, got a bool True"),
+        ("int", "2147483648", "default must be an int in 32-bit range, got an int 2147483648"),
+        ("int", "-2147483649", "default must be an int in 32-bit range, got an int -2147483649"),
+        ("int", "", "default must be an int, got nothing None"),
+        ("float", "true", "default must be a float, got a bool True"),
+        ("float", '"1.0"', "default must be a float, got text '1.0'"),
+        ("float", ".nan", "default must be a float, got a float nan"),
+        ("float", ".inf", "default must be a float, got a float inf"),
+        ("float", "1.0e+39", "default must be a float, got a float 1e+39"),
+        ("float", "1e39", "default must be a float, got text '1e39'"),  # YAML 1.1: not a number
+        ("float", "9" * 400, f"default must be a float, got an int {'9' * 400}"),
+        ("bool", "1", "default must be a bool, got an int 1"),
+        ("bool", '"true"', "default must be a bool, got text 'true'"),
+    ],
+)
+def test_scalar_default_of_the_wrong_type(dtype, default, message):
+    err = one(f"{CAUSAL}scalars:\n  a:\n    dtype: {dtype}\n    default: {default}\n")
+    assert err.field == "scalars.a.default"
+    assert err.message == message
+    assert str(err.location) == ("spec.yaml:6:13" if default == "" else "spec.yaml:6:14")
+
+
+def test_scalar_default_edge_values(spec_from):
+    spec = spec_from(CAUSAL + "scalars:\n  a: {dtype: int, default: -2147483648}\n  b: {dtype: float, default: 3}\n"
+                     "  c: {dtype: int, default: 0x10}\n")
+    assert [s.default for s in spec.scalars] == [-(2**31), 3.0, 16]
+
+
+def test_unreadable_scalar_value():
+    err = one(CAUSAL + "scalars:\n  a: {dtype: int, default: 2022-13-45}\n")
+    assert err.message == "cannot read value: month must be in 1..12"
+
+
+def test_scales_and_backends_errors():
+    text = CAUSAL + "scales: {sm_scale: -1, qkv_scales: 2}\nbackends: [fa2, fa4]\n"
+    errors = all_errors(fails(text))
+    assert [(e.field, e.message) for e in errors] == [
+        ("scales.sm_scale", "expected a positive number or `default` (1/sqrt(head_dim_qk)), got -1"),
+        ("scales.qkv_scales", "expected true or false, got 2"),
+        ("backends[1]", "unknown backend 'fa4'; expected one of ['fa2', 'fa3']"),
+    ]
+    assert one(CAUSAL + "backends: []\n").message == "expected a non-empty list drawn from ['fa2', 'fa3']"
+
+
+def test_huge_sm_scale_is_an_error_not_a_crash():
+    err = one(CAUSAL + "scales: {sm_scale: " + "9" * 400 + "}\n")
+    assert err.field == "scales.sm_scale" and err.message.startswith("expected a positive number")
+
+
+# ----------------------------------------------------------------------------- YAML features
+
+
+@pytest.mark.parametrize(
+    ("text", "message", "where"),
+    [
+        ("name: &a x\nmask: kv_pos <= q_pos\n",
+         "YAML anchors (&name) are not allowed in spec files; write the value out", "spec.yaml:1:7"),
+        ("name: x\nmask: &m kv_pos <= q_pos\nlogits: *m\n",
+         "YAML anchors (&name) are not allowed in spec files; write the value out", "spec.yaml:2:7"),
+        ("name: x\nmask: kv_pos <= q_pos\ndescription: *m\n",
+         "YAML aliases (*name) are not allowed in spec files; write the value out", "spec.yaml:3:14"),
+        ("name: !!python/object:os.system x\nmask: kv_pos <= q_pos\n",
+         "YAML tags (tag:yaml.org,2002:python/object:os.system) are not allowed in spec files", "spec.yaml:1:7"),
+        ("name: !!python/object/apply:os.system ['true']\nmask: kv_pos <= q_pos\n",
+         "YAML tags (tag:yaml.org,2002:python/object/apply:os.system) are not allowed in spec files",
+         "spec.yaml:1:7"),
+        ("name: !!str x\nmask: kv_pos <= q_pos\n",
+         "YAML tags (tag:yaml.org,2002:str) are not allowed in spec files", "spec.yaml:1:7"),
+        ("name: x\nmask: !custom kv_pos <= q_pos\n", "YAML tags (!custom) are not allowed in spec files",
+         "spec.yaml:2:7"),
+        ("!!map\nname: x\nmask: kv_pos <= q_pos\n",
+         "YAML tags (tag:yaml.org,2002:map) are not allowed in spec files", "spec.yaml:1:1"),
+    ],
+)
+def test_anchors_aliases_and_tags_are_refused(text, message, where):
+    err = fails(text)
+    assert err.message == message
+    assert str(err.location) == where
+
+
+def test_invalid_yaml_is_located():
+    err = fails("name: x\nmask: [kv_pos\n")
+    assert str(err).startswith("spec.yaml:3:1: invalid YAML: ")
+    err = fails("name: x\n  mask: y\n")
+    assert re.match(r"spec\.yaml:2:7: invalid YAML: mapping values are not allowed here", str(err))
+    err = fails("name: x\nmask: kv_pos <= q_pos\n---\nname: y\n")
+    assert "invalid YAML: " in str(err) and str(err).startswith("spec.yaml:3:1")
+
+
+def test_deep_flow_nesting_is_refused_quickly():
+    # PyYAML's scanner is quadratic in flow depth: a file of brackets must stop early.
+    start = time.perf_counter()
+    err = fails("name: x\nmask: kv_pos <= q_pos\ndescription: " + "[" * 200_000 + "\n")
+    assert time.perf_counter() - start < 5
+    assert str(err) == (f"spec.yaml:3:{14 + spec_mod.MAX_YAML_DEPTH}: invalid YAML: collections are nested more "
+                        f"than {spec_mod.MAX_YAML_DEPTH} levels deep")
+
+
+def test_deep_block_nesting_is_refused():
+    text = "name: x\nmask: kv_pos <= q_pos\ndescription:\n" + "".join(" " * i + "a:\n" for i in range(1, 200))
+    err = fails(text)
+    assert re.match(r"spec\.yaml:\d+:\d+: invalid YAML: collections are nested more than 32 levels deep$", str(err))
+    assert "nested more than" in fails("name: x\nmask: kv_pos <= q_pos\ndescription:\n" + "- " * 5000).message
+
+
+def test_nesting_within_the_limit_is_only_a_type_error():
+    err = one("name: x\nmask: kv_pos <= q_pos\nbackends: " + "[" * 30 + "]" * 30 + "\n")
+    assert (str(err.location), err.message) == ("spec.yaml:3:12", "expected a single value, got a list")
+
+
+def test_too_many_yaml_nodes():
+    err = fails("name: x\nmask: kv_pos <= q_pos\nbackends: [" + "fa2, " * 20_001 + "]\n")
+    assert str(err) == f"spec.yaml: spec has more than {spec_mod.MAX_YAML_NODES} YAML nodes"
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def test_missing_file(tmp_path):
+    err = pytest.raises(SpecError, variantgen.load_spec, tmp_path / "nope.yaml").value
+    assert str(err) == f"{tmp_path / 'nope.yaml'}: spec file not found"
+
+
+def test_directory_is_not_a_spec(tmp_path):
+    err = pytest.raises(SpecError, variantgen.load_spec, tmp_path).value
+    assert str(err) == f"{tmp_path}: not a regular file"
+
+
+def test_unreadable_file(spec_text, monkeypatch):
+    path = spec_text(CAUSAL)
+
+    def deny(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(spec_mod.Path, "read_bytes", deny)
+    err = pytest.raises(SpecError, variantgen.load_spec, path).value
+    assert str(err) == f"{path}: cannot read spec file: Permission denied"
+
+
+def test_non_utf8_file(spec_text):
+    path = spec_text(b"name: x\nmask: kv_pos <= q_pos\ndescription: caf\xe9\n")
+    err = pytest.raises(SpecError, variantgen.load_spec, path).value
+    assert str(err) == f"{path}:3: spec file is not UTF-8 text (bad byte at offset 46)"
+
+
+def test_file_over_the_size_limit(spec_text):
+    path = spec_text(CAUSAL + "# " + "x" * spec_mod.MAX_SPEC_BYTES + "\n")
+    size = path.stat().st_size
+    err = pytest.raises(SpecError, variantgen.load_spec, path).value
+    assert str(err) == f"{path}: spec file is {size} bytes; the limit is {spec_mod.MAX_SPEC_BYTES}"
+
+
+def test_text_over_the_size_limit():
+    err = fails(CAUSAL + "# " + "é" * (spec_mod.MAX_SPEC_BYTES // 2) + "\n")
+    assert str(err) == f"spec.yaml: spec is larger than {spec_mod.MAX_SPEC_BYTES} bytes"
+
+
+def test_load_spec_reports_the_given_path(spec_text):
+    path = spec_text("name: x\nmask: kv_pos <= bogus\n", name="my spec.yaml")
+    err = pytest.raises(SpecError, variantgen.load_spec, str(path)).value
+    assert str(err).startswith(f"{path}:2:17: mask: unknown name `bogus`")
+
+
+def test_non_printable_characters():
+    err = fails("name: x\nmask: kv_pos <= q_pos\x07\n")
+    assert str(err).startswith("spec.yaml") and "invalid YAML" in str(err)
+
+
+# ----------------------------------------------------------------------------- expressions in specs
+
+
+def test_mask_that_is_not_bool():
+    err = one("name: x\nmask: kv_pos + 1\n")
+    assert str(err.location) == "spec.yaml:2:7"
+    assert err.field == "mask"
+    assert err.message == "expression must be a bool, got int"
+    assert err.hint == "a mask must be true where the key is visible, e.g. `kv_pos <= q_pos`"
+
+
+def test_mask_written_as_a_yaml_bool_or_number():
+    err = one("name: x\nmask: true\n")
+    assert err.message == "expected an expression, got the bool True"
+    assert err.hint == "write `true` inside quotes, or `kv_pos <= q_pos` for causal"
+    assert one("name: x\nmask: 1\n").message == "expected an expression (text), got the value '1'"
+    assert one("name: x\nmask: [a]\n").message == "expected an expression (text), got a list"
+    assert one("name: x\nmask: {a: 1}\n").message == "expected an expression (text), got a mapping"
+
+
+def test_quoted_true_mask_is_fine(spec_from):
+    assert expr.to_source(spec_from("name: x\nmask: 'true'\n").mask) == "true"
+
+
+def test_logits_transform_that_never_reads_logits():
+    err = one(CAUSAL + "logits: 1.0 + 2.0\n")
+    assert str(err.location) == "spec.yaml:3:9"
+    assert err.field == "logits"
+    assert err.message == "the logits transform never reads `logits`; it would replace every score with a constant"
+
+
+def test_logits_must_be_a_number():
+    err = one(CAUSAL + "logits: logits > 0\n")
+    assert err.message == "expression must be a float, got bool"
+
+
+def test_logits_in_a_mask():
+    err = one("name: x\nmask: logits > 0\n")
+    assert err.message == "`logits` is only available in the `logits` transform, not in a mask"
+
+
+def test_expression_errors_point_into_the_file():
+    err = one("name: x\nmask: kv_pos <= q_pos and kv_poss >= 0\n")
+    assert str(err.location) == "spec.yaml:2:27"
+    assert err.hint == "did you mean `kv_pos`?"
+    err = one("name: x\nmask: 'kv_pos <= q_pos and kv_poss > 0'\n")
+    assert str(err.location) == "spec.yaml:2:28"
+    err = one('{name: x, mask: "kv_pos <= q_pos and kv_poss > 0"}\n')
+    assert str(err.location) == "spec.yaml:1:38"
+
+
+def test_expression_uses_declared_arguments(spec_from):
+    err = one("name: x\nmask: w < 0\nscalars:\n  u: {dtype: int, default: 1}\n")
+    assert err.message.startswith("unknown name `w`; known names: ")
+    assert err.hint is None
+    assert "u" in err.message.split("known names: ")[1].split(", ")
+    assert spec_from("name: x\nmask: w < 0\nscalars:\n  w: {dtype: int, default: 1}\n").uses("w")
+
+
+# Multi-line scalars: the error must point at the line and column in the file.
+MULTI_LINE = [
+    ("literal block", "mask: |\n  kv_pos <= q_pos and\n    kv_poss >= 0\n", (4, 5)),
+    ("literal block, strip", "mask: |-\n  kv_pos <= q_pos\n  and kv_poss >= 0\n", (4, 7)),
+    ("literal block, indicator and comment",
+     "mask: |2+  # note\n      kv_pos <= q_pos and\n\n      (q_pos < 3 or kv_poss)\n", (5, 21)),
+    ("folded block", "mask: >\n  kv_pos <= q_pos and\n  kv_poss >= 0\n", (4, 3)),
+    ("folded block, strip", "mask: >-\n  kv_pos <= q_pos and\n  kv_poss >= 0\n", (4, 3)),
+    ("folded block, more indented", "mask: >\n  kv_pos <= q_pos and\n    kv_poss >= 0\n", (4, 5)),
+    ("folded block, blank line", "mask: >\n  kv_pos <= q_pos and\n\n  kv_poss >= 0\n", (5, 3)),
+    ("plain, continued", "mask: kv_pos <= q_pos and\n  kv_poss >= 0\n", (3, 3)),
+    ("plain, continued twice", "mask: kv_pos <= q_pos\n  and q_pos >= 0\n  and kv_poss >= 0\n", (4, 7)),
+    ("double quoted, continued", 'mask: "kv_pos <= q_pos and\n  kv_poss >= 0"\n', (3, 3)),
+    ("double quoted, escaped break", 'mask: "kv_pos <= q_pos and \\\n   kv_poss >= 0"\n', (3, 4)),
+    ("double quoted, escape", 'mask: "kv_pos <= q_pos and \\x41 kv_poss >= 0"\n', (2, 33)),
+    ("single quoted, continued", "mask: 'kv_pos <= q_pos and\n    kv_poss >= 0'\n", (3, 5)),
+]
+
+
+@pytest.mark.parametrize(("style", "mask", "where"), MULTI_LINE, ids=[m[0] for m in MULTI_LINE])
+def test_multi_line_mask_errors_are_located_in_the_file(style, mask, where):
+    text = "name: x\n" + mask
+    errors = all_errors(fails(text))
+    assert len(errors) == 1
+    err = errors[0]
+    assert (err.location.line, err.location.col) == where
+    line, col = where
+    assert text.splitlines()[line - 1][col - 1:].startswith("kv_poss") or "\\x41" in mask
+    # the message shows the offending line of the expression with a caret under the name
+    shown = str(err).splitlines()
+    caret_line = next(i for i, s in enumerate(shown) if s.strip() == "^")
+    assert shown[caret_line - 1][shown[caret_line].index("^"):].startswith("kv_poss")
+
+
+def test_end_of_expression_error_in_a_block():
+    err = one("name: x\nmask: >-\n  kv_pos <= q_pos and\n")
+    assert err.message == "expected a value (number, name or '('), found end of expression"
+    assert str(err.location) == "spec.yaml:3:22"
+
+
+def test_empty_expression_in_a_spec():
+    err = one('name: x\nmask: ""\n')
+    assert err.message == "expression is empty" and str(err.location) == "spec.yaml:2:8"
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def test_independent_errors_are_reported_together():
+    text = (
+        "name: Bad\n"
+        "mask: kv_pos + 1\n"
+        "tensors:\n"
+        "  params: {dtype: int32, shape: [batch]}\n"
+        "scalars:\n"
+        "  w: {dtype: int, default: 1.5}\n"
+        "extra: 1\n"
+    )
+    err = fails(text)
+    assert isinstance(err, SpecErrors)
+    got = [(str(e.location), e.field) for e in err.errors]
+    assert got == [
+        ("spec.yaml:7:1", "extra"),
+        ("spec.yaml:1:7", "name"),
+        ("spec.yaml:4:3", "tensors.params"),
+        ("spec.yaml:6:28", "scalars.w.default"),
+        ("spec.yaml:2:7", "mask"),
+    ]
+    text_lines = str(err).splitlines()
+    starts = [line for line in text_lines if re.match(r"^spec\.yaml:\d+:\d+: ", line)]
+    assert len(starts) == 5
+    # the first error is also the SpecError's own fields
+    assert err.location == err.errors[0].location and err.field == "extra"
+    assert isinstance(err, variantgen.VariantgenError)
+
+
+def test_single_error_is_not_wrapped():
+    err = fails("name: x\nmask: kv_pos + 1\n")
+    assert type(err) is SpecError
+
+
+def test_spec_errors_render_each_error():
+    a = SpecError("first", spec_mod.Location("f.yaml", 1, 2), field="x")
+    b = SpecError("second", spec_mod.Location("f.yaml", 3, 4), hint="try this")
+    both = SpecErrors([a, b])
+    assert str(both) == "f.yaml:1:2: x: first\nf.yaml:3:4: second\n  hint: try this"
+    assert both.message == "first" and both.errors == [a, b]

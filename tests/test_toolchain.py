@@ -1,0 +1,124 @@
+"""Toolchain discovery, compiler flags and the generated ninja file (no compiler runs:
+`nvcc` here is a fake script that only prints a version)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import _cache_procs as procs
+import pytest
+from conftest import SPECS_DIR
+
+import variantgen
+from variantgen import build
+from variantgen.errors import ToolchainError
+from variantgen.render import ModuleConfig, render_module
+
+VERSION_TEXT = "nvcc: NVIDIA (R) Cuda compiler driver\\nCuda compilation tools, release 12.8, V12.8.93\\n"
+
+
+def fake_cuda(root: Path, *, lib: bool = True) -> Path:
+    """A CUDA_HOME with bin/nvcc (prints a version) and, optionally, lib64/."""
+    (root / "bin").mkdir(parents=True)
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text(f'#!/bin/sh\nprintf "{VERSION_TEXT}"\n')
+    nvcc.chmod(nvcc.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    if lib:
+        (root / "lib64").mkdir()
+        (root / "include").mkdir()
+        (root / "include" / "cuda_runtime.h").write_text("")
+    return root
+
+
+@pytest.fixture
+def fresh_toolchain():
+    build.toolchain.cache_clear()
+    yield
+    build.toolchain.cache_clear()
+
+
+def test_explicit_cuda_home(vg_env, tmp_path, fresh_toolchain):
+    home = fake_cuda(tmp_path / "cuda-12.8")
+    vg_env.set(CUDA_HOME=home)
+    found, tried = build.find_cuda_home()
+    assert found == home and tried == [str(home / "bin" / "nvcc")]
+    tc = build.toolchain()
+    assert tc.cuda_home == home and tc.nvcc == home / "bin" / "nvcc" and tc.nvcc_version == "V12.8.93"
+
+
+def test_explicit_cuda_home_without_nvcc_is_an_error(vg_env, tmp_path, fresh_toolchain):
+    empty = tmp_path / "no-cuda"
+    empty.mkdir()
+    vg_env.set(CUDA_HOME=empty)
+    found, tried = build.find_cuda_home()
+    assert found is None and tried == [str(empty / "bin" / "nvcc")]  # no fallback to PATH
+    with pytest.raises(ToolchainError, match=r"^nvcc not found \(looked in CUDA_HOME: tried .*no-cuda/bin/nvcc\); "
+                                             r"install the CUDA toolkit or set CUDA_HOME$"):
+        build.toolchain()
+
+
+def test_cuda_path_is_read_too(vg_env, tmp_path):
+    home = fake_cuda(tmp_path / "cuda")
+    vg_env.set(CUDA_HOME=None, CUDA_PATH=home)
+    assert build.find_cuda_home()[0] == home
+
+
+def test_nvcc_symlink_on_path(vg_env, tmp_path, monkeypatch):
+    home = fake_cuda(tmp_path / "cuda-12.8")
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "nvcc").symlink_to(home / "bin" / "nvcc")
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    assert build.find_cuda_home()[0] == home
+
+
+def test_nvcc_wrapper_script_on_path(vg_env, tmp_path, monkeypatch):
+    home = fake_cuda(tmp_path / "cuda-12.8")
+    local = tmp_path / "local"
+    (local / "bin").mkdir(parents=True)
+    wrapper = local / "bin" / "nvcc"
+    wrapper.write_text(f'#!/bin/sh\nexec {home / "bin" / "nvcc"} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{local / 'bin'}{os.pathsep}/usr/bin{os.pathsep}/bin")
+    found, _ = build.find_cuda_home()
+    assert found is not None and (found / "lib64").is_dir(), found
+
+
+def test_gencode_flags():
+    assert build.gencode_flags("sm_90a") == ["-gencode=arch=compute_90a,code=sm_90a"]
+    assert build.gencode_flags("10.0a") == ["-gencode=arch=compute_100a,code=sm_100a"]
+    assert build.gencode_flags("8.0") == ["-gencode=arch=compute_80,code=sm_80"]
+
+
+def _config(**kw) -> ModuleConfig:
+    spec = variantgen.load_spec(SPECS_DIR / "causal.yaml")
+    args = dict(head_dim_qk=128, head_dim_vo=128, q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16", arch="9.0a")
+    args.update(kw)
+    return ModuleConfig(spec, **args)
+
+
+def test_semantic_flags_hold_no_paths():
+    flags = build.semantic_flags(_config())
+    assert "-gencode=arch=compute_90a,code=sm_90a" in flags["cuda"]
+    assert "-lcuda" not in flags["ld"] and "-lcudart" in flags["ld"]
+    assert not any("/" in f for f in flags["cuda"] + flags["ld"])  # the key must not depend on paths
+
+
+def test_ninja_file(vg_env, tmp_path, monkeypatch):
+    monkeypatch.setattr(build, "flashinfer_info", lambda: procs.FAKE_FLASHINFER)
+    vg_env.set(VARIANTGEN_NVCC_THREADS="3")
+    rendered = render_module(_config(mask_modes=("causal", "custom")))
+    tc = procs.fake_toolchain()
+    text = build._ninja_file(rendered, tc, tmp_path / "src", "mod.so")
+    lines = text.splitlines()
+    builds = [line for line in lines if line.startswith("build obj/")]
+    assert len(builds) == len(rendered.compile_units) + 1  # + FlashInfer's paged host code
+    assert builds[-1] == "build obj/batch_prefill_paged.o: cuda_compile /nonexistent/batch_prefill_paged.cu"
+    assert f"build obj/binding.o: cuda_compile {tmp_path / 'src' / 'binding.cu'}" in lines
+    assert "--threads=3" in text and "-gencode=arch=compute_90a,code=sm_90a" in text
+    assert "nvcc = /opt/fake-cuda/bin/nvcc" in lines
+    assert any(line.startswith("build mod.so: link obj/binding.o ") for line in lines)
+    assert "default mod.so" in lines
+    assert "-L/opt/fake-cuda/lib64" in text

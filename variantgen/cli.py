@@ -1,0 +1,604 @@
+"""The ``variantgen`` command: validate, render, precompile, probe, list, clear, check.
+
+Errors variantgen raises on purpose (and ValueErrors from bad settings) are printed as one
+``error: ...`` message on stderr with exit status 1; usage errors exit with 2 (click).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import __version__, env
+from .cache import Cache, age_seconds
+from .errors import SpecError, SpecErrors, VariantgenError
+from .render import ModuleConfig, canonical_arch, canonical_dtype
+from .spec import load_spec
+
+log = logging.getLogger("variantgen.cli")
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _Group(click.Group):
+    """Turns deliberate errors into one clear line instead of a traceback."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (VariantgenError, ValueError, OSError) as e:
+            text = str(e) if not isinstance(e, OSError) or not e.strerror else f"{e.strerror}: {e.filename}"
+            click.echo(f"error: {text}", err=True)
+            ctx.exit(1)
+
+
+def _cache(cache_dir: str | None) -> Cache:
+    if cache_dir:
+        return Cache(cache_dir)
+    from .build import default_cache
+
+    return default_cache()
+
+
+def _csv(values: tuple[str, ...] | str | None) -> list[str]:
+    """'64,128' / ('64', '128') / ('64,128', '256') -> ['64', '128', '256'] (order kept, no repeats)."""
+    if values is None:
+        return []
+    if isinstance(values, str):
+        values = (values,)
+    out: list[str] = []
+    for v in values:
+        for part in str(v).split(","):
+            part = part.strip()
+            if part and part not in out:
+                out.append(part)
+    return out
+
+
+def _ints(values: Any, option: str) -> list[int]:
+    out = []
+    for v in _csv(values):
+        try:
+            out.append(int(v))
+        except ValueError:
+            raise click.BadParameter(f"{v!r} is not a whole number", param_hint=option) from None
+    return out
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [headers] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _human_size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _human_age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def _dir_size(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += (Path(root) / f).stat().st_size
+            except OSError:
+                pass
+    return total
+
+
+def _default_arch() -> str | None:
+    """VARIANTGEN_ARCH, else the visible GPU's arch, else None."""
+    s = env.settings()
+    if s.arch:
+        return canonical_arch(s.arch)
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            major, minor = torch.cuda.get_device_capability()
+            return canonical_arch(f"{major}.{minor}{'a' if major == 9 else ''}")
+    except Exception:  # noqa: BLE001 - no usable GPU is a normal answer here
+        pass
+    return None
+
+
+# ----------------------------------------------------------------------------- group
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="variantgen")
+@click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default=None,
+              help="Logging level of the variantgen.* loggers (default: warning).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+              help="Module cache root (sets VARIANTGEN_CACHE_DIR for this run).")
+def main(log_level: str | None, cache_dir: str | None) -> None:
+    """YAML attention-variant specs -> cached FlashInfer kernels."""
+    level = getattr(logging, (log_level or "warning").upper())
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")  # no-op if configured
+    if log_level:
+        logging.getLogger("variantgen").setLevel(level)
+    if cache_dir:
+        os.environ["VARIANTGEN_CACHE_DIR"] = str(cache_dir)
+    env.reload_settings()
+
+
+# ----------------------------------------------------------------------------- validate
+
+
+@main.command()
+@click.argument("specs", nargs=-1, required=True, type=click.Path())
+def validate(specs: tuple[str, ...]) -> None:
+    """Check spec files; print every error with its file:line:col."""
+    failed = 0
+    for path in specs:
+        try:
+            spec = load_spec(path)
+        except SpecErrors as e:
+            failed += 1
+            for err in e.errors:
+                click.echo(str(err))
+            continue
+        except SpecError as e:
+            failed += 1
+            click.echo(str(e))
+            continue
+        click.echo(f"ok  {path} ({spec.name})")
+    if failed:
+        click.echo(f"{failed} of {len(specs)} spec file(s) have errors", err=True)
+        sys.exit(1)
+
+
+# ----------------------------------------------------------------------------- render
+
+
+def _config(spec_path: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
+            o_dtype: str | None, backend: str, arch: str) -> ModuleConfig:
+    spec = load_spec(spec_path)
+    q = canonical_dtype(dtype, "--dtype")
+    kv = canonical_dtype(kv_dtype, "--kv-dtype") if kv_dtype else q
+    o = canonical_dtype(o_dtype, "--o-dtype") if o_dtype else q
+    return ModuleConfig(spec, head_dim, head_dim_vo or head_dim, q, kv, o, canonical_arch(arch), backend)
+
+
+@main.command()
+@click.argument("spec", type=click.Path())
+@click.option("--head-dim", type=int, required=True, help="Head dim of q/k (and v unless --head-dim-vo).")
+@click.option("--head-dim-vo", type=int, default=None)
+@click.option("--dtype", required=True, help="Query dtype: bf16, fp16.")
+@click.option("--kv-dtype", default=None, help="KV cache dtype (default: --dtype).")
+@click.option("--o-dtype", default=None, help="Output dtype (default: --dtype).")
+@click.option("--backend", default="fa2", show_default=True)
+@click.option("--arch", default=None, help="Target arch (default: VARIANTGEN_ARCH or 9.0a).")
+@click.option("-o", "--output-dir", type=click.Path(file_okay=False), default=None,
+              help="Write the rendered files here instead of printing.")
+@click.option("--file", "file_name", default=None,
+              help="File to print (default variant.cuh), or 'all'.")
+def render(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
+           o_dtype: str | None, backend: str, arch: str | None, output_dir: str | None,
+           file_name: str | None) -> None:
+    """Print the generated variant.cuh (or write every generated file to -o DIR)."""
+    from .render import render_module
+
+    config = _config(spec, head_dim, head_dim_vo, dtype, kv_dtype, o_dtype, backend,
+                     arch or env.settings().arch or "9.0a")
+    rendered = render_module(config)
+    if file_name not in (None, "all") and file_name not in rendered.files:
+        raise click.BadParameter(f"{file_name!r}: expected 'all' or one of {', '.join(rendered.files)}",
+                                 param_hint="--file")
+    if output_dir:
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        names = list(rendered.files) if file_name in (None, "all") else [file_name]
+        for name in names:
+            (out / name).write_text(rendered.files[name])
+            click.echo(str(out / name))
+        return
+    if file_name == "all":
+        for name, text in rendered.files.items():
+            click.echo(f"// ===== {name} =====")
+            click.echo(text, nl=not text.endswith("\n"))
+        return
+    text = rendered.files[file_name or "variant.cuh"]
+    click.echo(text, nl=not text.endswith("\n"))
+
+
+# ----------------------------------------------------------------------------- precompile
+
+
+def _parse_shard(value: str | None) -> tuple[int, int]:
+    if not value:
+        return 0, 1
+    try:
+        i_text, n_text = value.split("/")
+        i, n = int(i_text), int(n_text)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected I/N, e.g. 0/4", param_hint="--shard") from None
+    if n < 1 or not 0 <= i < n:
+        raise click.BadParameter(f"{value!r}: expected 0 <= I < N (I is 0-based)", param_hint="--shard")
+    return i, n
+
+
+def expand_matrix(spec_paths: list[str], head_dims: list[int], dtypes: list[str], kv_dtypes: list[str] | None,
+                  o_dtypes: list[str] | None, archs: list[str], backends: list[str],
+                  ) -> tuple[list[ModuleConfig], list[tuple[str, str]]]:
+    """Every valid ModuleConfig of the matrix (unique, sorted by URI prefix) and the skipped
+    combinations with their reason."""
+    specs = [load_spec(p) for p in spec_paths]
+    qs = [canonical_dtype(d, "--dtype") for d in dtypes]
+    kvs = [canonical_dtype(d, "--kv-dtype") for d in kv_dtypes] if kv_dtypes else None
+    os_ = [canonical_dtype(d, "--o-dtype") for d in o_dtypes] if o_dtypes else None
+    arch_list = [canonical_arch(a) for a in archs]
+    configs: dict[str, ModuleConfig] = {}
+    skipped: list[tuple[str, str]] = []
+    for spec in specs:
+        for hd in head_dims:
+            for q in qs:
+                for kv in (kvs or [q]):
+                    for o in (os_ or [q]):
+                        for arch in arch_list:
+                            for backend in backends:
+                                label = (f"{spec.name} hd={hd} q={q} kv={kv} o={o} arch={arch} "
+                                         f"backend={backend}")
+                                try:
+                                    cfg = ModuleConfig(spec, hd, hd, q, kv, o, arch, backend)
+                                except ValueError as e:
+                                    skipped.append((label, str(e)))
+                                    continue
+                                configs.setdefault(cfg.uri_prefix, cfg)
+    return [configs[k] for k in sorted(configs)], skipped
+
+
+@main.command()
+@click.argument("specs", nargs=-1, required=True, type=click.Path())
+@click.option("--head-dim", "head_dims", multiple=True, required=True, help="Comma list, e.g. 64,128,256.")
+@click.option("--dtype", "dtypes", multiple=True, required=True, help="Query dtypes, e.g. bf16,fp16.")
+@click.option("--kv-dtype", "kv_dtypes", multiple=True, help="KV dtypes (default: the query dtype).")
+@click.option("--o-dtype", "o_dtypes", multiple=True, help="Output dtypes (default: the query dtype).")
+@click.option("--arch", "archs", multiple=True, help="Target archs, e.g. 8.0,9.0a "
+              "(default: VARIANTGEN_ARCH or the visible GPU).")
+@click.option("--backend", "backends", multiple=True, help="Backends (default fa2).")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Modules built in parallel.")
+@click.option("--jobs-per-module", type=click.IntRange(min=1), default=None,
+              help="ninja -j within one module (default: VARIANTGEN_BUILD_JOBS or ninja's).")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--shard", default=None, help="I/N: build every N-th module starting at I (0-based).")
+@click.option("--dry-run", is_flag=True, help="List the modules of the matrix (and this shard); build nothing.")
+def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple[str, ...],
+               kv_dtypes: tuple[str, ...], o_dtypes: tuple[str, ...], archs: tuple[str, ...],
+               backends: tuple[str, ...], jobs: int, jobs_per_module: int | None, cache_dir: str | None,
+               shard: str | None, dry_run: bool) -> None:
+    """Build the modules of a matrix into the cache (spec x head dim x dtype x kv dtype x arch)."""
+    from . import build
+
+    shard_i, shard_n = _parse_shard(shard)
+    arch_list = _csv(archs)
+    if not arch_list:
+        default = _default_arch()
+        if default is None:
+            raise click.UsageError("no --arch given, VARIANTGEN_ARCH is unset and no CUDA GPU is visible; "
+                                   "pass e.g. --arch 8.0,9.0a")
+        arch_list = [default]
+    configs, skipped = expand_matrix(list(specs), _ints(head_dims, "--head-dim"), _csv(dtypes),
+                                     _csv(kv_dtypes) or None, _csv(o_dtypes) or None, arch_list,
+                                     _csv(backends) or ["fa2"])
+    for label, reason in skipped:
+        click.echo(f"skip  {label}: {reason}")
+    mine = configs[shard_i::shard_n]
+    if shard_n > 1:
+        click.echo(f"shard {shard_i}/{shard_n}: {len(mine)} of {len(configs)} module(s)")
+    if dry_run:
+        for cfg in mine:
+            click.echo(cfg.uri_prefix)
+        return
+    if not mine:
+        click.echo("nothing to build")
+        return
+    s = env.settings()
+    if s.jit_disabled:
+        click.echo(f"warning: JIT is disabled by {s.jit_disabled_by}; only modules already in the cache "
+                   "will be found", err=True)
+    cache = _cache(cache_dir)
+    results: dict[str, tuple[str, str, float, str]] = {}  # prefix -> (uri, status, seconds, error)
+
+    def one(cfg: ModuleConfig):
+        t0 = time.perf_counter()
+        try:
+            r = build.build_module(cfg, cache, jobs=jobs_per_module)
+        except (VariantgenError, ValueError, OSError) as e:
+            return cfg, None, time.perf_counter() - t0, e
+        except Exception as e:  # noqa: BLE001 - one module's surprise must not stop the others
+            return cfg, None, time.perf_counter() - t0, RuntimeError(f"{type(e).__name__}: {e}")
+        return cfg, r, r.seconds, None
+
+    from tqdm import tqdm
+
+    with tqdm(total=len(mine), desc="precompile", unit="module", file=sys.stderr, disable=None) as bar, \
+            concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(one, cfg) for cfg in mine]
+        for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
+            cfg, r, seconds, err = fut.result()
+            if err is None:
+                status = "built" if r.built else "cached"
+                results[cfg.uri_prefix] = (r.entry.uri, status, seconds, "")
+            else:
+                results[cfg.uri_prefix] = (cfg.uri_prefix + "_*", "failed", seconds, str(err))
+            bar.update(1)
+            bar.write(f"[{done}/{len(mine)}] {results[cfg.uri_prefix][1]:6}  {results[cfg.uri_prefix][0]} "
+                      f"({seconds:.1f}s)", file=sys.stderr)
+    rows = [[uri, status, f"{sec:.1f}"] for uri, status, sec, _ in (results[c.uri_prefix] for c in mine)]
+    click.echo(_table(["uri", "status", "seconds"], rows))
+    failures: dict[str, list[str]] = {}
+    for cfg in mine:
+        uri, status, _, err = results[cfg.uri_prefix]
+        if status == "failed":
+            failures.setdefault(err, []).append(uri)
+    counts = {k: sum(1 for v in results.values() if v[1] == k) for k in ("built", "cached", "failed")}
+    click.echo(f"{counts['built']} built, {counts['cached']} cached, {counts['failed']} failed")
+    if failures:
+        for err, uris in failures.items():
+            head = uris[0] if len(uris) == 1 else f"{len(uris)} modules ({', '.join(uris)})"
+            click.echo(f"\nFAILED {head}:\n{err}", err=True)
+        sys.exit(1)
+
+
+# ----------------------------------------------------------------------------- probe
+
+
+@main.command("probe")
+@click.argument("spec", type=click.Path())
+@click.option("--head-dim", type=int, required=True)
+@click.option("--head-dim-vo", type=int, default=None)
+@click.option("--dtype", required=True, help="Query dtype.")
+@click.option("--kv-dtype", default=None, help="KV dtype (default: --dtype).")
+@click.option("--o-dtype", default=None)
+@click.option("--backend", default="fa2", show_default=True)
+@click.option("--arch", default=None, help="Target arch when no GPU is visible (or to override it).")
+@click.option("--device", default=None, help="CUDA device, e.g. cuda:1 (default: the current one).")
+@click.option("--page-size", type=int, default=None)
+@click.option("--no-build", is_flag=True, help="Only look in the cache.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
+              o_dtype: str | None, backend: str, arch: str | None, device: str | None, page_size: int | None,
+              no_build: bool, cache_dir: str | None, as_json: bool) -> None:
+    """Say whether SPEC can run here (exit 0) or why not (exit 1)."""
+    from .probe import probe
+
+    r = probe(spec, head_dim_qk=head_dim, head_dim_vo=head_dim_vo, q_dtype=dtype, kv_dtype=kv_dtype or dtype,
+              o_dtype=o_dtype, backend=backend, page_size=page_size, device=device, build=not no_build,
+              cache_dir=cache_dir, arch=arch)
+    if as_json:
+        click.echo(json.dumps({"ok": r.ok, "reason": r.reason, "uri": r.uri, "source": r.source,
+                               "module_path": r.module_path, "seconds": round(r.seconds, 3),
+                               "details": r.details}, indent=1, default=str))
+    else:
+        click.echo(f"ok:      {'yes' if r.ok else 'no'}")
+        if not r.ok:
+            click.echo(f"reason:  {r.reason}")
+        click.echo(f"uri:     {r.uri or '-'}")
+        click.echo(f"source:  {r.source}")
+        if r.module_path:
+            click.echo(f"module:  {r.module_path}")
+        if r.details.get("note"):
+            click.echo(f"note:    {r.details['note']}")
+        click.echo(f"seconds: {r.seconds:.2f}")
+    sys.exit(0 if r.ok else 1)
+
+
+# ----------------------------------------------------------------------------- list / clear
+
+
+def _entry_row(uri: str, found, root: Path) -> list[str]:
+    path = root / uri
+    if not found:
+        return [uri, "-", "-", "-", "-", _human_size(_dir_size(path)), "-", "-", "-", f"damaged: {found.reason}"]
+    m = found.entry.manifest
+    cfg = m.get("config", {})
+    hd = f"{cfg.get('head_dim_qk', '?')}x{cfg.get('head_dim_vo', '?')}"
+    dtypes = f"{cfg.get('q_dtype', '?')}/{cfg.get('kv_dtype', '?')}/{cfg.get('o_dtype', '?')}"
+    return [uri, cfg.get("spec", "?"), hd, dtypes, cfg.get("backend", "?"), _human_size(_dir_size(path)),
+            _human_age(age_seconds(m)), m.get("inputs", {}).get("flashinfer", "?"),
+            m.get("toolchain", {}).get("nvcc", "?"), cfg.get("arch", "?")]
+
+
+@main.command("list")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@click.option("-v", "--verbose", is_flag=True, help="Also print every part of each module's key.")
+def list_cmd(cache_dir: str | None, verbose: bool) -> None:
+    """Table of the modules in the cache."""
+    cache = _cache(cache_dir)
+    entries = list(cache.entries())
+    if not entries:
+        click.echo(f"no modules in {cache.root}")
+        return
+    headers = ["uri", "spec", "head dims", "q/kv/o", "backend", "size", "age", "flashinfer", "nvcc", "arch"]
+    rows = [_entry_row(uri, found, cache.root) for uri, found in entries]
+    click.echo(_table(headers, rows))  # a damaged entry says why in its last column
+    click.echo(f"{len(entries)} module(s) in {cache.root}")
+    if verbose:
+        for uri, found in entries:
+            click.echo(f"\n{uri}")
+            click.echo(f"  path: {cache.root / uri}")
+            if not found:
+                click.echo(f"  damaged: {found.reason}")
+                continue
+            m = found.entry.manifest
+            for k, v in m.get("config", {}).items():
+                click.echo(f"  config.{k}: {v}")
+            for k, v in m.get("inputs", {}).items():
+                click.echo(f"  {k}: {v}")
+            for k, v in m.get("toolchain", {}).items():
+                click.echo(f"  toolchain.{k}: {v}")
+            if "inputs_digest" in m:
+                click.echo(f"  inputs_digest: {m['inputs_digest']}")
+
+
+@main.command()
+@click.argument("spec_name", required=False)
+@click.option("--older-than", type=click.FloatRange(min=0), default=None, help="Only entries older than DAYS.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
+def clear(spec_name: str | None, older_than: float | None, cache_dir: str | None, yes: bool) -> None:
+    """Remove cached modules (all, or those of SPEC_NAME / older than --older-than days)."""
+    cache = _cache(cache_dir)
+    chosen = []
+    for uri, found in cache.entries():
+        if found:
+            m = found.entry.manifest
+            name = m.get("config", {}).get("spec")
+            age = age_seconds(m)
+        else:  # damaged: judge by name and folder time
+            name = None
+            try:
+                age = time.time() - (cache.root / uri).stat().st_mtime
+            except OSError:
+                age = 0.0
+        if spec_name is not None and name != spec_name and not (name is None and uri.startswith(f"vg_{spec_name}_")):
+            continue
+        if older_than is not None and age < older_than * 86400:
+            continue
+        chosen.append(uri)
+    if not chosen:
+        click.echo("removed 0 modules")
+        return
+    if not yes:
+        click.confirm(f"remove {len(chosen)} module(s) from {cache.root}?", abort=True)
+    removed = sum(1 for uri in chosen if cache.remove(uri))
+    click.echo(f"removed {removed} module{'s' if removed != 1 else ''}")
+
+
+# ----------------------------------------------------------------------------- check
+
+
+def _random_lengths(batch_size: int, qo_len: int, kv_len: int, seed: int) -> tuple[list[int], list[int]]:
+    rng = random.Random(seed)
+    qo = [rng.randint(1, qo_len) for _ in range(batch_size)]
+    kv = [q + rng.randint(0, max(kv_len - q, 0)) for q in qo]
+    return qo, kv
+
+
+@main.command()
+@click.argument("spec", type=click.Path())
+@click.option("--head-dim", type=int, required=True)
+@click.option("--dtype", required=True)
+@click.option("--kv-dtype", default=None)
+@click.option("--o-dtype", default=None)
+@click.option("--backend", default="fa2", show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--qo-len", type=click.IntRange(min=1), default=128, show_default=True, help="Max queries per request.")
+@click.option("--kv-len", type=click.IntRange(min=1), default=512, show_default=True, help="Max keys per request.")
+@click.option("--num-qo-heads", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--num-kv-heads", type=click.IntRange(min=1), default=2, show_default=True)
+@click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--planner/--no-planner", default=False, show_default=True,
+              help="Use the interval planner (skip_tiles) in plan().")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--tol", type=float, default=2e-2, show_default=True, help="Largest relative error accepted.")
+@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+def check(spec: str, head_dim: int, dtype: str, kv_dtype: str | None, o_dtype: str | None, backend: str,
+          batch_size: int, qo_len: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, page_size: int,
+          planner: bool, seed: int, tol: float, cache_dir: str | None) -> None:
+    """Build SPEC's module, run it on a random batch and compare with the reference (needs a GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        click.echo("check needs a CUDA GPU", err=True)
+        sys.exit(2)
+    from . import make_wrapper
+    from .reference import reference_attention
+    from .testing import random_paged_batch, random_spec_args
+    from .wrapper import TORCH_DTYPES
+
+    variant = load_spec(spec)
+    q_name = canonical_dtype(dtype, "--dtype")
+    kv_name = canonical_dtype(kv_dtype, "--kv-dtype") if kv_dtype else q_name
+    o_name = canonical_dtype(o_dtype, "--o-dtype") if o_dtype else q_name
+    qo_lens, kv_lens = _random_lengths(batch_size, qo_len, max(kv_len, qo_len), seed)
+    batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, page_size=page_size, dtype=TORCH_DTYPES[q_name],
+                               kv_dtype=TORCH_DTYPES[kv_name], device="cuda", seed=seed)
+    args = random_spec_args(variant, batch, seed=seed)
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+    t0 = time.perf_counter()
+    wrapper = make_wrapper(variant, workspace, head_dim_qk=head_dim, q_dtype=q_name, kv_dtype=kv_name,
+                           o_dtype=o_name, backend=backend, cache=_cache(cache_dir))
+    click.echo(f"module {wrapper.uri} ready in {time.perf_counter() - t0:.1f}s")
+    {t.name for t in variant.tensors}
+    if planner:
+        wrapper.plan(*batch.plan_args(), skip_tiles=True, **args)
+    else:
+        wrapper.plan(*batch.plan_args(), skip_tiles=False)
+    out = wrapper.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    torch.cuda.synchronize()
+    ref = reference_attention(variant, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
+                              batch.kv_indices, batch.last_page_len, args)
+    diff = (out.float() - ref).abs()
+    rel = float(diff.norm() / ref.norm().clamp_min(1e-12))
+    ok = rel <= tol and bool(torch.isfinite(out.float()).all())
+    click.echo(f"{variant.name}: batch {batch_size}, q {sum(qo_lens)} rows, kv {sum(kv_lens)} rows, "
+               f"heads {num_qo_heads}/{num_kv_heads}: max abs err {float(diff.max()):.3e}, "
+               f"rel err {rel:.3e} (tolerance {tol:g}) -> {'ok' if ok else 'MISMATCH'}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
+
+
+@main.command()
+@click.argument("spec", type=click.Path())
+@click.option("--head-dim", type=int, default=128, show_default=True)
+@click.option("--dtype", default="bf16", show_default=True)
+@click.option("--arch", default=None, help="Target arch (default: the visible GPU, VARIANTGEN_ARCH, else 9.0a).")
+@click.pass_context
+def demo(ctx: click.Context, spec: str, head_dim: int, dtype: str, arch: str | None) -> None:
+    """The main job end to end: validate SPEC, render its CUDA, compile and cache the module
+    (nvcc; no GPU needed), then run it against the derived reference if a GPU is present."""
+    from .build import build_module
+    from .render import render_module
+
+    variant = load_spec(spec)
+    click.echo(f"[1/4] {spec}: valid spec `{variant.name}` ({len(variant.tensors)} tensor(s), "
+               f"{len(variant.scalars)} scalar(s))")
+    target = canonical_arch(arch or _default_arch() or "9.0a")
+    q = canonical_dtype(dtype, "--dtype")
+    cfg = ModuleConfig(variant, head_dim, head_dim, q, q, q, target)
+    rendered = render_module(cfg)
+    body = rendered.files["variant.cuh"]
+    start = body.index("struct ")
+    click.echo(f"[2/4] rendered {len(rendered.files)} files; the variant:\n" + body[start:start + 1800] + "\n  ...")
+    t0 = time.perf_counter()
+    result = build_module(cfg, env.settings() and _cache(None))
+    status = "built" if result.built else "found in cache"
+    click.echo(f"[3/4] module {result.entry.uri} {status} in {time.perf_counter() - t0:.1f}s "
+               f"({result.entry.path})")
+    import torch
+
+    if not torch.cuda.is_available():
+        click.echo("[4/4] no CUDA GPU here: skipped running the kernel (run `variantgen check` on a GPU)")
+        return
+    click.echo("[4/4] running on the GPU against the derived reference:")
+    ctx.invoke(check, spec=spec, head_dim=head_dim, dtype=dtype, planner=True)

@@ -1,0 +1,207 @@
+"""Typed expression trees -> CUDA C++ expression text for FlashInfer's FA2 variant hooks.
+
+Only this module turns expressions into C++. Every identifier it emits is either a
+fixed local of the variant template (``q_pos``, ``kv_pos`` ...), a checked spec
+argument read through ``params.<name>``, or a helper defined in the template; numbers
+are re-emitted from parsed values. Nothing is copied from the spec text.
+
+Semantics shared with reference.py (the torch reference must agree bit for bit on ints):
+  * ints are 32-bit; ``//`` and ``%`` follow Python (floor) and give 0 for a zero divisor;
+  * ``/`` is float division; mixed int/float arithmetic is float;
+  * tensor indices that are not provably in range are clamped to the tensor's extent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import expr
+from .expr import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary
+from .spec import TensorArg, VariantSpec
+
+# Built-in name -> local variable of the generated hook that holds it.
+BUILTIN_LOCALS = {
+    "q_pos": "q_pos",
+    "kv_pos": "kv_pos",
+    "q_idx": "q_local",
+    "q_row": "q_row",
+    "kv_row": "kv_row",
+    "q_kv_row": "q_kv_row",
+    "request": "request",
+    "qo_head": "qo_head",
+    "kv_head": "kv_head",
+    "qo_len": "req_qo_len",
+    "kv_len": "req_kv_len",
+}
+# A row builtin that is in range by construction for a tensor dimension of this name.
+SAFE_INDEX = {
+    "total_q": {"q_row"},
+    "total_kv": {"kv_row", "q_kv_row"},
+    "batch": {"request"},
+    "num_qo_heads": {"qo_head"},
+    "num_kv_heads": {"kv_head"},
+}
+# Runtime extent of a symbolic dimension inside the kernel (None: passed as an extra scalar).
+DIM_EXTENT = {
+    "num_qo_heads": "int32_t(params.num_qo_heads)",
+    "num_kv_heads": "int32_t(params.paged_kv.num_heads)",
+}
+
+CMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
+
+
+def rows_scalar_name(tensor: str) -> str:
+    """Extra int64 scalar carrying a tensor's first extent, when an index needs clamping."""
+    return f"vg_rows_{tensor}"
+
+
+@dataclass(frozen=True)
+class Snippet:
+    """A C++ expression plus what the hook must set up before evaluating it."""
+
+    code: str
+    builtins: frozenset[str]  # expression builtins it reads
+    clamped_tensors: frozenset[str]  # tensors whose first extent is needed at run time
+
+
+class _Emitter:
+    def __init__(self, spec: VariantSpec, logits_local: str | None = None):
+        self.spec = spec
+        self.tensors: dict[str, TensorArg] = {t.name: t for t in spec.tensors}
+        self.scalars = {s.name: s for s in spec.scalars}
+        self.logits_local = logits_local
+        self.builtins: set[str] = set()
+        self.clamped: set[str] = set()
+
+    def emit(self, node: Node) -> str:
+        return getattr(self, "_" + type(node).__name__.lower())(node)
+
+    def as_float(self, node: Node) -> str:
+        code = self.emit(node)
+        return f"float({code})" if node.ty is not Type.FLOAT else code
+
+    def _const(self, node: Const) -> str:
+        v = node.value
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, int):
+            return f"int32_t({v})" if v >= 0 else f"int32_t({v}LL)"
+        text = repr(float(v))
+        if "e" not in text and "." not in text:
+            text += ".0"
+        return f"{text}f"
+
+    def _name(self, node: Name) -> str:
+        if node.id in BUILTIN_LOCALS:
+            self.builtins.add(node.id)
+            return BUILTIN_LOCALS[node.id]
+        if node.id == "logits":
+            assert self.logits_local is not None, "logits outside a transform passed type checking"
+            return self.logits_local
+        if node.id in self.scalars:
+            return f"arg_{node.id}"  # copied (and cast) from params once per CTA
+        raise AssertionError(f"unchecked name {node.id!r}")
+
+    def _index(self, node: Index) -> str:
+        t = self.tensors[node.tensor]
+        parts = []
+        for dim, idx in zip(t.shape, node.indices):
+            code = self.emit(idx)
+            if not self._in_range(dim, idx):
+                code = f"vg_clamp({code}, {self._extent(t, dim)})"
+            parts.append((dim, code))
+        # Row-major flat offset; extents after the first are fixed ints or head counts.
+        flat = parts[0][1]
+        for dim, code in parts[1:]:
+            flat = f"({flat}) * {self._extent(t, dim)} + {code}"
+        return f"params.{t.name}[{flat}]"
+
+    def _in_range(self, dim: str | int, idx: Node) -> bool:
+        if isinstance(idx, Const) and isinstance(dim, int):
+            return 0 <= idx.value < dim
+        if isinstance(idx, Name) and isinstance(dim, str):
+            return idx.id in SAFE_INDEX.get(dim, set())
+        return False
+
+    def _extent(self, t: TensorArg, dim: str | int) -> str:
+        if isinstance(dim, int):
+            return f"int32_t({dim})"
+        if dim in DIM_EXTENT:
+            return DIM_EXTENT[dim]
+        # First dimension of symbolic row count: carried in an extra scalar.
+        self.clamped.add(t.name)
+        return f"int32_t(params.{rows_scalar_name(t.name)})"
+
+    def _unary(self, node: Unary) -> str:
+        inner = self.emit(node.operand)
+        if node.op == "not":
+            return f"(!{inner})"
+        return f"({node.op}{inner})"
+
+    def _binary(self, node: Binary) -> str:
+        op = node.op
+        if op == "and":
+            return f"({self.emit(node.left)} && {self.emit(node.right)})"
+        if op == "or":
+            return f"({self.emit(node.left)} || {self.emit(node.right)})"
+        if op in CMP:
+            if node.left.ty is Type.FLOAT or node.right.ty is Type.FLOAT:
+                return f"({self.as_float(node.left)} {op} {self.as_float(node.right)})"
+            return f"({self.emit(node.left)} {op} {self.emit(node.right)})"
+        if op == "//":
+            return f"vg_floordiv({self.emit(node.left)}, {self.emit(node.right)})"
+        if op == "%":
+            return f"vg_mod({self.emit(node.left)}, {self.emit(node.right)})"
+        if op == "/":
+            return f"vg_div({self.as_float(node.left)}, {self.as_float(node.right)})"
+        if node.ty is Type.FLOAT:
+            return f"({self.as_float(node.left)} {op} {self.as_float(node.right)})"
+        return f"({self.emit(node.left)} {op} {self.emit(node.right)})"
+
+    def _call(self, node: Call) -> str:
+        f = node.func
+        if f in ("min", "max"):
+            args = [self.as_float(a) if node.ty is Type.FLOAT else self.emit(a) for a in node.args]
+            code = args[0]
+            for a in args[1:]:
+                code = f"vg_{f}({code}, {a})"
+            return code
+        if f == "abs":
+            return f"vg_abs({self.emit(node.args[0])})"
+        if f == "float":
+            return self.as_float(node.args[0])
+        return f"vg_{f}({self.as_float(node.args[0])})"
+
+    def _cond(self, node: Cond) -> str:
+        if node.ty is Type.FLOAT:
+            then, orelse = self.as_float(node.then), self.as_float(node.orelse)
+        else:
+            then, orelse = self.emit(node.then), self.emit(node.orelse)
+        return f"({self.emit(node.test)} ? {then} : {orelse})"
+
+
+def emit_mask(spec: VariantSpec) -> Snippet:
+    e = _Emitter(spec)
+    code = e.emit(spec.mask)
+    return Snippet(code, frozenset(e.builtins), frozenset(e.clamped))
+
+
+def emit_logits(spec: VariantSpec, logits_local: str = "score") -> Snippet | None:
+    if spec.logits is None:
+        return None
+    e = _Emitter(spec, logits_local)
+    code = e.as_float(spec.logits)
+    return Snippet(code, frozenset(e.builtins), frozenset(e.clamped))
+
+
+def comment_text(text: str) -> str:
+    """Spec text made safe for a C++ line comment: one line, no comment terminators."""
+    flat = " ".join(text.split())
+    # Backslashes first: turned into '/', they could otherwise form a new '*/' or '/*'.
+    flat = flat.replace("\\", "/").replace("*/", "* /").replace("/*", "/ *")
+    flat = "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in flat)
+    return flat[:300] + (" ..." if len(flat) > 300 else "")
+
+
+def describe(node: Node) -> str:
+    return comment_text(expr.to_source(node))

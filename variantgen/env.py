@@ -1,0 +1,101 @@
+"""Every environment variable variantgen reads, read in one place.
+
+``settings()`` reads the environment once per process and returns a frozen snapshot;
+``reload_settings()`` re-reads it (tests, or a CLI flag that overrides a variable).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_DIR = PACKAGE_DIR.parent
+
+_TRUE = {"1", "true", "yes", "on"}
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in _TRUE
+
+
+@dataclass(frozen=True)
+class Settings:
+    cache_dir: Path
+    """Root of the module cache (VARIANTGEN_CACHE_DIR; default: <checkout>/cache)."""
+    jit_disabled: bool
+    """VARIANTGEN_DISABLE_JIT=1 or FLASHINFER_DISABLE_JIT=1: load from the cache, never build."""
+    jit_disabled_by: str | None
+    """Which variable disabled JIT, for reasons shown to users."""
+    cuda_home: Path | None
+    """CUDA_HOME (or CUDA_PATH); None means: look for nvcc on PATH and /usr/local/cuda."""
+    arch: str | None
+    """VARIANTGEN_ARCH, e.g. '9.0a': the target when no GPU is visible (build boxes, CI)."""
+    build_jobs: int | None
+    """VARIANTGEN_BUILD_JOBS (or MAX_JOBS): ninja parallelism within one module."""
+    nvcc_threads: int
+    """VARIANTGEN_NVCC_THREADS: nvcc --threads per compile (default 1)."""
+    template_dir: Path
+    """VARIANTGEN_TEMPLATE_DIR: where the Jinja templates live (default: <checkout>/templates)."""
+    lock_timeout_s: float
+    """VARIANTGEN_LOCK_TIMEOUT: seconds to wait for another process's build of a module."""
+
+
+def _default_cache_dir() -> Path:
+    # A checkout keeps its cache beside the code (cache/ is git-ignored); an installed
+    # package without a checkout falls back to the user's cache directory.
+    if (REPO_DIR / "pyproject.toml").exists():
+        return REPO_DIR / "cache"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "variantgen"
+
+
+def _int_or_none(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r}: expected a whole number") from None
+    if value < 1:
+        raise ValueError(f"environment variable {name}={raw!r}: expected a number >= 1")
+    return value
+
+
+def _read() -> Settings:
+    if _flag("VARIANTGEN_DISABLE_JIT"):
+        disabled_by = "VARIANTGEN_DISABLE_JIT"
+    elif _flag("FLASHINFER_DISABLE_JIT"):
+        disabled_by = "FLASHINFER_DISABLE_JIT"
+    else:
+        disabled_by = None
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    timeout = os.environ.get("VARIANTGEN_LOCK_TIMEOUT", "").strip()
+    return Settings(
+        cache_dir=Path(os.environ["VARIANTGEN_CACHE_DIR"]).expanduser()
+        if os.environ.get("VARIANTGEN_CACHE_DIR")
+        else _default_cache_dir(),
+        jit_disabled=disabled_by is not None,
+        jit_disabled_by=disabled_by,
+        cuda_home=Path(cuda_home) if cuda_home else None,
+        arch=os.environ.get("VARIANTGEN_ARCH") or None,
+        build_jobs=_int_or_none("VARIANTGEN_BUILD_JOBS") or _int_or_none("MAX_JOBS"),
+        nvcc_threads=_int_or_none("VARIANTGEN_NVCC_THREADS") or 1,
+        template_dir=Path(os.environ["VARIANTGEN_TEMPLATE_DIR"])
+        if os.environ.get("VARIANTGEN_TEMPLATE_DIR")
+        else REPO_DIR / "templates",
+        lock_timeout_s=float(timeout) if timeout else 1800.0,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def settings() -> Settings:
+    return _read()
+
+
+def reload_settings() -> Settings:
+    settings.cache_clear()
+    return settings()

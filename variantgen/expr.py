@@ -1,0 +1,687 @@
+"""The expression language of spec files: tokenizer, parser and type checker.
+
+Expressions are parsed by this module alone (never ``eval``); every name must be a
+built-in, a declared scalar or a declared tensor; the checked tree is what code
+generation, the torch reference and the interval analysis walk. Nothing from the
+source text reaches generated C++ except through that tree.
+
+Grammar, lowest precedence first::
+
+    cond    := or ['if' or 'else' cond]
+    or      := and ('or' and)*
+    and     := not ('and' not)*
+    not     := 'not' not | compare
+    compare := arith (('<'|'<='|'>'|'>='|'=='|'!=') arith)*     # a < b < c chains
+    arith   := term (('+'|'-') term)*
+    term    := unary (('*'|'/'|'//'|'%') unary)*
+    unary   := ('-'|'+') unary | postfix
+    postfix := NAME '(' args ')' | NAME '[' args ']' | atom
+    atom    := INT | FLOAT | 'true' | 'false' | NAME | '(' cond ')'
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+from .errors import Location, SpecError
+
+MAX_EXPR_CHARS = 4096
+MAX_DEPTH = 64
+MAX_TREE_DEPTH = 128  # long chains (a + b + c ...) nest without parentheses; every tree walk recurses
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+class Type(enum.Enum):
+    BOOL = "bool"
+    INT = "int"
+    FLOAT = "float"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# ----------------------------------------------------------------------------- source
+
+
+@dataclass(frozen=True)
+class SourceText:
+    """An expression's text and where it sits in its file.
+
+    ``line_starts`` holds, for each line of ``text``, the (line, col) in the file where
+    that line of the expression begins, so multi-line YAML scalars map back exactly.
+    """
+
+    text: str
+    file: str = "<string>"
+    line_starts: tuple[tuple[int, int], ...] = ((1, 1),)
+    field: str = "expression"
+    positions: tuple[tuple[int, int], ...] = ()
+    """Optional (line, col) in the file of every offset 0..len(text) of ``text``: set when
+    YAML folded the scalar (plain, quoted or '>' style), so its lines are not the file's."""
+
+    def locate(self, offset: int) -> Location:
+        offset = max(0, min(offset, len(self.text)))
+        if len(self.positions) == len(self.text) + 1:
+            line, col = self.positions[offset]
+            return Location(self.file, line, col)
+        line_idx = self.text.count("\n", 0, offset)
+        line_begin = self.text.rfind("\n", 0, offset) + 1
+        if line_idx < len(self.line_starts):
+            file_line, file_col = self.line_starts[line_idx]
+        else:  # more lines than mapped (folded scalar): best effort
+            file_line, file_col = self.line_starts[-1][0] + line_idx, 1
+        return Location(self.file, file_line, file_col + (offset - line_begin))
+
+    def line_text(self, offset: int) -> tuple[str, int]:
+        """The source line containing ``offset`` and the 1-based column within it."""
+        begin = self.text.rfind("\n", 0, offset) + 1
+        end = self.text.find("\n", offset)
+        end = len(self.text) if end < 0 else end
+        return self.text[begin:end], offset - begin + 1
+
+    def error(self, offset: int, message: str, hint: str | None = None) -> SpecError:
+        # The caret goes under the expression's own line, so its column is the one
+        # within that line; the location keeps the column in the file.
+        line, col = self.line_text(offset)
+        return SpecError(message, self.locate(offset), field=self.field, source_line=line,
+                         hint=hint, caret_col=col)
+
+
+# ----------------------------------------------------------------------------- tokens
+
+_TOKEN_RE = re.compile(
+    r"""
+    (?P<ws>[ \t\r\n]+)
+  | (?P<float>(?:\d+\.\d*|\.\d+)(?:[eE][+-]?\d+)?|\d+[eE][+-]?\d+)
+  | (?P<int>\d+)
+  | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
+  | (?P<op>//|<=|>=|==|!=|[-+*/%<>()\[\],])
+    """,
+    re.VERBOSE | re.ASCII,  # \d: 0-9 only, not every Unicode digit
+)
+KEYWORDS = {"and", "or", "not", "if", "else", "true", "false", "True", "False"}
+
+
+@dataclass(frozen=True)
+class Token:
+    kind: str  # 'int' 'float' 'name' 'op' 'kw' 'end'
+    text: str
+    pos: int
+
+
+def tokenize(src: SourceText) -> list[Token]:
+    text = src.text
+    if len(text) > MAX_EXPR_CHARS:
+        raise src.error(0, f"expression is {len(text)} characters long; the limit is {MAX_EXPR_CHARS}")
+    tokens: list[Token] = []
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN_RE.match(text, pos)
+        if m is None:
+            ch = text[pos]
+            shown = repr(ch) if ch.isprintable() else f"U+{ord(ch):04X}"
+            hint = None
+            if ch in "&|!":
+                hint = "use 'and', 'or' and 'not' for boolean logic"
+            elif ch == "=":
+                hint = "use '==' to compare"
+            raise src.error(pos, f"unexpected character {shown}", hint)
+        kind = m.lastgroup
+        assert kind is not None
+        if kind != "ws":
+            tok_text = m.group()
+            if kind == "name" and tok_text in KEYWORDS:
+                kind = "kw"
+            tokens.append(Token(kind, tok_text, pos))
+        pos = m.end()
+    tokens.append(Token("end", "", len(text)))
+    return tokens
+
+
+# ----------------------------------------------------------------------------- AST
+
+
+@dataclass(frozen=True)
+class Node:
+    pos: int = field(default=0, compare=False)
+    ty: Type | None = field(default=None, compare=False)
+
+    def children(self) -> tuple[Node, ...]:
+        return ()
+
+
+@dataclass(frozen=True)
+class Const(Node):
+    value: bool | int | float = 0
+
+
+@dataclass(frozen=True)
+class Name(Node):
+    id: str = ""
+
+
+@dataclass(frozen=True)
+class Index(Node):
+    tensor: str = ""
+    indices: tuple[Node, ...] = ()
+
+    def children(self) -> tuple[Node, ...]:
+        return self.indices
+
+
+@dataclass(frozen=True)
+class Unary(Node):
+    op: str = "-"  # '-', '+', 'not'
+    operand: Node = field(default_factory=Const)
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.operand,)
+
+
+@dataclass(frozen=True)
+class Binary(Node):
+    op: str = "+"  # + - * / // % < <= > >= == != and or
+    left: Node = field(default_factory=Const)
+    right: Node = field(default_factory=Const)
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.left, self.right)
+
+
+@dataclass(frozen=True)
+class Call(Node):
+    func: str = ""
+    args: tuple[Node, ...] = ()
+
+    def children(self) -> tuple[Node, ...]:
+        return self.args
+
+
+@dataclass(frozen=True)
+class Cond(Node):
+    test: Node = field(default_factory=Const)
+    then: Node = field(default_factory=Const)
+    orelse: Node = field(default_factory=Const)
+
+    def children(self) -> tuple[Node, ...]:
+        return (self.test, self.then, self.orelse)
+
+
+ARITH_OPS = ("+", "-", "*", "/", "//", "%")
+CMP_OPS = ("<", "<=", ">", ">=", "==", "!=")
+BOOL_OPS = ("and", "or")
+
+
+def walk(node: Node) -> Iterator[Node]:
+    yield node
+    for child in node.children():
+        yield from walk(child)
+
+
+def names_used(node: Node) -> set[str]:
+    out: set[str] = set()
+    for n in walk(node):
+        if isinstance(n, Name):
+            out.add(n.id)
+        elif isinstance(n, Index):
+            out.add(n.tensor)
+    return out
+
+
+# ----------------------------------------------------------------------------- parser
+
+
+class _Parser:
+    def __init__(self, src: SourceText):
+        self.src = src
+        self.tokens = tokenize(src)
+        self.i = 0
+        self.depth = 0
+
+    # helpers
+    @property
+    def tok(self) -> Token:
+        return self.tokens[self.i]
+
+    def advance(self) -> Token:
+        tok = self.tokens[self.i]
+        self.i += 1
+        return tok
+
+    def at(self, text: str) -> bool:
+        return self.tok.kind in ("op", "kw") and self.tok.text == text
+
+    def expect(self, text: str, what: str) -> Token:
+        if not self.at(text):
+            found = "end of expression" if self.tok.kind == "end" else repr(self.tok.text)
+            raise self.src.error(self.tok.pos, f"expected {what}, found {found}")
+        return self.advance()
+
+    def enter(self, pos: int) -> None:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise self.src.error(pos, f"expression is nested too deeply (more than {MAX_DEPTH} levels)")
+
+    def leave(self) -> None:
+        self.depth -= 1
+
+    # grammar
+    def parse(self) -> Node:
+        if self.tok.kind == "end":
+            raise self.src.error(0, "expression is empty")
+        node = self.cond()
+        if self.tok.kind != "end":
+            raise self.src.error(
+                self.tok.pos,
+                f"unexpected {self.tok.text!r} after a complete expression",
+                "join conditions with 'and' / 'or'; a conditional reads 'a if test else b'",
+            )
+        too_deep = _deeper_than(node, MAX_TREE_DEPTH)
+        if too_deep is not None:
+            raise self.src.error(
+                too_deep.pos,
+                f"expression is nested too deeply (more than {MAX_TREE_DEPTH} levels of operations)",
+                "group long chains with parentheses, e.g. (a or b) or (c or d)",
+            )
+        return node
+
+    def cond(self) -> Node:
+        self.enter(self.tok.pos)
+        node = self.or_()
+        if self.at("if"):
+            pos = self.advance().pos
+            test = self.or_()
+            self.expect("else", "'else' of the conditional 'a if test else b'")
+            orelse = self.cond()
+            node = Cond(pos=pos, test=test, then=node, orelse=orelse)
+        self.leave()
+        return node
+
+    def or_(self) -> Node:
+        node = self.and_()
+        while self.at("or"):
+            pos = self.advance().pos
+            node = Binary(pos=pos, op="or", left=node, right=self.and_())
+        return node
+
+    def and_(self) -> Node:
+        node = self.not_()
+        while self.at("and"):
+            pos = self.advance().pos
+            node = Binary(pos=pos, op="and", left=node, right=self.not_())
+        return node
+
+    def not_(self) -> Node:
+        if self.at("not"):
+            pos = self.advance().pos
+            self.enter(pos)
+            node = Unary(pos=pos, op="not", operand=self.not_())
+            self.leave()
+            return node
+        return self.compare()
+
+    def compare(self) -> Node:
+        first = self.arith()
+        parts: list[Node] = []
+        left = first
+        while self.tok.kind == "op" and self.tok.text in CMP_OPS:
+            tok = self.advance()
+            right = self.arith()
+            parts.append(Binary(pos=tok.pos, op=tok.text, left=left, right=right))
+            left = right
+        if not parts:
+            return first
+        node = parts[0]
+        for part in parts[1:]:  # a < b < c  ==  a < b and b < c
+            node = Binary(pos=part.pos, op="and", left=node, right=part)
+        return node
+
+    def arith(self) -> Node:
+        node = self.term()
+        while self.tok.kind == "op" and self.tok.text in ("+", "-"):
+            tok = self.advance()
+            node = Binary(pos=tok.pos, op=tok.text, left=node, right=self.term())
+        return node
+
+    def term(self) -> Node:
+        node = self.unary()
+        while self.tok.kind == "op" and self.tok.text in ("*", "/", "//", "%"):
+            tok = self.advance()
+            node = Binary(pos=tok.pos, op=tok.text, left=node, right=self.unary())
+        return node
+
+    def unary(self) -> Node:
+        if self.tok.kind == "op" and self.tok.text in ("-", "+"):
+            tok = self.advance()
+            self.enter(tok.pos)
+            operand = self.unary()
+            self.leave()
+            if tok.text == "-" and isinstance(operand, Const) and not isinstance(operand.value, bool):
+                return Const(pos=tok.pos, value=-operand.value)
+            return Unary(pos=tok.pos, op=tok.text, operand=operand)
+        return self.postfix()
+
+    def args(self, close: str, what: str) -> tuple[Node, ...]:
+        out: list[Node] = []
+        if self.at(close):
+            self.advance()
+            return ()
+        while True:
+            out.append(self.cond())
+            if self.at(","):
+                self.advance()
+                continue
+            self.expect(close, what)
+            return tuple(out)
+
+    def postfix(self) -> Node:
+        tok = self.tok
+        if tok.kind == "name":
+            self.advance()
+            if self.at("("):
+                self.advance()
+                return Call(pos=tok.pos, func=tok.text, args=self.args(")", "')' closing the call"))
+            if self.at("["):
+                self.advance()
+                return Index(pos=tok.pos, tensor=tok.text, indices=self.args("]", "']' closing the index"))
+            return Name(pos=tok.pos, id=tok.text)
+        return self.atom()
+
+    def atom(self) -> Node:
+        tok = self.tok
+        if tok.kind == "int":
+            self.advance()
+            value = int(tok.text)
+            if value > INT32_MAX + 1:  # +1: '-2147483648' is parsed as -(2147483648)
+                raise self.src.error(tok.pos, f"integer {tok.text} does not fit in 32 bits")
+            return Const(pos=tok.pos, value=value)
+        if tok.kind == "float":
+            self.advance()
+            value = float(tok.text)
+            if not math.isfinite(value) or abs(value) > 3.4e38:
+                raise self.src.error(tok.pos, f"number {tok.text} does not fit in a 32-bit float")
+            return Const(pos=tok.pos, value=value)
+        if tok.kind == "kw" and tok.text in ("true", "false", "True", "False"):
+            self.advance()
+            return Const(pos=tok.pos, value=tok.text in ("true", "True"))
+        if self.at("("):
+            self.advance()
+            node = self.cond()
+            self.expect(")", "')'")
+            return node
+        found = "end of expression" if tok.kind == "end" else repr(tok.text)
+        raise self.src.error(tok.pos, f"expected a value (number, name or '('), found {found}")
+
+
+def _deeper_than(root: Node, limit: int) -> Node | None:
+    """The first node (in source order) deeper than ``limit`` levels, without recursing."""
+    stack: list[tuple[Node, int]] = [(root, 1)]
+    deepest: Node | None = None
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit and (deepest is None or node.pos < deepest.pos):
+            deepest = node
+            continue
+        stack.extend((child, depth + 1) for child in node.children())
+    return deepest
+
+
+def parse(src: SourceText | str) -> Node:
+    """Parse an expression into an untyped tree. Raises SpecError with a location."""
+    if isinstance(src, str):
+        src = SourceText(src)
+    return _Parser(src).parse()
+
+
+# ----------------------------------------------------------------------------- typing
+
+
+@dataclass(frozen=True)
+class TensorSig:
+    """What the type checker needs to know about a declared tensor."""
+
+    name: str
+    ndim: int
+    elem: Type  # INT or FLOAT
+
+
+@dataclass(frozen=True)
+class Builtin:
+    name: str
+    ty: Type
+    doc: str
+
+
+BUILTINS: dict[str, Builtin] = {
+    b.name: b
+    for b in (
+        Builtin("q_pos", Type.INT, "absolute position of the query within its request (kv_len - qo_len + q_idx)"),
+        Builtin("kv_pos", Type.INT, "absolute position of the key within its request"),
+        Builtin("q_idx", Type.INT, "index of the query among the request's new tokens (0 .. qo_len-1)"),
+        Builtin("q_row", Type.INT, "global query row in the batch: indexes [total_q, ...] tensors"),
+        Builtin("kv_row", Type.INT,
+                "global key row in the batch (requests back to back): indexes [total_kv, ...] tensors"),
+        Builtin("q_kv_row", Type.INT, "global key row of the query's own token: indexes [total_kv, ...] tensors"),
+        Builtin("request", Type.INT, "index of the request in the batch: indexes [batch, ...] tensors"),
+        Builtin("qo_head", Type.INT, "query head index: indexes [num_qo_heads] tensors"),
+        Builtin("kv_head", Type.INT, "key/value head index: indexes [num_kv_heads] tensors"),
+        Builtin("qo_len", Type.INT, "number of new query tokens of the request"),
+        Builtin("kv_len", Type.INT, "number of key tokens of the request (cached + new)"),
+    )
+}
+LOGITS = Builtin("logits", Type.FLOAT, "the scaled score sm_scale * (q . k), in logits transforms only")
+
+# name -> (min args, max args)
+FUNCTIONS: dict[str, tuple[int, int]] = {
+    "min": (2, 8),
+    "max": (2, 8),
+    "abs": (1, 1),
+    "float": (1, 1),
+    "tanh": (1, 1),
+    "exp": (1, 1),
+    "log": (1, 1),
+    "sqrt": (1, 1),
+    "sigmoid": (1, 1),
+}
+FLOAT_FUNCS = ("tanh", "exp", "log", "sqrt", "sigmoid")
+
+
+@dataclass(frozen=True)
+class TypeEnv:
+    scalars: dict[str, Type]
+    tensors: dict[str, TensorSig]
+    allow_logits: bool = False
+
+    def known_names(self) -> list[str]:
+        names = list(BUILTINS) + list(self.scalars) + list(self.tensors)
+        if self.allow_logits:
+            names.append(LOGITS.name)
+        return names
+
+
+def _suggest(name: str, candidates: list[str]) -> str | None:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f"did you mean `{close[0]}`?" if close else None
+
+
+class _Checker:
+    def __init__(self, src: SourceText, env: TypeEnv):
+        self.src = src
+        self.env = env
+
+    def err(self, node: Node, message: str, hint: str | None = None) -> SpecError:
+        return self.src.error(node.pos, message, hint)
+
+    def check(self, node: Node) -> Node:
+        method = getattr(self, "_" + type(node).__name__.lower())
+        return method(node)
+
+    def _const(self, node: Const) -> Node:
+        v = node.value
+        ty = Type.BOOL if isinstance(v, bool) else Type.INT if isinstance(v, int) else Type.FLOAT
+        if ty is Type.INT and not (INT32_MIN <= v <= INT32_MAX):
+            raise self.err(node, f"integer {v} does not fit in 32 bits")
+        return replace(node, ty=ty)
+
+    def _name(self, node: Name) -> Node:
+        if node.id in BUILTINS:
+            return replace(node, ty=BUILTINS[node.id].ty)
+        if node.id in self.env.scalars:
+            return replace(node, ty=self.env.scalars[node.id])
+        if node.id == LOGITS.name:
+            if self.env.allow_logits:
+                return replace(node, ty=Type.FLOAT)
+            raise self.err(node, "`logits` is only available in the `logits` transform, not in a mask")
+        if node.id in self.env.tensors:
+            sig = self.env.tensors[node.id]
+            idx = ", ".join(["i"] * sig.ndim)
+            raise self.err(node, f"tensor `{node.id}` must be indexed, e.g. {node.id}[{idx}]")
+        if node.id in FUNCTIONS:
+            raise self.err(node, f"`{node.id}` is a function: call it, e.g. {node.id}(...)")
+        raise self.err(
+            node,
+            f"unknown name `{node.id}`; known names: {', '.join(sorted(self.env.known_names()))}",
+            _suggest(node.id, self.env.known_names()),
+        )
+
+    def _index(self, node: Index) -> Node:
+        sig = self.env.tensors.get(node.tensor)
+        if sig is None:
+            what = "a scalar" if node.tensor in self.env.scalars or node.tensor in BUILTINS else "not a declared tensor"
+            raise self.err(
+                node,
+                f"`{node.tensor}` is {what} and cannot be indexed; declared tensors: "
+                f"{', '.join(sorted(self.env.tensors)) or '(none)'}",
+                _suggest(node.tensor, list(self.env.tensors)),
+            )
+        if len(node.indices) != sig.ndim:
+            raise self.err(
+                node,
+                f"tensor `{node.tensor}` has {sig.ndim} dimension(s) but is indexed with {len(node.indices)}",
+            )
+        indices = tuple(self.check(i) for i in node.indices)
+        for i in indices:
+            if i.ty is not Type.INT:
+                raise self.err(i, f"index of `{node.tensor}` must be an int, got {i.ty}")
+        return replace(node, indices=indices, ty=sig.elem)
+
+    def _unary(self, node: Unary) -> Node:
+        operand = self.check(node.operand)
+        if node.op == "not":
+            if operand.ty is not Type.BOOL:
+                raise self.err(node, f"'not' needs a bool, got {operand.ty}", "compare first, e.g. `not (x > 0)`")
+            return replace(node, operand=operand, ty=Type.BOOL)
+        if operand.ty is Type.BOOL:
+            raise self.err(node, f"unary '{node.op}' needs a number, got bool")
+        return replace(node, operand=operand, ty=operand.ty)
+
+    def _binary(self, node: Binary) -> Node:
+        left, right = self.check(node.left), self.check(node.right)
+        op = node.op
+        if op in BOOL_OPS:
+            for side in (left, right):
+                if side.ty is not Type.BOOL:
+                    raise self.err(side, f"'{op}' needs bool operands, got {side.ty}",
+                                   "compare the number first, e.g. `x != 0`")
+            return replace(node, left=left, right=right, ty=Type.BOOL)
+        if op in CMP_OPS:
+            if op in ("==", "!=") and left.ty is Type.BOOL and right.ty is Type.BOOL:
+                return replace(node, left=left, right=right, ty=Type.BOOL)
+            for side in (left, right):
+                if side.ty is Type.BOOL:
+                    raise self.err(side, f"'{op}' compares numbers, got a bool operand")
+            return replace(node, left=left, right=right, ty=Type.BOOL)
+        for side in (left, right):
+            if side.ty is Type.BOOL:
+                raise self.err(side, f"'{op}' needs numbers, got bool",
+                               "bools are not numbers here; use `1 if test else 0`")
+        if op in ("//", "%"):
+            for side in (left, right):
+                if side.ty is not Type.INT:
+                    raise self.err(side, f"'{op}' needs int operands, got {side.ty}")
+            if isinstance(right, Const) and right.value == 0:
+                raise self.err(right, f"'{op}' by zero")
+            return replace(node, left=left, right=right, ty=Type.INT)
+        if op == "/":
+            if isinstance(right, Const) and right.value == 0:
+                raise self.err(right, "division by zero")
+            return replace(node, left=left, right=right, ty=Type.FLOAT)
+        ty = Type.FLOAT if Type.FLOAT in (left.ty, right.ty) else Type.INT
+        return replace(node, left=left, right=right, ty=ty)
+
+    def _call(self, node: Call) -> Node:
+        if node.func not in FUNCTIONS:
+            if node.func in self.env.tensors:
+                raise self.err(node, f"tensor `{node.func}` is indexed with [...], not called",
+                               f"write {node.func}[...]")
+            raise self.err(node, f"unknown function `{node.func}`; functions: {', '.join(sorted(FUNCTIONS))}",
+                           _suggest(node.func, list(FUNCTIONS)))
+        lo, hi = FUNCTIONS[node.func]
+        if not lo <= len(node.args) <= hi:
+            want = str(lo) if lo == hi else f"{lo} to {hi}"
+            raise self.err(node, f"`{node.func}` takes {want} argument(s), got {len(node.args)}")
+        args = tuple(self.check(a) for a in node.args)
+        for a in args:
+            if a.ty is Type.BOOL:
+                raise self.err(a, f"`{node.func}` needs numbers, got bool")
+        if node.func in ("min", "max"):
+            ty = Type.FLOAT if any(a.ty is Type.FLOAT for a in args) else Type.INT
+        elif node.func == "abs":
+            ty = args[0].ty
+        else:
+            ty = Type.FLOAT
+        return replace(node, args=args, ty=ty)
+
+    def _cond(self, node: Cond) -> Node:
+        test, then, orelse = self.check(node.test), self.check(node.then), self.check(node.orelse)
+        if test.ty is not Type.BOOL:
+            raise self.err(test, f"the test of 'a if test else b' must be a bool, got {test.ty}")
+        if (then.ty is Type.BOOL) != (orelse.ty is Type.BOOL):
+            raise self.err(node, "both branches of 'a if test else b' must have the same kind, "
+                           f"got {then.ty} and {orelse.ty}")
+        ty = then.ty if then.ty == orelse.ty else Type.FLOAT
+        return replace(node, test=test, then=then, orelse=orelse, ty=ty)
+
+
+def typecheck(node: Node, env: TypeEnv, src: SourceText | None = None, expect: Type | None = None) -> Node:
+    """Return a copy of ``node`` with every ``ty`` filled in; raise SpecError on misuse."""
+    src = src or SourceText("")
+    typed = _Checker(src, env).check(node)
+    if expect is not None:
+        ok = typed.ty is expect or (expect is Type.FLOAT and typed.ty is Type.INT)
+        if not ok:
+            hint = None
+            if expect is Type.BOOL:
+                hint = "a mask must be true where the key is visible, e.g. `kv_pos <= q_pos`"
+            raise src.error(0, f"expression must be a {expect}, got {typed.ty}", hint)
+    return typed
+
+
+def parse_typed(src: SourceText, env: TypeEnv, expect: Type | None = None) -> Node:
+    return typecheck(parse(src), env, src, expect)
+
+
+def to_source(node: Node) -> str:
+    """Canonical text of a tree (fully parenthesised): used in comments and cache keys."""
+    if isinstance(node, Const):
+        if isinstance(node.value, bool):
+            return "true" if node.value else "false"
+        return repr(node.value)
+    if isinstance(node, Name):
+        return node.id
+    if isinstance(node, Index):
+        return f"{node.tensor}[{', '.join(to_source(i) for i in node.indices)}]"
+    if isinstance(node, Unary):
+        return f"(not {to_source(node.operand)})" if node.op == "not" else f"({node.op}{to_source(node.operand)})"
+    if isinstance(node, Binary):
+        return f"({to_source(node.left)} {node.op} {to_source(node.right)})"
+    if isinstance(node, Call):
+        return f"{node.func}({', '.join(to_source(a) for a in node.args)})"
+    if isinstance(node, Cond):
+        return f"({to_source(node.then)} if {to_source(node.test)} else {to_source(node.orelse)})"
+    raise TypeError(f"not an expression node: {node!r}")

@@ -1,0 +1,287 @@
+"""Per-query key intervals derived from a mask's expression tree.
+
+Practical masks are unions of key intervals per query row: causal [0, q_pos], window
+[q_pos - w, q_pos], a span [start, end], a chunk [c*floor(q/c), q], prefix-LM
+[0, max(q_pos, prefix - 1)]. ``analyze`` rewrites the mask into a disjunction of terms,
+each an intersection of
+
+  * row conditions (atoms that do not read the key at all),
+  * bounds ``kv_pos >= lo`` / ``kv_pos <= hi`` with lo, hi row-only expressions
+    (from any comparison linear in kv_pos with coefficient +-1, and from the chunk
+    pattern ``kv_pos // c == r``),
+  * anything else that reads the key (e.g. ``doc_ids[kv_row] == ...``): dropped from
+    the bounds, which turns the term into a *hull* (a superset), marked inexact.
+
+``row_intervals`` evaluates the bounds for every query row at once (torch, on the
+device of the inputs): per row the hull [lo, hi] of the visible keys and whether the
+visible set is exactly that one interval. The planner only skips per-element masking
+where ``exact`` holds; elsewhere the mask is evaluated inside the hull, which is sound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from .expr import Binary, Const, Name, Node, Type, Unary, names_used, to_source
+from .spec import VariantSpec
+
+KEY_NAMES = {"kv_pos", "kv_row"}
+HEAD_NAMES = {"qo_head", "kv_head"}
+MAX_TERMS = 8
+BIG = 1 << 40
+
+
+@dataclass(frozen=True)
+class Term:
+    conds: tuple[Node, ...] = ()  # row-only bool expressions, all must hold
+    lows: tuple[Node, ...] = ()  # kv_pos >= each
+    highs: tuple[Node, ...] = ()  # kv_pos <= each
+    chunks: tuple[tuple[Node, Node], ...] = ()  # (c, r): kv_pos // c == r, c > 0
+    exact: bool = True
+
+    def describe(self) -> str:
+        parts = [f"kv_pos >= {to_source(x)}" for x in self.lows] + [f"kv_pos <= {to_source(x)}" for x in self.highs]
+        parts += [f"kv_pos // {to_source(c)} == {to_source(r)}" for c, r in self.chunks]
+        parts += [to_source(c) for c in self.conds]
+        return " and ".join(parts) + ("" if self.exact else "  (hull)")
+
+
+@dataclass(frozen=True)
+class IntervalForm:
+    terms: tuple[Term, ...]
+    planner_ready: bool
+    reason: str = ""
+
+    @property
+    def exact(self) -> bool:
+        return all(t.exact for t in self.terms)
+
+
+def _row_only(node: Node) -> bool:
+    return not (names_used(node) & (KEY_NAMES | HEAD_NAMES))
+
+
+def _neg(node: Node) -> Node:
+    if isinstance(node, Unary) and node.op == "-":
+        return node.operand
+    if isinstance(node, Const) and not isinstance(node.value, bool):
+        return Const(pos=node.pos, ty=node.ty, value=-node.value)
+    return Unary(pos=node.pos, ty=node.ty, op="-", operand=node)
+
+
+def _sub(a: Node, b: Node) -> Node:
+    return Binary(pos=a.pos, ty=Type.INT, op="-", left=a, right=b)
+
+
+def _add_const(a: Node, k: int) -> Node:
+    return Binary(pos=a.pos, ty=Type.INT, op="+", left=a, right=Const(value=k, ty=Type.INT))
+
+
+def _linear(node: Node) -> tuple[int, Node | None] | None:
+    """node == coef * kv_pos + rest with rest row-only; None if not of that form."""
+    if isinstance(node, Name) and node.id == "kv_pos":
+        return 1, None
+    if _row_only(node):
+        return 0, node
+    if isinstance(node, Unary) and node.op in "+-":
+        inner = _linear(node.operand)
+        if inner is None:
+            return None
+        c, r = inner
+        return (-c, _neg(r) if r is not None else None) if node.op == "-" else inner
+    if isinstance(node, Binary) and node.op in ("+", "-"):
+        a, b = _linear(node.left), _linear(node.right)
+        if a is None or b is None:
+            return None
+        sign = 1 if node.op == "+" else -1
+        rb = b[1] if sign == 1 or b[1] is None else _neg(b[1])
+        rest = a[1] if rb is None else rb if a[1] is None else Binary(ty=Type.INT, op="+", left=a[1], right=rb)
+        return a[0] + sign * b[0], rest
+    return None
+
+
+def _bounds_of_compare(node: Binary) -> Term | None:
+    """A comparison linear in kv_pos -> bounds; None if it is not."""
+    if node.left.ty is not Type.INT or node.right.ty is not Type.INT:
+        return None
+    diff = _linear(Binary(ty=Type.INT, op="-", left=node.left, right=node.right))
+    if diff is None or abs(diff[0]) != 1:
+        return None
+    coef, rest = diff
+    rest = rest if rest is not None else Const(value=0, ty=Type.INT)
+    # coef*kv + rest  (op)  0
+    op = node.op
+    if coef == -1:  # -kv + rest op 0  <=>  kv  flip(op)  rest
+        bound = rest
+        op = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}[op]
+    else:  # kv + rest op 0  <=>  kv op -rest
+        bound = _neg(rest)
+    if op == "<=":
+        return Term(highs=(bound,))
+    if op == "<":
+        return Term(highs=(_add_const(bound, -1),))
+    if op == ">=":
+        return Term(lows=(bound,))
+    if op == ">":
+        return Term(lows=(_add_const(bound, 1),))
+    if op == "==":
+        return Term(lows=(bound,), highs=(bound,))
+    return None
+
+
+def _chunk_of_compare(node: Binary) -> Term | None:
+    """kv_pos // c == r (either side), c and r row-only."""
+    if node.op != "==":
+        return None
+    for a, b in ((node.left, node.right), (node.right, node.left)):
+        if (isinstance(a, Binary) and a.op == "//" and isinstance(a.left, Name) and a.left.id == "kv_pos"
+                and _row_only(a.right) and _row_only(b)):
+            return Term(chunks=((a.right, b),))
+    return None
+
+
+def _atom(node: Node) -> Term:
+    if _row_only(node):
+        return Term(conds=(node,))
+    if isinstance(node, Binary) and node.op in ("<", "<=", ">", ">=", "==", "!="):
+        found = _bounds_of_compare(node) or _chunk_of_compare(node)
+        if found is not None:
+            return found
+    return Term(exact=False)  # reads the key in a way we do not model: hull
+
+
+def _and(a: Term, b: Term) -> Term:
+    return Term(a.conds + b.conds, a.lows + b.lows, a.highs + b.highs, a.chunks + b.chunks, a.exact and b.exact)
+
+
+class _TooComplex(Exception):
+    pass
+
+
+def _negate(node: Node) -> Node:
+    if isinstance(node, Unary) and node.op == "not":
+        return node.operand
+    if isinstance(node, Binary) and node.op in ("and", "or"):
+        return replace(node, op="or" if node.op == "and" else "and", left=_negate(node.left),
+                       right=_negate(node.right))
+    if isinstance(node, Binary) and node.op in ("<", "<=", ">", ">=", "==", "!="):
+        flip = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}[node.op]
+        return replace(node, op=flip)
+    return Unary(pos=node.pos, ty=Type.BOOL, op="not", operand=node)
+
+
+def _dnf(node: Node) -> list[Term]:
+    if isinstance(node, Binary) and node.op == "or":
+        terms = _dnf(node.left) + _dnf(node.right)
+    elif isinstance(node, Binary) and node.op == "and":
+        terms = [_and(a, b) for a in _dnf(node.left) for b in _dnf(node.right)]
+    elif isinstance(node, Unary) and node.op == "not" and not _row_only(node):
+        return _dnf(_negate(node.operand))
+    elif isinstance(node, Const) and node.ty is Type.BOOL:
+        terms = [Term()] if node.value else []
+    else:
+        terms = [_atom(node)]
+    if len(terms) > MAX_TERMS:
+        raise _TooComplex
+    return terms
+
+
+def analyze(spec: VariantSpec) -> IntervalForm:
+    used = names_used(spec.mask)
+    if used & HEAD_NAMES:
+        return IntervalForm((), False, "the mask depends on the head index: intervals differ per head")
+    try:
+        terms = tuple(_dnf(spec.mask))
+    except _TooComplex:
+        return IntervalForm((), False, f"the mask expands to more than {MAX_TERMS} interval terms")
+    if not terms:
+        return IntervalForm((), False, "the mask is never true")
+    if all(not t.exact and not t.lows and not t.highs and not t.chunks for t in terms):
+        return IntervalForm(terms, False, "no key bound could be derived from the mask")
+    return IntervalForm(terms, True, "")
+
+
+def args_read(form: IntervalForm, spec: VariantSpec) -> set[str]:
+    """Spec arguments (tensors and scalars) the interval bounds read: plan() uses them."""
+    used: set[str] = set()
+    for t in form.terms:
+        for node in (*t.conds, *t.lows, *t.highs, *(x for pair in t.chunks for x in pair)):
+            used |= names_used(node)
+    return used & ({t.name for t in spec.tensors} | {s.name for s in spec.scalars})
+
+
+def tensors_read(form: IntervalForm, spec: VariantSpec) -> set[str]:
+    """Spec tensors the interval bounds read (plan() needs them to plan)."""
+    return args_read(form, spec) & {t.name for t in spec.tensors}
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+@dataclass(frozen=True)
+class RowIntervals:
+    lo: torch.Tensor  # int64 [rows]: first key of the hull (clamped to [0, kv_len-1])
+    hi: torch.Tensor  # int64 [rows]: last key of the hull
+    exact: torch.Tensor  # bool [rows]: visible keys are exactly [lo, hi]
+    empty: torch.Tensor  # bool [rows]: provably no visible key
+
+
+def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch.Tensor],
+                  args: Mapping[str, Any]) -> RowIntervals:
+    """Evaluate ``form`` for rows described by ``env`` (q_pos, q_idx, q_row, q_kv_row,
+    request, qo_len, kv_len as int64 tensors of shape [rows])."""
+    from .reference import _Evaluator
+
+    ev = _Evaluator.from_env(spec, env, args)
+    kv_len = env["kv_len"]
+    n = kv_len.shape[0]
+    dev = kv_len.device
+    los, his, oks, exacts = [], [], [], []
+    for t in form.terms:
+        lo = torch.zeros(n, dtype=torch.int64, device=dev)
+        hi = kv_len - 1
+        ok = torch.ones(n, dtype=torch.bool, device=dev)
+        exact = torch.full((n,), t.exact, dtype=torch.bool, device=dev)
+        for c in t.conds:
+            ok &= ev.ev(c).expand(n).to(torch.bool)
+        for x in t.lows:
+            lo = torch.maximum(lo, ev.ev(x).expand(n).to(torch.int64))
+        for x in t.highs:
+            hi = torch.minimum(hi, ev.ev(x).expand(n).to(torch.int64))
+        for c_node, r_node in t.chunks:
+            c = ev.ev(c_node).expand(n).to(torch.int64)
+            r = ev.ev(r_node).expand(n).to(torch.int64)
+            valid = c > 0
+            exact &= valid  # c <= 0: floordiv gives 0; not modelled, keep the hull
+            lo = torch.where(valid, torch.maximum(lo, r * c), lo)
+            hi = torch.where(valid, torch.minimum(hi, r * c + c - 1), hi)
+        nonempty = ok & (lo <= hi)
+        los.append(torch.where(nonempty, lo, torch.full_like(lo, BIG)))
+        his.append(torch.where(nonempty, hi, torch.full_like(hi, -BIG)))
+        oks.append(nonempty)
+        exacts.append(exact | ~nonempty)  # an empty exact term contributes nothing
+    lo = torch.stack(los, 1)
+    hi = torch.stack(his, 1)
+    any_ok = torch.stack(oks, 1).any(1)
+    all_exact = torch.stack(exacts, 1).all(1)
+    # The union is one interval iff, with terms sorted by lo, each starts at most one past
+    # the furthest end so far.
+    order = lo.argsort(1)
+    lo_s = lo.gather(1, order)
+    hi_s = hi.gather(1, order)
+    reach = hi_s.cummax(1).values
+    gaps = (lo_s[:, 1:] > reach[:, :-1] + 1) & (lo_s[:, 1:] < BIG)
+    contiguous = ~gaps.any(1)
+    hull_lo = lo_s[:, 0]
+    hull_hi = reach[:, -1]
+    empty = ~any_ok & all_exact
+    return RowIntervals(
+        lo=torch.where(any_ok, hull_lo, torch.zeros_like(hull_lo)),
+        hi=torch.where(any_ok, hull_hi, kv_len - 1),
+        exact=any_ok & all_exact & contiguous,
+        empty=empty,
+    )

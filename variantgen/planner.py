@@ -1,0 +1,143 @@
+"""The interval planner: split query rows into launch requests by the shape of their key
+interval, so the kernel evaluates the mask only where the answer is not known.
+
+Per row (intervals.row_intervals, computed on the device from the same tensors the mask
+reads) each row is classified:
+
+  dense   every key of [lo, hi] is visible, lo page-aligned      -> MaskMode::kNone
+  causal  keys [lo, q_pos], lo fixed and page-aligned           -> MaskMode::kCausal
+  window  keys [q_pos - w, q_pos], w fixed                       -> kCausal + kernel window w
+  custom  anything else (not exact, several intervals, unaligned) -> kCustom over the hull
+
+Consecutive rows of a request with the same class and parameters form one launch
+request (custom ones capped at CUSTOM_ROWS rows, to keep hulls tight), with its own page
+list trimmed to the interval. In kNone/kCausal launches the kernel still calls the
+generated mask on its boundary tiles (diagonal, window edge), so partial tiles stay exact;
+interior tiles are known to be fully visible. Rows are partitioned: every output row is
+written by exactly one launch, in place, so nothing is gathered, scattered or merged.
+Metadata is O(segments); the only host sync is reading the segment boundaries back.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import LaunchError
+from .intervals import analyze, row_intervals, tensors_read
+
+if TYPE_CHECKING:
+    from .wrapper import VariantWrapper
+
+DENSE, CAUSAL, WINDOW, CUSTOM = 0, 1, 2, 3
+CLASS_MODE = {DENSE: "none", CAUSAL: "causal", WINDOW: "causal", CUSTOM: "custom"}
+CUSTOM_ROWS = 128
+
+
+def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indices: torch.Tensor,
+                  last_h: list[int], kv_lens: list[int], args: dict[str, Any]) -> list[dict]:
+    spec = w.spec
+    form = analyze(spec)
+    if not form.planner_ready:
+        raise LaunchError(f"plan(skip_tiles=True): spec `{spec.name}` has no usable key intervals "
+                          f"({form.reason}); plan with skip_tiles=False")
+    missing = sorted(tensors_read(form, spec) - set(args))
+    if missing:
+        raise LaunchError(f"plan(skip_tiles=True): the intervals of `{spec.name}` read {', '.join(missing)}; "
+                          "pass them to plan() by name too")
+    b = w._batch
+    assert b is not None
+    dev = w.device
+    ps = b.page_size
+    i64 = torch.int64
+    qo_lens = torch.tensor(b.qo_lens, dtype=i64, device=dev)
+    kv_len_req = torch.tensor(kv_lens, dtype=i64, device=dev)
+    q_start = torch.tensor(qo_h[:-1], dtype=i64, device=dev)
+    request = torch.repeat_interleave(torch.arange(b.batch_size, device=dev), qo_lens)
+    rows = torch.arange(b.total_q, device=dev, dtype=i64)
+    q_idx = rows - q_start[request]
+    kv_len = kv_len_req[request]
+    q_pos = kv_len - qo_lens[request] + q_idx
+    kv_row_base = torch.cumsum(kv_len_req, 0) - kv_len_req
+    env = {"q_pos": q_pos, "q_idx": q_idx, "q_row": rows, "q_kv_row": kv_row_base[request] + q_pos,
+           "request": request, "qo_len": qo_lens[request], "kv_len": kv_len}
+    iv = row_intervals(form, spec, env, args)
+    lo, hi = iv.lo, iv.hi
+
+    # Classify each row.
+    causal_end = iv.exact & (hi == q_pos)
+    aligned = lo % ps == 0
+    prev_lo = torch.cat([lo[:1] - 1, lo[:-1]])
+    next_lo = torch.cat([lo[1:], lo[-1:] - 1])
+    same_req_prev = torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), request[1:] == request[:-1]])
+    same_req_next = torch.cat([request[1:] == request[:-1], torch.zeros(1, dtype=torch.bool, device=dev)])
+    fixed_lo = ((lo == prev_lo) & same_req_prev) | ((lo == next_lo) & same_req_next)
+    cls = torch.full_like(lo, CUSTOM)
+    cls = torch.where(causal_end, torch.full_like(lo, WINDOW), cls)
+    cls = torch.where(causal_end & aligned & (fixed_lo | (lo == 0)), torch.full_like(lo, CAUSAL), cls)
+    cls = torch.where(iv.exact & ~causal_end & aligned, torch.full_like(lo, DENSE), cls)
+    # Parameters that must stay fixed within a launch request.
+    param_a = torch.where(cls == WINDOW, q_pos - lo, lo)
+    param_b = torch.where(cls == DENSE, hi, torch.zeros_like(hi))
+    chunk = torch.where(cls == CUSTOM, q_idx // CUSTOM_ROWS, torch.zeros_like(q_idx))
+    param_a = torch.where(cls == CUSTOM, chunk, param_a)
+    key = torch.stack([request, cls, param_a, param_b], 1)
+    starts = torch.ones(b.total_q, dtype=torch.bool, device=dev)
+    starts[1:] = (key[1:] != key[:-1]).any(1)
+    seg_start = starts.nonzero().squeeze(1)
+    seg_end = torch.cat([seg_start[1:], torch.tensor([b.total_q], device=dev)])
+    # Per-segment hull (custom segments: min lo / max hi over their rows).
+    seg_id = torch.cumsum(starts.to(i64), 0) - 1
+    nseg = seg_start.numel()
+    seg_lo = torch.full((nseg,), 1 << 40, dtype=i64, device=dev).scatter_reduce(0, seg_id, lo, "amin")
+    seg_hi = torch.full((nseg,), -1, dtype=i64, device=dev).scatter_reduce(0, seg_id, hi, "amax")
+    host = torch.stack([seg_start, seg_end, request[seg_start], cls[seg_start], param_a[seg_start],
+                        seg_lo, seg_hi, q_pos[seg_start], q_pos[seg_end - 1]], 1).cpu().tolist()
+
+    kv_row_base_h = [0]
+    for kl in kv_lens:
+        kv_row_base_h.append(kv_row_base_h[-1] + kl)
+    by_mode: dict[str, dict[str, list]] = {}
+    stats = {"dense": 0, "causal": 0, "window": 0, "custom": 0, "custom_rows": 0}
+    for r0, r1, req, c, pa, slo, shi, q_first, q_last in host:
+        if c == DENSE:
+            page0, kv_end, window = slo // ps, shi + 1, -1
+        elif c == CAUSAL:
+            page0, kv_end, window = pa // ps, q_last + 1, -1
+        elif c == WINDOW:
+            page0, kv_end, window = max(q_first - pa, 0) // ps, q_last + 1, pa
+        else:
+            page0, kv_end, window = slo // ps, shi + 1, -1
+            stats["custom_rows"] += r1 - r0
+        stats[["dense", "causal", "window", "custom"][c]] += 1
+        kv_pos_base = page0 * ps
+        n_pages = -(-(kv_end - kv_pos_base) // ps)
+        launch_kv_len = kv_end - kv_pos_base
+        mode = CLASS_MODE[c]
+        d = by_mode.setdefault(mode, {"q_starts": [], "plan_qo": [0], "kv_indptr": [0], "page_ranges": [],
+                                      "last_page_len": [], "meta": []})
+        d["q_starts"].append(r0)
+        d["plan_qo"].append(d["plan_qo"][-1] + (r1 - r0))
+        d["kv_indptr"].append(d["kv_indptr"][-1] + n_pages)
+        d["page_ranges"].append((kvp_h[req] + page0, n_pages))
+        d["last_page_len"].append(launch_kv_len - (n_pages - 1) * ps)
+        d["meta"].append([r0, q_first, kv_pos_base, req, kv_row_base_h[req], b.qo_lens[req], kv_lens[req],
+                          window, r1 - r0])
+    w.plan_stats["segments"] = stats
+    launches = []
+    for mode in ("custom", "causal", "none"):
+        if mode not in by_mode:
+            continue
+        d = by_mode[mode]
+        d["q_starts"].append(b.total_q)
+        # Page lists of all launch requests of this launch, gathered on the device.
+        firsts = torch.tensor([p for p, _ in d["page_ranges"]], dtype=i64, device=dev)
+        counts = torch.tensor([n for _, n in d["page_ranges"]], dtype=i64, device=dev)
+        offsets = torch.arange(int(counts.sum()), device=dev) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts)
+        page_idx = torch.repeat_interleave(firsts, counts) + offsets
+        launches.append(dict(mask_mode=mode, q_starts=d["q_starts"], plan_qo=d["plan_qo"],
+                             kv_indptr=d["kv_indptr"], kv_indices=kv_indices.to(dev)[page_idx].to(torch.int32),
+                             last_page_len=d["last_page_len"], meta=d["meta"], packed=False))
+    return launches

@@ -1,0 +1,496 @@
+"""Can this spec run here? One call that answers yes, or no with the reason.
+
+``probe`` is what a serving engine calls at startup before it advertises a variant
+backend: it validates the spec, checks the installed FlashInfer, the dtype / head-dim /
+backend combination, the GPU (or a target arch on build boxes), JIT settings, the
+toolchain and the cache, and finally finds or builds the module (and loads it when a GPU
+is present). It never raises: every failure, expected or not, becomes ``reason``.
+
+Checks run in this order, and the first failing one is reported:
+
+1. the spec (file) is valid;
+2. flashinfer is importable and new enough (>= 0.7.2: ``batch_prefill_paged.cu`` and
+   ``PrefillPlan`` in ``scheduler.cuh``), apache-tvm-ffi is importable;
+3. the combination (dtypes, head dims, backend, page size) is one fa2 modules support;
+4. a GPU of sm80 or newer is visible, or a target arch was given (``arch=`` or
+   VARIANTGEN_ARCH);
+5. with JIT disabled (or ``build=False``) the module is precompiled in the cache;
+6. nvcc is found (CUDA_HOME);
+7. the cache directory is writable (only when the module is absent);
+8. the build succeeds;
+9. the module loads (only when a GPU is present).
+
+Results are memoized per argument combination (and environment snapshot) for the life
+of the process; ``probe.cache_clear()`` forgets them. A negative result caused by a lock
+timeout (another process building the same module for too long) is not memoized.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import shlex
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import build as _build
+from . import env, render
+from .cache import Cache
+from .errors import BuildError, CacheError, JitDisabledError, SpecError, ToolchainError
+from .render import FA2_HEAD_DIMS, ModuleConfig, canonical_arch, canonical_dtype
+from .spec import BACKENDS, VariantSpec, load_spec
+
+log = logging.getLogger("variantgen.probe")
+
+NEEDED_FLASHINFER = "0.7.2"
+FA3_REASON = "fa3 variants are not generated yet; fa2 modules run on sm90"
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """The answer of :func:`probe`. Truthy exactly when ``ok``."""
+
+    ok: bool
+    reason: str = ""
+    """Why not ("" when ok): one or a few lines a user can act on."""
+    uri: str | None = None
+    """The module's cache URI, once the configuration is known."""
+    source: str = "not built"
+    """'cache' (found), 'built' (built by this call) or 'not built'."""
+    module_path: str | None = None
+    seconds: float = 0.0
+    details: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __str__(self) -> str:
+        if self.ok:
+            return f"ok: {self.uri} ({self.source})"
+        return f"no: {self.reason}"
+
+
+class _Fail(Exception):
+    """Internal: stop probing with this reason (and whether it may be memoized)."""
+
+    def __init__(self, reason: str, *, transient: bool = False, **details: Any):
+        super().__init__(reason)
+        self.reason = reason
+        self.transient = transient
+        self.details = details
+
+
+_memo: dict[tuple, ProbeResult] = {}
+_memo_lock = threading.Lock()
+
+
+def cache_clear() -> None:
+    """Forget every memoized probe result (tests, or after installing a toolkit)."""
+    with _memo_lock:
+        _memo.clear()
+
+
+# ----------------------------------------------------------------------------- public
+
+
+def probe(
+    spec: VariantSpec | str | Path,
+    *,
+    head_dim_qk: int,
+    head_dim_vo: int | None = None,
+    q_dtype: Any,
+    kv_dtype: Any,
+    o_dtype: Any = None,
+    backend: str = "fa2",
+    page_size: int | None = None,
+    device: Any = None,
+    build: bool = True,
+    cache_dir: str | Path | None = None,
+    arch: str | None = None,
+) -> ProbeResult:
+    """Say whether ``spec`` can run here with these settings; never raises.
+
+    ``spec`` is a VariantSpec or a path to a spec file. ``device`` selects the GPU (default:
+    the current one, when CUDA is available). ``arch`` (or VARIANTGEN_ARCH) names the target
+    when no GPU is visible: then the module is found or built but not loaded.
+    ``build=False`` only looks in the cache. ``cache_dir`` defaults to VARIANTGEN_CACHE_DIR.
+    """
+    t0 = time.perf_counter()
+    args = dict(head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                o_dtype=o_dtype, backend=backend, page_size=page_size, device=device, build=build,
+                cache_dir=cache_dir, arch=arch)
+    try:
+        key = _memo_key(spec, args)
+    except Exception:  # unhashable oddities: just do not memoize
+        key = None
+    if key is not None:
+        with _memo_lock:
+            hit = _memo.get(key)
+        if hit is not None:
+            return hit
+    transient = False
+    try:
+        result = _probe(spec, t0, **args)
+    except _Fail as f:
+        transient = f.transient
+        result = ProbeResult(False, f.reason, f.details.pop("uri", None), "not built", None,
+                             time.perf_counter() - t0, f.details)
+    except BaseException as e:  # noqa: BLE001 - probe never raises, whatever happens
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        log.debug("probe failed unexpectedly", exc_info=True)
+        transient = True  # an unexpected failure may not repeat; do not pin it
+        result = ProbeResult(False, f"internal error: {type(e).__name__}: {e}", None, "not built", None,
+                             time.perf_counter() - t0, {})
+    if result.ok:
+        log.info("probe %s: ok (%s, %.2fs)", result.uri, result.source, result.seconds)
+    else:
+        log.debug("probe %s: %s", _spec_label(spec), result.reason)
+    if key is not None and not transient:
+        with _memo_lock:
+            _memo[key] = result
+    return result
+
+
+# ----------------------------------------------------------------------------- the checks
+
+
+def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, kv_dtype: Any,
+           o_dtype: Any, backend: Any, page_size: Any, device: Any, build: bool, cache_dir: Any,
+           arch: Any) -> ProbeResult:
+    # 1. spec
+    spec = _load(spec_arg)
+
+    # 2. flashinfer
+    problem = flashinfer_problem()
+    if problem:
+        raise _Fail(problem)
+
+    # 3. the combination (with a placeholder arch when it is not known yet)
+    config_fields = _config_fields(spec, head_dim_qk, head_dim_vo, q_dtype, kv_dtype, o_dtype, backend)
+    explicit_arch = None
+    if arch is not None:
+        try:
+            explicit_arch = canonical_arch(arch)
+        except ValueError as e:
+            raise _Fail(str(e)) from None
+    problems = _config_problems(config_fields, explicit_arch or "8.0")
+    if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
+        problems.append(f"page_size={page_size!r}: expected a positive whole number")
+    if problems:
+        raise _Fail("; ".join(problems))
+
+    # 4. device / target arch
+    try:
+        s = env.settings()
+    except ValueError as e:  # a malformed environment variable
+        raise _Fail(str(e)) from None
+    device_arch = _device_arch(device)
+    if explicit_arch is not None:
+        target = explicit_arch
+    elif device_arch is not None:
+        target = device_arch
+    elif s.arch:
+        try:
+            target = canonical_arch(s.arch)
+        except ValueError as e:
+            raise _Fail(f"VARIANTGEN_ARCH: {e}") from None
+    else:
+        raise _Fail("no CUDA device visible and no target arch given (pass arch= or set VARIANTGEN_ARCH)")
+    try:
+        config = ModuleConfig(**config_fields, arch=target)
+    except ValueError as e:
+        raise _Fail(str(e)) from None
+    details: dict[str, Any] = {"arch": target, "device_arch": device_arch, "config": config.describe()}
+
+    # 5-8. find or build (build_module orders: toolchain, lookup, JIT, writable, build)
+    cache = Cache(cache_dir) if cache_dir is not None else build_default_cache()
+    details["cache_dir"] = str(cache.root)
+    rendered = render.render_module(config)
+    uri = _expected_uri(rendered)
+    details["uri"] = uri
+    jit_off = s.jit_disabled or not build
+    try:
+        result = _build_module(config, cache, rendered=rendered, allow_build=build)
+    except JitDisabledError as e:
+        if jit_off:
+            why = f"JIT disabled by {s.jit_disabled_by}" if s.jit_disabled else "building disabled (build=False)"
+            raise _Fail(f"{why} and module {uri} is not precompiled in {cache.root}; run: "
+                        + precompile_command(config, cache.root), **details) from None
+        raise _Fail(str(e), **details) from None  # cache not writable
+    except ToolchainError as e:
+        text = str(e)
+        if _same_inputs_cached(cache, rendered):
+            text += ("\n  (a module with the same inputs built by another toolchain is in the cache; "
+                     "set VARIANTGEN_DISABLE_JIT=1 to use it without nvcc)")
+        raise _Fail(text, **details) from None
+    except BuildError as e:
+        reason = f"building module {uri} failed"
+        if e.first_error:
+            reason += f": {e.first_error}"
+        if e.log_path:
+            reason += f" (full log: {e.log_path})"
+        raise _Fail(reason, first_error=e.first_error, log_path=e.log_path, **details) from None
+    except CacheError as e:
+        raise _Fail(str(e), transient="timed out" in str(e), **details) from None
+
+    entry = result.entry
+    details["uri"] = entry.uri
+    details["built"] = result.built
+    details["loaded"] = False
+    if device_arch is not None:
+        if canonical_arch(target) == device_arch:
+            try:
+                _build.load_module(entry)
+            except Exception as e:
+                raise _Fail(f"module {entry.uri} was found but failed to load: {type(e).__name__}: {e}",
+                            **details) from None
+            details["loaded"] = True
+        else:
+            details["note"] = f"module built for sm{config.arch_tag}; the visible GPU is {device_arch}, not loaded"
+    details.pop("uri")
+    return ProbeResult(True, "", entry.uri, "built" if result.built else "cache", str(entry.module_path),
+                       time.perf_counter() - t0, details)
+
+
+def _build_module(config: ModuleConfig, cache: Cache, **kwargs: Any):
+    return _build.build_module(config, cache, **kwargs)
+
+
+def build_default_cache() -> Cache:
+    return _build.default_cache()
+
+
+def _load(spec_arg: Any) -> VariantSpec:
+    if isinstance(spec_arg, VariantSpec):
+        return spec_arg
+    if isinstance(spec_arg, (str, Path)):
+        try:
+            return load_spec(spec_arg)
+        except SpecError as e:
+            raise _Fail(str(e)) from None
+    raise _Fail(f"spec must be a VariantSpec or a path to a spec file, got {type(spec_arg).__name__}")
+
+
+def _config_fields(spec: VariantSpec, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, kv_dtype: Any,
+                   o_dtype: Any, backend: Any) -> dict[str, Any]:
+    problems = []
+    dims = {}
+    for name, value in (("head_dim_qk", head_dim_qk), ("head_dim_vo", head_dim_vo)):
+        if value is None and name == "head_dim_vo":
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{name}={value!r}: expected a whole number, one of {list(FA2_HEAD_DIMS)}")
+        dims[name] = value
+    dtypes = {}
+    for name, value in (("q_dtype", q_dtype), ("kv_dtype", kv_dtype), ("o_dtype", o_dtype)):
+        if value is None and name == "o_dtype":
+            continue
+        try:
+            dtypes[name] = canonical_dtype(value, name)
+        except ValueError as e:
+            problems.append(str(e))
+    if backend not in BACKENDS:
+        problems.append(f"backend={backend!r}: expected one of {list(BACKENDS)}")
+    if problems:
+        raise _Fail("; ".join(problems))
+    return {
+        "spec": spec,
+        "head_dim_qk": dims["head_dim_qk"],
+        "head_dim_vo": dims.get("head_dim_vo", dims["head_dim_qk"]),
+        "q_dtype": dtypes["q_dtype"],
+        "kv_dtype": dtypes["kv_dtype"],
+        "o_dtype": dtypes.get("o_dtype", dtypes["q_dtype"]),
+        "backend": backend,
+    }
+
+
+def _config_problems(fields: dict[str, Any], arch: str) -> list[str]:
+    """ModuleConfig.problems() for these fields, all of them (construction stops at the first)."""
+    probe_cfg = object.__new__(ModuleConfig)  # skip __post_init__, which raises on the first problem
+    for f in ModuleConfig.__dataclass_fields__.values():
+        if f.name in fields:
+            value = fields[f.name]
+        elif f.name == "arch":
+            value = arch
+        else:
+            value = f.default
+        object.__setattr__(probe_cfg, f.name, value)
+    out = []
+    if fields["backend"] == "fa3":
+        out.append(FA3_REASON)
+    for p in probe_cfg.problems():
+        if fields["backend"] == "fa3" and p.startswith("backend='fa3': only 'fa2'"):
+            continue
+        out.append(p)
+    return out
+
+
+def _device_arch(device: Any) -> str | None:
+    """The visible GPU's arch ('9.0a', '8.6'), None without CUDA; _Fail for GPUs fa2 cannot use."""
+    import torch
+
+    if device is None and not torch.cuda.is_available():
+        return None
+    try:
+        major, minor = torch.cuda.get_device_capability(device)
+    except Exception as e:
+        where = f"CUDA device {device}" if device is not None else "the CUDA device"
+        raise _Fail(f"cannot query {where}: {type(e).__name__}: {e}") from None
+    if major < 8:
+        raise _Fail(f"GPU sm{major}{minor} is older than sm80, which fa2 needs")
+    # Same rule as wrapper.device_arch, so probe finds the module make_wrapper will use.
+    return canonical_arch(f"{major}.{minor}{'a' if major == 9 else ''}")
+
+
+def _expected_uri(rendered: render.RenderedModule) -> str:
+    """The URI build_module looks up (its key includes the toolchain when there is one)."""
+    try:
+        tc = _build.toolchain()
+    except ToolchainError:
+        tc = None
+    return _build.module_key(rendered, tc).uri
+
+
+def _same_inputs_cached(cache: Cache, rendered: render.RenderedModule) -> bool:
+    try:
+        key = _build.module_key(rendered, None)
+        return bool(cache.find_same_inputs(rendered.config.uri_prefix, key.inputs_digest))
+    except Exception:
+        return False
+
+
+def precompile_command(config: ModuleConfig, cache_root: Path | str) -> str:
+    """The `variantgen precompile` command that puts ``config``'s module into ``cache_root``."""
+    spec_path = config.spec.path
+    if not spec_path or spec_path.startswith("<"):
+        spec_path = f"<{config.spec.name}.yaml>"
+    else:
+        spec_path = shlex.quote(spec_path)
+    parts = ["variantgen", "precompile", spec_path, "--head-dim", str(config.head_dim_qk),
+             "--dtype", config.q_dtype, "--kv-dtype", config.kv_dtype]
+    if config.o_dtype != config.q_dtype:
+        parts += ["--o-dtype", config.o_dtype]
+    if config.backend != "fa2":
+        parts += ["--backend", config.backend]
+    parts += ["--arch", canonical_arch(config.arch), "--cache-dir", shlex.quote(str(cache_root))]
+    return " ".join(parts)
+
+
+# ----------------------------------------------------------------------------- flashinfer
+
+
+def flashinfer_problem() -> str | None:
+    """Why the installed flashinfer / tvm-ffi cannot be used, or None."""
+    needed = f"variantgen needs flashinfer-python >= {NEEDED_FLASHINFER}"
+    try:
+        import flashinfer
+        from flashinfer.jit import env as fi_env
+    except Exception as e:
+        return (f"flashinfer is not importable ({type(e).__name__}: {e}); {needed} "
+                "(pip install --no-deps flashinfer-python==0.7.2.post1)")
+    found = str(getattr(flashinfer, "__version__", "unknown"))
+    if not _version_at_least(found, NEEDED_FLASHINFER):
+        return (f"flashinfer {found} is too old: {needed} (for csrc/batch_prefill_paged.cu and "
+                "PrefillPlan in scheduler.cuh)")
+    csrc = Path(getattr(fi_env, "FLASHINFER_CSRC_DIR", "<unknown>"))
+    host = csrc / "batch_prefill_paged.cu"
+    if not host.is_file():
+        return f"flashinfer {found} lacks {host}; {needed} with its CUDA sources (a full wheel)"
+    include = Path(getattr(fi_env, "FLASHINFER_INCLUDE_DIR", "<unknown>"))
+    scheduler = include / "flashinfer" / "attention" / "scheduler.cuh"
+    if not _mentions(str(scheduler), "PrefillPlan"):
+        return f"flashinfer {found}: {scheduler} lacks PrefillPlan; {needed}"
+    try:
+        import tvm_ffi  # noqa: F401
+    except Exception as e:
+        return (f"apache-tvm-ffi is not importable ({type(e).__name__}: {e}); "
+                "pip install apache-tvm-ffi==0.1.15.post2")
+    return None
+
+
+def _version_at_least(found: str, needed: str) -> bool:
+    try:
+        from packaging.version import InvalidVersion, Version
+    except ImportError:  # packaging is nearly always there; compare the numeric prefix otherwise
+        def nums(v: str) -> tuple[int, ...]:
+            out = []
+            for part in v.split("."):
+                digits = "".join(c for c in part if c.isdigit())
+                if not digits:
+                    break
+                out.append(int(digits))
+            return tuple(out)
+
+        return bool(nums(found)) and nums(found) >= nums(needed)
+    try:
+        return Version(found) >= Version(needed)
+    except InvalidVersion:
+        return False
+
+
+@functools.lru_cache(maxsize=8)
+def _mentions_cached(path: str, word: str, mtime_ns: int) -> bool:
+    try:
+        return word in Path(path).read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def _mentions(path: str, word: str) -> bool:
+    try:
+        mtime = Path(path).stat().st_mtime_ns
+    except OSError:
+        return False
+    return _mentions_cached(path, word, mtime)
+
+
+# ----------------------------------------------------------------------------- memo
+
+
+def _spec_label(spec: Any) -> str:
+    if isinstance(spec, VariantSpec):
+        return spec.name
+    return str(spec)
+
+
+def _token(value: Any) -> Any:
+    """A hashable stand-in for an argument (dtypes by name, devices by str)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return (type(value).__name__, value)
+    return (type(value).__name__, str(value))
+
+
+def _memo_key(spec: Any, args: dict[str, Any]) -> tuple:
+    if isinstance(spec, VariantSpec):
+        spec_key: tuple = ("spec", spec.digest, spec.backends, spec.path)
+    else:
+        p = Path(spec)
+        try:
+            st = p.stat()
+            spec_key = ("file", str(p), str(p.resolve()), st.st_mtime_ns, st.st_size)
+        except OSError:
+            spec_key = ("file", str(p), None, None)
+    arg_key = tuple((k, _token(v)) for k, v in sorted(args.items()))
+    return spec_key, arg_key, env.settings()
+
+
+# ----------------------------------------------------------------------------- module call
+
+
+class _CallableModule(types.ModuleType):
+    """``import variantgen.probe`` rebinds ``variantgen.probe`` to this module (Python sets a
+    package attribute for every imported submodule), so the module forwards calls to
+    :func:`probe`: ``variantgen.probe(...)`` works before and after the import."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> ProbeResult:
+        return probe(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
+probe.cache_clear = cache_clear  # type: ignore[attr-defined]

@@ -1,0 +1,741 @@
+"""Spec files (YAML) -> frozen ``VariantSpec``, with every error located in the file.
+
+YAML is read with the safe loader only, after a size check and a scan that refuses
+anchors, aliases and tags; the node tree keeps line/column marks, so every field error
+and every expression error names ``file:line:col``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import expr
+from .errors import Location, SpecError, SpecErrors
+from .expr import BUILTINS, FUNCTIONS, SourceText, TensorSig, Type, TypeEnv
+
+MAX_SPEC_BYTES = 256 * 1024
+MAX_YAML_NODES = 20_000
+MAX_YAML_DEPTH = 32  # nested collections; a spec needs 4
+NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+ARG_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+
+TENSOR_DTYPES = {"int32": Type.INT, "float32": Type.FLOAT}
+SCALAR_DTYPES = {"int": Type.INT, "float": Type.FLOAT, "bool": Type.BOOL}
+SYMBOLIC_DIMS = {
+    "total_q": "one row per query token of the batch, in the order of q (index with q_row)",
+    "total_kv": "one row per key token, requests back to back (index with kv_row / q_kv_row)",
+    "batch": "one row per request (index with request)",
+    "num_qo_heads": "one row per query head (index with qo_head)",
+    "num_kv_heads": "one row per key/value head (index with kv_head)",
+}
+BACKENDS = ("fa2", "fa3")
+TOP_LEVEL_KEYS = ("name", "description", "tensors", "scalars", "mask", "logits", "scales", "backends")
+
+# Names an argument may not take: C++ keywords and identifiers that would shadow or
+# collide with FlashInfer's params fields, the kernel's locals or our own internals.
+CPP_KEYWORDS = frozenset(
+    """alignas alignof and and_eq asm auto bitand bitor bool break case catch char char8_t char16_t
+    char32_t class compl concept const consteval constexpr constinit const_cast continue co_await
+    co_return co_yield decltype default delete do double dynamic_cast else enum explicit export
+    extern false float for friend goto if inline int long mutable namespace new noexcept not not_eq
+    nullptr operator or or_eq private protected public register reinterpret_cast requires return
+    short signed sizeof static static_assert static_cast struct switch template this thread_local
+    throw true try typedef typeid typename union unsigned using virtual void volatile wchar_t while
+    xor xor_eq int32_t int64_t uint32_t uint8_t half nv_bfloat16 math std flashinfer""".split()
+)
+RESERVED_NAMES = frozenset(
+    """params q k v o lse paged_kv q_indptr kv_indptr o_indptr group_size num_qo_heads num_kv_heads
+    q_stride_n q_stride_h k_stride_n k_stride_h v_stride_n v_stride_h window_left request_indices
+    qo_tile_indices kv_tile_indices merge_indptr block_valid_mask kv_chunk_size_ptr
+    max_total_num_rows total_num_rows padded_batch_size partition_kv sm_scale sm_scale_log2 v_scale
+    q_scale k_scale logits_soft_cap rope_scale rope_theta additional_params maybe_custom_mask
+    maybe_mask_indptr maybe_alibi_slopes maybe_prefix_len_ptr batch_idx qo_idx kv_idx qo_head_idx
+    kv_head_idx smem_ptr out return_lse plan run workspace""".split()
+)
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    name: str
+    dtype: str  # 'int32' | 'float32'
+    shape: tuple[str | int, ...]
+    doc: str = ""
+
+    @property
+    def elem(self) -> Type:
+        return TENSOR_DTYPES[self.dtype]
+
+    @property
+    def cpp_type(self) -> str:
+        return {"int32": "int32_t", "float32": "float"}[self.dtype]
+
+
+@dataclass(frozen=True)
+class ScalarArg:
+    name: str
+    dtype: str  # 'int' | 'float' | 'bool'
+    default: bool | int | float
+    doc: str = ""
+
+    @property
+    def ty(self) -> Type:
+        return SCALAR_DTYPES[self.dtype]
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """A validated spec. Immutable; everything downstream takes this object."""
+
+    name: str
+    description: str
+    tensors: tuple[TensorArg, ...]
+    scalars: tuple[ScalarArg, ...]
+    mask: expr.Node
+    mask_text: str
+    logits: expr.Node | None = None
+    logits_text: str | None = None
+    sm_scale: float | None = None  # None: 1/sqrt(head_dim_qk)
+    qkv_scales: bool = True
+    backends: tuple[str, ...] = ("fa2",)
+    path: str = "<string>"
+    locations: dict[str, Location] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def tensor_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self.tensors)
+
+    @property
+    def scalar_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.scalars)
+
+    def type_env(self, allow_logits: bool = False) -> TypeEnv:
+        return TypeEnv(
+            scalars={s.name: s.ty for s in self.scalars},
+            tensors={t.name: TensorSig(t.name, len(t.shape), t.elem) for t in self.tensors},
+            allow_logits=allow_logits,
+        )
+
+    def canonical(self) -> dict[str, Any]:
+        """Everything that changes the generated code, in a stable form."""
+        return {
+            "name": self.name,
+            "tensors": [[t.name, t.dtype, list(t.shape)] for t in self.tensors],
+            "scalars": [[s.name, s.dtype, s.default] for s in self.scalars],
+            "mask": expr.to_source(self.mask),
+            "logits": expr.to_source(self.logits) if self.logits is not None else None,
+            "sm_scale": self.sm_scale,
+            "qkv_scales": self.qkv_scales,
+        }
+
+    @property
+    def digest(self) -> str:
+        blob = json.dumps(self.canonical(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def uses(self, name: str) -> bool:
+        used = expr.names_used(self.mask)
+        if self.logits is not None:
+            used |= expr.names_used(self.logits)
+        return name in used
+
+
+# ----------------------------------------------------------------------------- YAML
+
+
+def _loc(path: str, node: yaml.Node) -> Location:
+    return Location(path, node.start_mark.line + 1, node.start_mark.column + 1)
+
+
+class _SpecLoader(yaml.SafeLoader):
+    """The safe loader, refusing deep nesting while scanning.
+
+    PyYAML's scanner does work proportional to the flow depth ([[[...) for every token, so
+    a 256 KiB file of brackets would keep it busy for hours; its composer recurses once per
+    level. Both stop at MAX_YAML_DEPTH, with the position of the offending bracket or line.
+    """
+
+    def _too_deep(self) -> None:
+        raise yaml.scanner.ScannerError(
+            None, None, f"collections are nested more than {MAX_YAML_DEPTH} levels deep", self.get_mark())
+
+    def fetch_flow_collection_start(self, TokenClass):  # PyYAML names the argument so
+        if self.flow_level >= MAX_YAML_DEPTH:
+            self._too_deep()
+        super().fetch_flow_collection_start(TokenClass)
+
+    def add_indent(self, column: int) -> bool:
+        added = super().add_indent(column)
+        if added and len(self.indents) > MAX_YAML_DEPTH:
+            self._too_deep()
+        return added
+
+
+def _scan_yaml(text: str, path: str) -> None:
+    """Refuse what a spec never needs and an attacker likes: anchors, aliases, tags."""
+    try:
+        for event in yaml.parse(text, Loader=_SpecLoader):
+            mark = event.start_mark
+            where = Location(path, mark.line + 1, mark.column + 1)
+            if isinstance(event, yaml.AliasEvent):
+                raise SpecError("YAML aliases (*name) are not allowed in spec files; write the value out", where)
+            anchor = getattr(event, "anchor", None)
+            if anchor:
+                raise SpecError("YAML anchors (&name) are not allowed in spec files; write the value out", where)
+            tag = getattr(event, "tag", None)
+            implicit = getattr(event, "implicit", True)
+            if tag and not (implicit is True or (isinstance(implicit, tuple) and any(implicit))):
+                raise SpecError(f"YAML tags ({tag}) are not allowed in spec files", where)
+    except yaml.YAMLError as e:
+        raise _yaml_error(e, path) from None
+
+
+def _yaml_error(e: yaml.YAMLError, path: str) -> SpecError:
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    where = Location(path, mark.line + 1, mark.column + 1) if mark else Location(path)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    context = getattr(e, "context", None)
+    msg = f"invalid YAML: {problem}" + (f" ({context})" if context else "")
+    return SpecError(msg, where)
+
+
+class _Reader:
+    """Walks the composed YAML node tree, converting values and collecting errors."""
+
+    def __init__(self, path: str, text: str):
+        self.path = path
+        self.lines = text.splitlines()
+        self.errors: list[SpecError] = []
+        self.nodes = 0
+
+    def error(self, node: yaml.Node | None, field_name: str, message: str, hint: str | None = None) -> None:
+        loc = _loc(self.path, node) if node is not None else Location(self.path)
+        line = self.lines[loc.line - 1] if node is not None and 0 < loc.line <= len(self.lines) else None
+        shown = _shown(field_name) if field_name else None  # '': the document itself
+        self.errors.append(SpecError(message, loc, field=shown, source_line=line, hint=hint))
+
+    def count(self) -> None:
+        self.nodes += 1
+        if self.nodes > MAX_YAML_NODES:
+            raise SpecError(f"spec has more than {MAX_YAML_NODES} YAML nodes", Location(self.path))
+
+    def mapping(self, node: yaml.Node, field_name: str) -> list[tuple[str, yaml.Node, yaml.Node]] | None:
+        self.count()
+        if not isinstance(node, yaml.MappingNode):
+            self.error(node, field_name, f"expected a mapping (key: value lines), got {_kind(node)}")
+            return None
+        out, seen = [], {}
+        for key_node, value_node in node.value:
+            self.count()
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag != "tag:yaml.org,2002:str":
+                self.error(key_node, field_name, f"keys must be plain names, got {_kind(key_node)}")
+                continue
+            key = key_node.value
+            if key in seen:
+                self.error(key_node, f"{field_name}.{key}" if field_name else key,
+                           f"duplicate key `{_shown(key)}` (first at line {seen[key]})")
+                continue
+            seen[key] = key_node.start_mark.line + 1
+            out.append((key, key_node, value_node))
+        return out
+
+    def scalar(self, node: yaml.Node, field_name: str) -> Any:
+        self.count()
+        if not isinstance(node, yaml.ScalarNode):
+            self.error(node, field_name, f"expected a single value, got {_kind(node)}")
+            return _MISSING
+        try:
+            return yaml.SafeLoader(" ").construct_object(node)  # type: ignore[arg-type]
+        except Exception as e:  # a malformed timestamp, a bad float ...
+            self.error(node, field_name, f"cannot read value: {e}")
+            return _MISSING
+
+    def string(self, node: yaml.Node, field_name: str) -> str | None:
+        value = self.scalar(node, field_name)
+        if value is _MISSING:
+            return None
+        if not isinstance(value, str):
+            self.error(node, field_name, f"expected text, got {_pytype(value)} {value!r}",
+                       "quote the value" if value is not None else None)
+            return None
+        return value
+
+
+_PLAIN_FIELD = re.compile(r"[A-Za-z0-9_.\[\]]+")
+
+
+def _shown(text: str) -> str:
+    """A field name built from the file's keys, safe to print: as is when plain, else
+    quoted and escaped (control characters, odd spaces or line breaks never reach a message)."""
+    return text if _PLAIN_FIELD.fullmatch(text) else ascii(text)
+
+
+class _Missing:
+    pass
+
+
+_MISSING = _Missing()
+
+
+def _kind(node: yaml.Node) -> str:
+    if isinstance(node, yaml.MappingNode):
+        return "a mapping"
+    if isinstance(node, yaml.SequenceNode):
+        return "a list"
+    return f"the value {node.value!r}"
+
+
+def _pytype(value: Any) -> str:
+    if value is None:
+        return "nothing"
+    return {bool: "a bool", int: "an int", float: "a float", str: "text", list: "a list", dict: "a mapping"}.get(
+        type(value), type(value).__name__
+    )
+
+
+_LINE_BREAKS = "\r\n\x85\u2028\u2029"
+
+
+def _scalar_positions(node: yaml.ScalarNode, text: str) -> tuple[tuple[int, int], ...]:
+    """(line, col) in the file of each offset 0..len(text) of a scalar's value; () if unsure.
+
+    YAML folds plain, quoted and '>' scalars (a line break and the next line's indentation
+    become one space), strips a block's indentation and unescapes quoted scalars, so the
+    value's lines and columns are not the file's. Every non-blank character of the value
+    comes from the source in order (an escape gives one character); we align the two,
+    skipping only blanks and quoting, and give up on anything else.
+    """
+    start, end = node.start_mark, node.end_mark
+    buf = start.buffer
+    if not buf or start.pointer is None or end.pointer is None or end.pointer >= len(buf):
+        return ()
+    stop = end.pointer
+    # File position of every source index of the scalar, counted the way YAML's reader does.
+    where: dict[int, tuple[int, int]] = {}
+    line, col = start.line + 1, start.column + 1
+    for i in range(start.pointer, stop + 1):
+        where[i] = (line, col)
+        ch = buf[i]
+        if ch in "\n\x85\u2028\u2029" or (ch == "\r" and buf[i + 1:i + 2] != "\n"):
+            line, col = line + 1, 1
+        elif ch != "\ufeff":
+            col += 1
+    j = start.pointer
+    if node.style in ("|", ">"):  # skip the header line ('|', '>-', '|2  # comment' ...)
+        while j < stop and buf[j] not in _LINE_BREAKS:
+            j += 1
+    elif node.style in ("'", '"'):
+        j += 1
+    double = node.style == '"'
+    out: list[tuple[int, int]] = []
+    for ch in text:
+        if ch.isspace():  # a blank of the source, or a folded line break
+            out.append(where[j])
+            if buf[j] == ch:
+                j += 1
+            continue
+        while j < stop:
+            c = buf[j]
+            if double and c == "\\":
+                if buf[j + 1] in _LINE_BREAKS:  # escaped line break: continues the line
+                    j += 2
+                    continue
+                break  # an escape: it gives this character
+            if c == ch:
+                break
+            if not (c.isspace() or (c == "'" and node.style == "'")):
+                return ()
+            j += 1
+        if j >= stop:
+            return ()
+        out.append(where[j])
+        j += 2 + {"x": 2, "u": 4, "U": 8}.get(buf[j + 1], 0) if double and buf[j] == "\\" else 1
+        j = min(j, stop)
+    out.append(where[j])
+    return tuple(out)
+
+
+def _expr_source(node: yaml.ScalarNode, text: str, path: str, field_name: str) -> SourceText:
+    """Map an expression scalar back to file positions, for plain, quoted and block styles."""
+    line0, col0 = node.start_mark.line + 1, node.start_mark.column + 1
+    style = node.style
+    positions = _scalar_positions(node, text)
+    if positions:
+        starts = tuple(positions[0:1]) + tuple(positions[i + 1] for i, ch in enumerate(text) if ch == "\n")
+        return SourceText(text, path, starts, field_name, positions)
+    n_lines = text.count("\n") + 1
+    if style in ("|", ">"):
+        # Block scalar: content starts on the next line, at the block's indentation.
+        raw_lines = node.start_mark.buffer.splitlines() if node.start_mark.buffer else []
+        starts = []
+        file_line = line0 + 1
+        for _ in range(n_lines):
+            indent = 1
+            if 0 < file_line <= len(raw_lines):
+                raw = raw_lines[file_line - 1].rstrip("\0")
+                indent = len(raw) - len(raw.lstrip(" ")) + 1
+            starts.append((file_line, indent))
+            file_line += 1
+        return SourceText(text, path, tuple(starts), field_name)
+    if style in ("'", '"'):
+        col0 += 1
+    starts = [(line0, col0)] + [(line0 + i, 1) for i in range(1, n_lines)]
+    return SourceText(text, path, tuple(starts), field_name)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_spec(path: str | Path) -> VariantSpec:
+    """Read and validate one spec file. Raises SpecError (SpecErrors for several)."""
+    p = Path(path)
+    shown = str(path)
+    try:
+        size = p.stat().st_size
+    except FileNotFoundError:
+        raise SpecError("spec file not found", Location(shown)) from None
+    except OSError as e:
+        raise SpecError(f"cannot read spec file: {e.strerror}", Location(shown)) from None
+    if not p.is_file():
+        raise SpecError("not a regular file", Location(shown))
+    if size > MAX_SPEC_BYTES:
+        raise SpecError(f"spec file is {size} bytes; the limit is {MAX_SPEC_BYTES}", Location(shown))
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise SpecError(f"cannot read spec file: {e.strerror or e}", Location(shown)) from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise SpecError(f"spec file is not UTF-8 text (bad byte at offset {e.start})", Location(shown, line)) from None
+    return parse_spec(text, shown)
+
+
+def parse_spec(text: str, path: str = "<string>") -> VariantSpec:
+    """Validate spec text. All independent field errors are reported together."""
+    if len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise SpecError(f"spec is larger than {MAX_SPEC_BYTES} bytes", Location(path))
+    if "\0" in text:
+        line = text[: text.index("\0")].count("\n") + 1
+        raise SpecError("spec contains a NUL byte", Location(path, line))
+    _scan_yaml(text, path)
+    try:
+        root = yaml.compose(text, Loader=_SpecLoader)
+    except yaml.YAMLError as e:
+        raise _yaml_error(e, path) from None
+    except RecursionError:
+        raise SpecError("YAML is nested too deeply", Location(path)) from None
+    if root is None:
+        raise SpecError("spec is empty; expected a mapping with at least `name` and `mask`", Location(path, 1, 1))
+    r = _Reader(path, text)
+    try:
+        spec = _build(r, root)
+    except RecursionError:
+        raise SpecError("spec is nested too deeply", Location(path)) from None
+    if r.errors:
+        raise SpecErrors(r.errors) if len(r.errors) > 1 else r.errors[0]
+    assert spec is not None
+    return spec
+
+
+def _check_arg_name(r: _Reader, key_node: yaml.Node, name: str, where: str, taken: dict[str, str]) -> bool:
+    field_name = f"{where}.{name}"
+    if not ARG_RE.match(name):
+        r.error(key_node, field_name, f"argument name {name!r} must match {ARG_RE.pattern} "
+                "(lower case letters, digits, '_'; at most 32 characters)")
+        return False
+    if name.startswith("vg_"):
+        r.error(key_node, field_name, f"names starting with 'vg_' are reserved for variantgen internals: {name!r}")
+        return False
+    if name in BUILTINS or name in FUNCTIONS or name == "logits":
+        r.error(key_node, field_name, f"`{name}` is a built-in name of the expression language and cannot be declared")
+        return False
+    if name in CPP_KEYWORDS or name in RESERVED_NAMES or name in expr.KEYWORDS:
+        r.error(key_node, field_name, f"`{name}` is reserved (a C++ keyword or a FlashInfer kernel "
+                "parameter it would shadow); choose another name")
+        return False
+    if name in taken:
+        r.error(key_node, field_name, f"`{name}` is already declared as a {taken[name]}")
+        return False
+    return True
+
+
+def _build(r: _Reader, root: yaml.Node) -> VariantSpec | None:
+    items = r.mapping(root, "")
+    if items is None:
+        return None
+    fields = {key: (k, v) for key, k, v in items}
+    for key, key_node, _ in items:
+        if key not in TOP_LEVEL_KEYS:
+            hint = expr._suggest(key, list(TOP_LEVEL_KEYS))
+            r.error(key_node, key, f"unknown field; expected one of: {', '.join(TOP_LEVEL_KEYS)}", hint)
+
+    name = None
+    if "name" not in fields:
+        r.error(root, "name", "missing required field `name`")
+    else:
+        name = r.string(fields["name"][1], "name")
+        if name is not None and not NAME_RE.match(name):
+            r.error(fields["name"][1], "name", f"spec name {name!r} must match {NAME_RE.pattern} "
+                    "(it becomes part of module names and cache paths)")
+            name = None
+    description = ""
+    if "description" in fields:
+        description = r.string(fields["description"][1], "description") or ""
+
+    taken: dict[str, str] = {}
+    tensors: list[TensorArg] = []
+    if "tensors" in fields:
+        entries = r.mapping(fields["tensors"][1], "tensors")
+        for tname, key_node, value in entries or []:
+            if not _check_arg_name(r, key_node, tname, "tensors", taken):
+                continue
+            t = _tensor(r, tname, value)
+            if t is not None:
+                tensors.append(t)
+                taken[tname] = "tensor"
+    scalars: list[ScalarArg] = []
+    if "scalars" in fields:
+        entries = r.mapping(fields["scalars"][1], "scalars")
+        for sname, key_node, value in entries or []:
+            if not _check_arg_name(r, key_node, sname, "scalars", taken):
+                continue
+            s = _scalar(r, sname, value)
+            if s is not None:
+                scalars.append(s)
+                taken[sname] = "scalar"
+
+    env = TypeEnv(
+        scalars={s.name: s.ty for s in scalars},
+        tensors={t.name: TensorSig(t.name, len(t.shape), t.elem) for t in tensors},
+    )
+    mask = mask_text = None
+    if "mask" not in fields:
+        r.error(root, "mask", "missing required field `mask` (a bool expression; `kv_pos <= q_pos` is causal)")
+    else:
+        mask, mask_text = _expression(r, fields["mask"][1], "mask", env, Type.BOOL)
+    logits = logits_text = None
+    if "logits" in fields and not _is_null(fields["logits"][1]):
+        logits, logits_text = _expression(
+            r, fields["logits"][1], "logits",
+            TypeEnv(env.scalars, env.tensors, allow_logits=True), Type.FLOAT,
+        )
+        if logits is not None and "logits" not in expr.names_used(logits):
+            r.error(fields["logits"][1], "logits", "the logits transform never reads `logits`; "
+                    "it would replace every score with a constant")
+            logits = None
+
+    sm_scale, qkv_scales = _scales(r, fields.get("scales"))
+    backends = _backends(r, fields.get("backends"))
+    if r.errors or name is None or mask is None:
+        return None
+    locations = {key: _loc(r.path, k) for key, (k, _) in fields.items()}
+    return VariantSpec(
+        name=name,
+        description=description.strip(),
+        tensors=tuple(tensors),
+        scalars=tuple(scalars),
+        mask=mask,
+        mask_text=mask_text or "",
+        logits=logits,
+        logits_text=logits_text,
+        sm_scale=sm_scale,
+        qkv_scales=qkv_scales,
+        backends=backends,
+        path=r.path,
+        locations=locations,
+    )
+
+
+def _is_null(node: yaml.Node) -> bool:
+    return isinstance(node, yaml.ScalarNode) and node.tag == "tag:yaml.org,2002:null"
+
+
+def _tensor(r: _Reader, name: str, node: yaml.Node) -> TensorArg | None:
+    field_name = f"tensors.{name}"
+    items = r.mapping(node, field_name)
+    if items is None:
+        return None
+    got = {k: (kn, v) for k, kn, v in items}
+    for key, kn, _ in items:
+        if key not in ("dtype", "shape", "doc"):
+            r.error(kn, f"{field_name}.{key}", "unknown field; expected dtype, shape, doc",
+                    expr._suggest(key, ["dtype", "shape", "doc"]))
+    ok = True
+    dtype = None
+    if "dtype" not in got:
+        r.error(node, f"{field_name}.dtype", f"missing dtype; expected one of: {', '.join(TENSOR_DTYPES)}")
+        ok = False
+    else:
+        dtype = r.string(got["dtype"][1], f"{field_name}.dtype")
+        if dtype is not None and dtype not in TENSOR_DTYPES:
+            r.error(got["dtype"][1], f"{field_name}.dtype", f"unsupported tensor dtype {dtype!r}; expected one of: "
+                    f"{', '.join(TENSOR_DTYPES)}", expr._suggest(dtype, list(TENSOR_DTYPES)))
+            ok = False
+        ok = ok and dtype is not None
+    shape: list[str | int] = []
+    if "shape" not in got:
+        r.error(node, f"{field_name}.shape", "missing shape, e.g. [total_q, 2]")
+        ok = False
+    else:
+        snode = got["shape"][1]
+        if not isinstance(snode, yaml.SequenceNode) or not snode.value:
+            r.error(snode, f"{field_name}.shape", "expected a non-empty list of dimensions, e.g. [total_q, 2]")
+            ok = False
+        elif len(snode.value) > 4:
+            r.error(snode, f"{field_name}.shape", f"at most 4 dimensions are supported, got {len(snode.value)}")
+            ok = False
+        else:
+            for i, dnode in enumerate(snode.value):
+                d = r.scalar(dnode, f"{field_name}.shape[{i}]")
+                if isinstance(d, bool) or d is _MISSING:
+                    ok = False
+                    if isinstance(d, bool):
+                        r.error(dnode, f"{field_name}.shape[{i}]", "expected a dimension name or a size, got a bool")
+                elif isinstance(d, int):
+                    if not 1 <= d <= 65536:
+                        r.error(dnode, f"{field_name}.shape[{i}]", f"fixed size must be 1..65536, got {d}")
+                        ok = False
+                    shape.append(d)
+                elif isinstance(d, str) and d in SYMBOLIC_DIMS:
+                    shape.append(d)
+                else:
+                    r.error(dnode, f"{field_name}.shape[{i}]",
+                            f"unknown dimension {d!r}; expected a positive int or one of: {', '.join(SYMBOLIC_DIMS)}",
+                            expr._suggest(str(d), list(SYMBOLIC_DIMS)))
+                    ok = False
+    doc = ""
+    if "doc" in got:
+        doc = r.string(got["doc"][1], f"{field_name}.doc") or ""
+    if not ok or dtype is None:
+        return None
+    return TensorArg(name, dtype, tuple(shape), doc.strip())
+
+
+def _scalar(r: _Reader, name: str, node: yaml.Node) -> ScalarArg | None:
+    field_name = f"scalars.{name}"
+    items = r.mapping(node, field_name)
+    if items is None:
+        return None
+    got = {k: (kn, v) for k, kn, v in items}
+    for key, kn, _ in items:
+        if key not in ("dtype", "default", "doc"):
+            r.error(kn, f"{field_name}.{key}", "unknown field; expected dtype, default, doc",
+                    expr._suggest(key, ["dtype", "default", "doc"]))
+    if "dtype" not in got:
+        r.error(node, f"{field_name}.dtype", f"missing dtype; expected one of: {', '.join(SCALAR_DTYPES)}")
+        return None
+    dtype = r.string(got["dtype"][1], f"{field_name}.dtype")
+    if dtype is None:
+        return None
+    if dtype not in SCALAR_DTYPES:
+        r.error(got["dtype"][1], f"{field_name}.dtype", f"unsupported scalar dtype {dtype!r}; expected one of: "
+                f"{', '.join(SCALAR_DTYPES)}", expr._suggest(dtype, list(SCALAR_DTYPES)))
+        return None
+    if "default" not in got:
+        r.error(node, f"{field_name}.default",
+                f"missing default ({_article(dtype)} {dtype}); run() uses it when the argument is omitted")
+        return None
+    dnode = got["default"][1]
+    default = r.scalar(dnode, f"{field_name}.default")
+    if default is _MISSING:
+        return None
+    if not _value_fits(default, dtype):
+        in_range = dtype == "int" and isinstance(default, int) and not isinstance(default, bool)
+        r.error(dnode, f"{field_name}.default", f"default must be {_article(dtype)} {dtype}"
+                + (" in 32-bit range" if in_range else "") + f", got {_pytype(default)} {default!r}")
+        return None
+    if dtype == "float":
+        default = float(default)
+    doc = (r.string(got["doc"][1], f"{field_name}.doc") or "") if "doc" in got else ""
+    return ScalarArg(name, dtype, default, doc.strip())
+
+
+def _article(dtype: str) -> str:
+    return "an" if dtype == "int" else "a"
+
+
+def _value_fits(value: Any, dtype: str) -> bool:
+    if dtype == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if dtype == "int":
+        return isinstance(value, int) and expr.INT32_MIN <= value <= expr.INT32_MAX
+    # The range test first: math.isfinite overflows on ints beyond a double's range.
+    return isinstance(value, (int, float)) and abs(value) <= 3.4e38 and math.isfinite(value)
+
+
+def _expression(r: _Reader, node: yaml.Node, field_name: str, env: TypeEnv, expect: Type):
+    if not isinstance(node, yaml.ScalarNode) or node.tag not in ("tag:yaml.org,2002:str",):
+        if isinstance(node, yaml.ScalarNode):
+            value = r.scalar(node, field_name)
+            if isinstance(value, bool) and field_name == "mask":
+                r.error(node, field_name, f"expected an expression, got the bool {value!r}",
+                        "write `true` inside quotes, or `kv_pos <= q_pos` for causal")
+                return None, None
+        r.error(node, field_name, f"expected an expression (text), got {_kind(node)}")
+        return None, None
+    text = node.value
+    src = _expr_source(node, text, r.path, field_name)
+    try:
+        return expr.parse_typed(src, env, expect), text
+    except SpecError as e:
+        r.errors.append(e)
+        return None, None
+
+
+def _scales(r: _Reader, entry) -> tuple[float | None, bool]:
+    if entry is None:
+        return None, True
+    _, node = entry
+    items = r.mapping(node, "scales")
+    if items is None:
+        return None, True
+    sm_scale, qkv = None, True
+    for key, kn, vn in items:
+        if key == "sm_scale":
+            v = r.scalar(vn, "scales.sm_scale")
+            if v == "default" or v is None:
+                sm_scale = None
+            elif isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 3.4e38 and math.isfinite(v):
+                sm_scale = float(v)
+            elif v is not _MISSING:
+                r.error(vn, "scales.sm_scale",
+                        f"expected a positive number or `default` (1/sqrt(head_dim_qk)), got {v!r}")
+        elif key == "qkv_scales":
+            v = r.scalar(vn, "scales.qkv_scales")
+            if isinstance(v, bool):
+                qkv = v
+            elif v is not _MISSING:
+                r.error(vn, "scales.qkv_scales", f"expected true or false, got {v!r}")
+        else:
+            r.error(kn, f"scales.{key}", "unknown field; expected sm_scale, qkv_scales",
+                    expr._suggest(key, ["sm_scale", "qkv_scales"]))
+    return sm_scale, qkv
+
+
+def _backends(r: _Reader, entry) -> tuple[str, ...]:
+    if entry is None:
+        return ("fa2",)
+    _, node = entry
+    if not isinstance(node, yaml.SequenceNode) or not node.value:
+        r.error(node, "backends", f"expected a non-empty list drawn from {list(BACKENDS)}")
+        return ("fa2",)
+    out: list[str] = []
+    for i, item in enumerate(node.value):
+        v = r.scalar(item, f"backends[{i}]")
+        if v in BACKENDS:
+            if v not in out:
+                out.append(v)
+        elif v is not _MISSING:
+            r.error(item, f"backends[{i}]", f"unknown backend {v!r}; expected one of {list(BACKENDS)}")
+    return tuple(out) or ("fa2",)

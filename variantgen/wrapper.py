@@ -1,0 +1,414 @@
+"""The wrapper factory: a spec's module behind ``plan(...)`` / ``run(..., <args by name>)``.
+
+``run`` checks every argument (dtype, shape, contiguity, device) before any launch and
+names the argument in the error. The kernel sees *launch requests*: in the direct path
+one per caller request; with the interval planner (planner.py) a request's rows may be
+split into several, grouped into up to three launches by mask mode. Each launch request
+carries a row of ``vg_meta`` telling the variant where it sits in the caller's batch, so
+the generated mask always sees true positions and rows; q and o are read and written in
+place (launch requests need not be packed), so nothing is gathered or scattered.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .build import BuildResult, build_module, default_cache, load_module
+from .cache import Cache
+from .errors import LaunchError
+from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype
+from .spec import VariantSpec, load_spec
+
+log = logging.getLogger("variantgen.wrapper")
+
+TORCH_DTYPES = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
+LAYOUT_CODES = {"NHD": 0, "HND": 1}
+META_COLUMNS = 9  # VG_META_STRIDE in templates/fa2/config.inc.jinja
+INT_WORKSPACE_BYTES = 8 << 20
+DEFAULT_MASK_MODES = ("none", "causal", "custom")
+
+
+@dataclass
+class Launch:
+    """One kernel launch: a batch of launch requests that share a mask mode."""
+
+    mask_mode: str
+    q_starts: torch.Tensor  # kernel q_indptr: first row of each launch request in q / o
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    last_page_len: torch.Tensor
+    meta: torch.Tensor  # [n, META_COLUMNS] int32
+    plan_info: Any
+    int_workspace: torch.Tensor
+    float_workspace: torch.Tensor
+    num_requests: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The caller's batch as plan() saw it (host copies), to check run() against."""
+
+    batch_size: int
+    total_q: int
+    total_kv: int
+    num_qo_heads: int
+    num_kv_heads: int
+    page_size: int
+    qo_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class VariantWrapper:
+    """Paged-KV prefill for one spec, dtype and head-dim combination (see make_wrapper)."""
+
+    def __init__(self, spec: VariantSpec, config: ModuleConfig, module: Any, build: BuildResult,
+                 float_workspace: torch.Tensor, kv_layout: str = "NHD"):
+        if kv_layout not in LAYOUT_CODES:
+            raise LaunchError(f"kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
+        if not isinstance(float_workspace, torch.Tensor) or float_workspace.dtype != torch.uint8:
+            raise LaunchError("workspace: expected a torch.uint8 tensor (e.g. 128 MiB on the GPU)")
+        self.spec = spec
+        self.config = config
+        self.module = module
+        self.build = build
+        self.uri = build.entry.uri
+        self.kv_layout = kv_layout
+        self.device = float_workspace.device
+        self._float_workspace = float_workspace
+        self._int_workspaces: list[torch.Tensor] = []
+        self._pinned: list[torch.Tensor] = []
+        self._tensor_names = [t.name for t in spec.tensors]
+        self._scalar_names = [s.name for s in spec.scalars]
+        self._launches: list[Launch] = []
+        self._batch: Batch | None = None
+        self.plan_stats: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ plan
+    def _workspace(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self._int_workspaces) <= i:
+            self._int_workspaces.append(torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device))
+            self._pinned.append(torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True))
+        return self._int_workspaces[i], self._pinned[i]
+
+    def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
+             paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,
+             *, skip_tiles: bool | None = None, disable_split_kv: bool = False, **spec_args: Any) -> None:
+        """Plan a batch. ``skip_tiles`` turns the interval planner on/off (default: on where
+        the spec's intervals are known). With the planner on, spec tensors the intervals
+        read must be passed here by name as well (they are read once, here)."""
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                            ("page_size", page_size)):
+            if not _is_int(value) or value <= 0:
+                raise LaunchError(f"plan(): {name}={value!r}: expected a positive int")
+        if num_qo_heads % num_kv_heads:
+            raise LaunchError(f"plan(): num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        idx = {}
+        for name, t in (("qo_indptr", qo_indptr), ("paged_kv_indptr", paged_kv_indptr),
+                        ("paged_kv_indices", paged_kv_indices), ("paged_kv_last_page_len", paged_kv_last_page_len)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+                got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise LaunchError(f"plan(): {name}: expected a 1-D torch.int32 tensor, got {got}")
+            idx[name] = t
+        batch = qo_indptr.numel() - 1
+        if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
+            raise LaunchError(
+                f"plan(): inconsistent batch: qo_indptr has {qo_indptr.numel()} entries, paged_kv_indptr "
+                f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
+                "(expected batch+1, batch+1, batch)")
+        qo_h = qo_indptr.to("cpu", torch.int64).tolist()
+        kvp_h = paged_kv_indptr.to("cpu", torch.int64).tolist()
+        last_h = paged_kv_last_page_len.to("cpu", torch.int64).tolist()
+        qo_lens, kv_lens = [], []
+        for b in range(batch):
+            ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
+            kl = 0 if npages == 0 else (npages - 1) * page_size + lp
+            if ql < 0 or npages < 0:
+                raise LaunchError(f"plan(): request {b}: indptrs must be non-decreasing")
+            if npages and not 1 <= lp <= page_size:
+                raise LaunchError(f"plan(): paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
+            if ql > kl:
+                raise LaunchError(f"plan(): request {b} has {ql} queries but only {kl} keys; the queries must be "
+                                  "the last qo_len tokens of the request's KV")
+            qo_lens.append(ql)
+            kv_lens.append(kl)
+        if kvp_h[-1] > paged_kv_indices.numel():
+            raise LaunchError(f"plan(): paged_kv_indices has {paged_kv_indices.numel()} entries, "
+                              f"paged_kv_indptr needs {kvp_h[-1]}")
+        self._batch = Batch(batch, qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
+                            tuple(qo_lens), tuple(kv_lens))
+        use_planner = bool(skip_tiles) if skip_tiles is not None else self._planner_default(spec_args)
+        self._planned_args = {}
+        if use_planner:
+            from .intervals import analyze, args_read
+            from .planner import plan_launches
+
+            checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
+            read = args_read(analyze(self.spec), self.spec)
+            self._planned_args = {k: v for k, v in checked.items() if k in read}
+            launches = plan_launches(self, qo_h, kvp_h, paged_kv_indices, last_h, kv_lens, checked)
+        else:
+            if spec_args:
+                raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: spec arguments go to run() "
+                                  "(or to plan() together with skip_tiles=True)")
+            kv_row = [0]
+            for kl in kv_lens:
+                kv_row.append(kv_row[-1] + kl)
+            meta = [[qo_h[b], kv_lens[b] - qo_lens[b], 0, b, kv_row[b], qo_lens[b], kv_lens[b], -1, qo_lens[b]]
+                    for b in range(batch)]
+            launches = [dict(mask_mode="custom", q_starts=qo_h, plan_qo=qo_h, kv_indptr=kvp_h,
+                             kv_indices=paged_kv_indices, last_page_len=last_h, meta=meta)]
+        self._launches = [self._make_launch(i, len(launches), launch, disable_split_kv or use_planner)
+                          for i, launch in enumerate(launches)]
+        self.plan_stats["launches"] = [(la.mask_mode, la.num_requests) for la in self._launches]
+
+    def _planner_default(self, spec_args: dict[str, Any]) -> bool:
+        """On where the mask's intervals are known and plan() has what they read."""
+        from .intervals import analyze, tensors_read
+
+        form = analyze(self.spec)
+        if not form.planner_ready:
+            self.plan_stats["planner_off"] = form.reason
+            return False
+        missing = sorted(tensors_read(form, self.spec) - set(spec_args))
+        if missing:
+            reason = f"plan() was not given {', '.join(missing)}, which the key intervals read"
+            if reason != self.plan_stats.get("planner_off"):
+                log.info("interval planner off for %s: %s", self.spec.name, reason)
+            self.plan_stats["planner_off"] = reason
+            return False
+        self.plan_stats.pop("planner_off", None)
+        return True
+
+    def _make_launch(self, i: int, n_launches: int, launch: dict, disable_split_kv: bool) -> Launch:
+        b = self._batch
+        assert b is not None
+        dev = self.device
+        int_ws, pinned = self._workspace(i)
+        plan_qo = torch.tensor(launch["plan_qo"], dtype=torch.int32)
+        kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
+        n = plan_qo.numel() - 1
+        # Each launch gets its own slice of the caller's float workspace (split-KV scratch).
+        chunk = self._float_workspace.numel() // n_launches
+        float_ws = self._float_workspace[i * chunk:(i + 1) * chunk]
+        plan_info = self.module.plan(
+            float_ws, int_ws, pinned, plan_qo, kv_indptr_h, int(plan_qo[-1]), n, b.num_qo_heads, b.num_kv_heads,
+            b.page_size, False, -1, -1, bool(disable_split_kv))
+        kv_indices = launch["kv_indices"]
+        if not isinstance(kv_indices, torch.Tensor):
+            kv_indices = torch.tensor(kv_indices, dtype=torch.int32)
+        q_starts = torch.tensor(launch["q_starts"], dtype=torch.int32).to(dev, non_blocking=True)
+        if not launch.get("packed", True):
+            # Launch requests are not back to back in q/o: the kernel takes each one's first
+            # row from q_indptr (our q_starts) but writes o (and lse) at the plan's o_indptr,
+            # which the scheduler packed. Point o_indptr at the same rows (split-KV is off for
+            # such launches, so o_indptr has exactly one entry per launch request).
+            info = list(plan_info)
+            if info[14]:
+                raise LaunchError("internal: a planned launch must not split KV")
+            offset = int(info[8])
+            int_ws[offset:offset + 4 * (n + 1)].view(torch.int32).copy_(q_starts)
+        return Launch(
+            mask_mode=launch["mask_mode"],
+            q_starts=q_starts,
+            kv_indptr=kv_indptr_h.to(dev, non_blocking=True),
+            kv_indices=kv_indices.to(dev, non_blocking=True),
+            last_page_len=torch.tensor(launch["last_page_len"], dtype=torch.int32).to(dev, non_blocking=True),
+            meta=torch.tensor(launch["meta"], dtype=torch.int32).reshape(n, META_COLUMNS).to(dev, non_blocking=True),
+            plan_info=plan_info,
+            int_workspace=int_ws,
+            float_workspace=float_ws,
+            num_requests=n,
+        )
+
+    # ------------------------------------------------------------------ argument checks
+    def _dims(self) -> dict[str, int]:
+        b = self._batch
+        assert b is not None
+        return {"total_q": b.total_q, "total_kv": b.total_kv, "batch": b.batch_size,
+                "num_qo_heads": b.num_qo_heads, "num_kv_heads": b.num_kv_heads}
+
+    def _check_args(self, given: dict[str, Any], *, where: str, require_tensors_from: str | None = None,
+                    ) -> dict[str, Any]:
+        known = set(self._tensor_names) | set(self._scalar_names)
+        extra = sorted(set(given) - known)
+        if extra:
+            takes = ", ".join(self._tensor_names + self._scalar_names) or "no extra arguments"
+            raise LaunchError(f"{where}: unexpected argument(s) {', '.join(extra)}; spec `{self.spec.name}` takes: "
+                              f"{takes} (plus q_scale, k_scale, v_scale, out, return_lse in run())")
+        dims = self._dims()
+        out: dict[str, Any] = {}
+        for t in self.spec.tensors:
+            if t.name not in given:
+                if require_tensors_from is not None:
+                    continue  # plan(): only what the intervals read is required (checked by the planner)
+                raise LaunchError(f"{where}: missing tensor argument `{t.name}` "
+                                  f"({t.dtype}, shape {list(t.shape)}: {t.doc or 'see the spec'})")
+            value = given[t.name]
+            want_shape = tuple(dims[d] if isinstance(d, str) else d for d in t.shape)
+            shape_text = "[" + ", ".join(f"{d}={dims[d]}" if isinstance(d, str) else str(d) for d in t.shape) + "]"
+            if not isinstance(value, torch.Tensor):
+                raise LaunchError(f"{where}: `{t.name}`: expected a torch.{t.dtype} tensor of shape {shape_text}, "
+                                  f"got {type(value).__name__}")
+            if value.dtype != SPEC_TENSOR_DTYPES[t.dtype]:
+                raise LaunchError(f"{where}: `{t.name}`: expected dtype torch.{t.dtype}, got {value.dtype}")
+            if tuple(value.shape) != want_shape:
+                raise LaunchError(f"{where}: `{t.name}`: expected shape {shape_text}, got {list(value.shape)}")
+            if value.device != self.device:
+                raise LaunchError(f"{where}: `{t.name}` is on {value.device}, expected {self.device} "
+                                  "(the device of the workspace)")
+            if not value.is_contiguous():
+                raise LaunchError(f"{where}: `{t.name}` must be contiguous (call .contiguous(); it is not copied "
+                                  "implicitly so that CUDA-graph pointers stay stable)")
+            out[t.name] = value
+        for s in self.spec.scalars:
+            value = given.get(s.name, s.default)
+            ok = (isinstance(value, bool) if s.dtype == "bool" else
+                  _is_int(value) and -(2**31) <= value < 2**31 if s.dtype == "int" else
+                  isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+            if not ok:
+                raise LaunchError(f"{where}: `{s.name}`: expected a {s.dtype}"
+                                  + (" in 32-bit range" if s.dtype == "int" else "")
+                                  + f", got {value!r} ({type(value).__name__})")
+            out[s.name] = float(value) if s.dtype == "float" else value
+        return out
+
+    def _check_tensor(self, name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise LaunchError(f"run(): `{name}`: expected a tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise LaunchError(f"run(): `{name}`: expected dtype {dtype} (the wrapper was built for it), got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise LaunchError(f"run(): `{name}`: expected shape {list(shape)}, got {list(t.shape)}")
+        if t.device != self.device:
+            raise LaunchError(f"run(): `{name}` is on {t.device}, expected {self.device}")
+        return t
+
+    # ------------------------------------------------------------------ run
+    def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
+            k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
+            return_lse: bool = False, enable_pdl: bool = False, **spec_args: Any):
+        if self._batch is None or not self._launches:
+            raise LaunchError("run() called before plan(): call plan(qo_indptr, paged_kv_indptr, ...) first")
+        b = self._batch
+        cfg = self.config
+        qdt, kvdt, odt = TORCH_DTYPES[cfg.q_dtype], TORCH_DTYPES[cfg.kv_dtype], TORCH_DTYPES[cfg.o_dtype]
+        self._check_tensor("q", q, qdt, (b.total_q, b.num_qo_heads, cfg.head_dim_qk))
+        if q.stride(-1) != 1:
+            raise LaunchError("run(): `q` must have a contiguous last dimension")
+        if isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
+            k_cache, v_cache = paged_kv_cache
+        elif isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 5 and paged_kv_cache.shape[1] == 2:
+            k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+        else:
+            raise LaunchError("run(): `paged_kv_cache`: expected (k_cache, v_cache) or one tensor "
+                              "[num_pages, 2, ...]")
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise LaunchError(f"run(): `{name}`: expected a 4-D tensor")
+            page_dim, head_dim = (1, 2) if self.kv_layout == "NHD" else (2, 1)
+            want = [None, None, None, cfg.head_dim_qk]
+            want[page_dim], want[head_dim] = b.page_size, b.num_kv_heads
+            if t.shape[page_dim] != b.page_size or t.shape[head_dim] != b.num_kv_heads or t.shape[3] != cfg.head_dim_qk:
+                layout = "[pages, page_size, kv_heads, head_dim]" if self.kv_layout == "NHD" else \
+                    "[pages, kv_heads, page_size, head_dim]"
+                raise LaunchError(f"run(): `{name}`: expected {layout} with page_size={b.page_size}, "
+                                  f"kv_heads={b.num_kv_heads}, head_dim={cfg.head_dim_qk}; got {list(t.shape)}")
+            if t.dtype != kvdt:
+                raise LaunchError(f"run(): `{name}`: expected dtype {kvdt}, got {t.dtype}")
+            if t.device != self.device:
+                raise LaunchError(f"run(): `{name}` is on {t.device}, expected {self.device}")
+            if t.stride(-1) != 1:
+                raise LaunchError(f"run(): `{name}` must have a contiguous last dimension")
+        if k_cache.stride() != v_cache.stride():
+            raise LaunchError(f"run(): k_cache and v_cache must have identical strides (got {k_cache.stride()} and "
+                              f"{v_cache.stride()}); this module is compiled for equal K/V strides")
+        if not self.spec.qkv_scales and any(x is not None for x in (q_scale, k_scale, v_scale)):
+            raise LaunchError(f"run(): spec `{self.spec.name}` sets `scales.qkv_scales: false`; "
+                              "q_scale/k_scale/v_scale are not accepted")
+        for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not math.isfinite(value)):
+                raise LaunchError(f"run(): `{name}`: expected a finite float, got {value!r} "
+                                  "(per-head scale tensors are not supported)")
+        args = self._check_args(spec_args, where="run()")
+        for name, value in self._planned_args.items():
+            if isinstance(value, torch.Tensor):
+                if args[name].data_ptr() != value.data_ptr():
+                    raise LaunchError(f"run(): `{name}` is not the tensor plan() was given; the interval plan "
+                                      "was computed from that one - plan again with the new tensor")
+            elif args[name] != value:
+                raise LaunchError(f"run(): `{name}`={args[name]!r} but plan() planned with {value!r} (the key "
+                                  f"intervals depend on it); pass {name}= to plan() as well, or plan again")
+        if out is None:
+            out = torch.empty(b.total_q, b.num_qo_heads, cfg.head_dim_vo, dtype=odt, device=self.device)
+        else:
+            self._check_tensor("out", out, odt, (b.total_q, b.num_qo_heads, cfg.head_dim_vo))
+        lse = torch.empty(b.total_q, b.num_qo_heads, dtype=torch.float32, device=self.device) if return_lse else None
+        base = self.spec.sm_scale if self.spec.sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim_qk)
+        sm_scale = base * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0)
+        tensors = [args[t] for t in self._tensor_names]
+        scalars = [args[s] for s in self._scalar_names] + [float(sm_scale)]
+        if self.spec.qkv_scales:
+            scalars.append(float(v_scale) if v_scale is not None else 1.0)
+        for name in self.build.entry.manifest.get("scalar_args", []):
+            if name.startswith("vg_rows_"):
+                scalars.append(int(args[name.removeprefix("vg_rows_")].shape[0]))
+        layout = LAYOUT_CODES[self.kv_layout]
+        for la in self._launches:
+            self.module.paged_run(
+                la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.q_starts,
+                la.kv_indptr, la.kv_indices, la.last_page_len, out, lse, MASK_MODES[la.mask_mode][0], layout,
+                -1, enable_pdl, *tensors, la.meta, *scalars)
+        return (out, lse) if return_lse else out
+
+
+def resolve_spec(spec: VariantSpec | str | Path) -> VariantSpec:
+    if isinstance(spec, VariantSpec):
+        return spec
+    return load_spec(spec)
+
+
+def device_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return canonical_arch(f"{major}.{minor}{'a' if major == 9 else ''}")
+
+
+def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, head_dim_qk: int,
+                 head_dim_vo: int | None = None, q_dtype: Any, kv_dtype: Any, o_dtype: Any = None,
+                 backend: str = "fa2", kv_layout: str = "NHD", arch: str | None = None,
+                 cache: Cache | None = None, build: bool = True, jobs: int | None = None) -> VariantWrapper:
+    """Build (or load from the cache) the spec's module and wrap it.
+
+    ``workspace`` is the float workspace (uint8, on the target GPU; 128 MiB is plenty).
+    Raises SpecError / ValueError / BuildError / JitDisabledError with what went wrong;
+    call variantgen.probe() first to get a reason instead of an exception.
+    """
+    spec = resolve_spec(spec)
+    q = canonical_dtype(q_dtype, "q_dtype")
+    kv = canonical_dtype(kv_dtype, "kv_dtype")
+    o = canonical_dtype(o_dtype, "o_dtype") if o_dtype is not None else q
+    if arch is None:
+        if not isinstance(workspace, torch.Tensor) or workspace.device.type != "cuda":
+            raise ValueError("workspace: expected a CUDA tensor (or pass arch= to build for another GPU)")
+        arch = device_arch(workspace.device)
+    config = ModuleConfig(spec, head_dim_qk, head_dim_vo or head_dim_qk, q, kv, o, canonical_arch(arch),
+                          backend, DEFAULT_MASK_MODES)
+    result = build_module(config, cache or default_cache(), jobs=jobs, allow_build=build)
+    module = load_module(result.entry)
+    return VariantWrapper(spec, config, module, result, workspace, kv_layout)
