@@ -103,7 +103,8 @@ class VariantWrapper:
     def _workspace(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         while len(self._int_workspaces) <= i:
             self._int_workspaces.append(torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device))
-            self._pinned.append(torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, pin_memory=True))
+            self._pinned.append(torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
+                                            pin_memory=self.device.type == "cuda"))
         return self._int_workspaces[i], self._pinned[i]
 
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
