@@ -46,7 +46,8 @@ class Engine:
     def dispatch(self, batch: dict) -> str:
         wrapper = self.wrappers.get(batch["group"].name)
         if batch["mm_spans"] and wrapper is not None:
-            wrapper.plan(*batch["paged"].plan_args())
+            # The spans go to plan() too: the interval planner reads them to skip known tiles.
+            wrapper.plan(*batch["paged"].plan_args(), ranges=batch["ranges"])
             wrapper.run(batch["paged"].q, (batch["paged"].k_cache, batch["paged"].v_cache), ranges=batch["ranges"])
             return f"mm_prefix kernel, {len(batch['mm_spans'])} bidirectional span(s)"
         # A real engine calls its stock causal prefill here (FlashInfer's paged wrapper).

@@ -140,3 +140,39 @@ def test_mm_prefix_planner_adversarial(case, windows, workspace):
 def test_sliding_window_planner_small_windows(window, workspace):
     spec_args = {"window": window}
     check("sliding_window", workspace, skip_tiles=True, args=spec_args)
+
+
+def test_fp8_kv_cache(workspace):
+    """bf16 queries over an fp8 (e4m3) KV cache: the kernel and the reference read the same values."""
+    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="fp8_e4m3")
+    b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                           dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, device="cuda", seed=6)
+    args = random_spec_args(spec, b, seed=6)
+    for skip_tiles in (False, True):
+        w.plan(*b.plan_args(), skip_tiles=skip_tiles, **(args if skip_tiles else {}))
+        out = w.run(b.q, (b.k_cache, b.v_cache), k_scale=0.5, v_scale=2.0, **args)
+        ref = reference_attention(spec, b.q, (b.k_cache, b.v_cache), b.qo_indptr, b.kv_indptr, b.kv_indices,
+                                  b.last_page_len, args, k_scale=0.5, v_scale=2.0)
+        assert rel_error(out, ref) < 1e-2
+
+
+def test_planner_on_by_default_and_cuda_graph_replay(workspace):
+    """plan() with the spans turns the planner on; a captured run() replays to the same output."""
+    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
+    b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                           device="cuda", seed=8)
+    args = random_spec_args(spec, b, seed=8)
+    w.plan(*b.plan_args(), ranges=args["ranges"])
+    assert "planner_off" not in w.plan_stats and len(w.plan_stats["launches"]) >= 1
+    out = torch.empty_like(b.q)
+    w.run(b.q, (b.k_cache, b.v_cache), out=out, **args)
+    expected = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(b.q, (b.k_cache, b.v_cache), out=out, **args)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)

@@ -139,5 +139,6 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indic
         page_idx = torch.repeat_interleave(firsts, counts) + offsets
         launches.append(dict(mask_mode=mode, q_starts=d["q_starts"], plan_qo=d["plan_qo"],
                              kv_indptr=d["kv_indptr"], kv_indices=kv_indices.to(dev)[page_idx].to(torch.int32),
-                             last_page_len=d["last_page_len"], meta=d["meta"], packed=False))
+                             last_page_len=d["last_page_len"], meta=d["meta"],
+                             packed=d["q_starts"] == d["plan_qo"]))
     return launches

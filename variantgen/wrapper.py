@@ -97,6 +97,7 @@ class VariantWrapper:
         self._scalar_names = [s.name for s in spec.scalars]
         self._launches: list[Launch] = []
         self._batch: Batch | None = None
+        self._pdl: bool | None = None
         self.plan_stats: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ plan
@@ -174,9 +175,17 @@ class VariantWrapper:
                     for b in range(batch)]
             launches = [dict(mask_mode="custom", q_starts=qo_h, plan_qo=qo_h, kv_indptr=kvp_h,
                              kv_indices=paged_kv_indices, last_page_len=last_h, meta=meta)]
-        self._launches = [self._make_launch(i, len(launches), launch, disable_split_kv or use_planner)
+        # Split-KV writes partial rows packed and merges them into packed rows, so it is only
+        # allowed where a launch's requests are back to back in q/o.
+        self._launches = [self._make_launch(i, len(launches), launch,
+                                            disable_split_kv or not launch.get("packed", True))
                           for i, launch in enumerate(launches)]
         self.plan_stats["launches"] = [(la.mask_mode, la.num_requests) for la in self._launches]
+
+    def _pdl_default(self) -> bool:
+        if self._pdl is None:
+            self._pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
+        return self._pdl
 
     def _planner_default(self, spec_args: dict[str, Any]) -> bool:
         """On where the mask's intervals are known and plan() has what they read."""
@@ -303,7 +312,7 @@ class VariantWrapper:
     # ------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
             k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
-            return_lse: bool = False, enable_pdl: bool = False, **spec_args: Any):
+            return_lse: bool = False, enable_pdl: bool | None = None, **spec_args: Any):
         if self._batch is None or not self._launches:
             raise LaunchError("run() called before plan(): call plan(qo_indptr, paged_kv_indptr, ...) first")
         b = self._batch
@@ -371,6 +380,8 @@ class VariantWrapper:
             if name.startswith("vg_rows_"):
                 scalars.append(int(args[name.removeprefix("vg_rows_")].shape[0]))
         layout = LAYOUT_CODES[self.kv_layout]
+        if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
+            enable_pdl = self._pdl_default()
         for la in self._launches:
             self.module.paged_run(
                 la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.q_starts,
