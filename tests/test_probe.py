@@ -129,36 +129,43 @@ def test_spec_of_wrong_type():
 # ----------------------------------------------------------------------------- 2. flashinfer
 
 
-def test_flashinfer_not_importable(monkeypatch):
-    monkeypatch.setitem(sys.modules, "flashinfer", None)
+def test_flashinfer_not_installed(monkeypatch):
+    def missing():
+        raise ImportError("flashinfer is not installed")
+
+    monkeypatch.setattr(variantgen.build, "flashinfer_package_dir", missing)
     r = probe(MM, **BASE, arch="9.0a")
     assert not r
-    assert "flashinfer is not importable" in r.reason and ">= 0.7.2" in r.reason
+    assert "flashinfer is not installed" in r.reason and ">= 0.7.2" in r.reason
 
 
 def test_flashinfer_too_old(monkeypatch):
-    import flashinfer
-
-    monkeypatch.setattr(flashinfer, "__version__", "0.6.1")
+    monkeypatch.setattr(variantgen.build, "package_versions", lambda: ("0.6.1", "0.1.15.post2"))
     r = probe(MM, **BASE, arch="9.0a")
     assert not r
     assert "flashinfer 0.6.1 is too old" in r.reason and ">= 0.7.2" in r.reason
 
 
-def test_flashinfer_without_sources(monkeypatch, tmp_path):
-    from flashinfer.jit import env as fi_env
+def _fake_package(tmp_path, *, host: bool, plan: bool):
+    (tmp_path / "data" / "csrc").mkdir(parents=True)
+    if host:
+        (tmp_path / "data" / "csrc" / "batch_prefill_paged.cu").write_text("// host\n")
+    sched = tmp_path / "data" / "include" / "flashinfer" / "attention"
+    sched.mkdir(parents=True)
+    (sched / "scheduler.cuh").write_text("PrefillPlan\n" if plan else "// old scheduler\n")
+    return tmp_path
 
-    monkeypatch.setattr(fi_env, "FLASHINFER_CSRC_DIR", tmp_path)
+
+def test_flashinfer_without_sources(monkeypatch, tmp_path):
+    monkeypatch.setattr(variantgen.build, "flashinfer_package_dir",
+                        lambda: _fake_package(tmp_path, host=False, plan=True))
     r = probe(MM, **BASE, arch="9.0a")
     assert not r and "batch_prefill_paged.cu" in r.reason and ">= 0.7.2" in r.reason
 
 
 def test_flashinfer_without_prefill_plan(monkeypatch, tmp_path):
-    from flashinfer.jit import env as fi_env
-
-    (tmp_path / "flashinfer" / "attention").mkdir(parents=True)
-    (tmp_path / "flashinfer" / "attention" / "scheduler.cuh").write_text("// old scheduler\n")
-    monkeypatch.setattr(fi_env, "FLASHINFER_INCLUDE_DIR", tmp_path)
+    monkeypatch.setattr(variantgen.build, "flashinfer_package_dir",
+                        lambda: _fake_package(tmp_path, host=True, plan=False))
     r = probe(MM, **BASE, arch="9.0a")
     assert not r and "PrefillPlan" in r.reason
 

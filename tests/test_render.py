@@ -176,7 +176,7 @@ def test_codegen_index_flattening(spec_from):
     assert snippet.code == "(params.r[(q_row) * int32_t(2) + int32_t(1)] <= kv_pos)"
     assert snippet.clamped_tensors == frozenset()
     spec = spec_from("name: x\ntensors:\n  r: {dtype: int32, shape: [total_q, 2]}\nmask: r[q_row, q_idx] <= kv_pos\n")
-    assert "vg_clamp(q_local, int32_t(2))" in codegen.emit_mask(spec).code
+    assert "vg_clamp(q_idx, int32_t(2))" in codegen.emit_mask(spec).code
 
 
 # ----------------------------------------------------------------------------- sanitising

@@ -45,6 +45,25 @@ class FlashInferInfo:
 
 
 @functools.lru_cache(maxsize=1)
+def package_versions() -> tuple[str, str]:
+    """(flashinfer, tvm-ffi) versions from package metadata: no import, so a cache lookup on
+    a serving host stays cheap. PackageNotFoundError if either is missing."""
+    from importlib.metadata import version
+
+    return version("flashinfer-python"), version("apache-tvm-ffi")
+
+
+def flashinfer_package_dir() -> Path:
+    """Where the flashinfer package lives, found without importing it."""
+    import importlib.util
+
+    found = importlib.util.find_spec("flashinfer")
+    if found is None or not found.submodule_search_locations:
+        raise ImportError("flashinfer is not installed")
+    return Path(list(found.submodule_search_locations)[0])
+
+
+@functools.lru_cache(maxsize=1)
 def flashinfer_info() -> FlashInferInfo:
     """Paths and versions of the installed flashinfer / tvm-ffi (ImportError if absent)."""
     import sysconfig
@@ -154,13 +173,13 @@ def semantic_flags(config: ModuleConfig) -> dict[str, list[str]]:
 
 def module_key(rendered: RenderedModule, tc: Toolchain | None) -> ModuleKey:
     cfg = rendered.config
-    fi = flashinfer_info()
+    fi_version, tvm_ffi_version = package_versions()
     inputs = (
         ("sources", rendered.source_digest()),
         ("templates", rendered.template_digest),
         ("flags", ModuleKey("", (("f", repr(semantic_flags(cfg))),)).digest),
-        ("flashinfer", fi.version),
-        ("tvm_ffi", fi.tvm_ffi_version),
+        ("flashinfer", fi_version),
+        ("tvm_ffi", tvm_ffi_version),
         ("arch", canonical_arch(cfg.arch)),
         ("variantgen", __version__),
     )

@@ -23,7 +23,7 @@ from .spec import TensorArg, VariantSpec
 BUILTIN_LOCALS = {
     "q_pos": "q_pos",
     "kv_pos": "kv_pos",
-    "q_idx": "q_local",
+    "q_idx": "q_idx",
     "q_row": "q_row",
     "kv_row": "kv_row",
     "q_kv_row": "q_kv_row",

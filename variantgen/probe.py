@@ -388,29 +388,23 @@ def precompile_command(config: ModuleConfig, cache_root: Path | str) -> str:
 def flashinfer_problem() -> str | None:
     """Why the installed flashinfer / tvm-ffi cannot be used, or None."""
     needed = f"variantgen needs flashinfer-python >= {NEEDED_FLASHINFER}"
+    # Found through package metadata and files, without importing flashinfer (seconds of
+    # import time a serving engine's startup should not pay for a cache lookup).
     try:
-        import flashinfer
-        from flashinfer.jit import env as fi_env
+        package = _build.flashinfer_package_dir()
+        found, _ = _build.package_versions()
     except Exception as e:
-        return (f"flashinfer is not importable ({type(e).__name__}: {e}); {needed} "
-                "(pip install --no-deps flashinfer-python==0.7.2.post1)")
-    found = str(getattr(flashinfer, "__version__", "unknown"))
+        return (f"flashinfer is not installed ({type(e).__name__}: {e}); {needed} "
+                "(pip install --no-deps flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2)")
     if not _version_at_least(found, NEEDED_FLASHINFER):
         return (f"flashinfer {found} is too old: {needed} (for csrc/batch_prefill_paged.cu and "
                 "PrefillPlan in scheduler.cuh)")
-    csrc = Path(getattr(fi_env, "FLASHINFER_CSRC_DIR", "<unknown>"))
-    host = csrc / "batch_prefill_paged.cu"
+    host = package / "data" / "csrc" / "batch_prefill_paged.cu"
     if not host.is_file():
         return f"flashinfer {found} lacks {host}; {needed} with its CUDA sources (a full wheel)"
-    include = Path(getattr(fi_env, "FLASHINFER_INCLUDE_DIR", "<unknown>"))
-    scheduler = include / "flashinfer" / "attention" / "scheduler.cuh"
+    scheduler = package / "data" / "include" / "flashinfer" / "attention" / "scheduler.cuh"
     if not _mentions(str(scheduler), "PrefillPlan"):
         return f"flashinfer {found}: {scheduler} lacks PrefillPlan; {needed}"
-    try:
-        import tvm_ffi  # noqa: F401
-    except Exception as e:
-        return (f"apache-tvm-ffi is not importable ({type(e).__name__}: {e}); "
-                "pip install apache-tvm-ffi==0.1.15.post2")
     return None
 
 

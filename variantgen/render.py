@@ -201,6 +201,8 @@ _LOCAL_DEFS = {
                 "  // padding lanes: clamp before any per-token load", ()),
     "kv_local": ("const int32_t kv_local = int32_t(kv_idx < kv_len ? kv_idx : kv_len - 1);", ()),
     "q_pos": ("const int32_t q_pos = q_pos_base + q_local;", ("q_local",)),
+    # The request's query index, not the launch request's (the planner splits requests).
+    "q_idx": ("const int32_t q_idx = q_pos - (req_kv_len - req_qo_len);", ("q_pos",)),
     "kv_pos": ("const int32_t kv_pos = kv_pos_base + kv_local;", ("kv_local",)),
     "q_row": ("const int32_t q_row = q_row_base + q_local;", ("q_local",)),
     "kv_row": ("const int32_t kv_row = kv_row_base + kv_pos;", ("kv_pos",)),
@@ -222,9 +224,7 @@ def _locals(builtins: frozenset[str], indent: str = "    ") -> str:
         need.append(name)
 
     for b in sorted(builtins):
-        if b == "q_idx":
-            add("q_local")
-        elif b not in _MEMBER_BUILTINS:
+        if b not in _MEMBER_BUILTINS:
             add(b)
     return "\n".join(indent + _LOCAL_DEFS[n][0] for n in need)
 

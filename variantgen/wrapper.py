@@ -114,6 +114,8 @@ class VariantWrapper:
         """Plan a batch. ``skip_tiles`` turns the interval planner on/off (default: on where
         the spec's intervals are known). With the planner on, spec tensors the intervals
         read must be passed here by name as well (they are read once, here)."""
+        # A plan() that fails must not leave the previous plan half-replaced.
+        self._batch, self._launches, self._planned_args = None, [], {}
         for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                             ("page_size", page_size)):
             if not _is_int(value) or value <= 0:
@@ -154,6 +156,11 @@ class VariantWrapper:
                               f"paged_kv_indptr needs {kvp_h[-1]}")
         self._batch = Batch(batch, qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
                             tuple(qo_lens), tuple(kv_lens))
+        if self._batch.total_q == 0:  # nothing to compute; run() returns empty outputs
+            self._launches = []
+            self._planned_args = {}
+            self.plan_stats["launches"] = []
+            return
         use_planner = bool(skip_tiles) if skip_tiles is not None else self._planner_default(spec_args)
         self._planned_args = {}
         if use_planner:
@@ -313,7 +320,7 @@ class VariantWrapper:
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
             k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
             return_lse: bool = False, enable_pdl: bool | None = None, **spec_args: Any):
-        if self._batch is None or not self._launches:
+        if self._batch is None or (self._batch.total_q and not self._launches):  # none, or plan() failed
             raise LaunchError("run() called before plan(): call plan(qo_indptr, paged_kv_indptr, ...) first")
         b = self._batch
         cfg = self.config

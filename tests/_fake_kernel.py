@@ -1,0 +1,234 @@
+"""A CPU stand-in for a generated FA2 module (``plan`` / ``paged_run``), for wrapper tests.
+
+``FakeModule`` emulates what the compiled kernel does with the wrapper's launches, in
+float32 torch on the CPU, closely enough that the interval planner can be checked
+against the dense reference without a GPU:
+
+* ``plan`` returns FlashInfer's PrefillPlanInfo layout (15 ints, split-KV off) and, like
+  FlashInfer's scheduler, writes the packed ``o_indptr`` into the int workspace at
+  ``o_indptr_offset`` (0 here). ``paged_run`` writes each launch request's output rows at
+  ``o_indptr[b]`` read back from that workspace, so a wrapper that forgets to point
+  o_indptr at unpacked rows writes the wrong rows (as the real kernel would).
+* each launch request b reads q rows ``q_starts[b] ...`` (``vg_meta[b][8]`` of them) and
+  keys j = 0 .. kv_len_b - 1 from its own page list; key j sits at absolute position
+  ``vg_meta[b][2] + j``.
+* mask mode 2 (custom) evaluates the spec's mask with true positions and rows; mode 1
+  (causal) is *purely geometric* (``j <= d`` and, with kernel window w >= 0,
+  ``j >= d - w``, d = kv_len_b - qo_len_b + i); mode 0 (none) sees every key of the
+  launch request. The real kernel evaluates the mask only on boundary tiles in modes 0
+  and 1, so the planner may only send rows there whose visible set is exactly that; a
+  strict emulation catches any row for which it is not.
+* the spec's logits transform is applied in every mode to the scaled score; fully masked
+  rows give 0 (lse -inf); the output is multiplied by v_scale and cast to ``out.dtype``.
+
+Every call is checked against the ABI (argument order and types from
+render.kernel_args) and recorded; ``row_writes`` counts, per output row, how many launch
+requests wrote it (reset it to None before a run to check a partition).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from variantgen.reference import _Evaluator
+from variantgen.spec import VariantSpec
+
+META_COLUMNS = 9
+MODE_NAMES = {0: "none", 1: "causal", 2: "custom"}
+
+
+@dataclass
+class PlanCall:
+    qo_indptr: list[int]
+    kv_indptr: list[int]
+    total_rows: int
+    batch_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    page_size: int
+    enable_cuda_graph: bool
+    window_left: int
+    fixed_split_size: int
+    disable_split_kv: bool
+
+
+@dataclass
+class RunCall:
+    mask_mode: str
+    num_requests: int
+    rows: int  # query rows this launch covers
+    meta: list[list[int]]
+    scalars: dict[str, Any] = field(default_factory=dict)
+
+
+class FakeModule:
+    """Emulates a generated module's ``plan`` and ``paged_run`` on the CPU."""
+
+    def __init__(self, spec: VariantSpec, clamped: tuple[str, ...] = (), *, codegen_q_idx: bool = False):
+        self.spec = spec
+        self.clamped = tuple(sorted(clamped))
+        # True: q_idx as the generated hook computed it before the fix (q_local: the index
+        # inside the *launch* request); False: the language's meaning (index inside the request).
+        self.codegen_q_idx = codegen_q_idx
+        self.plan_calls: list[PlanCall] = []
+        self.run_calls: list[RunCall] = []
+        self.row_writes: torch.Tensor | None = None
+        self._planned: dict[int, PlanCall] = {}  # int workspace data_ptr -> plan of that launch
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, float_ws, int_ws, pinned, qo_indptr, kv_indptr, total_rows, batch_size, num_qo_heads,
+             num_kv_heads, page_size, enable_cuda_graph, window_left, fixed_split_size, disable_split_kv):
+        for name, t in (("float_ws", float_ws), ("int_ws", int_ws), ("pinned", pinned)):
+            assert isinstance(t, torch.Tensor) and t.dtype == torch.uint8, name
+        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+            assert isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device.type == "cpu", name
+            assert t.dim() == 1 and t.numel() == batch_size + 1, (name, t.shape, batch_size)
+        for v in (total_rows, batch_size, num_qo_heads, num_kv_heads, page_size, window_left, fixed_split_size):
+            assert isinstance(v, int) and not isinstance(v, bool), v
+        assert isinstance(enable_cuda_graph, bool) and isinstance(disable_split_kv, bool)
+        qo = qo_indptr.tolist()
+        kvp = kv_indptr.tolist()
+        assert qo[0] == 0 and qo[-1] == total_rows, (qo[:3], total_rows)
+        assert all(a <= b for a, b in zip(qo, qo[1:])) and all(a <= b for a, b in zip(kvp, kvp[1:]))
+        call = PlanCall(qo, kvp, total_rows, batch_size, num_qo_heads, num_kv_heads, page_size,
+                        enable_cuda_graph, window_left, fixed_split_size, disable_split_kv)
+        self.plan_calls.append(call)
+        self._planned[int_ws.data_ptr()] = call
+        # FlashInfer's scheduler writes o_indptr (packed, one entry per request: no split-KV).
+        int_ws[:4 * (batch_size + 1)].view(torch.int32).copy_(qo_indptr)
+        return [batch_size, total_rows, 0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, int(enable_cuda_graph), 0]
+
+    # ------------------------------------------------------------------ run
+    def _unpack_extra(self, extra: tuple) -> tuple[dict[str, Any], torch.Tensor, float, float]:
+        spec = self.spec
+        n_t = len(spec.tensors)
+        expected = n_t + 1 + len(spec.scalars) + 1 + int(spec.qkv_scales) + len(self.clamped)
+        assert len(extra) == expected, f"paged_run got {len(extra)} extra arguments, the ABI has {expected}"
+        args: dict[str, Any] = {}
+        for t, value in zip(spec.tensors, extra[:n_t]):
+            want = {"int32": torch.int32, "float32": torch.float32}[t.dtype]
+            assert isinstance(value, torch.Tensor) and value.dtype == want and value.is_contiguous(), t.name
+            args[t.name] = value
+        meta = extra[n_t]
+        assert isinstance(meta, torch.Tensor) and meta.dtype == torch.int32 and meta.dim() == 2
+        assert meta.shape[1] == META_COLUMNS and meta.is_contiguous()
+        rest = list(extra[n_t + 1:])
+        for s in spec.scalars:
+            value = rest.pop(0)
+            if s.dtype == "bool":
+                assert isinstance(value, bool), (s.name, value)
+            elif s.dtype == "int":
+                assert isinstance(value, int) and not isinstance(value, bool), (s.name, value)
+                assert -(2**31) <= value < 2**31
+            else:
+                assert isinstance(value, float), (s.name, value)
+            args[s.name] = value
+        sm_scale = rest.pop(0)
+        assert isinstance(sm_scale, float)
+        v_scale = 1.0
+        if spec.qkv_scales:
+            v_scale = rest.pop(0)
+            assert isinstance(v_scale, float)
+        for t in self.clamped:
+            rows = rest.pop(0)
+            assert isinstance(rows, int) and rows == args[t].shape[0], (t, rows)
+        assert not rest
+        return args, meta, sm_scale, v_scale
+
+    def paged_run(self, float_ws, int_ws, plan_info, q, k_cache, v_cache, q_starts, kv_indptr, kv_indices,
+                  last_page_len, out, lse, mask_mode, layout, window_left, enable_pdl, *extra):
+        args, meta_t, sm_scale, v_scale = self._unpack_extra(extra)
+        assert mask_mode in MODE_NAMES, mask_mode
+        assert layout == 0, "the fake kernel emulates the NHD layout only"
+        assert window_left == -1 and isinstance(enable_pdl, bool)
+        info = list(plan_info)
+        assert len(info) == 15 and not info[14], info
+        n = int(info[0])
+        planned = self._planned[int_ws.data_ptr()]
+        assert planned.batch_size == n and meta_t.shape[0] == n, (planned.batch_size, n, tuple(meta_t.shape))
+        assert kv_indptr.tolist() == planned.kv_indptr, "kv_indptr differs from the one plan() scheduled"
+        meta = meta_t.tolist()
+        qs = q_starts.tolist()
+        kvp = kv_indptr.tolist()
+        last = last_page_len.tolist()
+        o_off = int(info[8])
+        o_indptr = int_ws[o_off:o_off + 4 * (n + 1)].view(torch.int32).tolist()
+        assert len(qs) >= n and len(last) == n and len(kvp) == n + 1
+        total_q, hq, dim = q.shape
+        num_pages, page_size, hkv, _ = k_cache.shape
+        assert v_cache.shape == k_cache.shape and k_cache.stride() == v_cache.stride()
+        assert planned.page_size == page_size and planned.num_qo_heads == hq and planned.num_kv_heads == hkv
+        group = hq // hkv
+        if self.row_writes is None:
+            self.row_writes = torch.zeros(total_q, dtype=torch.int64)
+        i64 = torch.int64
+        rows_total = 0
+        for b in range(n):
+            (q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, kwin,
+             qo_len) = meta[b]
+            # The scheduler split the rows of each request into tiles from plan()'s qo_indptr:
+            # the kernel's qo_len (from vg_meta) must be the same count.
+            assert planned.qo_indptr[b + 1] - planned.qo_indptr[b] == qo_len, (b, meta[b])
+            assert q_row_base == qs[b], f"vg_meta q_row_base {q_row_base} != q_indptr[{b}] {qs[b]}"
+            npages = kvp[b + 1] - kvp[b]
+            if npages:
+                assert 1 <= last[b] <= page_size, (b, last[b])
+                kv_len = (npages - 1) * page_size + last[b]
+            else:
+                kv_len = 0
+            o_row = o_indptr[b]
+            assert 0 <= qs[b] and qs[b] + qo_len <= total_q and 0 <= o_row and o_row + qo_len <= total_q
+            assert 0 <= kv_pos_base and kv_pos_base + kv_len <= req_kv_len, (b, meta[b], kv_len)
+            rows_total += qo_len
+            if qo_len == 0:
+                continue
+            self.row_writes[o_row:o_row + qo_len] += 1
+            pages = kv_indices[kvp[b]:kvp[b + 1]].long()
+            assert bool(((pages >= 0) & (pages < num_pages)).all()), "page index out of range"
+            k = k_cache[pages].reshape(-1, hkv, dim)[:kv_len].float().repeat_interleave(group, dim=1)
+            v = v_cache[pages].reshape(-1, hkv, v_cache.shape[-1])[:kv_len].float().repeat_interleave(group, 1)
+            qb = q[qs[b]:qs[b] + qo_len].float()
+            scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale
+
+            i = torch.arange(qo_len, dtype=i64).view(1, -1, 1)
+            j = torch.arange(kv_len, dtype=i64).view(1, 1, -1)
+            q_pos = q_pos_base + i
+            kv_pos = kv_pos_base + j
+            qo_head = torch.arange(hq, dtype=i64).view(-1, 1, 1)
+            env = {
+                "q_pos": q_pos, "kv_pos": kv_pos,
+                "q_idx": i if self.codegen_q_idx else q_pos - (req_kv_len - req_qo_len),
+                "q_row": q_row_base + i, "kv_row": kv_row_base + kv_pos, "q_kv_row": kv_row_base + q_pos,
+                "request": torch.tensor(request, dtype=i64), "qo_len": torch.tensor(req_qo_len, dtype=i64),
+                "kv_len": torch.tensor(req_kv_len, dtype=i64), "qo_head": qo_head, "kv_head": qo_head // group,
+            }
+            if self.spec.logits is not None:
+                ev = _Evaluator.from_env(self.spec, env, args)
+                ev.logits = scores
+                scores = ev._as_float(self.spec.logits).expand_as(scores)
+            if mask_mode == 2:
+                visible = _Evaluator.from_env(self.spec, env, args).ev(self.spec.mask).expand(hq, qo_len, kv_len)
+            elif mask_mode == 1:
+                d = kv_len - qo_len + i
+                visible = (j <= d) & ((j >= d - kwin) if kwin >= 0 else torch.ones((), dtype=torch.bool))
+                visible = visible.expand(hq, qo_len, kv_len)
+            else:
+                visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
+            scores = scores.masked_fill(~visible, -math.inf)
+            row_max = scores.amax(dim=-1, keepdim=True) if kv_len else torch.full((hq, qo_len, 1), -math.inf)
+            finite = torch.isfinite(row_max)
+            probs = torch.exp(scores - torch.where(finite, row_max, torch.zeros_like(row_max)))
+            denom = probs.sum(dim=-1, keepdim=True)
+            weights = torch.where(denom > 0, probs / denom.clamp_min(1e-30), torch.zeros_like(probs))
+            o = torch.einsum("hqk,khd->qhd", weights, v) * v_scale
+            out[o_row:o_row + qo_len] = o.to(out.dtype)
+            if lse is not None:
+                d2 = denom.squeeze(-1)
+                lse_b = torch.where(d2 > 0, row_max.squeeze(-1) + d2.log(), torch.full_like(d2, -math.inf))
+                lse[o_row:o_row + qo_len] = (lse_b / math.log(2.0)).transpose(0, 1)
+        self.run_calls.append(RunCall(MODE_NAMES[mask_mode], n, rows_total, meta,
+                                      {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}))

@@ -1,0 +1,674 @@
+"""VariantWrapper and the interval planner on the CPU, against a fake FA2 module.
+
+tests/_fake_kernel.py emulates what the generated kernel does with each launch (mask
+mode, vg_meta, page lists, in-place o rows); its modes 0/1 are strictly geometric, so a
+planner that sends a row to kNone/kCausal whose visible keys are not exactly what those
+modes show gives a wrong result here. Every case is compared with the dense reference
+(variantgen.reference), with the planner off (one custom launch) and on.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from _fake_kernel import FakeModule
+from conftest import SPECS_DIR
+
+import variantgen
+import variantgen.wrapper as wrapper_mod
+from variantgen import codegen, render
+from variantgen.build import BuildResult
+from variantgen.cache import Entry
+from variantgen.errors import LaunchError
+from variantgen.reference import reference_attention
+from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
+from variantgen.wrapper import META_COLUMNS, VariantWrapper
+
+HQ, HKV, HEAD_DIM = 4, 2, 64
+ALL_SPECS = sorted(p.stem for p in SPECS_DIR.glob("*.yaml"))
+# Ragged: full prefill, chunked prefill (qo_len < kv_len), single-token requests, a request
+# with no queries (one of them with no keys either), a long cached prefix.
+QO_LENS = [37, 1, 20, 0, 64, 0, 5, 1]
+KV_LENS = [37, 90, 61, 9, 200, 0, 5, 1]
+# Scalars that make the masks bite at these lengths (the defaults are mostly larger than
+# the sequences); "defaults" runs the spec's own defaults.
+SMALL_SCALARS = {
+    "attention_sink": {"num_sink": 3, "window": 7},
+    "chunked_local": {"chunk_size": 13},
+    "mm_prefix": {"causal_window_left": 6, "range_window_left": 5},
+    "sliding_window": {"window": 9},
+    "softcap": {"soft_cap": 2.0, "window": 17},
+}
+PLAN_STATS: dict[str, object] = {}
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(vg_env):
+    """Render from the checkout's templates with a private cache dir."""
+
+
+@functools.cache
+def shipped(name: str) -> variantgen.VariantSpec:
+    return variantgen.load_spec(SPECS_DIR / f"{name}.yaml")
+
+
+def make(spec: variantgen.VariantSpec, *, codegen_q_idx: bool = False) -> tuple[VariantWrapper, FakeModule]:
+    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a")
+    clamped = render.render_module(config).clamped_tensors
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec, set(clamped))[1]],
+                "module_sha256": "x", "module_file": "x.so"}
+    fake = FakeModule(spec, clamped, codegen_q_idx=codegen_q_idx)
+    build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
+                        built=False, seconds=0.0)
+    return VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8)), fake
+
+
+def batch_of(qo_lens, kv_lens, page_size, seed=0):
+    return random_paged_batch(qo_lens, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                              page_size=page_size, seed=seed)
+
+
+def check(spec, batch, args, *, skip_tiles, scales=None, label="", codegen_q_idx=False):
+    """Plan + run through the fake kernel and compare with the reference; returns (wrapper, fake)."""
+    w, fake = make(spec, codegen_q_idx=codegen_q_idx)
+    plan_kw = dict(skip_tiles=skip_tiles)
+    if skip_tiles:
+        plan_kw.update(args)
+    w.plan(*batch.plan_args(), **plan_kw)
+    total_q = batch.q.shape[0]
+    out = torch.full((total_q, HQ, HEAD_DIM), math.nan, dtype=torch.bfloat16)
+    fake.row_writes = None
+    scales = scales or {}
+    got, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), out=out, return_lse=True, **scales, **args)
+    assert got is out
+    modes = [c.mask_mode for c in fake.run_calls]
+    assert len(modes) == len(set(modes)) == len(w._launches), modes
+    if not skip_tiles:
+        assert modes == ["custom"] and fake.run_calls[0].num_requests == len(batch.qo_lens)
+    if total_q:
+        assert fake.row_writes is not None
+        twice = (fake.row_writes != 1).nonzero().flatten().tolist()
+        assert not twice, f"{label}: rows written {fake.row_writes[twice].tolist()} times: {twice[:20]}"
+    ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
+                                       batch.kv_indptr, batch.kv_indices, batch.last_page_len, args,
+                                       return_lse=True, **scales)
+    assert not torch.isnan(out.float()).any(), f"{label}: rows left unwritten"
+    ref_bf16 = ref.to(torch.bfloat16).float()
+    err = ((out.float() - ref_bf16).norm() / ref_bf16.norm().clamp_min(1e-12)).item()
+    bad = (out.float() - ref).abs() > (2.0 ** -7) * ref.abs() + 1e-4
+    bad_rows = bad.flatten(1).any(1).nonzero().flatten().tolist()
+    assert err < 1e-3 and not bad_rows, f"{label}: rel. error {err:.2e}; rows off: {bad_rows[:20]}"
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), f"{label}: lse -inf pattern differs"
+    fin = torch.isfinite(ref_lse)
+    lse_err = (lse[fin] - ref_lse[fin]).abs()
+    bad_lse = ((lse - ref_lse).abs() > 1e-4 + 1e-5 * ref_lse.abs()) & fin
+    assert not bad_lse.any(), (f"{label}: lse off on rows {bad_lse.any(1).nonzero().flatten().tolist()[:20]} "
+                               f"(max {lse_err.max().item():.2e})")
+    return w, fake
+
+
+def mode_rows(fake: FakeModule) -> dict[str, int]:
+    return {c.mask_mode: c.rows for c in fake.run_calls}
+
+
+# ----------------------------------------------------------------------------- every shipped spec
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("skip_tiles", [False, True], ids=["planner_off", "planner_on"])
+@pytest.mark.parametrize("spec_name, scalars", [(n, "defaults") for n in ALL_SPECS]
+                         + [(n, "small") for n in sorted(SMALL_SCALARS)])
+def test_shipped_spec_matches_reference(spec_name, scalars, skip_tiles, page_size):
+    spec = shipped(spec_name)
+    seed = page_size * 7 + len(spec_name)
+    batch = batch_of(QO_LENS, KV_LENS, page_size, seed=seed)
+    args = random_spec_args(spec, batch, seed=seed)
+    if scalars == "small":
+        args.update(SMALL_SCALARS[spec_name])
+    w, fake = check(spec, batch, args, skip_tiles=skip_tiles, label=f"{spec_name} ps{page_size} {scalars}")
+    if skip_tiles:
+        PLAN_STATS[f"{spec_name}/ps{page_size}/{scalars}"] = dict(w.plan_stats["segments"])
+        # the plan covers every row once, split over at most three launches
+        assert sum(mode_rows(fake).values()) == sum(QO_LENS)
+
+
+@pytest.mark.parametrize("spec_name", ["causal", "alibi", "softcap"])
+def test_qkv_scales_fold_into_sm_scale_and_output(spec_name):
+    spec = shipped(spec_name)
+    batch = batch_of([9, 3], [9, 40], 4, seed=3)
+    args = random_spec_args(spec, batch)
+    scales = dict(q_scale=0.5, k_scale=1.75, v_scale=0.25)
+    for skip in (False, True):
+        w, fake = check(spec, batch, args, skip_tiles=skip, scales=scales, label=spec_name)
+        run = fake.run_calls[0]
+        assert run.scalars == {s.name: args.get(s.name, s.default) for s in spec.scalars}
+
+
+def test_clamped_tensor_passes_its_rows():
+    """A tensor indexed by a non-row builtin is clamped in the kernel: vg_rows_<t> follows."""
+    spec = variantgen.parse_spec(
+        "name: keep_mask\n"
+        "tensors:\n  keep: {dtype: int32, shape: [total_kv]}\n"
+        "scalars:\n  invert: {dtype: bool, default: false}\n"
+        "mask: kv_pos <= q_pos and ((keep[kv_pos] != 0) != invert or kv_pos == q_pos)\n")
+    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a")
+    assert render.render_module(config).clamped_tensors == ("keep",)
+    batch = batch_of([5, 12], [20, 12], 4, seed=5)
+    keep = torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+    for invert in (False, True):
+        for skip in (False, True):
+            check(spec, batch, {"keep": keep, "invert": invert}, skip_tiles=skip, label=f"keep {invert}")
+
+
+# ----------------------------------------------------------------------------- mm_prefix adversarial
+
+# (qo_lens, kv_lens, spans per request)
+MM_LAYOUTS = {
+    # spans at the first and last token, a single-token query inside a span that crosses many
+    # pages, a one-token span next to another span
+    "edges": ([40, 1, 25], [40, 300, 90], [[(0, 9), (30, 39)], [(250, 299)], [(66, 66), (67, 80), (85, 89)]]),
+    # kv_len >> qo_len; one span covering the whole request
+    "long_kv": ([3, 16, 1], [500, 260, 77], [[(490, 499)], [(0, 259)], [(0, 0)]]),
+    # no spans at all
+    "empty": ([20, 7], [20, 50], [[], []]),
+    # span boundaries inside pages; spans that begin before the first query
+    "in_page": ([60, 9], [75, 40], [[(5, 21), (35, 36), (37, 70)], [(2, 34), (36, 39)]]),
+}
+
+
+@pytest.mark.parametrize("range_window", [-1, 0, 5])
+@pytest.mark.parametrize("causal_window", [-1, 0, 3, 16])
+@pytest.mark.parametrize("layout", sorted(MM_LAYOUTS))
+def test_mm_prefix_spans(layout, causal_window, range_window):
+    spec = shipped("mm_prefix")
+    qo_lens, kv_lens, spans = MM_LAYOUTS[layout]
+    page_size = (1, 4, 16)[(causal_window + range_window + len(layout)) % 3]
+    batch = batch_of(qo_lens, kv_lens, page_size, seed=len(layout) + causal_window)
+    args = {"ranges": spans_to_ranges(qo_lens, kv_lens, spans), "causal_window_left": causal_window,
+            "range_window_left": range_window}
+    for skip in (False, True):
+        w, _ = check(spec, batch, args, skip_tiles=skip, label=f"{layout} cw{causal_window} rw{range_window}")
+    PLAN_STATS[f"mm_prefix/{layout}/cw{causal_window}/rw{range_window}/ps{page_size}"] = w.plan_stats["segments"]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("seed", range(4))
+def test_mm_prefix_hostile_ranges(seed, page_size):
+    """Ranges need not hold their query: empty (start > end), negative, past kv_len, in the future."""
+    spec = shipped("mm_prefix")
+    qo_lens, kv_lens = [33, 1, 17, 8], [33, 70, 50, 8]
+    batch = batch_of(qo_lens, kv_lens, page_size, seed=seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    total_q = sum(qo_lens)
+    ranges = torch.randint(-3, 80, (total_q, 2), generator=g, dtype=torch.int32)
+    none = torch.rand(total_q, generator=g) < 0.3
+    ranges[none] = -1
+    ranges[::7, 1] = ranges[::7, 0] - 2  # empty spans
+    for cw, rw in ((-1, -1), (2, 0), (0, 7), (16, 3)):
+        args = {"ranges": ranges.contiguous(), "causal_window_left": cw, "range_window_left": rw}
+        for skip in (False, True):
+            check(spec, batch, args, skip_tiles=skip, label=f"hostile seed{seed} cw{cw} rw{rw}")
+
+
+def test_mm_prefix_planner_sends_few_rows_to_custom(record_property):
+    spec = shipped("mm_prefix")
+    qo_lens = kv_lens = [512, 512, 512]
+    spans = [[(37, 100), (301, 333)], [(0, 63), (480, 511)], [(129, 130), (200, 419)]]
+    batch = batch_of(qo_lens, kv_lens, 16, seed=11)
+    args = {"ranges": spans_to_ranges(qo_lens, kv_lens, spans)}
+    w, fake = check(spec, batch, args, skip_tiles=True, label="3x512")
+    rows = mode_rows(fake)
+    custom = rows.get("custom", 0)
+    record_property("plan_stats", w.plan_stats)
+    record_property("mode_rows", rows)
+    PLAN_STATS["mm_prefix/3x512"] = {"segments": w.plan_stats["segments"], "mode_rows": rows}
+    assert sum(rows.values()) == 3 * 512
+    assert custom <= 0.1 * 3 * 512, f"{custom} of {3 * 512} rows evaluate the mask everywhere: {w.plan_stats}"
+    # with windows, still exact (what fraction needs the mask is recorded, not asserted)
+    for cw, rw in ((16, -1), (-1, 64), (16, 64)):
+        args.update(causal_window_left=cw, range_window_left=rw)
+        w, fake = check(spec, batch, args, skip_tiles=True, label=f"3x512 cw{cw} rw{rw}")
+        PLAN_STATS[f"mm_prefix/3x512/cw{cw}/rw{rw}"] = {"segments": w.plan_stats["segments"],
+                                                       "mode_rows": mode_rows(fake)}
+        record_property(f"mode_rows_cw{cw}_rw{rw}", mode_rows(fake))
+
+
+# ----------------------------------------------------------------------------- other masks' edges
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("window", [-1, 0, 1, 3, 15, 16, 17, 1000])
+def test_sliding_window_sizes(window, page_size):
+    spec = shipped("sliding_window")
+    batch = batch_of([30, 1, 70], [30, 100, 90], page_size, seed=window + 2)
+    for skip in (False, True):
+        check(spec, batch, {"window": window}, skip_tiles=skip, label=f"window {window} ps{page_size}")
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("chunk_size", [1, 3, 5, 7, 13, 0, -4])
+def test_chunked_local_chunk_sizes(chunk_size, page_size):
+    spec = shipped("chunked_local")
+    batch = batch_of([30, 1, 50], [30, 100, 90], page_size, seed=abs(chunk_size))
+    for skip in (False, True):
+        check(spec, batch, {"chunk_size": chunk_size}, skip_tiles=skip, label=f"chunk {chunk_size} ps{page_size}")
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_prefix_lm_prefix_lengths(page_size):
+    spec = shipped("prefix_lm")
+    qo_lens, kv_lens = [20, 1, 30, 12, 9, 40], [20, 50, 45, 12, 30, 40]
+    prefix = torch.tensor([30, 60, 45, 11, 1, 0], dtype=torch.int32)  # > kv_len, == kv_len, kv_len-1, ...
+    batch = batch_of(qo_lens, kv_lens, page_size, seed=page_size)
+    for skip in (False, True):
+        check(spec, batch, {"prefix_len": prefix}, skip_tiles=skip, label=f"prefix ps{page_size}")
+
+
+def test_attention_sink_sinks_past_the_window():
+    spec = shipped("attention_sink")
+    batch = batch_of([40, 1, 64], [40, 120, 64], 4, seed=9)
+    for num_sink, window in ((0, 3), (5, 0), (100, 2), (6, 200), (1, -1)):
+        for skip in (False, True):
+            check(spec, batch, {"num_sink": num_sink, "window": window}, skip_tiles=skip,
+                  label=f"sink {num_sink} window {window}")
+
+
+def test_one_tensor_kv_cache():
+    """paged_kv_cache as one [pages, 2, page_size, kv_heads, head_dim] tensor."""
+    spec = shipped("mm_prefix")
+    batch = batch_of([12, 3], [12, 40], 4, seed=12)
+    args = random_spec_args(spec, batch)
+    cache = torch.stack([batch.k_cache, batch.v_cache], 1)
+    ref = reference_attention(spec, batch.q, cache, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
+                              batch.last_page_len, args)
+    for skip in (False, True):
+        w, _ = make(spec)
+        w.plan(*batch.plan_args(), skip_tiles=skip, **(args if skip else {}))
+        out = w.run(batch.q, cache, **args)
+        assert out.dtype == torch.bfloat16 and out.shape == (15, HQ, HEAD_DIM)
+        torch.testing.assert_close(out.float(), ref.to(torch.bfloat16).float(), rtol=2**-7, atol=1e-4)
+
+
+def test_planned_launches_are_not_packed_and_o_indptr_points_at_their_rows():
+    """Launch requests keep their rows in place: o_indptr in the int workspace = q_starts."""
+    spec = shipped("mm_prefix")
+    qo_lens = kv_lens = [64, 48]
+    batch = batch_of(qo_lens, kv_lens, 16, seed=2)
+    args = {"ranges": spans_to_ranges(qo_lens, kv_lens, [[(10, 20)], [(3, 40)]]), "causal_window_left": 5}
+    w, fake = check(spec, batch, args, skip_tiles=True)
+    assert len(w._launches) >= 2
+    for la in w._launches:
+        n = la.num_requests
+        o_indptr = la.int_workspace[:4 * (n + 1)].view(torch.int32)
+        assert torch.equal(o_indptr, la.q_starts), la.mask_mode
+        assert la.meta.shape == (n, META_COLUMNS)
+        assert torch.equal(la.meta[:, 0], la.q_starts[:n])
+    for call in fake.plan_calls:
+        assert call.disable_split_kv and not call.enable_cuda_graph and call.window_left == -1
+
+
+def test_planner_default_follows_what_plan_was_given():
+    spec = shipped("mm_prefix")
+    batch = batch_of([10, 5], [10, 30], 4)
+    args = random_spec_args(spec, batch)
+    w, fake = make(spec)
+    w.plan(*batch.plan_args())
+    assert "ranges" in w.plan_stats["planner_off"]
+    assert [m for m, _ in w.plan_stats["launches"]] == ["custom"]
+    w.plan(*batch.plan_args(), ranges=args["ranges"])
+    assert "planner_off" not in w.plan_stats and "segments" in w.plan_stats
+    w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+
+
+# Rows 8..15 of a request are plain causal (kCausal); the others read every third key, by q_idx
+# (kCustom), so the planner splits each request into custom / causal / custom launch requests.
+Q_IDX_SPEC = ("name: q_idx_rows\n"
+              "mask: kv_pos <= q_pos and ((q_idx >= 8 and q_idx < 16) or ((q_idx < 8 or q_idx >= 16) "
+              "and kv_pos % 3 == q_idx % 3))\n")
+# What the generated hook computes for q_idx: it used to be q_local, the index inside the
+# *launch* request, which is wrong once the planner splits a request (fixed in codegen/render).
+CODEGEN_Q_IDX_IS_LAUNCH_LOCAL = codegen.BUILTIN_LOCALS["q_idx"] == "q_local"
+
+
+def test_q_idx_with_the_planner_splitting_requests():
+    spec = variantgen.parse_spec(Q_IDX_SPEC)
+    batch = batch_of([40, 30], [40, 60], 4, seed=1)
+    w, fake = check(spec, batch, {}, skip_tiles=True, label="q_idx (language semantics)")
+    assert set(mode_rows(fake)) == {"custom", "causal"}
+    # in the direct path every launch request starts at its request's first query
+    check(spec, batch, {}, skip_tiles=False, codegen_q_idx=True, label="q_idx launch-local, direct")
+    # a launch-local q_idx is wrong under the planner: the fake tells
+    with pytest.raises(AssertionError, match="rows off"):
+        check(spec, batch, {}, skip_tiles=True, codegen_q_idx=True, label="q_idx launch-local, planner")
+
+
+def test_generated_q_idx_is_the_request_index():
+    """Regression: the hook must not read q_idx from q_local (the launch request's index)."""
+    assert not CODEGEN_Q_IDX_IS_LAUNCH_LOCAL
+    spec = variantgen.parse_spec(Q_IDX_SPEC)
+    variant = render.render_module(render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16",
+                                                       "9.0a")).files["variant.cuh"]
+    body = variant[variant.index("REGISTER_LOGITS_MASK"):]
+    ret = next(line for line in body.splitlines() if line.strip().startswith("return "))
+    assert "q_local" not in ret, ret
+
+
+def test_head_dependent_mask_runs_direct_and_refuses_the_planner():
+    spec = variantgen.parse_spec("name: per_head\nmask: kv_pos <= q_pos and (qo_head % 2 == 0 or "
+                                 "kv_pos >= q_pos - kv_head - 1)\n")
+    batch = batch_of([20, 1, 9], [20, 30, 40], 4, seed=6)
+    check(spec, batch, {}, skip_tiles=False)
+    w, _ = make(spec)
+    w.plan(*batch.plan_args())  # default: planner off, and why
+    assert w.plan_stats["planner_off"] == "the mask depends on the head index: intervals differ per head"
+    with pytest.raises(LaunchError, match=exact(
+            "plan(skip_tiles=True): spec `per_head` has no usable key intervals (the mask depends on the head "
+            "index: intervals differ per head); plan with skip_tiles=False")):
+        w.plan(*batch.plan_args(), skip_tiles=True)
+
+
+def test_planner_with_no_queries():
+    """A batch whose requests have no new tokens: plan() and run() succeed, nothing launches."""
+    spec = shipped("causal")
+    batch = batch_of([0, 0], [5, 9], 4)
+    for skip in (False, True, None):
+        w, fake = make(spec)
+        w.plan(*batch.plan_args(), skip_tiles=skip)
+        out, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True)
+        assert out.shape == (0, HQ, HEAD_DIM) and lse.shape == (0, HQ)
+        assert not fake.run_calls  # nothing to launch
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_batches(seed):
+    """Random spec, lengths (some past CUSTOM_ROWS), page size (also 2, 3, 8) and scalars."""
+    rng = random.Random(seed)
+    name = ALL_SPECS[seed % len(ALL_SPECS)]
+    spec = shipped(name)
+    n = rng.randint(1, 4)
+    kv_lens = [rng.randint(1, 300) for _ in range(n)]
+    qo_lens = [rng.choice([k, rng.randint(1, k), 1]) for k in kv_lens]
+    page_size = rng.choice([1, 2, 3, 4, 8, 16])
+    batch = batch_of(qo_lens, kv_lens, page_size, seed=seed)
+    args = random_spec_args(spec, batch, seed=seed)
+    for s in spec.scalars:
+        args[s.name] = rng.randint(-3, 40) if s.dtype == "int" else rng.uniform(0.5, 30.0)
+    for skip in (False, True):
+        check(spec, batch, args, skip_tiles=skip, label=f"{name} {qo_lens} {kv_lens} ps{page_size} skip={skip}")
+
+
+# ----------------------------------------------------------------------------- errors (exact text)
+
+
+def exact(text: str) -> str:
+    return "^" + re.escape(text) + "$"
+
+
+@pytest.fixture
+def mm():
+    spec = shipped("mm_prefix")
+    batch = batch_of([7, 5], [7, 30], 4, seed=4)
+    args = random_spec_args(spec, batch)
+    w, fake = make(spec)
+    return w, fake, batch, args
+
+
+def test_run_before_plan(mm):
+    w, _, batch, args = mm
+    with pytest.raises(LaunchError, match=exact("run() called before plan(): call plan(qo_indptr, "
+                                                "paged_kv_indptr, ...) first")):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+
+
+def test_run_after_a_failed_plan_does_not_use_the_old_launches(mm):
+    """A plan() that raises must not leave the previous batch's launches behind."""
+    w, fake, batch, args = mm
+    w.plan(*batch.plan_args())
+    other = batch_of([3, 2, 4], [3, 9, 4], 4, seed=8)
+    with pytest.raises(LaunchError, match="read ranges"):
+        w.plan(*other.plan_args(), skip_tiles=True)
+    other_args = random_spec_args(shipped("mm_prefix"), other)
+    with pytest.raises(LaunchError, match=r"^run\(\) called before plan\(\)"):
+        w.run(other.q, (other.k_cache, other.v_cache), **other_args)
+    # a plan() refused while checking its inputs (after a good one) leaves nothing runnable either
+    w.plan(*batch.plan_args())
+    with pytest.raises(LaunchError, match="paged_kv_last_page_len"):
+        w.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.last_page_len + 9, HQ, HKV, 4)
+    with pytest.raises(LaunchError, match=r"^run\(\) called before plan\(\)"):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+
+
+def test_run_missing_tensor(mm):
+    w, _, batch, args = mm
+    w.plan(*batch.plan_args())
+    with pytest.raises(LaunchError, match=exact(
+            "run(): missing tensor argument `ranges` (int32, shape ['total_q', 2]: inclusive absolute key span "
+            "[start, end] each query token sees; (-1, -1) for none)")):
+        w.run(batch.q, (batch.k_cache, batch.v_cache))
+
+
+def test_run_unknown_argument(mm):
+    w, _, batch, args = mm
+    w.plan(*batch.plan_args())
+    with pytest.raises(LaunchError, match=exact(
+            "run(): unexpected argument(s) bogus, window; spec `mm_prefix` takes: ranges, causal_window_left, "
+            "range_window_left (plus q_scale, k_scale, v_scale, out, return_lse in run())")):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), bogus=1, window=3, **args)
+    causal, _ = make(shipped("causal"))
+    causal.plan(*batch.plan_args())
+    with pytest.raises(LaunchError, match=exact(
+            "run(): unexpected argument(s) ranges; spec `causal` takes: no extra arguments "
+            "(plus q_scale, k_scale, v_scale, out, return_lse in run())")):
+        causal.run(batch.q, (batch.k_cache, batch.v_cache), ranges=args["ranges"])
+
+
+@pytest.mark.parametrize("case", ["dtype", "shape", "not_a_tensor", "non_contiguous", "device"])
+def test_run_bad_spec_tensor(mm, case):
+    w, _, batch, args = mm
+    w.plan(*batch.plan_args())
+    total_q = batch.q.shape[0]  # 12
+    bad, message = {
+        "dtype": (args["ranges"].long(), "run(): `ranges`: expected dtype torch.int32, got torch.int64"),
+        "shape": (torch.zeros(total_q, 3, dtype=torch.int32),
+                  "run(): `ranges`: expected shape [total_q=12, 2], got [12, 3]"),
+        "not_a_tensor": ([[0, 1]] * total_q, "run(): `ranges`: expected a torch.int32 tensor of shape "
+                                             "[total_q=12, 2], got list"),
+        "non_contiguous": (torch.zeros(2, total_q, dtype=torch.int32).t(),
+                           "run(): `ranges` must be contiguous (call .contiguous(); it is not copied implicitly "
+                           "so that CUDA-graph pointers stay stable)"),
+        "device": (torch.zeros(total_q, 2, dtype=torch.int32, device="meta"),
+                   "run(): `ranges` is on meta, expected cpu (the device of the workspace)"),
+    }[case]
+    assert total_q == 12
+    with pytest.raises(LaunchError, match=exact(message)):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), **{**args, "ranges": bad})
+
+
+@pytest.mark.parametrize("value, shown", [(True, "True (bool)"), ("3", "'3' (str)"),
+                                          (2**31, "2147483648 (int)"), (-(2**31) - 1, "-2147483649 (int)"),
+                                          (1.0, "1.0 (float)")])
+def test_run_bad_int_scalar(mm, value, shown):
+    w, _, batch, args = mm
+    w.plan(*batch.plan_args())
+    with pytest.raises(LaunchError, match=exact(f"run(): `causal_window_left`: expected a int in 32-bit range, "
+                                                f"got {shown}")):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), **{**args, "causal_window_left": value})
+
+
+@pytest.mark.parametrize("value, shown", [(True, "True (bool)"), ("2.0", "'2.0' (str)"), (math.inf, "inf (float)")])
+def test_run_bad_float_scalar(value, shown):
+    w, _ = make(shipped("softcap"))
+    batch = batch_of([4], [4], 4)
+    w.plan(*batch.plan_args())
+    with pytest.raises(LaunchError, match=exact(f"run(): `soft_cap`: expected a float, got {shown}")):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), soft_cap=value)
+    w.run(batch.q, (batch.k_cache, batch.v_cache), soft_cap=3)  # an int is a fine float
+
+
+@pytest.mark.parametrize("case", ["dtype", "shape", "device", "out_shape"])
+def test_run_bad_q(mm, case):
+    w, _, batch, args = mm
+    w.plan(*batch.plan_args())
+    q, kw = batch.q, {}
+    if case == "dtype":
+        q = q.half()
+        message = "run(): `q`: expected dtype torch.bfloat16 (the wrapper was built for it), got torch.float16"
+    elif case == "shape":
+        q = q[:, :2]
+        message = "run(): `q`: expected shape [12, 4, 64], got [12, 2, 64]"
+    elif case == "device":
+        q = torch.empty(q.shape, dtype=q.dtype, device="meta")
+        message = "run(): `q` is on meta, expected cpu"
+    else:
+        kw["out"] = torch.empty(11, HQ, HEAD_DIM, dtype=torch.bfloat16)
+        message = "run(): `out`: expected shape [12, 4, 64], got [11, 4, 64]"
+    with pytest.raises(LaunchError, match=exact(message)):
+        w.run(q, (batch.k_cache, batch.v_cache), **kw, **args)
+
+
+def test_run_kv_with_different_strides(mm):
+    w, _, batch, args = mm
+    w.plan(*batch.plan_args())
+    k = batch.k_cache
+    v = torch.zeros(*k.shape[:3], 2 * HEAD_DIM, dtype=k.dtype)[..., :HEAD_DIM]
+    v.copy_(batch.v_cache)
+    with pytest.raises(LaunchError, match=exact(
+            f"run(): k_cache and v_cache must have identical strides (got {k.stride()} and {v.stride()}); "
+            "this module is compiled for equal K/V strides")):
+        w.run(batch.q, (k, v), **args)
+    with pytest.raises(LaunchError, match=exact("run(): `v_cache`: expected dtype torch.bfloat16, got torch.float32")):
+        w.run(batch.q, (k, batch.v_cache.float()), **args)
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `k_cache`: expected [pages, page_size, kv_heads, head_dim] with page_size=4, kv_heads=2, "
+            "head_dim=64; got [10, 2, 2, 64]")):
+        w.run(batch.q, (k[:, :2], batch.v_cache[:, :2]), **args)
+
+
+def test_q_scale_refused_without_qkv_scales():
+    spec = variantgen.parse_spec("name: noscale\nscales: {qkv_scales: false}\nmask: kv_pos <= q_pos\n")
+    w, fake = make(spec)
+    batch = batch_of([6], [10], 4)
+    w.plan(*batch.plan_args())
+    for kw in ({"q_scale": 2.0}, {"k_scale": 1.0}, {"v_scale": 0.5}):
+        with pytest.raises(LaunchError, match=exact(
+                "run(): spec `noscale` sets `scales.qkv_scales: false`; q_scale/k_scale/v_scale are not accepted")):
+            w.run(batch.q, (batch.k_cache, batch.v_cache), **kw)
+    check(spec, batch, {}, skip_tiles=False)  # and no v_scale in the ABI (the fake checks the count)
+
+
+def test_bad_qkv_scale_value():
+    w, _ = make(shipped("causal"))
+    batch = batch_of([6], [10], 4)
+    w.plan(*batch.plan_args())
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `v_scale`: expected a finite float, got tensor([1.]) (per-head scale tensors are not supported)")):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), v_scale=torch.ones(1))
+
+
+def test_plan_errors(mm):
+    w, _, batch, args = mm
+    qo, kvp, idx, last = batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.last_page_len
+    heads = (HQ, HKV, 4)
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): qo_indptr: expected a 1-D torch.int32 tensor, got torch.int64 tensor of shape (3,)")):
+        w.plan(qo.long(), kvp, idx, last, *heads)
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): paged_kv_last_page_len: expected a 1-D torch.int32 tensor, got list")):
+        w.plan(qo, kvp, idx, last.tolist(), *heads)
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): inconsistent batch: qo_indptr has 3 entries, paged_kv_indptr 4, paged_kv_last_page_len 2 "
+            "(expected batch+1, batch+1, batch)")):
+        w.plan(qo, torch.cat([kvp, kvp[-1:]]), idx, last, *heads)
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): request 1 has 5 queries but only 2 keys; the queries must be the last qo_len tokens of the "
+            "request's KV")):
+        w.plan(qo, torch.tensor([0, 2, 3], dtype=torch.int32), idx, torch.tensor([3, 2], dtype=torch.int32), *heads)
+    for bad_last in (0, 5):
+        with pytest.raises(LaunchError, match=exact(f"plan(): paged_kv_last_page_len[1]={bad_last}: expected 1..4")):
+            w.plan(qo, kvp, idx, torch.tensor([3, bad_last], dtype=torch.int32), *heads)
+    with pytest.raises(LaunchError, match=exact("plan(): num_qo_heads=3 is not a multiple of num_kv_heads=2")):
+        w.plan(qo, kvp, idx, last, 3, HKV, 4)
+    with pytest.raises(LaunchError, match=exact("plan(): page_size=0: expected a positive int")):
+        w.plan(qo, kvp, idx, last, HQ, HKV, 0)
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): paged_kv_indices has 9 entries, paged_kv_indptr needs 10")):
+        w.plan(qo, kvp, idx[:-1], last, *heads)
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): unexpected argument(s) ['ranges']: spec arguments go to run() (or to plan() together with "
+            "skip_tiles=True)")):
+        w.plan(*batch.plan_args(), skip_tiles=False, ranges=args["ranges"])
+
+
+def test_plan_planner_needs_the_tensors_its_intervals_read(mm):
+    w, _, batch, args = mm
+    with pytest.raises(LaunchError, match=exact(
+            "plan(skip_tiles=True): the intervals of `mm_prefix` read ranges; pass them to plan() by name too")):
+        w.plan(*batch.plan_args(), skip_tiles=True, causal_window_left=3)
+    w2, _ = make(shipped("prefix_lm"))
+    with pytest.raises(LaunchError, match=exact(
+            "plan(skip_tiles=True): the intervals of `prefix_lm` read prefix_len; pass them to plan() by name too")):
+        w2.plan(*batch.plan_args(), skip_tiles=True)
+    # plan() checks what it is given like run() does
+    with pytest.raises(LaunchError, match=exact("plan(): `ranges`: expected shape [total_q=12, 2], got [11, 2]")):
+        w.plan(*batch.plan_args(), skip_tiles=True, ranges=args["ranges"][:11].contiguous())
+
+
+def test_run_must_use_what_plan_planned_with(mm):
+    w, _, batch, args = mm
+    w.plan(*batch.plan_args(), skip_tiles=True, ranges=args["ranges"], causal_window_left=3)
+    kv = (batch.k_cache, batch.v_cache)
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `ranges` is not the tensor plan() was given; the interval plan was computed from that one - "
+            "plan again with the new tensor")):
+        w.run(batch.q, kv, ranges=args["ranges"].clone(), causal_window_left=3)
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `causal_window_left`=4 but plan() planned with 3 (the key intervals depend on it); pass "
+            "causal_window_left= to plan() as well, or plan again")):
+        w.run(batch.q, kv, ranges=args["ranges"], causal_window_left=4)
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `causal_window_left`=-1 but plan() planned with 3 (the key intervals depend on it); pass "
+            "causal_window_left= to plan() as well, or plan again")):
+        w.run(batch.q, kv, ranges=args["ranges"])
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `range_window_left`=2 but plan() planned with -1 (the key intervals depend on it); pass "
+            "range_window_left= to plan() as well, or plan again")):
+        w.run(batch.q, kv, ranges=args["ranges"], causal_window_left=3, range_window_left=2)
+    w.run(batch.q, kv, ranges=args["ranges"], causal_window_left=3)
+    # planned with the default window, run with another
+    w.plan(*batch.plan_args(), skip_tiles=True, ranges=args["ranges"])
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `causal_window_left`=3 but plan() planned with -1 (the key intervals depend on it); pass "
+            "causal_window_left= to plan() as well, or plan again")):
+        w.run(batch.q, kv, ranges=args["ranges"], causal_window_left=3)
+
+
+def test_make_wrapper_refuses_fp8_queries_before_building(monkeypatch):
+    def no_build(*a, **k):
+        pytest.fail("make_wrapper built a module for an invalid configuration")
+
+    monkeypatch.setattr(wrapper_mod, "build_module", no_build)
+    monkeypatch.setattr(wrapper_mod, "load_module", no_build)
+    with pytest.raises(ValueError, match=exact(
+            "q_dtype=fp8_e4m3: fp8 query is not supported by fa2 (its tensor-core path needs 16-bit queries); "
+            "use bf16 or fp16 queries with an fp8 KV cache")):
+        variantgen.make_wrapper(shipped("causal"), torch.empty(16, dtype=torch.uint8), head_dim_qk=64,
+                                q_dtype="fp8_e4m3", kv_dtype="bf16", o_dtype="bf16", arch="9.0a")
+    with pytest.raises(ValueError, match="fa2"):
+        variantgen.make_wrapper(shipped("causal"), torch.empty(16, dtype=torch.uint8), head_dim_qk=64,
+                                q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", arch="9.0a")
+
+
+def test_wrapper_constructor_checks():
+    spec = shipped("causal")
+    w, fake = make(spec)
+    with pytest.raises(LaunchError, match=exact("kv_layout='NDH': expected 'NHD' or 'HND'")):
+        VariantWrapper(spec, w.config, fake, w.build, torch.empty(16, dtype=torch.uint8), "NDH")
+    with pytest.raises(LaunchError, match=exact(
+            "workspace: expected a torch.uint8 tensor (e.g. 128 MiB on the GPU)")):
+        VariantWrapper(spec, w.config, fake, w.build, torch.empty(16, dtype=torch.float32))
