@@ -20,6 +20,7 @@ where ``exact`` holds; elsewhere the mask is evaluated inside the hull, which is
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
@@ -190,6 +191,7 @@ def _dnf(node: Node) -> list[Term]:
     return terms
 
 
+@functools.lru_cache(maxsize=256)
 def analyze(spec: VariantSpec) -> IntervalForm:
     used = names_used(spec.mask)
     if used & HEAD_NAMES:
@@ -264,6 +266,11 @@ def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch
         his.append(torch.where(nonempty, hi, torch.full_like(hi, -BIG)))
         oks.append(nonempty)
         exacts.append(exact | ~nonempty)  # an empty exact term contributes nothing
+    if len(los) == 1:  # one term: its interval is the answer (no union to check)
+        any_ok, all_exact = oks[0], exacts[0]
+        return RowIntervals(lo=torch.where(any_ok, los[0], torch.zeros_like(los[0])),
+                            hi=torch.where(any_ok, his[0], kv_len - 1),
+                            exact=any_ok & all_exact, empty=~any_ok & all_exact)
     lo = torch.stack(los, 1)
     hi = torch.stack(his, 1)
     any_ok = torch.stack(oks, 1).any(1)

@@ -132,11 +132,12 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indic
         d = by_mode[mode]
         d["q_starts"].append(b.total_q)
         # Page lists of all launch requests of this launch, gathered on the device.
-        firsts = torch.tensor([p for p, _ in d["page_ranges"]], dtype=i64, device=dev)
-        counts = torch.tensor([n for _, n in d["page_ranges"]], dtype=i64, device=dev)
-        offsets = torch.arange(int(counts.sum()), device=dev) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts)
-        page_idx = torch.repeat_interleave(firsts, counts) + offsets
+        ranges_h = torch.tensor(d["page_ranges"], dtype=i64).to(dev, non_blocking=True)
+        firsts, counts = ranges_h[:, 0], ranges_h[:, 1]
+        total_pages = d["kv_indptr"][-1]  # known on the host: no device sync
+        offsets = torch.arange(total_pages, device=dev) - torch.repeat_interleave(
+            torch.cumsum(counts, 0) - counts, counts, output_size=total_pages)
+        page_idx = torch.repeat_interleave(firsts, counts, output_size=total_pages) + offsets
         launches.append(dict(mask_mode=mode, q_starts=d["q_starts"], plan_qo=d["plan_qo"],
                              kv_indptr=d["kv_indptr"], kv_indices=kv_indices.to(dev)[page_idx].to(torch.int32),
                              last_page_len=d["last_page_len"], meta=d["meta"],
