@@ -249,14 +249,14 @@ def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch
         ok = torch.ones(n, dtype=torch.bool, device=dev)
         exact = torch.full((n,), t.exact, dtype=torch.bool, device=dev)
         for c in t.conds:
-            ok &= ev.ev(c).expand(n).to(torch.bool)
+            ok = ok & ev.ev(c).to(torch.bool)
         for x in t.lows:
-            lo = torch.maximum(lo, ev.ev(x).expand(n).to(torch.int64))
+            lo = torch.maximum(lo, ev.ev(x).to(torch.int64))
         for x in t.highs:
-            hi = torch.minimum(hi, ev.ev(x).expand(n).to(torch.int64))
+            hi = torch.minimum(hi, ev.ev(x).to(torch.int64))
         for c_node, r_node in t.chunks:
-            c = ev.ev(c_node).expand(n).to(torch.int64)
-            r = ev.ev(r_node).expand(n).to(torch.int64)
+            c = ev.ev(c_node).to(torch.int64)
+            r = ev.ev(r_node).to(torch.int64)
             valid = c > 0
             exact &= valid  # c <= 0: floordiv gives 0; not modelled, keep the hull
             lo = torch.where(valid, torch.maximum(lo, r * c), lo)

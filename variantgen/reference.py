@@ -79,10 +79,19 @@ class _Evaluator:
     def _as_float(self, node: Node) -> torch.Tensor:
         return self.ev(node).to(torch.float32)
 
+    def _scalar_tensor(self, value, dtype: torch.dtype) -> torch.Tensor:
+        # One device tensor per distinct value: creating one is a host-to-device copy, and
+        # the planner evaluates the same few constants many times per plan().
+        key = (value, dtype)
+        cache = self.__dict__.setdefault("_scalars", {})
+        if key not in cache:
+            cache[key] = torch.tensor(value, dtype=dtype, device=self.device)
+        return cache[key]
+
     def _const(self, node: Const) -> torch.Tensor:
         v = node.value
         dtype = torch.bool if isinstance(v, bool) else torch.int64 if isinstance(v, int) else torch.float32
-        return torch.tensor(v, dtype=dtype, device=self.device)
+        return self._scalar_tensor(v, dtype)
 
     def _name(self, node: Name) -> torch.Tensor:
         if node.id == "logits":
@@ -93,7 +102,7 @@ class _Evaluator:
         scalar = next(s for s in self.spec.scalars if s.name == node.id)
         value = self.args.get(node.id, scalar.default)
         dtype = {Type.BOOL: torch.bool, Type.INT: torch.int64, Type.FLOAT: torch.float32}[scalar.ty]
-        return torch.tensor(value, dtype=dtype, device=self.device)
+        return self._scalar_tensor(value, dtype)
 
     def _index(self, node: Index) -> torch.Tensor:
         tensor = self.args[node.tensor]
