@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 
+import fuzz_corpus
 import pytest
 import yaml
 from conftest import SPEC_FILES
@@ -21,7 +22,7 @@ import variantgen
 from variantgen import codegen, expr
 from variantgen import spec as spec_mod
 from variantgen.errors import SpecError, SpecErrors
-from variantgen.expr import SourceText, TensorSig, Type, TypeEnv
+from variantgen.expr import SourceText, Type, TypeEnv
 from variantgen.render import ModuleConfig, kernel_args, render_module
 
 _COMMON = dict(
@@ -101,27 +102,9 @@ def _canonical_yaml(spec) -> str:
 
 # ----------------------------------------------------------------------------- strategies
 
-YAML_TOKENS = [
-    "name:", "mask:", "logits:", "tensors:", "scalars:", "scales:", "backends:", "description:", "dtype:",
-    "shape:", "default:", "doc:", "sm_scale:", "qkv_scales:", "int", "float", "bool", "int32", "float32",
-    "total_q", "total_kv", "batch", "num_qo_heads", "[", "]", "{", "}", ",", ":", "- ", "? ", " ", "  ", "\n",
-    "\n  ", "\n    ", "\t", "#", "'", '"', "\\", "|", ">-", "|+", "&a ", "*a", "!!python/object:os.system ",
-    "!!str ", "!x ", "<<: ", "---\n", "...\n", "%YAML 1.1\n", "kv_pos <= q_pos", "q_pos - kv_pos", " and ",
-    " or ", "not ", "(", ")", "x", "causal", "params", "kv_len", "vg_x", "1", "-1", "0x1F", "1.5", "1e400",
-    "9" * 60, ".nan", "true", "false", "null", "~", "2022-13-45", "é", "\u2028", "\x85", "\ufeff", "\x00",
-    "\x07", "\ud800", "💥", MARKER,
-]
-EXPR_TOKENS = [
-    "kv_pos", "q_pos", "q_idx", "q_row", "kv_row", "request", "qo_head", "kv_head", "qo_len", "kv_len", "w", "f",
-    "flag", "t", "s", "logits", "min", "max", "abs", "float", "tanh", "exp", "log", "sqrt", "sigmoid", "and", "or",
-    "not", "if", "else", "true", "false", "(", ")", "[", "]", ",", "+", "-", "*", "/", "//", "%", "<", "<=", ">",
-    ">=", "==", "!=", "=", "&&", "||", "!", "0", "1", "-1", "2147483647", "2147483648", "1.5", "1e39", "1e-45",
-    ".5", "9" * 30, " ", "\n", "\t", "é", "٣", "\x00", "$", ";", "#", '"', "asm", "params", "x);", "@",
-]
-ENV = TypeEnv(
-    scalars={"w": Type.INT, "f": Type.FLOAT, "flag": Type.BOOL},
-    tensors={"t": TensorSig("t", 2, Type.INT), "s": TensorSig("s", 1, Type.FLOAT)},
-)
+YAML_TOKENS = [*fuzz_corpus.YAML_TOKENS, MARKER]
+EXPR_TOKENS = fuzz_corpus.EXPR_TOKENS
+ENV = TypeEnv(fuzz_corpus.ENV.scalars, fuzz_corpus.ENV.tensors)
 LOGITS_ENV = TypeEnv(ENV.scalars, ENV.tensors, allow_logits=True)
 
 any_text = st.text(st.characters(codec=None, exclude_categories=()), max_size=300)

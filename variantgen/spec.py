@@ -491,27 +491,9 @@ def _build(r: _Reader, root: yaml.Node) -> VariantSpec | None:
     if "description" in fields:
         description = r.string(fields["description"][1], "description") or ""
 
-    taken: dict[str, str] = {}
-    tensors: list[TensorArg] = []
-    if "tensors" in fields:
-        entries = r.mapping(fields["tensors"][1], "tensors")
-        for tname, key_node, value in entries or []:
-            if not _check_arg_name(r, key_node, tname, "tensors", taken):
-                continue
-            t = _tensor(r, tname, value)
-            if t is not None:
-                tensors.append(t)
-                taken[tname] = "tensor"
-    scalars: list[ScalarArg] = []
-    if "scalars" in fields:
-        entries = r.mapping(fields["scalars"][1], "scalars")
-        for sname, key_node, value in entries or []:
-            if not _check_arg_name(r, key_node, sname, "scalars", taken):
-                continue
-            s = _scalar(r, sname, value)
-            if s is not None:
-                scalars.append(s)
-                taken[sname] = "scalar"
+    taken: dict[str, str] = {}  # argument name -> 'tensor' | 'scalar', shared by both sections
+    tensors: list[TensorArg] = _arguments(r, fields, "tensors", _tensor, taken)
+    scalars: list[ScalarArg] = _arguments(r, fields, "scalars", _scalar, taken)
 
     env = TypeEnv(
         scalars={s.name: s.ty for s in scalars},
@@ -553,6 +535,21 @@ def _build(r: _Reader, root: yaml.Node) -> VariantSpec | None:
         path=r.path,
         locations=locations,
     )
+
+
+def _arguments(r: _Reader, fields: dict, section: str, read_one, taken: dict[str, str]) -> list:
+    """The declared arguments of one section ('tensors' or 'scalars'), names checked."""
+    out = []
+    if section not in fields:
+        return out
+    for name, key_node, value in r.mapping(fields[section][1], section) or []:
+        if not _check_arg_name(r, key_node, name, section, taken):
+            continue
+        arg = read_one(r, name, value)
+        if arg is not None:
+            out.append(arg)
+            taken[name] = section[:-1]
+    return out
 
 
 def _is_null(node: yaml.Node) -> bool:
