@@ -29,7 +29,9 @@ def row_env(qo_lens, kv_lens):
                 env[k].append(v)
             q_row += 1
         kv_base += kl
-    return {k: torch.tensor(v, dtype=torch.int64) for k, v in env.items()}
+    out = {k: torch.tensor(v, dtype=torch.int64) for k, v in env.items()}
+    out["vg_kv_lens"] = torch.tensor(kv_lens, dtype=torch.int64)
+    return out
 
 
 def check_sound(spec, qo_lens, kv_lens, args):
@@ -81,7 +83,20 @@ def test_exactness_of_known_forms():
     assert form.planner_ready and form.exact
     assert tensors_read(form, spec) == {"ranges"}
     doc = load_spec(Path(__file__).resolve().parents[1] / "specs" / "document.yaml")
-    assert not analyze(doc).exact  # document ids are not an interval form: hull [0, q_pos]
+    # Equality of a [total_kv] tensor with a row value is exact where the tensor is sorted.
+    assert analyze(doc).exact and tensors_read(analyze(doc), doc) == {"doc_ids"}
+
+
+def test_document_ids_sorted_and_unsorted():
+    doc = load_spec(Path(__file__).resolve().parents[1] / "specs" / "document.yaml")
+    qo, kv = [6, 10], [9, 10]
+    sorted_ids = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2, 2] + [5, 5, 5, 7, 7, 7, 7, 7, 9, 9], dtype=torch.int32)
+    exact, total = check_sound(doc, qo, kv, {"doc_ids": sorted_ids})
+    assert exact == total
+    shuffled = torch.tensor([0, 1, 0, 1, 1, 1, 2, 2, 2] + [5, 5, 5, 7, 7, 7, 7, 7, 9, 9], dtype=torch.int32)
+    iv = row_intervals(analyze(doc), doc, row_env(qo, kv), {"doc_ids": shuffled})
+    assert not iv.exact[:6].any() and iv.exact[6:].all()  # only the unsorted request loses exactness
+    check_sound(doc, qo, kv, {"doc_ids": shuffled})
 
 
 def test_head_dependent_mask_is_not_planned():

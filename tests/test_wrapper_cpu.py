@@ -672,3 +672,16 @@ def test_wrapper_constructor_checks():
     with pytest.raises(LaunchError, match=exact(
             "workspace: expected a torch.uint8 tensor (e.g. 128 MiB on the GPU)")):
         VariantWrapper(spec, w.config, fake, w.build, torch.empty(16, dtype=torch.float32))
+
+
+def test_document_with_page_aligned_documents_runs_causal_launches():
+    """Sorted document ids give exact intervals; page-aligned documents need no per-element mask."""
+    spec = shipped("document")
+    batch = batch_of([40, 24], [48, 32], 4, seed=3)
+    ids = torch.cat([torch.arange(48) // 8, torch.arange(32) // 16]).to(torch.int32)
+    w, _ = check(spec, batch, {"doc_ids": ids}, skip_tiles=True, label="aligned documents")
+    segments = w.plan_stats["segments"]
+    assert segments["custom"] == 0 and segments["causal"] > 0, segments
+    # Unaligned documents still plan exactly, with the mask evaluated inside tight hulls.
+    ids = torch.cat([torch.arange(48) // 7, torch.arange(32) // 5]).to(torch.int32)
+    check(spec, batch, {"doc_ids": ids}, skip_tiles=True, label="unaligned documents")

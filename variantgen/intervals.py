@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .expr import Binary, Const, Name, Node, Type, Unary, names_used, to_source
+from .expr import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
 from .spec import VariantSpec
 
 KEY_NAMES = {"kv_pos", "kv_row"}
@@ -42,11 +42,16 @@ class Term:
     lows: tuple[Node, ...] = ()  # kv_pos >= each
     highs: tuple[Node, ...] = ()  # kv_pos <= each
     chunks: tuple[tuple[Node, Node], ...] = ()  # (c, r): kv_pos // c == r, c > 0
+    # (t, v): t[kv_row] == v with t a [total_kv] tensor. Where t is non-decreasing along each
+    # request (document ids, segment ids) the matching keys are one interval, found by binary
+    # search; elsewhere the term keeps its hull.
+    sorted_eqs: tuple[tuple[str, Node], ...] = ()
     exact: bool = True
 
     def describe(self) -> str:
         parts = [f"kv_pos >= {to_source(x)}" for x in self.lows] + [f"kv_pos <= {to_source(x)}" for x in self.highs]
         parts += [f"kv_pos // {to_source(c)} == {to_source(r)}" for c, r in self.chunks]
+        parts += [f"{t}[kv_row] == {to_source(v)} (sorted)" for t, v in self.sorted_eqs]
         parts += [to_source(c) for c in self.conds]
         return " and ".join(parts) + ("" if self.exact else "  (hull)")
 
@@ -145,18 +150,30 @@ def _chunk_of_compare(node: Binary) -> Term | None:
     return None
 
 
+def _sorted_eq_of_compare(node: Binary) -> Term | None:
+    """t[kv_row] == v (either side), t one-dimensional, v row-only."""
+    if node.op != "==":
+        return None
+    for a, b in ((node.left, node.right), (node.right, node.left)):
+        if (isinstance(a, Index) and len(a.indices) == 1 and isinstance(a.indices[0], Name)
+                and a.indices[0].id == "kv_row" and _row_only(b)):
+            return Term(sorted_eqs=((a.tensor, b),))
+    return None
+
+
 def _atom(node: Node) -> Term:
     if _row_only(node):
         return Term(conds=(node,))
     if isinstance(node, Binary) and node.op in ("<", "<=", ">", ">=", "==", "!="):
-        found = _bounds_of_compare(node) or _chunk_of_compare(node)
+        found = _bounds_of_compare(node) or _chunk_of_compare(node) or _sorted_eq_of_compare(node)
         if found is not None:
             return found
     return Term(exact=False)  # reads the key in a way we do not model: hull
 
 
 def _and(a: Term, b: Term) -> Term:
-    return Term(a.conds + b.conds, a.lows + b.lows, a.highs + b.highs, a.chunks + b.chunks, a.exact and b.exact)
+    return Term(a.conds + b.conds, a.lows + b.lows, a.highs + b.highs, a.chunks + b.chunks,
+                a.sorted_eqs + b.sorted_eqs, a.exact and b.exact)
 
 
 class _TooComplex(Exception):
@@ -202,7 +219,7 @@ def analyze(spec: VariantSpec) -> IntervalForm:
         return IntervalForm((), False, f"the mask expands to more than {MAX_TERMS} interval terms")
     if not terms:
         return IntervalForm((), False, "the mask is never true")
-    if all(not t.exact and not t.lows and not t.highs and not t.chunks for t in terms):
+    if all(not t.exact and not t.lows and not t.highs and not t.chunks and not t.sorted_eqs for t in terms):
         return IntervalForm(terms, False, "no key bound could be derived from the mask")
     return IntervalForm(terms, True, "")
 
@@ -211,8 +228,10 @@ def args_read(form: IntervalForm, spec: VariantSpec) -> set[str]:
     """Spec arguments (tensors and scalars) the interval bounds read: plan() uses them."""
     used: set[str] = set()
     for t in form.terms:
-        for node in (*t.conds, *t.lows, *t.highs, *(x for pair in t.chunks for x in pair)):
+        for node in (*t.conds, *t.lows, *t.highs, *(x for pair in t.chunks for x in pair),
+                     *(v for _, v in t.sorted_eqs)):
             used |= names_used(node)
+        used |= {name for name, _ in t.sorted_eqs}
     return used & ({t.name for t in spec.tensors} | {s.name for s in spec.scalars})
 
 
@@ -222,6 +241,29 @@ def tensors_read(form: IntervalForm, spec: VariantSpec) -> set[str]:
 
 
 # ----------------------------------------------------------------------------- evaluation
+
+
+def _sorted_match(values: torch.Tensor, wanted: torch.Tensor, env: Mapping[str, torch.Tensor]):
+    """Per row: the request-local key range [lo, hi] where values[kv_row] == wanted, and
+    whether the row's request has non-decreasing values (only then is the range exact)."""
+    kv_lens = env["vg_kv_lens"]  # [batch] keys per request
+    n_req = kv_lens.shape[0]
+    dev = values.device
+    req_of_key = torch.repeat_interleave(torch.arange(n_req, device=dev), kv_lens, output_size=values.shape[0])
+    v64 = values.to(torch.int64)
+    step_ok = (v64[1:] >= v64[:-1]) | (req_of_key[1:] != req_of_key[:-1])
+    sorted_req = torch.ones(n_req, dtype=torch.bool, device=dev)
+    if step_ok.numel():
+        sorted_req = sorted_req.scatter_reduce(0, req_of_key[1:], step_ok, "amin")
+    # Requests occupy disjoint ranges of this key, so one binary search serves the batch.
+    offset = 1 << 31
+    keys = (req_of_key << 32) + (v64 + offset)
+    request = env["request"]
+    want = (request << 32) + (wanted.to(torch.int64).clamp(-offset, offset - 1) + offset)
+    first = torch.searchsorted(keys, want.expand_as(request).contiguous(), right=False)
+    last = torch.searchsorted(keys, want.expand_as(request).contiguous(), right=True) - 1
+    base = env["q_kv_row"] - env["q_pos"]  # first [total_kv] row of the row's request
+    return first - base, last - base, sorted_req[request]
 
 
 @dataclass(frozen=True)
@@ -254,6 +296,11 @@ def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch
             lo = torch.maximum(lo, ev.ev(x).to(torch.int64))
         for x in t.highs:
             hi = torch.minimum(hi, ev.ev(x).to(torch.int64))
+        for tensor_name, v_node in t.sorted_eqs:
+            found_lo, found_hi, sorted_ok = _sorted_match(args[tensor_name], ev.ev(v_node), env)
+            exact = exact & sorted_ok  # unsorted requests: no bound, keep the hull
+            lo = torch.where(sorted_ok, torch.maximum(lo, found_lo), lo)
+            hi = torch.where(sorted_ok, torch.minimum(hi, found_hi), hi)
         for c_node, r_node in t.chunks:
             c = ev.ev(c_node).to(torch.int64)
             r = ev.ev(r_node).to(torch.int64)

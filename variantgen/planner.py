@@ -61,7 +61,7 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indic
     q_pos = kv_len - qo_lens[request] + q_idx
     kv_row_base = torch.cumsum(kv_len_req, 0) - kv_len_req
     env = {"q_pos": q_pos, "q_idx": q_idx, "q_row": rows, "q_kv_row": kv_row_base[request] + q_pos,
-           "request": request, "qo_len": qo_lens[request], "kv_len": kv_len}
+           "request": request, "qo_len": qo_lens[request], "kv_len": kv_len, "vg_kv_lens": kv_len_req}
     iv = row_intervals(form, spec, env, args)
     lo, hi = iv.lo, iv.hi
 
