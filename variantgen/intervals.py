@@ -252,9 +252,10 @@ def _sorted_match(values: torch.Tensor, wanted: torch.Tensor, env: Mapping[str, 
     req_of_key = torch.repeat_interleave(torch.arange(n_req, device=dev), kv_lens, output_size=values.shape[0])
     v64 = values.to(torch.int64)
     step_ok = (v64[1:] >= v64[:-1]) | (req_of_key[1:] != req_of_key[:-1])
-    sorted_req = torch.ones(n_req, dtype=torch.bool, device=dev)
+    sorted_req = torch.ones(n_req, dtype=torch.int32, device=dev)  # (CUDA scatter has no bool)
     if step_ok.numel():
-        sorted_req = sorted_req.scatter_reduce(0, req_of_key[1:], step_ok, "amin")
+        sorted_req = sorted_req.scatter_reduce(0, req_of_key[1:], step_ok.to(torch.int32), "amin")
+    sorted_req = sorted_req.bool()
     # Requests occupy disjoint ranges of this key, so one binary search serves the batch.
     offset = 1 << 31
     keys = (req_of_key << 32) + (v64 + offset)

@@ -73,8 +73,13 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indic
     same_req_prev = torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), request[1:] == request[:-1]])
     same_req_next = torch.cat([request[1:] == request[:-1], torch.zeros(1, dtype=torch.bool, device=dev)])
     fixed_lo = ((lo == prev_lo) & same_req_prev) | ((lo == next_lo) & same_req_next)
+    # A window class needs the same width on neighbouring rows; otherwise every row would be
+    # its own launch request (e.g. a fixed but unaligned start: those go to custom chunks).
+    width = q_pos - lo
+    fixed_width = (((width == torch.cat([width[:1] - 1, width[:-1]])) & same_req_prev)
+                   | ((width == torch.cat([width[1:], width[-1:] - 1])) & same_req_next))
     cls = torch.full_like(lo, CUSTOM)
-    cls = torch.where(causal_end, torch.full_like(lo, WINDOW), cls)
+    cls = torch.where(causal_end & fixed_width, torch.full_like(lo, WINDOW), cls)
     cls = torch.where(causal_end & aligned & (fixed_lo | (lo == 0)), torch.full_like(lo, CAUSAL), cls)
     cls = torch.where(iv.exact & ~causal_end & aligned, torch.full_like(lo, DENSE), cls)
     # Parameters that must stay fixed within a launch request.
