@@ -600,8 +600,8 @@ def test_plan_errors(mm):
             "plan(): paged_kv_indices has 9 entries, paged_kv_indptr needs 10")):
         w.plan(qo, kvp, idx[:-1], last, *heads)
     with pytest.raises(LaunchError, match=exact(
-            "plan(): unexpected argument(s) ['ranges']: spec arguments go to run() (or to plan() together with "
-            "skip_tiles=True)")):
+            "plan(): unexpected argument(s) ['ranges']: without the interval planner (skip_tiles=False) spec "
+            "arguments go to run() only")):
         w.plan(*batch.plan_args(), skip_tiles=False, ranges=args["ranges"])
 
 

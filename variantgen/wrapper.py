@@ -122,13 +122,11 @@ class VariantWrapper:
                 raise LaunchError(f"plan(): {name}={value!r}: expected a positive int")
         if num_qo_heads % num_kv_heads:
             raise LaunchError(f"plan(): num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-        idx = {}
         for name, t in (("qo_indptr", qo_indptr), ("paged_kv_indptr", paged_kv_indptr),
                         ("paged_kv_indices", paged_kv_indices), ("paged_kv_last_page_len", paged_kv_last_page_len)):
             if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
                 got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise LaunchError(f"plan(): {name}: expected a 1-D torch.int32 tensor, got {got}")
-            idx[name] = t
         batch = qo_indptr.numel() - 1
         if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
             raise LaunchError(
@@ -157,12 +155,9 @@ class VariantWrapper:
         self._batch = Batch(batch, qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
                             tuple(qo_lens), tuple(kv_lens))
         if self._batch.total_q == 0:  # nothing to compute; run() returns empty outputs
-            self._launches = []
-            self._planned_args = {}
             self.plan_stats["launches"] = []
             return
         use_planner = bool(skip_tiles) if skip_tiles is not None else self._planner_default(spec_args)
-        self._planned_args = {}
         if use_planner:
             from .intervals import analyze, args_read
             from .planner import plan_launches
@@ -173,8 +168,9 @@ class VariantWrapper:
             launches = plan_launches(self, qo_h, kvp_h, paged_kv_indices, last_h, kv_lens, checked)
         else:
             if spec_args:
-                raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: spec arguments go to run() "
-                                  "(or to plan() together with skip_tiles=True)")
+                why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
+                raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without the interval planner "
+                                  f"({why}) spec arguments go to run() only")
             kv_row = [0]
             for kl in kv_lens:
                 kv_row.append(kv_row[-1] + kl)
