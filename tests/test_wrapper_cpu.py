@@ -685,3 +685,12 @@ def test_document_with_page_aligned_documents_runs_causal_launches():
     # Unaligned documents still plan exactly, with the mask evaluated inside tight hulls.
     ids = torch.cat([torch.arange(48) // 7, torch.arange(32) // 5]).to(torch.int32)
     check(spec, batch, {"doc_ids": ids}, skip_tiles=True, label="unaligned documents")
+
+
+def test_moving_bounds_do_not_make_one_launch_request_per_row():
+    """`kv_pos < q_pos` (hi moves every row) and unaligned fixed starts plan as custom chunks."""
+    spec = variantgen.parse_spec("name: strict\nmask: kv_pos < q_pos\n")
+    batch = batch_of([300], [300], 4, seed=2)
+    w, _ = check(spec, batch, {}, skip_tiles=True, label="strict causal")
+    segments = w.plan_stats["segments"]
+    assert sum(v for k, v in segments.items() if k != "custom_rows") <= 300 // 128 + 3, segments

@@ -81,7 +81,13 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indic
     cls = torch.full_like(lo, CUSTOM)
     cls = torch.where(causal_end & fixed_width, torch.full_like(lo, WINDOW), cls)
     cls = torch.where(causal_end & aligned & (fixed_lo | (lo == 0)), torch.full_like(lo, CAUSAL), cls)
-    cls = torch.where(iv.exact & ~causal_end & aligned, torch.full_like(lo, DENSE), cls)
+    # Dense rows must share [lo, hi] with a neighbour for the same reason (e.g. `kv_pos < q_pos`
+    # moves hi every row: custom chunks, not one launch request per row).
+    prev_hi = torch.cat([hi[:1] - 1, hi[:-1]])
+    next_hi = torch.cat([hi[1:], hi[-1:] - 1])
+    fixed_span = (((lo == prev_lo) & (hi == prev_hi) & same_req_prev)
+                  | ((lo == next_lo) & (hi == next_hi) & same_req_next))
+    cls = torch.where(iv.exact & ~causal_end & aligned & fixed_span, torch.full_like(lo, DENSE), cls)
     # Parameters that must stay fixed within a launch request.
     param_a = torch.where(cls == WINDOW, q_pos - lo, lo)
     param_b = torch.where(cls == DENSE, hi, torch.zeros_like(hi))
