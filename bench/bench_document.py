@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -19,24 +18,9 @@ sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
 from variantgen.reference import reference_attention  # noqa: E402
-from variantgen.testing import random_paged_batch  # noqa: E402
+from variantgen.testing import cuda_median_ms, random_paged_batch  # noqa: E402
 
 B, L, HQ, HKV, D, PS = 8, 8192, 32, 8, 128, 16
-
-
-def median_ms(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        z.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(z))
-    return statistics.median(out)
 
 
 def main() -> None:
@@ -49,9 +33,9 @@ def main() -> None:
     ids = (torch.arange(L, device="cuda", dtype=torch.int32) // (L // 8)).repeat(B).contiguous()
     w.plan(*b.plan_args(), doc_ids=ids)
     res["segments"] = w.plan_stats["segments"]
-    res["planned_ms"] = round(median_ms(lambda: w.run(b.q, (b.k_cache, b.v_cache), doc_ids=ids)), 3)
+    res["planned_ms"] = round(cuda_median_ms(lambda: w.run(b.q, (b.k_cache, b.v_cache), doc_ids=ids)), 3)
     w.plan(*b.plan_args(), skip_tiles=False)
-    res["direct_ms"] = round(median_ms(lambda: w.run(b.q, (b.k_cache, b.v_cache), doc_ids=ids), 5), 3)
+    res["direct_ms"] = round(cuda_median_ms(lambda: w.run(b.q, (b.k_cache, b.v_cache), doc_ids=ids), 5), 3)
     # Correctness on a smaller batch with unaligned documents, planned.
     s = random_paged_batch([700, 300], [900, 300], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
                            device="cuda", seed=3)

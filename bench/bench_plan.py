@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import random_paged_batch, spans_to_ranges  # noqa: E402
+from variantgen.testing import cuda_median_ms, random_paged_batch, spans_to_ranges  # noqa: E402
 
 B, L, HQ, HKV, D, PS = 8, 8192, 32, 8, 128, 16
 SPANS = [(1024 + 2048 * i, 1024 + 2048 * i + 1023) for i in range(3)]
@@ -53,17 +53,7 @@ def main() -> None:
                 if i >= 2:
                     times.append((time.perf_counter() - t) * 1e3)
             out["plan_ms"][tag] = round(statistics.median(times), 3)
-            a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            for _ in range(3):
-                w.run(batch.q, kv, **spec_args)
-            run_t = []
-            for _ in range(10):
-                a.record()
-                w.run(batch.q, kv, **spec_args)
-                z.record()
-                torch.cuda.synchronize()
-                run_t.append(a.elapsed_time(z))
-            out["run_ms"][tag] = round(statistics.median(run_t), 3)
+            out["run_ms"][tag] = round(cuda_median_ms(lambda w=w, a=spec_args: w.run(batch.q, kv, **a), 10), 3)
             print(tag, out["plan_ms"][tag], "ms plan,", out["run_ms"][tag], "ms run", flush=True)
     print(json.dumps(out, indent=1))
     if os.environ.get("OUT"):

@@ -13,7 +13,6 @@ import datetime as dt
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -25,25 +24,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import random_paged_batch, spans_to_ranges  # noqa: E402
+from variantgen.testing import cuda_median_ms, random_paged_batch, spans_to_ranges  # noqa: E402
 
 B, L, HQ, HKV, D, PS = 8, 8192, 32, 8, 128, 16
 SPANS = [(1024 + 2048 * i, 1024 + 2048 * i + 1023) for i in range(3)]
-
-
-def bench(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        z.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(z))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -81,7 +65,7 @@ def main() -> None:
     ms = res["ms"]
 
     def record(name, fn):
-        ms[name] = round(bench(fn, args.iters), 3)
+        ms[name] = round(cuda_median_ms(fn, args.iters), 3)
         print(f"{name:40s} {ms[name]:8.3f} ms", flush=True)
 
     # FlashInfer built-in kernels (their JIT modules compile on first use here).
@@ -159,13 +143,13 @@ def main() -> None:
                     kv_data_type=torch.bfloat16, disable_split_kv=split)
             for pdl in (False, True):
                 exp[f"flashinfer_fa2_causal_disable_split_{split}_pdl_{pdl}"] = round(
-                    bench(lambda pdl=pdl: fe.run(batch.q, kv, enable_pdl=pdl), args.iters), 3)
+                    cuda_median_ms(lambda pdl=pdl: fe.run(batch.q, kv, enable_pdl=pdl), args.iters), 3)
     wc = variantgen.make_wrapper(ROOT / "specs" / "causal.yaml", ws, head_dim_qk=D, q_dtype="bf16", kv_dtype="bf16")
     for split in (False, True):
         wc.plan(*batch.plan_args(), skip_tiles=True, disable_split_kv=split)
         for pdl in (False, True):
             exp[f"variantgen_causal_planned_disable_split_{split}_pdl_{pdl}"] = round(
-                bench(lambda pdl=pdl: wc.run(batch.q, kv, enable_pdl=pdl), args.iters), 3)
+                cuda_median_ms(lambda pdl=pdl: wc.run(batch.q, kv, enable_pdl=pdl), args.iters), 3)
     print(json.dumps(exp, indent=1), flush=True)
 
     # Masks of issue 4 beyond mm_prefix: document (8 documents per request) and prefix-LM

@@ -8,6 +8,8 @@ range that exercises the mask (ints in [-2, max kv_len], floats ~ N(0, 1)).
 from __future__ import annotations
 
 import math
+import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,3 +126,19 @@ def random_spec_args(spec: VariantSpec, batch: PagedBatch, *, seed: int = 0,
             value = torch.randn(shape, generator=g)
         out[t.name] = value.to(dev).contiguous()
     return out
+
+
+def cuda_median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median device time of ``fn`` in milliseconds (CUDA events, after ``warmup`` calls)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
