@@ -57,6 +57,16 @@ def check(spec_name, workspace, *, head_dim=128, dtype="bf16", heads=(32, 8), pa
     return err
 
 
+def mm_prefix_case(workspace, seed, kv_dtype="bf16"):
+    """The mm_prefix wrapper (hd128, GQA 32/8, page 16) and a random ragged batch with its args."""
+    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype=kv_dtype)
+    kv_torch = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[kv_dtype]
+    b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                           dtype=torch.bfloat16, kv_dtype=kv_torch, device="cuda", seed=seed)
+    return spec, w, b, random_spec_args(spec, b, seed=seed)
+
+
 @pytest.mark.parametrize("spec_name", ALL_SPECS)
 def test_spec_vs_reference(spec_name, workspace):
     check(spec_name, workspace)
@@ -71,11 +81,7 @@ def test_wide_matrix(spec_name, head_dim, dtype, page_size, workspace):
 
 
 def test_scales_and_lse(workspace):
-    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
-    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
-    b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                           device="cuda", seed=5)
-    args = random_spec_args(spec, b, seed=5)
+    spec, w, b, args = mm_prefix_case(workspace, seed=5)
     w.plan(*b.plan_args(), skip_tiles=False)
     out, lse = w.run(b.q, (b.k_cache, b.v_cache), q_scale=0.5, k_scale=1.5, v_scale=0.25, return_lse=True, **args)
     ref, ref_lse = reference_attention(spec, b.q, (b.k_cache, b.v_cache), b.qo_indptr, b.kv_indptr, b.kv_indices,
@@ -89,10 +95,7 @@ def test_scales_and_lse(workspace):
 def test_mm_prefix_matches_flashinfer(causal_window_left, range_window_left, workspace):
     import flashinfer
 
-    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
-    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
-    b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                           device="cuda", seed=11)
+    _, w, b, _ = mm_prefix_case(workspace, seed=11)
     spans = [[(0, 10)], [(100, 700), (750, 811)], [(0, 699)], [(500, 999)], [(0, 63), (100, 400)]]
     ranges = spans_to_ranges(b.qo_lens, b.kv_lens, spans).cuda()
     windows = dict(causal_window_left=causal_window_left, range_window_left=range_window_left)
@@ -144,11 +147,7 @@ def test_sliding_window_planner_small_windows(window, workspace):
 
 def test_fp8_kv_cache(workspace):
     """bf16 queries over an fp8 (e4m3) KV cache: the kernel and the reference read the same values."""
-    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
-    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="fp8_e4m3")
-    b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                           dtype=torch.bfloat16, kv_dtype=torch.float8_e4m3fn, device="cuda", seed=6)
-    args = random_spec_args(spec, b, seed=6)
+    spec, w, b, args = mm_prefix_case(workspace, seed=6, kv_dtype="fp8_e4m3")
     for skip_tiles in (False, True):
         w.plan(*b.plan_args(), skip_tiles=skip_tiles, **(args if skip_tiles else {}))
         out = w.run(b.q, (b.k_cache, b.v_cache), k_scale=0.5, v_scale=2.0, **args)
@@ -159,11 +158,7 @@ def test_fp8_kv_cache(workspace):
 
 def test_planner_on_by_default_and_cuda_graph_replay(workspace):
     """plan() with the spans turns the planner on; a captured run() replays to the same output."""
-    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
-    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
-    b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                           device="cuda", seed=8)
-    args = random_spec_args(spec, b, seed=8)
+    _, w, b, args = mm_prefix_case(workspace, seed=8)
     w.plan(*b.plan_args(), ranges=args["ranges"])
     assert "planner_off" not in w.plan_stats and len(w.plan_stats["launches"]) >= 1
     out = torch.empty_like(b.q)
