@@ -34,7 +34,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--skip", default="", help="comma list of rows to skip (fa3, flashinfer_mm_prefix, flex)")
+    ap.add_argument("--skip", default="", help="comma list of rows to skip (fa2, fa3, flashinfer_mm_prefix, flex, "
+                    "experiments)")
+    ap.add_argument("--backends", default="fa2,fa3", help="variantgen backends to measure")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     import flashinfer
@@ -89,54 +91,69 @@ def main() -> None:
         record("flashinfer_mm_prefix_wrapper", lambda: fw.run(batch.q, kv, ranges))
         ref_out = fw.run(batch.q, kv, ranges).float()
 
-    # variantgen kernels: module load from the cache, then plan + run.
-    for name, spec_args in (("causal", {}), ("mm_prefix", {"ranges": ranges})):
-        t = time.perf_counter()
-        w = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
-                                    kv_dtype="bf16")
-        res["notes"][f"variantgen_{name}_make_wrapper_s"] = round(time.perf_counter() - t, 3)
-        res["notes"][f"variantgen_{name}_module_built_now"] = w.build.built
-        modes = [False]
-        try:
-            from variantgen.intervals import analyze
-
-            if analyze(w.spec).planner_ready:
-                modes.append(True)
-        except ImportError:
-            pass
-        for skip_tiles in modes:
-            tag = f"variantgen_{name}" + ("_planned" if skip_tiles else "_direct")
-            plan_kw = {"skip_tiles": skip_tiles, **(spec_args if skip_tiles else {})}
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            w.plan(*batch.plan_args(), **plan_kw)
-            torch.cuda.synchronize()
-            res["notes"][f"{tag}_plan_ms"] = round((time.perf_counter() - t) * 1e3, 3)
-            res["notes"][f"{tag}_launches"] = w.plan_stats.get("launches")
-            record(tag, lambda w=w, a=spec_args: w.run(batch.q, kv, **a))
-            if name == "mm_prefix" and ref_out is not None:
-                o = w.run(batch.q, kv, **spec_args).float()
-                res["notes"][f"{tag}_vs_flashinfer_max_abs"] = (o - ref_out).abs().max().item()
-    # Sliding window (w = 1024): FlashInfer's built-in windowed causal vs the planned variant.
-    w_left = 1024
-    if "fa2" not in skip:
-        fwin = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
+    # Sliding window (w = 1024) and soft-cap 50 on FlashInfer's built-in kernels.
+    w_left, cap = 1024, 50.0
+    ref_win = None
+    for be in ("fa2", "fa3"):
+        if be in skip:
+            continue
+        fwin = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=be)
         fwin.plan(*batch.plan_args()[:6], D, PS, causal=True, window_left=w_left, q_data_type=torch.bfloat16,
                   kv_data_type=torch.bfloat16)
-        record("flashinfer_sliding_window_fa2", lambda: fwin.run(batch.q, kv))
+        record(f"flashinfer_sliding_window_{be}", lambda fwin=fwin: fwin.run(batch.q, kv))
         ref_win = fwin.run(batch.q, kv).float()
-    sw = variantgen.make_wrapper(ROOT / "specs" / "sliding_window.yaml", ws, head_dim_qk=D, q_dtype="bf16",
-                                 kv_dtype="bf16")
-    sw.plan(*batch.plan_args(), window=w_left)
-    res["notes"]["variantgen_sliding_window_planned_launches"] = sw.plan_stats.get("launches")
-    record("variantgen_sliding_window_planned", lambda: sw.run(batch.q, kv, window=w_left))
-    if "fa2" not in skip:
-        res["notes"]["sliding_window_vs_flashinfer_max_abs"] = (
-            sw.run(batch.q, kv, window=w_left).float() - ref_win).abs().max().item()
+        fcap = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=be)
+        fcap.plan(*batch.plan_args()[:6], D, PS, causal=True, logits_soft_cap=cap, q_data_type=torch.bfloat16,
+                  kv_data_type=torch.bfloat16)
+        record(f"flashinfer_softcap_{be}", lambda fcap=fcap: fcap.run(batch.q, kv))
+
+    # variantgen kernels, per backend: module load from the cache, then plan + run. fa2 rows
+    # keep their names (variantgen_<spec>_<mode>); fa3 rows are variantgen_fa3_<spec>_<mode>.
+    doc_len = L // 8
+    doc_ids = (torch.arange(L, device=dev, dtype=torch.int32) // doc_len).repeat(B).contiguous()
+    prefix = torch.full((B,), 2048, dtype=torch.int32, device=dev)
+    cases = (
+        ("causal", {}, (False, True)),
+        ("mm_prefix", {"ranges": ranges}, (False, True)),
+        ("sliding_window", {"window": w_left}, (True,)),
+        ("document", {"doc_ids": doc_ids}, (True,)),
+        ("prefix_lm", {"prefix_len": prefix}, (True,)),
+        ("softcap", {"soft_cap": cap, "window": -1}, (False, True)),
+    )
+    for backend in args.backends.split(","):
+        for name, spec_args, modes in cases:
+            head = "variantgen_" + ("" if backend == "fa2" else f"{backend}_") + name
+            t = time.perf_counter()
+            try:
+                w = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
+                                            kv_dtype="bf16", backend=backend)
+            except Exception as e:  # report, do not hide: the rows are simply missing
+                res["notes"][f"{head}_error"] = f"{type(e).__name__}: {str(e)[:400]}"
+                continue
+            res["notes"][f"{head}_make_wrapper_s"] = round(time.perf_counter() - t, 3)
+            res["notes"][f"{head}_module_built_now"] = w.build.built
+            for skip_tiles in modes:
+                tag = head + ("_planned" if skip_tiles else "_direct")
+                plan_kw = {"skip_tiles": skip_tiles, **(spec_args if skip_tiles else {})}
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                w.plan(*batch.plan_args(), **plan_kw)
+                torch.cuda.synchronize()
+                res["notes"][f"{tag}_plan_ms"] = round((time.perf_counter() - t) * 1e3, 3)
+                res["notes"][f"{tag}_launches"] = w.plan_stats.get("launches")
+                if w.plan_stats.get("segments"):
+                    res["notes"][f"{tag}_segments"] = w.plan_stats["segments"]
+                record(tag, lambda w=w, a=spec_args: w.run(batch.q, kv, **a))
+                o = w.run(batch.q, kv, **spec_args).float()
+                if name == "mm_prefix" and ref_out is not None:
+                    res["notes"][f"{tag}_vs_flashinfer_max_abs"] = (o - ref_out).abs().max().item()
+                if name == "sliding_window" and ref_win is not None:
+                    res["notes"][f"{tag}_vs_flashinfer_max_abs"] = (o - ref_win).abs().max().item()
+
     # Why does the planned causal launch trail FlashInfer's? Same kernel family; the knobs that
     # differ are split-KV and programmatic dependent launch (PDL). Time each.
     exp = res.setdefault("experiments_ms", {})
-    if "fa2" not in skip:
+    if "fa2" not in skip and "experiments" not in skip:
         fe = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend="fa2")
         for split in (False, True):
             fe.plan(*batch.plan_args()[:6], D, PS, causal=True, q_data_type=torch.bfloat16,
@@ -144,26 +161,18 @@ def main() -> None:
             for pdl in (False, True):
                 exp[f"flashinfer_fa2_causal_disable_split_{split}_pdl_{pdl}"] = round(
                     cuda_median_ms(lambda pdl=pdl: fe.run(batch.q, kv, enable_pdl=pdl), args.iters), 3)
-    wc = variantgen.make_wrapper(ROOT / "specs" / "causal.yaml", ws, head_dim_qk=D, q_dtype="bf16", kv_dtype="bf16")
-    for split in (False, True):
+    wc = variantgen.make_wrapper(ROOT / "specs" / "causal.yaml", ws, head_dim_qk=D, q_dtype="bf16", kv_dtype="bf16",
+                                 backend="fa2")
+    for split in ((False, True) if "experiments" not in skip else ()):
         wc.plan(*batch.plan_args(), skip_tiles=True, disable_split_kv=split)
         for pdl in (False, True):
             exp[f"variantgen_causal_planned_disable_split_{split}_pdl_{pdl}"] = round(
                 cuda_median_ms(lambda pdl=pdl: wc.run(batch.q, kv, enable_pdl=pdl), args.iters), 3)
     print(json.dumps(exp, indent=1), flush=True)
 
-    # Masks of issue 4 beyond mm_prefix: document (8 documents per request) and prefix-LM
-    # (a 2048-token bidirectional prefix). No FlashInfer kernel exists for them.
     doc_len = L // 8
     doc_ids = (torch.arange(L, device=dev, dtype=torch.int32) // doc_len).repeat(B).contiguous()
     prefix = torch.full((B,), 2048, dtype=torch.int32, device=dev)
-    for name, spec_args in (("document", {"doc_ids": doc_ids}), ("prefix_lm", {"prefix_len": prefix})):
-        wx = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
-                                     kv_dtype="bf16")
-        wx.plan(*batch.plan_args(), **spec_args)
-        res["notes"][f"variantgen_{name}_planned_launches"] = wx.plan_stats.get("launches")
-        res["notes"][f"variantgen_{name}_segments"] = wx.plan_stats.get("segments")
-        record(f"variantgen_{name}_planned", lambda wx=wx, a=spec_args: wx.run(batch.q, kv, **a))
 
     # FlexAttention (torch.compile, BlockMask) on the same masks, contiguous KV (Flex has no paged KV).
     if "flex" not in skip:
@@ -216,6 +225,19 @@ def main() -> None:
         "causal_planned_vs_flashinfer_fa2_causal": ratio("variantgen_causal_planned", "flashinfer_causal_fa2"),
         "sliding_window_planned_vs_flashinfer_fa2": ratio("variantgen_sliding_window_planned",
                                                           "flashinfer_sliding_window_fa2"),
+        "fa3_mm_prefix_planned_vs_flashinfer_fa3_causal": ratio("variantgen_fa3_mm_prefix_planned",
+                                                                "flashinfer_causal_fa3"),
+        "fa3_mm_prefix_planned_vs_flashinfer_fa2_causal": ratio("variantgen_fa3_mm_prefix_planned",
+                                                                "flashinfer_causal_fa2"),
+        "fa3_causal_planned_vs_flashinfer_fa3_causal": ratio("variantgen_fa3_causal_planned", "flashinfer_causal_fa3"),
+        "fa3_sliding_window_planned_vs_flashinfer_fa3": ratio("variantgen_fa3_sliding_window_planned",
+                                                              "flashinfer_sliding_window_fa3"),
+        "fa3_softcap_direct_vs_flashinfer_fa3": ratio("variantgen_fa3_softcap_direct", "flashinfer_softcap_fa3"),
+        "softcap_direct_fa3_vs_fa2": ratio("variantgen_fa3_softcap_direct", "variantgen_softcap_direct"),
+        "fa3_mm_prefix_planned_vs_flex": ratio("variantgen_fa3_mm_prefix_planned", "flex_mm_prefix"),
+        "fa3_sliding_window_planned_vs_flex": ratio("variantgen_fa3_sliding_window_planned", "flex_sliding_window"),
+        "fa3_document_planned_vs_flex": ratio("variantgen_fa3_document_planned", "flex_document"),
+        "fa3_prefix_lm_planned_vs_flex": ratio("variantgen_fa3_prefix_lm_planned", "flex_prefix_lm"),
         "mm_prefix_planned_vs_flex": ratio("variantgen_mm_prefix_planned", "flex_mm_prefix"),
         "sliding_window_planned_vs_flex": ratio("variantgen_sliding_window_planned", "flex_sliding_window"),
         "document_planned_vs_flex": ratio("variantgen_document_planned", "flex_document"),

@@ -21,7 +21,7 @@ FAKE_FLASHINFER = FlashInferInfo(
     version="0.7.2.post1",
     include_dirs=(),
     system_include_dirs=(),
-    paged_host_source=Path("/nonexistent/batch_prefill_paged.cu"),
+    csrc_dir=Path("/nonexistent"),
     tvm_ffi_version="0.1.15.post2",
 )
 

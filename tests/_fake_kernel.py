@@ -232,3 +232,47 @@ class FakeModule:
                 lse[o_row:o_row + qo_len] = (lse_b / math.log(2.0)).transpose(0, 1)
         self.run_calls.append(RunCall(MODE_NAMES[mask_mode], n, rows_total, meta,
                                       {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}))
+
+
+class FakeFa3Module(FakeModule):
+    """Emulates a generated fa3 module: ``plan`` gets packed lengths, the kv lengths and each
+    launch request's first row (q_starts); ``paged_run`` takes the left window per launch
+    (mode 1) and applies the spec's mask only in mode 2. Emulated through FakeModule."""
+
+    def plan(self, float_ws, int_ws, pinned, plan_qo, kv_indptr, kv_lens, q_starts, total_rows, batch_size,
+             num_qo_heads, num_kv_heads, page_size, causal):
+        for name, t in (("plan_qo", plan_qo), ("kv_indptr", kv_indptr), ("kv_lens", kv_lens), ("q_starts", q_starts)):
+            assert isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device.type == "cpu", name
+            assert t.is_contiguous(), name
+        assert plan_qo.numel() == kv_indptr.numel() == batch_size + 1
+        assert kv_lens.numel() == q_starts.numel() == batch_size
+        assert isinstance(causal, bool)
+        kvp, lens = kv_indptr.tolist(), kv_lens.tolist()
+        for b in range(batch_size):
+            pages = kvp[b + 1] - kvp[b]
+            assert (pages - 1) * page_size < lens[b] <= pages * page_size or (pages == 0 and lens[b] == 0), (b, pages)
+        last = [(k - 1) % page_size + 1 if k else 0 for k in lens]
+        super().plan(float_ws, int_ws, pinned, plan_qo, kv_indptr, total_rows, batch_size, num_qo_heads,
+                     num_kv_heads, page_size, False, -1, -1, True)
+        starts = q_starts.tolist()
+        # What the patched work list does: each launch request is read and written at its own rows.
+        int_ws[:4 * (batch_size + 1)].view(torch.int32).copy_(torch.tensor(starts + [total_rows], dtype=torch.int32))
+        self._fa3 = getattr(self, "_fa3", {})
+        self._fa3[int_ws.data_ptr()] = dict(causal=causal, kv_indptr=kv_indptr.clone(), last=last,
+                                             starts=starts + [total_rows], n=batch_size)
+        return ["fa3-plan", batch_size]
+
+    def paged_run(self, float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indices, out, lse, mask_mode, layout,
+                  window_left, enable_pdl, *extra):
+        p = self._fa3[int_ws.data_ptr()]
+        assert plan_info == ["fa3-plan", p["n"]]
+        assert (mask_mode == 1) == p["causal"], "plan(causal=...) must match the launch's mask mode"
+        assert window_left == -1 or mask_mode == 1, "a left window only exists in causal launches"
+        n_t = len(self.spec.tensors)
+        meta = extra[n_t].clone()
+        meta[:, 7] = window_left if mask_mode == 1 else -1  # fa3 ignores vg_meta's kernel window
+        extra = (*extra[:n_t], meta, *extra[n_t + 1:])
+        info = [p["n"], 0, 0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        super().paged_run(float_ws, int_ws, info, q, k_cache, v_cache, torch.tensor(p["starts"], dtype=torch.int32),
+                          p["kv_indptr"], kv_indices, torch.tensor(p["last"], dtype=torch.int32), out, lse,
+                          mask_mode, layout, -1, enable_pdl, *extra)

@@ -116,3 +116,11 @@ def template_copy(tmp_path, vg_env):
     shutil.copytree(TEMPLATES_DIR, dest)
     vg_env.set(VARIANTGEN_TEMPLATE_DIR=dest)
     return dest
+
+
+@pytest.fixture(scope="module")
+def workspace():
+    """The float workspace of the GPU tests (128 MiB on the current CUDA device)."""
+    import torch
+
+    return torch.empty(128 << 20, dtype=torch.uint8, device="cuda")

@@ -66,7 +66,9 @@ def test_build_find_and_deploy_a_real_module(vg_env, toolchain):
 
 def test_broken_template_gives_a_build_error(vg_env, toolchain, template_copy):
     variant = template_copy / "fa2" / "variant.cuh.jinja"
-    broken = variant.read_text().replace("namespace vg {", "#error variantgen-test-broken\nnamespace vg {", 1)
+    marker = "struct {{ struct_name }}"
+    assert marker in variant.read_text()
+    broken = variant.read_text().replace(marker, "#error variantgen-test-broken\n" + marker, 1)
     variant.write_text(broken)
     cache = Cache(vg_env.cache_dir)
     with pytest.raises(BuildError) as info:

@@ -189,11 +189,13 @@ def test_precompile_expands_the_matrix(fake_builds, clean):
     prefixes = sorted(c[0] for c in calls)
     assert len(prefixes) == 2 * 3 * 2 * 2 == len(set(prefixes))
     assert "vg_mm_prefix_fa2_prefill_qfp16_kvfp16_ofp16_hd256x256_sm80" in prefixes
-    assert "vg_causal_fa2_prefill_qbf16_kvbf16_obf16_hd64x64_sm90a" in prefixes
+    # --backend auto (the default): what make_wrapper picks - fa3 on sm90a, fa2 on sm80
+    assert "vg_causal_fa3_prefill_qbf16_kvbf16_obf16_hd64x64_sm90a" in prefixes
+    assert not any("fa2" in p and p.endswith("sm90a") for p in prefixes)
     assert {c[1] for c in calls} == {str(clean.cache_dir)}
     # summary table: uri, status, seconds
     assert re.search(r"vg_causal_fa2_prefill_qbf16_kvbf16_obf16_hd64x64_sm80_0123456789ab\s+cached\s+1\.5", r.stdout)
-    assert re.search(r"vg_causal_fa2_prefill_qbf16_kvbf16_obf16_hd64x64_sm90a_0123456789ab\s+built\s+1\.5", r.stdout)
+    assert re.search(r"vg_causal_fa3_prefill_qbf16_kvbf16_obf16_hd64x64_sm90a_0123456789ab\s+built\s+1\.5", r.stdout)
     assert "12 built, 12 cached, 0 failed" in r.stdout
 
 
@@ -202,23 +204,47 @@ def test_precompile_kv_dtypes_and_options(fake_builds, tmp_path):
     r = run("precompile", MM, "--head-dim", "128", "--dtype", "bf16", "--kv-dtype", "bf16,fp8_e4m3",
             "--arch", "sm_90a", "-j", "3", "--jobs-per-module", "5", "--cache-dir", tmp_path / "c")
     assert r.exit_code == 0, r.output
-    assert sorted(c[0] for c in calls) == [
-        "vg_mm_prefix_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a",
+    assert sorted(c[0] for c in calls) == [  # auto: fa3 on sm90a, except for an fp8 KV cache
         "vg_mm_prefix_fa2_prefill_qbf16_kvfp8_e4m3_obf16_hd128x128_sm90a",
+        "vg_mm_prefix_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a",
     ]
     assert {c[1] for c in calls} == {str(tmp_path / "c")} and {c[2] for c in calls} == {5}
+
+
+def test_precompile_backends_and_kinds(fake_builds, tmp_path):
+    calls, _ = fake_builds
+    r = run("precompile", MM, "--head-dim", "128,192/128", "--dtype", "bf16", "--arch", "9.0a",
+            "--backend", "fa2,fa3", "--kind", "prefill,ragged,decode", "--dry-run")
+    assert r.exit_code == 0, r.output
+    built = [line for line in r.stdout.splitlines() if line.startswith("vg_")]
+    assert built == [
+        "vg_mm_prefix_fa2_decode_qbf16_kvbf16_obf16_hd128x128_sm90a",
+        "vg_mm_prefix_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a",
+        "vg_mm_prefix_fa2_ragged_qbf16_kvbf16_obf16_hd128x128_sm90a",
+        "vg_mm_prefix_fa2_ragged_qbf16_kvbf16_obf16_hd192x128_sm90a",
+        "vg_mm_prefix_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a",
+    ]
+    skips = [line for line in r.stdout.splitlines() if line.startswith("skip  ")]
+    assert any("hd=192/128" in s and "backend=fa2 kind=prefill" in s for s in skips)
+    assert any("backend=fa3 kind=decode" in s and "generates only ['prefill']" in s for s in skips)
+    assert not calls
+    bad = run("precompile", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--kind", "append")
+    assert bad.exit_code == 2 and "append: expected one of prefill, ragged, decode" in bad.output
+    bad = run("precompile", MM, "--head-dim", "192x128", "--dtype", "bf16", "--arch", "9.0a")
+    assert bad.exit_code == 2 and "'192x128': expected a whole number or QK/VO" in bad.output
 
 
 def test_precompile_skips_invalid_combinations(fake_builds, tmp_path):
     calls, _ = fake_builds
     fa3 = tmp_path / "fa3only.yaml"
     fa3.write_text("name: fa3only\nmask: kv_pos <= q_pos\nbackends: [fa3]\n")
-    r = run("precompile", MM, fa3, "--head-dim", "96,128", "--dtype", "bf16,fp8_e4m3", "--arch", "9.0a")
+    r = run("precompile", MM, fa3, "--head-dim", "96,128", "--dtype", "bf16,fp8_e4m3", "--arch", "9.0a",
+            "--backend", "fa2")
     assert r.exit_code == 0, r.output
     assert [c[0] for c in calls] == ["vg_mm_prefix_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a"]
     skips = [line for line in r.stdout.splitlines() if line.startswith("skip  ")]
     assert len(skips) == 2 * 2 * 2 - 1  # specs x head dims x dtypes, one valid
-    assert any("hd=96" in s and "support equal head dims" in s for s in skips)
+    assert any("hd=96" in s and "support head dims 64, 128, 256" in s for s in skips)
     assert any("q=fp8_e4m3" in s and "fp8 query is not supported" in s for s in skips)
     assert any(s.startswith("skip  fa3only ") and "allows only ['fa3']" in s for s in skips)
 
@@ -283,7 +309,7 @@ def test_precompile_arch_defaults(fake_builds, clean):
 
 def test_precompile_bad_inputs(fake_builds, tmp_path):
     r = run("precompile", CAUSAL, "--head-dim", "128,big", "--dtype", "bf16", "--arch", "9.0a")
-    assert r.exit_code == 2 and "'big' is not a whole number" in r.output
+    assert r.exit_code == 2 and "'big': expected a whole number or QK/VO" in r.output
     r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "float32", "--arch", "9.0a")
     assert r.exit_code == 1 and r.stderr.startswith("error: --dtype='float32'")
     bad = tmp_path / "bad.yaml"
@@ -304,10 +330,10 @@ def test_probe_without_gpu_or_arch_exits_1():
 
 def test_probe_finds_a_cached_module(clean):
     entry = publish_fake(Cache(clean.cache_dir), config())
-    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--no-build")
+    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--no-build", "--backend", "fa2")
     assert r.exit_code == 0, r.output
     assert "ok:      yes" in r.stdout and f"uri:     {entry.uri}" in r.stdout and "source:  cache" in r.stdout
-    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--json")
+    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--json", "--backend", "fa2")
     data = json.loads(r.stdout)
     assert r.exit_code == 0 and data["ok"] is True and data["uri"] == entry.uri
 
@@ -316,13 +342,24 @@ def test_probe_no_build_prints_the_precompile_command(tmp_path):
     r = run("probe", CAUSAL, "--head-dim", "64", "--dtype", "fp16", "--arch", "8.0", "--no-build",
             "--cache-dir", tmp_path / "c")
     assert r.exit_code == 1
-    assert (f"run: variantgen precompile {CAUSAL} --head-dim 64 --dtype fp16 --kv-dtype fp16 --arch 8.0 "
+    assert (f"run: variantgen precompile {CAUSAL} --head-dim 64 --dtype fp16 --kv-dtype fp16 --backend fa2 --arch 8.0 "
             f"--cache-dir {tmp_path / 'c'}") in r.stdout
 
 
 def test_probe_unsupported_combination():
-    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--backend", "fa3", "--arch", "9.0a")
-    assert r.exit_code == 1 and "fa3 variants are not generated yet" in r.stdout
+    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--backend", "fa3", "--arch", "8.0")
+    assert r.exit_code == 1 and "arch=8.0: fa3 modules run on sm90 (Hopper) only" in r.stdout
+
+
+def test_probe_reports_per_backend_and_kind():
+    r = run("probe", MM, "--head-dim", "96", "--dtype", "bf16", "--backend", "fa2,fa3", "--kind", "prefill,decode",
+            "--arch", "9.0a", "--json")
+    assert r.exit_code == 1
+    answers = {(a["backend"], a["kind"]): a for a in json.loads(r.stdout)}
+    assert set(answers) == {("fa2", "prefill"), ("fa3", "prefill"), ("fa2", "decode"), ("fa3", "decode")}
+    assert "fa2 prefill modules support head dims 64, 128, 256" in answers["fa2", "prefill"]["reason"]
+    assert "backend 'fa3' generates only ['prefill'] modules" in answers["fa3", "decode"]["reason"]
+    assert not any(a["ok"] for a in answers.values())
 
 
 # ----------------------------------------------------------------------------- list / clear

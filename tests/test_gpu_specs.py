@@ -7,64 +7,14 @@ Modules are looked up in (or built into) VARIANTGEN_CACHE_DIR; precompile them w
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from _gpu import ALL_SPECS, check, mm_prefix_case, rel_error
 
-import variantgen
 from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
+from variantgen.testing import spans_to_ranges
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-SPECS = Path(__file__).resolve().parents[1] / "specs"
-ALL_SPECS = sorted(p.stem for p in SPECS.glob("*.yaml"))
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-# Ragged batch with chunked prefill (kv_len > qo_len), a single-token request and one
-# request whose queries start at position 0.
-QO_LENS = [37, 300, 1, 129, 513]
-KV_LENS = [37, 812, 700, 1000, 513]
-
-
-@pytest.fixture(scope="module")
-def workspace():
-    return torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out = out.float()
-    assert torch.isfinite(out).all(), "kernel output has NaN/inf"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-
-
-def check(spec_name, workspace, *, head_dim=128, dtype="bf16", heads=(32, 8), page_size=16, seed=0,
-          skip_tiles=False, qo_lens=QO_LENS, kv_lens=KV_LENS, args=None):
-    spec = variantgen.load_spec(SPECS / f"{spec_name}.yaml")
-    wrapper = variantgen.make_wrapper(spec, workspace, head_dim_qk=head_dim, q_dtype=dtype, kv_dtype=dtype)
-    batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=heads[0], num_kv_heads=heads[1],
-                               head_dim=head_dim, page_size=page_size, dtype=DTYPES[dtype], device="cuda", seed=seed)
-    args = args if args is not None else random_spec_args(spec, batch, seed=seed)
-    plan_kw = dict(skip_tiles=skip_tiles)
-    if skip_tiles:
-        plan_kw.update(args)  # the interval plan reads the spans and the windows
-    wrapper.plan(*batch.plan_args(), **plan_kw)
-    out = wrapper.run(batch.q, (batch.k_cache, batch.v_cache), **args)
-    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
-                              batch.kv_indices, batch.last_page_len, args)
-    err = rel_error(out, ref)
-    assert err < 1e-2, f"{spec_name} hd{head_dim} {dtype} heads{heads} page{page_size}: rel. error {err:.3e}"
-    return err
-
-
-def mm_prefix_case(workspace, seed, kv_dtype="bf16"):
-    """The mm_prefix wrapper (hd128, GQA 32/8, page 16) and a random ragged batch with its args."""
-    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
-    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype=kv_dtype)
-    kv_torch = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn}[kv_dtype]
-    b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
-                           dtype=torch.bfloat16, kv_dtype=kv_torch, device="cuda", seed=seed)
-    return spec, w, b, random_spec_args(spec, b, seed=seed)
 
 
 @pytest.mark.parametrize("spec_name", ALL_SPECS)

@@ -30,7 +30,7 @@ CAUSAL = REPO / "specs" / "causal.yaml"
 FAKE_TC = build.Toolchain(Path("/opt/fake-cuda"), Path("/opt/fake-cuda/bin/nvcc"), "V13.0.88", "/usr/bin/c++",
                           "c++ (fake) 12.2.0")
 REAL_TOOLCHAIN = build.toolchain
-BASE = dict(head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
+BASE = dict(head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", backend="fa2")
 
 
 def publish_fake(cache: Cache, cfg: ModuleConfig, tc: build.Toolchain | None = FAKE_TC,
@@ -182,9 +182,13 @@ def test_version_comparison():
 @pytest.mark.parametrize("kwargs, expected", [
     (dict(q_dtype="fp8_e4m3"), "fp8 query is not supported by fa2"),
     (dict(o_dtype="fp8_e4m3"), "fp8 output is not supported by fa2"),
-    (dict(head_dim_qk=96), "support equal head dims in [64, 128, 256]"),
-    (dict(head_dim_qk=128, head_dim_vo=64), "support equal head dims"),
-    (dict(backend="fa3"), "fa3 variants are not generated yet; fa2 modules run on sm90"),
+    (dict(head_dim_qk=96), "fa2 prefill modules support head dims 64, 128, 256"),
+    (dict(head_dim_qk=128, head_dim_vo=64), "fa2 prefill modules support head dims"),
+    (dict(head_dim_qk=192, head_dim_vo=128, kind="ragged", arch="7.5"), "fa2 needs sm80 or newer"),
+    (dict(backend="fa3", arch="8.6"), "arch=8.6: fa3 modules run on sm90 (Hopper) only"),
+    (dict(backend="fa3", kv_dtype="fp8_e4m3"), "fa3 variant modules need kv_dtype == q_dtype"),
+    (dict(backend="fa3", kind="decode"), "backend 'fa3' generates only ['prefill'] modules"),
+    (dict(kind="append"), "kind='append': expected one of ['prefill', 'ragged', 'decode']"),
     (dict(backend="cudnn"), "backend='cudnn'"),
     (dict(q_dtype="fp32"), "unsupported dtype"),
     (dict(head_dim_qk="128"), "expected a whole number"),
@@ -282,7 +286,7 @@ def test_jit_disabled_reason_has_the_exact_precompile_command(clean, variable):
     assert not r
     assert r.reason == (
         f"JIT disabled by {variable} and module {uri} is not precompiled in {cache_dir}; run: "
-        f"variantgen precompile {MM} --head-dim 128 --dtype bf16 --kv-dtype bf16 --arch 9.0a "
+        f"variantgen precompile {MM} --head-dim 128 --dtype bf16 --kv-dtype bf16 --backend fa2 --arch 9.0a "
         f"--cache-dir {cache_dir}")
     assert r.uri == uri
 
@@ -293,7 +297,7 @@ def test_build_false_reason_and_command_with_other_dtypes(tmp_path):
     assert not r
     assert r.reason.startswith("building disabled (build=False) and module vg_mm_prefix_fa2_prefill_qfp16_kvfp8_e5m2")
     assert r.reason.endswith(f"run: variantgen precompile {MM} --head-dim 256 --dtype fp16 --kv-dtype fp8_e5m2 "
-                             f"--arch 8.0 --cache-dir {tmp_path / 'c'}")
+                             f"--backend fa2 --arch 8.0 --cache-dir {tmp_path / 'c'}")
 
 
 def test_jit_disabled_reason_quotes_paths(clean, tmp_path):
@@ -482,11 +486,30 @@ def test_results_are_memoized_per_argument_combination(fake_build, monkeypatch):
     assert r1 is r2 and len(calls) == 1
     r3 = probe(MM, **BASE, arch="8.0")
     assert r3 is not r1 and len(calls) == 2
-    r4 = probe(MM, head_dim_qk=128, q_dtype=torch.bfloat16, kv_dtype="bfloat16", arch="9.0a")
+    r4 = probe(MM, head_dim_qk=128, q_dtype=torch.bfloat16, kv_dtype="bfloat16", arch="9.0a", backend="fa2")
     assert r4.uri == r1.uri and len(calls) == 3  # other spelling: another combination, same module
     probe_mod.cache_clear()
     probe(MM, **BASE, arch="9.0a")
     assert len(calls) == 4
+
+
+def test_default_backend_is_what_make_wrapper_picks(fake_build):
+    """backend=None: the probe answers for the module make_wrapper would load on this GPU."""
+    r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", arch="9.0a")
+    assert r and r.details["backend"] == "fa3" and "_fa3_prefill_" in r.uri
+    r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="fp8_e4m3", arch="9.0a")
+    assert r and r.details["backend"] == "fa2"  # fa3 modules need a 16-bit KV cache
+    r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", arch="8.0", kind="decode")
+    assert r and r.details["backend"] == "fa2" and "_fa2_decode_" in r.uri
+
+
+def test_probe_backends_answers_per_backend_and_kind(fake_build):
+    out = variantgen.probe_backends(MM, kinds=("prefill", "ragged"), head_dim_qk=192, head_dim_vo=128,
+                                    q_dtype="bf16", kv_dtype="bf16", arch="9.0a")
+    assert set(out) == {("fa2", "prefill"), ("fa3", "prefill"), ("fa2", "ragged"), ("fa3", "ragged")}
+    assert out["fa2", "ragged"].ok
+    assert not out["fa2", "prefill"] and "fa2 prefill modules support head dims" in out["fa2", "prefill"].reason
+    assert not out["fa3", "ragged"] and "backend 'fa3' generates only ['prefill']" in out["fa3", "ragged"].reason
 
 
 def test_negative_results_are_memoized():

@@ -280,8 +280,10 @@ def test_missing_context_variable_raises(monkeypatch):
 
 
 def test_template_files_listed():
-    names = [p.name for p in render.template_files()]
-    assert "variant.cuh.jinja" in names and names == sorted(names)
+    paths = render.template_files()
+    names = [f"{p.parent.name}/{p.name}" for p in paths]
+    assert "fa2/variant.cuh.jinja" in names and "common/helpers.cuh.jinja" in names
+    assert paths == sorted(paths)
 
 
 # ----------------------------------------------------------------------------- config validation
@@ -293,21 +295,33 @@ def test_template_files_listed():
         ({"q_dtype": "fp8_e4m3"}, "q_dtype=fp8_e4m3: fp8 query is not supported by fa2 (its tensor-core path needs "
                                   "16-bit queries); use bf16 or fp16 queries with an fp8 KV cache"),
         ({"o_dtype": "fp8_e5m2"}, "o_dtype=fp8_e5m2: fp8 output is not supported by fa2"),
-        ({"head_dim_qk": 96, "head_dim_vo": 96}, "head_dim_qk=96, head_dim_vo=96: fa2 variant modules support equal "
-                                                 "head dims in [64, 128, 256]"),
-        ({"head_dim_vo": 64}, "head_dim_qk=128, head_dim_vo=64: fa2 variant modules support equal head dims in "
-                              "[64, 128, 256]"),
+        ({"head_dim_qk": 96, "head_dim_vo": 96}, "head_dim_qk=96, head_dim_vo=96: fa2 prefill modules support head "
+                                                 "dims 64, 128, 256 (qk/vo where they differ)"),
+        ({"head_dim_vo": 64}, "head_dim_qk=128, head_dim_vo=64: fa2 prefill modules support head dims 64, 128, 256 "
+                              "(qk/vo where they differ)"),
+        ({"head_dim_qk": 192, "head_dim_vo": 128, "kind": "ragged"}, None),
+        ({"head_dim_qk": 192, "head_dim_vo": 128}, "head_dim_qk=192, head_dim_vo=128: fa2 prefill modules support "
+                                                   "head dims 64, 128, 256 (qk/vo where they differ)"),
+        ({"kind": "append"}, "kind='append': expected one of ['prefill', 'ragged', 'decode']"),
+        ({"backend": "fa3", "kind": "decode"}, "kind='decode': backend 'fa3' generates only ['prefill'] modules"),
+        ({"backend": "fa3", "arch": "8.0"}, "arch=8.0: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a"),
+        ({"backend": "fa3", "arch": "9.0a", "kv_dtype": "fp8_e4m3"}, "kv_dtype=fp8_e4m3: fa3 variant modules need "
+                                                                     "kv_dtype == q_dtype (bf16); use backend fa2 for "
+                                                                     "an fp8 KV cache"),
+        ({"backend": "fa3", "arch": "9.0a"}, None),
         ({"arch": "7.5"}, "arch=7.5: fa2 needs sm80 or newer"),
         ({"arch": "hopper"}, "arch='hopper': expected a compute capability such as 8.0, 9.0a or 10.0a"),
         ({"kv_dtype": "float32"}, "kv_dtype='float32': expected one of ['bf16', 'fp16', 'fp8_e4m3', 'fp8_e5m2']"),
         ({"mask_modes": ()}, "mask_modes=(): expected a non-empty subset of ['none', 'causal', 'custom']"),
         ({"mask_modes": ("causal", "sliding")}, "mask_modes=('causal', 'sliding'): expected a non-empty subset of "
                                                 "['none', 'causal', 'custom']"),
-        ({"backend": "fa3"}, "backend='fa3': only 'fa2' modules are generated; sm90 runs fa2 modules "
-                             "(see README: backends)"),
+        ({"backend": "fa4"}, "backend='fa4': expected one of ['fa2', 'fa3']"),
     ],
 )
 def test_module_config_validation(overrides, message):
+    if message is None:  # a valid combination
+        assert config(shipped("causal"), **overrides).problems() == []
+        return
     with pytest.raises(ValueError) as info:
         config(shipped("causal"), **overrides)
     assert str(info.value) == message

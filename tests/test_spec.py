@@ -51,7 +51,7 @@ def test_every_shipped_spec_loads(path):
     assert spec.path == str(path)
     assert spec.mask.ty is Type.BOOL
     assert spec.description and spec.description == spec.description.strip()
-    assert spec.backends == ("fa2",)
+    assert spec.backends == ("fa2", "fa3")
     if spec.logits is not None:
         assert spec.logits.ty in (Type.FLOAT, Type.INT)
         assert "logits" in expr.names_used(spec.logits)

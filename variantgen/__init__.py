@@ -1,6 +1,7 @@
 """variantgen: YAML attention-variant specs -> cached FlashInfer kernels.
 
-Public API: load_spec / parse_spec, make_wrapper, probe, and the error classes.
+Public API: load_spec / parse_spec, make_wrapper, choose_backend, probe, probe_backends,
+and the error classes.
 Heavy imports (torch, flashinfer) happen lazily inside the functions that need them.
 """
 
@@ -16,10 +17,22 @@ def make_wrapper(*args, **kwargs):
     return _make_wrapper(*args, **kwargs)
 
 
+def choose_backend(*args, **kwargs):
+    from .render import choose_backend as _choose_backend
+
+    return _choose_backend(*args, **kwargs)
+
+
 def probe(*args, **kwargs):
     from .probe import probe as _probe
 
     return _probe(*args, **kwargs)
+
+
+def probe_backends(*args, **kwargs):
+    from .probe import probe_backends as _probe_backends
+
+    return _probe_backends(*args, **kwargs)
 
 
 __all__ = [
@@ -30,8 +43,10 @@ __all__ = [
     "VariantSpec",
     "VariantgenError",
     "__version__",
+    "choose_backend",
     "load_spec",
     "make_wrapper",
     "parse_spec",
     "probe",
+    "probe_backends",
 ]

@@ -40,7 +40,7 @@ class FlashInferInfo:
     version: str
     include_dirs: tuple[Path, ...]  # -I (flashinfer, csrc, cccl)
     system_include_dirs: tuple[Path, ...]  # -isystem (cutlass, spdlog, tvm-ffi, dlpack, python)
-    paged_host_source: Path  # FlashInfer's FA2 paged-prefill host code
+    csrc_dir: Path  # FlashInfer's host sources (a module compiles the ones its kind names)
     tvm_ffi_version: str
 
 
@@ -73,7 +73,6 @@ def flashinfer_info() -> FlashInferInfo:
     from flashinfer.jit import env as fi_env
 
     csrc = Path(fi_env.FLASHINFER_CSRC_DIR)
-    host = csrc / "batch_prefill_paged.cu"
     cccl = tuple(Path(p) for p in getattr(fi_env, "CCCL_INCLUDE_DIRS", ()))
     system = [Path(p) for p in getattr(fi_env, "CUTLASS_INCLUDE_DIRS", ())]
     if hasattr(fi_env, "SPDLOG_INCLUDE_DIR"):
@@ -84,7 +83,7 @@ def flashinfer_info() -> FlashInferInfo:
         version=str(flashinfer.__version__),
         include_dirs=(Path(fi_env.FLASHINFER_INCLUDE_DIR), csrc, *cccl),
         system_include_dirs=tuple(system),
-        paged_host_source=host,
+        csrc_dir=csrc,
         tvm_ffi_version=str(getattr(tvm_ffi, "__version__", "unknown")),
     )
 
@@ -218,7 +217,7 @@ def _ninja_file(rendered: RenderedModule, tc: Toolchain, src_dir: Path, out_name
         "",
     ]
     objects = []
-    units = [src_dir / u for u in rendered.compile_units] + [fi.paged_host_source]
+    units = [src_dir / u for u in rendered.compile_units] + [fi.csrc_dir / h for h in rendered.host_sources]
     for unit in units:
         obj = f"obj/{unit.stem}.o"
         objects.append(obj)

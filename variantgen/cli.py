@@ -7,6 +7,7 @@ Errors variantgen raises on purpose (and ValueErrors from bad settings) are prin
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 import json
 import logging
 import os
@@ -21,7 +22,7 @@ import click
 from . import __version__, env
 from .cache import Cache, age_seconds
 from .errors import SpecError, SpecErrors, VariantgenError
-from .render import ModuleConfig, canonical_arch, canonical_dtype
+from .render import BACKENDS, KINDS, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
 from .spec import load_spec
 
 log = logging.getLogger("variantgen.cli")
@@ -71,6 +72,29 @@ def _ints(values: Any, option: str) -> list[int]:
             out.append(int(v))
         except ValueError:
             raise click.BadParameter(f"{v!r} is not a whole number", param_hint=option) from None
+    return out
+
+
+def _head_dims(values: Any, option: str) -> list[tuple[int, int]]:
+    """'64,128,192/128' -> [(64, 64), (128, 128), (192, 128)]: qk head dim, or qk/vo."""
+    out = []
+    for v in _csv(values):
+        qk, _, vo = v.partition("/")
+        try:
+            pair = (int(qk), int(vo or qk))
+        except ValueError:
+            raise click.BadParameter(f"{v!r}: expected a whole number or QK/VO, e.g. 128 or 192/128",
+                                     param_hint=option) from None
+        if pair not in out:
+            out.append(pair)
+    return out
+
+
+def _choices(values: Any, allowed: Any, option: str, default: list[str]) -> list[str]:
+    out = _csv(values) or default
+    bad = [v for v in out if v not in allowed]
+    if bad:
+        raise click.BadParameter(f"{', '.join(bad)}: expected one of {', '.join(allowed)}", param_hint=option)
     return out
 
 
@@ -174,12 +198,13 @@ def validate(specs: tuple[str, ...]) -> None:
 
 
 def _config(spec_path: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
-            o_dtype: str | None, backend: str, arch: str) -> ModuleConfig:
+            o_dtype: str | None, backend: str, arch: str, kind: str = "prefill") -> ModuleConfig:
     spec = load_spec(spec_path)
     q = canonical_dtype(dtype, "--dtype")
     kv = canonical_dtype(kv_dtype, "--kv-dtype") if kv_dtype else q
     o = canonical_dtype(o_dtype, "--o-dtype") if o_dtype else q
-    return ModuleConfig(spec, head_dim, head_dim_vo or head_dim, q, kv, o, canonical_arch(arch), backend)
+    return ModuleConfig(spec, head_dim, head_dim_vo or head_dim, q, kv, o, canonical_arch(arch), backend,
+                        kind=kind)
 
 
 @main.command()
@@ -189,20 +214,22 @@ def _config(spec_path: str, head_dim: int, head_dim_vo: int | None, dtype: str, 
 @click.option("--dtype", required=True, help="Query dtype: bf16, fp16.")
 @click.option("--kv-dtype", default=None, help="KV cache dtype (default: --dtype).")
 @click.option("--o-dtype", default=None, help="Output dtype (default: --dtype).")
-@click.option("--backend", default="fa2", show_default=True)
+@click.option("--backend", type=click.Choice(BACKENDS), default="fa2", show_default=True)
+@click.option("--kind", type=click.Choice(list(KINDS)), default="prefill", show_default=True,
+              help="Kernel kind.")
 @click.option("--arch", default=None, help="Target arch (default: VARIANTGEN_ARCH or 9.0a).")
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False), default=None,
               help="Write the rendered files here instead of printing.")
 @click.option("--file", "file_name", default=None,
               help="File to print (default variant.cuh), or 'all'.")
 def render(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
-           o_dtype: str | None, backend: str, arch: str | None, output_dir: str | None,
+           o_dtype: str | None, backend: str, kind: str, arch: str | None, output_dir: str | None,
            file_name: str | None) -> None:
     """Print the generated variant.cuh (or write every generated file to -o DIR)."""
     from .render import render_module
 
     config = _config(spec, head_dim, head_dim_vo, dtype, kv_dtype, o_dtype, backend,
-                     arch or env.settings().arch or "9.0a")
+                     arch or env.settings().arch or "9.0a", kind)
     rendered = render_module(config)
     if file_name not in (None, "all") and file_name not in rendered.files:
         raise click.BadParameter(f"{file_name!r}: expected 'all' or one of {', '.join(rendered.files)}",
@@ -240,8 +267,9 @@ def _parse_shard(value: str | None) -> tuple[int, int]:
     return i, n
 
 
-def expand_matrix(spec_paths: list[str], head_dims: list[int], dtypes: list[str], kv_dtypes: list[str] | None,
-                  o_dtypes: list[str] | None, archs: list[str], backends: list[str],
+def expand_matrix(spec_paths: list[str], head_dims: list[int] | list[tuple[int, int]], dtypes: list[str],
+                  kv_dtypes: list[str] | None, o_dtypes: list[str] | None, archs: list[str], backends: list[str],
+                  kinds: list[str] = ("prefill",),  # type: ignore[assignment]
                   ) -> tuple[list[ModuleConfig], list[tuple[str, str]]]:
     """Every valid ModuleConfig of the matrix (unique, sorted by URI prefix) and the skipped
     combinations with their reason."""
@@ -252,33 +280,37 @@ def expand_matrix(spec_paths: list[str], head_dims: list[int], dtypes: list[str]
     arch_list = [canonical_arch(a) for a in archs]
     configs: dict[str, ModuleConfig] = {}
     skipped: list[tuple[str, str]] = []
-    for spec in specs:
-        for hd in head_dims:
-            for q in qs:
-                for kv in (kvs or [q]):
-                    for o in (os_ or [q]):
-                        for arch in arch_list:
-                            for backend in backends:
-                                label = (f"{spec.name} hd={hd} q={q} kv={kv} o={o} arch={arch} "
-                                         f"backend={backend}")
-                                try:
-                                    cfg = ModuleConfig(spec, hd, hd, q, kv, o, arch, backend)
-                                except ValueError as e:
-                                    skipped.append((label, str(e)))
-                                    continue
-                                configs.setdefault(cfg.uri_prefix, cfg)
+    dims = [d if isinstance(d, tuple) else (d, d) for d in head_dims]
+    combos = itertools.product(specs, dims, qs, kvs or [None], os_ or [None], arch_list, backends, kinds)
+    for spec, (hd, hd_vo), q, kv, o, arch, backend, kind in combos:
+        kv, o = kv or q, o or q
+        if backend == "auto":  # what make_wrapper picks on a GPU of this arch
+            backend = choose_backend(spec, kind=kind, head_dim_qk=hd, head_dim_vo=hd_vo, q_dtype=q, kv_dtype=kv,
+                                     o_dtype=o, arch=arch)
+        hd_text = str(hd) if hd == hd_vo else f"{hd}/{hd_vo}"
+        label = f"{spec.name} hd={hd_text} q={q} kv={kv} o={o} arch={arch} backend={backend} kind={kind}"
+        try:
+            cfg = ModuleConfig(spec, hd, hd_vo, q, kv, o, arch, backend, kind=kind)
+        except ValueError as e:
+            skipped.append((label, str(e)))
+            continue
+        configs.setdefault(cfg.uri_prefix, cfg)
     return [configs[k] for k in sorted(configs)], skipped
 
 
 @main.command()
 @click.argument("specs", nargs=-1, required=True, type=click.Path())
-@click.option("--head-dim", "head_dims", multiple=True, required=True, help="Comma list, e.g. 64,128,256.")
+@click.option("--head-dim", "head_dims", multiple=True, required=True,
+              help="Comma list, e.g. 64,128,256; QK/VO for different dims, e.g. 192/128.")
 @click.option("--dtype", "dtypes", multiple=True, required=True, help="Query dtypes, e.g. bf16,fp16.")
 @click.option("--kv-dtype", "kv_dtypes", multiple=True, help="KV dtypes (default: the query dtype).")
 @click.option("--o-dtype", "o_dtypes", multiple=True, help="Output dtypes (default: the query dtype).")
 @click.option("--arch", "archs", multiple=True, help="Target archs, e.g. 8.0,9.0a "
               "(default: VARIANTGEN_ARCH or the visible GPU).")
-@click.option("--backend", "backends", multiple=True, help="Backends (default fa2).")
+@click.option("--backend", "backends", multiple=True,
+              help="Backends: fa2, fa3, or auto (default: what make_wrapper picks for each arch and kind).")
+@click.option("--kind", "kinds", multiple=True,
+              help="Kernel kinds, e.g. prefill,decode,ragged (default prefill).")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Modules built in parallel.")
 @click.option("--jobs-per-module", type=click.IntRange(min=1), default=None,
@@ -288,9 +320,10 @@ def expand_matrix(spec_paths: list[str], head_dims: list[int], dtypes: list[str]
 @click.option("--dry-run", is_flag=True, help="List the modules of the matrix (and this shard); build nothing.")
 def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple[str, ...],
                kv_dtypes: tuple[str, ...], o_dtypes: tuple[str, ...], archs: tuple[str, ...],
-               backends: tuple[str, ...], jobs: int, jobs_per_module: int | None, cache_dir: str | None,
-               shard: str | None, dry_run: bool) -> None:
-    """Build the modules of a matrix into the cache (spec x head dim x dtype x kv dtype x arch)."""
+               backends: tuple[str, ...], kinds: tuple[str, ...], jobs: int, jobs_per_module: int | None,
+               cache_dir: str | None, shard: str | None, dry_run: bool) -> None:
+    """Build the modules of a matrix into the cache (spec x head dim x dtype x kv dtype x arch x
+    backend x kind); combinations a backend does not support are listed as skipped."""
     from . import build
 
     shard_i, shard_n = _parse_shard(shard)
@@ -301,9 +334,10 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
             raise click.UsageError("no --arch given, VARIANTGEN_ARCH is unset and no CUDA GPU is visible; "
                                    "pass e.g. --arch 8.0,9.0a")
         arch_list = [default]
-    configs, skipped = expand_matrix(list(specs), _ints(head_dims, "--head-dim"), _csv(dtypes),
+    configs, skipped = expand_matrix(list(specs), _head_dims(head_dims, "--head-dim"), _csv(dtypes),
                                      _csv(kv_dtypes) or None, _csv(o_dtypes) or None, arch_list,
-                                     _csv(backends) or ["fa2"])
+                                     _choices(backends, (*BACKENDS, "auto"), "--backend", ["auto"]),
+                                     _choices(kinds, list(KINDS), "--kind", ["prefill"]))
     for label, reason in skipped:
         click.echo(f"skip  {label}: {reason}")
     mine = configs[shard_i::shard_n]
@@ -374,7 +408,11 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
 @click.option("--dtype", required=True, help="Query dtype.")
 @click.option("--kv-dtype", default=None, help="KV dtype (default: --dtype).")
 @click.option("--o-dtype", default=None)
-@click.option("--backend", default="fa2", show_default=True)
+@click.option("--backend", "backends", default="auto", show_default=True,
+              help="Backend(s): auto (what make_wrapper picks here), fa2, fa3, or a list such as fa2,fa3: "
+                   "one answer per backend and kind.")
+@click.option("--kind", "kinds", default="prefill", show_default=True,
+              help="Kernel kind(s): prefill, ragged, decode (comma list).")
 @click.option("--arch", default=None, help="Target arch when no GPU is visible (or to override it).")
 @click.option("--device", default=None, help="CUDA device, e.g. cuda:1 (default: the current one).")
 @click.option("--page-size", type=int, default=None)
@@ -382,22 +420,31 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
-              o_dtype: str | None, backend: str, arch: str | None, device: str | None, page_size: int | None,
-              no_build: bool, cache_dir: str | None, as_json: bool) -> None:
-    """Say whether SPEC can run here (exit 0) or why not (exit 1)."""
-    from .probe import probe
+              o_dtype: str | None, backends: str, kinds: str, arch: str | None, device: str | None,
+              page_size: int | None, no_build: bool, cache_dir: str | None, as_json: bool) -> None:
+    """Say whether SPEC can run here (exit 0) or why not (exit 1), per backend and kind."""
+    from .probe import probe_backends
 
-    r = probe(spec, head_dim_qk=head_dim, head_dim_vo=head_dim_vo, q_dtype=dtype, kv_dtype=kv_dtype or dtype,
-              o_dtype=o_dtype, backend=backend, page_size=page_size, device=device, build=not no_build,
-              cache_dir=cache_dir, arch=arch)
+    results = probe_backends(
+        spec, kinds=tuple(_choices(kinds, list(KINDS), "--kind", ["prefill"])),
+        backends=tuple(None if b == "auto" else b for b in _choices(backends, (*BACKENDS, "auto"), "--backend",
+                                                                   ["auto"])), head_dim_qk=head_dim,
+        head_dim_vo=head_dim_vo, q_dtype=dtype, kv_dtype=kv_dtype or dtype, o_dtype=o_dtype, page_size=page_size,
+        device=device, build=not no_build, cache_dir=cache_dir, arch=arch)
     if as_json:
-        click.echo(json.dumps({"ok": r.ok, "reason": r.reason, "uri": r.uri, "source": r.source,
-                               "module_path": r.module_path, "seconds": round(r.seconds, 3),
-                               "details": r.details}, indent=1, default=str))
-    else:
+        payload = [{"backend": r.details.get("backend", b or "auto"), "kind": k, "ok": r.ok, "reason": r.reason,
+                    "uri": r.uri, "source": r.source,
+                    "module_path": r.module_path, "seconds": round(r.seconds, 3), "details": r.details}
+                   for (b, k), r in results.items()]
+        click.echo(json.dumps(payload[0] if len(payload) == 1 else payload, indent=1, default=str))
+        sys.exit(0 if all(r.ok for r in results.values()) else 1)
+    for i, ((b, k), r) in enumerate(results.items()):
+        if len(results) > 1:
+            click.echo(("\n" if i else "") + f"[{r.details.get('backend', b or 'auto')} {k}]")
         click.echo(f"ok:      {'yes' if r.ok else 'no'}")
         if not r.ok:
             click.echo(f"reason:  {r.reason}")
+        click.echo(f"backend: {r.details.get('backend', b or 'auto')}")
         click.echo(f"uri:     {r.uri or '-'}")
         click.echo(f"source:  {r.source}")
         if r.module_path:
@@ -405,7 +452,7 @@ def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_
         if r.details.get("note"):
             click.echo(f"note:    {r.details['note']}")
         click.echo(f"seconds: {r.seconds:.2f}")
-    sys.exit(0 if r.ok else 1)
+    sys.exit(0 if all(r.ok for r in results.values()) else 1)
 
 
 # ----------------------------------------------------------------------------- list / clear

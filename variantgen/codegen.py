@@ -41,11 +41,22 @@ SAFE_INDEX = {
     "num_qo_heads": {"qo_head"},
     "num_kv_heads": {"kv_head"},
 }
-# Runtime extent of a symbolic dimension inside the kernel (None: passed as an extra scalar).
-DIM_EXTENT = {
-    "num_qo_heads": "int32_t(params.num_qo_heads)",
-    "num_kv_heads": "int32_t(params.paged_kv.num_heads)",
-}
+
+
+@dataclass(frozen=True)
+class Target:
+    """How a hook of one kernel's variant reaches run()'s extra arguments and head counts."""
+
+    args: str  # prefix of an extra argument, e.g. "params." -> params.<name>
+    num_qo_heads: str
+    num_kv_heads: str
+
+
+# FA2 kernels hand the hooks their Params struct (PagedParams / RaggedParams / decode Params).
+FA2_PAGED = Target("params.", "int32_t(params.num_qo_heads)", "int32_t(params.paged_kv.num_heads)")
+# FA3 hooks get the mainloop's params; our arguments live in its additional_params.
+FA3 = Target("params.additional_params.", "int32_t(params.additional_params.vg_num_qo_heads)",
+             "int32_t(params.additional_params.vg_num_kv_heads)")
 
 CMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
 
@@ -65,8 +76,9 @@ class Snippet:
 
 
 class _Emitter:
-    def __init__(self, spec: VariantSpec, logits_local: str | None = None):
+    def __init__(self, spec: VariantSpec, target: Target, logits_local: str | None = None):
         self.spec = spec
+        self.target = target
         self.tensors: dict[str, TensorArg] = {t.name: t for t in spec.tensors}
         self.scalars = {s.name: s for s in spec.scalars}
         self.logits_local = logits_local
@@ -114,7 +126,7 @@ class _Emitter:
         flat = parts[0][1]
         for dim, code in parts[1:]:
             flat = f"({flat}) * {self._extent(t, dim)} + {code}"
-        return f"params.{t.name}[{flat}]"
+        return f"{self.target.args}{t.name}[{flat}]"
 
     def _in_range(self, dim: str | int, idx: Node) -> bool:
         if isinstance(idx, Const) and isinstance(dim, int):
@@ -126,11 +138,11 @@ class _Emitter:
     def _extent(self, t: TensorArg, dim: str | int) -> str:
         if isinstance(dim, int):
             return f"int32_t({dim})"
-        if dim in DIM_EXTENT:
-            return DIM_EXTENT[dim]
+        if dim in ("num_qo_heads", "num_kv_heads"):
+            return getattr(self.target, dim)
         # First dimension of symbolic row count: carried in an extra scalar.
         self.clamped.add(t.name)
-        return f"int32_t(params.{rows_scalar_name(t.name)})"
+        return f"int32_t({self.target.args}{rows_scalar_name(t.name)})"
 
     def _unary(self, node: Unary) -> str:
         inner = self.emit(node.operand)
@@ -180,16 +192,16 @@ class _Emitter:
         return f"({self.emit(node.test)} ? {then} : {orelse})"
 
 
-def emit_mask(spec: VariantSpec) -> Snippet:
-    e = _Emitter(spec)
+def emit_mask(spec: VariantSpec, target: Target = FA2_PAGED) -> Snippet:
+    e = _Emitter(spec, target)
     code = e.emit(spec.mask)
     return Snippet(code, frozenset(e.builtins), frozenset(e.clamped))
 
 
-def emit_logits(spec: VariantSpec, logits_local: str = "score") -> Snippet | None:
+def emit_logits(spec: VariantSpec, logits_local: str = "score", target: Target = FA2_PAGED) -> Snippet | None:
     if spec.logits is None:
         return None
-    e = _Emitter(spec, logits_local)
+    e = _Emitter(spec, target, logits_local)
     code = e.as_float(spec.logits)
     return Snippet(code, frozenset(e.builtins), frozenset(e.clamped))
 

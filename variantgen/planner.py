@@ -154,3 +154,60 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indic
                              last_page_len=d["last_page_len"], meta=d["meta"],
                              packed=d["q_starts"] == d["plan_qo"]))
     return launches
+
+
+# ----------------------------------------------------------------------------- fa3
+FA3_MAX_WINDOW_LAUNCHES = 4  # distinct window widths given their own launch; more go custom
+FA3_MAX_TILES_PER_HEAD = 4096  # above this FlashInfer's sm90 scheduler uses one schedule for all heads
+
+
+def regroup_for_fa3(launches: list[dict], page_size: int, head_dim_vo: int) -> list[dict]:
+    """Reshape launches for the fa3 kernel, which takes its left window per launch (not per
+    launch request) and has no kCustom: window rows get a causal launch per width, and
+    launches are split so that the per-head schedule (the one compiled in) applies."""
+    out: list[dict] = []
+    for launch in launches:
+        if launch["mask_mode"] != "causal":
+            out.append(dict(launch, window_left=-1))
+            continue
+        widths = sorted({row[7] for row in launch["meta"]} - {-1})
+        kept = set(widths[:FA3_MAX_WINDOW_LAUNCHES])
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, row in enumerate(launch["meta"]):
+            w = row[7]
+            key = ("causal", w) if w == -1 or w in kept else ("custom", -1)
+            groups.setdefault(key, []).append(i)
+        for (mode, window), idx in groups.items():
+            out.append(dict(_select(launch, idx), mask_mode=mode, window_left=window))
+    cta_tile_q = 192 if head_dim_vo == 64 else 128
+    split: list[dict] = []
+    for launch in out:
+        n = len(launch["meta"])
+        lens = [launch["plan_qo"][i + 1] - launch["plan_qo"][i] for i in range(n)]
+        start, tiles = 0, 0
+        for i in range(n + 1):
+            t = -(-lens[i] // cta_tile_q) + 1 if i < n else 0  # + 1: the scheduler's per-request slack
+            if i == n or (i > start and tiles + t > FA3_MAX_TILES_PER_HEAD):
+                split.append(launch if (start, i) == (0, n) else _select(launch, list(range(start, i))))
+                start, tiles = i, 0
+            tiles += t
+    return split
+
+
+def _select(launch: dict, idx: list[int]) -> dict:
+    """The launch restricted to launch requests ``idx`` (in order), re-packed."""
+    q_starts, plan_qo, kv_indptr = launch["q_starts"], launch["plan_qo"], launch["kv_indptr"]
+    kv_indices = launch["kv_indices"]
+    new_qo, new_kv, pages, starts = [0], [0], [], []
+    for i in idx:
+        starts.append(q_starts[i])
+        new_qo.append(new_qo[-1] + plan_qo[i + 1] - plan_qo[i])
+        new_kv.append(new_kv[-1] + kv_indptr[i + 1] - kv_indptr[i])
+        pages.append((kv_indptr[i], kv_indptr[i + 1]))
+    if isinstance(kv_indices, torch.Tensor):
+        sel = torch.cat([kv_indices[a:b] for a, b in pages]) if pages else kv_indices[:0]
+    else:
+        sel = [p for a, b in pages for p in kv_indices[a:b]]
+    return dict(launch, q_starts=starts + [q_starts[-1]], plan_qo=new_qo,
+                kv_indptr=new_kv, kv_indices=sel, last_page_len=[launch["last_page_len"][i] for i in idx],
+                meta=[launch["meta"][i] for i in idx], packed=False)

@@ -11,7 +11,8 @@ Checks run in this order, and the first failing one is reported:
 1. the spec (file) is valid;
 2. flashinfer is importable and new enough (>= 0.7.2: ``batch_prefill_paged.cu`` and
    ``PrefillPlan`` in ``scheduler.cuh``), apache-tvm-ffi is importable;
-3. the combination (dtypes, head dims, backend, page size) is one fa2 modules support;
+3. the combination (dtypes, head dims, backend, kernel kind, page size) is one the
+   backend's modules support (fa3: sm90 only, 16-bit KV; see render.HEAD_DIMS);
 4. a GPU of sm80 or newer is visible, or a target arch was given (``arch=`` or
    VARIANTGEN_ARCH);
 5. with JIT disabled (or ``build=False``) the module is precompiled in the cache;
@@ -42,13 +43,12 @@ from . import build as _build
 from . import env, render
 from .cache import Cache
 from .errors import BuildError, CacheError, JitDisabledError, SpecError, ToolchainError
-from .render import FA2_HEAD_DIMS, ModuleConfig, canonical_arch, canonical_dtype
+from .render import HEAD_DIMS, KINDS, ModuleConfig, canonical_arch, canonical_dtype
 from .spec import BACKENDS, VariantSpec, load_spec
 
 log = logging.getLogger("variantgen.probe")
 
 NEEDED_FLASHINFER = "0.7.2"
-FA3_REASON = "fa3 variants are not generated yet; fa2 modules run on sm90"
 
 
 @dataclass(frozen=True)
@@ -106,14 +106,20 @@ def probe(
     q_dtype: Any,
     kv_dtype: Any,
     o_dtype: Any = None,
-    backend: str = "fa2",
+    backend: str | None = None,
     page_size: int | None = None,
     device: Any = None,
     build: bool = True,
     cache_dir: str | Path | None = None,
     arch: str | None = None,
+    kind: str = "prefill",
 ) -> ProbeResult:
     """Say whether ``spec`` can run here with these settings; never raises.
+
+    ``kind`` is the kernel ("prefill", "ragged", "decode"; tensor-core decode runs the
+    prefill module); ``backend`` "fa2" or "fa3", or None for the one make_wrapper picks for
+    this GPU (render.choose_backend; ``details["backend"]`` says which). See
+    :func:`probe_backends` for every backend at once.
 
     ``spec`` is a VariantSpec or a path to a spec file. ``device`` selects the GPU (default:
     the current one, when CUDA is available). ``arch`` (or VARIANTGEN_ARCH) names the target
@@ -123,7 +129,7 @@ def probe(
     t0 = time.perf_counter()
     args = dict(head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype,
                 o_dtype=o_dtype, backend=backend, page_size=page_size, device=device, build=build,
-                cache_dir=cache_dir, arch=arch)
+                cache_dir=cache_dir, arch=arch, kind=kind)
     try:
         key = _memo_key(spec, args)
     except Exception:  # unhashable oddities: just do not memoize
@@ -160,9 +166,16 @@ def probe(
 # ----------------------------------------------------------------------------- the checks
 
 
+def probe_backends(spec: VariantSpec | str | Path, *, kinds: tuple[str, ...] = ("prefill",),
+                   backends: tuple[str, ...] = BACKENDS, **kwargs: Any) -> dict[tuple[str, str], ProbeResult]:
+    """:func:`probe` for every (backend, kind): what an engine logs at startup to say which
+    kernels it may advertise for this layer and why the others are demoted. Never raises."""
+    return {(b, k): probe(spec, backend=b, kind=k, **kwargs) for k in kinds for b in backends}
+
+
 def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, kv_dtype: Any,
            o_dtype: Any, backend: Any, page_size: Any, device: Any, build: bool, cache_dir: Any,
-           arch: Any) -> ProbeResult:
+           arch: Any, kind: Any) -> ProbeResult:
     # 1. spec
     spec = _load(spec_arg)
 
@@ -172,14 +185,15 @@ def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dt
         raise _Fail(problem)
 
     # 3. the combination (with a placeholder arch when it is not known yet)
-    config_fields = _config_fields(spec, head_dim_qk, head_dim_vo, q_dtype, kv_dtype, o_dtype, backend)
+    config_fields = _config_fields(spec, head_dim_qk, head_dim_vo, q_dtype, kv_dtype, o_dtype, backend, kind)
     explicit_arch = None
     if arch is not None:
         try:
             explicit_arch = canonical_arch(arch)
         except ValueError as e:
             raise _Fail(str(e)) from None
-    problems = _config_problems(config_fields, explicit_arch or "8.0")
+    placeholder = "9.0a" if backend == "fa3" else "8.0"  # the arch check proper comes in step 4
+    problems = _config_problems(dict(config_fields, backend=backend or "fa2"), explicit_arch or placeholder)
     if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
         problems.append(f"page_size={page_size!r}: expected a positive whole number")
     if problems:
@@ -202,11 +216,17 @@ def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dt
             raise _Fail(f"VARIANTGEN_ARCH: {e}") from None
     else:
         raise _Fail("no CUDA device visible and no target arch given (pass arch= or set VARIANTGEN_ARCH)")
+    if backend is None:  # what make_wrapper would pick for this target
+        from .render import choose_backend
+
+        config_fields["backend"] = choose_backend(
+            spec, **{k: v for k, v in config_fields.items() if k not in ("spec", "backend")}, arch=target)
     try:
         config = ModuleConfig(**config_fields, arch=target)
     except ValueError as e:
         raise _Fail(str(e)) from None
-    details: dict[str, Any] = {"arch": target, "device_arch": device_arch, "config": config.describe()}
+    details: dict[str, Any] = {"arch": target, "device_arch": device_arch, "backend": config.backend,
+                               "config": config.describe()}
 
     # 5-8. find or build (build_module orders: toolchain, lookup, JIT, writable, build)
     cache = Cache(cache_dir) if cache_dir is not None else build_default_cache()
@@ -278,14 +298,15 @@ def _load(spec_arg: Any) -> VariantSpec:
 
 
 def _config_fields(spec: VariantSpec, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, kv_dtype: Any,
-                   o_dtype: Any, backend: Any) -> dict[str, Any]:
+                   o_dtype: Any, backend: Any, kind: Any) -> dict[str, Any]:
     problems = []
+    known = sorted({d for pairs in HEAD_DIMS.values() for pair in pairs for d in pair})
     dims = {}
     for name, value in (("head_dim_qk", head_dim_qk), ("head_dim_vo", head_dim_vo)):
         if value is None and name == "head_dim_vo":
             continue
         if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"{name}={value!r}: expected a whole number, one of {list(FA2_HEAD_DIMS)}")
+            problems.append(f"{name}={value!r}: expected a whole number, one of {known}")
         dims[name] = value
     dtypes = {}
     for name, value in (("q_dtype", q_dtype), ("kv_dtype", kv_dtype), ("o_dtype", o_dtype)):
@@ -295,8 +316,10 @@ def _config_fields(spec: VariantSpec, head_dim_qk: Any, head_dim_vo: Any, q_dtyp
             dtypes[name] = canonical_dtype(value, name)
         except ValueError as e:
             problems.append(str(e))
-    if backend not in BACKENDS:
+    if backend is not None and backend not in BACKENDS:
         problems.append(f"backend={backend!r}: expected one of {list(BACKENDS)}")
+    if kind not in KINDS:
+        problems.append(f"kind={kind!r}: expected one of {list(KINDS)}")
     if problems:
         raise _Fail("; ".join(problems))
     return {
@@ -307,6 +330,7 @@ def _config_fields(spec: VariantSpec, head_dim_qk: Any, head_dim_vo: Any, q_dtyp
         "kv_dtype": dtypes["kv_dtype"],
         "o_dtype": dtypes.get("o_dtype", dtypes["q_dtype"]),
         "backend": backend,
+        "kind": kind,
     }
 
 
@@ -321,14 +345,7 @@ def _config_problems(fields: dict[str, Any], arch: str) -> list[str]:
         else:
             value = f.default
         object.__setattr__(probe_cfg, f.name, value)
-    out = []
-    if fields["backend"] == "fa3":
-        out.append(FA3_REASON)
-    for p in probe_cfg.problems():
-        if fields["backend"] == "fa3" and p.startswith("backend='fa3': only 'fa2'"):
-            continue
-        out.append(p)
-    return out
+    return probe_cfg.problems()
 
 
 def _device_arch(device: Any) -> str | None:
@@ -376,8 +393,11 @@ def precompile_command(config: ModuleConfig, cache_root: Path | str) -> str:
              "--dtype", config.q_dtype, "--kv-dtype", config.kv_dtype]
     if config.o_dtype != config.q_dtype:
         parts += ["--o-dtype", config.o_dtype]
-    if config.backend != "fa2":
-        parts += ["--backend", config.backend]
+    if config.head_dim_vo != config.head_dim_qk:
+        parts += ["--head-dim-vo", str(config.head_dim_vo)]
+    parts += ["--backend", config.backend]  # explicit: precompile's default (auto) may pick another
+    if config.kind != "prefill":
+        parts += ["--kind", config.kind]
     parts += ["--arch", canonical_arch(config.arch), "--cache-dir", shlex.quote(str(cache_root))]
     return " ".join(parts)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,20 @@ DTYPE_ALIASES = {
     "float8_e5m2": "fp8_e5m2", "fp8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2", "torch.float8_e5m2": "fp8_e5m2",
 }
 FA2_HEAD_DIMS = (64, 128, 256)
+# What each kernel kind is and which (head_dim_qk, head_dim_vo) pairs its backends compile.
+KINDS = {
+    "prefill": "paged-KV prefill",
+    "ragged": "ragged-KV prefill",
+    "decode": "paged-KV decode (CUDA cores)",
+}
+BACKENDS = ("fa2", "fa3")
+_EQUAL_DIMS = tuple((d, d) for d in FA2_HEAD_DIMS)
+HEAD_DIMS: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
+    ("fa2", "prefill"): _EQUAL_DIMS,
+    ("fa2", "ragged"): _EQUAL_DIMS + ((192, 128),),  # 192/128: MLA-shaped prefill (DeepSeek)
+    ("fa2", "decode"): _EQUAL_DIMS,
+    ("fa3", "prefill"): _EQUAL_DIMS,
+}
 MASK_MODES = {"none": (0, "MaskMode::kNone"), "causal": (1, "MaskMode::kCausal"), "custom": (2, "MaskMode::kCustom")}
 FA2_CTA_TILES_Q = (16, 64, 128)  # what FlashInfer's FA2 planner picks for head_dim_vo < 512
 
@@ -75,6 +90,7 @@ class ModuleConfig:
     arch: str
     backend: str = "fa2"
     mask_modes: tuple[str, ...] = ("none", "causal", "custom")
+    kind: str = "prefill"
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -83,29 +99,41 @@ class ModuleConfig:
 
     def problems(self) -> list[str]:
         out = []
-        if self.backend != "fa2":
-            out.append(f"backend={self.backend!r}: only 'fa2' modules are generated; "
-                       "sm90 runs fa2 modules (see README: backends)")
-        if self.backend not in self.spec.backends:
+        if self.kind not in KINDS:
+            out.append(f"kind={self.kind!r}: expected one of {list(KINDS)}")
+        if self.backend not in BACKENDS:
+            out.append(f"backend={self.backend!r}: expected one of {list(BACKENDS)}")
+        elif self.kind in KINDS and (self.backend, self.kind) not in HEAD_DIMS:
+            have = sorted(k for b, k in HEAD_DIMS if b == self.backend)
+            out.append(f"kind={self.kind!r}: backend {self.backend!r} generates only {have} modules")
+        if self.backend in BACKENDS and self.backend not in self.spec.backends:
             out.append(f"backend={self.backend!r}: spec `{self.spec.name}` allows only {list(self.spec.backends)}")
         for name in ("q_dtype", "kv_dtype", "o_dtype"):
             if getattr(self, name) not in DTYPES:
                 out.append(f"{name}={getattr(self, name)!r}: expected one of {sorted(DTYPES)}")
         if self.q_dtype.startswith("fp8"):
-            out.append(f"q_dtype={self.q_dtype}: fp8 query is not supported by fa2 (its tensor-core path "
-                       "needs 16-bit queries); use bf16 or fp16 queries with an fp8 KV cache")
+            out.append(f"q_dtype={self.q_dtype}: fp8 query is not supported by {self.backend} (its tensor-core "
+                       "path needs 16-bit queries); use bf16 or fp16 queries with an fp8 KV cache")
         if self.o_dtype.startswith("fp8"):
-            out.append(f"o_dtype={self.o_dtype}: fp8 output is not supported by fa2")
-        if self.head_dim_qk not in FA2_HEAD_DIMS or self.head_dim_vo != self.head_dim_qk:
-            out.append(f"head_dim_qk={self.head_dim_qk}, head_dim_vo={self.head_dim_vo}: fa2 variant modules "
-                       f"support equal head dims in {list(FA2_HEAD_DIMS)}")
+            out.append(f"o_dtype={self.o_dtype}: fp8 output is not supported by {self.backend}")
+        if self.backend == "fa3" and self.kv_dtype != self.q_dtype:
+            out.append(f"kv_dtype={self.kv_dtype}: fa3 variant modules need kv_dtype == q_dtype "
+                       f"({self.q_dtype}); use backend fa2 for an fp8 KV cache")
+        dims = HEAD_DIMS.get((self.backend, self.kind))
+        if dims and (self.head_dim_qk, self.head_dim_vo) not in dims:
+            pairs = ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in dims)
+            out.append(f"head_dim_qk={self.head_dim_qk}, head_dim_vo={self.head_dim_vo}: {self.backend} "
+                       f"{self.kind} modules support head dims {pairs} (qk/vo where they differ)")
         unknown = [m for m in self.mask_modes if m not in MASK_MODES]
         if unknown or not self.mask_modes:
             out.append(f"mask_modes={self.mask_modes!r}: expected a non-empty subset of {list(MASK_MODES)}")
         try:
             arch = canonical_arch(self.arch)
-            if int(arch.split(".")[0]) < 8:
-                out.append(f"arch={self.arch}: fa2 needs sm80 or newer")
+            major = int(arch.split(".")[0])
+            if major < 8:
+                out.append(f"arch={self.arch}: {self.backend} needs sm80 or newer")
+            if self.backend == "fa3" and arch != "9.0a":
+                out.append(f"arch={self.arch}: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a")
         except ValueError as e:
             out.append(str(e))
         return out
@@ -118,7 +146,7 @@ class ModuleConfig:
     @property
     def uri_prefix(self) -> str:
         return (
-            f"vg_{self.spec.name}_{self.backend}_prefill_q{self.q_dtype}_kv{self.kv_dtype}_o{self.o_dtype}"
+            f"vg_{self.spec.name}_{self.backend}_{self.kind}_q{self.q_dtype}_kv{self.kv_dtype}_o{self.o_dtype}"
             f"_hd{self.head_dim_qk}x{self.head_dim_vo}_sm{self.arch_tag}"
         )
 
@@ -127,7 +155,7 @@ class ModuleConfig:
             "spec": self.spec.name,
             "spec_file": self.spec.path,
             "backend": self.backend,
-            "kind": "prefill_paged",
+            "kind": self.kind,
             "head_dim_qk": self.head_dim_qk,
             "head_dim_vo": self.head_dim_vo,
             "q_dtype": self.q_dtype,
@@ -136,6 +164,23 @@ class ModuleConfig:
             "arch": canonical_arch(self.arch),
             "mask_modes": list(self.mask_modes),
         }
+
+
+def choose_backend(spec: VariantSpec, *, kind: str, head_dim_qk: int, head_dim_vo: int, q_dtype: str,
+                   kv_dtype: str, o_dtype: str, arch: str) -> str:
+    """The backend make_wrapper uses when none is given. Pure: depends only on its arguments.
+
+    fa3 where an fa3 module is valid: paged prefill on sm90 with 16-bit KV of the query's
+    dtype, head dims 64/128/256, a spec that allows it. On the H200 it measured faster than
+    fa2 for both routes (bench/results/prefill-fa3-2026-11-29-NVIDIA_H200.json, mm_prefix,
+    8 x 8192: planned 9.40 vs 13.39 ms, direct 54.3 vs 81.2 ms). Everything else: fa2 (decode,
+    ragged, fp8 KV caches, 192/128, other GPUs)."""
+    fa3 = ModuleConfig.__new__(ModuleConfig)  # problems() without raising on the first
+    fields = dict(spec=spec, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                  o_dtype=o_dtype, arch=arch, backend="fa3", mask_modes=tuple(MASK_MODES), kind=kind)
+    for name, value in fields.items():
+        object.__setattr__(fa3, name, value)
+    return "fa3" if not fa3.problems() else "fa2"
 
 
 @dataclass(frozen=True)
@@ -154,6 +199,8 @@ class RenderedModule:
     scalar_args: tuple[KernelArg, ...]  # run() extra scalars, in ABI order
     template_digest: str
     clamped_tensors: tuple[str, ...] = field(default=())
+    # FlashInfer csrc files compiled into the module (its host code for this kind)
+    host_sources: tuple[str, ...] = ("batch_prefill_paged.cu",)
 
     def source_digest(self) -> str:
         h = hashlib.sha256()
@@ -178,16 +225,20 @@ def environment() -> jinja2.Environment:
     return _environment(str(settings().template_dir))
 
 
+TEMPLATE_DIRS = {"fa2": ("common", "fa2"), "fa3": ("common", "fa3")}  # what a backend's modules use
+
+
 def template_files(backend: str = "fa2") -> list[Path]:
-    root = settings().template_dir / backend
-    return sorted(p for p in root.glob("*.jinja") if p.is_file())
+    root = settings().template_dir
+    return sorted(p for d in TEMPLATE_DIRS[backend] for p in (root / d).glob("*.jinja") if p.is_file())
 
 
 @functools.lru_cache(maxsize=8)
 def _template_digest(template_dir: str, backend: str) -> str:
     h = hashlib.sha256()
-    for p in sorted((Path(template_dir) / backend).glob("*.jinja")):
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    for d in TEMPLATE_DIRS[backend]:
+        for p in sorted((Path(template_dir) / d).glob("*.jinja")):
+            h.update(f"{d}/{p.name}".encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
 
@@ -248,19 +299,26 @@ def kernel_args(spec: VariantSpec, clamped: frozenset[str] | set[str] = frozense
     return tuple(tensors), tuple(scalars)
 
 
-def render_module(config: ModuleConfig) -> RenderedModule:
+# How each backend's hooks reach their arguments (see codegen.Target).
+CODEGEN_TARGETS = {"fa2": codegen.FA2_PAGED, "fa3": codegen.FA3}
+
+
+def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...], tuple[KernelArg, ...], set[str]]:
+    """What every backend's variant template needs: the spec's mask/logits as C++, its args."""
     spec = config.spec
-    mask = codegen.emit_mask(spec)
-    logits = codegen.emit_logits(spec)
+    target = CODEGEN_TARGETS[config.backend]
+    mask = codegen.emit_mask(spec, target)
+    logits = codegen.emit_logits(spec, target=target)
     clamped = set(mask.clamped_tensors) | (set(logits.clamped_tensors) if logits else set())
     tensor_args, scalar_args = kernel_args(spec, clamped)
     scalar_local = {"int": "int32_t", "float": "float", "bool": "bool"}
-    uri_hint = config.uri_prefix  # the full URI (with hash) is only known after rendering
     ctx = {
         "vg_version": __version__,
         "spec": spec,
         "spec_file": codegen.comment_text(Path(spec.path).name),
-        "uri": uri_hint,
+        "uri": config.uri_prefix,  # the full URI (with hash) is only known after rendering
+        "kind": config.kind,
+        "kind_text": KINDS[config.kind],
         "struct_name": struct_name(spec),
         "mask_comment": codegen.describe(spec.mask),
         "mask_code": mask.code,
@@ -269,6 +327,8 @@ def render_module(config: ModuleConfig) -> RenderedModule:
         "logits_comment": codegen.describe(spec.logits) if spec.logits is not None else "",
         "logits_code": logits.code if logits else "",
         "logits_locals": _locals(logits.builtins) if logits else "",
+        # a hook that evaluates both (fa3's masked transform)
+        "masked_locals": _locals(mask.builtins | (logits.builtins if logits else frozenset())),
         "scalars": [
             {"name": s.name, "dtype": s.dtype, "local_type": scalar_local[s.dtype]} for s in spec.scalars
         ],
@@ -281,7 +341,14 @@ def render_module(config: ModuleConfig) -> RenderedModule:
         "head_dim_vo": config.head_dim_vo,
         "mask_modes": [{"name": m, "literal": MASK_MODES[m][1]} for m in config.mask_modes],
     }
-    env = environment()
+    return ctx, tensor_args, scalar_args, clamped
+
+
+# A renderer turns the context into (files, compile units, FlashInfer host sources).
+Renderer = Callable[[ModuleConfig, dict, jinja2.Environment], tuple[dict[str, str], list[str], tuple[str, ...]]]
+
+
+def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
         "batch_prefill_config.inc": env.get_template("fa2/config.inc.jinja").render(ctx),
@@ -294,6 +361,105 @@ def render_module(config: ModuleConfig) -> RenderedModule:
             name = f"paged_kernel_{mode['name']}_cta{cta}.cu"
             files[name] = kernel.render(ctx, mode=mode, cta_tile_q=cta)
             units.append(name)
+    return files, units, ("batch_prefill_paged.cu",)
+
+
+# --- batch decode (kind "decode"), see templates/fa2/decode_*.jinja ----------------------
+def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
+    """FlashInfer's FA2 (CUDA-core) batch decode: one kernel unit (every GQA group size),
+    its host code (batch_decode.cu) compiled against our config, our plan + run binding."""
+    files = {
+        "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
+        "batch_decode_config.inc": env.get_template("fa2/decode_config.inc.jinja").render(ctx),
+        "binding.cu": env.get_template("fa2/decode_binding.cu.jinja").render(ctx),
+        "decode_kernel.cu": env.get_template("fa2/decode_kernel.cu.jinja").render(ctx),
+    }
+    return files, ["binding.cu", "decode_kernel.cu"], ("batch_decode.cu",)
+# --- end decode -------------------------------------------------------------------------
+
+
+# --- ragged-KV prefill (kind "ragged"), see templates/fa2/ragged_*.jinja ---------------
+FA2_DISPATCHED_CTA_TILES_Q = (16, 32, 64, 128)  # what FlashInfer's DISPATCH_CTA_TILE_Q can name
+
+
+def _render_fa2_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
+    """FlashInfer's FA2 ragged-KV prefill: one kernel unit per mask mode and CTA tile, its
+    host code (batch_prefill.cu) compiled against our config, our plan + ragged_run binding."""
+    ctx = dict(ctx, cta_tiles=list(FA2_CTA_TILES_Q), all_cta_tiles=list(FA2_DISPATCHED_CTA_TILES_Q))
+    files = {
+        "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
+        "batch_prefill_config.inc": env.get_template("fa2/ragged_config.inc.jinja").render(ctx),
+        "binding.cu": env.get_template("fa2/ragged_binding.cu.jinja").render(ctx),
+    }
+    units = ["binding.cu"]
+    kernel = env.get_template("fa2/ragged_kernel.cu.jinja")
+    for mode in ctx["mask_modes"]:
+        for cta in FA2_CTA_TILES_Q:
+            name = f"ragged_kernel_{mode['name']}_cta{cta}.cu"
+            files[name] = kernel.render(ctx, mode=mode, cta_tile_q=cta)
+            units.append(name)
+    return files, units, ("batch_prefill.cu",)
+# --- end ragged -------------------------------------------------------------------------
+
+
+def _fa3_launches(ctx: dict) -> list[dict]:
+    """The kernel instantiations of an fa3 module, by run()'s mask-mode code: 'none' and
+    'causal' run the plain variant (causal with and without a left window); 'custom' is a
+    non-causal launch of the masked variant (FA3 has no kCustom)."""
+    plain, masked = ctx["struct_name"], ctx["struct_name"] + "Masked"
+    out = []
+    for mode in ctx["mask_modes"]:
+        name = mode["name"]
+        if name == "none":
+            out.append(dict(name="none", code=0, mask_literal="MaskMode::kNone", window="false", variant=plain))
+        elif name == "causal":
+            out.append(dict(name="causal", code=1, mask_literal="MaskMode::kCausal", window="false", variant=plain))
+            out.append(dict(name="causal_window", code=1, mask_literal="MaskMode::kCausal", window="true",
+                            variant=plain))
+        else:
+            out.append(dict(name="custom", code=2, mask_literal="MaskMode::kNone", window="false", variant=masked))
+    for launch in out:
+        launch["comment"] = (f"{launch['mask_literal']}, LEFT_SLIDING_WINDOW={launch['window']}, "
+                             f"variant {launch['variant']}")
+    return out
+
+
+CUTLASS_TYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t",
+                 "fp8_e4m3": "cutlass::float_e4m3_t", "fp8_e5m2": "cutlass::float_e5m2_t"}
+
+
+def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
+    launches = _fa3_launches(ctx)
+    ctx = dict(ctx, cutlass_q=CUTLASS_TYPES[config.q_dtype], cutlass_kv=CUTLASS_TYPES[config.kv_dtype],
+               cutlass_o=CUTLASS_TYPES[config.o_dtype])
+    files = {
+        "variant.cuh": env.get_template("fa3/variant.cuh.jinja").render(ctx),
+        "batch_prefill_sm90_config.inc": env.get_template("fa3/config.inc.jinja").render(ctx),
+        "binding.cu": env.get_template("fa3/binding.cu.jinja").render(ctx, launches=launches),
+    }
+    units = ["binding.cu"]
+    kernel = env.get_template("fa3/paged_kernel.cu.jinja")
+    for launch in launches:
+        name = f"paged_kernel_{launch['name']}.cu"
+        files[name] = kernel.render(ctx, launch=launch)
+        units.append(name)
+    return files, units, ()  # the host code is our own binding
+
+
+RENDERERS: dict[tuple[str, str], Renderer] = {
+    ("fa2", "prefill"): _render_fa2_prefill,
+    ("fa3", "prefill"): _render_fa3_prefill,
+    ("fa2", "decode"): _render_fa2_decode,
+    ("fa2", "ragged"): _render_fa2_ragged,
+}
+
+
+def render_module(config: ModuleConfig) -> RenderedModule:
+    ctx, tensor_args, scalar_args, clamped = _variant_context(config)
+    renderer = RENDERERS.get((config.backend, config.kind))
+    if renderer is None:
+        raise ValueError(f"backend={config.backend!r}, kind={config.kind!r}: not generated yet")
+    files, units, host_sources = renderer(config, ctx, environment())
     return RenderedModule(
         config=config,
         files=files,
@@ -302,4 +468,5 @@ def render_module(config: ModuleConfig) -> RenderedModule:
         scalar_args=scalar_args,
         template_digest=template_digest(config.backend),
         clamped_tensors=tuple(sorted(clamped)),
+        host_sources=host_sources,
     )

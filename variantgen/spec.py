@@ -104,7 +104,7 @@ class VariantSpec:
     logits_text: str | None = None
     sm_scale: float | None = None  # None: 1/sqrt(head_dim_qk)
     qkv_scales: bool = True
-    backends: tuple[str, ...] = ("fa2",)
+    backends: tuple[str, ...] = BACKENDS
     path: str = "<string>"
     locations: dict[str, Location] = field(default_factory=dict, compare=False, hash=False)
 
@@ -722,7 +722,7 @@ def _scales(r: _Reader, entry) -> tuple[float | None, bool]:
 
 def _backends(r: _Reader, entry) -> tuple[str, ...]:
     if entry is None:
-        return ("fa2",)
+        return BACKENDS  # a spec may restrict its backends; by default every one may run it
     _, node = entry
     if not isinstance(node, yaml.SequenceNode) or not node.value:
         r.error(node, "backends", f"expected a non-empty list drawn from {list(BACKENDS)}")

@@ -22,7 +22,7 @@ import torch
 from .build import BuildResult, build_module, default_cache, load_module
 from .cache import Cache
 from .errors import LaunchError
-from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype
+from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
 from .spec import VariantSpec, load_spec
 
 log = logging.getLogger("variantgen.wrapper")
@@ -50,6 +50,7 @@ class Launch:
     kv_indices: torch.Tensor
     last_page_len: torch.Tensor
     meta: torch.Tensor  # [n, META_COLUMNS] int32
+    window_left: int  # fa3: the launch's left window (-1: none); fa2 takes it per request from meta
     plan_info: Any
     int_workspace: torch.Tensor
     float_workspace: torch.Tensor
@@ -74,8 +75,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-class VariantWrapper:
-    """Paged-KV prefill for one spec, dtype and head-dim combination (see make_wrapper)."""
+class WrapperBase:
+    """What every kernel kind's wrapper shares: the module, the float workspace, and the
+    checks of the spec's named arguments, scales and outputs. Subclasses set ``_batch``
+    (an object with the fields ``_dims`` reads) in plan()."""
 
     def __init__(self, spec: VariantSpec, config: ModuleConfig, module: Any, build: BuildResult,
                  float_workspace: torch.Tensor, kv_layout: str = "NHD"):
@@ -95,19 +98,173 @@ class VariantWrapper:
         self._pinned: list[torch.Tensor] = []
         self._tensor_names = [t.name for t in spec.tensors]
         self._scalar_names = [s.name for s in spec.scalars]
-        self._launches: list[Launch] = []
-        self._batch: Batch | None = None
+        self._batch: Any = None
         self._pdl: bool | None = None
+        self._planned_args: dict[str, Any] = {}
         self.plan_stats: dict[str, Any] = {}
 
-    # ------------------------------------------------------------------ plan
     def _workspace(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The i-th (int workspace, page-locked host mirror) pair; one per launch."""
         while len(self._int_workspaces) <= i:
             self._int_workspaces.append(torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device))
             self._pinned.append(torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
                                             pin_memory=self.device.type == "cuda"))
         return self._int_workspaces[i], self._pinned[i]
 
+    def _pdl_default(self) -> bool:
+        if self._pdl is None:
+            self._pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
+        return self._pdl
+
+    # ------------------------------------------------------------------ argument checks
+    def _dims(self) -> dict[str, int]:
+        b = self._batch
+        assert b is not None
+        return {"total_q": b.total_q, "total_kv": b.total_kv, "batch": b.batch_size,
+                "num_qo_heads": b.num_qo_heads, "num_kv_heads": b.num_kv_heads}
+
+    def _check_args(self, given: dict[str, Any], *, where: str, require_tensors_from: str | None = None,
+                    ) -> dict[str, Any]:
+        known = set(self._tensor_names) | set(self._scalar_names)
+        extra = sorted(set(given) - known)
+        if extra:
+            takes = ", ".join(self._tensor_names + self._scalar_names) or "no extra arguments"
+            raise LaunchError(f"{where}: unexpected argument(s) {', '.join(extra)}; spec `{self.spec.name}` takes: "
+                              f"{takes} (plus q_scale, k_scale, v_scale, out, return_lse in run())")
+        dims = self._dims()
+        out: dict[str, Any] = {}
+        for t in self.spec.tensors:
+            if t.name not in given:
+                if require_tensors_from is not None:
+                    continue  # plan(): only what the intervals read is required (checked by the planner)
+                raise LaunchError(f"{where}: missing tensor argument `{t.name}` "
+                                  f"({t.dtype}, shape {list(t.shape)}: {t.doc or 'see the spec'})")
+            value = given[t.name]
+            want_shape = tuple(dims[d] if isinstance(d, str) else d for d in t.shape)
+            shape_text = "[" + ", ".join(f"{d}={dims[d]}" if isinstance(d, str) else str(d) for d in t.shape) + "]"
+            if not isinstance(value, torch.Tensor):
+                raise LaunchError(f"{where}: `{t.name}`: expected a torch.{t.dtype} tensor of shape {shape_text}, "
+                                  f"got {type(value).__name__}")
+            if value.dtype != SPEC_TENSOR_DTYPES[t.dtype]:
+                raise LaunchError(f"{where}: `{t.name}`: expected dtype torch.{t.dtype}, got {value.dtype}")
+            if tuple(value.shape) != want_shape:
+                raise LaunchError(f"{where}: `{t.name}`: expected shape {shape_text}, got {list(value.shape)}")
+            if value.device != self.device:
+                raise LaunchError(f"{where}: `{t.name}` is on {value.device}, expected {self.device} "
+                                  "(the device of the workspace)")
+            if not value.is_contiguous():
+                raise LaunchError(f"{where}: `{t.name}` must be contiguous (call .contiguous(); it is not copied "
+                                  "implicitly so that CUDA-graph pointers stay stable)")
+            out[t.name] = value
+        for s in self.spec.scalars:
+            value = given.get(s.name, s.default)
+            ok = (isinstance(value, bool) if s.dtype == "bool" else
+                  _is_int(value) and -(2**31) <= value < 2**31 if s.dtype == "int" else
+                  isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
+            if not ok:
+                raise LaunchError(f"{where}: `{s.name}`: expected a {s.dtype}"
+                                  + (" in 32-bit range" if s.dtype == "int" else "")
+                                  + f", got {value!r} ({type(value).__name__})")
+            out[s.name] = float(value) if s.dtype == "float" else value
+        return out
+
+    def _check_tensor(self, name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if not isinstance(t, torch.Tensor):
+            raise LaunchError(f"run(): `{name}`: expected a tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise LaunchError(f"run(): `{name}`: expected dtype {dtype} (the wrapper was built for it), got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise LaunchError(f"run(): `{name}`: expected shape {list(shape)}, got {list(t.shape)}")
+        if t.device != self.device:
+            raise LaunchError(f"run(): `{name}` is on {t.device}, expected {self.device}")
+        return t
+
+    def _check_scales(self, q_scale: Any, k_scale: Any, v_scale: Any) -> None:
+        if not self.spec.qkv_scales and any(x is not None for x in (q_scale, k_scale, v_scale)):
+            raise LaunchError(f"run(): spec `{self.spec.name}` sets `scales.qkv_scales: false`; "
+                              "q_scale/k_scale/v_scale are not accepted")
+        for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
+                                      or not math.isfinite(value)):
+                raise LaunchError(f"run(): `{name}`: expected a finite float, got {value!r} "
+                                  "(per-head scale tensors are not supported)")
+
+    def _kernel_args(self, args: dict[str, Any], q_scale: float | None, k_scale: float | None,
+                     v_scale: float | None) -> tuple[list[torch.Tensor], list[Any]]:
+        """The module's extra run() arguments in ABI order, except vg_meta (which the caller
+        inserts after the spec tensors): (spec tensors, scalars incl. sm_scale/v_scale/rows)."""
+        cfg = self.config
+        base = self.spec.sm_scale if self.spec.sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim_qk)
+        sm_scale = base * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0)
+        tensors = [args[t] for t in self._tensor_names]
+        scalars = [args[s] for s in self._scalar_names] + [float(sm_scale)]
+        if self.spec.qkv_scales:
+            scalars.append(float(v_scale) if v_scale is not None else 1.0)
+        for name in self.build.entry.manifest.get("scalar_args", []):
+            if name.startswith("vg_rows_"):
+                scalars.append(int(args[name.removeprefix("vg_rows_")].shape[0]))
+        return tensors, scalars
+
+    def _check_planned_args(self, args: dict[str, Any]) -> None:
+        for name, value in self._planned_args.items():
+            if isinstance(value, torch.Tensor):
+                if args[name].data_ptr() != value.data_ptr():
+                    raise LaunchError(f"run(): `{name}` is not the tensor plan() was given; the interval plan "
+                                      "was computed from that one - plan again with the new tensor")
+            elif args[name] != value:
+                raise LaunchError(f"run(): `{name}`={args[name]!r} but plan() planned with {value!r} (the key "
+                                  f"intervals depend on it); pass {name}= to plan() as well, or plan again")
+
+    def _outputs(self, out: torch.Tensor | None, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        b, cfg = self._batch, self.config
+        odt = TORCH_DTYPES[cfg.o_dtype]
+        if out is None:
+            out = torch.empty(b.total_q, b.num_qo_heads, cfg.head_dim_vo, dtype=odt, device=self.device)
+        else:
+            self._check_tensor("out", out, odt, (b.total_q, b.num_qo_heads, cfg.head_dim_vo))
+        lse = torch.empty(b.total_q, b.num_qo_heads, dtype=torch.float32, device=self.device) if return_lse else None
+        return out, lse
+
+    def _check_paged_cache(self, paged_kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) from a pair or a [pages, 2, ...] tensor, checked against the plan."""
+        b, cfg = self._batch, self.config
+        kvdt = TORCH_DTYPES[cfg.kv_dtype]
+        if isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
+            k_cache, v_cache = paged_kv_cache
+        elif isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 5 and paged_kv_cache.shape[1] == 2:
+            k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+        else:
+            raise LaunchError("run(): `paged_kv_cache`: expected (k_cache, v_cache) or one tensor "
+                              "[num_pages, 2, ...]")
+        for name, t, head_dim in (("k_cache", k_cache, cfg.head_dim_qk), ("v_cache", v_cache, cfg.head_dim_vo)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise LaunchError(f"run(): `{name}`: expected a 4-D tensor")
+            page_dim, head_axis = (1, 2) if self.kv_layout == "NHD" else (2, 1)
+            if t.shape[page_dim] != b.page_size or t.shape[head_axis] != b.num_kv_heads or t.shape[3] != head_dim:
+                layout = "[pages, page_size, kv_heads, head_dim]" if self.kv_layout == "NHD" else \
+                    "[pages, kv_heads, page_size, head_dim]"
+                raise LaunchError(f"run(): `{name}`: expected {layout} with page_size={b.page_size}, "
+                                  f"kv_heads={b.num_kv_heads}, head_dim={head_dim}; got {list(t.shape)}")
+            if t.dtype != kvdt:
+                raise LaunchError(f"run(): `{name}`: expected dtype {kvdt}, got {t.dtype}")
+            if t.device != self.device:
+                raise LaunchError(f"run(): `{name}` is on {t.device}, expected {self.device}")
+            if t.stride(-1) != 1:
+                raise LaunchError(f"run(): `{name}` must have a contiguous last dimension")
+        if k_cache.stride() != v_cache.stride():
+            raise LaunchError(f"run(): k_cache and v_cache must have identical strides (got {k_cache.stride()} and "
+                              f"{v_cache.stride()}); this module is compiled for equal K/V strides")
+        return k_cache, v_cache
+
+
+class VariantWrapper(WrapperBase):
+    """Paged-KV prefill for one spec, dtype and head-dim combination (see make_wrapper)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._launches: list[Launch] = []
+
+    # ------------------------------------------------------------------ plan
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,
              *, skip_tiles: bool | None = None, disable_split_kv: bool = False, **spec_args: Any) -> None:
@@ -178,17 +335,16 @@ class VariantWrapper:
                     for b in range(batch)]
             launches = [dict(mask_mode="custom", q_starts=qo_h, plan_qo=qo_h, kv_indptr=kvp_h,
                              kv_indices=paged_kv_indices, last_page_len=last_h, meta=meta)]
+        if self.config.backend == "fa3":
+            from .planner import regroup_for_fa3
+
+            launches = regroup_for_fa3(launches, page_size, self.config.head_dim_vo)
         # Split-KV writes partial rows packed and merges them into packed rows, so it is only
         # allowed where a launch's requests are back to back in q/o.
         self._launches = [self._make_launch(i, len(launches), launch,
                                             disable_split_kv or not launch.get("packed", True))
                           for i, launch in enumerate(launches)]
         self.plan_stats["launches"] = [(la.mask_mode, la.num_requests) for la in self._launches]
-
-    def _pdl_default(self) -> bool:
-        if self._pdl is None:
-            self._pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
-        return self._pdl
 
     def _planner_default(self, spec_args: dict[str, Any]) -> bool:
         """On where the mask's intervals are known and plan() has what they read."""
@@ -219,14 +375,24 @@ class VariantWrapper:
         # Each launch gets its own slice of the caller's float workspace (split-KV scratch).
         chunk = self._float_workspace.numel() // n_launches
         float_ws = self._float_workspace[i * chunk:(i + 1) * chunk]
-        plan_info = self.module.plan(
-            float_ws, int_ws, pinned, plan_qo, kv_indptr_h, int(plan_qo[-1]), n, b.num_qo_heads, b.num_kv_heads,
-            b.page_size, False, -1, -1, bool(disable_split_kv))
         kv_indices = launch["kv_indices"]
         if not isinstance(kv_indices, torch.Tensor):
             kv_indices = torch.tensor(kv_indices, dtype=torch.int32)
-        q_starts = torch.tensor(launch["q_starts"], dtype=torch.int32).to(dev, non_blocking=True)
-        if not launch.get("packed", True):
+        q_starts_h = torch.tensor(launch["q_starts"], dtype=torch.int32)
+        if self.config.backend == "fa3":
+            # FA3 takes kv lengths directly and each work item's first row from q_starts.
+            pages = kv_indptr_h[1:] - kv_indptr_h[:-1]
+            last = torch.tensor(launch["last_page_len"], dtype=torch.int32)
+            kv_lens_h = torch.where(pages > 0, (pages - 1) * b.page_size + last, torch.zeros_like(pages))
+            plan_info = self.module.plan(
+                float_ws, int_ws, pinned, plan_qo, kv_indptr_h, kv_lens_h, q_starts_h[:n].contiguous(),
+                int(plan_qo[-1]), n, b.num_qo_heads, b.num_kv_heads, b.page_size, launch["mask_mode"] == "causal")
+        else:
+            plan_info = self.module.plan(
+                float_ws, int_ws, pinned, plan_qo, kv_indptr_h, int(plan_qo[-1]), n, b.num_qo_heads,
+                b.num_kv_heads, b.page_size, False, -1, -1, bool(disable_split_kv))
+        q_starts = q_starts_h.to(dev, non_blocking=True)
+        if self.config.backend == "fa2" and not launch.get("packed", True):
             # Launch requests are not back to back in q/o: the kernel takes each one's first
             # row from q_indptr (our q_starts) but writes o (and lse) at the plan's o_indptr,
             # which the scheduler packed. Point o_indptr at the same rows (split-KV is off for
@@ -243,74 +409,12 @@ class VariantWrapper:
             kv_indices=kv_indices.to(dev, non_blocking=True),
             last_page_len=torch.tensor(launch["last_page_len"], dtype=torch.int32).to(dev, non_blocking=True),
             meta=torch.tensor(launch["meta"], dtype=torch.int32).reshape(n, META_COLUMNS).to(dev, non_blocking=True),
+            window_left=int(launch.get("window_left", -1)),
             plan_info=plan_info,
             int_workspace=int_ws,
             float_workspace=float_ws,
             num_requests=n,
         )
-
-    # ------------------------------------------------------------------ argument checks
-    def _dims(self) -> dict[str, int]:
-        b = self._batch
-        assert b is not None
-        return {"total_q": b.total_q, "total_kv": b.total_kv, "batch": b.batch_size,
-                "num_qo_heads": b.num_qo_heads, "num_kv_heads": b.num_kv_heads}
-
-    def _check_args(self, given: dict[str, Any], *, where: str, require_tensors_from: str | None = None,
-                    ) -> dict[str, Any]:
-        known = set(self._tensor_names) | set(self._scalar_names)
-        extra = sorted(set(given) - known)
-        if extra:
-            takes = ", ".join(self._tensor_names + self._scalar_names) or "no extra arguments"
-            raise LaunchError(f"{where}: unexpected argument(s) {', '.join(extra)}; spec `{self.spec.name}` takes: "
-                              f"{takes} (plus q_scale, k_scale, v_scale, out, return_lse in run())")
-        dims = self._dims()
-        out: dict[str, Any] = {}
-        for t in self.spec.tensors:
-            if t.name not in given:
-                if require_tensors_from is not None:
-                    continue  # plan(): only what the intervals read is required (checked by the planner)
-                raise LaunchError(f"{where}: missing tensor argument `{t.name}` "
-                                  f"({t.dtype}, shape {list(t.shape)}: {t.doc or 'see the spec'})")
-            value = given[t.name]
-            want_shape = tuple(dims[d] if isinstance(d, str) else d for d in t.shape)
-            shape_text = "[" + ", ".join(f"{d}={dims[d]}" if isinstance(d, str) else str(d) for d in t.shape) + "]"
-            if not isinstance(value, torch.Tensor):
-                raise LaunchError(f"{where}: `{t.name}`: expected a torch.{t.dtype} tensor of shape {shape_text}, "
-                                  f"got {type(value).__name__}")
-            if value.dtype != SPEC_TENSOR_DTYPES[t.dtype]:
-                raise LaunchError(f"{where}: `{t.name}`: expected dtype torch.{t.dtype}, got {value.dtype}")
-            if tuple(value.shape) != want_shape:
-                raise LaunchError(f"{where}: `{t.name}`: expected shape {shape_text}, got {list(value.shape)}")
-            if value.device != self.device:
-                raise LaunchError(f"{where}: `{t.name}` is on {value.device}, expected {self.device} "
-                                  "(the device of the workspace)")
-            if not value.is_contiguous():
-                raise LaunchError(f"{where}: `{t.name}` must be contiguous (call .contiguous(); it is not copied "
-                                  "implicitly so that CUDA-graph pointers stay stable)")
-            out[t.name] = value
-        for s in self.spec.scalars:
-            value = given.get(s.name, s.default)
-            ok = (isinstance(value, bool) if s.dtype == "bool" else
-                  _is_int(value) and -(2**31) <= value < 2**31 if s.dtype == "int" else
-                  isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
-            if not ok:
-                raise LaunchError(f"{where}: `{s.name}`: expected a {s.dtype}"
-                                  + (" in 32-bit range" if s.dtype == "int" else "")
-                                  + f", got {value!r} ({type(value).__name__})")
-            out[s.name] = float(value) if s.dtype == "float" else value
-        return out
-
-    def _check_tensor(self, name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        if not isinstance(t, torch.Tensor):
-            raise LaunchError(f"run(): `{name}`: expected a tensor, got {type(t).__name__}")
-        if t.dtype != dtype:
-            raise LaunchError(f"run(): `{name}`: expected dtype {dtype} (the wrapper was built for it), got {t.dtype}")
-        if tuple(t.shape) != shape:
-            raise LaunchError(f"run(): `{name}`: expected shape {list(shape)}, got {list(t.shape)}")
-        if t.device != self.device:
-            raise LaunchError(f"run(): `{name}` is on {t.device}, expected {self.device}")
-        return t
 
     # ------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
@@ -320,76 +424,30 @@ class VariantWrapper:
             raise LaunchError("run() called before plan(): call plan(qo_indptr, paged_kv_indptr, ...) first")
         b = self._batch
         cfg = self.config
-        qdt, kvdt, odt = TORCH_DTYPES[cfg.q_dtype], TORCH_DTYPES[cfg.kv_dtype], TORCH_DTYPES[cfg.o_dtype]
-        self._check_tensor("q", q, qdt, (b.total_q, b.num_qo_heads, cfg.head_dim_qk))
+        self._check_tensor("q", q, TORCH_DTYPES[cfg.q_dtype], (b.total_q, b.num_qo_heads, cfg.head_dim_qk))
         if q.stride(-1) != 1:
             raise LaunchError("run(): `q` must have a contiguous last dimension")
-        if isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
-            k_cache, v_cache = paged_kv_cache
-        elif isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 5 and paged_kv_cache.shape[1] == 2:
-            k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
-        else:
-            raise LaunchError("run(): `paged_kv_cache`: expected (k_cache, v_cache) or one tensor "
-                              "[num_pages, 2, ...]")
-        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise LaunchError(f"run(): `{name}`: expected a 4-D tensor")
-            page_dim, head_dim = (1, 2) if self.kv_layout == "NHD" else (2, 1)
-            want = [None, None, None, cfg.head_dim_qk]
-            want[page_dim], want[head_dim] = b.page_size, b.num_kv_heads
-            if t.shape[page_dim] != b.page_size or t.shape[head_dim] != b.num_kv_heads or t.shape[3] != cfg.head_dim_qk:
-                layout = "[pages, page_size, kv_heads, head_dim]" if self.kv_layout == "NHD" else \
-                    "[pages, kv_heads, page_size, head_dim]"
-                raise LaunchError(f"run(): `{name}`: expected {layout} with page_size={b.page_size}, "
-                                  f"kv_heads={b.num_kv_heads}, head_dim={cfg.head_dim_qk}; got {list(t.shape)}")
-            if t.dtype != kvdt:
-                raise LaunchError(f"run(): `{name}`: expected dtype {kvdt}, got {t.dtype}")
-            if t.device != self.device:
-                raise LaunchError(f"run(): `{name}` is on {t.device}, expected {self.device}")
-            if t.stride(-1) != 1:
-                raise LaunchError(f"run(): `{name}` must have a contiguous last dimension")
-        if k_cache.stride() != v_cache.stride():
-            raise LaunchError(f"run(): k_cache and v_cache must have identical strides (got {k_cache.stride()} and "
-                              f"{v_cache.stride()}); this module is compiled for equal K/V strides")
-        if not self.spec.qkv_scales and any(x is not None for x in (q_scale, k_scale, v_scale)):
-            raise LaunchError(f"run(): spec `{self.spec.name}` sets `scales.qkv_scales: false`; "
-                              "q_scale/k_scale/v_scale are not accepted")
-        for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                                      or not math.isfinite(value)):
-                raise LaunchError(f"run(): `{name}`: expected a finite float, got {value!r} "
-                                  "(per-head scale tensors are not supported)")
+        k_cache, v_cache = self._check_paged_cache(paged_kv_cache)
+        self._check_scales(q_scale, k_scale, v_scale)
         args = self._check_args(spec_args, where="run()")
-        for name, value in self._planned_args.items():
-            if isinstance(value, torch.Tensor):
-                if args[name].data_ptr() != value.data_ptr():
-                    raise LaunchError(f"run(): `{name}` is not the tensor plan() was given; the interval plan "
-                                      "was computed from that one - plan again with the new tensor")
-            elif args[name] != value:
-                raise LaunchError(f"run(): `{name}`={args[name]!r} but plan() planned with {value!r} (the key "
-                                  f"intervals depend on it); pass {name}= to plan() as well, or plan again")
-        if out is None:
-            out = torch.empty(b.total_q, b.num_qo_heads, cfg.head_dim_vo, dtype=odt, device=self.device)
-        else:
-            self._check_tensor("out", out, odt, (b.total_q, b.num_qo_heads, cfg.head_dim_vo))
-        lse = torch.empty(b.total_q, b.num_qo_heads, dtype=torch.float32, device=self.device) if return_lse else None
-        base = self.spec.sm_scale if self.spec.sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim_qk)
-        sm_scale = base * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0)
-        tensors = [args[t] for t in self._tensor_names]
-        scalars = [args[s] for s in self._scalar_names] + [float(sm_scale)]
-        if self.spec.qkv_scales:
-            scalars.append(float(v_scale) if v_scale is not None else 1.0)
-        for name in self.build.entry.manifest.get("scalar_args", []):
-            if name.startswith("vg_rows_"):
-                scalars.append(int(args[name.removeprefix("vg_rows_")].shape[0]))
+        self._check_planned_args(args)
+        out, lse = self._outputs(out, return_lse)
+        tensors, scalars = self._kernel_args(args, q_scale, k_scale, v_scale)
         layout = LAYOUT_CODES[self.kv_layout]
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
             enable_pdl = self._pdl_default()
+        fa3 = self.config.backend == "fa3"
         for la in self._launches:
-            self.module.paged_run(
-                la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.q_starts,
-                la.kv_indptr, la.kv_indices, la.last_page_len, out, lse, MASK_MODES[la.mask_mode][0], layout,
-                -1, enable_pdl, *tensors, la.meta, *scalars)
+            code = MASK_MODES[la.mask_mode][0]
+            if fa3:
+                self.module.paged_run(
+                    la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.kv_indices, out,
+                    lse, code, layout, la.window_left, enable_pdl, *tensors, la.meta, *scalars)
+            else:
+                self.module.paged_run(
+                    la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.q_starts,
+                    la.kv_indptr, la.kv_indices, la.last_page_len, out, lse, code, layout,
+                    -1, enable_pdl, *tensors, la.meta, *scalars)
         return (out, lse) if return_lse else out
 
 
@@ -404,13 +462,36 @@ def device_arch(device: torch.device) -> str:
     return canonical_arch(f"{major}.{minor}{'a' if major == 9 else ''}")
 
 
+# kind -> "module:class" of its wrapper (imported on first use)
+WRAPPERS = {
+    "prefill": "variantgen.wrapper:VariantWrapper",
+    "ragged": "variantgen.ragged:RaggedWrapper",
+    "decode": "variantgen.decode:DecodeWrapper",
+}
+
+
+def wrapper_class(kind: str) -> type[WrapperBase]:
+    import importlib
+
+    if kind not in WRAPPERS:
+        raise ValueError(f"kind={kind!r}: expected one of {list(WRAPPERS)}")
+    module, _, name = WRAPPERS[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
 def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, head_dim_qk: int,
                  head_dim_vo: int | None = None, q_dtype: Any, kv_dtype: Any, o_dtype: Any = None,
-                 backend: str = "fa2", kv_layout: str = "NHD", arch: str | None = None,
-                 cache: Cache | None = None, build: bool = True, jobs: int | None = None) -> VariantWrapper:
-    """Build (or load from the cache) the spec's module and wrap it.
+                 backend: str | None = None, kind: str = "prefill", kv_layout: str = "NHD",
+                 arch: str | None = None, cache: Cache | None = None, build: bool = True,
+                 jobs: int | None = None, use_tensor_cores: bool = False) -> WrapperBase:
+    """Build (or load from the cache) the spec's module for one kernel kind and wrap it.
 
-    ``workspace`` is the float workspace (uint8, on the target GPU; 128 MiB is plenty).
+    ``kind``: "prefill" (paged KV), "ragged" (ragged KV) or "decode" (paged KV, one query
+    per request). ``backend``: "fa2", "fa3", or None to let variantgen choose from the
+    spec, dtypes, kind and GPU (see choose_backend). ``workspace`` is the float workspace
+    (uint8, on the target GPU; 128 MiB is plenty). ``use_tensor_cores`` (decode only): run
+    decode through the spec's prefill module (one query per request) instead of the
+    CUDA-core decode kernel - FlashInfer's advice for large GQA groups.
     Raises SpecError / ValueError / BuildError / JitDisabledError with what went wrong;
     call variantgen.probe() first to get a reason instead of an exception.
     """
@@ -422,8 +503,16 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
         if not isinstance(workspace, torch.Tensor) or workspace.device.type != "cuda":
             raise ValueError("workspace: expected a CUDA tensor (or pass arch= to build for another GPU)")
         arch = device_arch(workspace.device)
-    config = ModuleConfig(spec, head_dim_qk, head_dim_vo or head_dim_qk, q, kv, o, canonical_arch(arch),
-                          backend, DEFAULT_MASK_MODES)
+    arch = canonical_arch(arch)
+    hd_vo = head_dim_vo or head_dim_qk
+    if backend is None:
+        backend = choose_backend(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=hd_vo, q_dtype=q,
+                                 kv_dtype=kv, o_dtype=o, arch=arch)
+    cls = wrapper_class(kind)
+    if use_tensor_cores and kind != "decode":
+        raise ValueError(f"use_tensor_cores=True: only for kind='decode' (got kind={kind!r})")
+    module_kind = "prefill" if use_tensor_cores else kind  # tensor-core decode = prefill kernel, qo_len 1
+    config = ModuleConfig(spec, head_dim_qk, hd_vo, q, kv, o, arch, backend, DEFAULT_MASK_MODES, module_kind)
     result = build_module(config, cache or default_cache(), jobs=jobs, allow_build=build)
     module = load_module(result.entry)
-    return VariantWrapper(spec, config, module, result, workspace, kv_layout)
+    return cls(spec, config, module, result, workspace, kv_layout)

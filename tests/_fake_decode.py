@@ -1,0 +1,149 @@
+"""A CPU stand-in for a generated FA2 *decode* module (``plan`` / ``run``), for DecodeWrapper tests.
+
+``FakeDecodeModule`` checks every call against the module's ABI (templates/fa2/
+decode_binding.cu.jinja and FlashInfer's BatchDecodeWithPagedKVCacheRun, extra arguments
+in render.kernel_args order) and emulates the kernel in float32 torch:
+
+* ``plan`` takes the *host* page indptr and returns DecodePlanInfo's 10 ints (no split-KV);
+* ``run``: request b is row b of q, out, lse and vg_meta; its keys are its page list
+  (``kv_len_b`` keys, key j at absolute position ``vg_meta[b][2] + j``); the query sits at
+  ``q_pos = vg_meta[b][1]``. The spec's mask is evaluated on every key (decode has no mask
+  modes), the logits transform on the scaled score; fully masked requests give 0 and
+  lse -inf; the output is multiplied by v_scale. NHD and HND caches are both accepted.
+
+Calls are recorded in ``plan_calls`` / ``run_calls``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from _fake_kernel import META_COLUMNS, FakeModule
+
+from variantgen.reference import _Evaluator
+from variantgen.spec import VariantSpec
+
+
+@dataclass
+class DecodePlanCall:
+    kv_indptr: list[int]
+    batch_size: int
+    num_qo_heads: int
+    num_kv_heads: int
+    page_size: int
+    enable_cuda_graph: bool
+
+
+@dataclass
+class DecodeRunCall:
+    kv_indptr: list[int]
+    kv_indices: list[int]
+    last_page_len: list[int]
+    meta: list[list[int]]
+    layout: int
+    enable_pdl: bool
+    sm_scale: float
+    v_scale: float
+    scalars: dict[str, Any] = field(default_factory=dict)
+    lse: bool = False
+
+
+class FakeDecodeModule:
+    """Emulates a generated decode module's ``plan`` and ``run`` on the CPU."""
+
+    def __init__(self, spec: VariantSpec, clamped: tuple[str, ...] = ()):
+        self.spec = spec
+        self._abi = FakeModule(spec, clamped)  # for its extra-argument (ABI) unpacking
+        self.plan_calls: list[DecodePlanCall] = []
+        self.run_calls: list[DecodeRunCall] = []
+        self._planned: dict[int, DecodePlanCall] = {}
+
+    def plan(self, float_ws, int_ws, pinned, kv_indptr, batch_size, num_qo_heads, num_kv_heads, page_size,
+             enable_cuda_graph):
+        for name, t in (("float_ws", float_ws), ("int_ws", int_ws), ("pinned", pinned)):
+            assert isinstance(t, torch.Tensor) and t.dtype == torch.uint8, name
+        assert isinstance(kv_indptr, torch.Tensor) and kv_indptr.dtype == torch.int32, kv_indptr
+        assert kv_indptr.device.type == "cpu", "plan() reads the page indptr on the host"
+        assert kv_indptr.dim() == 1 and kv_indptr.numel() == batch_size + 1
+        for v in (batch_size, num_qo_heads, num_kv_heads, page_size):
+            assert isinstance(v, int) and not isinstance(v, bool) and v > 0, v
+        assert isinstance(enable_cuda_graph, bool)
+        assert num_qo_heads % num_kv_heads == 0
+        kvp = kv_indptr.tolist()
+        assert all(a < b for a, b in zip(kvp, kvp[1:])), f"every request needs a page: {kvp}"
+        call = DecodePlanCall(kvp, batch_size, num_qo_heads, num_kv_heads, page_size, enable_cuda_graph)
+        self.plan_calls.append(call)
+        self._planned[int_ws.data_ptr()] = call
+        return [batch_size, 0, 0, 0, 0, 0, 0, 0, int(enable_cuda_graph), 0]
+
+    def run(self, float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len, out,
+            lse, layout, window_left, enable_pdl, *extra):
+        args, meta_t, sm_scale, v_scale = self._abi._unpack_extra(extra)
+        assert layout in (0, 1) and window_left == -1 and isinstance(enable_pdl, bool)
+        info = list(plan_info)
+        assert len(info) == 10 and not info[9], info
+        planned = self._planned[int_ws.data_ptr()]
+        kvp = kv_indptr.tolist()
+        assert kvp == planned.kv_indptr, "kv_indptr differs from the one plan() scheduled"
+        n = planned.batch_size
+        assert q.dim() == 3 and q.shape[0] == n and q.stride(-1) == 1, tuple(q.shape)
+        assert out.shape[:2] == q.shape[:2] and out.is_contiguous()
+        assert meta_t.shape == (n, META_COLUMNS)
+        if lse is not None:
+            assert lse.dtype == torch.float32 and tuple(lse.shape) == (n, q.shape[1])
+        assert k_cache.stride() == v_cache.stride()
+        if layout == 1:  # HND -> NHD
+            k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+        num_pages, page_size, hkv, dim = k_cache.shape
+        hq = q.shape[1]
+        assert planned.page_size == page_size and planned.num_qo_heads == hq and planned.num_kv_heads == hkv
+        group = hq // hkv
+        meta = meta_t.tolist()
+        last = last_page_len.tolist()
+        i64 = torch.int64
+        for b in range(n):
+            (q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, kwin,
+             qo_len) = meta[b]
+            assert (q_row_base, request, req_qo_len, qo_len, kwin) == (b, b, 1, 1, -1), meta[b]
+            assert q_pos_base == req_kv_len - 1, "the decode query is its request's last token"
+            npages = kvp[b + 1] - kvp[b]
+            assert npages >= 1 and 1 <= last[b] <= page_size, (b, npages, last[b])
+            kv_len = (npages - 1) * page_size + last[b]
+            assert 0 <= kv_pos_base and kv_pos_base + kv_len <= req_kv_len, (b, meta[b], kv_len)
+            pages = kv_indices[kvp[b]:kvp[b + 1]].long()
+            assert bool(((pages >= 0) & (pages < num_pages)).all()), "page index out of range"
+            k = k_cache[pages].reshape(-1, hkv, dim)[:kv_len].float().repeat_interleave(group, dim=1)
+            v = v_cache[pages].reshape(-1, hkv, v_cache.shape[-1])[:kv_len].float().repeat_interleave(group, 1)
+            scores = torch.einsum("hd,khd->hk", q[b].float(), k).unsqueeze(1) * sm_scale  # [h, 1, kv]
+            kv_pos = kv_pos_base + torch.arange(kv_len, dtype=i64).view(1, 1, -1)
+            q_pos = torch.full((1, 1, 1), q_pos_base, dtype=i64)
+            qo_head = torch.arange(hq, dtype=i64).view(-1, 1, 1)
+            env = {
+                "q_pos": q_pos, "kv_pos": kv_pos, "q_idx": q_pos - (req_kv_len - req_qo_len),
+                "q_row": torch.full((1, 1, 1), q_row_base, dtype=i64), "kv_row": kv_row_base + kv_pos,
+                "q_kv_row": kv_row_base + q_pos, "request": torch.tensor(request, dtype=i64),
+                "qo_len": torch.tensor(req_qo_len, dtype=i64), "kv_len": torch.tensor(req_kv_len, dtype=i64),
+                "qo_head": qo_head, "kv_head": qo_head // group,
+            }
+            if self.spec.logits is not None:
+                ev = _Evaluator.from_env(self.spec, env, args)
+                ev.logits = scores
+                scores = ev._as_float(self.spec.logits).expand_as(scores)
+            visible = _Evaluator.from_env(self.spec, env, args).ev(self.spec.mask).expand(hq, 1, kv_len)
+            scores = scores.masked_fill(~visible, -math.inf)
+            row_max = scores.amax(dim=-1, keepdim=True)
+            finite = torch.isfinite(row_max)
+            probs = torch.exp(scores - torch.where(finite, row_max, torch.zeros_like(row_max)))
+            denom = probs.sum(dim=-1, keepdim=True)
+            weights = torch.where(denom > 0, probs / denom.clamp_min(1e-30), torch.zeros_like(probs))
+            out[b] = (torch.einsum("hqk,khd->qhd", weights, v)[0] * v_scale).to(out.dtype)
+            if lse is not None:
+                d2 = denom.squeeze(-1)
+                lse_b = torch.where(d2 > 0, row_max.squeeze(-1) + d2.log(), torch.full_like(d2, -math.inf))
+                lse[b] = (lse_b / math.log(2.0))[:, 0]
+        self.run_calls.append(DecodeRunCall(
+            kvp, kv_indices.tolist(), last, meta, layout, enable_pdl, sm_scale, v_scale,
+            {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}, lse is not None))

@@ -1,0 +1,605 @@
+"""Batch decode (kind "decode") on the CPU: rendering, DecodeWrapper checks and plumbing.
+
+The CUDA-core path runs against tests/_fake_decode.py (an emulation of the generated
+decode module's plan/run ABI); the tensor-core path against tests/_fake_kernel.py (the
+prefill module's). Results are compared with the dense reference with one query per
+request (``qo_indptr = arange(batch + 1)``): decode is prefill with qo_len 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import jinja2
+import pytest
+import torch
+from _fake_decode import FakeDecodeModule
+from _fake_kernel import FakeModule
+from conftest import SPEC_FILES, SPECS_DIR
+
+import variantgen
+import variantgen.wrapper as wrapper_mod
+from variantgen import render
+from variantgen.build import BuildResult
+from variantgen.cache import Entry
+from variantgen.decode import DecodeWrapper
+from variantgen.errors import LaunchError
+from variantgen.reference import reference_attention
+from variantgen.render import ModuleConfig, kernel_args, render_module
+from variantgen.testing import random_paged_batch, random_spec_args
+
+HQ, HKV, HEAD_DIM = 8, 2, 64
+ALL_SPECS = sorted(p.stem for p in SPEC_FILES)
+# kv_len 1, shorter than a page, exactly a page, a page + 1, long ones.
+KV_LENS = [1, 3, 16, 17, 90, 130, 41]
+SMALL_SCALARS = {
+    "attention_sink": {"num_sink": 3, "window": 7},
+    "chunked_local": {"chunk_size": 13},
+    "mm_prefix": {"causal_window_left": 6, "range_window_left": 5},
+    "sliding_window": {"window": 9},
+    "softcap": {"soft_cap": 2.0, "window": 17},
+}
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(vg_env):
+    """Render from the checkout's templates with a private cache dir."""
+
+
+def exact(text: str) -> str:
+    return "^" + re.escape(text) + "$"
+
+
+@functools.cache
+def shipped(name: str) -> variantgen.VariantSpec:
+    return variantgen.load_spec(SPECS_DIR / f"{name}.yaml")
+
+
+def make(spec, *, tensor_cores: bool = False, kv_layout: str = "NHD", kv_dtype: str = "bf16",
+         hq: int = HQ, hkv: int = HKV):
+    """A DecodeWrapper on a fake module: decode (CUDA cores) or prefill (tensor cores)."""
+    config = ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", kv_dtype, "bf16", "9.0a",
+                          kind="prefill" if tensor_cores else "decode")
+    clamped = render_module(config).clamped_tensors
+    manifest = {"scalar_args": [a.name for a in kernel_args(spec, set(clamped))[1]],
+                "module_sha256": "x", "module_file": "x.so"}
+    fake = FakeModule(spec, clamped) if tensor_cores else FakeDecodeModule(spec, clamped)
+    build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
+                        built=False, seconds=0.0)
+    return DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), kv_layout), fake
+
+
+def decode_batch(kv_lens, page_size, seed=0, kv_dtype=None, hq=HQ, hkv=HKV):
+    return random_paged_batch([1] * len(kv_lens), kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM,
+                              page_size=page_size, seed=seed, kv_dtype=kv_dtype)
+
+
+def plan_args(batch):
+    return (batch.kv_indptr, batch.kv_indices, batch.last_page_len, batch.num_qo_heads, batch.num_kv_heads,
+            batch.page_size)
+
+
+def cache_of(batch, kv_layout):
+    if kv_layout == "HND":
+        return batch.k_cache.transpose(1, 2).contiguous(), batch.v_cache.transpose(1, 2).contiguous()
+    return batch.k_cache, batch.v_cache
+
+
+def check(spec, batch, args, *, skip_tiles=None, tensor_cores=False, kv_layout="NHD", scales=None, label="",
+          plan_extra=None):
+    """Plan + run through the fake module and compare with the reference; returns (wrapper, fake, out, lse)."""
+    w, fake = make(spec, tensor_cores=tensor_cores, kv_layout=kv_layout)
+    plan_kw = dict(plan_extra if plan_extra is not None else args)
+    if skip_tiles is not None:
+        plan_kw["skip_tiles"] = skip_tiles
+    if skip_tiles is False:
+        plan_kw = {"skip_tiles": False}
+    w.plan(*plan_args(batch), **plan_kw)
+    n = len(batch.kv_lens)
+    out = torch.full((n, batch.num_qo_heads, HEAD_DIM), math.nan, dtype=torch.bfloat16)
+    scales = scales or {}
+    got, lse = w.run(batch.q, cache_of(batch, kv_layout), out=out, return_lse=True, **scales, **args)
+    assert got is out
+    qo_indptr = torch.arange(n + 1, dtype=torch.int32)
+    ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), qo_indptr, batch.kv_indptr,
+                                       batch.kv_indices, batch.last_page_len, args, return_lse=True, **scales)
+    assert not torch.isnan(out.float()).any(), f"{label}: rows left unwritten"
+    ref_bf16 = ref.to(torch.bfloat16).float()
+    err = ((out.float() - ref_bf16).norm() / ref_bf16.norm().clamp_min(1e-12)).item()
+    bad = (out.float() - ref).abs() > (2.0 ** -7) * ref.abs() + 1e-4
+    bad_rows = bad.flatten(1).any(1).nonzero().flatten().tolist()
+    assert err < 1e-3 and not bad_rows, f"{label}: rel. error {err:.2e}; requests off: {bad_rows}"
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), f"{label}: lse -inf pattern differs"
+    fin = torch.isfinite(ref_lse)
+    assert torch.allclose(lse[fin], ref_lse[fin], atol=1e-4, rtol=1e-5), f"{label}: lse differs"
+    return w, fake, out, lse
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def decode_config(spec, **overrides) -> ModuleConfig:
+    kw = dict(head_dim_qk=128, head_dim_vo=128, q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16", arch="9.0a",
+              kind="decode")
+    kw.update(overrides)
+    return ModuleConfig(spec, **kw)
+
+
+def meta_defines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("#define VG_META_")]
+
+
+@pytest.mark.parametrize("path", SPEC_FILES, ids=lambda p: p.stem)
+def test_every_shipped_spec_renders_a_decode_module(path):
+    spec = variantgen.load_spec(path)
+    module = render_module(decode_config(spec))
+    assert set(module.files) == {"variant.cuh", "batch_decode_config.inc", "binding.cu", "decode_kernel.cu"}
+    assert module.compile_units == ("binding.cu", "decode_kernel.cu")
+    assert module.host_sources == ("batch_decode.cu",)
+    text = "\n".join(module.files.values())
+    assert "{{" not in text and "{%" not in text and "{#" not in text
+    # the variant struct is the prefill module's, unchanged
+    prefill = render_module(decode_config(spec, kind="prefill"))
+    assert module.files["variant.cuh"] == prefill.files["variant.cuh"]
+    struct = render.struct_name(spec)
+    config = module.files["batch_decode_config.inc"]
+    assert meta_defines(config) == meta_defines(prefill.files["batch_prefill_config.inc"])
+    assert len(meta_defines(config)) == wrapper_mod.META_COLUMNS + 1
+    assert f"#define VG_META_STRIDE {wrapper_mod.META_COLUMNS}" in config
+    assert f"using AttentionVariant = {struct};" in config and "struct Params {" in config
+    assert config.rstrip().endswith('#include "variant.cuh"')
+    # every run() extra argument: in the ABI in order, and a Params member
+    abi = [f"ffi::Tensor {a.name}" for a in module.tensor_args] + [f"{a.cpp_type} {a.name}"
+                                                                   for a in module.scalar_args]
+    func_params = re.search(r"#define ADDITIONAL_FUNC_PARAMS (.*)", config).group(1)
+    assert [p.strip() for p in func_params.split(",") if p.strip()] == abi
+    for a in (*module.tensor_args, *module.scalar_args):
+        star = "*" if a in module.tensor_args else ""
+        assert f"  {a.cpp_type}{star} {a.name};" in config, a.name
+        assert f"params.{a.name} = " in config
+    assert "get_qo_len(uint32_t batch_idx) const { return 1; }" in config
+    kernel = module.files["decode_kernel.cu"]
+    assert f"BatchDecodeWithPagedKVCacheDispatched<\n    128, PosEncodingMode::kNone, {struct}, Params>" in kernel
+    binding = module.files["binding.cu"]
+    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, VariantgenDecodePlan);" in binding
+    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, BatchDecodeWithPagedKVCacheRun);" in binding
+    assert f"BatchDecodeWithPagedKVCacheWorkEstimationDispatched<\n        GROUP_SIZE, HEAD_DIM_QK, " \
+           f"POS_ENCODING_MODE, {struct}, Params>" in binding
+    assert module.config.uri_prefix.startswith(f"vg_{spec.name}_fa2_decode_")
+
+
+@pytest.mark.parametrize("head_dim", render.FA2_HEAD_DIMS)
+@pytest.mark.parametrize("q_dtype, kv_dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp8_e4m3"),
+                                               ("fp16", "fp8_e5m2")])
+def test_decode_dtypes_and_head_dims(head_dim, q_dtype, kv_dtype):
+    module = render_module(decode_config(shipped("softcap"), head_dim_qk=head_dim, head_dim_vo=head_dim,
+                                         q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=q_dtype))
+    config = module.files["batch_decode_config.inc"]
+    assert f"using DTypeQ = {render.DTYPES[q_dtype][0]};" in config
+    assert f"using DTypeKV = {render.DTYPES[kv_dtype][0]};" in config
+    assert f"constexpr int HEAD_DIM_QK = {head_dim};" in config
+    assert f"Dispatched<\n    {head_dim}, " in module.files["decode_kernel.cu"]
+
+
+def test_decode_rendering_is_deterministic_and_keyed_apart_from_prefill():
+    spec = shipped("document")
+    a, b = render_module(decode_config(spec)), render_module(decode_config(spec))
+    assert a.files == b.files and a.source_digest() == b.source_digest()
+    prefill = render_module(decode_config(spec, kind="prefill"))
+    assert prefill.source_digest() != a.source_digest()
+    assert decode_config(spec).uri_prefix != decode_config(spec, kind="prefill").uri_prefix
+
+
+@pytest.mark.parametrize("template", ["fa2/decode_config.inc.jinja", "fa2/decode_binding.cu.jinja",
+                                      "fa2/decode_kernel.cu.jinja"])
+def test_decode_templates_are_strict(template):
+    env = render.environment()
+    assert env.undefined is jinja2.StrictUndefined
+    ctx = render._variant_context(decode_config(shipped("mm_prefix")))[0]
+    env.get_template(template).render(ctx)  # the shared context is enough
+    for missing in ("struct_name", "uri", "vg_version"):
+        with pytest.raises(jinja2.UndefinedError, match=missing):
+            env.get_template(template).render({k: v for k, v in ctx.items() if k != missing})
+
+
+def test_decode_templates_are_part_of_the_fa2_digest():
+    names = [f"{p.parent.name}/{p.name}" for p in render.template_files("fa2")]
+    assert {"fa2/decode_config.inc.jinja", "fa2/decode_binding.cu.jinja", "fa2/decode_kernel.cu.jinja"} <= set(names)
+
+
+def test_decode_config_validation():
+    with pytest.raises(ValueError, match=re.escape(
+            "head_dim_qk=96, head_dim_vo=96: fa2 decode modules support head dims 64, 128, 256")):
+        decode_config(shipped("causal"), head_dim_qk=96, head_dim_vo=96)
+    with pytest.raises(ValueError, match="fa2 decode modules support head dims"):
+        decode_config(shipped("causal"), head_dim_qk=128, head_dim_vo=64)
+
+
+# ----------------------------------------------------------------------------- against the reference
+
+
+@pytest.mark.parametrize("skip_tiles", [False, None], ids=["trim_off", "trim_default"])
+@pytest.mark.parametrize("spec_name, scalars", [(n, "defaults") for n in ALL_SPECS]
+                         + [(n, "small") for n in sorted(SMALL_SCALARS)])
+def test_shipped_spec_decode_matches_reference(spec_name, scalars, skip_tiles):
+    spec = shipped(spec_name)
+    page_size = (1, 4, 16)[(len(spec_name) + len(scalars) + (skip_tiles is None)) % 3]
+    seed = page_size * 3 + len(spec_name)
+    batch = decode_batch(KV_LENS, page_size, seed=seed)
+    args = random_spec_args(spec, batch, seed=seed)
+    if scalars == "small":
+        args.update(SMALL_SCALARS[spec_name])
+    w, fake, _, _ = check(spec, batch, args, skip_tiles=skip_tiles, label=f"{spec_name} ps{page_size} {scalars}")
+    (run,) = fake.run_calls
+    pages_given = sum(-(-k // page_size) for k in KV_LENS)
+    if skip_tiles is False:
+        assert run.kv_indptr == batch.kv_indptr.tolist() and "pages" in w.plan_stats
+        assert [m[2] for m in run.meta] == [0] * len(KV_LENS)
+    assert w.plan_stats["pages"]["given"] == pages_given
+    assert w.plan_stats["pages"]["visited"] == run.kv_indptr[-1] - run.kv_indptr[0] <= pages_given
+
+
+@pytest.mark.parametrize("spec_name", ["mm_prefix", "softcap", "document"])
+def test_tensor_core_path_matches_reference(spec_name):
+    spec = shipped(spec_name)
+    batch = decode_batch(KV_LENS, 4, seed=11)
+    args = random_spec_args(spec, batch, seed=11)
+    args.update(SMALL_SCALARS.get(spec_name, {}))
+    for skip in (False, None):
+        w, fake, _, _ = check(spec, batch, args, skip_tiles=skip, tensor_cores=True, label=spec_name)
+        assert w.use_tensor_cores and isinstance(fake, FakeModule)
+        # one query per request: the prefill plan sees qo_indptr = arange(batch + 1)
+        assert sum(c.total_rows for c in fake.plan_calls) == len(KV_LENS)
+        if skip is False:
+            assert fake.plan_calls[0].qo_indptr == list(range(len(KV_LENS) + 1))
+            assert [c.mask_mode for c in fake.run_calls] == ["custom"]
+        assert sum(c.rows for c in fake.run_calls) == len(KV_LENS)
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_kv_layouts(kv_layout):
+    spec = shipped("sliding_window")
+    batch = decode_batch(KV_LENS, 4, seed=2)
+    _, fake, _, _ = check(spec, batch, {"window": 9}, kv_layout=kv_layout)
+    assert fake.run_calls[0].layout == wrapper_mod.LAYOUT_CODES[kv_layout]
+
+
+def test_one_tensor_kv_cache_and_strided_q():
+    spec = shipped("causal")
+    batch = decode_batch(KV_LENS, 4, seed=4)
+    w, fake = make(spec)
+    w.plan(*plan_args(batch))
+    kv = torch.stack([batch.k_cache, batch.v_cache], dim=1)  # [pages, 2, page, heads, dim]
+    wide = torch.cat([batch.q, batch.q], dim=-1)[..., :HEAD_DIM]  # rows strided, last dim contiguous
+    out = w.run(wide, kv)
+    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), torch.arange(len(KV_LENS) + 1,
+                              dtype=torch.int32), batch.kv_indptr, batch.kv_indices, batch.last_page_len)
+    assert (out.float() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("spec_name", ["causal", "alibi", "softcap"])
+def test_qkv_scales_fold_into_sm_scale_and_output(spec_name):
+    spec = shipped(spec_name)
+    batch = decode_batch([9, 40, 2], 4, seed=3)
+    args = random_spec_args(spec, batch)
+    scales = dict(q_scale=0.5, k_scale=1.75, v_scale=0.25)
+    for tensor_cores in (False, True):
+        _, fake, _, _ = check(spec, batch, args, scales=scales, tensor_cores=tensor_cores, label=spec_name)
+        if not tensor_cores:
+            run = fake.run_calls[0]
+            assert run.sm_scale == pytest.approx(0.5 * 1.75 / math.sqrt(HEAD_DIM))
+            assert run.v_scale == 0.25
+            assert run.scalars == {s.name: args.get(s.name, s.default) for s in spec.scalars}
+
+
+def test_fp8_kv_cache():
+    spec = shipped("softcap")
+    batch = decode_batch(KV_LENS, 16, seed=8, kv_dtype=torch.float8_e4m3fn)
+    w, fake = make(spec, kv_dtype="fp8_e4m3")
+    w.plan(*plan_args(batch))
+    out = w.run(batch.q, (batch.k_cache, batch.v_cache), k_scale=0.5, v_scale=2.0)
+    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache),
+                              torch.arange(len(KV_LENS) + 1, dtype=torch.int32), batch.kv_indptr,
+                              batch.kv_indices, batch.last_page_len, k_scale=0.5, v_scale=2.0)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    with pytest.raises(LaunchError, match=re.escape("run(): `k_cache`: expected dtype torch.float8_e4m3fn")):
+        w.run(batch.q, (batch.k_cache.to(torch.bfloat16), batch.v_cache.to(torch.bfloat16)))
+
+
+# ----------------------------------------------------------------------------- key trimming
+
+
+def test_sliding_window_visits_only_the_window_pages():
+    spec = shipped("sliding_window")
+    kv_lens = [200, 7, 64]
+    batch = decode_batch(kv_lens, 4, seed=1)
+    w, fake, _, _ = check(spec, batch, {"window": 9})
+    run = fake.run_calls[0]
+    # keys [190, 199] -> pages 47..49; [0, 6] -> pages 0..1; [54, 63] -> pages 13..15
+    assert [m[2] for m in run.meta] == [188, 0, 52]
+    assert run.kv_indptr == [0, 3, 5, 8] and run.last_page_len == [4, 3, 4]
+    ind = batch.kv_indices.tolist()
+    kvp = batch.kv_indptr.tolist()
+    assert run.kv_indices == ind[kvp[0] + 47:kvp[0] + 50] + ind[kvp[1]:kvp[1] + 2] + ind[kvp[2] + 13:kvp[2] + 16]
+    assert w.plan_stats["pages"] == {"given": 50 + 2 + 16, "visited": 8}
+    assert [m[1] for m in run.meta] == [199, 6, 63]  # q_pos stays the request's last position
+    # the window is part of the plan: run() with another one is refused
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `window`=20 but plan() planned with 9 (the key intervals depend on it); pass window= to "
+            "plan() as well, or plan again")):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), window=20)
+    # planned with the default window (4095): nothing to trim at these lengths
+    w.plan(*plan_args(batch))
+    assert w.plan_stats["pages"]["visited"] == 68
+    w.plan(*plan_args(batch), skip_tiles=False)
+    w.run(batch.q, (batch.k_cache, batch.v_cache), window=20)
+
+
+def test_document_visits_only_the_current_document():
+    spec = shipped("document")
+    kv_lens = [40, 33]
+    batch = decode_batch(kv_lens, 4, seed=5)
+    doc_ids = torch.cat([torch.tensor([0] * 10 + [1] * 21 + [2] * 9), torch.tensor([5] * 33)]).to(torch.int32)
+    _, fake, _, _ = check(spec, batch, {"doc_ids": doc_ids})
+    run = fake.run_calls[0]
+    assert [m[2] for m in run.meta] == [28, 0]  # document 2 starts at key 31 -> page 7
+    assert run.kv_indptr == [0, 3, 12]
+    # without doc_ids in plan(): trimming is off, and says why
+    w, fake = make(spec)
+    w.plan(*plan_args(batch))
+    assert w.plan_stats["planner_off"] == "plan() was not given doc_ids, which the key intervals read"
+    assert w.plan_stats["pages"]["visited"] == 19
+    with pytest.raises(LaunchError, match=exact(
+            "plan(skip_tiles=True): the key intervals of `document` read doc_ids; pass them to plan() by name too")):
+        w.plan(*plan_args(batch), skip_tiles=True)
+
+
+def test_no_visible_key_gives_zero_and_minus_inf_lse():
+    spec = variantgen.parse_spec("name: from_lim\ntensors:\n  lim: {dtype: int32, shape: [batch]}\n"
+                                 "mask: kv_pos <= q_pos and kv_pos >= lim[request]\n")
+    batch = decode_batch([30, 9, 5], 4, seed=6)
+    lim = torch.tensor([12, 100, 0], dtype=torch.int32)
+    for skip in (False, None):
+        _, fake, out, lse = check(spec, batch, {"lim": lim}, skip_tiles=skip, label="from_lim")
+        assert out[1].float().abs().max().item() == 0.0 and bool(torch.isinf(lse[1]).all())
+        if skip is None:
+            assert [m[2] for m in fake.run_calls[0].meta] == [12, 8, 0]  # request 1: only its own key
+
+
+def test_spec_args_without_trimming_go_to_run_only():
+    spec = shipped("mm_prefix")
+    batch = decode_batch(KV_LENS, 4)
+    args = random_spec_args(spec, batch)
+    w, _ = make(spec)
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): unexpected argument(s) ['ranges']: without key trimming (skip_tiles=False) spec arguments go "
+            "to run() only")):
+        w.plan(*plan_args(batch), skip_tiles=False, ranges=args["ranges"])
+    with pytest.raises(LaunchError, match=exact("run() called before plan(): call plan(paged_kv_indptr, "
+                                                "paged_kv_indices, paged_kv_last_page_len, num_qo_heads, "
+                                                "num_kv_heads, page_size) first")):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+
+
+def test_head_dependent_mask_runs_untrimmed():
+    spec = variantgen.parse_spec("name: odd_heads\nmask: kv_pos <= q_pos and (qo_head % 2 == 0 or kv_pos == q_pos)\n")
+    batch = decode_batch(KV_LENS, 4, seed=9)
+    w, _, _, _ = check(spec, batch, {}, label="odd_heads")
+    assert "head index" in w.plan_stats["planner_off"]
+    with pytest.raises(LaunchError, match=re.escape("plan(skip_tiles=True): spec `odd_heads` has no usable key "
+                                                    "intervals")):
+        w.plan(*plan_args(batch), skip_tiles=True)
+
+
+# ----------------------------------------------------------------------------- plumbing
+
+
+def test_what_reaches_the_module():
+    spec = shipped("mm_prefix")
+    batch = decode_batch([5, 17, 1], 4, seed=7)
+    args = random_spec_args(spec, batch, seed=7)
+    w, fake = make(spec, kv_layout="HND")
+    w.plan(*plan_args(batch), skip_tiles=False)
+    (plan,) = fake.plan_calls
+    assert plan.kv_indptr == batch.kv_indptr.tolist() == [0, 2, 7, 8]
+    assert (plan.batch_size, plan.num_qo_heads, plan.num_kv_heads, plan.page_size) == (3, HQ, HKV, 4)
+    assert plan.enable_cuda_graph is False
+    k, v = cache_of(batch, "HND")
+    w.run(batch.q, (k, v), enable_pdl=True, **args)
+    w.run(batch.q, (k, v), **args)
+    first, second = fake.run_calls
+    assert first.enable_pdl is True and second.enable_pdl is False  # default: sm90+ only (no GPU here)
+    assert first.layout == 1 and first.lse is False
+    # vg_meta: [q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, window, qo_len]
+    assert first.meta == [[0, 4, 0, 0, 0, 1, 5, -1, 1], [1, 16, 0, 1, 5, 1, 17, -1, 1],
+                          [2, 0, 0, 2, 22, 1, 1, -1, 1]]
+    assert first.sm_scale == pytest.approx(1 / math.sqrt(HEAD_DIM)) and first.v_scale == 1.0
+    assert first.scalars == {"causal_window_left": -1, "range_window_left": -1}
+    assert w.plan_stats["launches"] == [("decode", 3)]
+
+
+def test_make_wrapper_builds_the_right_module(monkeypatch):
+    built = []
+
+    def fake_build(config, cache, jobs=None, allow_build=True):
+        built.append(config)
+        manifest = {"scalar_args": [a.name for a in kernel_args(config.spec)[1]], "module_sha256": "x"}
+        return BuildResult(Entry(Path("/nonexistent"), config.uri_prefix + "_x", manifest), None, False, 0.0)
+
+    monkeypatch.setattr(wrapper_mod, "build_module", fake_build)
+    monkeypatch.setattr(wrapper_mod, "load_module", lambda entry: object())
+    ws = torch.empty(16, dtype=torch.uint8)
+    w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="fp8_e4m3",
+                                kind="decode", arch="9.0a", kv_layout="HND")
+    assert isinstance(w, DecodeWrapper) and not w.use_tensor_cores and w.kv_layout == "HND"
+    assert built[-1].kind == "decode" and built[-1].kv_dtype == "fp8_e4m3"
+    w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=64, q_dtype=torch.float16,
+                                kv_dtype=torch.float16, kind="decode", arch="9.0a", use_tensor_cores=True)
+    assert isinstance(w, DecodeWrapper) and w.use_tensor_cores
+    assert built[-1].kind == "prefill" and built[-1].head_dim_qk == 64
+
+
+def test_wrapper_refuses_other_module_kinds():
+    spec = shipped("causal")
+    w, fake = make(spec)
+    config = ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", kind="ragged")
+    with pytest.raises(ValueError, match=re.escape("DecodeWrapper: needs a 'decode' module (CUDA cores) or a "
+                                                   "'prefill' module (tensor cores), got kind='ragged'")):
+        DecodeWrapper(spec, config, fake, w.build, torch.empty(16, dtype=torch.uint8))
+
+
+# ----------------------------------------------------------------------------- argument errors
+
+
+@pytest.fixture
+def causal_batch():
+    spec = shipped("causal")
+    return spec, decode_batch([5, 17, 1], 4, seed=1)
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(num_qo_heads=0), "plan(): num_qo_heads=0: expected a positive int"),
+    (dict(page_size=4.0), "plan(): page_size=4.0: expected a positive int"),
+    (dict(num_kv_heads=3), "plan(): num_qo_heads=8 is not a multiple of num_kv_heads=3"),
+    (dict(num_qo_heads=10), "plan(): GQA group size 5 (num_qo_heads=10 / num_kv_heads=2) is not one FlashInfer's "
+                            "CUDA-core decode kernel supports [1, 2, 3, 4, 6, 8, 16]; build the wrapper with "
+                            "use_tensor_cores=True"),
+    (dict(paged_kv_indptr=torch.tensor([0, 2, 7, 8])),
+     "plan(): paged_kv_indptr: expected a 1-D torch.int32 tensor, got torch.int64 tensor of shape (4,)"),
+    (dict(paged_kv_indices=[0, 1]), "plan(): paged_kv_indices: expected a 1-D torch.int32 tensor, got list"),
+    (dict(paged_kv_last_page_len=torch.tensor([1, 1], dtype=torch.int32)),
+     "plan(): inconsistent batch: paged_kv_indptr has 4 entries, paged_kv_last_page_len 2 (expected batch+1 and "
+     "batch, batch >= 1)"),
+    (dict(paged_kv_indptr=torch.tensor([0], dtype=torch.int32), paged_kv_last_page_len=torch.tensor(
+        [], dtype=torch.int32)), "plan(): inconsistent batch: paged_kv_indptr has 1 entries, paged_kv_last_page_len "
+                                 "0 (expected batch+1 and batch, batch >= 1)"),
+    (dict(paged_kv_indptr=torch.tensor([0, 2, 2, 3], dtype=torch.int32)),
+     "plan(): request 1 has no pages; a decode query is its request's last token, so every request needs "
+     "kv_len >= 1"),
+    (dict(paged_kv_indptr=torch.tensor([0, 2, 1, 3], dtype=torch.int32)),
+     "plan(): request 1: paged_kv_indptr must be non-decreasing"),
+    (dict(paged_kv_last_page_len=torch.tensor([1, 0, 1], dtype=torch.int32)),
+     "plan(): paged_kv_last_page_len[1]=0: expected 1..4"),
+    (dict(paged_kv_indices=torch.zeros(5, dtype=torch.int32)),
+     "plan(): paged_kv_indices has 5 entries, paged_kv_indptr needs [0, 8)"),
+])
+def test_plan_errors(causal_batch, change, message):
+    spec, batch = causal_batch
+    w, fake = make(spec)
+    kw = dict(zip(("paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "num_qo_heads",
+                   "num_kv_heads", "page_size"), plan_args(batch)))
+    kw.update(change)
+    with pytest.raises(LaunchError, match=exact(message)):
+        w.plan(**kw)
+    assert fake.plan_calls == []
+
+
+def test_tensor_cores_take_any_group_size():
+    spec = shipped("causal")
+    batch = decode_batch([5, 17, 1], 4, seed=1, hq=10, hkv=2)
+    w, fake = make(spec, tensor_cores=True)
+    w.plan(*plan_args(batch))
+    w.run(batch.q, (batch.k_cache, batch.v_cache))
+    assert len(fake.run_calls) == 1
+
+
+def test_failed_plan_drops_the_previous_plan(causal_batch):
+    spec, batch = causal_batch
+    for tensor_cores in (False, True):
+        w, _ = make(spec, tensor_cores=tensor_cores)
+        w.plan(*plan_args(batch))
+        w.run(batch.q, (batch.k_cache, batch.v_cache))
+        with pytest.raises(LaunchError, match="paged_kv_last_page_len"):
+            w.plan(batch.kv_indptr, batch.kv_indices, batch.last_page_len[:2], HQ, HKV, 4)
+        with pytest.raises(LaunchError, match=r"^run\(\) called before plan\(\)"):
+            w.run(batch.q, (batch.k_cache, batch.v_cache))
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda_cores", "tensor_cores"])
+def test_run_errors(causal_batch, tensor_cores):
+    spec, batch = causal_batch
+    w, fake = make(spec, tensor_cores=tensor_cores)
+    kv = (batch.k_cache, batch.v_cache)
+    with pytest.raises(LaunchError, match=r"^run\(\) called before plan\(\)"):
+        w.run(batch.q, kv)
+    w.plan(*plan_args(batch))
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `q`: expected shape [batch=3, num_qo_heads=8, head_dim=64] (one query per request), got "
+            "[3, 1, 8, 64]")):
+        w.run(batch.q.unsqueeze(1), kv)
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `q`: expected dtype torch.bfloat16 (the wrapper was built for it), got torch.float16")):
+        w.run(batch.q.half(), kv)
+    with pytest.raises(LaunchError, match=re.escape("run(): `k_cache`: expected [pages, page_size, kv_heads, "
+                                                    "head_dim] with page_size=4, kv_heads=2, head_dim=64; got")):
+        w.run(batch.q, (batch.k_cache[:, :2], batch.v_cache[:, :2]))
+    with pytest.raises(LaunchError, match=re.escape("run(): unexpected argument(s) window; spec `causal` takes: "
+                                                    "no extra arguments")):
+        w.run(batch.q, kv, window=3)
+    with pytest.raises(LaunchError, match=exact("run(): `q_scale`: expected a finite float, got nan "
+                                                "(per-head scale tensors are not supported)")):
+        w.run(batch.q, kv, q_scale=float("nan"))
+    with pytest.raises(LaunchError, match=exact("run(): `out`: expected shape [3, 8, 64], got [3, 8, 32]")):
+        w.run(batch.q, kv, out=torch.empty(3, HQ, 32, dtype=torch.bfloat16))
+    out, lse = w.run(batch.q, kv, return_lse=True)
+    assert out.shape == (3, HQ, HEAD_DIM) and lse.shape == (3, HQ) and lse.dtype == torch.float32
+
+
+def test_run_errors_of_spec_arguments():
+    spec = shipped("mm_prefix")
+    batch = decode_batch([5, 17, 1], 4, seed=2)
+    w, _ = make(spec)
+    w.plan(*plan_args(batch), skip_tiles=False)
+    kv = (batch.k_cache, batch.v_cache)
+    with pytest.raises(LaunchError, match=re.escape("run(): missing tensor argument `ranges` (int32, shape "
+                                                    "['total_q', 2]")):
+        w.run(batch.q, kv)
+    with pytest.raises(LaunchError, match=exact("run(): `ranges`: expected shape [total_q=3, 2], got [4, 2]")):
+        w.run(batch.q, kv, ranges=torch.zeros(4, 2, dtype=torch.int32))
+    with pytest.raises(LaunchError, match=exact("run(): `out` must be contiguous (the decode kernel writes "
+                                                "[batch, heads, head_dim] rows back to back)")):
+        w.run(batch.q, kv, ranges=torch.zeros(3, 2, dtype=torch.int32),
+              out=torch.empty(HQ, 3, HEAD_DIM, dtype=torch.bfloat16).transpose(0, 1))
+
+
+def test_scales_refused_where_the_spec_says_so():
+    spec = variantgen.parse_spec("name: plain\nmask: kv_pos <= q_pos\nscales:\n  qkv_scales: false\n")
+    batch = decode_batch([5, 2], 4, seed=2)
+    w, fake = make(spec)
+    w.plan(*plan_args(batch))
+    with pytest.raises(LaunchError, match=re.escape("run(): spec `plain` sets `scales.qkv_scales: false`")):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), v_scale=2.0)
+    w.run(batch.q, (batch.k_cache, batch.v_cache))
+    assert fake.run_calls[0].v_scale == 1.0
+
+
+# ----------------------------------------------------------------------------- a real compile
+
+
+@pytest.mark.nvcc
+def test_build_a_real_decode_module(vg_env):
+    from variantgen import build
+    from variantgen.cache import Cache
+    from variantgen.errors import ToolchainError
+
+    try:
+        build.toolchain()
+    except ToolchainError as e:
+        pytest.skip(str(e))
+    vg_env.set(VARIANTGEN_BUILD_JOBS="2")
+    config = ModuleConfig(shipped("mm_prefix"), 64, 64, "bf16", "bf16", "bf16", "9.0a", kind="decode")
+    result = build.build_module(config, Cache(vg_env.cache_dir))
+    entry = result.entry
+    assert result.built and entry.module_path.read_bytes()[:4] == b"\x7fELF"
+    assert entry.manifest["tensor_args"] == ["ranges", "vg_meta"]
+    assert entry.manifest["scalar_args"] == ["causal_window_left", "range_window_left", "sm_scale", "v_scale"]
+    assert "batch_decode.cu" in (entry.path / "build.ninja").read_text()
+    if shutil.which("nm"):
+        symbols = subprocess.run(["nm", "-D", "--defined-only", str(entry.module_path)], capture_output=True,
+                                 text=True).stdout
+        assert "__tvm_ffi_plan" in symbols and "__tvm_ffi_run" in symbols

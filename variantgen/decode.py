@@ -1,0 +1,283 @@
+"""Batch decode (kind "decode"): a spec's module behind ``plan(...)`` / ``run(q, paged_kv_cache, ...)``.
+
+One query per request, and that query is the request's *last* token: ``q`` is
+``[batch, num_qo_heads, head_dim]``, and for request b the mask sees ``q_pos = kv_len - 1``,
+``q_idx = 0``, ``qo_len = 1`` and ``q_row = b`` (so a spec tensor of shape ``[total_q, ...]``
+has one row per request). This is FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``
+layout.
+
+Two paths, chosen by ``make_wrapper(..., kind="decode", use_tensor_cores=...)``:
+
+* CUDA cores (default): FlashInfer's FA2 batch-decode kernel instantiated with the spec's
+  variant (a "decode" module). It evaluates the mask on every key it visits.
+* tensor cores: the spec's paged *prefill* module with qo_len 1 per request (FlashInfer's
+  advice for large GQA groups); the wrapper plans it like ``VariantWrapper`` with
+  ``qo_indptr = arange(batch + 1)``.
+
+Key trimming (the decode analogue of the prefill interval planner): where the mask's key
+intervals are known (``intervals.analyze``) and plan() has the spec tensors they read,
+plan() narrows each request's page list to the pages holding the hull of its visible keys
+(e.g. the last ``window + 1`` keys of a sliding window, the current document), so the
+kernel reads only those. The mask is still evaluated on every key visited, so any hull is
+exact. ``skip_tiles=False`` turns it off; with it off, spec arguments go to run() only.
+On the tensor-core path ``skip_tiles`` and the spec arguments go to the prefill planner.
+
+LSE convention: ``run(..., return_lse=True)`` returns FlashInfer's log-sum-exp in base 2,
+like the prefill wrapper.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import LaunchError
+from .wrapper import LAYOUT_CODES, META_COLUMNS, TORCH_DTYPES, Batch, VariantWrapper, WrapperBase, _is_int
+
+log = logging.getLogger("variantgen.decode")
+
+# GQA group sizes (num_qo_heads / num_kv_heads) FlashInfer's decode kernel is dispatched for.
+DECODE_GROUP_SIZES = (1, 2, 3, 4, 6, 8, 16)
+DECODE_PLAN_INFO_LEN = 10  # flashinfer::DecodePlanInfo::ToVector()
+
+
+@dataclass
+class DecodeLaunch:
+    """The one launch of a planned decode batch (CUDA-core path)."""
+
+    kv_indptr: torch.Tensor  # on the device: the (possibly trimmed) page lists
+    kv_indices: torch.Tensor
+    last_page_len: torch.Tensor
+    meta: torch.Tensor  # [batch, META_COLUMNS] int32
+    plan_info: Any
+    int_workspace: torch.Tensor
+    float_workspace: torch.Tensor
+    pages: int  # pages the kernel visits (after trimming)
+
+
+class DecodeWrapper(WrapperBase):
+    """Paged-KV decode for one spec, dtype and head-dim combination (see make_wrapper)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        if self.config.kind not in ("decode", "prefill"):
+            raise ValueError(f"DecodeWrapper: needs a 'decode' module (CUDA cores) or a 'prefill' module "
+                             f"(tensor cores), got kind={self.config.kind!r}")
+        self.use_tensor_cores = self.config.kind == "prefill"
+        if self.config.backend != "fa2":
+            raise ValueError(f"DecodeWrapper: decode runs on fa2 modules (the CUDA-core decode kernel, or the fa2 "
+                             f"prefill module for use_tensor_cores=True), got backend={self.config.backend!r}")
+        # Tensor cores: the prefill wrapper on the same module does the work.
+        self._prefill: VariantWrapper | None = None
+        if self.use_tensor_cores:
+            self._prefill = VariantWrapper(self.spec, self.config, self.module, self.build,
+                                           self._float_workspace, self.kv_layout)
+            self.plan_stats = self._prefill.plan_stats
+        self._launch: DecodeLaunch | None = None
+
+    # ------------------------------------------------------------------ plan
+    def plan(self, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
+             paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,
+             *, skip_tiles: bool | None = None, **spec_args: Any) -> None:
+        """Plan a decode batch (one query per request). ``skip_tiles`` turns key trimming
+        on/off (default: on where the spec's key intervals are known and plan() was given
+        the spec tensors they read; pass those by name here and to run())."""
+        # A plan() that fails must not leave the previous plan half-replaced.
+        self._batch, self._launch, self._planned_args = None, None, {}
+        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                            ("page_size", page_size)):
+            if not _is_int(value) or value <= 0:
+                raise LaunchError(f"plan(): {name}={value!r}: expected a positive int")
+        if num_qo_heads % num_kv_heads:
+            raise LaunchError(f"plan(): num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        group = num_qo_heads // num_kv_heads
+        if not self.use_tensor_cores and group not in DECODE_GROUP_SIZES:
+            raise LaunchError(f"plan(): GQA group size {group} (num_qo_heads={num_qo_heads} / num_kv_heads="
+                              f"{num_kv_heads}) is not one FlashInfer's CUDA-core decode kernel supports "
+                              f"{list(DECODE_GROUP_SIZES)}; build the wrapper with use_tensor_cores=True")
+        for name, t in (("paged_kv_indptr", paged_kv_indptr), ("paged_kv_indices", paged_kv_indices),
+                        ("paged_kv_last_page_len", paged_kv_last_page_len)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+                got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise LaunchError(f"plan(): {name}: expected a 1-D torch.int32 tensor, got {got}")
+        batch = paged_kv_indptr.numel() - 1
+        if batch < 1 or paged_kv_last_page_len.numel() != batch:
+            raise LaunchError(
+                f"plan(): inconsistent batch: paged_kv_indptr has {paged_kv_indptr.numel()} entries, "
+                f"paged_kv_last_page_len {paged_kv_last_page_len.numel()} (expected batch+1 and batch, batch >= 1)")
+        kvp_h = paged_kv_indptr.to("cpu", torch.int64).tolist()
+        last_h = paged_kv_last_page_len.to("cpu", torch.int64).tolist()
+        kv_lens = []
+        for b in range(batch):
+            npages, lp = kvp_h[b + 1] - kvp_h[b], last_h[b]
+            if npages < 0:
+                raise LaunchError(f"plan(): request {b}: paged_kv_indptr must be non-decreasing")
+            if npages == 0:
+                raise LaunchError(f"plan(): request {b} has no pages; a decode query is its request's last "
+                                  "token, so every request needs kv_len >= 1")
+            if not 1 <= lp <= page_size:
+                raise LaunchError(f"plan(): paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
+            kv_lens.append((npages - 1) * page_size + lp)
+        if kvp_h[0] < 0 or kvp_h[-1] > paged_kv_indices.numel():
+            raise LaunchError(f"plan(): paged_kv_indices has {paged_kv_indices.numel()} entries, "
+                              f"paged_kv_indptr needs [{kvp_h[0]}, {kvp_h[-1]})")
+        new_batch = Batch(batch, batch, sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
+                          (1,) * batch, tuple(kv_lens))
+        if self._prefill is not None:
+            qo_indptr = torch.arange(batch + 1, dtype=torch.int32)
+            self._prefill.plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                               num_qo_heads, num_kv_heads, page_size, skip_tiles=skip_tiles, **spec_args)
+            self._batch = new_batch
+            return
+        self._batch = new_batch
+        try:
+            self._plan_cuda_cores(kvp_h, last_h, kv_lens, paged_kv_indices, skip_tiles, spec_args)
+        except BaseException:
+            self._batch, self._launch, self._planned_args = None, None, {}
+            raise
+
+    def _plan_cuda_cores(self, kvp_h: list[int], last_h: list[int], kv_lens: list[int],
+                         kv_indices: torch.Tensor, skip_tiles: bool | None, spec_args: dict[str, Any]) -> None:
+        b = self._batch
+        assert b is not None
+        dev = self.device
+        batch, ps = b.batch_size, b.page_size
+        trim = bool(skip_tiles) if skip_tiles is not None else self._trim_default(spec_args)
+        kv_pos_base = [0] * batch
+        if trim:
+            from .intervals import analyze, args_read
+
+            if skip_tiles:
+                self.plan_stats.pop("planner_off", None)
+            checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
+            self._planned_args = {k: v for k, v in checked.items() if k in args_read(analyze(self.spec), self.spec)}
+            lo, hi = self._visible_hulls(kv_lens, checked)
+            first_page = [lo_b // ps for lo_b in lo]
+            end_page = [hi_b // ps + 1 for hi_b in hi]
+            if any(f > 0 for f in first_page) or any(e != kvp_h[i + 1] - kvp_h[i] for i, e in enumerate(end_page)):
+                kv_pos_base = [f * ps for f in first_page]
+                counts = [e - f for f, e in zip(first_page, end_page)]
+                firsts = torch.tensor([kvp_h[i] + first_page[i] for i in range(batch)], dtype=torch.int64)
+                count_t = torch.tensor(counts, dtype=torch.int64)
+                total = sum(counts)
+                # page k of request i's trimmed list = its original list's page first_page[i] + k
+                idx = torch.repeat_interleave(firsts - (torch.cumsum(count_t, 0) - count_t), count_t,
+                                              output_size=total) + torch.arange(total)
+                kv_indices = kv_indices.to(dev)[idx.to(dev, non_blocking=True)]
+                kvp_h = [0]
+                for c in counts:
+                    kvp_h.append(kvp_h[-1] + c)
+                last_h = [hi[i] + 1 - kv_pos_base[i] - (counts[i] - 1) * ps for i in range(batch)]
+        elif spec_args:
+            why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
+            raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without key trimming ({why}) "
+                              "spec arguments go to run() only")
+        kv_row = [0]
+        for kl in kv_lens:
+            kv_row.append(kv_row[-1] + kl)
+        meta = [[i, kv_lens[i] - 1, kv_pos_base[i], i, kv_row[i], 1, kv_lens[i], -1, 1] for i in range(batch)]
+        int_ws, pinned = self._workspace(0)
+        kv_indptr_h = torch.tensor(kvp_h, dtype=torch.int32)
+        plan_info = self.module.plan(self._float_workspace, int_ws, pinned, kv_indptr_h, batch, b.num_qo_heads,
+                                     b.num_kv_heads, ps, False)
+        self._launch = DecodeLaunch(
+            kv_indptr=kv_indptr_h.to(dev, non_blocking=True),
+            kv_indices=kv_indices.to(dev),
+            last_page_len=torch.tensor(last_h, dtype=torch.int32).to(dev, non_blocking=True),
+            meta=torch.tensor(meta, dtype=torch.int32).reshape(batch, META_COLUMNS).to(dev, non_blocking=True),
+            plan_info=plan_info,
+            int_workspace=int_ws,
+            float_workspace=self._float_workspace,
+            pages=kvp_h[-1] - kvp_h[0],
+        )
+        self.plan_stats["launches"] = [("decode", batch)]
+        self.plan_stats["pages"] = {"given": sum(-(-kl // ps) for kl in kv_lens), "visited": self._launch.pages}
+
+    def _trim_default(self, spec_args: dict[str, Any]) -> bool:
+        """On where the mask's key intervals are known and plan() has the tensors they read."""
+        from .intervals import analyze, tensors_read
+
+        form = analyze(self.spec)
+        if not form.planner_ready:
+            self.plan_stats["planner_off"] = form.reason
+            return False
+        missing = sorted(tensors_read(form, self.spec) - set(spec_args))
+        if missing:
+            reason = f"plan() was not given {', '.join(missing)}, which the key intervals read"
+            if reason != self.plan_stats.get("planner_off"):
+                log.info("key trimming off for %s decode: %s", self.spec.name, reason)
+            self.plan_stats["planner_off"] = reason
+            return False
+        self.plan_stats.pop("planner_off", None)
+        return True
+
+    def _visible_hulls(self, kv_lens: list[int], args: dict[str, Any]) -> tuple[list[int], list[int]]:
+        """Per request, [lo, hi]: a key range holding every key its (last-token) query sees.
+        Evaluated on the host unless the intervals read spec tensors (then one device sync)."""
+        from .intervals import analyze, row_intervals, tensors_read
+
+        form = analyze(self.spec)
+        if not form.planner_ready:
+            raise LaunchError(f"plan(skip_tiles=True): spec `{self.spec.name}` has no usable key intervals "
+                              f"({form.reason}); plan with skip_tiles=False")
+        reads = tensors_read(form, self.spec)
+        missing = sorted(reads - set(args))
+        if missing:
+            raise LaunchError(f"plan(skip_tiles=True): the key intervals of `{self.spec.name}` read "
+                              f"{', '.join(missing)}; pass them to plan() by name too")
+        dev = self.device if reads else torch.device("cpu")
+        i64 = torch.int64
+        kv = torch.tensor(kv_lens, dtype=i64).to(dev)
+        request = torch.arange(len(kv_lens), dtype=i64, device=dev)
+        q_pos = kv - 1
+        env = {"q_pos": q_pos, "q_idx": torch.zeros_like(kv), "q_row": request,
+               "q_kv_row": torch.cumsum(kv, 0) - kv + q_pos, "request": request, "qo_len": torch.ones_like(kv),
+               "kv_len": kv, "vg_kv_lens": kv}
+        iv = row_intervals(form, self.spec, env, args)
+        # No visible key at all: visit the query's own key (the mask rejects it; output 0).
+        lo = torch.minimum(torch.where(iv.empty, q_pos, iv.lo.clamp(min=0)), q_pos)
+        hi = torch.maximum(torch.minimum(torch.where(iv.empty, q_pos, iv.hi), q_pos), lo)
+        lo_h, hi_h = torch.stack([lo, hi]).cpu().tolist()
+        return lo_h, hi_h
+
+    # ------------------------------------------------------------------ run
+    def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
+            k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
+            return_lse: bool = False, enable_pdl: bool | None = None, **spec_args: Any):
+        """Decode one query per request: ``q`` [batch, num_qo_heads, head_dim]; returns ``out``
+        [batch, num_qo_heads, head_dim] (and the base-2 LSE [batch, num_qo_heads] with
+        ``return_lse=True``)."""
+        if self._batch is None or (self._prefill is None and self._launch is None):
+            raise LaunchError("run() called before plan(): call plan(paged_kv_indptr, paged_kv_indices, "
+                              "paged_kv_last_page_len, num_qo_heads, num_kv_heads, page_size) first")
+        b, cfg = self._batch, self.config
+        want = (b.batch_size, b.num_qo_heads, cfg.head_dim_qk)
+        if isinstance(q, torch.Tensor) and tuple(q.shape) != want:
+            raise LaunchError(f"run(): `q`: expected shape [batch={b.batch_size}, num_qo_heads={b.num_qo_heads}, "
+                              f"head_dim={cfg.head_dim_qk}] (one query per request), got {list(q.shape)}")
+        if self._prefill is not None:
+            return self._prefill.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                                     return_lse=return_lse, enable_pdl=enable_pdl, **spec_args)
+        la = self._launch
+        assert la is not None
+        self._check_tensor("q", q, TORCH_DTYPES[cfg.q_dtype], want)
+        if q.stride(-1) != 1:
+            raise LaunchError("run(): `q` must have a contiguous last dimension")
+        k_cache, v_cache = self._check_paged_cache(paged_kv_cache)
+        self._check_scales(q_scale, k_scale, v_scale)
+        args = self._check_args(spec_args, where="run()")
+        self._check_planned_args(args)
+        out, lse = self._outputs(out, return_lse)
+        if not out.is_contiguous():
+            raise LaunchError("run(): `out` must be contiguous (the decode kernel writes [batch, heads, head_dim] "
+                              "rows back to back)")
+        tensors, scalars = self._kernel_args(args, q_scale, k_scale, v_scale)
+        if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
+            enable_pdl = self._pdl_default()
+        self.module.run(la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.kv_indptr,
+                        la.kv_indices, la.last_page_len, out, lse, LAYOUT_CODES[self.kv_layout], -1,
+                        bool(enable_pdl), *tensors, la.meta, *scalars)
+        return (out, lse) if return_lse else out
