@@ -34,10 +34,12 @@ class Engine:
         for g in groups:
             r = variantgen.probe(SPEC, head_dim_qk=g.head_size, q_dtype=g.q_dtype, kv_dtype=g.kv_dtype)
             if r.ok and r.details.get("loaded"):
-                log.info("group %s: advertising mm_prefix backend (%s, from %s)", g.name, r.uri, r.source)
+                backend = r.details["backend"]  # fa3 on sm90 where valid, else fa2 (variantgen.choose_backend)
+                log.info("group %s: advertising mm_prefix backend (%s %s, from %s)", g.name, backend, r.uri,
+                         r.source)
                 ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
                 self.wrappers[g.name] = variantgen.make_wrapper(
-                    SPEC, ws, head_dim_qk=g.head_size, q_dtype=g.q_dtype, kv_dtype=g.kv_dtype)
+                    SPEC, ws, head_dim_qk=g.head_size, q_dtype=g.q_dtype, kv_dtype=g.kv_dtype, backend=backend)
             else:
                 why = r.reason or "module is not loadable here (no CUDA device)"
                 log.warning("group %s (head %d, kv %s): demoted to plain causal: %s",
