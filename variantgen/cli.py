@@ -553,7 +553,8 @@ def _random_lengths(batch_size: int, qo_len: int, kv_len: int, seed: int) -> tup
 @click.option("--dtype", required=True)
 @click.option("--kv-dtype", default=None)
 @click.option("--o-dtype", default=None)
-@click.option("--backend", default="fa2", show_default=True)
+@click.option("--backend", type=click.Choice([*BACKENDS, "auto"]), default="auto", show_default=True,
+              help="auto: what make_wrapper picks on this GPU.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--qo-len", type=click.IntRange(min=1), default=128, show_default=True, help="Max queries per request.")
 @click.option("--kv-len", type=click.IntRange(min=1), default=512, show_default=True, help="Max keys per request.")
@@ -591,9 +592,8 @@ def check(spec: str, head_dim: int, dtype: str, kv_dtype: str | None, o_dtype: s
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     t0 = time.perf_counter()
     wrapper = make_wrapper(variant, workspace, head_dim_qk=head_dim, q_dtype=q_name, kv_dtype=kv_name,
-                           o_dtype=o_name, backend=backend, cache=_cache(cache_dir))
+                           o_dtype=o_name, backend=None if backend == "auto" else backend, cache=_cache(cache_dir))
     click.echo(f"module {wrapper.uri} ready in {time.perf_counter() - t0:.1f}s")
-    {t.name for t in variant.tensors}
     if planner:
         wrapper.plan(*batch.plan_args(), skip_tiles=True, **args)
     else:
@@ -610,9 +610,6 @@ def check(spec: str, head_dim: int, dtype: str, kv_dtype: str | None, o_dtype: s
                f"rel err {rel:.3e} (tolerance {tol:g}) -> {'ok' if ok else 'MISMATCH'}")
     sys.exit(0 if ok else 1)
 
-
-if __name__ == "__main__":  # pragma: no cover
-    main()
 
 
 @main.command()
@@ -648,4 +645,8 @@ def demo(ctx: click.Context, spec: str, head_dim: int, dtype: str, arch: str | N
         click.echo("[4/4] no CUDA GPU here: skipped running the kernel (run `variantgen check` on a GPU)")
         return
     click.echo("[4/4] running on the GPU against the derived reference:")
-    ctx.invoke(check, spec=spec, head_dim=head_dim, dtype=dtype, planner=True)
+    ctx.invoke(check, spec=spec, head_dim=head_dim, dtype=dtype, planner=True, backend="fa2")  # the module built above
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
