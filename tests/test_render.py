@@ -382,3 +382,26 @@ def test_canonical_dtype_of_torch_dtypes():
         canonical_dtype(torch.float32, "kv_dtype")
     assert str(info.value) == ("kv_dtype=torch.float32: unsupported dtype; expected one of "
                                "['bf16', 'fp16', 'fp8_e4m3', 'fp8_e5m2']")
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ({}, "fa3"),
+    ({"arch": "8.0"}, "fa2"),
+    ({"arch": "10.0a"}, "fa2"),
+    ({"kind": "decode"}, "fa2"),
+    ({"kind": "ragged"}, "fa2"),
+    ({"kv_dtype": "fp8_e4m3"}, "fa2"),
+    ({"head_dim_qk": 192, "head_dim_vo": 128}, "fa2"),
+    ({"q_dtype": "fp16", "kv_dtype": "fp16", "o_dtype": "fp16", "head_dim_qk": 64, "head_dim_vo": 64}, "fa3"),
+])
+def test_choose_backend(overrides, expected):
+    kw = dict(kind="prefill", head_dim_qk=128, head_dim_vo=128, q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16",
+              arch="9.0a")
+    kw.update(overrides)
+    assert render.choose_backend(shipped("mm_prefix"), **kw) == expected
+
+
+def test_choose_backend_respects_the_spec(spec_from):
+    spec = spec_from("name: only_fa2\nmask: kv_pos <= q_pos\nbackends: [fa2]\n")
+    assert render.choose_backend(spec, kind="prefill", head_dim_qk=128, head_dim_vo=128, q_dtype="bf16",
+                                 kv_dtype="bf16", o_dtype="bf16", arch="9.0a") == "fa2"

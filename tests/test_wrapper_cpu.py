@@ -755,3 +755,15 @@ def test_fa3_large_launches_are_split(monkeypatch):
         cta_tile_q = 192 if HEAD_DIM == 64 else 128  # FlashInfer's sm90 query tile
         tiles = sum(-(-int(x) // cta_tile_q) + 1 for x in la.meta[:, 8].tolist())
         assert tiles <= 4 or n == 1, (n, tiles)
+
+
+def test_fa3_refuses_a_request_longer_than_one_launch(monkeypatch):
+    from variantgen import planner
+
+    monkeypatch.setattr(planner, "FA3_MAX_TILES_PER_HEAD", 3)
+    w, _ = make(shipped("causal"), backend="fa3")
+    batch = batch_of([700, 5], [700, 5], 16)
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): a launch request of 700 query rows needs 4 query tiles of 192; the fa3 module schedules at "
+            "most 2 per launch - use backend='fa2' for requests this long")):
+        w.plan(*batch.plan_args(), skip_tiles=False)

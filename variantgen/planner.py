@@ -187,6 +187,10 @@ def regroup_for_fa3(launches: list[dict], page_size: int, head_dim_vo: int) -> l
         start, tiles = 0, 0
         for i in range(n + 1):
             t = -(-lens[i] // cta_tile_q) + 1 if i < n else 0  # + 1: the scheduler's per-request slack
+            if t > FA3_MAX_TILES_PER_HEAD:
+                raise LaunchError(f"plan(): a launch request of {lens[i]} query rows needs {t - 1} query tiles of "
+                                  f"{cta_tile_q}; the fa3 module schedules at most {FA3_MAX_TILES_PER_HEAD - 1} "
+                                  "per launch - use backend='fa2' for requests this long")
             if i == n or (i > start and tiles + t > FA3_MAX_TILES_PER_HEAD):
                 split.append(launch if (start, i) == (0, n) else _select(launch, list(range(start, i))))
                 start, tiles = i, 0
