@@ -4,14 +4,12 @@ both paths (CUDA-core decode module, tensor-core = prefill module), return_lse, 
 scales, an fp8 KV cache, both KV layouts, split-KV, and FlashInfer's own decode kernel.
 Run on the H200 with `pytest -m gpu tests/test_gpu_decode.py`.
 
-The modules this file needs (15 decode + 3 prefill modules) are built once, in parallel,
-the first time a test asks for a wrapper (VARIANTGEN_CACHE_DIR; a warm cache costs nothing).
+The modules this file needs (15 decode + 3 prefill modules) are built on first use; build
+them in parallel beforehand with scripts/precompile_gpu_tests.sh (VARIANTGEN_CACHE_DIR).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
 from pathlib import Path
 
 import pytest
@@ -43,13 +41,6 @@ MATRIX = [("softcap", 64, "bf16", "bf16"), ("mm_prefix", 256, "bf16", "bf16"), (
 TENSOR_CORE_SPECS = ["causal", "mm_prefix", "softcap"]
 
 
-def _needed() -> list[tuple[str, int, str, str, bool]]:
-    out = [(s, 128, "bf16", "bf16", False) for s in ALL_SPECS]
-    out += [(s, hd, q, kv, False) for s, hd, q, kv in MATRIX]
-    out += [(s, 128, "bf16", "bf16", True) for s in TENSOR_CORE_SPECS]
-    return out
-
-
 @pytest.fixture(scope="module")
 def workspace():
     return torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
@@ -57,24 +48,9 @@ def workspace():
 
 @pytest.fixture(scope="module")
 def wrapper(workspace):
-    """wrapper(spec, head_dim, q_dtype, kv_dtype, tensor_cores, kv_layout): one make_wrapper per key.
-    The first call builds every module of this file, several at a time."""
-    from variantgen.build import build_module, default_cache
-    from variantgen.render import ModuleConfig
-    from variantgen.wrapper import DEFAULT_MASK_MODES, device_arch
-
-    arch = device_arch(workspace.device)
-    parallel = max(1, min(6, (os.cpu_count() or 4) // 4))
-    jobs = max(2, (os.cpu_count() or 4) // parallel)
-
-    def build(key):
-        s, hd, q, kv, tc = key
-        cfg = ModuleConfig(variantgen.load_spec(SPECS / f"{s}.yaml"), hd, hd, q, kv, q, arch, "fa2",
-                           DEFAULT_MASK_MODES, "prefill" if tc else "decode")
-        return build_module(cfg, default_cache(), jobs=jobs)
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
-        list(pool.map(build, _needed()))  # raises the first BuildError, if any
+    """wrapper(spec, head_dim, q_dtype, kv_dtype, tensor_cores, kv_layout): one make_wrapper per key,
+    building its module on first use (precompile them all at once with
+    scripts/precompile_gpu_tests.sh to spend less device time)."""
     made = {}
 
     def get(spec_name, head_dim=128, q_dtype="bf16", kv_dtype=None, tensor_cores=False, kv_layout="NHD"):

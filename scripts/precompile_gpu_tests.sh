@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Precompile every module the GPU test files use, several at a time, before `pytest -m gpu`
+# (one cold fa2 module is ~20-75 s on 16 cores, an fa3 module 60-110 s). Usage, on the GPU box:
+#   bash scripts/precompile_gpu_tests.sh [fa2|fa3|decode|ragged ...]   (default: all four groups)
+# Modules go to VARIANTGEN_CACHE_DIR (default cache/). Extra arguments to precompile via PRECOMPILE_ARGS.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VG=(python3 -m variantgen.cli precompile --arch 9.0a -j "${VG_PARALLEL:-4}" --jobs-per-module "${VG_JOBS:-4}" ${PRECOMPILE_ARGS:-})
+groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(fa2 fa3 decode ragged)
+for g in "${groups[@]}"; do
+  case $g in
+    fa2)     # tests/test_gpu_specs.py
+      "${VG[@]}" specs/*.yaml --head-dim 128 --dtype bf16 --backend fa2
+      "${VG[@]}" specs/mm_prefix.yaml specs/softcap.yaml specs/document.yaml --head-dim 64,128,256 --dtype bf16,fp16 --backend fa2
+      "${VG[@]}" specs/mm_prefix.yaml --head-dim 128 --dtype bf16 --kv-dtype fp8_e4m3 --backend fa2 ;;
+    fa3)     # tests/test_gpu_fa3.py
+      "${VG[@]}" specs/*.yaml tests/data/strictly_causal.yaml --head-dim 128 --dtype bf16 --backend fa3
+      "${VG[@]}" specs/mm_prefix.yaml --head-dim 64,256 --dtype bf16 --backend fa3
+      "${VG[@]}" specs/mm_prefix.yaml --head-dim 128 --dtype fp16 --backend fa3 ;;
+    decode)  # tests/test_gpu_decode.py (tensor-core decode runs the fa2 prefill module)
+      "${VG[@]}" specs/*.yaml --head-dim 128 --dtype bf16 --backend fa2 --kind decode
+      "${VG[@]}" specs/softcap.yaml --head-dim 64 --dtype bf16 --backend fa2 --kind decode
+      "${VG[@]}" specs/mm_prefix.yaml --head-dim 256 --dtype bf16 --backend fa2 --kind decode
+      "${VG[@]}" specs/document.yaml --head-dim 64 --dtype fp16 --backend fa2 --kind decode
+      "${VG[@]}" specs/sliding_window.yaml --head-dim 256 --dtype fp16 --backend fa2 --kind decode
+      "${VG[@]}" specs/causal.yaml --head-dim 128 --dtype fp16 --backend fa2 --kind decode
+      "${VG[@]}" specs/softcap.yaml --head-dim 128 --dtype bf16 --kv-dtype fp8_e4m3 --backend fa2 --kind decode
+      "${VG[@]}" specs/causal.yaml specs/mm_prefix.yaml specs/softcap.yaml --head-dim 128 --dtype bf16 --backend fa2 ;;
+    ragged)  # tests/test_gpu_ragged.py (its inline `full` spec builds inside the test)
+      "${VG[@]}" specs/*.yaml --head-dim 128 --dtype bf16 --backend fa2 --kind ragged
+      "${VG[@]}" specs/mm_prefix.yaml specs/causal.yaml specs/softcap.yaml --head-dim 192/128 --dtype bf16,fp16 --backend fa2 --kind ragged
+      "${VG[@]}" specs/softcap.yaml --head-dim 64,256 --dtype bf16 --backend fa2 --kind ragged ;;
+    *) echo "unknown group $g (expected fa2, fa3, decode, ragged)" >&2; exit 2 ;;
+  esac
+done
