@@ -7,6 +7,11 @@ split into several, grouped into up to three launches by mask mode. Each launch 
 carries a row of ``vg_meta`` telling the variant where it sits in the caller's batch, so
 the generated mask always sees true positions and rows; q and o are read and written in
 place (launch requests need not be packed), so nothing is gathered or scattered.
+
+The same wrapper drives fa2 and fa3 (sm90) prefill modules; for fa3 the launches are
+reshaped by planner.regroup_for_fa3 and each launch is planned with its requests' first
+rows (the fa3 binding points FlashInfer's work list at them). Decode and ragged KV have
+their own wrappers (decode.py, ragged.py) on the shared checks of WrapperBase.
 """
 
 from __future__ import annotations
