@@ -309,6 +309,8 @@ def test_template_files_listed():
                                                                      "kv_dtype == q_dtype (bf16); use backend fa2 for "
                                                                      "an fp8 KV cache"),
         ({"backend": "fa3", "arch": "9.0a"}, None),
+        ({"backend": "fa3", "o_dtype": "fp16"}, "o_dtype=fp16: fa3 variant modules write o in the query dtype (bf16); "
+                                                "use backend fa2 for another output dtype"),
         ({"arch": "7.5"}, "arch=7.5: fa2 needs sm80 or newer"),
         ({"arch": "hopper"}, "arch='hopper': expected a compute capability such as 8.0, 9.0a or 10.0a"),
         ({"kv_dtype": "float32"}, "kv_dtype='float32': expected one of ['bf16', 'fp16', 'fp8_e4m3', 'fp8_e5m2']"),
@@ -392,6 +394,7 @@ def test_canonical_dtype_of_torch_dtypes():
     ({"kind": "ragged"}, "fa2"),
     ({"kv_dtype": "fp8_e4m3"}, "fa2"),
     ({"head_dim_qk": 192, "head_dim_vo": 128}, "fa2"),
+    ({"o_dtype": "fp16"}, "fa2"),
     ({"q_dtype": "fp16", "kv_dtype": "fp16", "o_dtype": "fp16", "head_dim_qk": 64, "head_dim_vo": 64}, "fa3"),
 ])
 def test_choose_backend(overrides, expected):

@@ -119,6 +119,10 @@ class ModuleConfig:
         if self.backend == "fa3" and self.kv_dtype != self.q_dtype:
             out.append(f"kv_dtype={self.kv_dtype}: fa3 variant modules need kv_dtype == q_dtype "
                        f"({self.q_dtype}); use backend fa2 for an fp8 KV cache")
+        if self.backend == "fa3" and self.o_dtype != self.q_dtype and not self.o_dtype.startswith("fp8"):
+            # Only o in the query's dtype has run on the H200; other outputs go to fa2.
+            out.append(f"o_dtype={self.o_dtype}: fa3 variant modules write o in the query dtype ({self.q_dtype}); "
+                       "use backend fa2 for another output dtype")
         dims = HEAD_DIMS.get((self.backend, self.kind))
         if dims and (self.head_dim_qk, self.head_dim_vo) not in dims:
             pairs = ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in dims)
