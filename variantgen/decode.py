@@ -35,7 +35,8 @@ from typing import Any
 import torch
 
 from .errors import LaunchError
-from .wrapper import LAYOUT_CODES, META_COLUMNS, TORCH_DTYPES, Batch, VariantWrapper, WrapperBase, _is_int
+from .planner import gather_page_ranges
+from .wrapper import LAYOUT_CODES, META_COLUMNS, TORCH_DTYPES, Batch, VariantWrapper, WrapperBase
 
 log = logging.getLogger("variantgen.decode")
 
@@ -87,22 +88,14 @@ class DecodeWrapper(WrapperBase):
         the spec tensors they read; pass those by name here and to run())."""
         # A plan() that fails must not leave the previous plan half-replaced.
         self._batch, self._launch, self._planned_args = None, None, {}
-        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                            ("page_size", page_size)):
-            if not _is_int(value) or value <= 0:
-                raise LaunchError(f"plan(): {name}={value!r}: expected a positive int")
-        if num_qo_heads % num_kv_heads:
-            raise LaunchError(f"plan(): num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
         group = num_qo_heads // num_kv_heads
         if not self.use_tensor_cores and group not in DECODE_GROUP_SIZES:
             raise LaunchError(f"plan(): GQA group size {group} (num_qo_heads={num_qo_heads} / num_kv_heads="
                               f"{num_kv_heads}) is not one FlashInfer's CUDA-core decode kernel supports "
                               f"{list(DECODE_GROUP_SIZES)}; build the wrapper with use_tensor_cores=True")
-        for name, t in (("paged_kv_indptr", paged_kv_indptr), ("paged_kv_indices", paged_kv_indices),
-                        ("paged_kv_last_page_len", paged_kv_last_page_len)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
-                got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise LaunchError(f"plan(): {name}: expected a 1-D torch.int32 tensor, got {got}")
+        self._check_index_tensors(paged_kv_indptr=paged_kv_indptr, paged_kv_indices=paged_kv_indices,
+                                  paged_kv_last_page_len=paged_kv_last_page_len)
         batch = paged_kv_indptr.numel() - 1
         if batch < 1 or paged_kv_last_page_len.numel() != batch:
             raise LaunchError(
@@ -145,7 +138,7 @@ class DecodeWrapper(WrapperBase):
         assert b is not None
         dev = self.device
         batch, ps = b.batch_size, b.page_size
-        trim = bool(skip_tiles) if skip_tiles is not None else self._trim_default(spec_args)
+        trim = bool(skip_tiles) if skip_tiles is not None else self._intervals_default(spec_args, "key trimming")
         kv_pos_base = [0] * batch
         if trim:
             from .intervals import analyze, args_read
@@ -160,13 +153,9 @@ class DecodeWrapper(WrapperBase):
             if any(f > 0 for f in first_page) or any(e != kvp_h[i + 1] - kvp_h[i] for i, e in enumerate(end_page)):
                 kv_pos_base = [f * ps for f in first_page]
                 counts = [e - f for f, e in zip(first_page, end_page)]
-                firsts = torch.tensor([kvp_h[i] + first_page[i] for i in range(batch)], dtype=torch.int64)
-                count_t = torch.tensor(counts, dtype=torch.int64)
-                total = sum(counts)
-                # page k of request i's trimmed list = its original list's page first_page[i] + k
-                idx = torch.repeat_interleave(firsts - (torch.cumsum(count_t, 0) - count_t), count_t,
-                                              output_size=total) + torch.arange(total)
-                kv_indices = kv_indices.to(dev)[idx.to(dev, non_blocking=True)]
+                # request i's trimmed list: its original list from page first_page[i] on
+                ranges = [(kvp_h[i] + first_page[i], counts[i]) for i in range(batch)]
+                kv_indices = gather_page_ranges(kv_indices, ranges, sum(counts), dev)
                 kvp_h = [0]
                 for c in counts:
                     kvp_h.append(kvp_h[-1] + c)
@@ -196,39 +185,13 @@ class DecodeWrapper(WrapperBase):
         self.plan_stats["launches"] = [("decode", batch)]
         self.plan_stats["pages"] = {"given": sum(-(-kl // ps) for kl in kv_lens), "visited": self._launch.pages}
 
-    def _trim_default(self, spec_args: dict[str, Any]) -> bool:
-        """On where the mask's key intervals are known and plan() has the tensors they read."""
-        from .intervals import analyze, tensors_read
-
-        form = analyze(self.spec)
-        if not form.planner_ready:
-            self.plan_stats["planner_off"] = form.reason
-            return False
-        missing = sorted(tensors_read(form, self.spec) - set(spec_args))
-        if missing:
-            reason = f"plan() was not given {', '.join(missing)}, which the key intervals read"
-            if reason != self.plan_stats.get("planner_off"):
-                log.info("key trimming off for %s decode: %s", self.spec.name, reason)
-            self.plan_stats["planner_off"] = reason
-            return False
-        self.plan_stats.pop("planner_off", None)
-        return True
-
     def _visible_hulls(self, kv_lens: list[int], args: dict[str, Any]) -> tuple[list[int], list[int]]:
         """Per request, [lo, hi]: a key range holding every key its (last-token) query sees.
         Evaluated on the host unless the intervals read spec tensors (then one device sync)."""
-        from .intervals import analyze, row_intervals, tensors_read
+        from .intervals import row_intervals, tensors_read, usable_form
 
-        form = analyze(self.spec)
-        if not form.planner_ready:
-            raise LaunchError(f"plan(skip_tiles=True): spec `{self.spec.name}` has no usable key intervals "
-                              f"({form.reason}); plan with skip_tiles=False")
-        reads = tensors_read(form, self.spec)
-        missing = sorted(reads - set(args))
-        if missing:
-            raise LaunchError(f"plan(skip_tiles=True): the key intervals of `{self.spec.name}` read "
-                              f"{', '.join(missing)}; pass them to plan() by name too")
-        dev = self.device if reads else torch.device("cpu")
+        form = usable_form(self.spec, args, "key intervals")
+        dev = self.device if tensors_read(form, self.spec) else torch.device("cpu")
         i64 = torch.int64
         kv = torch.tensor(kv_lens, dtype=i64).to(dev)
         request = torch.arange(len(kv_lens), dtype=i64, device=dev)

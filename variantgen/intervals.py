@@ -21,12 +21,13 @@ where ``exact`` holds; elsewhere the mask is evaluated inside the hull, which is
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from .errors import LaunchError
 from .expr import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
 from .spec import VariantSpec
 
@@ -233,6 +234,20 @@ def args_read(form: IntervalForm, spec: VariantSpec) -> set[str]:
             used |= names_used(node)
         used |= {name for name, _ in t.sorted_eqs}
     return used & ({t.name for t in spec.tensors} | {s.name for s in spec.scalars})
+
+
+def usable_form(spec: VariantSpec, given: Collection[str], what: str = "intervals") -> IntervalForm:
+    """The spec's key intervals for a plan that asked for them (skip_tiles=True): LaunchError
+    when they are unknown or plan() lacks a tensor they read (``what`` names them)."""
+    form = analyze(spec)
+    if not form.planner_ready:
+        raise LaunchError(f"plan(skip_tiles=True): spec `{spec.name}` has no usable key intervals "
+                          f"({form.reason}); plan with skip_tiles=False")
+    missing = sorted(tensors_read(form, spec) - set(given))
+    if missing:
+        raise LaunchError(f"plan(skip_tiles=True): the {what} of `{spec.name}` read {', '.join(missing)}; "
+                          "pass them to plan() by name too")
+    return form
 
 
 def tensors_read(form: IntervalForm, spec: VariantSpec) -> set[str]:

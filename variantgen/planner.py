@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import LaunchError
-from .intervals import analyze, row_intervals, tensors_read
+from .intervals import row_intervals, usable_form
 
 if TYPE_CHECKING:
     from .wrapper import VariantWrapper
@@ -38,14 +38,7 @@ CUSTOM_ROWS = 128
 def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indices: torch.Tensor,
                   last_h: list[int], kv_lens: list[int], args: dict[str, Any]) -> list[dict]:
     spec = w.spec
-    form = analyze(spec)
-    if not form.planner_ready:
-        raise LaunchError(f"plan(skip_tiles=True): spec `{spec.name}` has no usable key intervals "
-                          f"({form.reason}); plan with skip_tiles=False")
-    missing = sorted(tensors_read(form, spec) - set(args))
-    if missing:
-        raise LaunchError(f"plan(skip_tiles=True): the intervals of `{spec.name}` read {', '.join(missing)}; "
-                          "pass them to plan() by name too")
+    form = usable_form(spec, args)
     b = w._batch
     assert b is not None
     dev = w.device
@@ -142,18 +135,24 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indic
             continue
         d = by_mode[mode]
         d["q_starts"].append(b.total_q)
-        # Page lists of all launch requests of this launch, gathered on the device.
-        ranges_h = torch.tensor(d["page_ranges"], dtype=i64).to(dev, non_blocking=True)
-        firsts, counts = ranges_h[:, 0], ranges_h[:, 1]
-        total_pages = d["kv_indptr"][-1]  # known on the host: no device sync
-        offsets = torch.arange(total_pages, device=dev) - torch.repeat_interleave(
-            torch.cumsum(counts, 0) - counts, counts, output_size=total_pages)
-        page_idx = torch.repeat_interleave(firsts, counts, output_size=total_pages) + offsets
         launches.append(dict(mask_mode=mode, q_starts=d["q_starts"], plan_qo=d["plan_qo"],
-                             kv_indptr=d["kv_indptr"], kv_indices=kv_indices.to(dev)[page_idx].to(torch.int32),
+                             kv_indptr=d["kv_indptr"],
+                             kv_indices=gather_page_ranges(kv_indices, d["page_ranges"], d["kv_indptr"][-1], dev),
                              last_page_len=d["last_page_len"], meta=d["meta"],
                              packed=d["q_starts"] == d["plan_qo"]))
     return launches
+
+
+def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], total: int,
+                       device: torch.device) -> torch.Tensor:
+    """int32 page list on ``device``: for each (first, count) of ``ranges``,
+    kv_indices[first : first + count], back to back (``total`` = the sum of the counts, known
+    on the host, so nothing syncs); one host-to-device copy and one indexing op."""
+    ranges_t = torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2).to(device, non_blocking=True)
+    firsts, counts = ranges_t[:, 0], ranges_t[:, 1]
+    # entry k of the output, in range i, is kv_indices[firsts[i] + k - (start of range i)]
+    shift = torch.repeat_interleave(firsts - (torch.cumsum(counts, 0) - counts), counts, output_size=total)
+    return kv_indices.to(device)[shift + torch.arange(total, device=device)].to(torch.int32)
 
 
 # ----------------------------------------------------------------------------- fa3

@@ -29,7 +29,7 @@ import torch
 
 from .errors import LaunchError
 from .expr import Const
-from .wrapper import LAYOUT_CODES, MASK_MODES, META_COLUMNS, TORCH_DTYPES, Batch, WrapperBase, _is_int
+from .wrapper import LAYOUT_CODES, MASK_MODES, META_COLUMNS, TORCH_DTYPES, Batch, WrapperBase
 
 ALIGN_BYTES = 16  # the kernel loads q/k/v rows with 16-byte cp.async
 
@@ -95,11 +95,7 @@ class RaggedWrapper(WrapperBase):
         but not used: the ragged kernel reads them in run(), where they are required.
         """
         self._batch, self._launch = None, None
-        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads)):
-            if not _is_int(value) or value <= 0:
-                raise LaunchError(f"plan(): {name}={value!r}: expected a positive int")
-        if num_qo_heads % num_kv_heads:
-            raise LaunchError(f"plan(): num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
         if not isinstance(disable_split_kv, bool):
             raise LaunchError(f"plan(): disable_split_kv={disable_split_kv!r}: expected a bool")
         for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):

@@ -352,23 +352,31 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
 Renderer = Callable[[ModuleConfig, dict, jinja2.Environment], tuple[dict[str, str], list[str], tuple[str, ...]]]
 
 
-def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
+def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template: str, binding_template: str,
+                         kernel_template: str, unit_prefix: str, host_source: str):
+    """The FA2 prefill kinds: variant, config and binding, plus one kernel unit per mask mode
+    and CTA tile (what FlashInfer's FA2 planner may pick), and FlashInfer's host code."""
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
-        "batch_prefill_config.inc": env.get_template("fa2/config.inc.jinja").render(ctx),
-        "binding.cu": env.get_template("fa2/binding.cu.jinja").render(ctx),
+        "batch_prefill_config.inc": env.get_template(config_template).render(ctx),
+        "binding.cu": env.get_template(binding_template).render(ctx),
     }
     units = ["binding.cu"]
-    kernel = env.get_template("fa2/paged_kernel.cu.jinja")
+    kernel = env.get_template(kernel_template)
     for mode in ctx["mask_modes"]:
         for cta in FA2_CTA_TILES_Q:
-            name = f"paged_kernel_{mode['name']}_cta{cta}.cu"
+            name = f"{unit_prefix}_{mode['name']}_cta{cta}.cu"
             files[name] = kernel.render(ctx, mode=mode, cta_tile_q=cta)
             units.append(name)
-    return files, units, ("batch_prefill_paged.cu",)
+    return files, units, (host_source,)
 
 
-# --- batch decode (kind "decode"), see templates/fa2/decode_*.jinja ----------------------
+def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
+    return _render_fa2_per_tile(ctx, env, config_template="fa2/config.inc.jinja",
+                                binding_template="fa2/binding.cu.jinja", kernel_template="fa2/paged_kernel.cu.jinja",
+                                unit_prefix="paged_kernel", host_source="batch_prefill_paged.cu")
+
+
 def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
     """FlashInfer's FA2 (CUDA-core) batch decode: one kernel unit (every GQA group size),
     its host code (batch_decode.cu) compiled against our config, our plan + run binding."""
@@ -379,10 +387,8 @@ def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
         "decode_kernel.cu": env.get_template("fa2/decode_kernel.cu.jinja").render(ctx),
     }
     return files, ["binding.cu", "decode_kernel.cu"], ("batch_decode.cu",)
-# --- end decode -------------------------------------------------------------------------
 
 
-# --- ragged-KV prefill (kind "ragged"), see templates/fa2/ragged_*.jinja ---------------
 FA2_DISPATCHED_CTA_TILES_Q = (16, 32, 64, 128)  # what FlashInfer's DISPATCH_CTA_TILE_Q can name
 
 
@@ -390,20 +396,10 @@ def _render_fa2_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
     """FlashInfer's FA2 ragged-KV prefill: one kernel unit per mask mode and CTA tile, its
     host code (batch_prefill.cu) compiled against our config, our plan + ragged_run binding."""
     ctx = dict(ctx, cta_tiles=list(FA2_CTA_TILES_Q), all_cta_tiles=list(FA2_DISPATCHED_CTA_TILES_Q))
-    files = {
-        "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
-        "batch_prefill_config.inc": env.get_template("fa2/ragged_config.inc.jinja").render(ctx),
-        "binding.cu": env.get_template("fa2/ragged_binding.cu.jinja").render(ctx),
-    }
-    units = ["binding.cu"]
-    kernel = env.get_template("fa2/ragged_kernel.cu.jinja")
-    for mode in ctx["mask_modes"]:
-        for cta in FA2_CTA_TILES_Q:
-            name = f"ragged_kernel_{mode['name']}_cta{cta}.cu"
-            files[name] = kernel.render(ctx, mode=mode, cta_tile_q=cta)
-            units.append(name)
-    return files, units, ("batch_prefill.cu",)
-# --- end ragged -------------------------------------------------------------------------
+    return _render_fa2_per_tile(ctx, env, config_template="fa2/ragged_config.inc.jinja",
+                                binding_template="fa2/ragged_binding.cu.jinja",
+                                kernel_template="fa2/ragged_kernel.cu.jinja", unit_prefix="ragged_kernel",
+                                host_source="batch_prefill.cu")
 
 
 def _fa3_launches(ctx: dict) -> list[dict]:

@@ -121,7 +121,45 @@ class WrapperBase:
             self._pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
         return self._pdl
 
+    def _intervals_default(self, spec_args: dict[str, Any], what: str) -> bool:
+        """Whether ``what`` (the interval planner, decode's key trimming) is on by default: the
+        mask's key intervals are known and plan() was given the spec tensors they read.
+        Otherwise ``plan_stats["planner_off"]`` says why."""
+        from .intervals import analyze, tensors_read
+
+        form = analyze(self.spec)
+        if not form.planner_ready:
+            self.plan_stats["planner_off"] = form.reason
+            return False
+        missing = sorted(tensors_read(form, self.spec) - set(spec_args))
+        if missing:
+            reason = f"plan() was not given {', '.join(missing)}, which the key intervals read"
+            if reason != self.plan_stats.get("planner_off"):
+                log.info("%s off for %s %s: %s", what, self.spec.name, self.config.kind, reason)
+            self.plan_stats["planner_off"] = reason
+            return False
+        self.plan_stats.pop("planner_off", None)
+        return True
+
     # ------------------------------------------------------------------ argument checks
+    @staticmethod
+    def _check_plan_sizes(**sizes: Any) -> None:
+        """plan()'s num_qo_heads, num_kv_heads (and page_size): positive ints, whole GQA groups."""
+        for name, value in sizes.items():
+            if not _is_int(value) or value <= 0:
+                raise LaunchError(f"plan(): {name}={value!r}: expected a positive int")
+        if sizes["num_qo_heads"] % sizes["num_kv_heads"]:
+            raise LaunchError(f"plan(): num_qo_heads={sizes['num_qo_heads']} is not a multiple of "
+                              f"num_kv_heads={sizes['num_kv_heads']}")
+
+    @staticmethod
+    def _check_index_tensors(**tensors: Any) -> None:
+        """plan()'s paged index tensors: 1-D torch.int32 (any device; read on the host)."""
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+                got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                raise LaunchError(f"plan(): {name}: expected a 1-D torch.int32 tensor, got {got}")
+
     def _dims(self) -> dict[str, int]:
         b = self._batch
         assert b is not None
@@ -278,17 +316,9 @@ class VariantWrapper(WrapperBase):
         read must be passed here by name as well (they are read once, here)."""
         # A plan() that fails must not leave the previous plan half-replaced.
         self._batch, self._launches, self._planned_args = None, [], {}
-        for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
-                            ("page_size", page_size)):
-            if not _is_int(value) or value <= 0:
-                raise LaunchError(f"plan(): {name}={value!r}: expected a positive int")
-        if num_qo_heads % num_kv_heads:
-            raise LaunchError(f"plan(): num_qo_heads={num_qo_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-        for name, t in (("qo_indptr", qo_indptr), ("paged_kv_indptr", paged_kv_indptr),
-                        ("paged_kv_indices", paged_kv_indices), ("paged_kv_last_page_len", paged_kv_last_page_len)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
-                got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise LaunchError(f"plan(): {name}: expected a 1-D torch.int32 tensor, got {got}")
+        self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
+        self._check_index_tensors(qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
+                                  paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
         batch = qo_indptr.numel() - 1
         if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
             raise LaunchError(
@@ -319,7 +349,8 @@ class VariantWrapper(WrapperBase):
         if self._batch.total_q == 0:  # nothing to compute; run() returns empty outputs
             self.plan_stats["launches"] = []
             return
-        use_planner = bool(skip_tiles) if skip_tiles is not None else self._planner_default(spec_args)
+        use_planner = (bool(skip_tiles) if skip_tiles is not None
+                       else self._intervals_default(spec_args, "interval planner"))
         if use_planner:
             from .intervals import analyze, args_read
             from .planner import plan_launches
@@ -350,24 +381,6 @@ class VariantWrapper(WrapperBase):
                                             disable_split_kv or not launch.get("packed", True))
                           for i, launch in enumerate(launches)]
         self.plan_stats["launches"] = [(la.mask_mode, la.num_requests) for la in self._launches]
-
-    def _planner_default(self, spec_args: dict[str, Any]) -> bool:
-        """On where the mask's intervals are known and plan() has what they read."""
-        from .intervals import analyze, tensors_read
-
-        form = analyze(self.spec)
-        if not form.planner_ready:
-            self.plan_stats["planner_off"] = form.reason
-            return False
-        missing = sorted(tensors_read(form, self.spec) - set(spec_args))
-        if missing:
-            reason = f"plan() was not given {', '.join(missing)}, which the key intervals read"
-            if reason != self.plan_stats.get("planner_off"):
-                log.info("interval planner off for %s: %s", self.spec.name, reason)
-            self.plan_stats["planner_off"] = reason
-            return False
-        self.plan_stats.pop("planner_off", None)
-        return True
 
     def _make_launch(self, i: int, n_launches: int, launch: dict, disable_split_kv: bool) -> Launch:
         b = self._batch
