@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _fake_kernel import META_COLUMNS, FakeModule
+from _fake_kernel import META_COLUMNS, FakeModule, launch_env, scores_with_logits, spec_mask
 
-from variantgen.reference import _Evaluator
+from variantgen.reference import softmax_attention
 from variantgen.spec import VariantSpec
 
 
@@ -103,7 +103,6 @@ class FakeDecodeModule:
         group = hq // hkv
         meta = meta_t.tolist()
         last = last_page_len.tolist()
-        i64 = torch.int64
         for b in range(n):
             (q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, kwin,
              qo_len) = meta[b]
@@ -118,32 +117,13 @@ class FakeDecodeModule:
             k = k_cache[pages].reshape(-1, hkv, dim)[:kv_len].float().repeat_interleave(group, dim=1)
             v = v_cache[pages].reshape(-1, hkv, v_cache.shape[-1])[:kv_len].float().repeat_interleave(group, 1)
             scores = torch.einsum("hd,khd->hk", q[b].float(), k).unsqueeze(1) * sm_scale  # [h, 1, kv]
-            kv_pos = kv_pos_base + torch.arange(kv_len, dtype=i64).view(1, 1, -1)
-            q_pos = torch.full((1, 1, 1), q_pos_base, dtype=i64)
-            qo_head = torch.arange(hq, dtype=i64).view(-1, 1, 1)
-            env = {
-                "q_pos": q_pos, "kv_pos": kv_pos, "q_idx": q_pos - (req_kv_len - req_qo_len),
-                "q_row": torch.full((1, 1, 1), q_row_base, dtype=i64), "kv_row": kv_row_base + kv_pos,
-                "q_kv_row": kv_row_base + q_pos, "request": torch.tensor(request, dtype=i64),
-                "qo_len": torch.tensor(req_qo_len, dtype=i64), "kv_len": torch.tensor(req_kv_len, dtype=i64),
-                "qo_head": qo_head, "kv_head": qo_head // group,
-            }
-            if self.spec.logits is not None:
-                ev = _Evaluator.from_env(self.spec, env, args)
-                ev.logits = scores
-                scores = ev._as_float(self.spec.logits).expand_as(scores)
-            visible = _Evaluator.from_env(self.spec, env, args).ev(self.spec.mask).expand(hq, 1, kv_len)
-            scores = scores.masked_fill(~visible, -math.inf)
-            row_max = scores.amax(dim=-1, keepdim=True)
-            finite = torch.isfinite(row_max)
-            probs = torch.exp(scores - torch.where(finite, row_max, torch.zeros_like(row_max)))
-            denom = probs.sum(dim=-1, keepdim=True)
-            weights = torch.where(denom > 0, probs / denom.clamp_min(1e-30), torch.zeros_like(probs))
-            out[b] = (torch.einsum("hqk,khd->qhd", weights, v)[0] * v_scale).to(out.dtype)
+            env, _, _ = launch_env(meta[b], 1, kv_len, hq, group)
+            scores = scores_with_logits(self.spec, env, args, scores)
+            visible = spec_mask(self.spec, env, args, (hq, 1, kv_len))
+            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v)
+            out[b] = (o[0] * v_scale).to(out.dtype)
             if lse is not None:
-                d2 = denom.squeeze(-1)
-                lse_b = torch.where(d2 > 0, row_max.squeeze(-1) + d2.log(), torch.full_like(d2, -math.inf))
-                lse[b] = (lse_b / math.log(2.0))[:, 0]
+                lse[b] = lse_b[0]
         self.run_calls.append(DecodeRunCall(
             kvp, kv_indices.tolist(), last, meta, layout, enable_pdl, sm_scale, v_scale,
             {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}, lse is not None))

@@ -34,11 +34,44 @@ from typing import Any
 
 import torch
 
-from variantgen.reference import _Evaluator
+from variantgen.reference import _Evaluator, softmax_attention
 from variantgen.spec import VariantSpec
 
 META_COLUMNS = 9
 MODE_NAMES = {0: "none", 1: "causal", 2: "custom"}
+
+
+def launch_env(meta_row: list[int], qo_len: int, kv_len: int, hq: int, group: int, *,
+               local_q_idx: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The expression builtins of one launch request as the generated hooks compute them from
+    its vg_meta row, over [heads, qo_len, kv_len], and the local indices i [1, qo, 1], j [1, 1, kv].
+    ``local_q_idx``: q_idx as the launch request's row (the pre-fix codegen) instead of the request's."""
+    q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len = meta_row[:7]
+    i64 = torch.int64
+    i = torch.arange(qo_len, dtype=i64).view(1, -1, 1)
+    j = torch.arange(kv_len, dtype=i64).view(1, 1, -1)
+    q_pos, kv_pos = q_pos_base + i, kv_pos_base + j
+    qo_head = torch.arange(hq, dtype=i64).view(-1, 1, 1)
+    env = {
+        "q_pos": q_pos, "kv_pos": kv_pos, "q_idx": i if local_q_idx else q_pos - (req_kv_len - req_qo_len),
+        "q_row": q_row_base + i, "kv_row": kv_row_base + kv_pos, "q_kv_row": kv_row_base + q_pos,
+        "request": torch.tensor(request, dtype=i64), "qo_len": torch.tensor(req_qo_len, dtype=i64),
+        "kv_len": torch.tensor(req_kv_len, dtype=i64), "qo_head": qo_head, "kv_head": qo_head // group,
+    }
+    return env, i, j
+
+
+def scores_with_logits(spec: VariantSpec, env: dict, args: dict, scores: torch.Tensor) -> torch.Tensor:
+    """The spec's logits transform applied to the scaled scores (unchanged without one)."""
+    if spec.logits is None:
+        return scores
+    ev = _Evaluator.from_env(spec, env, args)
+    ev.logits = scores
+    return ev._as_float(spec.logits).expand_as(scores)
+
+
+def spec_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...]) -> torch.Tensor:
+    return _Evaluator.from_env(spec, env, args).ev(spec.mask).expand(shape)
 
 
 @dataclass
@@ -165,7 +198,6 @@ class FakeModule:
         group = hq // hkv
         if self.row_writes is None:
             self.row_writes = torch.zeros(total_q, dtype=torch.int64)
-        i64 = torch.int64
         rows_total = 0
         for b in range(n):
             (q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, kwin,
@@ -194,42 +226,20 @@ class FakeModule:
             qb = q[qs[b]:qs[b] + qo_len].float()
             scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale
 
-            i = torch.arange(qo_len, dtype=i64).view(1, -1, 1)
-            j = torch.arange(kv_len, dtype=i64).view(1, 1, -1)
-            q_pos = q_pos_base + i
-            kv_pos = kv_pos_base + j
-            qo_head = torch.arange(hq, dtype=i64).view(-1, 1, 1)
-            env = {
-                "q_pos": q_pos, "kv_pos": kv_pos,
-                "q_idx": i if self.codegen_q_idx else q_pos - (req_kv_len - req_qo_len),
-                "q_row": q_row_base + i, "kv_row": kv_row_base + kv_pos, "q_kv_row": kv_row_base + q_pos,
-                "request": torch.tensor(request, dtype=i64), "qo_len": torch.tensor(req_qo_len, dtype=i64),
-                "kv_len": torch.tensor(req_kv_len, dtype=i64), "qo_head": qo_head, "kv_head": qo_head // group,
-            }
-            if self.spec.logits is not None:
-                ev = _Evaluator.from_env(self.spec, env, args)
-                ev.logits = scores
-                scores = ev._as_float(self.spec.logits).expand_as(scores)
+            env, i, j = launch_env(meta[b], qo_len, kv_len, hq, group, local_q_idx=self.codegen_q_idx)
+            scores = scores_with_logits(self.spec, env, args, scores)
             if mask_mode == 2:
-                visible = _Evaluator.from_env(self.spec, env, args).ev(self.spec.mask).expand(hq, qo_len, kv_len)
+                visible = spec_mask(self.spec, env, args, (hq, qo_len, kv_len))
             elif mask_mode == 1:
                 d = kv_len - qo_len + i
                 visible = (j <= d) & ((j >= d - kwin) if kwin >= 0 else torch.ones((), dtype=torch.bool))
                 visible = visible.expand(hq, qo_len, kv_len)
             else:
                 visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
-            scores = scores.masked_fill(~visible, -math.inf)
-            row_max = scores.amax(dim=-1, keepdim=True) if kv_len else torch.full((hq, qo_len, 1), -math.inf)
-            finite = torch.isfinite(row_max)
-            probs = torch.exp(scores - torch.where(finite, row_max, torch.zeros_like(row_max)))
-            denom = probs.sum(dim=-1, keepdim=True)
-            weights = torch.where(denom > 0, probs / denom.clamp_min(1e-30), torch.zeros_like(probs))
-            o = torch.einsum("hqk,khd->qhd", weights, v) * v_scale
-            out[o_row:o_row + qo_len] = o.to(out.dtype)
+            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v)
+            out[o_row:o_row + qo_len] = (o * v_scale).to(out.dtype)
             if lse is not None:
-                d2 = denom.squeeze(-1)
-                lse_b = torch.where(d2 > 0, row_max.squeeze(-1) + d2.log(), torch.full_like(d2, -math.inf))
-                lse[o_row:o_row + qo_len] = (lse_b / math.log(2.0)).transpose(0, 1)
+                lse[o_row:o_row + qo_len] = lse_b
         self.run_calls.append(RunCall(MODE_NAMES[mask_mode], n, rows_total, meta,
                                       {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}))
 

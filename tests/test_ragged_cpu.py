@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _fake_kernel import FakeModule
+from _fake_kernel import FakeModule, launch_env, scores_with_logits, spec_mask
 from conftest import SPECS_DIR
 
 import variantgen
@@ -29,7 +29,7 @@ from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.errors import LaunchError
 from variantgen.ragged import RaggedWrapper, launch_mask_mode, random_ragged_batch, reference_ragged
-from variantgen.reference import _Evaluator
+from variantgen.reference import softmax_attention
 from variantgen.testing import random_spec_args
 
 HQ, HKV = 4, 2
@@ -184,7 +184,6 @@ class FakeRaggedModule(FakeModule):
         self.ragged_calls.append(dict(mode=MODE_NAMES[mask_mode], meta=meta, qo_indptr=qs, kv_indptr=kvp,
                                       layout=layout, lse=lse is not None, sm_scale=sm_scale, v_scale=v_scale,
                                       args={k_: v_ for k_, v_ in args.items() if not isinstance(v_, torch.Tensor)}))
-        i64 = torch.int64
         for b in range(n):
             q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo, req_kv, kwin, qo_len = meta[b]
             kv_len = kvp[b + 1] - kvp[b]
@@ -195,36 +194,19 @@ class FakeRaggedModule(FakeModule):
             kb = k[kvp[b]:kvp[b + 1]].float().repeat_interleave(group, dim=1)
             vb = v[kvp[b]:kvp[b + 1]].float().repeat_interleave(group, dim=1)
             scores = torch.einsum("qhd,khd->hqk", q[qs[b]:qs[b + 1]].float(), kb) * sm_scale
-            i = torch.arange(qo_len, dtype=i64).view(1, -1, 1)
-            j = torch.arange(kv_len, dtype=i64).view(1, 1, -1)
-            q_pos, kv_pos = q_pos_base + i, kv_pos_base + j
-            qo_head = torch.arange(hq, dtype=i64).view(-1, 1, 1)
-            env = {"q_pos": q_pos, "kv_pos": kv_pos, "q_idx": q_pos - (req_kv - req_qo), "q_row": q_row_base + i,
-                   "kv_row": kv_row_base + kv_pos, "q_kv_row": kv_row_base + q_pos,
-                   "request": torch.tensor(request, dtype=i64), "qo_len": torch.tensor(req_qo, dtype=i64),
-                   "kv_len": torch.tensor(req_kv, dtype=i64), "qo_head": qo_head, "kv_head": qo_head // group}
-            if self.spec.logits is not None:
-                ev = _Evaluator.from_env(self.spec, env, args)
-                ev.logits = scores
-                scores = ev._as_float(self.spec.logits).expand_as(scores)
+            env, i, j = launch_env(meta[b], qo_len, kv_len, hq, group)
+            scores = scores_with_logits(self.spec, env, args, scores)
             if mask_mode == 2:
-                visible = _Evaluator.from_env(self.spec, env, args).ev(self.spec.mask).expand(hq, qo_len, kv_len)
+                visible = spec_mask(self.spec, env, args, (hq, qo_len, kv_len))
             elif mask_mode == 1:
                 visible = (j <= kv_len - qo_len + i).expand(hq, qo_len, kv_len)
             else:
                 visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
-            scores = scores.masked_fill(~visible, -math.inf)
-            row_max = scores.amax(dim=-1, keepdim=True)
-            finite = torch.isfinite(row_max)
-            probs = torch.exp(scores - torch.where(finite, row_max, torch.zeros_like(row_max)))
-            denom = probs.sum(dim=-1, keepdim=True)
-            weights = torch.where(denom > 0, probs / denom.clamp_min(1e-30), torch.zeros_like(probs))
+            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), vb)
             o_row = o_indptr[b]
-            out[o_row:o_row + qo_len] = (torch.einsum("hqk,khd->qhd", weights, vb) * v_scale).to(out.dtype)
+            out[o_row:o_row + qo_len] = (o * v_scale).to(out.dtype)
             if lse is not None:
-                d2 = denom.squeeze(-1)
-                lse_b = torch.where(d2 > 0, row_max.squeeze(-1) + d2.log(), torch.full_like(d2, -math.inf))
-                lse[o_row:o_row + qo_len] = (lse_b / math.log(2.0)).transpose(0, 1)
+                lse[o_row:o_row + qo_len] = lse_b
 
 
 def make(spec, qk=64, vo=None, *, kv_layout="NHD", mask_modes=("none", "causal", "custom"), kv_dtype="bf16",

@@ -210,6 +210,22 @@ def kv_lengths(paged_kv_indptr: torch.Tensor, last_page_len: torch.Tensor, page_
     return [0 if n == 0 else (n - 1) * page_size + lp for n, lp in zip(pages, last)]
 
 
+def softmax_attention(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over the keys of ``scores`` [heads, q, kv] (-inf where masked) applied to ``v``
+    [kv, heads, d]: (out [q, heads, d], lse [q, heads]). A row with no visible key (or no keys)
+    gives 0 and lse -inf, as the kernels do; the LSE is base 2, FlashInfer's convention."""
+    heads, rows, _ = scores.shape
+    if scores.shape[-1] == 0:
+        return (scores.new_zeros(rows, heads, v.shape[-1]), scores.new_full((rows, heads), -math.inf))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    probs = torch.exp(scores - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)))
+    denom = probs.sum(dim=-1, keepdim=True)
+    weights = torch.where(denom > 0, probs / denom.clamp_min(1e-30), torch.zeros_like(probs))
+    d = denom.squeeze(-1)
+    lse = torch.where(d > 0, row_max.squeeze(-1) + d.log(), torch.full_like(d, -math.inf)) / math.log(2.0)
+    return torch.einsum("hqk,khd->qhd", weights, v), lse.transpose(0, 1)
+
+
 def reference_attention(
     spec: VariantSpec,
     q: torch.Tensor,
@@ -258,16 +274,7 @@ def reference_attention(
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
         scores = transform_logits(spec, grid, args, scores)
         mask = mask_for_request(spec, grid, args)
-        scores = scores.masked_fill(~mask, -math.inf)
-        row_max = scores.amax(dim=-1, keepdim=True)
-        finite = torch.isfinite(row_max)
-        probs = torch.exp(scores - torch.where(finite, row_max, torch.zeros_like(row_max)))
-        denom = probs.sum(dim=-1, keepdim=True)
-        weights = torch.where(denom > 0, probs / denom.clamp_min(1e-30), torch.zeros_like(probs))
-        out[qo[b]:qo[b + 1]] = torch.einsum("hqk,khd->qhd", weights, v)
-        lse_b = torch.where(denom.squeeze(-1) > 0, (row_max.squeeze(-1) + denom.squeeze(-1).log()),
-                            torch.full_like(denom.squeeze(-1), -math.inf))
-        lse[qo[b]:qo[b + 1]] = lse_b.transpose(0, 1) / math.log(2.0)  # FlashInfer's LSE is base 2
+        out[qo[b]:qo[b + 1]], lse[qo[b]:qo[b + 1]] = softmax_attention(scores.masked_fill(~mask, -math.inf), v)
         kv_row_base += kv_len
     if v_scale is not None:
         out = out * v_scale
