@@ -74,6 +74,30 @@ def spec_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...]) 
     return _Evaluator.from_env(spec, env, args).ev(spec.mask).expand(shape)
 
 
+def assert_lse_matches(lse: torch.Tensor, ref_lse: torch.Tensor, label: str) -> None:
+    """Same -inf pattern (rows with no visible key), and |lse - ref| <= 1e-4 + 1e-5 |ref| elsewhere."""
+    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), f"{label}: lse -inf pattern differs"
+    fin = torch.isfinite(ref_lse)
+    bad = ((lse - ref_lse).abs() > 1e-4 + 1e-5 * ref_lse.abs()) & fin
+    if bad.any():
+        worst = (lse[fin] - ref_lse[fin]).abs().max().item()
+        raise AssertionError(f"{label}: lse off on rows {bad.any(1).nonzero().flatten().tolist()[:20]} "
+                             f"(max {worst:.2e})")
+
+
+def assert_matches_reference(out: torch.Tensor, lse: torch.Tensor, ref: torch.Tensor, ref_lse: torch.Tensor,
+                             label: str, unit: str = "rows") -> None:
+    """A bf16 kernel output vs the float32 reference: every row written, relative error below
+    1e-3 against the reference rounded to bf16, no row off by more than bf16's step; then the LSE."""
+    assert not torch.isnan(out.float()).any(), f"{label}: rows left unwritten"
+    ref_bf16 = ref.to(torch.bfloat16).float()
+    err = ((out.float() - ref_bf16).norm() / ref_bf16.norm().clamp_min(1e-12)).item()
+    bad = (out.float() - ref).abs() > (2.0 ** -7) * ref.abs() + 1e-4
+    bad_rows = bad.flatten(1).any(1).nonzero().flatten().tolist()
+    assert err < 1e-3 and not bad_rows, f"{label}: rel. error {err:.2e}; {unit} off: {bad_rows[:20]}"
+    assert_lse_matches(lse, ref_lse, label)
+
+
 @dataclass
 class PlanCall:
     qo_indptr: list[int]

@@ -56,3 +56,16 @@ def mm_prefix_case(workspace, seed, kv_dtype="bf16", backend="fa2"):
     b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                            dtype=torch.bfloat16, kv_dtype=kv_torch, device="cuda", seed=seed)
     return spec, w, b, random_spec_args(spec, b, seed=seed)
+
+
+def assert_graph_replays(run, out: torch.Tensor) -> None:
+    """``run()`` writes ``out``; captured in a CUDA graph and replayed, it writes the same bytes."""
+    run()
+    expected = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)

@@ -24,6 +24,19 @@ from variantgen.env import REPO_DIR
 SPECS_DIR = REPO_DIR / "specs"
 TEMPLATES_DIR = REPO_DIR / "templates"
 SPEC_FILES = sorted(SPECS_DIR.glob("*.yaml"))
+ALL_SPECS = [p.stem for p in SPEC_FILES]
+# The CPU kernel emulations' batch: full prefill, chunked prefill (qo_len < kv_len),
+# single-token requests, requests with no queries (one with no keys either).
+CPU_QO_LENS = [37, 1, 20, 0, 64, 0, 5, 1]
+CPU_KV_LENS = [37, 90, 61, 9, 200, 0, 5, 1]
+# Scalars that make the masks bite at those lengths (the defaults are mostly larger).
+CPU_SMALL_SCALARS = {
+    "attention_sink": {"num_sink": 3, "window": 7},
+    "chunked_local": {"chunk_size": 13},
+    "mm_prefix": {"causal_window_left": 6, "range_window_left": 5},
+    "sliding_window": {"window": 9},
+    "softcap": {"soft_cap": 2.0, "window": 17},
+}
 
 # Every variable variantgen.env reads: a test environment starts without them.
 VG_VARIABLES = (
@@ -124,3 +137,20 @@ def workspace():
     import torch
 
     return torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
+
+
+@pytest.fixture
+def toolchain(vg_env):
+    """The real nvcc toolchain for the `nvcc`-marked builds; the test is skipped without one."""
+    from variantgen import build
+    from variantgen.errors import ToolchainError
+
+    try:
+        tc = build.toolchain()
+    except ToolchainError as e:
+        pytest.skip(str(e))
+    # Fail fast (before minutes of compiling) when discovery picked a CUDA_HOME that cannot link,
+    # e.g. the parent of a wrapper script `nvcc` on PATH (see test_toolchain.py).
+    assert (tc.cuda_home / "lib64").is_dir(), (
+        f"CUDA_HOME was discovered as {tc.cuda_home}, which has no lib64/ (libcudart): set CUDA_HOME")
+    return tc

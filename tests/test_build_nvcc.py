@@ -13,23 +13,10 @@ from conftest import SPECS_DIR
 import variantgen
 from variantgen import build
 from variantgen.cache import Cache
-from variantgen.errors import BuildError, ToolchainError
+from variantgen.errors import BuildError
 from variantgen.render import ModuleConfig
 
 pytestmark = pytest.mark.nvcc
-
-
-@pytest.fixture
-def toolchain(vg_env):
-    try:
-        tc = build.toolchain()
-    except ToolchainError as e:
-        pytest.skip(str(e))
-    # Fail fast (before minutes of compiling) when discovery picked a CUDA_HOME that cannot link,
-    # e.g. the parent of a wrapper script `nvcc` on PATH (see test_toolchain.py).
-    assert (tc.cuda_home / "lib64").is_dir(), (
-        f"CUDA_HOME was discovered as {tc.cuda_home}, which has no lib64/ (libcudart): set CUDA_HOME")
-    return tc
 
 
 def small_config() -> ModuleConfig:

@@ -10,18 +10,15 @@ them in parallel beforehand with scripts/precompile_gpu_tests.sh (VARIANTGEN_CAC
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from _gpu import ALL_SPECS, SPECS, assert_graph_replays, rel_error
 
 import variantgen
 from variantgen.reference import reference_attention
 from variantgen.testing import random_paged_batch, random_spec_args
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-SPECS = Path(__file__).resolve().parents[1] / "specs"
-ALL_SPECS = sorted(p.stem for p in SPECS.glob("*.yaml"))
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 
 # Ragged decode batch: kv_len 1, shorter than a page, exactly a page, a page + 1, long ones.
@@ -42,11 +39,6 @@ TENSOR_CORE_SPECS = ["causal", "mm_prefix", "softcap"]
 
 
 @pytest.fixture(scope="module")
-def workspace():
-    return torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-
-
-@pytest.fixture(scope="module")
 def wrapper(workspace):
     """wrapper(spec, head_dim, q_dtype, kv_dtype, tensor_cores, kv_layout): one make_wrapper per key,
     building its module on first use (precompile them all at once with
@@ -62,12 +54,6 @@ def wrapper(workspace):
         return made[key]
 
     return get
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out = out.float()
-    assert torch.isfinite(out).all(), "kernel output has NaN/inf"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
 def decode_batch(kv_lens, *, head_dim=128, q_dtype="bf16", kv_dtype=None, heads=(32, 8), page_size=16, seed=0):
@@ -168,15 +154,7 @@ def test_cuda_graph_replay(wrapper):
     args = random_spec_args(w.spec, b, seed=8)
     w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 32, 8, 16, **args)
     out = torch.empty_like(b.q)
-    w.run(b.q, (b.k_cache, b.v_cache), out=out, **args)
-    expected = out.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        w.run(b.q, (b.k_cache, b.v_cache), out=out, **args)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, expected)
+    assert_graph_replays(lambda: w.run(b.q, (b.k_cache, b.v_cache), out=out, **args), out)
 
 
 def test_matches_flashinfer_decode(wrapper, workspace):

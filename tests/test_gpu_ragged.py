@@ -10,18 +10,16 @@ wrappers; modules land in VARIANTGEN_CACHE_DIR, so a second session only loads t
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from _gpu import ALL_SPECS, SPECS, rel_error
 
 import variantgen
 from variantgen.ragged import RaggedWrapper, random_ragged_batch, reference_ragged
 from variantgen.testing import random_spec_args
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
-SPECS = Path(__file__).resolve().parents[1] / "specs"
-ALL_SPECS = sorted(p.stem for p in SPECS.glob("*.yaml"))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HEADS = (32, 8)  # GQA 4
 
@@ -30,11 +28,6 @@ QO_LENS = [37, 300, 1, 129, 513, 16, 1]
 KV_LENS = [37, 812, 700, 1000, 513, 4000, 1]
 # A context-free spec for the chunked-context merge (vLLM runs context chunks non-causal).
 FULL_SPEC = "name: full\ndescription: every key is visible\nmask: \"true\"\n"
-
-
-@pytest.fixture(scope="module")
-def workspace():
-    return torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +47,6 @@ def wrappers(workspace):
         return made[key]
 
     return get
-
-
-def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out = out.float()
-    assert torch.isfinite(out).all(), "kernel output has NaN/inf"
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-12)).item()
 
 
 def check_lse(lse: torch.Tensor, ref_lse: torch.Tensor, label: str) -> None:

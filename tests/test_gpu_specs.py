@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _gpu import ALL_SPECS, check, mm_prefix_case, rel_error
+from _gpu import ALL_SPECS, assert_graph_replays, check, mm_prefix_case, rel_error
 
 from variantgen.reference import reference_attention
 from variantgen.testing import spans_to_ranges
@@ -112,12 +112,4 @@ def test_planner_on_by_default_and_cuda_graph_replay(workspace):
     w.plan(*b.plan_args(), ranges=args["ranges"])
     assert "planner_off" not in w.plan_stats and len(w.plan_stats["launches"]) >= 1
     out = torch.empty_like(b.q)
-    w.run(b.q, (b.k_cache, b.v_cache), out=out, **args)
-    expected = out.clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        w.run(b.q, (b.k_cache, b.v_cache), out=out, **args)
-    out.zero_()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, expected)
+    assert_graph_replays(lambda: w.run(b.q, (b.k_cache, b.v_cache), out=out, **args), out)

@@ -17,8 +17,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from _fake_kernel import FakeFa3Module, FakeModule
-from conftest import SPECS_DIR
+from _fake_kernel import FakeFa3Module, FakeModule, assert_matches_reference
+from conftest import ALL_SPECS, SPECS_DIR
+from conftest import CPU_KV_LENS as KV_LENS
+from conftest import CPU_QO_LENS as QO_LENS
+from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
 import variantgen.wrapper as wrapper_mod
@@ -31,20 +34,6 @@ from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ra
 from variantgen.wrapper import META_COLUMNS, VariantWrapper
 
 HQ, HKV, HEAD_DIM = 4, 2, 64
-ALL_SPECS = sorted(p.stem for p in SPECS_DIR.glob("*.yaml"))
-# Ragged: full prefill, chunked prefill (qo_len < kv_len), single-token requests, a request
-# with no queries (one of them with no keys either), a long cached prefix.
-QO_LENS = [37, 1, 20, 0, 64, 0, 5, 1]
-KV_LENS = [37, 90, 61, 9, 200, 0, 5, 1]
-# Scalars that make the masks bite at these lengths (the defaults are mostly larger than
-# the sequences); "defaults" runs the spec's own defaults.
-SMALL_SCALARS = {
-    "attention_sink": {"num_sink": 3, "window": 7},
-    "chunked_local": {"chunk_size": 13},
-    "mm_prefix": {"causal_window_left": 6, "range_window_left": 5},
-    "sliding_window": {"window": 9},
-    "softcap": {"soft_cap": 2.0, "window": 17},
-}
 PLAN_STATS: dict[str, object] = {}
 
 
@@ -103,18 +92,7 @@ def check(spec, batch, args, *, skip_tiles, scales=None, label="", codegen_q_idx
     ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
                                        batch.kv_indptr, batch.kv_indices, batch.last_page_len, args,
                                        return_lse=True, **scales)
-    assert not torch.isnan(out.float()).any(), f"{label}: rows left unwritten"
-    ref_bf16 = ref.to(torch.bfloat16).float()
-    err = ((out.float() - ref_bf16).norm() / ref_bf16.norm().clamp_min(1e-12)).item()
-    bad = (out.float() - ref).abs() > (2.0 ** -7) * ref.abs() + 1e-4
-    bad_rows = bad.flatten(1).any(1).nonzero().flatten().tolist()
-    assert err < 1e-3 and not bad_rows, f"{label}: rel. error {err:.2e}; rows off: {bad_rows[:20]}"
-    assert torch.equal(torch.isfinite(lse), torch.isfinite(ref_lse)), f"{label}: lse -inf pattern differs"
-    fin = torch.isfinite(ref_lse)
-    lse_err = (lse[fin] - ref_lse[fin]).abs()
-    bad_lse = ((lse - ref_lse).abs() > 1e-4 + 1e-5 * ref_lse.abs()) & fin
-    assert not bad_lse.any(), (f"{label}: lse off on rows {bad_lse.any(1).nonzero().flatten().tolist()[:20]} "
-                               f"(max {lse_err.max().item():.2e})")
+    assert_matches_reference(out, lse, ref, ref_lse, label)
     return w, fake
 
 
