@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime as dt
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -34,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import cuda_median_ms  # noqa: E402
+from variantgen.testing import cuda_median_ms, result_file_name, run_environment  # noqa: E402
 
 B, L, HQ, HKV, D, PS = 64, 8192, 32, 8, 128, 16
 WINDOW, SOFT_CAP, DOC_LEN = 1023, 50.0, 1024
@@ -102,23 +99,13 @@ def main() -> None:
 
     dev = "cuda"
     res: dict = {
-        "date": dt.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "flashinfer": flashinfer.__version__,
-        "variantgen": variantgen.__version__,
-        "host": platform.node(),
+        **run_environment(),
         "workload": dict(batch=B, kv_len=L, qo_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PS, dtype="bf16",
                          window=WINDOW, soft_cap=SOFT_CAP, doc_len=DOC_LEN, spans=SPANS),
         "ms": {},
         "notes": {},
         "errors": {},
     }
-    try:
-        res["nvcc"] = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.splitlines()[-1]
-    except (OSError, IndexError):
-        res["nvcc"] = None
     ms, notes, errors = res["ms"], res["notes"], res["errors"]
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     batch = decode_batch(dev)
@@ -247,8 +234,7 @@ def main() -> None:
     print(json.dumps(res["ratios"], indent=1))
     if errors:
         print("errors:", json.dumps(errors, indent=1))
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
-        f"decode-{res['date']}-{res['gpu'].replace(' ', '_')}.json")
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / result_file_name("decode", res)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     if os.environ.get("OUT"):

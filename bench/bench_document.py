@@ -18,9 +18,9 @@ sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
 from variantgen.reference import reference_attention  # noqa: E402
-from variantgen.testing import cuda_median_ms, random_paged_batch  # noqa: E402
+from variantgen.testing import PREFILL_BENCH_SHAPE, cuda_median_ms, random_paged_batch  # noqa: E402
 
-B, L, HQ, HKV, D, PS = 8, 8192, 32, 8, 128, 16
+B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
 
 
 def main() -> None:

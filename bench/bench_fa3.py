@@ -2,7 +2,6 @@
 spans per request): FlashInfer fa2/fa3 causal vs variantgen mm_prefix on fa2 and fa3, and the
 fa3 soft-cap variant. The short form of bench_prefill.py that fits a few device minutes.
 Run from the repo root on the GPU machine: python bench/bench_fa3.py"""
-import datetime as dt
 import json
 import os
 import time
@@ -12,18 +11,25 @@ import flashinfer
 import torch
 
 import variantgen
-from variantgen.testing import cuda_median_ms, random_paged_batch, spans_to_ranges
+from variantgen.testing import (
+    PREFILL_BENCH_SHAPE,
+    PREFILL_BENCH_SPANS,
+    cuda_median_ms,
+    random_paged_batch,
+    result_file_name,
+    run_environment,
+    spans_to_ranges,
+)
 
-B, L, HQ, HKV, D, PS = 8, 8192, 32, 8, 128, 16
-SPANS = [(1024 + 2048 * i, 1024 + 2048 * i + 1023) for i in range(3)]
+B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
+SPANS = PREFILL_BENCH_SPANS
 b = random_paged_batch([L] * B, [L] * B, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
                        device="cuda", seed=2)
 ranges = spans_to_ranges(b.qo_lens, b.kv_lens, [SPANS] * B).cuda()
 kv = (b.k_cache, b.v_cache)
 ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-res = {"date": dt.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0), "flashinfer": flashinfer.__version__,
-       "torch": torch.__version__, "workload": dict(batch=B, tokens=L, qo_heads=HQ, kv_heads=HKV, head_dim=D,
-                                                      page_size=PS, spans=SPANS), "ms": {}, "notes": {}}
+res = {**run_environment(), "workload": dict(batch=B, tokens=L, qo_heads=HQ, kv_heads=HKV, head_dim=D,
+                                             page_size=PS, spans=SPANS), "ms": {}, "notes": {}}
 ms = res["ms"]
 
 
@@ -73,7 +79,7 @@ res["ratios"] = {
     "fa3_softcap_planned_vs_flashinfer_fa3_causal": ratio("variantgen_fa3_softcap_planned", "flashinfer_causal_fa3"),
 }
 print(json.dumps(res, indent=1))
-name = f"prefill-fa3-{res['date']}-{res['gpu'].replace(' ', '_')}.json"
+name = result_file_name("prefill-fa3", res)
 out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
 (out_dir / name).write_text(json.dumps(res, indent=1))
 print("wrote", out_dir / name)

@@ -22,10 +22,16 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import cuda_median_ms, random_paged_batch, spans_to_ranges  # noqa: E402
+from variantgen.testing import (  # noqa: E402
+    PREFILL_BENCH_SHAPE,
+    PREFILL_BENCH_SPANS,
+    cuda_median_ms,
+    random_paged_batch,
+    spans_to_ranges,
+)
 
-B, L, HQ, HKV, D, PS = 8, 8192, 32, 8, 128, 16
-SPANS = [(1024 + 2048 * i, 1024 + 2048 * i + 1023) for i in range(3)]
+B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
+SPANS = PREFILL_BENCH_SPANS
 
 
 def main() -> None:

@@ -9,11 +9,8 @@ events (median of --iters runs after warm-up). Writes bench/results/prefill-<dat
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,10 +21,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import cuda_median_ms, random_paged_batch, spans_to_ranges  # noqa: E402
+from variantgen.testing import (  # noqa: E402
+    PREFILL_BENCH_SHAPE,
+    PREFILL_BENCH_SPANS,
+    cuda_median_ms,
+    random_paged_batch,
+    result_file_name,
+    run_environment,
+    spans_to_ranges,
+)
 
-B, L, HQ, HKV, D, PS = 8, 8192, 32, 8, 128, 16
-SPANS = [(1024 + 2048 * i, 1024 + 2048 * i + 1023) for i in range(3)]
+B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
+SPANS = PREFILL_BENCH_SPANS
 
 
 def main() -> None:
@@ -43,22 +48,12 @@ def main() -> None:
 
     dev = "cuda"
     res: dict = {
-        "date": dt.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "flashinfer": flashinfer.__version__,
-        "variantgen": variantgen.__version__,
-        "host": platform.node(),
+        **run_environment(),
         "workload": dict(batch=B, tokens=L, qo_heads=HQ, kv_heads=HKV, head_dim=D, page_size=PS,
                          spans=SPANS, dtype="bf16"),
         "ms": {},
         "notes": {},
     }
-    try:
-        res["nvcc"] = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.splitlines()[-1]
-    except OSError:
-        res["nvcc"] = None
     batch = random_paged_batch([L] * B, [L] * B, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
                                device=dev, seed=2)
     ranges = spans_to_ranges(batch.qo_lens, batch.kv_lens, [SPANS] * B).to(dev)
@@ -244,8 +239,7 @@ def main() -> None:
         "prefix_lm_planned_vs_flex": ratio("variantgen_prefix_lm_planned", "flex_prefix_lm"),
     }
     print(json.dumps(res["ratios"], indent=1))
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
-        f"prefill-{res['date']}-{res['gpu'].replace(' ', '_')}.json")
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / result_file_name("prefill", res)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     if os.environ.get("OUT"):

@@ -1,7 +1,6 @@
 """Quick GPU check of the decode and ragged kinds against the derived reference: decode
 (CUDA cores, mm_prefix, key trimming on/off) and ragged MLA-shaped prefill (192/128) with LSE.
 Run from the repo root on the GPU machine: python bench/kinds_check.py"""
-import datetime as dt
 import json
 import os
 import sys
@@ -12,7 +11,7 @@ import torch
 import variantgen
 from variantgen.ragged import random_ragged_batch, reference_ragged
 from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args
+from variantgen.testing import random_paged_batch, random_spec_args, result_file_name, run_environment
 
 ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
 res = {}
@@ -54,7 +53,7 @@ try:  # ragged, MLA prefill shape 192/128, chunked prefill + qo_len 1, LSE
 except Exception as e:
     res["ragged_error"] = f"{type(e).__name__}: {str(e)[:600]}"
 print(json.dumps(res, indent=1))
-name = f"kinds-check-{dt.date.today().isoformat()}-{torch.cuda.get_device_name(0).replace(' ', '_')}.json"
+name = result_file_name("kinds-check", run_environment())
 out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else Path(__file__).resolve().parent / "results"
 (out_dir / name).write_text(json.dumps(res, indent=1))
 sys.exit(0)

@@ -1,4 +1,4 @@
-"""Random paged batches and spec arguments, for tests, `variantgen check` and bench/.
+"""Random paged batches and spec arguments, timing and run metadata, for tests, `variantgen check` and bench/.
 
 Arguments of the shipped specs get meaningful values (spans that contain their query,
 increasing document ids, ALiBi slopes); tensors of other specs get random values in a
@@ -142,3 +142,33 @@ def cuda_median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+# The prefill workload of DESIGN.md that the benchmarks share: batch, tokens per request,
+# query / KV heads, head dim, page size; and three 1024-token image spans per request.
+PREFILL_BENCH_SHAPE = (8, 8192, 32, 8, 128, 16)
+PREFILL_BENCH_SPANS = [(1024 + 2048 * i, 1024 + 2048 * i + 1023) for i in range(3)]
+
+
+def run_environment() -> dict[str, Any]:
+    """What a benchmark's JSON records about where it ran: date, GPU, versions, host, nvcc."""
+    import datetime
+    import platform
+    import subprocess
+
+    import flashinfer
+
+    from . import __version__
+
+    try:
+        nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.splitlines()[-1]
+    except (OSError, IndexError):
+        nvcc = None
+    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "flashinfer": flashinfer.__version__,
+            "variantgen": __version__, "host": platform.node(), "nvcc": nvcc}
+
+
+def result_file_name(kind: str, env: dict[str, Any]) -> str:
+    """bench/results/ naming: '<kind>-<date>-<GPU name>.json'."""
+    return f"{kind}-{env['date']}-{env['gpu'].replace(' ', '_')}.json"
