@@ -200,17 +200,13 @@ def regroup_for_fa3(launches: list[dict], page_size: int, head_dim_vo: int) -> l
 def _select(launch: dict, idx: list[int]) -> dict:
     """The launch restricted to launch requests ``idx`` (in order), re-packed."""
     q_starts, plan_qo, kv_indptr = launch["q_starts"], launch["plan_qo"], launch["kv_indptr"]
-    kv_indices = launch["kv_indices"]
-    new_qo, new_kv, pages, starts = [0], [0], [], []
+    new_qo, new_kv = [0], [0]
     for i in idx:
-        starts.append(q_starts[i])
         new_qo.append(new_qo[-1] + plan_qo[i + 1] - plan_qo[i])
         new_kv.append(new_kv[-1] + kv_indptr[i + 1] - kv_indptr[i])
-        pages.append((kv_indptr[i], kv_indptr[i + 1]))
-    if isinstance(kv_indices, torch.Tensor):
-        sel = torch.cat([kv_indices[a:b] for a, b in pages]) if pages else kv_indices[:0]
-    else:
-        sel = [p for a, b in pages for p in kv_indices[a:b]]
-    return dict(launch, q_starts=starts + [q_starts[-1]], plan_qo=new_qo,
-                kv_indptr=new_kv, kv_indices=sel, last_page_len=[launch["last_page_len"][i] for i in idx],
+    kv_indices = launch["kv_indices"]
+    pages = gather_page_ranges(kv_indices, [(kv_indptr[i], kv_indptr[i + 1] - kv_indptr[i]) for i in idx],
+                               new_kv[-1], kv_indices.device)
+    return dict(launch, q_starts=[q_starts[i] for i in idx] + [q_starts[-1]], plan_qo=new_qo, kv_indptr=new_kv,
+                kv_indices=pages, last_page_len=[launch["last_page_len"][i] for i in idx],
                 meta=[launch["meta"][i] for i in idx], packed=False)

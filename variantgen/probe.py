@@ -193,7 +193,8 @@ def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dt
         except ValueError as e:
             raise _Fail(str(e)) from None
     placeholder = "9.0a" if backend == "fa3" else "8.0"  # the arch check proper comes in step 4
-    problems = _config_problems(dict(config_fields, backend=backend or "fa2"), explicit_arch or placeholder)
+    problems = ModuleConfig.problems_of(**dict(config_fields, backend=backend or "fa2"),
+                                        arch=explicit_arch or placeholder)
     if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
         problems.append(f"page_size={page_size!r}: expected a positive whole number")
     if problems:
@@ -332,20 +333,6 @@ def _config_fields(spec: VariantSpec, head_dim_qk: Any, head_dim_vo: Any, q_dtyp
         "backend": backend,
         "kind": kind,
     }
-
-
-def _config_problems(fields: dict[str, Any], arch: str) -> list[str]:
-    """ModuleConfig.problems() for these fields, all of them (construction stops at the first)."""
-    probe_cfg = object.__new__(ModuleConfig)  # skip __post_init__, which raises on the first problem
-    for f in ModuleConfig.__dataclass_fields__.values():
-        if f.name in fields:
-            value = fields[f.name]
-        elif f.name == "arch":
-            value = arch
-        else:
-            value = f.default
-        object.__setattr__(probe_cfg, f.name, value)
-    return probe_cfg.problems()
 
 
 def _device_arch(device: Any) -> str | None:

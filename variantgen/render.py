@@ -8,11 +8,13 @@ error, never an empty string in generated C++.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import jinja2
 
@@ -97,6 +99,15 @@ class ModuleConfig:
         if problems:
             raise ValueError(problems[0])
 
+    @classmethod
+    def problems_of(cls, **fields: Any) -> list[str]:
+        """problems() of the config these fields (defaults for the rest) would make, all of
+        them: construction stops at the first."""
+        config = object.__new__(cls)  # skips __post_init__
+        for f in dataclasses.fields(cls):
+            object.__setattr__(config, f.name, fields.get(f.name, f.default))
+        return config.problems()
+
     def problems(self) -> list[str]:
         out = []
         if self.kind not in KINDS:
@@ -179,12 +190,10 @@ def choose_backend(spec: VariantSpec, *, kind: str, head_dim_qk: int, head_dim_v
     fa2 for both routes (bench/results/prefill-fa3-2026-11-29-NVIDIA_H200.json, mm_prefix,
     8 x 8192: planned 9.40 vs 13.39 ms, direct 54.3 vs 81.2 ms). Everything else: fa2 (decode,
     ragged, fp8 KV caches, 192/128, other GPUs)."""
-    fa3 = ModuleConfig.__new__(ModuleConfig)  # problems() without raising on the first
-    fields = dict(spec=spec, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                  o_dtype=o_dtype, arch=arch, backend="fa3", mask_modes=tuple(MASK_MODES), kind=kind)
-    for name, value in fields.items():
-        object.__setattr__(fa3, name, value)
-    return "fa3" if not fa3.problems() else "fa2"
+    fa3_problems = ModuleConfig.problems_of(spec=spec, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
+                                            q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, arch=arch,
+                                            backend="fa3", kind=kind)
+    return "fa2" if fa3_problems else "fa3"
 
 
 @dataclass(frozen=True)

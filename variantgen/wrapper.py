@@ -393,9 +393,7 @@ class VariantWrapper(WrapperBase):
         # Each launch gets its own slice of the caller's float workspace (split-KV scratch).
         chunk = self._float_workspace.numel() // n_launches
         float_ws = self._float_workspace[i * chunk:(i + 1) * chunk]
-        kv_indices = launch["kv_indices"]
-        if not isinstance(kv_indices, torch.Tensor):
-            kv_indices = torch.tensor(kv_indices, dtype=torch.int32)
+        kv_indices = launch["kv_indices"]  # a tensor: the caller's, or gathered by the planner
         q_starts_h = torch.tensor(launch["q_starts"], dtype=torch.int32)
         if self.config.backend == "fa3":
             # FA3 takes kv lengths directly and each work item's first row from q_starts.
