@@ -65,16 +65,6 @@ def _csv(values: tuple[str, ...] | str | None) -> list[str]:
     return out
 
 
-def _ints(values: Any, option: str) -> list[int]:
-    out = []
-    for v in _csv(values):
-        try:
-            out.append(int(v))
-        except ValueError:
-            raise click.BadParameter(f"{v!r} is not a whole number", param_hint=option) from None
-    return out
-
-
 def _head_dims(values: Any, option: str) -> list[tuple[int, int]]:
     """'64,128,192/128' -> [(64, 64), (128, 128), (192, 128)]: qk head dim, or qk/vo."""
     out = []
@@ -269,7 +259,7 @@ def _parse_shard(value: str | None) -> tuple[int, int]:
 
 def expand_matrix(spec_paths: list[str], head_dims: list[int] | list[tuple[int, int]], dtypes: list[str],
                   kv_dtypes: list[str] | None, o_dtypes: list[str] | None, archs: list[str], backends: list[str],
-                  kinds: list[str] = ("prefill",),  # type: ignore[assignment]
+                  kinds: tuple[str, ...] | list[str] = ("prefill",),
                   ) -> tuple[list[ModuleConfig], list[tuple[str, str]]]:
     """Every valid ModuleConfig of the matrix (unique, sorted by URI prefix) and the skipped
     combinations with their reason."""
