@@ -36,7 +36,7 @@ import torch
 
 from .errors import LaunchError
 from .planner import gather_page_ranges
-from .wrapper import LAYOUT_CODES, META_COLUMNS, TORCH_DTYPES, Batch, VariantWrapper, WrapperBase
+from .wrapper import LAYOUT_CODES, META_COLUMNS, Batch, VariantWrapper, WrapperBase
 
 log = logging.getLogger("variantgen.decode")
 
@@ -226,13 +226,8 @@ class DecodeWrapper(WrapperBase):
                                      return_lse=return_lse, enable_pdl=enable_pdl, **spec_args)
         la = self._launch
         assert la is not None
-        self._check_tensor("q", q, TORCH_DTYPES[cfg.q_dtype], want)
-        if q.stride(-1) != 1:
-            raise LaunchError("run(): `q` must have a contiguous last dimension")
-        k_cache, v_cache = self._check_paged_cache(paged_kv_cache)
-        self._check_scales(q_scale, k_scale, v_scale)
-        args = self._check_args(spec_args, where="run()")
-        self._check_planned_args(args)
+        k_cache, v_cache, args = self._check_paged_run(q, want, paged_kv_cache, (q_scale, k_scale, v_scale),
+                                                       spec_args)
         out, lse = self._outputs(out, return_lse)
         if not out.is_contiguous():
             raise LaunchError("run(): `out` must be contiguous (the decode kernel writes [batch, heads, head_dim] "

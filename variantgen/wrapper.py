@@ -268,6 +268,21 @@ class WrapperBase:
         lse = torch.empty(b.total_q, b.num_qo_heads, dtype=torch.float32, device=self.device) if return_lse else None
         return out, lse
 
+    def _check_paged_run(self, q: Any, q_shape: tuple[int, ...], paged_kv_cache: Any,
+                         scales: tuple[Any, Any, Any], spec_args: dict[str, Any],
+                         ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """run()'s checks over a paged KV cache, in order: q, the cache, q/k/v scales, the
+        spec's arguments (and that they are what plan() planned with). Returns (k_cache,
+        v_cache, checked spec arguments)."""
+        self._check_tensor("q", q, TORCH_DTYPES[self.config.q_dtype], q_shape)
+        if q.stride(-1) != 1:
+            raise LaunchError("run(): `q` must have a contiguous last dimension")
+        k_cache, v_cache = self._check_paged_cache(paged_kv_cache)
+        self._check_scales(*scales)
+        args = self._check_args(spec_args, where="run()")
+        self._check_planned_args(args)
+        return k_cache, v_cache, args
+
     def _check_paged_cache(self, paged_kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) from a pair or a [pages, 2, ...] tensor, checked against the plan."""
         b, cfg = self._batch, self.config
@@ -440,13 +455,8 @@ class VariantWrapper(WrapperBase):
             raise LaunchError("run() called before plan(): call plan(qo_indptr, paged_kv_indptr, ...) first")
         b = self._batch
         cfg = self.config
-        self._check_tensor("q", q, TORCH_DTYPES[cfg.q_dtype], (b.total_q, b.num_qo_heads, cfg.head_dim_qk))
-        if q.stride(-1) != 1:
-            raise LaunchError("run(): `q` must have a contiguous last dimension")
-        k_cache, v_cache = self._check_paged_cache(paged_kv_cache)
-        self._check_scales(q_scale, k_scale, v_scale)
-        args = self._check_args(spec_args, where="run()")
-        self._check_planned_args(args)
+        k_cache, v_cache, args = self._check_paged_run(
+            q, (b.total_q, b.num_qo_heads, cfg.head_dim_qk), paged_kv_cache, (q_scale, k_scale, v_scale), spec_args)
         out, lse = self._outputs(out, return_lse)
         tensors, scalars = self._kernel_args(args, q_scale, k_scale, v_scale)
         layout = LAYOUT_CODES[self.kv_layout]
