@@ -18,7 +18,12 @@ sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
 from variantgen.reference import reference_attention  # noqa: E402
-from variantgen.testing import PREFILL_BENCH_SHAPE, cuda_median_ms, random_paged_batch  # noqa: E402
+from variantgen.testing import (  # noqa: E402
+    PREFILL_BENCH_SHAPE,
+    cuda_median_ms,
+    prefill_bench_batch,
+    random_paged_batch,
+)
 
 B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
 
@@ -28,8 +33,7 @@ def main() -> None:
     w = variantgen.make_wrapper(ROOT / "specs" / "document.yaml", ws, head_dim_qk=D, q_dtype="bf16",
                                 kv_dtype="bf16")
     res = {"gpu": torch.cuda.get_device_name(0)}
-    b = random_paged_batch([L] * B, [L] * B, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
-                           device="cuda", seed=2)
+    b, _ = prefill_bench_batch("cuda")
     ids = (torch.arange(L, device="cuda", dtype=torch.int32) // (L // 8)).repeat(B).contiguous()
     w.plan(*b.plan_args(), doc_ids=ids)
     res["segments"] = w.plan_stats["segments"]

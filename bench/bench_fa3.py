@@ -15,17 +15,14 @@ from variantgen.testing import (
     PREFILL_BENCH_SHAPE,
     PREFILL_BENCH_SPANS,
     cuda_median_ms,
-    random_paged_batch,
+    prefill_bench_batch,
     result_file_name,
     run_environment,
-    spans_to_ranges,
 )
 
 B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
 SPANS = PREFILL_BENCH_SPANS
-b = random_paged_batch([L] * B, [L] * B, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
-                       device="cuda", seed=2)
-ranges = spans_to_ranges(b.qo_lens, b.kv_lens, [SPANS] * B).cuda()
+b, ranges = prefill_bench_batch("cuda")
 kv = (b.k_cache, b.v_cache)
 ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
 res = {**run_environment(), "workload": dict(batch=B, tokens=L, qo_heads=HQ, kv_heads=HKV, head_dim=D,

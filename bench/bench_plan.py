@@ -24,23 +24,18 @@ sys.path.insert(0, str(ROOT))
 import variantgen  # noqa: E402
 from variantgen.testing import (  # noqa: E402
     PREFILL_BENCH_SHAPE,
-    PREFILL_BENCH_SPANS,
     cuda_median_ms,
-    random_paged_batch,
-    spans_to_ranges,
+    prefill_bench_batch,
 )
 
-B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
-SPANS = PREFILL_BENCH_SPANS
+D = PREFILL_BENCH_SHAPE[4]  # head dim
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
-    batch = random_paged_batch([L] * B, [L] * B, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
-                               device="cuda", seed=2)
-    ranges = spans_to_ranges(batch.qo_lens, batch.kv_lens, [SPANS] * B).cuda()
+    batch, ranges = prefill_bench_batch("cuda")
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     kv = (batch.k_cache, batch.v_cache)
     out = {"gpu": torch.cuda.get_device_name(0), "plan_ms": {}, "run_ms": {}}

@@ -25,10 +25,9 @@ from variantgen.testing import (  # noqa: E402
     PREFILL_BENCH_SHAPE,
     PREFILL_BENCH_SPANS,
     cuda_median_ms,
-    random_paged_batch,
+    prefill_bench_batch,
     result_file_name,
     run_environment,
-    spans_to_ranges,
 )
 
 B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
@@ -54,9 +53,7 @@ def main() -> None:
         "ms": {},
         "notes": {},
     }
-    batch = random_paged_batch([L] * B, [L] * B, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
-                               device=dev, seed=2)
-    ranges = spans_to_ranges(batch.qo_lens, batch.kv_lens, [SPANS] * B).to(dev)
+    batch, ranges = prefill_bench_batch(dev)
     kv = (batch.k_cache, batch.v_cache)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     ms = res["ms"]

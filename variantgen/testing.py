@@ -150,6 +150,15 @@ PREFILL_BENCH_SHAPE = (8, 8192, 32, 8, 128, 16)
 PREFILL_BENCH_SPANS = [(1024 + 2048 * i, 1024 + 2048 * i + 1023) for i in range(3)]
 
 
+def prefill_bench_batch(device: str | torch.device = "cuda", seed: int = 2) -> tuple[PagedBatch, torch.Tensor]:
+    """The benchmark workload's batch (full prefill, shuffled pages) and its spans as mm_prefix
+    ``ranges`` [total_q, 2]."""
+    b, length, hq, hkv, d, ps = PREFILL_BENCH_SHAPE
+    batch = random_paged_batch([length] * b, [length] * b, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               page_size=ps, device=device, seed=seed)
+    return batch, spans_to_ranges(batch.qo_lens, batch.kv_lens, [PREFILL_BENCH_SPANS] * b).to(device)
+
+
 def run_environment() -> dict[str, Any]:
     """What a benchmark's JSON records about where it ran: date, GPU, versions, host, nvcc."""
     import datetime
