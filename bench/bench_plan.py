@@ -1,9 +1,12 @@
 """Steady-state plan() time of the interval planner vs the kernel it plans, on the GPU.
 
 Workload of bench_prefill.py (8 x 8192 tokens, 32/8 heads, hd 128, page 16, three 1024-token
-spans per request). Each plan() is timed from the host (it ends with a device sync: the
-segment boundaries are read back); median of --iters after two warm-up plans.
-Run on the GPU machine:  python bench/bench_plan.py
+spans per request). Per backend and spec: plan() with the planner off (one FlashInfer plan),
+on with the row pass in torch ops, and on with the spec's generated row kernel (rowplan.py,
+the default on CUDA); then run() of the planned and unplanned launches. Each plan() is timed
+from the host (it ends with a device sync: the segment boundaries are read back); median of
+--iters after two warm-up plans. Writes bench/results/plan-<date>-<gpu>.json (or --out; also
+into $OUT when set). Run on the GPU machine:  python bench/bench_plan.py
 """
 
 from __future__ import annotations
@@ -26,39 +29,63 @@ from variantgen.testing import (  # noqa: E402
     PREFILL_BENCH_SHAPE,
     cuda_median_ms,
     prefill_bench_batch,
+    result_file_name,
+    run_environment,
 )
 
 D = PREFILL_BENCH_SHAPE[4]  # head dim
 
 
+def plan_ms(w, batch, kw, iters: int) -> float:
+    times = []
+    for i in range(iters + 2):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        w.plan(*batch.plan_args(), **kw)
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append((time.perf_counter() - t) * 1e3)
+    return round(statistics.median(times), 3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--backends", default="fa2,fa3")
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batch, ranges = prefill_bench_batch("cuda")
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     kv = (batch.k_cache, batch.v_cache)
-    out = {"gpu": torch.cuda.get_device_name(0), "plan_ms": {}, "run_ms": {}}
-    for name, spec_args in (("causal", {}), ("mm_prefix", {"ranges": ranges})):
-        w = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
-                                    kv_dtype="bf16")
-        for skip_tiles in (False, True):
-            tag = f"{name}_{'planned' if skip_tiles else 'direct'}"
-            kw = {"skip_tiles": skip_tiles, **(spec_args if skip_tiles else {})}
-            times = []
-            for i in range(args.iters + 2):
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                w.plan(*batch.plan_args(), **kw)
-                torch.cuda.synchronize()
-                if i >= 2:
-                    times.append((time.perf_counter() - t) * 1e3)
-            out["plan_ms"][tag] = round(statistics.median(times), 3)
-            out["run_ms"][tag] = round(cuda_median_ms(lambda w=w, a=spec_args: w.run(batch.q, kv, **a), 10), 3)
-            print(tag, out["plan_ms"][tag], "ms plan,", out["run_ms"][tag], "ms run", flush=True)
+    out = {**run_environment(), "workload": "8 x 8192, 32/8 heads, hd 128, bf16, page 16, 3 spans of 1024",
+           "plan_ms": {}, "run_ms": {}, "plan_fraction_of_run": {}, "launches": {}}
+    for backend in args.backends.split(","):
+        for name, spec_args in (("causal", {}), ("mm_prefix", {"ranges": ranges})):
+            w = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
+                                        kv_dtype="bf16", backend=backend)
+            kernel = w.row_planner
+            tag = f"{backend}_{name}"
+            out["plan_ms"][f"{tag}_direct"] = plan_ms(w, batch, {"skip_tiles": False}, args.iters)
+            direct = cuda_median_ms(lambda w=w, a=spec_args: w.run(batch.q, kv, **a), 10)
+            out["run_ms"][f"{tag}_direct"] = round(direct, 3)
+            planned = {"skip_tiles": True, **spec_args}
+            w.row_planner = None
+            out["plan_ms"][f"{tag}_planned_torch_rows"] = plan_ms(w, batch, planned, args.iters)
+            w.row_planner = kernel
+            out["plan_ms"][f"{tag}_planned_row_kernel"] = plan_ms(w, batch, planned, args.iters)
+            out["launches"][tag] = {"row_planner": w.plan_stats.get("row_planner"),
+                                    "launches": w.plan_stats.get("launches")}
+            run = cuda_median_ms(lambda w=w, a=spec_args: w.run(batch.q, kv, **a), 10)
+            out["run_ms"][f"{tag}_planned"] = round(run, 3)
+            for impl in ("torch_rows", "row_kernel"):
+                out["plan_fraction_of_run"][f"{tag}_{impl}"] = round(out["plan_ms"][f"{tag}_planned_{impl}"] / run, 4)
+            print(tag, {k: v for k, v in out["plan_ms"].items() if k.startswith(tag)}, f"run {run:.3f} ms",
+                  out["launches"][tag], flush=True)
     print(json.dumps(out, indent=1))
+    text = json.dumps(out, indent=1) + "\n"
+    Path(args.out or ROOT / "bench" / "results" / result_file_name("plan", out)).write_text(text)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "plan-bench.json").write_text(json.dumps(out, indent=1))
+        Path(os.environ["OUT"], "plan-bench.json").write_text(text)
 
 
 if __name__ == "__main__":

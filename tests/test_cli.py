@@ -160,14 +160,14 @@ def fake_builds(monkeypatch):
     """build.build_module replaced: records (uri_prefix, cache root, jobs), fails for hd 256 on request."""
     calls: list[tuple[str, str, int | None]] = []
     lock = threading.Lock()
-    state = {"fail_hd": None, "threads": set()}
+    state = {"fail_hd": None, "threads": set(), "planners": []}
 
     def fake(cfg, cache, *, jobs=None, rendered=None, allow_build=True):
-        with lock:
-            calls.append((cfg.uri_prefix, str(cache.root), jobs))
+        with lock:  # planner modules (one per spec and arch) are recorded apart
+            (state["planners"] if cfg.kind == "planner" else calls).append((cfg.uri_prefix, str(cache.root), jobs))
             state["threads"].add(threading.get_ident())
         time.sleep(0.01)
-        if cfg.head_dim_qk == state["fail_hd"]:
+        if cfg.kind != "planner" and cfg.head_dim_qk == state["fail_hd"]:
             raise BuildError(f"building module {cfg.uri_prefix}_0123456789ab failed (ninja exit 1 after 2.0s)",
                              log_path=f"/c/.failed/{cfg.uri_prefix}/build.log",
                              output="paged_kernel_custom_cta16.cu(3): error: expected a ';'\n")
@@ -183,11 +183,14 @@ MATRIX = ("precompile", MM, CAUSAL, "--head-dim", "64,128,256", "--dtype", "bf16
 
 
 def test_precompile_expands_the_matrix(fake_builds, clean):
-    calls, _ = fake_builds
+    calls, state = fake_builds
     r = run(*MATRIX)
     assert r.exit_code == 0, r.output
     prefixes = sorted(c[0] for c in calls)
     assert len(prefixes) == 2 * 3 * 2 * 2 == len(set(prefixes))
+    # plus each spec's interval-planner module (plan()'s row kernel), once per arch
+    assert sorted(c[0] for c in state["planners"]) == [
+        f"vg_{s}_planner_{a}" for s in ("causal", "mm_prefix") for a in ("sm80", "sm90a")]
     assert "vg_mm_prefix_fa2_prefill_qfp16_kvfp16_ofp16_hd256x256_sm80" in prefixes
     # --backend auto (the default): what make_wrapper picks - fa3 on sm90a, fa2 on sm80
     assert "vg_causal_fa3_prefill_qbf16_kvbf16_obf16_hd64x64_sm90a" in prefixes
@@ -196,7 +199,7 @@ def test_precompile_expands_the_matrix(fake_builds, clean):
     # summary table: uri, status, seconds
     assert re.search(r"vg_causal_fa2_prefill_qbf16_kvbf16_obf16_hd64x64_sm80_0123456789ab\s+cached\s+1\.5", r.stdout)
     assert re.search(r"vg_causal_fa3_prefill_qbf16_kvbf16_obf16_hd64x64_sm90a_0123456789ab\s+built\s+1\.5", r.stdout)
-    assert "12 built, 12 cached, 0 failed" in r.stdout
+    assert "14 built, 14 cached, 0 failed" in r.stdout
 
 
 def test_precompile_kv_dtypes_and_options(fake_builds, tmp_path):
@@ -223,6 +226,7 @@ def test_precompile_backends_and_kinds(fake_builds, tmp_path):
         "vg_mm_prefix_fa2_ragged_qbf16_kvbf16_obf16_hd128x128_sm90a",
         "vg_mm_prefix_fa2_ragged_qbf16_kvbf16_obf16_hd192x128_sm90a",
         "vg_mm_prefix_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a",
+        "vg_mm_prefix_planner_sm90a",  # plan()'s row kernel: one per spec and arch with prefill modules
     ]
     skips = [line for line in r.stdout.splitlines() if line.startswith("skip  ")]
     assert any("hd=192/128" in s and "backend=fa2 kind=prefill" in s for s in skips)
@@ -250,11 +254,11 @@ def test_precompile_skips_invalid_combinations(fake_builds, tmp_path):
 
 
 def test_precompile_sharding_is_a_deterministic_partition(fake_builds):
-    calls, _ = fake_builds
+    calls, state = fake_builds
     full = run(*MATRIX, "--dry-run")
     assert full.exit_code == 0 and calls == []
     everything = [line for line in full.stdout.splitlines() if line.startswith("vg_")]
-    assert everything == sorted(everything) and len(everything) == 24
+    assert everything == sorted(everything) and len(everything) == 24 + 4  # + a planner per spec and arch
     shards = []
     for i in range(5):
         r = run(*MATRIX, "--shard", f"{i}/5", "--dry-run")
@@ -270,7 +274,7 @@ def test_precompile_sharding_is_a_deterministic_partition(fake_builds):
     assert [line for line in r.stdout.splitlines() if line.startswith("vg_")] == shards[1]
     # Building a shard builds exactly its modules.
     r = run(*MATRIX, "--shard", "2/5")
-    assert r.exit_code == 0 and sorted(c[0] for c in calls) == shards[2]
+    assert r.exit_code == 0 and sorted(c[0] for c in calls + state["planners"]) == shards[2]
 
 
 @pytest.mark.parametrize("shard", ["5/5", "-1/2", "1", "a/b", "0/0"])

@@ -21,13 +21,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .cache import Cache, Entry, ModuleKey
 from .env import settings
 from .errors import BuildError, JitDisabledError, ToolchainError
-from .render import ModuleConfig, RenderedModule, canonical_arch, render_module
+from .render import ModuleConfig, RenderedModule, canonical_arch
+
+if TYPE_CHECKING:
+    from .rowplan import PlannerConfig
 
 log = logging.getLogger("variantgen.build")
 
@@ -153,7 +156,7 @@ def gencode_flags(arch: str) -> list[str]:
     return [f"-gencode=arch=compute_{tag},code=sm_{tag}"]
 
 
-def semantic_flags(config: ModuleConfig) -> dict[str, list[str]]:
+def semantic_flags(config: ModuleConfig | PlannerConfig) -> dict[str, list[str]]:
     """Flags that change the machine code (hashed into the key); paths are added at build."""
     return {
         "cuda": [
@@ -244,15 +247,16 @@ def _ninja() -> str:
     raise ToolchainError("ninja not found on PATH (pip install ninja)")
 
 
-def build_module(config: ModuleConfig, cache: Cache, *, jobs: int | None = None,
+def build_module(config: ModuleConfig | PlannerConfig, cache: Cache, *, jobs: int | None = None,
                  rendered: RenderedModule | None = None, allow_build: bool = True) -> BuildResult:
-    """Find ``config``'s module in the cache, or build and publish it.
+    """Find ``config``'s module (a kernel module, or a spec's planner module) in the cache, or
+    build and publish it.
 
     With JIT disabled (or ``allow_build=False``) this only looks up: the exact key when a
     toolchain is present, else any toolchain's build of the same inputs.
     """
     t0 = time.perf_counter()
-    rendered = rendered or render_module(config)
+    rendered = rendered or config.render()
     s = settings()
     jit_off = s.jit_disabled or not allow_build
     try:
@@ -303,7 +307,7 @@ def _build_locked(rendered: RenderedModule, key: ModuleKey, tc: Toolchain, cache
     if jobs:
         cmd += ["-j", str(jobs)]
     env = dict(os.environ, CUDA_HOME=str(tc.cuda_home))
-    log.info("building %s (%d compile units)", key.uri, len(rendered.compile_units) + 1)
+    log.info("building %s (%d compile units)", key.uri, len(rendered.compile_units) + len(rendered.host_sources))
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     seconds = time.perf_counter() - t0

@@ -330,6 +330,10 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
                                      _choices(kinds, list(KINDS), "--kind", ["prefill"]))
     for label, reason in skipped:
         click.echo(f"skip  {label}: {reason}")
+    from .rowplan import planner_configs
+
+    # plan()'s row kernel for each spec with paged prefill modules (small: ~10 s to build)
+    configs = sorted([*configs, *planner_configs(configs)], key=lambda c: c.uri_prefix)
     mine = configs[shard_i::shard_n]
     if shard_n > 1:
         click.echo(f"shard {shard_i}/{shard_n}: {len(mine)} of {len(configs)} module(s)")

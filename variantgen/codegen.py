@@ -58,6 +58,10 @@ FA2_PAGED = Target("params.", "int32_t(params.num_qo_heads)", "int32_t(params.pa
 FA3 = Target("params.additional_params.", "int32_t(params.additional_params.vg_num_qo_heads)",
              "int32_t(params.additional_params.vg_num_kv_heads)")
 
+# The interval planner's row kernel (templates/planner): arguments are fields of its PlanArgs
+# `p`; row-only expressions never read head counts (analyze refuses head-dependent masks).
+PLANNER = Target("p.", "int32_t(0)", "int32_t(0)")
+
 CMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
 
 
@@ -203,6 +207,13 @@ def emit_logits(spec: VariantSpec, logits_local: str = "score", target: Target =
         return None
     e = _Emitter(spec, target, logits_local)
     code = e.as_float(spec.logits)
+    return Snippet(code, frozenset(e.builtins), frozenset(e.clamped))
+
+
+def emit_row_expr(spec: VariantSpec, node: Node, target: Target = PLANNER) -> Snippet:
+    """A row-only sub-expression of the mask (an interval bound or condition) as C++."""
+    e = _Emitter(spec, target)
+    code = e.emit(node)
     return Snippet(code, frozenset(e.builtins), frozenset(e.clamped))
 
 

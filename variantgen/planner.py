@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import LaunchError
-from .intervals import row_intervals, usable_form
+from .intervals import IntervalForm, row_intervals, usable_form
 
 if TYPE_CHECKING:
+    from .spec import VariantSpec
     from .wrapper import VariantWrapper
 
 DENSE, CAUSAL, WINDOW, CUSTOM = 0, 1, 2, 3
@@ -35,20 +36,18 @@ CLASS_MODE = {DENSE: "none", CAUSAL: "causal", WINDOW: "causal", CUSTOM: "custom
 CUSTOM_ROWS = 128
 
 
-def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indices: torch.Tensor,
-                  last_h: list[int], kv_lens: list[int], args: dict[str, Any]) -> list[dict]:
-    spec = w.spec
-    form = usable_form(spec, args)
-    b = w._batch
-    assert b is not None
-    dev = w.device
-    ps = b.page_size
-    i64 = torch.int64
-    qo_lens = torch.tensor(b.qo_lens, dtype=i64, device=dev)
+def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
+                  args: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """The row pass in torch ops (any device): per query row, whether it starts a launch
+    request, its request, class, class parameter, interval [lo, hi] and q_pos (int64
+    tensors named as rowplan.REC_FIELDS). rowplan's generated kernel computes the same."""
+    dev, ps, i64 = device, page_size, torch.int64
+    batch, total_q = len(kv_lens), qo_indptr[-1]
+    qo_lens = torch.tensor([qo_indptr[i + 1] - qo_indptr[i] for i in range(batch)], dtype=i64, device=dev)
     kv_len_req = torch.tensor(kv_lens, dtype=i64, device=dev)
-    q_start = torch.tensor(qo_h[:-1], dtype=i64, device=dev)
-    request = torch.repeat_interleave(torch.arange(b.batch_size, device=dev), qo_lens)
-    rows = torch.arange(b.total_q, device=dev, dtype=i64)
+    q_start = torch.tensor(qo_indptr[:-1], dtype=i64, device=dev)
+    request = torch.repeat_interleave(torch.arange(batch, device=dev), qo_lens)
+    rows = torch.arange(total_q, device=dev, dtype=i64)
     q_idx = rows - q_start[request]
     kv_len = kv_len_req[request]
     q_pos = kv_len - qo_lens[request] + q_idx
@@ -87,17 +86,46 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indic
     chunk = torch.where(cls == CUSTOM, q_idx // CUSTOM_ROWS, torch.zeros_like(q_idx))
     param_a = torch.where(cls == CUSTOM, chunk, param_a)
     key = torch.stack([request, cls, param_a, param_b], 1)
-    starts = torch.ones(b.total_q, dtype=torch.bool, device=dev)
+    starts = torch.ones(total_q, dtype=i64, device=dev)
     starts[1:] = (key[1:] != key[:-1]).any(1)
+    return {"starts": starts, "request": request, "cls": cls, "param_a": param_a, "lo": lo, "hi": hi, "q_pos": q_pos}
+
+
+def _segments(rows: dict[str, torch.Tensor], total_q: int, dev: torch.device) -> list[list[int]]:
+    """The launch requests of the row pass, on the host: per run of rows with one key,
+    [first row, end row, request, class, param_a, hull lo, hull hi, first q_pos, last q_pos].
+    The planner's one device-to-host sync."""
+    starts = rows["starts"]
     seg_start = starts.nonzero().squeeze(1)
-    seg_end = torch.cat([seg_start[1:], torch.tensor([b.total_q], device=dev)])
+    seg_end = torch.cat([seg_start[1:], torch.tensor([total_q], device=dev)])
     # Per-segment hull (custom segments: min lo / max hi over their rows).
-    seg_id = torch.cumsum(starts.to(i64), 0) - 1
+    seg_id = torch.cumsum(starts, 0) - 1
     nseg = seg_start.numel()
-    seg_lo = torch.full((nseg,), 1 << 40, dtype=i64, device=dev).scatter_reduce(0, seg_id, lo, "amin")
-    seg_hi = torch.full((nseg,), -1, dtype=i64, device=dev).scatter_reduce(0, seg_id, hi, "amax")
-    host = torch.stack([seg_start, seg_end, request[seg_start], cls[seg_start], param_a[seg_start],
-                        seg_lo, seg_hi, q_pos[seg_start], q_pos[seg_end - 1]], 1).cpu().tolist()
+    seg_lo = torch.full((nseg,), 1 << 40, dtype=torch.int64, device=dev).scatter_reduce(0, seg_id, rows["lo"], "amin")
+    seg_hi = torch.full((nseg,), -1, dtype=torch.int64, device=dev).scatter_reduce(0, seg_id, rows["hi"], "amax")
+    first = torch.stack([rows["request"], rows["cls"], rows["param_a"], rows["q_pos"]])[:, seg_start]
+    return torch.stack([seg_start, seg_end, first[0], first[1], first[2], seg_lo, seg_hi, first[3],
+                        rows["q_pos"][seg_end - 1]], 1).cpu().tolist()
+
+
+def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indices: torch.Tensor,
+                  last_h: list[int], kv_lens: list[int], args: dict[str, Any]) -> list[dict]:
+    spec = w.spec
+    form = usable_form(spec, args)
+    b = w._batch
+    assert b is not None
+    dev = w.device
+    ps = b.page_size
+    kernel = w.row_planner
+    if kernel is not None:  # the spec's generated row kernel (rowplan.py): one launch
+        from .rowplan import plan_rows
+
+        rows = plan_rows(kernel, spec, form, args, qo_h, kv_lens, ps, dev)
+        w.plan_stats["row_planner"] = "kernel"
+    else:
+        rows = classify_rows(spec, form, qo_h, kv_lens, ps, args, dev)
+        w.plan_stats["row_planner"] = "torch" + (f" ({w.row_planner_reason})" if w.row_planner_reason else "")
+    host = _segments(rows, b.total_q, dev)
 
     kv_row_base_h = [0]
     for kl in kv_lens:

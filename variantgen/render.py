@@ -165,6 +165,9 @@ class ModuleConfig:
             f"_hd{self.head_dim_qk}x{self.head_dim_vo}_sm{self.arch_tag}"
         )
 
+    def render(self) -> RenderedModule:
+        return render_module(self)
+
     def describe(self) -> dict[str, object]:
         return {
             "spec": self.spec.name,
@@ -238,7 +241,8 @@ def environment() -> jinja2.Environment:
     return _environment(str(settings().template_dir))
 
 
-TEMPLATE_DIRS = {"fa2": ("common", "fa2"), "fa3": ("common", "fa3")}  # what a backend's modules use
+# What a backend's modules use ("planner": the interval planner's row kernel, variantgen/rowplan.py).
+TEMPLATE_DIRS = {"fa2": ("common", "fa2"), "fa3": ("common", "fa3"), "planner": ("common", "planner")}
 
 
 def template_files(backend: str = "fa2") -> list[Path]:

@@ -27,6 +27,7 @@ import torch
 from .build import BuildResult, build_module, default_cache, load_module
 from .cache import Cache
 from .errors import LaunchError
+from .intervals import analyze
 from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
 from .spec import VariantSpec, load_spec
 
@@ -321,6 +322,10 @@ class VariantWrapper(WrapperBase):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._launches: list[Launch] = []
+        # The spec's generated row kernel for the interval planner (rowplan.py), set by
+        # make_wrapper on CUDA; None: plan() classifies rows with torch ops (and says why).
+        self.row_planner: Any = None
+        self.row_planner_reason = ""
 
     # ------------------------------------------------------------------ plan
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
@@ -539,6 +544,13 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
         raise ValueError(f"use_tensor_cores=True: only for kind='decode' (got kind={kind!r})")
     module_kind = "prefill" if use_tensor_cores else kind  # tensor-core decode = prefill kernel, qo_len 1
     config = ModuleConfig(spec, head_dim_qk, hd_vo, q, kv, o, arch, backend, DEFAULT_MASK_MODES, module_kind)
-    result = build_module(config, cache or default_cache(), jobs=jobs, allow_build=build)
+    cache = cache or default_cache()
+    result = build_module(config, cache, jobs=jobs, allow_build=build)
     module = load_module(result.entry)
-    return cls(spec, config, module, result, workspace, kv_layout)
+    wrapper = cls(spec, config, module, result, workspace, kv_layout)
+    if isinstance(wrapper, VariantWrapper) and wrapper.device.type == "cuda" and analyze(spec).planner_ready:
+        from .rowplan import load_planner
+
+        wrapper.row_planner, wrapper.row_planner_reason = load_planner(spec, arch, cache, allow_build=build,
+                                                                       jobs=jobs)
+    return wrapper

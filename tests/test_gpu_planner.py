@@ -1,0 +1,96 @@
+"""The interval planner's generated row kernel (variantgen/rowplan.py) on the GPU: it must
+give exactly what the torch rules (planner.classify_rows) give, row for row, for every
+shipped spec with intervals, and plan() must use it. Run: pytest -m gpu tests/test_gpu_planner.py"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _gpu import ALL_SPECS, KV_LENS, QO_LENS, SPECS
+
+import variantgen
+from variantgen.build import default_cache
+from variantgen.intervals import analyze
+from variantgen.planner import classify_rows
+from variantgen.rowplan import REC_FIELDS, load_planner, plan_rows
+from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+DATA = SPECS.parent / "tests" / "data"
+PLANNED = [s for s in ALL_SPECS if analyze(variantgen.load_spec(SPECS / f"{s}.yaml")).planner_ready]
+# (qo_lens, kv_lens, page size): the GPU tests' batch, chunked prefill with single-token and
+# empty requests, and one long request over page-1 KV.
+BATCHES = [
+    (QO_LENS, KV_LENS, 16),
+    ([1, 0, 64, 1, 200, 3], [1, 50, 4096, 9, 200, 3000], 16),
+    ([2048], [2048], 1),
+]
+
+
+def load_spec(name: str) -> variantgen.VariantSpec:
+    path = SPECS / f"{name}.yaml"
+    return variantgen.load_spec(path if path.exists() else DATA / f"{name}.yaml")
+
+
+def compare(spec, args, qo_lens, kv_lens, page_size, label):
+    module, why = load_planner(spec, "9.0a", default_cache())
+    assert module is not None, why
+    qo_indptr = [0]
+    for n in qo_lens:
+        qo_indptr.append(qo_indptr[-1] + n)
+    form = analyze(spec)
+    dev = torch.device("cuda")
+    got = plan_rows(module, spec, form, args, qo_indptr, kv_lens, page_size, dev)
+    want = classify_rows(spec, form, qo_indptr, kv_lens, page_size, args, dev)
+    for field in REC_FIELDS:
+        diff = (got[field] != want[field]).nonzero().flatten()
+        assert diff.numel() == 0, (f"{label}: {field} differs in {diff.numel()} rows, first {diff[:5].tolist()}: "
+                                   f"kernel {got[field][diff[:5]].tolist()} torch {want[field][diff[:5]].tolist()}")
+
+
+def batch_args(spec, qo_lens, kv_lens, page_size, seed):
+    b = random_paged_batch(qo_lens, kv_lens, num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=page_size,
+                           dtype=torch.bfloat16, device="cuda", seed=seed)
+    return random_spec_args(spec, b, seed=seed)
+
+
+@pytest.mark.parametrize("spec_name", PLANNED + ["strictly_causal"])
+def test_row_kernel_matches_the_torch_rules(spec_name):
+    spec = load_spec(spec_name)
+    for i, (qo, kv, ps) in enumerate(BATCHES):
+        for seed in range(2):
+            compare(spec, batch_args(spec, qo, kv, ps, seed), qo, kv, ps, f"{spec_name} batch {i} seed {seed}")
+
+
+def test_row_kernel_adversarial_mm_prefix_and_documents():
+    """Spans at the first/last key, crossing pages, both windows; unsorted document ids."""
+    mm = load_spec("mm_prefix")
+    qo, kv = [700, 1, 300], [700, 900, 1300]
+    spans = [[(0, 0), (15, 17), (650, 699)], [(0, 899)], [(1000, 1299)]]
+    ranges = spans_to_ranges(qo, kv, spans).cuda()
+    for cw, rw in ((-1, -1), (100, 5), (3, 0), (0, 1)):
+        args = {"ranges": ranges, "causal_window_left": cw, "range_window_left": rw}
+        compare(mm, args, qo, kv, 16, f"mm_prefix windows {cw}/{rw}")
+    doc = load_spec("document")
+    qo, kv = [300, 50], [1000, 50]
+    ids = torch.cat([torch.randint(0, 4, (1000,)), torch.sort(torch.randint(0, 3, (50,))).values]).int().cuda()
+    compare(doc, {"doc_ids": ids}, qo, kv, 16, "document, request 0 unsorted")
+
+
+def test_plan_uses_the_row_kernel(workspace):
+    spec = load_spec("mm_prefix")
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", backend="fa2")
+    assert w.row_planner is not None, w.row_planner_reason
+    b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
+                           dtype=torch.bfloat16, device="cuda", seed=3)
+    args = random_spec_args(spec, b, seed=3)
+    w.plan(*b.plan_args(), **args)
+    assert w.plan_stats["row_planner"] == "kernel"
+    launches = [(la.mask_mode, la.num_requests, la.meta.tolist(), la.kv_indices.tolist()) for la in w._launches]
+    w.row_planner = None
+    w.plan(*b.plan_args(), **args)
+    assert w.plan_stats["row_planner"] == "torch"
+    assert launches == [(la.mask_mode, la.num_requests, la.meta.tolist(), la.kv_indices.tolist())
+                        for la in w._launches]

@@ -1,0 +1,109 @@
+"""The interval planner's generated row kernel (variantgen/rowplan.py) on the CPU: what it
+renders for every shipped spec, its cache identity, the fallback to the torch rules, and a
+real nvcc build. Its results are compared with the torch rules on the GPU
+(tests/test_gpu_planner.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from conftest import ALL_SPECS, SPECS_DIR
+
+import variantgen
+from variantgen import build, codegen, render
+from variantgen.cache import Cache
+from variantgen.intervals import analyze
+from variantgen.rowplan import REC_FIELDS, PlannerConfig, load_planner, planner_configs, render_planner
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(vg_env):
+    """Render from the checkout's templates with a private cache dir."""
+
+
+def spec(name: str) -> variantgen.VariantSpec:
+    return variantgen.load_spec(SPECS_DIR / f"{name}.yaml")
+
+
+@pytest.mark.parametrize("name", ALL_SPECS)
+def test_every_shipped_spec_renders_its_terms(name):
+    s = spec(name)
+    form = analyze(s)
+    assert form.planner_ready, form.reason
+    rendered = render_planner(PlannerConfig(s, "9.0a"))
+    text = rendered.files["planner.cu"]
+    assert rendered.compile_units == ("planner.cu",) and rendered.host_sources == ()
+    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_rows, PlanRows);" in text
+    # one block per interval term, each with its description as a comment
+    assert len(re.findall(r"\{  // term \d+: ", text)) == len(form.terms)
+    for t in form.terms:
+        assert codegen.comment_text(t.describe()) in text
+    # exactly the spec arguments the intervals read reach the kernel
+    names = {a.name for a in rendered.tensor_args} | {a.name for a in rendered.scalar_args}
+    for arg in [t.name for t in s.tensors] + [x.name for x in s.scalars]:
+        assert (f"p.{arg}" in text) == (arg in names), arg
+    assert ("sorted_flags_kernel" in text) == any(t.sorted_eqs for t in form.terms)
+    assert text == render_planner(PlannerConfig(s, "9.0a")).files["planner.cu"]  # pure
+    assert "{{" not in text and "{%" not in text
+
+
+def test_identity_depends_on_spec_and_arch_only():
+    mm = PlannerConfig(spec("mm_prefix"), "9.0a")
+    assert mm.uri_prefix == "vg_mm_prefix_planner_sm90a"
+    assert PlannerConfig(spec("mm_prefix"), "8.0").uri_prefix == "vg_mm_prefix_planner_sm80"
+    configs = [render.ModuleConfig(spec("mm_prefix"), hd, hd, dt, dt, dt, "9.0a", be)
+               for hd in (64, 128) for dt in ("bf16", "fp16") for be in ("fa2", "fa3")]
+    configs.append(render.ModuleConfig(spec("mm_prefix"), 128, 128, "bf16", "bf16", "bf16", "9.0a", "fa2",
+                                       kind="decode"))
+    assert [p.uri_prefix for p in planner_configs(configs)] == ["vg_mm_prefix_planner_sm90a"]
+    key = build.module_key(mm.render(), None)
+    assert dict(key.inputs)["templates"] == render.template_digest("planner")
+    assert key.uri != build.module_key(PlannerConfig(spec("causal"), "9.0a").render(), None).uri
+
+
+def test_template_change_changes_the_key(template_copy):
+    cfg = PlannerConfig(spec("causal"), "9.0a")
+    before = build.module_key(cfg.render(), None).uri
+    path = template_copy / "planner" / "planner.cu.jinja"
+    path.write_text(path.read_text() + "\n// changed\n")
+    render._template_digest.cache_clear()
+    render._environment.cache_clear()
+    assert build.module_key(cfg.render(), None).uri != before
+
+
+def test_spec_without_intervals_has_no_planner(spec_from):
+    s = spec_from('name: per_head\nmask: "qo_head == 0 or kv_pos <= q_pos"\n')
+    with pytest.raises(ValueError, match="no usable key intervals"):
+        render_planner(PlannerConfig(s, "9.0a"))
+    module, why = load_planner(s, "9.0a", Cache("/nonexistent"))
+    assert module is None and "no usable key intervals" in why
+
+
+def test_jit_disabled_without_a_cached_planner_falls_back_with_a_reason(vg_env, caplog):
+    vg_env.set(VARIANTGEN_DISABLE_JIT="1")
+    module, why = load_planner(spec("mm_prefix"), "9.0a", Cache(vg_env.cache_dir))
+    assert module is None and "not precompiled" in why and "vg_mm_prefix_planner_sm90a" in why
+    assert "torch rules" in caplog.text
+
+
+def test_cpu_plan_uses_the_torch_rules_and_says_so():
+    from test_wrapper_cpu import batch_of, make
+
+    w, _ = make(spec("mm_prefix"))
+    b = batch_of([5, 40], [5, 60], 4)
+    w.plan(*b.plan_args(), ranges=torch.full((45, 2), -1, dtype=torch.int32))
+    assert w.row_planner is None and w.plan_stats["row_planner"] == "torch"
+    assert REC_FIELDS[0] == "starts"
+
+
+@pytest.mark.nvcc
+def test_real_build_of_a_planner(vg_env, toolchain):
+    cache = Cache(vg_env.cache_dir)
+    cfg = PlannerConfig(spec("document"), "9.0a")  # the sorted-id pass and a binary search
+    result = build.build_module(cfg, cache)
+    assert result.built and result.entry.module_path.read_bytes()[:4] == b"\x7fELF"
+    assert result.entry.manifest["config"] == cfg.describe()
+    again = build.build_module(cfg, cache)
+    assert not again.built and again.entry.uri == result.entry.uri

@@ -1,0 +1,165 @@
+"""The interval planner's row pass as a generated CUDA kernel (templates/planner/).
+
+planner.py classifies every query row of a batch (its key interval, then its launch class)
+with a few hundred small torch ops: on the H200 at 64k query rows that is 3-7 ms of
+dispatch, most of plan(). Here the same rules, specialised to one spec's interval terms,
+are rendered into one kernel (plus a sortedness pass for sorted-id terms such as
+documents). It is compiled and cached like any module, under its own URI
+``vg_<spec>_planner_sm<arch>_<hash>``: it depends on the spec's intervals and the arch only,
+so every head dim, dtype and backend of a spec shares one. plan() uses it on CUDA when
+make_wrapper could build or find it, and the torch rules elsewhere (CPU, or JIT disabled
+without a precompiled planner: logged, and named in ``plan_stats["row_planner"]``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import __version__, codegen
+from .cache import Cache
+from .errors import JitDisabledError
+from .intervals import IntervalForm, analyze, args_read
+from .render import KernelArg, RenderedModule, canonical_arch, environment, template_digest
+from .spec import VariantSpec
+
+log = logging.getLogger("variantgen.rowplan")
+
+# What the kernel writes per query row, in this order (rec[field, row], int64).
+REC_FIELDS = ("starts", "request", "cls", "param_a", "lo", "hi", "q_pos")
+SCALAR_TYPES = {"int": ("int64_t", "int32_t"), "float": ("double", "float"), "bool": ("bool", "bool")}
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """One planner module: a spec's interval terms for one arch."""
+
+    spec: VariantSpec
+    arch: str
+    kind: str = "planner"
+
+    @property
+    def arch_tag(self) -> str:
+        return canonical_arch(self.arch).replace(".", "")
+
+    @property
+    def uri_prefix(self) -> str:
+        return f"vg_{self.spec.name}_planner_sm{self.arch_tag}"
+
+    def render(self) -> RenderedModule:
+        return render_planner(self)
+
+    def describe(self) -> dict[str, object]:
+        return {"spec": self.spec.name, "spec_file": self.spec.path, "kind": self.kind,
+                "arch": canonical_arch(self.arch)}
+
+
+def planner_configs(configs: list[Any]) -> list[PlannerConfig]:
+    """The planner modules a set of kernel modules needs: one per (spec, arch) with a paged
+    prefill module and usable intervals (what precompile adds to its matrix)."""
+    out: dict[str, PlannerConfig] = {}
+    for cfg in configs:
+        if cfg.kind == "prefill" and analyze(cfg.spec).planner_ready:
+            planner = PlannerConfig(cfg.spec, cfg.arch)
+            out.setdefault(f"{planner.uri_prefix}:{cfg.spec.digest}", planner)
+    return list(out.values())
+
+
+def planner_inputs(spec: VariantSpec, form: IntervalForm) -> tuple[list[str], list[str]]:
+    """(tensors, scalars) the interval terms read, in spec order: plan_rows' extra arguments."""
+    read = args_read(form, spec)
+    return [t.name for t in spec.tensors if t.name in read], [s.name for s in spec.scalars if s.name in read]
+
+
+def render_planner(config: PlannerConfig) -> RenderedModule:
+    from .planner import CUSTOM_ROWS
+
+    spec = config.spec
+    form = analyze(spec)
+    if not form.planner_ready:
+        raise ValueError(f"spec `{spec.name}` has no usable key intervals ({form.reason}): no planner module")
+    tensor_names, scalar_names = planner_inputs(spec, form)
+    by_name = {t.name: t for t in spec.tensors}
+
+    def cpp(node) -> str:
+        return codegen.emit_row_expr(spec, node).code
+
+    terms = []
+    for t in form.terms:
+        terms.append({
+            "comment": codegen.comment_text(t.describe()),
+            "exact": t.exact,
+            "conds": [cpp(c) for c in t.conds],
+            "lows": [cpp(x) for x in t.lows],
+            "highs": [cpp(x) for x in t.highs],
+            "chunks": [{"c": cpp(c), "r": cpp(r)} for c, r in t.chunks],
+            "sorted_eqs": [{"tensor": name, "cpp_type": by_name[name].cpp_type, "value": cpp(v)}
+                           for name, v in t.sorted_eqs],
+        })
+    sorted_tensors = sorted({name for t in form.terms for name, _ in t.sorted_eqs})
+    scalars = {s.name: s for s in spec.scalars}
+    ctx = {
+        "vg_version": __version__,
+        "uri": config.uri_prefix,
+        "spec": spec,
+        "spec_file": codegen.comment_text(Path(spec.path).name),
+        "mask_comment": codegen.describe(spec.mask),
+        "terms": terms,
+        "custom_rows": CUSTOM_ROWS,
+        "rec_fields": REC_FIELDS,
+        "tensors": [{"name": n, "cpp_type": by_name[n].cpp_type, "shape": list(by_name[n].shape),
+                     "rows_name": codegen.rows_scalar_name(n)} for n in tensor_names],
+        "sorted_tensors": sorted_tensors,
+        "scalars": [{"name": n, "param_type": SCALAR_TYPES[scalars[n].dtype][0],
+                     "local_type": SCALAR_TYPES[scalars[n].dtype][1]} for n in scalar_names],
+    }
+    text = environment().get_template("planner/planner.cu.jinja").render(ctx)
+    return RenderedModule(
+        config=config,  # type: ignore[arg-type]  # build.py reads uri_prefix, arch, describe(), spec
+        files={"planner.cu": text},
+        compile_units=("planner.cu",),
+        tensor_args=tuple(KernelArg(n, by_name[n].cpp_type, "spec tensor") for n in tensor_names),
+        scalar_args=tuple(KernelArg(n, SCALAR_TYPES[scalars[n].dtype][0], "spec scalar") for n in scalar_names),
+        template_digest=template_digest("planner"),
+        host_sources=(),
+    )
+
+
+def load_planner(spec: VariantSpec, arch: str, cache: Cache, *, allow_build: bool = True,
+                 jobs: int | None = None) -> tuple[Any | None, str]:
+    """(module, "") when the spec's planner module is built or cached, else (None, why).
+    Only a disabled JIT without a cached planner gives None; build failures raise."""
+    from .build import build_module, load_module
+
+    if not analyze(spec).planner_ready:
+        return None, "the spec has no usable key intervals"
+    config = PlannerConfig(spec, arch)
+    try:
+        result = build_module(config, cache, jobs=jobs, allow_build=allow_build)
+    except JitDisabledError as e:
+        log.warning("interval planner of `%s` runs its torch rules (slower plan()): %s", spec.name, e)
+        return None, str(e)
+    return load_module(result.entry), ""
+
+
+def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str, Any], qo_indptr: list[int],
+              kv_lens: list[int], page_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Run the kernel over a batch: REC_FIELDS -> int64 [total_q] tensors on ``device``
+    (``starts`` as 0/1), the same values planner.py's torch rules give."""
+    batch = len(kv_lens)
+    kv_start = [0]
+    for n in kv_lens:
+        kv_start.append(kv_start[-1] + n)
+    starts = torch.tensor([qo_indptr, kv_start], dtype=torch.int64, device=device)
+    rec = torch.empty((len(REC_FIELDS), qo_indptr[-1]), dtype=torch.int64, device=device)
+    n_sorted = len({name for t in form.terms for name, _ in t.sorted_eqs})
+    scratch = torch.empty(max(1, n_sorted) * batch, dtype=torch.uint8, device=device)
+    tensor_names, scalar_names = planner_inputs(spec, form)
+    defaults = {s.name: s.default for s in spec.scalars}
+    module.plan_rows(rec, starts, scratch, *(args[n] for n in tensor_names),
+                     *(args.get(n, defaults[n]) for n in scalar_names), page_size)
+    return dict(zip(REC_FIELDS, rec.unbind(0)))
