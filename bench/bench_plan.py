@@ -48,6 +48,16 @@ def plan_ms(w, batch, kw, iters: int) -> float:
     return round(statistics.median(times), 3)
 
 
+class FlashInferPlan:
+    """plan_ms() adapter for a FlashInfer wrapper (its plan takes head dim and page size)."""
+
+    def __init__(self, wrapper, batch, kw):
+        self.wrapper, self.kw = wrapper, kw
+
+    def plan(self, *plan_args, **_):
+        self.wrapper.plan(*plan_args[:6], D, PREFILL_BENCH_SHAPE[5], **self.kw)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
@@ -59,7 +69,15 @@ def main() -> None:
     kv = (batch.k_cache, batch.v_cache)
     out = {**run_environment(), "workload": "8 x 8192, 32/8 heads, hd 128, bf16, page 16, 3 spans of 1024",
            "plan_ms": {}, "run_ms": {}, "plan_fraction_of_run": {}, "launches": {}}
+    import flashinfer
+
     for backend in args.backends.split(","):
+        # FlashInfer's own causal wrapper: its plan() is the floor a launch pays (host scheduler).
+        fw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+        fi_kw = dict(causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        fi_plan = FlashInferPlan(fw, batch, fi_kw)
+        out["plan_ms"][f"{backend}_flashinfer_causal"] = plan_ms(fi_plan, batch, {}, args.iters)
+        out["run_ms"][f"{backend}_flashinfer_causal"] = round(cuda_median_ms(lambda fw=fw: fw.run(batch.q, kv), 10), 3)
         for name, spec_args in (("causal", {}), ("mm_prefix", {"ranges": ranges})):
             w = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
                                         kv_dtype="bf16", backend=backend)

@@ -47,7 +47,7 @@ def run(*args: str, input: str | None = None):
 
 
 def publish_fake(cache: Cache, cfg: ModuleConfig, *, built_at: float | None = None) -> Entry:
-    rendered = render_module(cfg)
+    rendered = cfg.render()
     key = build.module_key(rendered, FAKE_TC)
     staging = cache.new_staging(key.uri)
     (staging / f"{key.uri}.so").write_bytes(b"\x7fELF dummy " + key.uri.encode() + b"\0" * 4096)

@@ -36,7 +36,7 @@ BASE = dict(head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", backend="fa2")
 def publish_fake(cache: Cache, cfg: ModuleConfig, tc: build.Toolchain | None = FAKE_TC,
                  toolchain_parts: tuple | None = None):
     """Publish a dummy module for ``cfg`` whose key matches what build_module computes."""
-    rendered = render_module(cfg)
+    rendered = cfg.render()
     base = build.module_key(rendered, tc)
     key = ModuleKey(base.prefix, base.inputs, toolchain_parts) if toolchain_parts is not None else base
     staging = cache.new_staging(key.uri)
@@ -579,3 +579,25 @@ def test_precompiled_cache_is_relocatable(clean, tmp_path, monkeypatch):
     monkeypatch.setattr(build, "toolchain", lambda: FAKE_TC)
     r2 = probe(MM, **BASE, arch="9.0a", cache_dir=served)
     assert r2 and r2.uri == entry.uri and r2.source == "cache"
+
+
+def test_row_planner_status_is_reported_never_a_failure(clean, fake_build):
+    """plan()'s row kernel: built by make_wrapper, cached, or (JIT disabled, not precompiled)
+    the torch rules - a slower plan(), so the probe still says yes."""
+    from variantgen.rowplan import PlannerConfig
+
+    r = probe(MM, **BASE, arch="9.0a")
+    assert r and r.details["row_planner"].startswith("built by make_wrapper on first use: vg_mm_prefix_planner_sm90a_")
+    publish_fake(Cache(clean.cache_dir), mm_config())
+    probe_mod.cache_clear()
+    clean.set(VARIANTGEN_DISABLE_JIT="1")
+    r = probe(MM, **BASE, arch="9.0a")
+    assert r and r.details["row_planner"].startswith("torch rules (slower plan()): vg_mm_prefix_planner_sm90a is "
+                                                     "not precompiled")
+    publish_fake(Cache(clean.cache_dir), PlannerConfig(variantgen.load_spec(MM), "9.0a"))
+    probe_mod.cache_clear()
+    r = probe(MM, **BASE, arch="9.0a")
+    assert r and r.details["row_planner"].startswith("cached: vg_mm_prefix_planner_sm90a_")
+    publish_fake(Cache(clean.cache_dir), mm_config(kind="decode"))
+    r = probe(MM, **BASE, arch="9.0a", kind="decode")
+    assert r and "row_planner" not in r.details  # decode trims keys with the torch rules only

@@ -745,3 +745,16 @@ def test_fa3_refuses_a_request_longer_than_one_launch(monkeypatch):
             "plan(): a launch request of 700 query rows needs 4 query tiles of 192; the fa3 module schedules at "
             "most 2 per launch - use backend='fa2' for requests this long")):
         w.plan(*batch.plan_args(), skip_tiles=False)
+
+
+def test_host_lists_and_staging_on_the_cpu():
+    from variantgen.staging import HostStaging
+    from variantgen.wrapper import host_lists
+
+    a, b = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([5, 1], dtype=torch.int32)
+    assert host_lists(a, b) == [[0, 3, 7], [5, 1]]
+    staging = HostStaging(torch.device("cpu"))
+    staging.begin()
+    got = staging.to_device([1, -2, 3], torch.int64)
+    assert got.dtype == torch.int64 and got.tolist() == [1, -2, 3]
+    assert staging.to_device(torch.tensor([[4, 5]]), torch.int32).tolist() == [4, 5]

@@ -29,6 +29,7 @@ from .intervals import IntervalForm, row_intervals, usable_form
 
 if TYPE_CHECKING:
     from .spec import VariantSpec
+    from .staging import HostStaging
     from .wrapper import VariantWrapper
 
 DENSE, CAUSAL, WINDOW, CUSTOM = 0, 1, 2, 3
@@ -97,7 +98,7 @@ def _segments(rows: dict[str, torch.Tensor], total_q: int, dev: torch.device) ->
     The planner's one device-to-host sync."""
     starts = rows["starts"]
     seg_start = starts.nonzero().squeeze(1)
-    seg_end = torch.cat([seg_start[1:], torch.tensor([total_q], device=dev)])
+    seg_end = torch.cat([seg_start[1:], seg_start.new_full((1,), total_q)])
     # Per-segment hull (custom segments: min lo / max hi over their rows).
     seg_id = torch.cumsum(starts, 0) - 1
     nseg = seg_start.numel()
@@ -108,8 +109,10 @@ def _segments(rows: dict[str, torch.Tensor], total_q: int, dev: torch.device) ->
                         rows["q_pos"][seg_end - 1]], 1).cpu().tolist()
 
 
-def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indices: torch.Tensor,
-                  last_h: list[int], kv_lens: list[int], args: dict[str, Any]) -> list[dict]:
+def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_lens: list[int],
+                  args: dict[str, Any]) -> list[dict]:
+    """The interval plan of a batch as launches (host lists; pages as ranges of the caller's
+    page list). ``qo_h``/``kvp_h``: host copies of qo_indptr and paged_kv_indptr."""
     spec = w.spec
     form = usable_form(spec, args)
     b = w._batch
@@ -120,7 +123,7 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indic
     if kernel is not None:  # the spec's generated row kernel (rowplan.py): one launch
         from .rowplan import plan_rows
 
-        rows = plan_rows(kernel, spec, form, args, qo_h, kv_lens, ps, dev)
+        rows = plan_rows(kernel, spec, form, args, qo_h, kv_lens, ps, dev, w._staging)
         w.plan_stats["row_planner"] = "kernel"
     else:
         rows = classify_rows(spec, form, qo_h, kv_lens, ps, args, dev)
@@ -163,20 +166,23 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_indic
             continue
         d = by_mode[mode]
         d["q_starts"].append(b.total_q)
+        # page_ranges: (first, count) in the caller's page list per launch request; the wrapper
+        # gathers every launch's pages in one go.
         launches.append(dict(mask_mode=mode, q_starts=d["q_starts"], plan_qo=d["plan_qo"],
-                             kv_indptr=d["kv_indptr"],
-                             kv_indices=gather_page_ranges(kv_indices, d["page_ranges"], d["kv_indptr"][-1], dev),
+                             kv_indptr=d["kv_indptr"], page_ranges=d["page_ranges"],
                              last_page_len=d["last_page_len"], meta=d["meta"],
                              packed=d["q_starts"] == d["plan_qo"]))
     return launches
 
 
 def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], total: int,
-                       device: torch.device) -> torch.Tensor:
+                       device: torch.device, staging: HostStaging | None = None) -> torch.Tensor:
     """int32 page list on ``device``: for each (first, count) of ``ranges``,
     kv_indices[first : first + count], back to back (``total`` = the sum of the counts, known
-    on the host, so nothing syncs); one host-to-device copy and one indexing op."""
-    ranges_t = torch.tensor(ranges, dtype=torch.int64).reshape(-1, 2).to(device, non_blocking=True)
+    on the host, so nothing syncs); one host-to-device copy (staged: no sync) and one indexing op."""
+    flat = [x for r in ranges for x in r]
+    ranges_t = (staging.to_device(flat, torch.int64) if staging is not None
+                else torch.tensor(flat, dtype=torch.int64).to(device)).reshape(-1, 2)
     firsts, counts = ranges_t[:, 0], ranges_t[:, 1]
     # entry k of the output, in range i, is kv_indices[firsts[i] + k - (start of range i)]
     shift = torch.repeat_interleave(firsts - (torch.cumsum(counts, 0) - counts), counts, output_size=total)
@@ -232,9 +238,11 @@ def _select(launch: dict, idx: list[int]) -> dict:
     for i in idx:
         new_qo.append(new_qo[-1] + plan_qo[i + 1] - plan_qo[i])
         new_kv.append(new_kv[-1] + kv_indptr[i + 1] - kv_indptr[i])
-    kv_indices = launch["kv_indices"]
-    pages = gather_page_ranges(kv_indices, [(kv_indptr[i], kv_indptr[i + 1] - kv_indptr[i]) for i in idx],
-                               new_kv[-1], kv_indices.device)
-    return dict(launch, q_starts=[q_starts[i] for i in idx] + [q_starts[-1]], plan_qo=new_qo, kv_indptr=new_kv,
-                kv_indices=pages, last_page_len=[launch["last_page_len"][i] for i in idx],
+    if "page_ranges" in launch:
+        pages = {"page_ranges": [launch["page_ranges"][i] for i in idx]}
+    else:  # the caller's page list (planner off): its ranges, by kv_indptr
+        pages = {"page_ranges": [(kv_indptr[i], kv_indptr[i + 1] - kv_indptr[i]) for i in idx]}
+    launch = {k: v for k, v in launch.items() if k != "kv_indices"}
+    return dict(launch, **pages, q_starts=[q_starts[i] for i in idx] + [q_starts[-1]], plan_qo=new_qo,
+                kv_indptr=new_kv, last_page_len=[launch["last_page_len"][i] for i in idx],
                 meta=[launch["meta"][i] for i in idx], packed=False)

@@ -275,8 +275,45 @@ def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dt
         else:
             details["note"] = f"module built for sm{config.arch_tag}; the visible GPU is {device_arch}, not loaded"
     details.pop("uri")
+    if config.kind == "prefill":
+        details["row_planner"] = _row_planner_status(config, cache, build)
     return ProbeResult(True, "", entry.uri, "built" if result.built else "cache", str(entry.module_path),
                        time.perf_counter() - t0, details)
+
+
+def _row_planner_status(config: ModuleConfig, cache: Cache, build: bool) -> str:
+    """How plan() will classify rows: the spec's generated row kernel (cached, or built by
+    make_wrapper in ~10 s), or the torch rules and why (a slower plan(), the same results: no
+    reason to demote). Only looks in the cache."""
+    from .intervals import analyze
+    from .rowplan import PlannerConfig
+
+    form = analyze(config.spec)
+    if not form.planner_ready:
+        return f"none: the interval planner is off for this spec ({form.reason})"
+    planner = PlannerConfig(config.spec, config.arch)
+    try:
+        rendered = planner.render()
+        uri = _expected_uri(rendered)
+        if cache.lookup(uri):
+            return f"cached: {uri}"
+        s = env.settings()
+        if not s.jit_disabled and build and _has_toolchain():
+            return f"built by make_wrapper on first use: {uri}"
+        if s.jit_disabled and _same_inputs_cached(cache, rendered):
+            return f"cached (another toolchain's build): {planner.uri_prefix}"
+        return (f"torch rules (slower plan()): {planner.uri_prefix} is not precompiled in {cache.root}; "
+                "`variantgen precompile` builds it with the prefill modules")
+    except Exception as e:  # noqa: BLE001 - informational: plan() falls back to the torch rules
+        return f"torch rules (slower plan()): {type(e).__name__}: {e}"
+
+
+def _has_toolchain() -> bool:
+    try:
+        _build.toolchain()
+        return True
+    except ToolchainError:
+        return False
 
 
 def _build_module(config: ModuleConfig, cache: Cache, **kwargs: Any):

@@ -26,6 +26,7 @@ from .errors import JitDisabledError
 from .intervals import IntervalForm, analyze, args_read
 from .render import KernelArg, RenderedModule, canonical_arch, environment, template_digest
 from .spec import VariantSpec
+from .staging import HostStaging
 
 log = logging.getLogger("variantgen.rowplan")
 
@@ -147,14 +148,16 @@ def load_planner(spec: VariantSpec, arch: str, cache: Cache, *, allow_build: boo
 
 
 def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str, Any], qo_indptr: list[int],
-              kv_lens: list[int], page_size: int, device: torch.device) -> dict[str, torch.Tensor]:
+              kv_lens: list[int], page_size: int, device: torch.device,
+              staging: HostStaging | None = None) -> dict[str, torch.Tensor]:
     """Run the kernel over a batch: REC_FIELDS -> int64 [total_q] tensors on ``device``
     (``starts`` as 0/1), the same values planner.py's torch rules give."""
     batch = len(kv_lens)
     kv_start = [0]
     for n in kv_lens:
         kv_start.append(kv_start[-1] + n)
-    starts = torch.tensor([qo_indptr, kv_start], dtype=torch.int64, device=device)
+    starts = (staging.to_device(qo_indptr + kv_start, torch.int64) if staging is not None
+              else torch.tensor(qo_indptr + kv_start, dtype=torch.int64, device=device)).view(2, batch + 1)
     rec = torch.empty((len(REC_FIELDS), qo_indptr[-1]), dtype=torch.int64, device=device)
     n_sorted = len({name for t in form.terms for name, _ in t.sorted_eqs})
     scratch = torch.empty(max(1, n_sorted) * batch, dtype=torch.uint8, device=device)

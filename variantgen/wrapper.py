@@ -28,8 +28,10 @@ from .build import BuildResult, build_module, default_cache, load_module
 from .cache import Cache
 from .errors import LaunchError
 from .intervals import analyze
+from .planner import gather_page_ranges
 from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
 from .spec import VariantSpec, load_spec
+from .staging import HostStaging
 
 log = logging.getLogger("variantgen.wrapper")
 
@@ -108,6 +110,7 @@ class WrapperBase:
         self._pdl: bool | None = None
         self._planned_args: dict[str, Any] = {}
         self.plan_stats: dict[str, Any] = {}
+        self._staging = HostStaging(self.device)  # plan()'s host-to-device copies
 
     def _workspace(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The i-th (int workspace, page-locked host mirror) pair; one per launch."""
@@ -345,9 +348,8 @@ class VariantWrapper(WrapperBase):
                 f"plan(): inconsistent batch: qo_indptr has {qo_indptr.numel()} entries, paged_kv_indptr "
                 f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
                 "(expected batch+1, batch+1, batch)")
-        qo_h = qo_indptr.to("cpu", torch.int64).tolist()
-        kvp_h = paged_kv_indptr.to("cpu", torch.int64).tolist()
-        last_h = paged_kv_last_page_len.to("cpu", torch.int64).tolist()
+        self._staging.begin()
+        qo_h, kvp_h, last_h = host_lists(qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
         qo_lens, kv_lens = [], []
         for b in range(batch):
             ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
@@ -378,7 +380,7 @@ class VariantWrapper(WrapperBase):
             checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
             read = args_read(analyze(self.spec), self.spec)
             self._planned_args = {k: v for k, v in checked.items() if k in read}
-            launches = plan_launches(self, qo_h, kvp_h, paged_kv_indices, last_h, kv_lens, checked)
+            launches = plan_launches(self, qo_h, kvp_h, kv_lens, checked)
         else:
             if spec_args:
                 why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
@@ -395,17 +397,49 @@ class VariantWrapper(WrapperBase):
             from .planner import regroup_for_fa3
 
             launches = regroup_for_fa3(launches, page_size, self.config.head_dim_vo)
-        # Split-KV writes partial rows packed and merges them into packed rows, so it is only
-        # allowed where a launch's requests are back to back in q/o.
-        self._launches = [self._make_launch(i, len(launches), launch,
-                                            disable_split_kv or not launch.get("packed", True))
-                          for i, launch in enumerate(launches)]
+        self._launches = self._make_launches(launches, paged_kv_indices, disable_split_kv)
         self.plan_stats["launches"] = [(la.mask_mode, la.num_requests) for la in self._launches]
 
-    def _make_launch(self, i: int, n_launches: int, launch: dict, disable_split_kv: bool) -> Launch:
+    def _make_launches(self, launches: list[dict], kv_indices: torch.Tensor, disable_split_kv: bool) -> list[Launch]:
+        """Device metadata and a FlashInfer plan per launch. Planned launches name ranges of the
+        caller's page list (gathered here, all at once); the direct launch takes the list as it
+        is. Everything the device needs goes over in two staged copies, not one per tensor."""
+        dev = self.device
+        staging = self._staging
+        ranges = [r for launch in launches for r in launch.get("page_ranges", ())]
+        pages = gather_page_ranges(kv_indices, ranges, sum(c for _, c in ranges), dev, staging) if ranges else None
+        flat: list[int] = []
+        for launch in launches:
+            flat += launch["q_starts"]
+            flat += launch["kv_indptr"]
+            flat += launch["last_page_len"]
+            for row in launch["meta"]:
+                flat += row
+        metadata = staging.to_device(flat, torch.int32)
+        out, at, page_at = [], 0, 0
+        for i, launch in enumerate(launches):
+            n = len(launch["meta"])
+            views = {}
+            sizes = (("q_starts", n + 1), ("kv_indptr", n + 1), ("last_page_len", n), ("meta", n * META_COLUMNS))
+            for name, size in sizes:
+                views[name] = metadata[at:at + size]
+                at += size
+            if "page_ranges" in launch:
+                count = launch["kv_indptr"][-1]
+                views["kv_indices"] = pages[page_at:page_at + count]
+                page_at += count
+            else:
+                views["kv_indices"] = launch["kv_indices"].to(dev)
+            # Split-KV writes partial rows packed and merges them into packed rows, so it is only
+            # allowed where a launch's requests are back to back in q/o.
+            split_off = disable_split_kv or not launch.get("packed", True)
+            out.append(self._make_launch(i, len(launches), launch, split_off, views))
+        return out
+
+    def _make_launch(self, i: int, n_launches: int, launch: dict, disable_split_kv: bool,
+                     views: dict[str, torch.Tensor]) -> Launch:
         b = self._batch
         assert b is not None
-        dev = self.device
         int_ws, pinned = self._workspace(i)
         plan_qo = torch.tensor(launch["plan_qo"], dtype=torch.int32)
         kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
@@ -413,21 +447,20 @@ class VariantWrapper(WrapperBase):
         # Each launch gets its own slice of the caller's float workspace (split-KV scratch).
         chunk = self._float_workspace.numel() // n_launches
         float_ws = self._float_workspace[i * chunk:(i + 1) * chunk]
-        kv_indices = launch["kv_indices"]  # a tensor: the caller's, or gathered by the planner
-        q_starts_h = torch.tensor(launch["q_starts"], dtype=torch.int32)
         if self.config.backend == "fa3":
             # FA3 takes kv lengths directly and each work item's first row from q_starts.
             pages = kv_indptr_h[1:] - kv_indptr_h[:-1]
             last = torch.tensor(launch["last_page_len"], dtype=torch.int32)
             kv_lens_h = torch.where(pages > 0, (pages - 1) * b.page_size + last, torch.zeros_like(pages))
+            q_starts_h = torch.tensor(launch["q_starts"][:n], dtype=torch.int32)
             plan_info = self.module.plan(
-                float_ws, int_ws, pinned, plan_qo, kv_indptr_h, kv_lens_h, q_starts_h[:n].contiguous(),
+                float_ws, int_ws, pinned, plan_qo, kv_indptr_h, kv_lens_h, q_starts_h,
                 int(plan_qo[-1]), n, b.num_qo_heads, b.num_kv_heads, b.page_size, launch["mask_mode"] == "causal")
         else:
             plan_info = self.module.plan(
                 float_ws, int_ws, pinned, plan_qo, kv_indptr_h, int(plan_qo[-1]), n, b.num_qo_heads,
                 b.num_kv_heads, b.page_size, False, -1, -1, bool(disable_split_kv))
-        q_starts = q_starts_h.to(dev, non_blocking=True)
+        q_starts = views["q_starts"]
         if self.config.backend == "fa2" and not launch.get("packed", True):
             # Launch requests are not back to back in q/o: the kernel takes each one's first
             # row from q_indptr (our q_starts) but writes o (and lse) at the plan's o_indptr,
@@ -441,10 +474,10 @@ class VariantWrapper(WrapperBase):
         return Launch(
             mask_mode=launch["mask_mode"],
             q_starts=q_starts,
-            kv_indptr=kv_indptr_h.to(dev, non_blocking=True),
-            kv_indices=kv_indices.to(dev, non_blocking=True),
-            last_page_len=torch.tensor(launch["last_page_len"], dtype=torch.int32).to(dev, non_blocking=True),
-            meta=torch.tensor(launch["meta"], dtype=torch.int32).reshape(n, META_COLUMNS).to(dev, non_blocking=True),
+            kv_indptr=views["kv_indptr"],
+            kv_indices=views["kv_indices"],
+            last_page_len=views["last_page_len"],
+            meta=views["meta"].view(n, META_COLUMNS),
             window_left=int(launch.get("window_left", -1)),
             plan_info=plan_info,
             int_workspace=int_ws,
@@ -480,6 +513,19 @@ class VariantWrapper(WrapperBase):
                     la.kv_indptr, la.kv_indices, la.last_page_len, out, lse, code, layout,
                     -1, enable_pdl, *tensors, la.meta, *scalars)
         return (out, lse) if return_lse else out
+
+
+def host_lists(*tensors: torch.Tensor) -> list[list[int]]:
+    """Host copies of small index tensors as int lists: one device-to-host copy for all of
+    them when they share a CUDA device (each copy is a sync)."""
+    if len({t.device for t in tensors}) == 1 and tensors[0].device.type == "cuda":
+        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).cpu().tolist()
+        out, at = [], 0
+        for t in tensors:
+            out.append(flat[at:at + t.numel()])
+            at += t.numel()
+        return out
+    return [t.to("cpu", torch.int64).tolist() for t in tensors]
 
 
 def resolve_spec(spec: VariantSpec | str | Path) -> VariantSpec:
