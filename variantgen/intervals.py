@@ -62,6 +62,9 @@ class IntervalForm:
     terms: tuple[Term, ...]
     planner_ready: bool
     reason: str = ""
+    # Every name the bounds and conditions read (builtins included), computed once: plan()
+    # asks on every call, and walking the trees each time cost ~0.8 ms per plan().
+    names: frozenset[str] = frozenset()
 
     @property
     def exact(self) -> bool:
@@ -221,19 +224,23 @@ def analyze(spec: VariantSpec) -> IntervalForm:
     if not terms:
         return IntervalForm((), False, "the mask is never true")
     if all(not t.exact and not t.lows and not t.highs and not t.chunks and not t.sorted_eqs for t in terms):
-        return IntervalForm(terms, False, "no key bound could be derived from the mask")
-    return IntervalForm(terms, True, "")
+        return IntervalForm(terms, False, "no key bound could be derived from the mask", _names_read(terms))
+    return IntervalForm(terms, True, "", _names_read(terms))
 
 
-def args_read(form: IntervalForm, spec: VariantSpec) -> set[str]:
-    """Spec arguments (tensors and scalars) the interval bounds read: plan() uses them."""
+def _names_read(terms: tuple[Term, ...]) -> frozenset[str]:
     used: set[str] = set()
-    for t in form.terms:
+    for t in terms:
         for node in (*t.conds, *t.lows, *t.highs, *(x for pair in t.chunks for x in pair),
                      *(v for _, v in t.sorted_eqs)):
             used |= names_used(node)
         used |= {name for name, _ in t.sorted_eqs}
-    return used & ({t.name for t in spec.tensors} | {s.name for s in spec.scalars})
+    return frozenset(used)
+
+
+def args_read(form: IntervalForm, spec: VariantSpec) -> set[str]:
+    """Spec arguments (tensors and scalars) the interval bounds read: plan() uses them."""
+    return set(form.names & ({t.name for t in spec.tensors} | {s.name for s in spec.scalars}))
 
 
 def usable_form(spec: VariantSpec, given: Collection[str], what: str = "intervals") -> IntervalForm:
