@@ -44,10 +44,11 @@ def compare(spec, args, qo_lens, kv_lens, page_size, label):
     dev = torch.device("cuda")
     got = plan_rows(module, spec, form, args, qo_indptr, kv_lens, page_size, dev)
     want = classify_rows(spec, form, qo_indptr, kv_lens, page_size, args, dev)
-    for field in REC_FIELDS:
-        diff = (got[field] != want[field]).nonzero().flatten()
+    assert got.shape == want.shape == (len(REC_FIELDS), qo_indptr[-1])
+    for i, field in enumerate(REC_FIELDS):
+        diff = (got[i] != want[i]).nonzero().flatten()
         assert diff.numel() == 0, (f"{label}: {field} differs in {diff.numel()} rows, first {diff[:5].tolist()}: "
-                                   f"kernel {got[field][diff[:5]].tolist()} torch {want[field][diff[:5]].tolist()}")
+                                   f"kernel {got[i][diff[:5]].tolist()} torch {want[i][diff[:5]].tolist()}")
 
 
 def batch_args(spec, qo_lens, kv_lens, page_size, seed):

@@ -38,10 +38,11 @@ CUSTOM_ROWS = 128
 
 
 def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
-                  args: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
-    """The row pass in torch ops (any device): per query row, whether it starts a launch
-    request, its request, class, class parameter, interval [lo, hi] and q_pos (int64
-    tensors named as rowplan.REC_FIELDS). rowplan's generated kernel computes the same."""
+                  args: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """The row pass in torch ops (any device): int64 [7, total_q], per query row (fields in
+    rowplan.REC_FIELDS order) whether it starts a launch request, its request, class, class
+    parameter, interval [lo, hi] (on a custom run's first row: the run's hull) and q_pos.
+    rowplan's generated kernel computes the same."""
     dev, ps, i64 = device, page_size, torch.int64
     batch, total_q = len(kv_lens), qo_indptr[-1]
     qo_lens = torch.tensor([qo_indptr[i + 1] - qo_indptr[i] for i in range(batch)], dtype=i64, device=dev)
@@ -89,24 +90,25 @@ def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], k
     key = torch.stack([request, cls, param_a, param_b], 1)
     starts = torch.ones(total_q, dtype=i64, device=dev)
     starts[1:] = (key[1:] != key[:-1]).any(1)
-    return {"starts": starts, "request": request, "cls": cls, "param_a": param_a, "lo": lo, "hi": hi, "q_pos": q_pos}
-
-
-def _segments(rows: dict[str, torch.Tensor], total_q: int, dev: torch.device) -> list[list[int]]:
-    """The launch requests of the row pass, on the host: per run of rows with one key,
-    [first row, end row, request, class, param_a, hull lo, hull hi, first q_pos, last q_pos].
-    The planner's one device-to-host sync."""
-    starts = rows["starts"]
-    seg_start = starts.nonzero().squeeze(1)
-    seg_end = torch.cat([seg_start[1:], seg_start.new_full((1,), total_q)])
-    # Per-segment hull (custom segments: min lo / max hi over their rows).
+    # A custom launch request reads the hull of its rows: put it on the run's first row.
     seg_id = torch.cumsum(starts, 0) - 1
-    nseg = seg_start.numel()
-    seg_lo = torch.full((nseg,), 1 << 40, dtype=torch.int64, device=dev).scatter_reduce(0, seg_id, rows["lo"], "amin")
-    seg_hi = torch.full((nseg,), -1, dtype=torch.int64, device=dev).scatter_reduce(0, seg_id, rows["hi"], "amax")
-    first = torch.stack([rows["request"], rows["cls"], rows["param_a"], rows["q_pos"]])[:, seg_start]
-    return torch.stack([seg_start, seg_end, first[0], first[1], first[2], seg_lo, seg_hi, first[3],
-                        rows["q_pos"][seg_end - 1]], 1).cpu().tolist()
+    nseg = int(seg_id[-1]) + 1 if total_q else 0
+    seg_lo = torch.full((nseg,), 1 << 40, dtype=i64, device=dev).scatter_reduce(0, seg_id, lo, "amin")
+    seg_hi = torch.full((nseg,), -1, dtype=i64, device=dev).scatter_reduce(0, seg_id, hi, "amax")
+    custom_start = (starts == 1) & (cls == CUSTOM)
+    lo = torch.where(custom_start, seg_lo[seg_id], lo)
+    hi = torch.where(custom_start, seg_hi[seg_id], hi)
+    return torch.stack([starts, request, cls, param_a, lo, hi, q_pos])
+
+
+def _segments(rec: torch.Tensor, total_q: int) -> list[list[int]]:
+    """The launch requests of the row pass, on the host: per run of rows with one key,
+    [first row, end row, request, class, param_a, lo, hi, first q_pos, last q_pos] (lo/hi:
+    the first row's interval, the hull for custom runs). The planner's one device-to-host sync."""
+    seg_start = rec[0].nonzero().squeeze(1)
+    seg_end = torch.cat([seg_start[1:], seg_start.new_full((1,), total_q)])
+    table = torch.cat([seg_start[None], seg_end[None], rec[1:, seg_start], rec[6:, seg_end - 1]]).cpu().tolist()
+    return [list(col) for col in zip(*table)]
 
 
 def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_lens: list[int],
@@ -123,12 +125,12 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_lens:
     if kernel is not None:  # the spec's generated row kernel (rowplan.py): one launch
         from .rowplan import plan_rows
 
-        rows = plan_rows(kernel, spec, form, args, qo_h, kv_lens, ps, dev, w._staging)
+        rec = plan_rows(kernel, spec, form, args, qo_h, kv_lens, ps, dev, w._staging)
         w.plan_stats["row_planner"] = "kernel"
     else:
-        rows = classify_rows(spec, form, qo_h, kv_lens, ps, args, dev)
+        rec = classify_rows(spec, form, qo_h, kv_lens, ps, args, dev)
         w.plan_stats["row_planner"] = "torch" + (f" ({w.row_planner_reason})" if w.row_planner_reason else "")
-    host = _segments(rows, b.total_q, dev)
+    host = _segments(rec, b.total_q)
 
     kv_row_base_h = [0]
     for kl in kv_lens:
@@ -180,13 +182,22 @@ def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], 
     """int32 page list on ``device``: for each (first, count) of ``ranges``,
     kv_indices[first : first + count], back to back (``total`` = the sum of the counts, known
     on the host, so nothing syncs); one host-to-device copy (staged: no sync) and one indexing op."""
-    flat = [x for r in ranges for x in r]
-    ranges_t = (staging.to_device(flat, torch.int64) if staging is not None
-                else torch.tensor(flat, dtype=torch.int64).to(device)).reshape(-1, 2)
-    firsts, counts = ranges_t[:, 0], ranges_t[:, 1]
-    # entry k of the output, in range i, is kv_indices[firsts[i] + k - (start of range i)]
-    shift = torch.repeat_interleave(firsts - (torch.cumsum(counts, 0) - counts), counts, output_size=total)
-    return kv_indices.to(device)[shift + torch.arange(total, device=device)].to(torch.int32)
+    # Per range: its first entry in the output and its shift into kv_indices (host sums: the
+    # device only searches, no repeat_interleave, which costs a sync here).
+    starts, shifts, at = [], [], 0
+    for first, count in ranges:
+        if count:
+            starts.append(at)
+            shifts.append(first - at)
+            at += count
+    if not starts:
+        return torch.empty(0, dtype=torch.int32, device=device)
+    table = (staging.to_device(starts + shifts, torch.int64) if staging is not None
+             else torch.tensor(starts + shifts, dtype=torch.int64).to(device)).view(2, -1)
+    # output entry k lies in range i = the last range starting at or before k
+    out = torch.arange(total, device=device)
+    i = torch.searchsorted(table[0], out, right=True) - 1
+    return kv_indices.to(device)[out + table[1][i]].to(torch.int32)
 
 
 # ----------------------------------------------------------------------------- fa3

@@ -149,9 +149,9 @@ def load_planner(spec: VariantSpec, arch: str, cache: Cache, *, allow_build: boo
 
 def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str, Any], qo_indptr: list[int],
               kv_lens: list[int], page_size: int, device: torch.device,
-              staging: HostStaging | None = None) -> dict[str, torch.Tensor]:
-    """Run the kernel over a batch: REC_FIELDS -> int64 [total_q] tensors on ``device``
-    (``starts`` as 0/1), the same values planner.py's torch rules give."""
+              staging: HostStaging | None = None) -> torch.Tensor:
+    """Run the kernel over a batch: int64 [len(REC_FIELDS), total_q] on ``device`` (``starts``
+    as 0/1; a custom run's first row holds the run's hull), what planner.classify_rows gives."""
     batch = len(kv_lens)
     kv_start = [0]
     for n in kv_lens:
@@ -165,4 +165,4 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
     defaults = {s.name: s.default for s in spec.scalars}
     module.plan_rows(rec, starts, scratch, *(args[n] for n in tensor_names),
                      *(args.get(n, defaults[n]) for n in scalar_names), page_size)
-    return dict(zip(REC_FIELDS, rec.unbind(0)))
+    return rec

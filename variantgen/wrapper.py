@@ -518,8 +518,8 @@ class VariantWrapper(WrapperBase):
 def host_lists(*tensors: torch.Tensor) -> list[list[int]]:
     """Host copies of small index tensors as int lists: one device-to-host copy for all of
     them when they share a CUDA device (each copy is a sync)."""
-    if len({t.device for t in tensors}) == 1 and tensors[0].device.type == "cuda":
-        flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]).cpu().tolist()
+    if len({(t.device, t.dtype) for t in tensors}) == 1 and tensors[0].device.type == "cuda":
+        flat = torch.cat([t.reshape(-1) for t in tensors]).cpu().tolist()
         out, at = [], 0
         for t in tensors:
             out.append(flat[at:at + t.numel()])
