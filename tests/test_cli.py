@@ -21,6 +21,7 @@ from variantgen.cache import MANIFEST, Cache, Entry, ModuleKey
 from variantgen.cli import main
 from variantgen.errors import BuildError
 from variantgen.render import ModuleConfig, render_module
+from variantgen.rowplan import PlannerConfig
 
 probe_mod = importlib.import_module("variantgen.probe")
 REPO = Path(__file__).resolve().parents[1]
@@ -399,6 +400,14 @@ def test_list_shows_the_cache(filled):
     assert any(line.startswith(damaged.name) and "damaged: entry" in line and "no manifest" in line
                for line in lines)
     assert f"4 module(s) in {cache.root}" in r.stdout
+
+
+def test_list_shows_planner_modules(clean):
+    entry = publish_fake(Cache(clean.cache_dir), PlannerConfig(variantgen.load_spec(MM), "9.0a"))
+    r = run("list")
+    assert r.exit_code == 0, r.output
+    row = next(line for line in r.stdout.splitlines() if line.startswith(entry.uri)).split()
+    assert row[1:5] == ["mm_prefix", "-", "-", "planner"] and row[-1] == "9.0a"
 
 
 def test_list_verbose_prints_the_key_parts(filled):

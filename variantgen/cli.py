@@ -460,7 +460,10 @@ def _entry_row(uri: str, found, root: Path) -> list[str]:
     cfg = m.get("config", {})
     hd = f"{cfg.get('head_dim_qk', '?')}x{cfg.get('head_dim_vo', '?')}"
     dtypes = f"{cfg.get('q_dtype', '?')}/{cfg.get('kv_dtype', '?')}/{cfg.get('o_dtype', '?')}"
-    return [uri, cfg.get("spec", "?"), hd, dtypes, cfg.get("backend", "?"), _human_size(_dir_size(path)),
+    backend = cfg.get("backend", "?")
+    if cfg.get("kind") == "planner":  # plan()'s row kernel: one per spec and arch
+        hd, dtypes, backend = "-", "-", "planner"
+    return [uri, cfg.get("spec", "?"), hd, dtypes, backend, _human_size(_dir_size(path)),
             _human_age(age_seconds(m)), m.get("inputs", {}).get("flashinfer", "?"),
             m.get("toolchain", {}).get("nvcc", "?"), cfg.get("arch", "?")]
 
