@@ -158,15 +158,8 @@ class RaggedWrapper(WrapperBase):
     # ------------------------------------------------------------------ run
     def _check_rows(self, name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...], layout_text: str,
                     ) -> torch.Tensor:
-        """A q/k/v tensor: dtype, shape, device, contiguous last dim, 16-byte aligned rows."""
-        if not isinstance(t, torch.Tensor):
-            raise LaunchError(f"run(): `{name}`: expected a tensor {layout_text}, got {type(t).__name__}")
-        if t.dtype != dtype:
-            raise LaunchError(f"run(): `{name}`: expected dtype {dtype} (the wrapper was built for it), got {t.dtype}")
-        if tuple(t.shape) != shape:
-            raise LaunchError(f"run(): `{name}`: expected shape {list(shape)} {layout_text}, got {list(t.shape)}")
-        if t.device != self.device:
-            raise LaunchError(f"run(): `{name}` is on {t.device}, expected {self.device}")
+        """A q/k/v tensor: the shared checks, then a contiguous last dim and 16-byte aligned rows."""
+        self._check_tensor(name, t, dtype, shape, layout_text)
         if t.numel() == 0:
             return t
         if t.stride(-1) != 1:

@@ -215,13 +215,16 @@ class WrapperBase:
             out[s.name] = float(value) if s.dtype == "float" else value
         return out
 
-    def _check_tensor(self, name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def _check_tensor(self, name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...],
+                      layout_text: str = "") -> torch.Tensor:
+        """A run() tensor: type, dtype, shape (``layout_text`` names the dims in messages), device."""
+        layout = f" {layout_text}" if layout_text else ""
         if not isinstance(t, torch.Tensor):
-            raise LaunchError(f"run(): `{name}`: expected a tensor, got {type(t).__name__}")
+            raise LaunchError(f"run(): `{name}`: expected a tensor{layout}, got {type(t).__name__}")
         if t.dtype != dtype:
             raise LaunchError(f"run(): `{name}`: expected dtype {dtype} (the wrapper was built for it), got {t.dtype}")
         if tuple(t.shape) != shape:
-            raise LaunchError(f"run(): `{name}`: expected shape {list(shape)}, got {list(t.shape)}")
+            raise LaunchError(f"run(): `{name}`: expected shape {list(shape)}{layout}, got {list(t.shape)}")
         if t.device != self.device:
             raise LaunchError(f"run(): `{name}` is on {t.device}, expected {self.device}")
         return t
