@@ -21,6 +21,7 @@ import torch
 from _fake_decode import FakeDecodeModule
 from _fake_kernel import FakeModule, assert_matches_reference
 from conftest import ALL_SPECS, SPEC_FILES, SPECS_DIR
+from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
 import variantgen.wrapper as wrapper_mod
@@ -36,13 +37,6 @@ from variantgen.testing import random_paged_batch, random_spec_args
 HQ, HKV, HEAD_DIM = 8, 2, 64
 # kv_len 1, shorter than a page, exactly a page, a page + 1, long ones.
 KV_LENS = [1, 3, 16, 17, 90, 130, 41]
-SMALL_SCALARS = {
-    "attention_sink": {"num_sink": 3, "window": 7},
-    "chunked_local": {"chunk_size": 13},
-    "mm_prefix": {"causal_window_left": 6, "range_window_left": 5},
-    "sliding_window": {"window": 9},
-    "softcap": {"soft_cap": 2.0, "window": 17},
-}
 
 
 @pytest.fixture(autouse=True)
