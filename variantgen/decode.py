@@ -36,7 +36,7 @@ import torch
 
 from .errors import LaunchError
 from .planner import gather_page_ranges
-from .wrapper import LAYOUT_CODES, META_COLUMNS, Batch, VariantWrapper, WrapperBase
+from .wrapper import LAYOUT_CODES, META_COLUMNS, Batch, VariantWrapper, WrapperBase, host_lists
 
 log = logging.getLogger("variantgen.decode")
 
@@ -101,8 +101,7 @@ class DecodeWrapper(WrapperBase):
             raise LaunchError(
                 f"plan(): inconsistent batch: paged_kv_indptr has {paged_kv_indptr.numel()} entries, "
                 f"paged_kv_last_page_len {paged_kv_last_page_len.numel()} (expected batch+1 and batch, batch >= 1)")
-        kvp_h = paged_kv_indptr.to("cpu", torch.int64).tolist()
-        last_h = paged_kv_last_page_len.to("cpu", torch.int64).tolist()
+        kvp_h, last_h = host_lists(paged_kv_indptr, paged_kv_last_page_len)
         kv_lens = []
         for b in range(batch):
             npages, lp = kvp_h[b + 1] - kvp_h[b], last_h[b]
@@ -126,6 +125,7 @@ class DecodeWrapper(WrapperBase):
             self._batch = new_batch
             return
         self._batch = new_batch
+        self._staging.begin()
         try:
             self._plan_cuda_cores(kvp_h, last_h, kv_lens, paged_kv_indices, skip_tiles, spec_args)
         except BaseException:
@@ -155,7 +155,7 @@ class DecodeWrapper(WrapperBase):
                 counts = [e - f for f, e in zip(first_page, end_page)]
                 # request i's trimmed list: its original list from page first_page[i] on
                 ranges = [(kvp_h[i] + first_page[i], counts[i]) for i in range(batch)]
-                kv_indices = gather_page_ranges(kv_indices, ranges, sum(counts), dev)
+                kv_indices = gather_page_ranges(kv_indices, ranges, sum(counts), dev, self._staging)
                 kvp_h = [0]
                 for c in counts:
                     kvp_h.append(kvp_h[-1] + c)
@@ -169,14 +169,15 @@ class DecodeWrapper(WrapperBase):
             kv_row.append(kv_row[-1] + kl)
         meta = [[i, kv_lens[i] - 1, kv_pos_base[i], i, kv_row[i], 1, kv_lens[i], -1, 1] for i in range(batch)]
         int_ws, pinned = self._workspace(0)
-        kv_indptr_h = torch.tensor(kvp_h, dtype=torch.int32)
-        plan_info = self.module.plan(self._float_workspace, int_ws, pinned, kv_indptr_h, batch, b.num_qo_heads,
-                                     b.num_kv_heads, ps, False)
+        plan_info = self.module.plan(self._float_workspace, int_ws, pinned, torch.tensor(kvp_h, dtype=torch.int32),
+                                     batch, b.num_qo_heads, b.num_kv_heads, ps, False)
+        # kv_indptr, last_page_len and vg_meta in one staged copy (no sync)
+        staged = self._staging.to_device(kvp_h + last_h + [x for row in meta for x in row], torch.int32)
         self._launch = DecodeLaunch(
-            kv_indptr=kv_indptr_h.to(dev, non_blocking=True),
+            kv_indptr=staged[:batch + 1],
             kv_indices=kv_indices.to(dev),
-            last_page_len=torch.tensor(last_h, dtype=torch.int32).to(dev, non_blocking=True),
-            meta=torch.tensor(meta, dtype=torch.int32).reshape(batch, META_COLUMNS).to(dev, non_blocking=True),
+            last_page_len=staged[batch + 1:2 * batch + 1],
+            meta=staged[2 * batch + 1:].view(batch, META_COLUMNS),
             plan_info=plan_info,
             int_workspace=int_ws,
             float_workspace=self._float_workspace,
@@ -193,7 +194,7 @@ class DecodeWrapper(WrapperBase):
         form = usable_form(self.spec, args, "key intervals")
         dev = self.device if tensors_read(form, self.spec) else torch.device("cpu")
         i64 = torch.int64
-        kv = torch.tensor(kv_lens, dtype=i64).to(dev)
+        kv = self._staging.to_device(kv_lens, i64) if dev.type == "cuda" else torch.tensor(kv_lens, dtype=i64)
         request = torch.arange(len(kv_lens), dtype=i64, device=dev)
         q_pos = kv - 1
         env = {"q_pos": q_pos, "q_idx": torch.zeros_like(kv), "q_row": request,

@@ -29,7 +29,7 @@ import torch
 
 from .errors import LaunchError
 from .expr import Const
-from .wrapper import LAYOUT_CODES, MASK_MODES, META_COLUMNS, TORCH_DTYPES, Batch, WrapperBase
+from .wrapper import LAYOUT_CODES, MASK_MODES, META_COLUMNS, TORCH_DTYPES, Batch, WrapperBase, host_lists
 
 ALIGN_BYTES = 16  # the kernel loads q/k/v rows with 16-byte cp.async
 
@@ -106,8 +106,7 @@ class RaggedWrapper(WrapperBase):
         if batch < 1 or kv_indptr.numel() != batch + 1:
             raise LaunchError(f"plan(): inconsistent batch: `qo_indptr` has {qo_indptr.numel()} entries and "
                               f"`kv_indptr` {kv_indptr.numel()} (expected batch + 1 each, batch >= 1)")
-        qo_h = qo_indptr.to("cpu", torch.int64).tolist()
-        kv_h = kv_indptr.to("cpu", torch.int64).tolist()
+        qo_h, kv_h = host_lists(qo_indptr, kv_indptr)
         for name, ptr in (("qo_indptr", qo_h), ("kv_indptr", kv_h)):
             if ptr[0] != 0:
                 raise LaunchError(f"plan(): `{name}`[0]={ptr[0]}: expected 0 (rows are packed from the first row "
@@ -136,18 +135,19 @@ class RaggedWrapper(WrapperBase):
                               f"a ragged launch needs '{mode}'")
         meta = [[qo_h[b], kv_lens[b] - qo_lens[b], 0, b, kv_h[b], qo_lens[b], kv_lens[b], -1, qo_lens[b]]
                 for b in range(batch)]
-        dev = self.device
         int_ws, pinned = self._workspace(0)
-        qo_t = torch.tensor(qo_h, dtype=torch.int32)
-        kv_t = torch.tensor(kv_h, dtype=torch.int32)
         plan_info = self.module.plan(
-            self._float_workspace, int_ws, pinned, qo_t, kv_t, int(qo_h[-1]), batch, num_qo_heads, num_kv_heads,
+            self._float_workspace, int_ws, pinned, torch.tensor(qo_h, dtype=torch.int32),
+            torch.tensor(kv_h, dtype=torch.int32), int(qo_h[-1]), batch, num_qo_heads, num_kv_heads,
             1, False, -1, -1, bool(disable_split_kv))
+        # qo_indptr, kv_indptr and vg_meta in one staged copy (no sync)
+        self._staging.begin()
+        staged = self._staging.to_device(qo_h + kv_h + [x for row in meta for x in row], torch.int32)
         self._launch = RaggedLaunch(
             mask_mode=mode,
-            qo_indptr=qo_t.to(dev, non_blocking=True),
-            kv_indptr=kv_t.to(dev, non_blocking=True),
-            meta=torch.tensor(meta, dtype=torch.int32).reshape(batch, META_COLUMNS).to(dev, non_blocking=True),
+            qo_indptr=staged[:batch + 1],
+            kv_indptr=staged[batch + 1:2 * batch + 2],
+            meta=staged[2 * batch + 2:].view(batch, META_COLUMNS),
             plan_info=plan_info,
             int_workspace=int_ws,
             float_workspace=self._float_workspace,
