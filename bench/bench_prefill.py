@@ -32,6 +32,7 @@ from variantgen.testing import (  # noqa: E402
 
 B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
 SPANS = PREFILL_BENCH_SPANS
+CASES = ("causal", "mm_prefix", "sliding_window", "document", "prefix_lm", "softcap")  # variantgen rows
 
 
 def main() -> None:
@@ -41,8 +42,15 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of rows to skip (fa2, fa3, flashinfer_mm_prefix, flex, "
                     "experiments)")
     ap.add_argument("--backends", default="fa2,fa3", help="variantgen backends to measure")
+    ap.add_argument("--cases", default=",".join(CASES),
+                    help="specs to measure (FlashInfer's window / softcap rows come with sliding_window / softcap); "
+                         "e.g. --cases causal,mm_prefix,softcap --skip flashinfer_mm_prefix,flex,experiments is the "
+                         "short form that fits a few device minutes")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    wanted = set(filter(None, args.cases.split(",")))
+    if wanted - set(CASES):
+        ap.error(f"--cases: unknown {sorted(wanted - set(CASES))}; expected some of {', '.join(CASES)}")
     import flashinfer
 
     dev = "cuda"
@@ -89,15 +97,17 @@ def main() -> None:
     for be in ("fa2", "fa3"):
         if be in skip:
             continue
-        fwin = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=be)
-        fwin.plan(*batch.plan_args()[:6], D, PS, causal=True, window_left=w_left, q_data_type=torch.bfloat16,
-                  kv_data_type=torch.bfloat16)
-        record(f"flashinfer_sliding_window_{be}", lambda fwin=fwin: fwin.run(batch.q, kv))
-        ref_win = fwin.run(batch.q, kv).float()
-        fcap = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=be)
-        fcap.plan(*batch.plan_args()[:6], D, PS, causal=True, logits_soft_cap=cap, q_data_type=torch.bfloat16,
-                  kv_data_type=torch.bfloat16)
-        record(f"flashinfer_softcap_{be}", lambda fcap=fcap: fcap.run(batch.q, kv))
+        if "sliding_window" in wanted:
+            fwin = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=be)
+            fwin.plan(*batch.plan_args()[:6], D, PS, causal=True, window_left=w_left, q_data_type=torch.bfloat16,
+                      kv_data_type=torch.bfloat16)
+            record(f"flashinfer_sliding_window_{be}", lambda fwin=fwin: fwin.run(batch.q, kv))
+            ref_win = fwin.run(batch.q, kv).float()
+        if "softcap" in wanted:
+            fcap = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=be)
+            fcap.plan(*batch.plan_args()[:6], D, PS, causal=True, logits_soft_cap=cap, q_data_type=torch.bfloat16,
+                      kv_data_type=torch.bfloat16)
+            record(f"flashinfer_softcap_{be}", lambda fcap=fcap: fcap.run(batch.q, kv))
 
     # variantgen kernels, per backend: module load from the cache, then plan + run. fa2 rows
     # keep their names (variantgen_<spec>_<mode>); fa3 rows are variantgen_fa3_<spec>_<mode>.
@@ -112,8 +122,11 @@ def main() -> None:
         ("prefix_lm", {"prefix_len": prefix}, (True,)),
         ("softcap", {"soft_cap": cap, "window": -1}, (False, True)),
     )
+    planned_mm_prefix = {}  # backend -> output, to compare the backends
     for backend in args.backends.split(","):
         for name, spec_args, modes in cases:
+            if name not in wanted:
+                continue
             head = "variantgen_" + ("" if backend == "fa2" else f"{backend}_") + name
             t = time.perf_counter()
             try:
@@ -139,8 +152,14 @@ def main() -> None:
                 o = w.run(batch.q, kv, **spec_args).float()
                 if name == "mm_prefix" and ref_out is not None:
                     res["notes"][f"{tag}_vs_flashinfer_max_abs"] = (o - ref_out).abs().max().item()
+                if name == "mm_prefix" and skip_tiles:
+                    planned_mm_prefix[backend] = o
                 if name == "sliding_window" and ref_win is not None:
                     res["notes"][f"{tag}_vs_flashinfer_max_abs"] = (o - ref_win).abs().max().item()
+
+    if len(planned_mm_prefix) == 2:
+        a, b = planned_mm_prefix["fa3"], planned_mm_prefix["fa2"]
+        res["notes"]["fa3_vs_fa2_mm_prefix_planned_rel_error"] = ((a - b).norm() / b.norm()).item()
 
     # Why does the planned causal launch trail FlashInfer's? Same kernel family; the knobs that
     # differ are split-KV and programmatic dependent launch (PDL). Time each.
@@ -153,18 +172,15 @@ def main() -> None:
             for pdl in (False, True):
                 exp[f"flashinfer_fa2_causal_disable_split_{split}_pdl_{pdl}"] = round(
                     cuda_median_ms(lambda pdl=pdl: fe.run(batch.q, kv, enable_pdl=pdl), args.iters), 3)
-    wc = variantgen.make_wrapper(ROOT / "specs" / "causal.yaml", ws, head_dim_qk=D, q_dtype="bf16", kv_dtype="bf16",
-                                 backend="fa2")
-    for split in ((False, True) if "experiments" not in skip else ()):
-        wc.plan(*batch.plan_args(), skip_tiles=True, disable_split_kv=split)
-        for pdl in (False, True):
-            exp[f"variantgen_causal_planned_disable_split_{split}_pdl_{pdl}"] = round(
-                cuda_median_ms(lambda pdl=pdl: wc.run(batch.q, kv, enable_pdl=pdl), args.iters), 3)
-    print(json.dumps(exp, indent=1), flush=True)
-
-    doc_len = L // 8
-    doc_ids = (torch.arange(L, device=dev, dtype=torch.int32) // doc_len).repeat(B).contiguous()
-    prefix = torch.full((B,), 2048, dtype=torch.int32, device=dev)
+    if "experiments" not in skip:
+        wc = variantgen.make_wrapper(ROOT / "specs" / "causal.yaml", ws, head_dim_qk=D, q_dtype="bf16",
+                                     kv_dtype="bf16", backend="fa2")
+        for split in (False, True):
+            wc.plan(*batch.plan_args(), skip_tiles=True, disable_split_kv=split)
+            for pdl in (False, True):
+                exp[f"variantgen_causal_planned_disable_split_{split}_pdl_{pdl}"] = round(
+                    cuda_median_ms(lambda pdl=pdl: wc.run(batch.q, kv, enable_pdl=pdl), args.iters), 3)
+        print(json.dumps(exp, indent=1), flush=True)
 
     # FlexAttention (torch.compile, BlockMask) on the same masks, contiguous KV (Flex has no paged KV).
     if "flex" not in skip:
@@ -221,6 +237,8 @@ def main() -> None:
                                                                 "flashinfer_causal_fa3"),
         "fa3_mm_prefix_planned_vs_flashinfer_fa2_causal": ratio("variantgen_fa3_mm_prefix_planned",
                                                                 "flashinfer_causal_fa2"),
+        "fa3_mm_prefix_planned_vs_fa2_mm_prefix_planned": ratio("variantgen_fa3_mm_prefix_planned",
+                                                                "variantgen_mm_prefix_planned"),
         "fa3_causal_planned_vs_flashinfer_fa3_causal": ratio("variantgen_fa3_causal_planned", "flashinfer_causal_fa3"),
         "fa3_sliding_window_planned_vs_flashinfer_fa3": ratio("variantgen_fa3_sliding_window_planned",
                                                               "flashinfer_sliding_window_fa3"),
