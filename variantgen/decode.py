@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -156,17 +157,13 @@ class DecodeWrapper(WrapperBase):
                 # request i's trimmed list: its original list from page first_page[i] on
                 ranges = [(kvp_h[i] + first_page[i], counts[i]) for i in range(batch)]
                 kv_indices = gather_page_ranges(kv_indices, ranges, sum(counts), dev, self._staging)
-                kvp_h = [0]
-                for c in counts:
-                    kvp_h.append(kvp_h[-1] + c)
+                kvp_h = list(accumulate(counts, initial=0))
                 last_h = [hi[i] + 1 - kv_pos_base[i] - (counts[i] - 1) * ps for i in range(batch)]
         elif spec_args:
             why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
             raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without key trimming ({why}) "
                               "spec arguments go to run() only")
-        kv_row = [0]
-        for kl in kv_lens:
-            kv_row.append(kv_row[-1] + kl)
+        kv_row = list(accumulate(kv_lens, initial=0))
         meta = [[i, kv_lens[i] - 1, kv_pos_base[i], i, kv_row[i], 1, kv_lens[i], -1, 1] for i in range(batch)]
         int_ws, pinned = self._workspace(0)
         plan_info = self.module.plan(self._float_workspace, int_ws, pinned, torch.tensor(kvp_h, dtype=torch.int32),

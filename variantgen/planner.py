@@ -20,6 +20,7 @@ Metadata is O(segments); the only host sync is reading the segment boundaries ba
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -132,9 +133,7 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_lens:
         w.plan_stats["row_planner"] = "torch" + (f" ({w.row_planner_reason})" if w.row_planner_reason else "")
     host = _segments(rec, b.total_q)
 
-    kv_row_base_h = [0]
-    for kl in kv_lens:
-        kv_row_base_h.append(kv_row_base_h[-1] + kl)
+    kv_row_base_h = list(accumulate(kv_lens, initial=0))
     by_mode: dict[str, dict[str, list]] = {}
     stats = {"dense": 0, "causal": 0, "window": 0, "custom": 0, "custom_rows": 0}
     for r0, r1, req, c, pa, slo, shi, q_first, q_last in host:
@@ -245,10 +244,8 @@ def regroup_for_fa3(launches: list[dict], page_size: int, head_dim_vo: int) -> l
 def _select(launch: dict, idx: list[int]) -> dict:
     """The launch restricted to launch requests ``idx`` (in order), re-packed."""
     q_starts, plan_qo, kv_indptr = launch["q_starts"], launch["plan_qo"], launch["kv_indptr"]
-    new_qo, new_kv = [0], [0]
-    for i in idx:
-        new_qo.append(new_qo[-1] + plan_qo[i + 1] - plan_qo[i])
-        new_kv.append(new_kv[-1] + kv_indptr[i + 1] - kv_indptr[i])
+    new_qo = list(accumulate((plan_qo[i + 1] - plan_qo[i] for i in idx), initial=0))
+    new_kv = list(accumulate((kv_indptr[i + 1] - kv_indptr[i] for i in idx), initial=0))
     if "page_ranges" in launch:
         pages = {"page_ranges": [launch["page_ranges"][i] for i in idx]}
     else:  # the caller's page list (planner off): its ranges, by kv_indptr

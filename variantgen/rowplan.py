@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -153,9 +154,7 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
     """Run the kernel over a batch: int64 [len(REC_FIELDS), total_q] on ``device`` (``starts``
     as 0/1; a custom run's first row holds the run's hull), what planner.classify_rows gives."""
     batch = len(kv_lens)
-    kv_start = [0]
-    for n in kv_lens:
-        kv_start.append(kv_start[-1] + n)
+    kv_start = list(accumulate(kv_lens, initial=0))
     starts = (staging.to_device(qo_indptr + kv_start, torch.int64) if staging is not None
               else torch.tensor(qo_indptr + kv_start, dtype=torch.int64, device=device)).view(2, batch + 1)
     rec = torch.empty((len(REC_FIELDS), qo_indptr[-1]), dtype=torch.int64, device=device)

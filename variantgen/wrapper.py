@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -389,9 +390,7 @@ class VariantWrapper(WrapperBase):
                 why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
                 raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without the interval planner "
                                   f"({why}) spec arguments go to run() only")
-            kv_row = [0]
-            for kl in kv_lens:
-                kv_row.append(kv_row[-1] + kl)
+            kv_row = list(accumulate(kv_lens, initial=0))
             meta = [[qo_h[b], kv_lens[b] - qo_lens[b], 0, b, kv_row[b], qo_lens[b], kv_lens[b], -1, qo_lens[b]]
                     for b in range(batch)]
             launches = [dict(mask_mode="custom", q_starts=qo_h, plan_qo=qo_h, kv_indptr=kvp_h,
