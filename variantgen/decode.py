@@ -156,7 +156,7 @@ class DecodeWrapper(WrapperBase):
                 counts = [e - f for f, e in zip(first_page, end_page)]
                 # request i's trimmed list: its original list from page first_page[i] on
                 ranges = [(kvp_h[i] + first_page[i], counts[i]) for i in range(batch)]
-                kv_indices = gather_page_ranges(kv_indices, ranges, sum(counts), dev, self._staging)
+                kv_indices = gather_page_ranges(kv_indices, ranges, self._staging)
                 kvp_h = list(accumulate(counts, initial=0))
                 last_h = [hi[i] + 1 - kv_pos_base[i] - (counts[i] - 1) * ps for i in range(batch)]
         elif spec_args:

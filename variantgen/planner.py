@@ -176,23 +176,22 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_lens:
     return launches
 
 
-def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], total: int,
-                       device: torch.device, staging: HostStaging | None = None) -> torch.Tensor:
-    """int32 page list on ``device``: for each (first, count) of ``ranges``,
-    kv_indices[first : first + count], back to back (``total`` = the sum of the counts, known
-    on the host, so nothing syncs); one host-to-device copy (staged: no sync) and one indexing op."""
-    # Per range: its first entry in the output and its shift into kv_indices (host sums: the
-    # device only searches, no repeat_interleave, which costs a sync here).
-    starts, shifts, at = [], [], 0
+def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], staging: HostStaging,
+                       ) -> torch.Tensor:
+    """int32 page list on the staging device: for each (first, count) of ``ranges``,
+    kv_indices[first : first + count], back to back. One staged copy of the ranges (no sync)
+    and a search + index on the device (no repeat_interleave, which syncs here)."""
+    device = staging.device
+    # Per range: its first entry in the output and its shift into kv_indices (sums on the host).
+    starts, shifts, total = [], [], 0
     for first, count in ranges:
         if count:
-            starts.append(at)
-            shifts.append(first - at)
-            at += count
+            starts.append(total)
+            shifts.append(first - total)
+            total += count
     if not starts:
         return torch.empty(0, dtype=torch.int32, device=device)
-    table = (staging.to_device(starts + shifts, torch.int64) if staging is not None
-             else torch.tensor(starts + shifts, dtype=torch.int64).to(device)).view(2, -1)
+    table = staging.to_device(starts + shifts, torch.int64).view(2, -1)
     # output entry k lies in range i = the last range starting at or before k
     out = torch.arange(total, device=device)
     i = torch.searchsorted(table[0], out, right=True) - 1

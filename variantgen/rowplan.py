@@ -71,6 +71,11 @@ def planner_configs(configs: list[Any]) -> list[PlannerConfig]:
     return list(out.values())
 
 
+def sorted_id_tensors(form: IntervalForm) -> list[str]:
+    """The [total_kv] tensors of sorted-id terms (each gets a per-request sortedness pass)."""
+    return sorted({name for t in form.terms for name, _ in t.sorted_eqs})
+
+
 def planner_inputs(spec: VariantSpec, form: IntervalForm) -> tuple[list[str], list[str]]:
     """(tensors, scalars) the interval terms read, in spec order: plan_rows' extra arguments."""
     read = args_read(form, spec)
@@ -102,7 +107,7 @@ def render_planner(config: PlannerConfig) -> RenderedModule:
             "sorted_eqs": [{"tensor": name, "cpp_type": by_name[name].cpp_type, "value": cpp(v)}
                            for name, v in t.sorted_eqs],
         })
-    sorted_tensors = sorted({name for t in form.terms for name, _ in t.sorted_eqs})
+    sorted_tensors = sorted_id_tensors(form)
     scalars = {s.name: s for s in spec.scalars}
     ctx = {
         "vg_version": __version__,
@@ -158,8 +163,7 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
     starts = (staging.to_device(qo_indptr + kv_start, torch.int64) if staging is not None
               else torch.tensor(qo_indptr + kv_start, dtype=torch.int64, device=device)).view(2, batch + 1)
     rec = torch.empty((len(REC_FIELDS), qo_indptr[-1]), dtype=torch.int64, device=device)
-    n_sorted = len({name for t in form.terms for name, _ in t.sorted_eqs})
-    scratch = torch.empty(max(1, n_sorted) * batch, dtype=torch.uint8, device=device)
+    scratch = torch.empty(max(1, len(sorted_id_tensors(form))) * batch, dtype=torch.uint8, device=device)
     tensor_names, scalar_names = planner_inputs(spec, form)
     defaults = {s.name: s.default for s in spec.scalars}
     module.plan_rows(rec, starts, scratch, *(args[n] for n in tensor_names),

@@ -409,7 +409,7 @@ class VariantWrapper(WrapperBase):
         dev = self.device
         staging = self._staging
         ranges = [r for launch in launches for r in launch.get("page_ranges", ())]
-        pages = gather_page_ranges(kv_indices, ranges, sum(c for _, c in ranges), dev, staging) if ranges else None
+        pages = gather_page_ranges(kv_indices, ranges, staging) if ranges else None
         flat: list[int] = []
         for launch in launches:
             flat += launch["q_starts"]
