@@ -310,3 +310,26 @@ class FakeFa3Module(FakeModule):
         super().paged_run(float_ws, int_ws, info, q, k_cache, v_cache, torch.tensor(p["starts"], dtype=torch.int32),
                           p["kv_indptr"], kv_indices, torch.tensor(p["last"], dtype=torch.int32), out, lse,
                           mask_mode, layout, -1, enable_pdl, *extra)
+
+
+class FakeRowPlanner:
+    """A CPU stand-in for a spec's generated row kernel (rowplan.py): ``plan_rows`` fills
+    ``rec`` with what the torch rules give, so wrappers take their kernel path on the CPU."""
+
+    def __init__(self, spec: VariantSpec):
+        self.spec = spec
+        self.calls = 0
+
+    def plan_rows(self, rec, starts, scratch, *spec_args_and_page_size):
+        from variantgen.intervals import analyze
+        from variantgen.planner import classify_rows
+        from variantgen.rowplan import planner_inputs
+
+        self.calls += 1
+        form = analyze(self.spec)
+        tensors, scalars = planner_inputs(self.spec, form)
+        *values, page_size = spec_args_and_page_size
+        args = dict(zip(tensors + scalars, values))
+        qo_indptr, kv_start = starts.tolist()
+        kv_lens = [b - a for a, b in zip(kv_start, kv_start[1:])]
+        rec.copy_(classify_rows(self.spec, form, qo_indptr, kv_lens, page_size, args, rec.device))

@@ -583,3 +583,24 @@ def test_build_a_real_decode_module(vg_env, toolchain):
         symbols = subprocess.run(["nm", "-D", "--defined-only", str(entry.module_path)], capture_output=True,
                                  text=True).stdout
         assert "__tvm_ffi_plan" in symbols and "__tvm_ffi_run" in symbols
+
+
+def test_tensor_core_decode_plans_with_the_row_kernel_it_is_given():
+    """make_wrapper hands the spec's row kernel to the prefill wrapper behind tensor-core decode."""
+    from _fake_kernel import FakeRowPlanner
+
+    spec = variantgen.load_spec(SPECS_DIR / "sliding_window.yaml")
+    w, _ = make(spec, tensor_cores=True)
+    planner = FakeRowPlanner(spec)
+    w.set_row_planner(planner)
+    batch = decode_batch([1, 7, 16, 17, 90], 4)
+    w.plan(*plan_args(batch), window=9)
+    assert planner.calls == 1 and w.plan_stats["row_planner"] == "kernel"
+    plain, _ = make(spec, tensor_cores=True)  # the torch rules
+    plain.plan(*plan_args(batch), window=9)
+    assert plain.plan_stats["row_planner"] == "torch"
+    kv = cache_of(batch, "NHD")
+    assert torch.equal(w.run(batch.q, kv, window=9), plain.run(batch.q, kv, window=9))
+    cuda_cores, _ = make(spec)
+    with pytest.raises(ValueError, match="only the tensor-core decode path"):
+        cuda_cores.set_row_planner(planner)

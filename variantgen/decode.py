@@ -80,6 +80,12 @@ class DecodeWrapper(WrapperBase):
             self.plan_stats = self._prefill.plan_stats
         self._launch: DecodeLaunch | None = None
 
+    def set_row_planner(self, module: Any, reason: str = "") -> None:
+        """Tensor cores: the prefill wrapper's interval planner uses the spec's row kernel."""
+        if self._prefill is None:
+            raise ValueError("set_row_planner: only the tensor-core decode path plans with the interval planner")
+        self._prefill.set_row_planner(module, reason)
+
     # ------------------------------------------------------------------ plan
     def plan(self, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,

@@ -334,6 +334,10 @@ class VariantWrapper(WrapperBase):
         self.row_planner: Any = None
         self.row_planner_reason = ""
 
+    def set_row_planner(self, module: Any, reason: str = "") -> None:
+        """Use the spec's row kernel in plan() (None: the torch rules, ``reason`` says why)."""
+        self.row_planner, self.row_planner_reason = module, reason
+
     # ------------------------------------------------------------------ plan
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,
@@ -596,9 +600,9 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     result = build_module(config, cache, jobs=jobs, allow_build=build)
     module = load_module(result.entry)
     wrapper = cls(spec, config, module, result, workspace, kv_layout)
-    if isinstance(wrapper, VariantWrapper) and wrapper.device.type == "cuda" and analyze(spec).planner_ready:
+    # The paged prefill kernel (also behind tensor-core decode) is planned by the interval planner.
+    if module_kind == "prefill" and wrapper.device.type == "cuda" and analyze(spec).planner_ready:
         from .rowplan import load_planner
 
-        wrapper.row_planner, wrapper.row_planner_reason = load_planner(spec, arch, cache, allow_build=build,
-                                                                       jobs=jobs)
+        wrapper.set_row_planner(*load_planner(spec, arch, cache, allow_build=build, jobs=jobs))
     return wrapper
