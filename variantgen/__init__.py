@@ -1,7 +1,7 @@
 """variantgen: YAML attention-variant specs -> cached FlashInfer kernels.
 
-Public API: load_spec / parse_spec, make_wrapper, choose_backend, probe, probe_backends,
-and the error classes.
+Public API: load_spec / parse_spec, make_wrapper, GraphCapacity (CUDA-graph mode),
+choose_backend, probe, probe_backends, and the error classes.
 Heavy imports (torch, flashinfer) happen lazily inside the functions that need them.
 """
 
@@ -23,6 +23,14 @@ def choose_backend(*args, **kwargs):
     return _choose_backend(*args, **kwargs)
 
 
+def __getattr__(name):
+    if name == "GraphCapacity":  # imports torch: only when asked for
+        from .graph import GraphCapacity
+
+        return GraphCapacity
+    raise AttributeError(f"module 'variantgen' has no attribute {name!r}")
+
+
 def probe(*args, **kwargs):
     from .probe import probe as _probe
 
@@ -37,6 +45,7 @@ def probe_backends(*args, **kwargs):
 
 __all__ = [
     "BuildError",
+    "GraphCapacity",
     "CacheError",
     "LaunchError",
     "SpecError",

@@ -28,6 +28,7 @@ import torch
 from .build import BuildResult, build_module, default_cache, load_module
 from .cache import Cache
 from .errors import LaunchError
+from .graph import GraphBuffers, GraphCapacity
 from .intervals import analyze
 from .planner import gather_page_ranges
 from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
@@ -171,6 +172,10 @@ class WrapperBase:
         return {"total_q": b.total_q, "total_kv": b.total_kv, "batch": b.batch_size,
                 "num_qo_heads": b.num_qo_heads, "num_kv_heads": b.num_kv_heads}
 
+    def _dim_capacity(self) -> dict[str, int]:
+        """Graph mode: the largest size each batch-dependent dim may have (static buffers)."""
+        return {}
+
     def _check_args(self, given: dict[str, Any], *, where: str, require_tensors_from: str | None = None,
                     ) -> dict[str, Any]:
         known = set(self._tensor_names) | set(self._scalar_names)
@@ -190,6 +195,15 @@ class WrapperBase:
             value = given[t.name]
             want_shape = tuple(dims[d] if isinstance(d, str) else d for d in t.shape)
             shape_text = "[" + ", ".join(f"{d}={dims[d]}" if isinstance(d, str) else str(d) for d in t.shape) + "]"
+            caps = self._dim_capacity()
+            if caps and any(d in caps for d in t.shape if isinstance(d, str)):
+                # Graph mode: a static buffer sized for the capacity is fine (rows past this
+                # batch are not read).
+                shape_text += " (batch-sized dims up to the CUDA-graph capacity)"
+                if isinstance(value, torch.Tensor) and value.dim() == len(t.shape) and all(
+                        want <= got <= caps.get(d, want) if isinstance(d, str) else want == got
+                        for d, want, got in zip(t.shape, want_shape, value.shape)):
+                    want_shape = tuple(value.shape)
             if not isinstance(value, torch.Tensor):
                 raise LaunchError(f"{where}: `{t.name}`: expected a torch.{t.dtype} tensor of shape {shape_text}, "
                                   f"got {type(value).__name__}")
@@ -266,14 +280,17 @@ class WrapperBase:
                 raise LaunchError(f"run(): `{name}`={args[name]!r} but plan() planned with {value!r} (the key "
                                   f"intervals depend on it); pass {name}= to plan() as well, or plan again")
 
-    def _outputs(self, out: torch.Tensor | None, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _outputs(self, out: torch.Tensor | None, return_lse: bool, rows: int | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """out (checked, or allocated) and lse with ``rows`` rows (default: the batch's total_q)."""
         b, cfg = self._batch, self.config
+        rows = b.total_q if rows is None else rows
         odt = TORCH_DTYPES[cfg.o_dtype]
         if out is None:
-            out = torch.empty(b.total_q, b.num_qo_heads, cfg.head_dim_vo, dtype=odt, device=self.device)
+            out = torch.empty(rows, b.num_qo_heads, cfg.head_dim_vo, dtype=odt, device=self.device)
         else:
-            self._check_tensor("out", out, odt, (b.total_q, b.num_qo_heads, cfg.head_dim_vo))
-        lse = torch.empty(b.total_q, b.num_qo_heads, dtype=torch.float32, device=self.device) if return_lse else None
+            self._check_tensor("out", out, odt, (rows, b.num_qo_heads, cfg.head_dim_vo))
+        lse = torch.empty(rows, b.num_qo_heads, dtype=torch.float32, device=self.device) if return_lse else None
         return out, lse
 
     def _check_paged_run(self, q: Any, q_shape: tuple[int, ...], paged_kv_cache: Any,
@@ -324,15 +341,42 @@ class WrapperBase:
 
 
 class VariantWrapper(WrapperBase):
-    """Paged-KV prefill for one spec, dtype and head-dim combination (see make_wrapper)."""
+    """Paged-KV prefill for one spec, dtype and head-dim combination (see make_wrapper).
+    ``graph``: CUDA-graph mode with buffers for at most that batch (graph.py)."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, graph: GraphCapacity | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._launches: list[Launch] = []
+        self._graph: GraphBuffers | None = None
+        if graph is not None:
+            if not isinstance(graph, GraphCapacity):
+                raise LaunchError(f"graph={graph!r}: expected a variantgen.GraphCapacity (or None)")
+            if self.config.backend != "fa2":
+                raise LaunchError(f"graph=: CUDA-graph mode needs the fa2 backend (this wrapper is "
+                                  f"{self.config.backend}: its launch set depends on the batch); make the "
+                                  "wrapper with backend='fa2'")
+            self._graph = GraphBuffers(graph, self.device)
         # The spec's generated row kernel for the interval planner (rowplan.py), set by
         # make_wrapper on CUDA; None: plan() classifies rows with torch ops (and says why).
         self.row_planner: Any = None
         self.row_planner_reason = ""
+
+    def _trim_to_batch(self, args: dict[str, Any]) -> dict[str, Any]:
+        """Spec tensors given as capacity-sized static buffers, cut to this batch's sizes
+        (views from the start: same data_ptr) for the planner, which sizes work by them."""
+        dims = self._dims()
+        out = dict(args)
+        for t in self.spec.tensors:
+            if t.name in out:
+                out[t.name] = out[t.name][tuple(slice(0, dims[d] if isinstance(d, str) else d) for d in t.shape)]
+        return out
+
+    def _dim_capacity(self) -> dict[str, int]:
+        if self._graph is None or self._batch is None:
+            return {}
+        cap = self._graph.capacity
+        return {"total_q": cap.max_total_q, "batch": cap.max_batch_size,
+                "total_kv": cap.max_kv_pages * self._batch.page_size}
 
     def set_row_planner(self, module: Any, reason: str = "") -> None:
         """Use the spec's row kernel in plan() (None: the torch rules, ``reason`` says why)."""
@@ -374,10 +418,16 @@ class VariantWrapper(WrapperBase):
         if kvp_h[-1] > paged_kv_indices.numel():
             raise LaunchError(f"plan(): paged_kv_indices has {paged_kv_indices.numel()} entries, "
                               f"paged_kv_indptr needs {kvp_h[-1]}")
+        graph = self._graph
+        if graph is not None:
+            graph.check_batch(batch, qo_h[-1], kvp_h[-1])
+            disable_split_kv = True  # split-KV changes the schedule from batch to batch
         self._batch = Batch(batch, qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
                             tuple(qo_lens), tuple(kv_lens))
         if self._batch.total_q == 0:  # nothing to compute; run() returns empty outputs
             self.plan_stats["launches"] = []
+            if graph is not None:  # ... but a captured graph still replays: plan empty launches
+                self._launches = self._make_launches(graph.slot_launches([]), paged_kv_indices, True)
             return
         use_planner = (bool(skip_tiles) if skip_tiles is not None
                        else self._intervals_default(spec_args, "interval planner"))
@@ -386,6 +436,8 @@ class VariantWrapper(WrapperBase):
             from .planner import plan_launches
 
             checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
+            if self._graph is not None:
+                checked = self._trim_to_batch(checked)
             read = args_read(analyze(self.spec), self.spec)
             self._planned_args = {k: v for k, v in checked.items() if k in read}
             launches = plan_launches(self, qo_h, kvp_h, kv_lens, checked)
@@ -403,17 +455,23 @@ class VariantWrapper(WrapperBase):
             from .planner import regroup_for_fa3
 
             launches = regroup_for_fa3(launches, page_size, self.config.head_dim_vo)
+        if graph is not None:
+            launches = graph.slot_launches(launches)
         self._launches = self._make_launches(launches, paged_kv_indices, disable_split_kv)
-        self.plan_stats["launches"] = [(la.mask_mode, la.num_requests) for la in self._launches]
+        self.plan_stats["launches"] = [(la["mask_mode"], la.get("requests", len(la["meta"])))
+                                       for la in launches if la.get("requests", 1)]
 
     def _make_launches(self, launches: list[dict], kv_indices: torch.Tensor, disable_split_kv: bool) -> list[Launch]:
         """Device metadata and a FlashInfer plan per launch. Planned launches name ranges of the
         caller's page list (gathered here, all at once); the direct launch takes the list as it
-        is. Everything the device needs goes over in two staged copies, not one per tensor."""
+        is. Everything the device needs goes over in two staged copies, not one per tensor.
+        In graph mode both land in the wrapper's fixed buffers (the launches are its slots)."""
         dev = self.device
         staging = self._staging
+        graph = self._graph
         ranges = [r for launch in launches for r in launch.get("page_ranges", ())]
-        pages = gather_page_ranges(kv_indices, ranges, staging) if ranges else None
+        pages = gather_page_ranges(kv_indices, ranges, staging) if ranges else \
+            torch.empty(0, dtype=torch.int32, device=dev)
         flat: list[int] = []
         for launch in launches:
             flat += launch["q_starts"]
@@ -422,6 +480,8 @@ class VariantWrapper(WrapperBase):
             for row in launch["meta"]:
                 flat += row
         metadata = staging.to_device(flat, torch.int32)
+        if graph is not None:
+            graph.metadata.copy_(metadata)  # same layout: the slots are padded to capacity
         out, at, page_at = [], 0, 0
         for i, launch in enumerate(launches):
             n = len(launch["meta"])
@@ -435,7 +495,12 @@ class VariantWrapper(WrapperBase):
                 views["kv_indices"] = pages[page_at:page_at + count]
                 page_at += count
             else:
-                views["kv_indices"] = launch["kv_indices"].to(dev)
+                count = launch["kv_indptr"][-1]
+                views["kv_indices"] = launch["kv_indices"][:count].to(dev)
+            if graph is not None:
+                fixed = graph.slot_views(i)
+                fixed["kv_indices"][:count].copy_(views["kv_indices"][:count])
+                views = fixed
             # Split-KV writes partial rows packed and merges them into packed rows, so it is only
             # allowed where a launch's requests are back to back in q/o.
             split_off = disable_split_kv or not launch.get("packed", True)
@@ -453,7 +518,14 @@ class VariantWrapper(WrapperBase):
         # Each launch gets its own slice of the caller's float workspace (split-KV scratch).
         chunk = self._float_workspace.numel() // n_launches
         float_ws = self._float_workspace[i * chunk:(i + 1) * chunk]
-        if self.config.backend == "fa3":
+        if self._graph is not None:
+            # Scheduled for the capacity (rows, launch requests), so plan_info is the same for
+            # every batch that fits; the padding requests have no rows and no pages.
+            plan_info = self.module.plan(
+                float_ws, int_ws, pinned, plan_qo, kv_indptr_h, self._graph.capacity.max_total_q, n,
+                b.num_qo_heads, b.num_kv_heads, b.page_size, True, -1, -1, True)
+            self._graph.check_plan_info(i, plan_info)
+        elif self.config.backend == "fa3":
             # FA3 takes kv lengths directly and each work item's first row from q_starts.
             pages = kv_indptr_h[1:] - kv_indptr_h[:-1]
             last = torch.tensor(launch["last_page_len"], dtype=torch.int32)
@@ -499,9 +571,15 @@ class VariantWrapper(WrapperBase):
             raise LaunchError("run() called before plan(): call plan(qo_indptr, paged_kv_indptr, ...) first")
         b = self._batch
         cfg = self.config
+        rows = b.total_q
+        if self._graph is not None and isinstance(q, torch.Tensor) and q.dim() == 3:
+            # Graph mode: q / out may be the capture's static buffers, up to capacity rows
+            # (rows past this batch's total_q are neither read nor written).
+            if b.total_q <= q.shape[0] <= self._graph.capacity.max_total_q:
+                rows = q.shape[0]
         k_cache, v_cache, args = self._check_paged_run(
-            q, (b.total_q, b.num_qo_heads, cfg.head_dim_qk), paged_kv_cache, (q_scale, k_scale, v_scale), spec_args)
-        out, lse = self._outputs(out, return_lse)
+            q, (rows, b.num_qo_heads, cfg.head_dim_qk), paged_kv_cache, (q_scale, k_scale, v_scale), spec_args)
+        out, lse = self._outputs(out, return_lse, rows)
         tensors, scalars = self._kernel_args(args, q_scale, k_scale, v_scale)
         layout = LAYOUT_CODES[self.kv_layout]
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
@@ -566,7 +644,8 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
                  head_dim_vo: int | None = None, q_dtype: Any, kv_dtype: Any, o_dtype: Any = None,
                  backend: str | None = None, kind: str = "prefill", kv_layout: str = "NHD",
                  arch: str | None = None, cache: Cache | None = None, build: bool = True,
-                 jobs: int | None = None, use_tensor_cores: bool = False) -> WrapperBase:
+                 jobs: int | None = None, use_tensor_cores: bool = False,
+                 graph: GraphCapacity | None = None) -> WrapperBase:
     """Build (or load from the cache) the spec's module for one kernel kind and wrap it.
 
     ``kind``: "prefill" (paged KV), "ragged" (ragged KV) or "decode" (paged KV, one query
@@ -574,7 +653,10 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     spec, dtypes, kind and GPU (see choose_backend). ``workspace`` is the float workspace
     (uint8, on the target GPU; 128 MiB is plenty). ``use_tensor_cores`` (decode only): run
     decode through the spec's prefill module (one query per request) instead of the
-    CUDA-core decode kernel - FlashInfer's advice for large GQA groups.
+    CUDA-core decode kernel - FlashInfer's advice for large GQA groups. ``graph``
+    (kind "prefill"): CUDA-graph mode with fixed buffers for at most that batch, so a
+    captured run() can be replayed after each plan() (graph.py; fa2, chosen when backend
+    is None).
     Raises SpecError / ValueError / BuildError / JitDisabledError with what went wrong;
     call variantgen.probe() first to get a reason instead of an exception.
     """
@@ -588,6 +670,15 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
         arch = device_arch(workspace.device)
     arch = canonical_arch(arch)
     hd_vo = head_dim_vo or head_dim_qk
+    if graph is not None:
+        if kind != "prefill":
+            raise ValueError(f"graph=: CUDA-graph mode is for kind='prefill' (got kind={kind!r}); decode and "
+                             "ragged wrappers allocate their metadata per plan()")
+        if backend is None:
+            backend = "fa2"  # fa3's launch set depends on the batch
+        elif backend != "fa2":
+            raise ValueError(f"graph=: CUDA-graph mode needs backend='fa2' (got {backend!r}): the fa3 planner's "
+                             "launch set depends on the batch")
     if backend is None:
         backend = choose_backend(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=hd_vo, q_dtype=q,
                                  kv_dtype=kv, o_dtype=o, arch=arch)
@@ -599,7 +690,8 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     cache = cache or default_cache()
     result = build_module(config, cache, jobs=jobs, allow_build=build)
     module = load_module(result.entry)
-    wrapper = cls(spec, config, module, result, workspace, kv_layout)
+    extra = {"graph": graph} if graph is not None else {}
+    wrapper = cls(spec, config, module, result, workspace, kv_layout, **extra)
     # The paged prefill kernel (also behind tensor-core decode) is planned by the interval planner.
     if module_kind == "prefill" and wrapper.device.type == "cuda" and analyze(spec).planner_ready:
         from .rowplan import load_planner

@@ -1,0 +1,312 @@
+"""CUDA-graph mode of the paged prefill wrapper (graph.py), on the CPU fake kernel.
+
+A captured graph replays run()'s kernel launches with the arguments they had at capture.
+Here "capture" records every paged_run call of one run() (the tensor objects and the
+plan_info), and "replay" calls the fake kernel again with exactly those recorded
+arguments after a later plan(): the output must be that later batch's reference, which
+only holds if plan() rewrote the same buffers in place and kept the schedule fixed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from _fake_kernel import FakeModule
+from conftest import SPECS_DIR
+
+import variantgen
+from variantgen import render
+from variantgen.build import BuildResult
+from variantgen.cache import Entry
+from variantgen.errors import LaunchError
+from variantgen.graph import GRAPH_MODES, GraphCapacity
+from variantgen.reference import reference_attention
+from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
+from variantgen.wrapper import VariantWrapper
+
+HQ, HKV, HEAD_DIM, PAGE = 4, 2, 64, 16
+CAP = GraphCapacity(max_batch_size=4, max_total_q=192, max_kv_pages=48)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(vg_env):
+    """Render from the checkout's templates with a private cache dir."""
+
+
+def make(spec_name: str, capacity: GraphCapacity = CAP, backend: str = "fa2") -> tuple[VariantWrapper, FakeModule]:
+    spec = variantgen.load_spec(SPECS_DIR / f"{spec_name}.yaml")
+    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", backend)
+    clamped = render.render_module(config).clamped_tensors
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec, set(clamped))[1]],
+                "module_sha256": "x", "module_file": "x.so"}
+    fake = FakeModule(spec, clamped)
+    build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
+                        built=False, seconds=0.0)
+    w = VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=capacity)
+    return w, fake
+
+
+class Engine:
+    """What a serving engine keeps for graph replay: static q/out, one KV cache, and a
+    static buffer per spec tensor, all sized for the capacity."""
+
+    def __init__(self, w: VariantWrapper, capacity: GraphCapacity = CAP):
+        rows = capacity.max_total_q
+        self.w = w
+        self.q = torch.full((rows, HQ, HEAD_DIM), math.nan, dtype=torch.bfloat16)
+        self.out = torch.full((rows, HQ, HEAD_DIM), math.nan, dtype=torch.bfloat16)
+        self.k = torch.zeros(capacity.max_kv_pages, PAGE, HKV, HEAD_DIM, dtype=torch.bfloat16)
+        self.v = torch.zeros_like(self.k)
+        self.dims = {"total_q": rows, "total_kv": capacity.max_kv_pages * PAGE, "batch": capacity.max_batch_size,
+                     "num_qo_heads": HQ, "num_kv_heads": HKV}
+        self.static: dict[str, torch.Tensor] = {}
+
+    def load(self, batch, args: dict) -> dict:
+        """Copy a batch into the static buffers; returns the spec arguments as the engine passes them."""
+        tq, pages = batch.q.shape[0], batch.k_cache.shape[0]
+        self.q[:tq] = batch.q
+        self.q[tq:] = math.nan
+        self.k[:pages] = batch.k_cache
+        self.v[:pages] = batch.v_cache
+        out = dict(args)
+        for t in self.w.spec.tensors:
+            value = args[t.name]
+            if t.name not in self.static:
+                shape = tuple(self.dims[d] if isinstance(d, str) else d for d in t.shape)
+                self.static[t.name] = torch.zeros(shape, dtype=value.dtype)
+            buf = self.static[t.name]
+            buf.fill_(-1 if t.name == "ranges" else 0)  # (what lies past the batch is never read)
+            buf[tuple(slice(0, n) for n in value.shape)] = value
+            out[t.name] = buf
+        return out
+
+
+def capture(w: VariantWrapper, fake: FakeModule, engine: Engine, static_args: dict) -> list[tuple]:
+    """run() once on the static buffers, recording each kernel launch's arguments."""
+    calls = []
+    real = fake.paged_run
+
+    def record(*args):
+        calls.append(args)
+        return real(*args)
+
+    fake.paged_run = record
+    try:
+        engine.out.fill_(math.nan)
+        w.run(engine.q, (engine.k, engine.v), out=engine.out, **static_args)
+    finally:
+        fake.paged_run = real
+    return calls
+
+
+def replay(fake: FakeModule, engine: Engine, calls: list[tuple]) -> None:
+    engine.out.fill_(math.nan)
+    fake.row_writes = None
+    for args in calls:
+        fake.paged_run(*args)
+
+
+def check_replayed(spec, engine: Engine, batch, args: dict, label: str) -> None:
+    """The replayed output rows are the batch's reference (bf16 tolerance); rows past it untouched."""
+    tq = batch.q.shape[0]
+    if tq:
+        ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
+                                  batch.kv_indices, batch.last_page_len, args)
+        got = engine.out[:tq].float()
+        assert not torch.isnan(got).any(), f"{label}: rows left unwritten"
+        ref_bf16 = ref.to(torch.bfloat16).float()
+        err = ((got - ref_bf16).norm() / ref_bf16.norm().clamp_min(1e-12)).item()
+        bad = ((got - ref).abs() > (2.0 ** -7) * ref.abs() + 1e-4).flatten(1).any(1).nonzero().flatten().tolist()
+        assert err < 1e-3 and not bad, f"{label}: rel. error {err:.2e}; rows off: {bad[:20]}"
+    assert torch.isnan(engine.out[tq:].float()).all(), f"{label}: rows past total_q were written"
+
+
+def mm_batch(qo_lens, kv_lens, spans, seed):
+    batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                               page_size=PAGE, seed=seed)
+    return batch, {"ranges": spans_to_ranges(qo_lens, kv_lens, spans)}
+
+
+MM_BATCHES = [  # (qo_lens, kv_lens, spans): different request counts, rows, launch-request counts
+    ([40, 24], [64, 40], [[(8, 30)], [(0, 5), (20, 39)]]),
+    ([16, 70, 30, 9], [16, 150, 30, 200], [[], [(3, 90), (100, 140)], [(0, 29)], [(150, 197)]]),
+    ([1], [33], [[(0, 32)]]),
+    ([64, 64], [64, 64], [[], []]),
+]
+
+
+@pytest.mark.parametrize("skip_tiles", [True, False])
+def test_replay_after_replanning_matches_each_batch(skip_tiles):
+    """Capture once, then plan four different batches and replay the captured launches."""
+    w, fake = make("mm_prefix")
+    engine = Engine(w)
+    batch, args = mm_batch(*MM_BATCHES[0], seed=0)
+    static = engine.load(batch, args)
+    w.plan(*batch.plan_args(), skip_tiles=skip_tiles, **(static if skip_tiles else {}))
+    calls = capture(w, fake, engine, static)
+    assert [c.mask_mode for c in fake.run_calls[-3:]] == list(GRAPH_MODES)
+    check_replayed(w.spec, engine, batch, args, "captured batch")
+    plan_info = [list(c[2]) for c in calls]
+    for i, spec_batch in enumerate(MM_BATCHES[1:] + MM_BATCHES[:1]):
+        batch, args = mm_batch(*spec_batch, seed=i + 1)
+        static = engine.load(batch, args)
+        w.plan(*batch.plan_args(), skip_tiles=skip_tiles, **(static if skip_tiles else {}))
+        assert [la.plan_info for la in w._launches] == plan_info
+        replay(fake, engine, calls)
+        check_replayed(w.spec, engine, batch, args, f"replay {i} ({skip_tiles=})")
+    # every FlashInfer plan was a CUDA-graph one over the capacity, split-KV off
+    for call in fake.plan_calls:
+        assert call.enable_cuda_graph and call.disable_split_kv
+        assert call.total_rows == CAP.max_total_q and call.batch_size == CAP.launch_requests
+
+
+def test_launch_tensors_keep_their_addresses():
+    w, _ = make("mm_prefix")
+    engine = Engine(w)
+    seen = None
+    for i, spec_batch in enumerate(MM_BATCHES):
+        batch, args = mm_batch(*spec_batch, seed=i)
+        w.plan(*batch.plan_args(), **engine.load(batch, args))
+        ptrs = [(la.mask_mode, la.q_starts.data_ptr(), la.kv_indptr.data_ptr(), la.kv_indices.data_ptr(),
+                 la.last_page_len.data_ptr(), la.meta.data_ptr(), la.int_workspace.data_ptr(),
+                 la.float_workspace.data_ptr(), la.num_requests) for la in w._launches]
+        assert seen is None or ptrs == seen
+        seen = ptrs
+    assert [p[0] for p in seen] == list(GRAPH_MODES)
+
+
+@pytest.mark.parametrize("spec_name", ["causal", "document", "prefix_lm", "sliding_window", "softcap"])
+def test_other_specs_replay(spec_name):
+    """Specs whose tensors are [total_kv] / [batch] sized, or that have none."""
+    w, fake = make(spec_name)
+    engine = Engine(w)
+    shapes = [([30, 50], [60, 50]), ([100, 3, 7], [120, 3, 300]), ([5], [5])]
+    calls = None
+    for i, (ql, kl) in enumerate(shapes):
+        batch = random_paged_batch(ql, kl, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE,
+                                   seed=i)
+        args = random_spec_args(w.spec, batch, seed=i)
+        static = engine.load(batch, args)
+        w.plan(*batch.plan_args(), **static)
+        if calls is None:
+            calls = capture(w, fake, engine, static)
+        else:
+            replay(fake, engine, calls)
+        check_replayed(w.spec, engine, batch, args, f"{spec_name} batch {i}")
+
+
+def test_capacity_sized_spec_tensors_are_accepted_and_trimmed_for_the_planner():
+    """document's doc_ids [total_kv] may be a static buffer longer than this batch's keys."""
+    w, fake = make("document")
+    batch = random_paged_batch([20, 10], [40, 30], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                               page_size=PAGE, seed=3)
+    args = random_spec_args(w.spec, batch, seed=3)
+    static_ids = torch.full((CAP.max_kv_pages * PAGE,), 7, dtype=torch.int32)
+    static_ids[:70] = args["doc_ids"]
+    engine = Engine(w)
+    engine.load(batch, args)
+    w.plan(*batch.plan_args(), doc_ids=static_ids)
+    assert w.plan_stats["row_planner"].startswith("torch")  # planned from the first 70 ids only
+    capture(w, fake, engine, {"doc_ids": static_ids})
+    check_replayed(w.spec, engine, batch, args, "static doc_ids")
+    too_long = torch.zeros(CAP.max_kv_pages * PAGE + 1, dtype=torch.int32)
+    with pytest.raises(LaunchError, match=r"`doc_ids`: expected shape \[total_kv=70\] \(batch-sized dims up to"):
+        w.plan(*batch.plan_args(), doc_ids=too_long)
+
+
+def test_empty_batch_still_plans_the_fixed_launches():
+    w, fake = make("mm_prefix")
+    engine = Engine(w)
+    batch, args = mm_batch(*MM_BATCHES[0], seed=0)
+    w.plan(*batch.plan_args(), **engine.load(batch, args))
+    calls = capture(w, fake, engine, engine.load(batch, args))
+    empty = random_paged_batch([0], [20], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
+    w.plan(*empty.plan_args(), ranges=engine.static["ranges"])
+    assert [la.mask_mode for la in w._launches] == list(GRAPH_MODES)
+    assert all(la.q_starts[0].item() == 0 for la in w._launches)
+    assert w.plan_stats["launches"] == []
+    replay(fake, engine, calls)
+    assert torch.isnan(engine.out.float()).all()  # nothing written: every launch request is padding
+
+
+def test_capacity_errors_name_the_field_and_leave_the_buffers_alone():
+    cap = GraphCapacity(max_batch_size=2, max_total_q=96, max_kv_pages=16, max_launch_requests=3,
+                        max_launch_pages=20)
+    w, _ = make("mm_prefix", cap)
+    batch, args = mm_batch([40, 24], [64, 40], [[(8, 30)], []], seed=0)
+    w.plan(*batch.plan_args(), **args)
+    before = (w._graph.metadata.clone(), w._graph.kv_indices.clone())
+    cases = [
+        (([10, 10, 10], [10, 10, 10], [[], [], []]), r"batch size 3 exceeds .* max_batch_size=2"),
+        (([90, 10], [90, 10], [[], []]), r"total query rows 100 exceeds .* max_total_q=96"),
+        (([20, 20], [250, 20], [[], []]), r"paged_kv_indptr\[-1\] \(page-list entries\) 18 exceeds .* max_kv_pages=16"),
+        (([64, 30], [64, 30], [[(4, 8), (20, 24)], [(3, 9), (15, 17)]]),
+         r"the '\w+' launch needs \d+ launch requests; .* max_launch_requests=3"),
+        # causal rows in three runs, each reading [0, its last row]: 11 + 13 + 16 pages
+        (([90], [250], [[(170, 180), (200, 210)]]), r"the 'causal' launch reads 40 page-list entries; .* "
+                                                    r"max_launch_pages=20"),
+    ]
+    for (ql, kl, spans), pattern in cases:
+        b, a = mm_batch(ql, kl, spans, seed=1)
+        with pytest.raises(LaunchError, match=pattern):
+            w.plan(*b.plan_args(), **a)
+        assert torch.equal(w._graph.metadata, before[0]) and torch.equal(w._graph.kv_indices, before[1])
+
+
+def test_plan_info_change_is_refused(monkeypatch):
+    w, fake = make("causal")
+    batch = random_paged_batch([30], [40], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
+    w.plan(*batch.plan_args())
+    real = fake.plan
+    monkeypatch.setattr(fake, "plan", lambda *a: [x + 1 for x in real(*a)])
+    with pytest.raises(LaunchError, match=r"schedule for the 'custom' launch changed .* variantgen bug"):
+        w.plan(*batch.plan_args())
+
+
+@pytest.mark.parametrize("kwargs, pattern", [
+    (dict(max_batch_size=0, max_total_q=8, max_kv_pages=8), r"max_batch_size=0: expected a positive int"),
+    (dict(max_batch_size=2, max_total_q=True, max_kv_pages=8), r"max_total_q=True: expected a positive int"),
+    (dict(max_batch_size=9, max_total_q=8, max_kv_pages=8), r"max_batch_size=9 exceeds max_total_q=8"),
+    (dict(max_batch_size=2, max_total_q=8, max_kv_pages=8, max_launch_requests=9),
+     r"max_launch_requests=9: expected max_batch_size <= it <= max_total_q \(2..8\)"),
+    (dict(max_batch_size=2, max_total_q=8, max_kv_pages=8, max_launch_pages=4),
+     r"max_launch_pages=4 is below max_kv_pages=8"),
+])
+def test_graph_capacity_checks(kwargs, pattern):
+    with pytest.raises(LaunchError, match=pattern):
+        GraphCapacity(**kwargs)
+
+
+def test_capacity_defaults():
+    cap = GraphCapacity(max_batch_size=8, max_total_q=65536, max_kv_pages=4096)
+    assert cap.launch_requests == 16 * 8 + 65536 // 64 and cap.launch_pages == 8 * 4096
+    assert GraphCapacity(max_batch_size=2, max_total_q=4, max_kv_pages=1).launch_requests == 4
+    assert variantgen.GraphCapacity is GraphCapacity
+
+
+def test_graph_mode_refusals():
+    with pytest.raises(LaunchError, match=r"CUDA-graph mode needs the fa2 backend \(this wrapper is fa3"):
+        make("causal", backend="fa3")
+    w, _ = make("causal")
+    with pytest.raises(LaunchError, match=r"graph=\{'max_batch_size': 4\}: expected a variantgen.GraphCapacity"):
+        VariantWrapper(w.spec, w.config, w.module, w.build, torch.empty(8, dtype=torch.uint8),
+                       graph={"max_batch_size": 4})
+    ws = torch.empty(8, dtype=torch.uint8)
+    with pytest.raises(ValueError, match=r"graph=: CUDA-graph mode is for kind='prefill' \(got kind='decode'\)"):
+        variantgen.make_wrapper(SPECS_DIR / "causal.yaml", ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
+                                arch="9.0a", kind="decode", graph=CAP)
+    with pytest.raises(ValueError, match=r"graph=: CUDA-graph mode needs backend='fa2' \(got 'fa3'\)"):
+        variantgen.make_wrapper(SPECS_DIR / "causal.yaml", ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
+                                arch="9.0a", backend="fa3", graph=CAP)
+
+
+def test_static_q_larger_than_capacity_is_refused():
+    w, _ = make("causal")
+    batch = random_paged_batch([30], [40], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
+    w.plan(*batch.plan_args())
+    q = torch.zeros(CAP.max_total_q + 1, HQ, HEAD_DIM, dtype=torch.bfloat16)
+    with pytest.raises(LaunchError, match=r"run\(\): `q`: expected shape \[30, 4, 64\]"):
+        w.run(q, (batch.k_cache, batch.v_cache))

@@ -1,0 +1,177 @@
+"""CUDA-graph mode for the paged prefill wrapper: fixed launches, fixed-capacity buffers.
+
+A captured graph replays the kernel launches ``run()`` made during capture with the same
+arguments: the same device pointers, the same grid, the same FlashInfer plan_info. The
+interval planner's output changes with every batch (how many launch requests each mask
+mode gets, how many pages they read), so in graph mode the wrapper
+
+* always makes the same launches, one per mask mode in GRAPH_MODES (a mode with no
+  launch requests in this batch still launches; its CTAs find nothing to do),
+* writes each launch's metadata (q_starts, kv_indptr, last_page_len, vg_meta) and page
+  list *in place* into device buffers allocated once at the capacities below, padded
+  with empty launch requests (no rows, no pages),
+* plans every launch with FlashInfer's CUDA-graph scheduling (enable_cuda_graph, split-KV
+  off) for ``max_launch_requests`` requests and ``max_total_q`` rows, which makes the
+  scheduler's plan_info (grid size, workspace offsets) the same for every batch that fits,
+  and checks that it is: a plan() that would change it raises instead of leaving a
+  captured graph to replay stale launch parameters.
+
+So: plan() (outside the graph) before each replay, run() once under capture. fa2 only: the
+fa3 planner's launch set depends on the batch (one launch per window width, launches split
+by tile count).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import LaunchError
+
+GRAPH_MODES = ("custom", "causal", "none")  # the launches of a graph-mode plan, in order
+META_COLUMNS = 9  # = wrapper.META_COLUMNS (vg_meta row width)
+
+
+def _positive(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise LaunchError(f"GraphCapacity: {name}={value!r}: expected a positive int")
+    return value
+
+
+@dataclass(frozen=True)
+class GraphCapacity:
+    """The largest batch a graph-mode wrapper plans; buffers are allocated for it once.
+
+    max_batch_size / max_total_q / max_kv_pages: caller requests, query rows (sum of
+    qo lengths) and entries of paged_kv_indices (paged_kv_indptr[-1]) per plan().
+    max_launch_requests: launch requests per mask mode (the planner splits a request where
+    its rows' key intervals change shape, custom runs every 128 rows); default
+    16 per request + one per 64 rows, at most max_total_q.
+    max_launch_pages: page-list entries per mask mode after the planner trimmed each launch
+    request's pages (requests split in several read overlapping pages); default 8 x
+    max_kv_pages. plan() names the field to raise when a batch needs more.
+    """
+
+    max_batch_size: int
+    max_total_q: int
+    max_kv_pages: int
+    max_launch_requests: int | None = None
+    max_launch_pages: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_total_q", "max_kv_pages"):
+            _positive(name, getattr(self, name))
+        if self.max_batch_size > self.max_total_q:
+            raise LaunchError(f"GraphCapacity: max_batch_size={self.max_batch_size} exceeds max_total_q="
+                              f"{self.max_total_q} (every request has at least one query row)")
+        if self.max_launch_requests is not None:
+            n = _positive("max_launch_requests", self.max_launch_requests)
+            if not self.max_batch_size <= n <= self.max_total_q:
+                raise LaunchError(f"GraphCapacity: max_launch_requests={n}: expected max_batch_size <= it <= "
+                                  f"max_total_q ({self.max_batch_size}..{self.max_total_q}): the direct path "
+                                  "needs one per request, and a launch request has at least one row")
+        if self.max_launch_pages is not None:
+            n = _positive("max_launch_pages", self.max_launch_pages)
+            if n < self.max_kv_pages:
+                raise LaunchError(f"GraphCapacity: max_launch_pages={n} is below max_kv_pages={self.max_kv_pages} "
+                                  "(the direct path passes the caller's whole page list)")
+
+    @property
+    def launch_requests(self) -> int:
+        if self.max_launch_requests is not None:
+            return self.max_launch_requests
+        return min(self.max_total_q, 16 * self.max_batch_size + -(-self.max_total_q // 64))
+
+    @property
+    def launch_pages(self) -> int:
+        return self.max_launch_pages if self.max_launch_pages is not None else 8 * self.max_kv_pages
+
+
+class GraphBuffers:
+    """The device buffers of one graph-mode wrapper: per launch slot, metadata laid out as
+    plan() stages it ([q_starts R+1, kv_indptr R+1, last_page_len R, vg_meta 9R] int32) in
+    one tensor, and a page list of launch_pages entries. Views of them are what run()
+    passes to the kernel, so their addresses never change."""
+
+    def __init__(self, capacity: GraphCapacity, device: torch.device):
+        self.capacity = capacity
+        self.requests = r = capacity.launch_requests
+        self.pages = capacity.launch_pages
+        self.slot_ints = (r + 1) * 2 + r + META_COLUMNS * r
+        n = len(GRAPH_MODES)
+        self.metadata = torch.zeros(n * self.slot_ints, dtype=torch.int32, device=device)
+        self.kv_indices = torch.zeros(n * self.pages, dtype=torch.int32, device=device)
+        self.plan_info: list[list[int] | None] = [None] * n  # FlashInfer's, from the first plan()
+
+    def check_batch(self, batch_size: int, total_q: int, kv_pages: int) -> None:
+        cap = self.capacity
+        for name, value, limit in (("batch size", batch_size, cap.max_batch_size),
+                                   ("total query rows", total_q, cap.max_total_q),
+                                   ("paged_kv_indptr[-1] (page-list entries)", kv_pages, cap.max_kv_pages)):
+            if value > limit:
+                field = {"batch size": "max_batch_size", "total query rows": "max_total_q"}.get(
+                    name, "max_kv_pages")
+                raise LaunchError(f"plan(): {name} {value} exceeds the wrapper's CUDA-graph capacity "
+                                  f"{field}={limit}; make the wrapper with a larger GraphCapacity")
+
+    def slot_launches(self, launches: list[dict]) -> list[dict]:
+        """``launches`` (at most one per mask mode) as the fixed GRAPH_MODES slots, each padded
+        to ``requests`` launch requests; raises if a launch needs more requests or pages than
+        the capacity. Nothing is written here, so a refused plan leaves the buffers as they were."""
+        by_mode: dict[str, dict] = {}
+        for launch in launches:
+            mode = launch["mask_mode"]
+            if mode in by_mode or mode not in GRAPH_MODES:
+                raise LaunchError(f"internal: graph mode got a second or unknown {mode!r} launch")
+            by_mode[mode] = launch
+        r = self.requests
+        out = []
+        for mode in GRAPH_MODES:
+            launch = by_mode.get(mode)
+            if launch is None:
+                launch = dict(mask_mode=mode, q_starts=[0], plan_qo=[0], kv_indptr=[0], page_ranges=[],
+                              last_page_len=[], meta=[])
+            n = len(launch["meta"])
+            if n > r:
+                raise LaunchError(f"plan(): the {mode!r} launch needs {n} launch requests; the wrapper's CUDA-graph "
+                                  f"capacity max_launch_requests={r} - make the wrapper with a larger one")
+            pages = launch["kv_indptr"][-1]
+            if pages > self.pages:
+                raise LaunchError(f"plan(): the {mode!r} launch reads {pages} page-list entries; the wrapper's "
+                                  f"CUDA-graph capacity max_launch_pages={self.pages} - make the wrapper with a "
+                                  "larger one")
+            pad = r - n
+            total_q = launch["q_starts"][-1]
+            out.append(dict(
+                launch,
+                q_starts=launch["q_starts"] + [total_q] * pad,
+                plan_qo=launch["plan_qo"] + [launch["plan_qo"][-1]] * pad,
+                kv_indptr=launch["kv_indptr"] + [pages] * pad,
+                last_page_len=launch["last_page_len"] + [0] * pad,
+                # padding: no rows at the end of q, no keys, no window
+                meta=launch["meta"] + [[total_q, 0, 0, 0, 0, 0, 0, -1, 0]] * pad,
+                rows=launch["plan_qo"][-1], requests=n, packed=False))
+        return out
+
+    def slot_views(self, i: int) -> dict[str, torch.Tensor]:
+        """Launch slot i's metadata and page buffers, split like plan()'s staged metadata."""
+        r = self.requests
+        base = self.metadata[i * self.slot_ints:(i + 1) * self.slot_ints]
+        views, at = {}, 0
+        for name, size in (("q_starts", r + 1), ("kv_indptr", r + 1), ("last_page_len", r),
+                           ("meta", r * META_COLUMNS)):
+            views[name] = base[at:at + size]
+            at += size
+        views["kv_indices"] = self.kv_indices[i * self.pages:(i + 1) * self.pages]
+        return views
+
+    def check_plan_info(self, i: int, plan_info: list[int]) -> None:
+        """The scheduler's plan_info for slot i must be the one the graph was captured with."""
+        known = self.plan_info[i]
+        if known is None:
+            self.plan_info[i] = list(plan_info)
+        elif list(plan_info) != known:
+            raise LaunchError(f"plan(): FlashInfer's schedule for the {GRAPH_MODES[i]!r} launch changed "
+                              f"({known} -> {list(plan_info)}); a captured CUDA graph would replay the old launch "
+                              "parameters. This is a variantgen bug: please report it with the batch")
