@@ -321,7 +321,7 @@ class FakeRowPlanner:
         self.spec = spec
         self.calls = 0
 
-    def plan_rows(self, rec, starts, scratch, *spec_args_and_page_size):
+    def plan_rows(self, rec, starts, scratch, seg, *spec_args_and_page_size):
         from variantgen.intervals import analyze
         from variantgen.planner import classify_rows
         from variantgen.rowplan import planner_inputs
@@ -334,3 +334,17 @@ class FakeRowPlanner:
         qo_indptr, kv_start = starts.tolist()
         kv_lens = [b - a for a, b in zip(kv_start, kv_start[1:])]
         rec.copy_(classify_rows(self.spec, form, qo_indptr, kv_lens, page_size, args, rec.device))
+        self.compact_segments(rec, seg)
+
+    def compact_segments(self, rec, seg):
+        """What segments_kernel writes: the count, then as many launch requests as fit."""
+        from variantgen.planner import _segments
+        from variantgen.rowplan import SEG_FIELDS
+
+        self.compactions = getattr(self, "compactions", 0) + 1
+        rows = _segments(rec, rec.shape[1]) if rec.shape[1] else []
+        room = (seg.numel() - 1) // SEG_FIELDS
+        seg[0] = len(rows)
+        kept = rows[:room]
+        if kept:
+            seg[1:1 + SEG_FIELDS * len(kept)] = torch.tensor(kept, dtype=torch.int64).flatten()

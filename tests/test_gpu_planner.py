@@ -11,8 +11,8 @@ from _gpu import ALL_SPECS, KV_LENS, QO_LENS, SPECS
 import variantgen
 from variantgen.build import default_cache
 from variantgen.intervals import analyze
-from variantgen.planner import classify_rows
-from variantgen.rowplan import REC_FIELDS, load_planner, plan_rows
+from variantgen.planner import _segments, classify_rows
+from variantgen.rowplan import REC_FIELDS, load_planner, plan_rows, read_segments
 from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
 
 pytestmark = [pytest.mark.gpu,
@@ -42,13 +42,20 @@ def compare(spec, args, qo_lens, kv_lens, page_size, label):
         qo_indptr.append(qo_indptr[-1] + n)
     form = analyze(spec)
     dev = torch.device("cuda")
-    got = plan_rows(module, spec, form, args, qo_indptr, kv_lens, page_size, dev)
+    got, seg = plan_rows(module, spec, form, args, qo_indptr, kv_lens, page_size, dev)
     want = classify_rows(spec, form, qo_indptr, kv_lens, page_size, args, dev)
     assert got.shape == want.shape == (len(REC_FIELDS), qo_indptr[-1])
     for i, field in enumerate(REC_FIELDS):
         diff = (got[i] != want[i]).nonzero().flatten()
         assert diff.numel() == 0, (f"{label}: {field} differs in {diff.numel()} rows, first {diff[:5].tolist()}: "
                                    f"kernel {got[i][diff[:5]].tolist()} torch {want[i][diff[:5]].tolist()}")
+    if qo_indptr[-1]:
+        # the kernel's compacted launch requests, with room for all and with room for one
+        # (then read back again at full size)
+        want_segments = _segments(want, qo_indptr[-1])
+        assert read_segments(module, got, seg) == want_segments, f"{label}: compacted launch requests differ"
+        _, small = plan_rows(module, spec, form, args, qo_indptr, kv_lens, page_size, dev, segment_capacity=1)
+        assert read_segments(module, got, small) == want_segments, f"{label}: re-read launch requests differ"
 
 
 def batch_args(spec, qo_lens, kv_lens, page_size, seed):
@@ -95,3 +102,35 @@ def test_plan_uses_the_row_kernel(workspace):
     assert w.plan_stats["row_planner"] == "torch"
     assert launches == [(la.mask_mode, la.num_requests, la.meta.tolist(), la.kv_indices.tolist())
                         for la in w._launches]
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (8, 8), (4, 1)])
+def test_schedule_matches_flashinfers_scheduler(heads, workspace):
+    """The planner module's work list (split-KV off) == FlashInfer's PrefillPlan's, field by field."""
+    spec = load_spec("causal")
+    planner, why = load_planner(spec, "9.0a", default_cache())
+    assert planner is not None, why
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", backend="fa2")
+    int_ws = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    fi_pinned = torch.empty(8 << 20, dtype=torch.uint8, pin_memory=True)
+    ours_pinned = torch.zeros(8 << 20, dtype=torch.uint8)
+    for lens in ([700, 0, 1, 300], [3] * 40, [1, 2, 5, 9], [8192] * 8, [0, 5000, 0]):
+        qo = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        kv_pages = torch.tensor([0, *torch.tensor([-(-(x + 7) // 16) for x in lens]).cumsum(0).tolist()],
+                                dtype=torch.int32)
+        n = len(lens)
+        fi = list(w.module.plan(workspace[:32 << 20], int_ws, fi_pinned, qo, kv_pages, int(qo[-1]), n, heads[0],
+                                heads[1], 16, False, -1, -1, True))
+        torch.cuda.synchronize()
+        fi_ints = int_ws.cpu().view(torch.int32)
+        ours = list(planner.schedule(ours_pinned, qo, qo, heads[0], heads[1], 128, 128, 2))
+        ours.pop()
+        ours_ints = ours_pinned.view(torch.int32)
+        label = f"heads {heads} lens {lens[:6]}"
+        same = (ours[0], ours[1], ours[3], ours[13], ours[14]) == (fi[0], fi[1], fi[3], fi[13], fi[14])
+        assert same, (label, ours, fi)
+        tiles = fi[0]
+        for field, count in ((4, tiles), (5, tiles), (6, tiles), (8, n + 1)):
+            a = ours_ints[ours[field] // 4:ours[field] // 4 + count]
+            b = fi_ints[fi[field] // 4:fi[field] // 4 + count]
+            assert torch.equal(a, b), f"{label}: plan_info field {field} arrays differ"

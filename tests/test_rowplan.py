@@ -107,3 +107,33 @@ def test_real_build_of_a_planner(vg_env, toolchain):
     assert result.entry.manifest["config"] == cfg.describe()
     again = build.build_module(cfg, cache)
     assert not again.built and again.entry.uri == result.entry.uri
+
+
+@pytest.mark.nvcc
+def test_planner_schedule_is_one_cta_per_query_tile(vg_env, toolchain):
+    """The planner module's host scheduler (no GPU needed): FlashInfer's PrefillPlanInfo layout
+    with one work item per (launch request, query tile) and o_indptr = the rows given."""
+    module = build.load_module(build.build_module(PlannerConfig(spec("causal"), "9.0a"), Cache(vg_env.cache_dir)).entry)
+    pinned = torch.full((1 << 16,), 0xAB, dtype=torch.uint8)
+    qo = torch.tensor([0, 300, 300, 1000, 1001], dtype=torch.int32)  # lengths 300, 0, 700, 1
+    o_rows = torch.tensor([5, 400, 700, 1500, 9000], dtype=torch.int32)
+    info = list(module.schedule(pinned, qo, o_rows, 32, 8, 128, 128, 2))
+    nbytes = info.pop()
+    assert len(info) == 15
+    tiles, total_rows, cta = info[0], info[1], info[3]
+    assert cta == 128 and total_rows == 1001  # packed average (4 heads per group) > 64: 128-row tiles
+    per_request = [-(-n * 4 // cta) for n in (300, 0, 700, 1)]  # 10, 0, 22, 1
+    assert tiles == sum(per_request) == 33
+    ints = pinned.view(torch.int32)
+
+    def at(offset, count):
+        assert offset % 16 == 0 and offset + 4 * count <= nbytes
+        return ints[offset // 4:offset // 4 + count].tolist()
+
+    want_req = [b for b, t in enumerate(per_request) for _ in range(t)]
+    want_tile = [i for t in per_request for i in range(t)]
+    assert at(info[4], tiles) == want_req and at(info[5], tiles) == want_tile and at(info[6], tiles) == [0] * tiles
+    assert at(info[8], 5) == o_rows.tolist()
+    assert info[13] == 0 and info[14] == 0  # no CUDA graph, no split-KV
+    with pytest.raises(Exception, match="expected batch \\+ 1 entries"):
+        module.schedule(pinned, qo, o_rows[:3], 32, 8, 128, 128, 2)

@@ -758,3 +758,31 @@ def test_host_lists_and_staging_on_the_cpu():
     got = staging.to_device([1, -2, 3], torch.int64)
     assert got.dtype == torch.int64 and got.tolist() == [1, -2, 3]
     assert staging.to_device(torch.tensor([[4, 5]]), torch.int32).tolist() == [4, 5]
+
+
+def test_row_kernel_segment_read_back_grows_when_too_small():
+    """The row kernel's compacted launch requests: a too-small read-back buffer is refilled
+    once with room for all, and the next plan() starts with room for twice as many."""
+    from _fake_kernel import FakeRowPlanner
+
+    spec = shipped("mm_prefix")
+    qo_lens = kv_lens = [64, 48]
+    batch = batch_of(qo_lens, kv_lens, 16, seed=2)
+    args = {"ranges": spans_to_ranges(qo_lens, kv_lens, [[(10, 20), (30, 40)], [(3, 40)]])}
+    w, fake = make(spec)
+    torch_plan = make(spec)[0]
+    torch_plan.plan(*batch.plan_args(), **args)
+    rows = FakeRowPlanner(spec)
+    w.set_row_planner(rows)
+    w.segment_capacity = 1
+    w.plan(*batch.plan_args(), **args)
+    assert w.plan_stats["row_planner"] == "kernel" and rows.compactions == 2
+    n = sum(count for _, count in w.plan_stats["launches"])
+    assert n > 1 and w.segment_capacity >= 2 * n
+    assert w.plan_stats["launches"] == torch_plan.plan_stats["launches"]
+    out = w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
+                              batch.kv_indices, batch.last_page_len, args)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    w.plan(*batch.plan_args(), **args)
+    assert rows.compactions == 3  # one per plan now

@@ -124,14 +124,18 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_lens:
     ps = b.page_size
     kernel = w.row_planner
     if kernel is not None:  # the spec's generated row kernel (rowplan.py): one launch
-        from .rowplan import plan_rows
+        from .rowplan import plan_rows, read_segments
 
-        rec = plan_rows(kernel, spec, form, args, qo_h, kv_lens, ps, dev, w._staging)
+        rec, seg = plan_rows(kernel, spec, form, args, qo_h, kv_lens, ps, dev, w._staging,
+                             segment_capacity=w.segment_capacity)
+        host = read_segments(kernel, rec, seg)
+        # room for twice this batch's launch requests next time (one read-back, not two)
+        w.segment_capacity = max(w.segment_capacity, 1 << (2 * len(host)).bit_length())
         w.plan_stats["row_planner"] = "kernel"
     else:
         rec = classify_rows(spec, form, qo_h, kv_lens, ps, args, dev)
         w.plan_stats["row_planner"] = "torch" + (f" ({w.row_planner_reason})" if w.row_planner_reason else "")
-    host = _segments(rec, b.total_q)
+        host = _segments(rec, b.total_q)
 
     kv_row_base_h = list(accumulate(kv_lens, initial=0))
     by_mode: dict[str, dict[str, list]] = {}

@@ -118,6 +118,7 @@ def render_planner(config: PlannerConfig) -> RenderedModule:
         "terms": terms,
         "custom_rows": CUSTOM_ROWS,
         "rec_fields": REC_FIELDS,
+        "seg_fields": SEG_FIELDS,
         "tensors": [{"name": n, "cpp_type": by_name[n].cpp_type, "shape": list(by_name[n].shape),
                      "rows_name": codegen.rows_scalar_name(n)} for n in tensor_names],
         "sorted_tensors": sorted_tensors,
@@ -153,19 +154,36 @@ def load_planner(spec: VariantSpec, arch: str, cache: Cache, *, allow_build: boo
     return load_module(result.entry), ""
 
 
+SEG_FIELDS = 9  # segments_kernel's record per launch request (see planner._segments)
+
+
 def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str, Any], qo_indptr: list[int],
-              kv_lens: list[int], page_size: int, device: torch.device,
-              staging: HostStaging | None = None) -> torch.Tensor:
-    """Run the kernel over a batch: int64 [len(REC_FIELDS), total_q] on ``device`` (``starts``
-    as 0/1; a custom run's first row holds the run's hull), what planner.classify_rows gives."""
+              kv_lens: list[int], page_size: int, device: torch.device, staging: HostStaging | None = None,
+              segment_capacity: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the kernel over a batch: (rec, seg) on ``device``. rec: int64 [len(REC_FIELDS),
+    total_q], what planner.classify_rows gives (``starts`` as 0/1; a custom run's first row
+    holds the run's hull); seg: the launch requests compacted (read_segments)."""
     batch = len(kv_lens)
     kv_start = list(accumulate(kv_lens, initial=0))
     starts = (staging.to_device(qo_indptr + kv_start, torch.int64) if staging is not None
               else torch.tensor(qo_indptr + kv_start, dtype=torch.int64, device=device)).view(2, batch + 1)
     rec = torch.empty((len(REC_FIELDS), qo_indptr[-1]), dtype=torch.int64, device=device)
+    seg = torch.empty(1 + SEG_FIELDS * max(1, segment_capacity), dtype=torch.int64, device=device)
     scratch = torch.empty(max(1, len(sorted_id_tensors(form))) * batch, dtype=torch.uint8, device=device)
     tensor_names, scalar_names = planner_inputs(spec, form)
     defaults = {s.name: s.default for s in spec.scalars}
-    module.plan_rows(rec, starts, scratch, *(args[n] for n in tensor_names),
+    module.plan_rows(rec, starts, scratch, seg, *(args[n] for n in tensor_names),
                      *(args.get(n, defaults[n]) for n in scalar_names), page_size)
-    return rec
+    return rec, seg
+
+
+def read_segments(module: Any, rec: torch.Tensor, seg: torch.Tensor) -> list[list[int]]:
+    """The launch requests plan_rows compacted, on the host (planner._segments' rows). One
+    small device-to-host copy; a second pass with room for all if ``seg`` was too small."""
+    host = seg.cpu()
+    count = int(host[0])
+    if count > (seg.numel() - 1) // SEG_FIELDS:
+        seg = torch.empty(1 + SEG_FIELDS * count, dtype=torch.int64, device=seg.device)
+        module.compact_segments(rec, seg)
+        host = seg.cpu()
+    return host[1:1 + SEG_FIELDS * count].view(count, SEG_FIELDS).tolist()

@@ -33,6 +33,14 @@ class HostStaging:
         self._retired.clear()
         self._offset = 0
 
+    def record(self) -> None:
+        """Mark copies the caller queued from page-locked memory it reuses on the next plan
+        (e.g. the int workspace mirrors): begin() then waits for them too."""
+        if self.device.type == "cuda":
+            if self._event is None:
+                self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(self.device))
+
     def to_device(self, values: Sequence[int] | torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """``values`` as a 1-D ``dtype`` tensor on the device (a CPU tensor is copied as it is)."""
         host = values.reshape(-1).to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)

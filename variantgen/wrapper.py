@@ -360,6 +360,7 @@ class VariantWrapper(WrapperBase):
         # make_wrapper on CUDA; None: plan() classifies rows with torch ops (and says why).
         self.row_planner: Any = None
         self.row_planner_reason = ""
+        self.segment_capacity = 1024  # launch requests the row kernel's read-back has room for
 
     def _trim_to_batch(self, args: dict[str, Any]) -> dict[str, Any]:
         """Spec tensors given as capacity-sized static buffers, cut to this batch's sizes
@@ -505,6 +506,9 @@ class VariantWrapper(WrapperBase):
             # allowed where a launch's requests are back to back in q/o.
             split_off = disable_split_kv or not launch.get("packed", True)
             out.append(self._make_launch(i, len(launches), launch, split_off, views))
+        # The schedulers' copies from the page-locked int workspace mirrors are queued: the next
+        # plan() rewrites the mirrors only after they ran.
+        staging.record()
         return out
 
     def _make_launch(self, i: int, n_launches: int, launch: dict, disable_split_kv: bool,
@@ -518,6 +522,7 @@ class VariantWrapper(WrapperBase):
         # Each launch gets its own slice of the caller's float workspace (split-KV scratch).
         chunk = self._float_workspace.numel() // n_launches
         float_ws = self._float_workspace[i * chunk:(i + 1) * chunk]
+        o_indptr_written = False
         if self._graph is not None:
             # Scheduled for the capacity (rows, launch requests), so plan_info is the same for
             # every batch that fits; the padding requests have no rows and no pages.
@@ -534,12 +539,23 @@ class VariantWrapper(WrapperBase):
             plan_info = self.module.plan(
                 float_ws, int_ws, pinned, plan_qo, kv_indptr_h, kv_lens_h, q_starts_h,
                 int(plan_qo[-1]), n, b.num_qo_heads, b.num_kv_heads, b.page_size, launch["mask_mode"] == "causal")
+        elif disable_split_kv and hasattr(self.row_planner, "schedule"):
+            # The planner module's O(tiles) work list (FlashInfer's scheduler is O(rows) on the
+            # host); it writes o_indptr = q_starts itself.
+            cfg = self.config
+            q_starts_h = torch.tensor(launch["q_starts"], dtype=torch.int32)
+            info = list(self.row_planner.schedule(pinned, plan_qo, q_starts_h, b.num_qo_heads, b.num_kv_heads,
+                                                  cfg.head_dim_qk, cfg.head_dim_vo,
+                                                  1 if cfg.kv_dtype.startswith("fp8") else 2))
+            nbytes = info.pop()
+            int_ws[:nbytes].copy_(pinned[:nbytes], non_blocking=True)
+            plan_info, o_indptr_written = info, True
         else:
             plan_info = self.module.plan(
                 float_ws, int_ws, pinned, plan_qo, kv_indptr_h, int(plan_qo[-1]), n, b.num_qo_heads,
                 b.num_kv_heads, b.page_size, False, -1, -1, bool(disable_split_kv))
         q_starts = views["q_starts"]
-        if self.config.backend == "fa2" and not launch.get("packed", True):
+        if self.config.backend == "fa2" and not launch.get("packed", True) and not o_indptr_written:
             # Launch requests are not back to back in q/o: the kernel takes each one's first
             # row from q_indptr (our q_starts) but writes o (and lse) at the plan's o_indptr,
             # which the scheduler packed. Point o_indptr at the same rows (split-KV is off for
