@@ -2,8 +2,10 @@
 
 Workload of bench_prefill.py (8 x 8192 tokens, 32/8 heads, hd 128, page 16, three 1024-token
 spans per request). Per backend and spec: plan() with the planner off (one FlashInfer plan),
-on with the row pass in torch ops, and on with the spec's generated row kernel (rowplan.py,
-the default on CUDA); then run() of the planned and unplanned launches. Each plan() is timed
+on without the planner module (row pass and page gather in torch ops, FlashInfer's
+scheduler), and on with the spec's generated planner module (rowplan.py, the default on
+CUDA: row kernel, compacted read-back, page gather kernel, O(tiles) scheduler); then run()
+of the planned and unplanned launches; for fa2 also CUDA-graph mode (plan, eager run, replay). Each plan() is timed
 from the host (it ends with a device sync: the segment boundaries are read back); median of
 --iters after two warm-up plans. Writes bench/results/plan-<date>-<gpu>.json (or --out; also
 into $OUT when set). Run on the GPU machine:  python bench/bench_plan.py
@@ -58,6 +60,27 @@ class FlashInferPlan:
         self.wrapper.plan(*plan_args[:6], D, PREFILL_BENCH_SHAPE[5], **self.kw)
 
 
+def graph_mode(out: dict, tag: str, batch, ws, name: str, planned: dict, iters: int) -> None:
+    """CUDA-graph mode (graph.py) at the workload's own size: plan() time, and the replay of a
+    run() captured once (padded launches, split-KV off) against the eager run of that plan."""
+    from variantgen.graph import GraphCapacity
+
+    cap = GraphCapacity(max_batch_size=len(batch.qo_lens), max_total_q=batch.q.shape[0],
+                        max_kv_pages=batch.kv_indices.numel())
+    w = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
+                                kv_dtype="bf16", graph=cap)
+    out["plan_ms"][f"{tag}_graph_mode"] = plan_ms(w, batch, planned, iters)
+    args = {k: v for k, v in planned.items() if k != "skip_tiles"}
+    o = torch.empty_like(batch.q)
+    run = lambda: w.run(batch.q, (batch.k_cache, batch.v_cache), out=o, **args)  # noqa: E731
+    run()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    out["run_ms"][f"{tag}_graph_mode_eager"] = round(cuda_median_ms(run, 10), 3)
+    out["run_ms"][f"{tag}_graph_mode_replay"] = round(cuda_median_ms(graph.replay, 10), 3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
@@ -97,6 +120,8 @@ def main() -> None:
             out["run_ms"][f"{tag}_planned"] = round(run, 3)
             for impl in ("torch_rows", "row_kernel"):
                 out["plan_fraction_of_run"][f"{tag}_{impl}"] = round(out["plan_ms"][f"{tag}_planned_{impl}"] / run, 4)
+            if backend == "fa2":
+                graph_mode(out, tag, batch, ws, name, planned, args.iters)
             print(tag, {k: v for k, v in out["plan_ms"].items() if k.startswith(tag)}, f"run {run:.3f} ms",
                   out["launches"][tag], flush=True)
     print(json.dumps(out, indent=1))

@@ -181,10 +181,11 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_lens:
 
 
 def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], staging: HostStaging,
-                       ) -> torch.Tensor:
+                       kernel: Any = None) -> torch.Tensor:
     """int32 page list on the staging device: for each (first, count) of ``ranges``,
-    kv_indices[first : first + count], back to back. One staged copy of the ranges (no sync)
-    and a search + index on the device (no repeat_interleave, which syncs here)."""
+    kv_indices[first : first + count], back to back. One staged copy of the ranges (no sync),
+    then the planner module's gather kernel (``kernel``), or a search + index in torch ops
+    (no repeat_interleave, which syncs here)."""
     device = staging.device
     # Per range: its first entry in the output and its shift into kv_indices (sums on the host).
     starts, shifts, total = [], [], 0
@@ -196,6 +197,10 @@ def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], 
     if not starts:
         return torch.empty(0, dtype=torch.int32, device=device)
     table = staging.to_device(starts + shifts, torch.int64).view(2, -1)
+    if kernel is not None and device.type == "cuda":
+        out = torch.empty(total, dtype=torch.int32, device=device)
+        kernel.gather_pages(kv_indices.to(device).contiguous(), table, out)
+        return out
     # output entry k lies in range i = the last range starting at or before k
     out = torch.arange(total, device=device)
     i = torch.searchsorted(table[0], out, right=True) - 1

@@ -471,7 +471,8 @@ class VariantWrapper(WrapperBase):
         staging = self._staging
         graph = self._graph
         ranges = [r for launch in launches for r in launch.get("page_ranges", ())]
-        pages = gather_page_ranges(kv_indices, ranges, staging) if ranges else \
+        kernel = self.row_planner if hasattr(self.row_planner, "gather_pages") else None  # the planner module
+        pages = gather_page_ranges(kv_indices, ranges, staging, kernel) if ranges else \
             torch.empty(0, dtype=torch.int32, device=dev)
         flat: list[int] = []
         for launch in launches:
