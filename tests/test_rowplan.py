@@ -117,7 +117,7 @@ def test_planner_schedule_is_one_cta_per_query_tile(vg_env, toolchain):
     pinned = torch.full((1 << 16,), 0xAB, dtype=torch.uint8)
     qo = torch.tensor([0, 300, 300, 1000, 1001], dtype=torch.int32)  # lengths 300, 0, 700, 1
     o_rows = torch.tensor([5, 400, 700, 1500, 9000], dtype=torch.int32)
-    info = list(module.schedule(pinned, qo, o_rows, 32, 8, 128, 128, 2))
+    info = list(module.schedule(pinned, qo, o_rows, 32, 8, 128, 128, 2, 0))
     nbytes = info.pop()
     assert len(info) == 15
     tiles, total_rows, cta = info[0], info[1], info[3]
@@ -136,4 +136,31 @@ def test_planner_schedule_is_one_cta_per_query_tile(vg_env, toolchain):
     assert at(info[8], 5) == o_rows.tolist()
     assert info[13] == 0 and info[14] == 0  # no CUDA graph, no split-KV
     with pytest.raises(Exception, match="expected batch \\+ 1 entries"):
-        module.schedule(pinned, qo, o_rows[:3], 32, 8, 128, 128, 2)
+        module.schedule(pinned, qo, o_rows[:3], 32, 8, 128, 128, 2, 0)
+
+
+@pytest.mark.nvcc
+def test_planner_schedule_in_graph_mode_depends_on_the_capacity_only(vg_env, toolchain):
+    """graph_rows > 0: grid and offsets from the capacity (the same for any batch that fits),
+    the real tiles first, then padding CTAs switched off by the valid mask."""
+    module = build.load_module(build.build_module(PlannerConfig(spec("causal"), "9.0a"), Cache(vg_env.cache_dir)).entry)
+    infos = []
+    for lens in ([300, 0, 700, 1], [4096, 0, 0, 0], [1, 1, 1, 1]):
+        pinned = torch.full((1 << 16,), 0xAB, dtype=torch.uint8)
+        qo = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        info = list(module.schedule(pinned, qo, qo, 32, 8, 128, 128, 2, 4096))
+        nbytes = info.pop()
+        infos.append(info)
+        padded, cta = info[0], info[3]
+        assert cta == 128 and padded == -(-4096 * 4 // 128) + 4 - 1 and info[1] == 4096 and info[13] == 1
+        tiles = sum(-(-n * 4 // cta) for n in lens)
+        ints = pinned.view(torch.int32)
+        assert ints[info[2] // 4].item() == sum(lens)  # this batch's rows, for the kernel's merge step
+        valid = pinned[info[12]:info[12] + padded].tolist()
+        assert valid == [1] * tiles + [0] * (padded - tiles) and info[12] + padded == nbytes
+        assert ints[info[4] // 4:info[4] // 4 + tiles].tolist() == [b for b, n in enumerate(lens)
+                                                                     for _ in range(-(-n * 4 // cta))]
+    assert infos[0] == infos[1] == infos[2]
+    with pytest.raises(Exception, match="graph_rows=100 is below the rows"):
+        module.schedule(pinned, torch.tensor([0, 200], dtype=torch.int32), torch.tensor([0, 200], dtype=torch.int32),
+                        32, 8, 128, 128, 2, 100)

@@ -10,11 +10,11 @@ mode gets, how many pages they read), so in graph mode the wrapper
 * writes each launch's metadata (q_starts, kv_indptr, last_page_len, vg_meta) and page
   list *in place* into device buffers allocated once at the capacities below, padded
   with empty launch requests (no rows, no pages),
-* plans every launch with FlashInfer's CUDA-graph scheduling (enable_cuda_graph, split-KV
-  off) for ``max_launch_requests`` requests and ``max_total_q`` rows, which makes the
-  scheduler's plan_info (grid size, workspace offsets) the same for every batch that fits,
-  and checks that it is: a plan() that would change it raises instead of leaving a
-  captured graph to replay stale launch parameters.
+* schedules every launch for ``max_launch_requests`` requests and ``max_total_q`` rows
+  with split-KV off (the planner module's scheduler with graph_rows, or FlashInfer's
+  CUDA-graph scheduling), which makes plan_info (tile size, grid size, workspace offsets)
+  the same for every batch that fits, and checks that it is: a plan() that would change it
+  raises instead of leaving a captured graph to replay stale launch parameters.
 
 So: plan() (outside the graph) before each replay, run() once under capture. fa2 only: the
 fa3 planner's launch set depends on the batch (one launch per window width, launches split
@@ -90,9 +90,9 @@ class GraphCapacity:
 
 class GraphBuffers:
     """The device buffers of one graph-mode wrapper: per launch slot, metadata laid out as
-    plan() stages it ([q_starts R+1, kv_indptr R+1, last_page_len R, vg_meta 9R] int32) in
-    one tensor, and a page list of launch_pages entries. Views of them are what run()
-    passes to the kernel, so their addresses never change."""
+    [q_starts R+1, kv_indptr R+1, last_page_len R, vg_meta 9R] int32 in one tensor (with a
+    page-locked host mirror, copied over in one go), and a page list of launch_pages entries.
+    Views of them are what run() passes to the kernel, so their addresses never change."""
 
     def __init__(self, capacity: GraphCapacity, device: torch.device):
         self.capacity = capacity
@@ -101,23 +101,23 @@ class GraphBuffers:
         self.slot_ints = (r + 1) * 2 + r + META_COLUMNS * r
         n = len(GRAPH_MODES)
         self.metadata = torch.zeros(n * self.slot_ints, dtype=torch.int32, device=device)
+        self.host = torch.zeros(n * self.slot_ints, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.kv_indices = torch.zeros(n * self.pages, dtype=torch.int32, device=device)
-        self.plan_info: list[list[int] | None] = [None] * n  # FlashInfer's, from the first plan()
+        self.plan_info: list[list[int] | None] = [None] * n  # the scheduler's, from the first plan()
 
     def check_batch(self, batch_size: int, total_q: int, kv_pages: int) -> None:
         cap = self.capacity
-        for name, value, limit in (("batch size", batch_size, cap.max_batch_size),
-                                   ("total query rows", total_q, cap.max_total_q),
-                                   ("paged_kv_indptr[-1] (page-list entries)", kv_pages, cap.max_kv_pages)):
+        for name, value, field, limit in (
+                ("batch size", batch_size, "max_batch_size", cap.max_batch_size),
+                ("total query rows", total_q, "max_total_q", cap.max_total_q),
+                ("paged_kv_indptr[-1] (page-list entries)", kv_pages, "max_kv_pages", cap.max_kv_pages)):
             if value > limit:
-                field = {"batch size": "max_batch_size", "total query rows": "max_total_q"}.get(
-                    name, "max_kv_pages")
                 raise LaunchError(f"plan(): {name} {value} exceeds the wrapper's CUDA-graph capacity "
                                   f"{field}={limit}; make the wrapper with a larger GraphCapacity")
 
     def slot_launches(self, launches: list[dict]) -> list[dict]:
-        """``launches`` (at most one per mask mode) as the fixed GRAPH_MODES slots, each padded
-        to ``requests`` launch requests; raises if a launch needs more requests or pages than
+        """``launches`` (at most one per mask mode) as the fixed GRAPH_MODES slots (an empty
+        launch where a mode has none); raises if a launch needs more requests or pages than
         the capacity. Nothing is written here, so a refused plan leaves the buffers as they were."""
         by_mode: dict[str, dict] = {}
         for launch in launches:
@@ -125,44 +125,56 @@ class GraphBuffers:
             if mode in by_mode or mode not in GRAPH_MODES:
                 raise LaunchError(f"internal: graph mode got a second or unknown {mode!r} launch")
             by_mode[mode] = launch
-        r = self.requests
         out = []
         for mode in GRAPH_MODES:
-            launch = by_mode.get(mode)
-            if launch is None:
-                launch = dict(mask_mode=mode, q_starts=[0], plan_qo=[0], kv_indptr=[0], page_ranges=[],
-                              last_page_len=[], meta=[])
+            launch = by_mode.get(mode) or dict(mask_mode=mode, q_starts=[0], plan_qo=[0], kv_indptr=[0],
+                                               page_ranges=[], last_page_len=[], meta=[])
             n = len(launch["meta"])
-            if n > r:
+            if n > self.requests:
                 raise LaunchError(f"plan(): the {mode!r} launch needs {n} launch requests; the wrapper's CUDA-graph "
-                                  f"capacity max_launch_requests={r} - make the wrapper with a larger one")
-            pages = launch["kv_indptr"][-1]
-            if pages > self.pages:
-                raise LaunchError(f"plan(): the {mode!r} launch reads {pages} page-list entries; the wrapper's "
-                                  f"CUDA-graph capacity max_launch_pages={self.pages} - make the wrapper with a "
-                                  "larger one")
-            pad = r - n
-            total_q = launch["q_starts"][-1]
-            out.append(dict(
-                launch,
-                q_starts=launch["q_starts"] + [total_q] * pad,
-                plan_qo=launch["plan_qo"] + [launch["plan_qo"][-1]] * pad,
-                kv_indptr=launch["kv_indptr"] + [pages] * pad,
-                last_page_len=launch["last_page_len"] + [0] * pad,
-                # padding: no rows at the end of q, no keys, no window
-                meta=launch["meta"] + [[total_q, 0, 0, 0, 0, 0, 0, -1, 0]] * pad,
-                rows=launch["plan_qo"][-1], requests=n, packed=False))
+                                  f"capacity max_launch_requests={self.requests} - make the wrapper with a larger "
+                                  "one")
+            if launch["kv_indptr"][-1] > self.pages:
+                raise LaunchError(f"plan(): the {mode!r} launch reads {launch['kv_indptr'][-1]} page-list entries; "
+                                  f"the wrapper's CUDA-graph capacity max_launch_pages={self.pages} - make the "
+                                  "wrapper with a larger one")
+            out.append(dict(launch, packed=False))
         return out
 
-    def slot_views(self, i: int) -> dict[str, torch.Tensor]:
-        """Launch slot i's metadata and page buffers, split like plan()'s staged metadata."""
+    def write_slot(self, i: int, launch: dict) -> dict[str, torch.Tensor]:
+        """Launch slot i's metadata into the host mirror, padded to capacity with launch
+        requests that have no rows (they start at the batch's end), no keys and no window.
+        Returns the padded host tensors the scheduler takes: plan_qo, kv_indptr, q_starts."""
+        r, n = self.requests, len(launch["meta"])
+        total_q, pages = launch["q_starts"][-1], launch["kv_indptr"][-1]
+        views = self._split(self.host[i * self.slot_ints:(i + 1) * self.slot_ints])
+        i32 = torch.int32
+        plan_qo = torch.full((r + 1,), launch["plan_qo"][-1], dtype=i32)
+        plan_qo[:n + 1] = torch.tensor(launch["plan_qo"], dtype=i32)
+        views["q_starts"].fill_(total_q)
+        views["q_starts"][:n + 1] = torch.tensor(launch["q_starts"], dtype=i32)
+        views["kv_indptr"].fill_(pages)
+        views["kv_indptr"][:n + 1] = torch.tensor(launch["kv_indptr"], dtype=i32)
+        views["last_page_len"].zero_()
+        meta = views["meta"].view(r, META_COLUMNS)
+        meta[:] = torch.tensor([total_q, 0, 0, 0, 0, 0, 0, -1, 0], dtype=i32)
+        if n:
+            views["last_page_len"][:n] = torch.tensor(launch["last_page_len"], dtype=i32)
+            meta[:n] = torch.tensor(launch["meta"], dtype=i32)
+        return {"plan_qo": plan_qo, "kv_indptr": views["kv_indptr"].clone(), "q_starts": views["q_starts"].clone()}
+
+    def _split(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
         r = self.requests
-        base = self.metadata[i * self.slot_ints:(i + 1) * self.slot_ints]
         views, at = {}, 0
         for name, size in (("q_starts", r + 1), ("kv_indptr", r + 1), ("last_page_len", r),
                            ("meta", r * META_COLUMNS)):
-            views[name] = base[at:at + size]
+            views[name] = slot[at:at + size]
             at += size
+        return views
+
+    def slot_views(self, i: int) -> dict[str, torch.Tensor]:
+        """Launch slot i's device buffers (what run() passes to the kernel)."""
+        views = self._split(self.metadata[i * self.slot_ints:(i + 1) * self.slot_ints])
         views["kv_indices"] = self.kv_indices[i * self.pages:(i + 1) * self.pages]
         return views
 
@@ -172,6 +184,6 @@ class GraphBuffers:
         if known is None:
             self.plan_info[i] = list(plan_info)
         elif list(plan_info) != known:
-            raise LaunchError(f"plan(): FlashInfer's schedule for the {GRAPH_MODES[i]!r} launch changed "
+            raise LaunchError(f"plan(): the schedule for the {GRAPH_MODES[i]!r} launch changed "
                               f"({known} -> {list(plan_info)}); a captured CUDA graph would replay the old launch "
                               "parameters. This is a variantgen bug: please report it with the batch")

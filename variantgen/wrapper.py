@@ -459,11 +459,10 @@ class VariantWrapper(WrapperBase):
         if graph is not None:
             launches = graph.slot_launches(launches)
         self._launches = self._make_launches(launches, paged_kv_indices, disable_split_kv)
-        self.plan_stats["launches"] = [(la["mask_mode"], la.get("requests", len(la["meta"])))
-                                       for la in launches if la.get("requests", 1)]
+        self.plan_stats["launches"] = [(la["mask_mode"], len(la["meta"])) for la in launches if la["meta"]]
 
     def _make_launches(self, launches: list[dict], kv_indices: torch.Tensor, disable_split_kv: bool) -> list[Launch]:
-        """Device metadata and a FlashInfer plan per launch. Planned launches name ranges of the
+        """Device metadata and a schedule per launch. Planned launches name ranges of the
         caller's page list (gathered here, all at once); the direct launch takes the list as it
         is. Everything the device needs goes over in two staged copies, not one per tensor.
         In graph mode both land in the wrapper's fixed buffers (the launches are its slots)."""
@@ -474,64 +473,67 @@ class VariantWrapper(WrapperBase):
         kernel = self.row_planner if hasattr(self.row_planner, "gather_pages") else None  # the planner module
         pages = gather_page_ranges(kv_indices, ranges, staging, kernel) if ranges else \
             torch.empty(0, dtype=torch.int32, device=dev)
-        flat: list[int] = []
-        for launch in launches:
-            flat += launch["q_starts"]
-            flat += launch["kv_indptr"]
-            flat += launch["last_page_len"]
-            for row in launch["meta"]:
-                flat += row
-        metadata = staging.to_device(flat, torch.int32)
-        if graph is not None:
-            graph.metadata.copy_(metadata)  # same layout: the slots are padded to capacity
+        if graph is None:
+            flat: list[int] = []
+            for launch in launches:
+                flat += launch["q_starts"]
+                flat += launch["kv_indptr"]
+                flat += launch["last_page_len"]
+                for row in launch["meta"]:
+                    flat += row
+            metadata = staging.to_device(flat, torch.int32)
+            padded: list[dict | None] = [None] * len(launches)
+        else:
+            padded = [graph.write_slot(i, launch) for i, launch in enumerate(launches)]
+            graph.metadata.copy_(graph.host, non_blocking=True)
         out, at, page_at = [], 0, 0
         for i, launch in enumerate(launches):
             n = len(launch["meta"])
             views = {}
-            sizes = (("q_starts", n + 1), ("kv_indptr", n + 1), ("last_page_len", n), ("meta", n * META_COLUMNS))
-            for name, size in sizes:
-                views[name] = metadata[at:at + size]
-                at += size
+            if graph is None:
+                for name, size in (("q_starts", n + 1), ("kv_indptr", n + 1), ("last_page_len", n),
+                                   ("meta", n * META_COLUMNS)):
+                    views[name] = metadata[at:at + size]
+                    at += size
+            count = launch["kv_indptr"][-1]
             if "page_ranges" in launch:
-                count = launch["kv_indptr"][-1]
                 views["kv_indices"] = pages[page_at:page_at + count]
                 page_at += count
             else:
-                count = launch["kv_indptr"][-1]
                 views["kv_indices"] = launch["kv_indices"][:count].to(dev)
             if graph is not None:
                 fixed = graph.slot_views(i)
-                fixed["kv_indices"][:count].copy_(views["kv_indices"][:count])
+                fixed["kv_indices"][:count].copy_(views["kv_indices"])
                 views = fixed
             # Split-KV writes partial rows packed and merges them into packed rows, so it is only
             # allowed where a launch's requests are back to back in q/o.
             split_off = disable_split_kv or not launch.get("packed", True)
-            out.append(self._make_launch(i, len(launches), launch, split_off, views))
-        # The schedulers' copies from the page-locked int workspace mirrors are queued: the next
-        # plan() rewrites the mirrors only after they ran.
+            out.append(self._make_launch(i, len(launches), launch, split_off, views, padded[i]))
+        # Copies from page-locked memory (int workspace mirrors, graph metadata) are queued: the
+        # next plan() rewrites that memory only after they ran.
         staging.record()
         return out
 
     def _make_launch(self, i: int, n_launches: int, launch: dict, disable_split_kv: bool,
-                     views: dict[str, torch.Tensor]) -> Launch:
-        b = self._batch
+                     views: dict[str, torch.Tensor], padded: dict[str, torch.Tensor] | None) -> Launch:
+        """One launch's schedule: the planner module's where it has one and KV is not split
+        (O(tiles) on the host), else FlashInfer's. ``padded``: graph mode's capacity-padded
+        host indptrs (graph.write_slot)."""
+        b, cfg, graph = self._batch, self.config, self._graph
         assert b is not None
         int_ws, pinned = self._workspace(i)
-        plan_qo = torch.tensor(launch["plan_qo"], dtype=torch.int32)
-        kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
+        if padded is not None:
+            plan_qo, kv_indptr_h, q_starts_h = padded["plan_qo"], padded["kv_indptr"], padded["q_starts"]
+        else:
+            plan_qo = torch.tensor(launch["plan_qo"], dtype=torch.int32)
+            kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
+            q_starts_h = None
         n = plan_qo.numel() - 1
         # Each launch gets its own slice of the caller's float workspace (split-KV scratch).
         chunk = self._float_workspace.numel() // n_launches
         float_ws = self._float_workspace[i * chunk:(i + 1) * chunk]
         o_indptr_written = False
-        if self._graph is not None:
-            # Scheduled for the capacity (rows, launch requests), so plan_info is the same for
-            # every batch that fits; the padding requests have no rows and no pages.
-            plan_info = self.module.plan(
-                float_ws, int_ws, pinned, plan_qo, kv_indptr_h, self._graph.capacity.max_total_q, n,
-                b.num_qo_heads, b.num_kv_heads, b.page_size, True, -1, -1, True)
-            self._graph.check_plan_info(i, plan_info)
-        elif self.config.backend == "fa3":
+        if cfg.backend == "fa3":
             # FA3 takes kv lengths directly and each work item's first row from q_starts.
             pages = kv_indptr_h[1:] - kv_indptr_h[:-1]
             last = torch.tensor(launch["last_page_len"], dtype=torch.int32)
@@ -540,23 +542,26 @@ class VariantWrapper(WrapperBase):
             plan_info = self.module.plan(
                 float_ws, int_ws, pinned, plan_qo, kv_indptr_h, kv_lens_h, q_starts_h,
                 int(plan_qo[-1]), n, b.num_qo_heads, b.num_kv_heads, b.page_size, launch["mask_mode"] == "causal")
-        elif disable_split_kv and hasattr(self.row_planner, "schedule"):
-            # The planner module's O(tiles) work list (FlashInfer's scheduler is O(rows) on the
-            # host); it writes o_indptr = q_starts itself.
-            cfg = self.config
-            q_starts_h = torch.tensor(launch["q_starts"], dtype=torch.int32)
-            info = list(self.row_planner.schedule(pinned, plan_qo, q_starts_h, b.num_qo_heads, b.num_kv_heads,
-                                                  cfg.head_dim_qk, cfg.head_dim_vo,
-                                                  1 if cfg.kv_dtype.startswith("fp8") else 2))
+        elif (disable_split_kv or graph is not None) and hasattr(self.row_planner, "schedule"):
+            # The planner module's work list; it writes o_indptr = q_starts itself.
+            if q_starts_h is None:
+                q_starts_h = torch.tensor(launch["q_starts"], dtype=torch.int32)
+            info = list(self.row_planner.schedule(
+                pinned, plan_qo, q_starts_h, b.num_qo_heads, b.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_vo,
+                1 if cfg.kv_dtype.startswith("fp8") else 2, graph.capacity.max_total_q if graph else 0))
             nbytes = info.pop()
             int_ws[:nbytes].copy_(pinned[:nbytes], non_blocking=True)
             plan_info, o_indptr_written = info, True
         else:
+            # FlashInfer's scheduler; in graph mode its CUDA-graph scheduling over the capacity.
+            total_rows = graph.capacity.max_total_q if graph else int(plan_qo[-1])
             plan_info = self.module.plan(
-                float_ws, int_ws, pinned, plan_qo, kv_indptr_h, int(plan_qo[-1]), n, b.num_qo_heads,
-                b.num_kv_heads, b.page_size, False, -1, -1, bool(disable_split_kv))
+                float_ws, int_ws, pinned, plan_qo, kv_indptr_h, total_rows, n, b.num_qo_heads,
+                b.num_kv_heads, b.page_size, graph is not None, -1, -1, bool(disable_split_kv))
+        if graph is not None:
+            graph.check_plan_info(i, plan_info)
         q_starts = views["q_starts"]
-        if self.config.backend == "fa2" and not launch.get("packed", True) and not o_indptr_written:
+        if cfg.backend == "fa2" and not launch.get("packed", True) and not o_indptr_written:
             # Launch requests are not back to back in q/o: the kernel takes each one's first
             # row from q_indptr (our q_starts) but writes o (and lse) at the plan's o_indptr,
             # which the scheduler packed. Point o_indptr at the same rows (split-KV is off for
