@@ -112,3 +112,26 @@ def test_fa3_factory_choice_on_sm90(workspace):
     assert w.config.backend == variantgen.choose_backend(
         spec, kind="prefill", head_dim_qk=128, head_dim_vo=128, q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16",
         arch="9.0a")
+
+
+@pytest.mark.parametrize("skip_tiles", [False, True])
+def test_fa3_work_list_covers_every_tile_once(skip_tiles, workspace):
+    """The fa3 plan (one schedule for all heads): every query tile of every launch request is
+    one work item, on one SM's list, pointed at the request's own first row; lists balanced."""
+    spec, w, b, args = mm_prefix_case(workspace, seed=7, backend="fa3")
+    w.plan(*b.plan_args(), skip_tiles=skip_tiles, **(args if skip_tiles else {}))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for la in w._launches:
+        info = list(la.plan_info)
+        assert info[8] == 1, "expected the all-heads schedule"
+        ints = la.int_workspace.cpu().view(torch.int32)
+        work_indptr = ints[info[6] // 4:info[6] // 4 + sms + 1].tolist()
+        works = work_indptr[-1]
+        assert work_indptr[0] == 0 and all(x <= y for x, y in zip(work_indptr, work_indptr[1:]))
+        tiles, first_rows, batch = (ints[info[k] // 4:info[k] // 4 + works].tolist() for k in (0, 1, 7))
+        meta = la.meta.tolist()
+        want = {(r, t) for r, row in enumerate(meta) for t in range(-(-row[8] // 128))}
+        assert sorted(zip(batch, tiles)) == sorted(want)
+        assert all(first_rows[i] == meta[batch[i]][0] for i in range(works))
+        per_sm = [y - x for x, y in zip(work_indptr, work_indptr[1:])]
+        assert max(per_sm) - min(per_sm) <= max(4, works // sms), per_sm

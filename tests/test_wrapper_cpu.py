@@ -718,33 +718,13 @@ def test_fa3_too_many_window_widths_go_custom(monkeypatch):
     assert any(la.mask_mode == "custom" for la in w._launches)
 
 
-def test_fa3_large_launches_are_split(monkeypatch):
-    """Above the per-head tile budget FlashInfer's scheduler would pick the all-heads schedule,
-    which the module does not compile: the wrapper splits the launch by requests."""
-    from variantgen import planner
-
-    monkeypatch.setattr(planner, "FA3_MAX_TILES_PER_HEAD", 4)
+def test_fa3_large_launches_stay_one_launch():
+    """The fa3 module schedules one work list for all heads (no per-head tile budget), so a
+    batch of many long requests is one launch per mask mode."""
     spec = shipped("causal")
-    batch = batch_of([130, 1, 260, 129, 5], [130, 40, 300, 129, 5], 16, seed=6)
-    w, fake = check(spec, batch, {}, skip_tiles=False, backend="fa3", label="fa3 split")
-    assert len(w._launches) > 1 and all(la.mask_mode == "custom" for la in w._launches)
-    for la in w._launches:
-        n = la.num_requests
-        cta_tile_q = 192 if HEAD_DIM == 64 else 128  # FlashInfer's sm90 query tile
-        tiles = sum(-(-int(x) // cta_tile_q) + 1 for x in la.meta[:, 8].tolist())
-        assert tiles <= 4 or n == 1, (n, tiles)
-
-
-def test_fa3_refuses_a_request_longer_than_one_launch(monkeypatch):
-    from variantgen import planner
-
-    monkeypatch.setattr(planner, "FA3_MAX_TILES_PER_HEAD", 3)
-    w, _ = make(shipped("causal"), backend="fa3")
-    batch = batch_of([700, 5], [700, 5], 16)
-    with pytest.raises(LaunchError, match=exact(
-            "plan(): a launch request of 700 query rows needs 4 query tiles of 192; the fa3 module schedules at "
-            "most 2 per launch - use backend='fa2' for requests this long")):
-        w.plan(*batch.plan_args(), skip_tiles=False)
+    batch = batch_of([130, 1, 260, 129, 5] * 3, [130, 40, 300, 129, 5] * 3, 16, seed=6)
+    w, _ = check(spec, batch, {}, skip_tiles=False, backend="fa3", label="fa3 one launch")
+    assert [(la.mask_mode, la.num_requests) for la in w._launches] == [("custom", 15)]
 
 
 def test_host_lists_and_staging_on_the_cpu():

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import LaunchError
 from .intervals import IntervalForm, row_intervals, usable_form
 
 if TYPE_CHECKING:
@@ -209,13 +208,12 @@ def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], 
 
 # ----------------------------------------------------------------------------- fa3
 FA3_MAX_WINDOW_LAUNCHES = 4  # distinct window widths given their own launch; more go custom
-FA3_MAX_TILES_PER_HEAD = 4096  # above this FlashInfer's sm90 scheduler uses one schedule for all heads
 
 
-def regroup_for_fa3(launches: list[dict], page_size: int, head_dim_vo: int) -> list[dict]:
+def regroup_for_fa3(launches: list[dict]) -> list[dict]:
     """Reshape launches for the fa3 kernel, which takes its left window per launch (not per
-    launch request) and has no kCustom: window rows get a causal launch per width, and
-    launches are split so that the per-head schedule (the one compiled in) applies."""
+    launch request): window rows get a causal launch per width (up to
+    FA3_MAX_WINDOW_LAUNCHES widths; rows of other widths go to a custom launch)."""
     out: list[dict] = []
     for launch in launches:
         if launch["mask_mode"] != "causal":
@@ -230,23 +228,7 @@ def regroup_for_fa3(launches: list[dict], page_size: int, head_dim_vo: int) -> l
             groups.setdefault(key, []).append(i)
         for (mode, window), idx in groups.items():
             out.append(dict(_select(launch, idx), mask_mode=mode, window_left=window))
-    cta_tile_q = 192 if head_dim_vo == 64 else 128
-    split: list[dict] = []
-    for launch in out:
-        n = len(launch["meta"])
-        lens = [launch["plan_qo"][i + 1] - launch["plan_qo"][i] for i in range(n)]
-        start, tiles = 0, 0
-        for i in range(n + 1):
-            t = -(-lens[i] // cta_tile_q) + 1 if i < n else 0  # + 1: the scheduler's per-request slack
-            if t > FA3_MAX_TILES_PER_HEAD:
-                raise LaunchError(f"plan(): a launch request of {lens[i]} query rows needs {t - 1} query tiles of "
-                                  f"{cta_tile_q}; the fa3 module schedules at most {FA3_MAX_TILES_PER_HEAD - 1} "
-                                  "per launch - use backend='fa2' for requests this long")
-            if i == n or (i > start and tiles + t > FA3_MAX_TILES_PER_HEAD):
-                split.append(launch if (start, i) == (0, n) else _select(launch, list(range(start, i))))
-                start, tiles = i, 0
-            tiles += t
-    return split
+    return out
 
 
 def _select(launch: dict, idx: list[int]) -> dict:

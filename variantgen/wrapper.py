@@ -110,6 +110,7 @@ class WrapperBase:
         self._scalar_names = [s.name for s in spec.scalars]
         self._batch: Any = None
         self._pdl: bool | None = None
+        self._sms: int | None = None
         self._planned_args: dict[str, Any] = {}
         self.plan_stats: dict[str, Any] = {}
         self._staging = HostStaging(self.device)  # plan()'s host-to-device copies
@@ -121,6 +122,12 @@ class WrapperBase:
             self._pinned.append(torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
                                             pin_memory=self.device.type == "cuda"))
         return self._int_workspaces[i], self._pinned[i]
+
+    def _num_sms(self) -> int:
+        if self._sms is None:
+            self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                         if self.device.type == "cuda" else 1)
+        return self._sms
 
     def _pdl_default(self) -> bool:
         if self._pdl is None:
@@ -455,7 +462,7 @@ class VariantWrapper(WrapperBase):
         if self.config.backend == "fa3":
             from .planner import regroup_for_fa3
 
-            launches = regroup_for_fa3(launches, page_size, self.config.head_dim_vo)
+            launches = regroup_for_fa3(launches)
         if graph is not None:
             launches = graph.slot_launches(launches)
         self._launches = self._make_launches(launches, paged_kv_indices, disable_split_kv)
@@ -526,15 +533,16 @@ class VariantWrapper(WrapperBase):
             plan_qo, kv_indptr_h, q_starts_h = padded["plan_qo"], padded["kv_indptr"], padded["q_starts"]
         else:
             plan_qo = torch.tensor(launch["plan_qo"], dtype=torch.int32)
-            kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
-            q_starts_h = None
+            kv_indptr_h = q_starts_h = None
         n = plan_qo.numel() - 1
         # Each launch gets its own slice of the caller's float workspace (split-KV scratch).
         chunk = self._float_workspace.numel() // n_launches
         float_ws = self._float_workspace[i * chunk:(i + 1) * chunk]
         o_indptr_written = False
+        plan_info = None
         if cfg.backend == "fa3":
             # FA3 takes kv lengths directly and each work item's first row from q_starts.
+            kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
             pages = kv_indptr_h[1:] - kv_indptr_h[:-1]
             last = torch.tensor(launch["last_page_len"], dtype=torch.int32)
             kv_lens_h = torch.where(pages > 0, (pages - 1) * b.page_size + last, torch.zeros_like(pages))
@@ -542,18 +550,24 @@ class VariantWrapper(WrapperBase):
             plan_info = self.module.plan(
                 float_ws, int_ws, pinned, plan_qo, kv_indptr_h, kv_lens_h, q_starts_h,
                 int(plan_qo[-1]), n, b.num_qo_heads, b.num_kv_heads, b.page_size, launch["mask_mode"] == "causal")
-        elif (disable_split_kv or graph is not None) and hasattr(self.row_planner, "schedule"):
-            # The planner module's work list; it writes o_indptr = q_starts itself.
+        elif hasattr(self.row_planner, "schedule"):
+            # The planner module's work list (no split-KV); it writes o_indptr = q_starts itself.
             if q_starts_h is None:
                 q_starts_h = torch.tensor(launch["q_starts"], dtype=torch.int32)
             info = list(self.row_planner.schedule(
                 pinned, plan_qo, q_starts_h, b.num_qo_heads, b.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_vo,
                 1 if cfg.kv_dtype.startswith("fp8") else 2, graph.capacity.max_total_q if graph else 0))
             nbytes = info.pop()
-            int_ws[:nbytes].copy_(pinned[:nbytes], non_blocking=True)
-            plan_info, o_indptr_written = info, True
-        else:
+            # Where split-KV is allowed, FlashInfer splits only when the tiles cannot fill its
+            # grid (2 CTAs per SM over the KV heads); with at least that many it would not split,
+            # and this is its schedule.
+            if disable_split_kv or graph is not None or info[0] >= 2 * self._num_sms() // b.num_kv_heads:
+                int_ws[:nbytes].copy_(pinned[:nbytes], non_blocking=True)
+                plan_info, o_indptr_written = info, True
+        if plan_info is None:
             # FlashInfer's scheduler; in graph mode its CUDA-graph scheduling over the capacity.
+            if kv_indptr_h is None:
+                kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
             total_rows = graph.capacity.max_total_q if graph else int(plan_qo[-1])
             plan_info = self.module.plan(
                 float_ws, int_ws, pinned, plan_qo, kv_indptr_h, total_rows, n, b.num_qo_heads,
