@@ -295,7 +295,8 @@ def test_graph_mode_refusals():
         VariantWrapper(w.spec, w.config, w.module, w.build, torch.empty(8, dtype=torch.uint8),
                        graph={"max_batch_size": 4})
     ws = torch.empty(8, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"graph=: CUDA-graph mode is for kind='prefill' \(got kind='decode'\)"):
+    with pytest.raises(ValueError, match=r"graph=: CUDA-graph mode is for kind='prefill' and for kind='decode' with "
+                                         r"use_tensor_cores=True \(got kind='decode', use_tensor_cores=False\)"):
         variantgen.make_wrapper(SPECS_DIR / "causal.yaml", ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
                                 arch="9.0a", kind="decode", graph=CAP)
     with pytest.raises(ValueError, match=r"graph=: CUDA-graph mode needs backend='fa2' \(got 'fa3'\)"):
@@ -310,3 +311,53 @@ def test_static_q_larger_than_capacity_is_refused():
     q = torch.zeros(CAP.max_total_q + 1, HQ, HEAD_DIM, dtype=torch.bfloat16)
     with pytest.raises(LaunchError, match=r"run\(\): `q`: expected shape \[30, 4, 64\]"):
         w.run(q, (batch.k_cache, batch.v_cache))
+
+
+def test_tensor_core_decode_replays_after_replanning():
+    """Decode on the tensor-core path (the prefill kernel, one query per request) in graph mode:
+    static q/out of capacity rows, capture once, re-plan batches of other sizes, replay."""
+    from variantgen.decode import DecodeWrapper
+
+    spec = variantgen.load_spec(SPECS_DIR / "sliding_window.yaml")
+    cap = GraphCapacity(max_batch_size=6, max_total_q=6, max_kv_pages=40)
+    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2")
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec, set())[1]], "module_sha256": "x",
+                "module_file": "x.so"}
+    fake = FakeModule(spec, ())
+    build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
+                        built=False, seconds=0.0)
+    w = DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=cap)
+    q = torch.full((6, HQ, HEAD_DIM), math.nan, dtype=torch.bfloat16)
+    out = torch.full_like(q, math.nan)
+    k = torch.zeros(40, PAGE, HKV, HEAD_DIM, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    calls = None
+    for seed, kv_lens in enumerate(([30, 100, 7], [1, 16, 17, 200, 50, 9], [64])):
+        b = random_paged_batch([1] * len(kv_lens), kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                               page_size=PAGE, seed=seed)
+        n = len(kv_lens)
+        q[:n], q[n:] = b.q, math.nan
+        k[:b.k_cache.shape[0]], v[:b.v_cache.shape[0]] = b.k_cache, b.v_cache
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)
+        if calls is None:
+            calls, real = [], fake.paged_run
+
+            def record(*a, calls=calls, real=real):
+                calls.append(a)
+                return real(*a)
+
+            fake.paged_run = record
+            w.run(q, (k, v), out=out, window=20)
+            fake.paged_run = real
+        out.fill_(math.nan)
+        for a in calls:
+            fake.paged_run(*a)
+        ref = reference_attention(spec, b.q, (b.k_cache, b.v_cache), torch.arange(n + 1, dtype=torch.int32),
+                                  b.kv_indptr, b.kv_indices, b.last_page_len, {"window": 20})
+        got = out[:n].float()
+        assert not torch.isnan(got).any() and torch.isnan(out[n:].float()).all(), f"batch {seed}"
+        assert ((got - ref.to(torch.bfloat16).float()).norm() / ref.norm()).item() < 1e-2, f"batch {seed}"
+    with pytest.raises(LaunchError, match=r"CUDA-graph mode for decode runs on the tensor-core path"):
+        DecodeWrapper(spec, render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2",
+                                                kind="decode"), fake, build, torch.empty(8, dtype=torch.uint8),
+                      graph=cap)

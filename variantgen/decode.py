@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from .errors import LaunchError
+from .graph import GraphCapacity
 from .planner import gather_page_ranges
 from .wrapper import LAYOUT_CODES, META_COLUMNS, Batch, VariantWrapper, WrapperBase, host_lists
 
@@ -63,7 +64,7 @@ class DecodeLaunch:
 class DecodeWrapper(WrapperBase):
     """Paged-KV decode for one spec, dtype and head-dim combination (see make_wrapper)."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, graph: GraphCapacity | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         if self.config.kind not in ("decode", "prefill"):
             raise ValueError(f"DecodeWrapper: needs a 'decode' module (CUDA cores) or a 'prefill' module "
@@ -74,9 +75,14 @@ class DecodeWrapper(WrapperBase):
                              f"prefill module for use_tensor_cores=True), got backend={self.config.backend!r}")
         # Tensor cores: the prefill wrapper on the same module does the work.
         self._prefill: VariantWrapper | None = None
+        self._graph = graph
+        if graph is not None and not self.use_tensor_cores:
+            raise LaunchError("graph=: CUDA-graph mode for decode runs on the tensor-core path (the prefill "
+                              "kernel, whose launches plan() rewrites in place); make the wrapper with "
+                              "use_tensor_cores=True")
         if self.use_tensor_cores:
             self._prefill = VariantWrapper(self.spec, self.config, self.module, self.build,
-                                           self._float_workspace, self.kv_layout)
+                                           self._float_workspace, self.kv_layout, graph=graph)
             self.plan_stats = self._prefill.plan_stats
         self._launch: DecodeLaunch | None = None
 
@@ -222,6 +228,9 @@ class DecodeWrapper(WrapperBase):
                               "paged_kv_last_page_len, num_qo_heads, num_kv_heads, page_size) first")
         b, cfg = self._batch, self.config
         want = (b.batch_size, b.num_qo_heads, cfg.head_dim_qk)
+        if (self._graph is not None and isinstance(q, torch.Tensor) and q.dim() == 3
+                and b.batch_size <= q.shape[0] <= self._graph.max_total_q):
+            want = (q.shape[0], *want[1:])  # graph mode: a static buffer of up to capacity rows
         if isinstance(q, torch.Tensor) and tuple(q.shape) != want:
             raise LaunchError(f"run(): `q`: expected shape [batch={b.batch_size}, num_qo_heads={b.num_qo_heads}, "
                               f"head_dim={cfg.head_dim_qk}] (one query per request), got {list(q.shape)}")
