@@ -123,7 +123,7 @@ def test_schedule_matches_flashinfers_scheduler(heads, workspace):
                                 heads[1], 16, False, -1, -1, True))
         torch.cuda.synchronize()
         fi_ints = int_ws.cpu().view(torch.int32)
-        ours = list(planner.schedule(ours_pinned, qo, qo, heads[0], heads[1], 128, 128, 2, 0))
+        ours = list(planner.schedule(ours_pinned, 0, qo, qo, heads[0], heads[1], 128, 128, 2, 0))
         ours.pop()
         ours_ints = ours_pinned.view(torch.int32)
         label = f"heads {heads} lens {lens[:6]}"

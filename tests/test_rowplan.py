@@ -117,7 +117,7 @@ def test_planner_schedule_is_one_cta_per_query_tile(vg_env, toolchain):
     pinned = torch.full((1 << 16,), 0xAB, dtype=torch.uint8)
     qo = torch.tensor([0, 300, 300, 1000, 1001], dtype=torch.int32)  # lengths 300, 0, 700, 1
     o_rows = torch.tensor([5, 400, 700, 1500, 9000], dtype=torch.int32)
-    info = list(module.schedule(pinned, qo, o_rows, 32, 8, 128, 128, 2, 0))
+    info = list(module.schedule(pinned, 0, qo, o_rows, 32, 8, 128, 128, 2, 0))
     nbytes = info.pop()
     assert len(info) == 15
     tiles, total_rows, cta = info[0], info[1], info[3]
@@ -135,8 +135,14 @@ def test_planner_schedule_is_one_cta_per_query_tile(vg_env, toolchain):
     assert at(info[4], tiles) == want_req and at(info[5], tiles) == want_tile and at(info[6], tiles) == [0] * tiles
     assert at(info[8], 5) == o_rows.tolist()
     assert info[13] == 0 and info[14] == 0  # no CUDA graph, no split-KV
+    # at an offset (launches share one buffer): the same data, every offset moved by it
+    shifted = torch.full_like(pinned, 0xAB)
+    info2 = list(module.schedule(shifted, 4096, qo, o_rows, 32, 8, 128, 128, 2, 0))
+    assert info2.pop() == nbytes + 4096
+    assert [x + 4096 if k in (4, 5, 6, 8, 9) else x for k, x in enumerate(info)] == info2
+    assert torch.equal(shifted[4096:4096 + nbytes], pinned[:nbytes])
     with pytest.raises(Exception, match="expected batch \\+ 1 entries"):
-        module.schedule(pinned, qo, o_rows[:3], 32, 8, 128, 128, 2, 0)
+        module.schedule(pinned, 0, qo, o_rows[:3], 32, 8, 128, 128, 2, 0)
 
 
 @pytest.mark.nvcc
@@ -148,7 +154,7 @@ def test_planner_schedule_in_graph_mode_depends_on_the_capacity_only(vg_env, too
     for lens in ([300, 0, 700, 1], [4096, 0, 0, 0], [1, 1, 1, 1]):
         pinned = torch.full((1 << 16,), 0xAB, dtype=torch.uint8)
         qo = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-        info = list(module.schedule(pinned, qo, qo, 32, 8, 128, 128, 2, 4096))
+        info = list(module.schedule(pinned, 0, qo, qo, 32, 8, 128, 128, 2, 4096))
         nbytes = info.pop()
         infos.append(info)
         padded, cta = info[0], info[3]
@@ -162,5 +168,5 @@ def test_planner_schedule_in_graph_mode_depends_on_the_capacity_only(vg_env, too
                                                                      for _ in range(-(-n * 4 // cta))]
     assert infos[0] == infos[1] == infos[2]
     with pytest.raises(Exception, match="graph_rows=100 is below the rows"):
-        module.schedule(pinned, torch.tensor([0, 200], dtype=torch.int32), torch.tensor([0, 200], dtype=torch.int32),
-                        32, 8, 128, 128, 2, 100)
+        rows = torch.tensor([0, 200], dtype=torch.int32)
+        module.schedule(pinned, 0, rows, rows, 32, 8, 128, 128, 2, 100)

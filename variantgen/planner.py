@@ -179,31 +179,44 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_lens:
     return launches
 
 
-def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], staging: HostStaging,
-                       kernel: Any = None) -> torch.Tensor:
-    """int32 page list on the staging device: for each (first, count) of ``ranges``,
-    kv_indices[first : first + count], back to back. One staged copy of the ranges (no sync),
-    then the planner module's gather kernel (``kernel``), or a search + index in torch ops
-    (no repeat_interleave, which syncs here)."""
-    device = staging.device
-    # Per range: its first entry in the output and its shift into kv_indices (sums on the host).
+def page_gather_table(ranges: list[tuple[int, int]]) -> tuple[list[int], int]:
+    """For gather_pages: per non-empty (first, count) range its first entry in the output,
+    then per range its shift into kv_indices ([starts..., shifts...]); and the total entries."""
     starts, shifts, total = [], [], 0
     for first, count in ranges:
         if count:
             starts.append(total)
             shifts.append(first - total)
             total += count
-    if not starts:
+    return starts + shifts, total
+
+
+def gather_pages(kv_indices: torch.Tensor, table: torch.Tensor, total: int, device: torch.device,
+                 kernel: Any = None) -> torch.Tensor:
+    """int32 page list on ``device``: the ranges of ``table`` (page_gather_table's, int32
+    [2, ranges] on the device) back to back - with the planner module's gather kernel
+    (``kernel``), or a search + index in torch ops (no repeat_interleave, which syncs here)."""
+    if total == 0:
         return torch.empty(0, dtype=torch.int32, device=device)
-    table = staging.to_device(starts + shifts, torch.int64).view(2, -1)
     if kernel is not None and device.type == "cuda":
         out = torch.empty(total, dtype=torch.int32, device=device)
         kernel.gather_pages(kv_indices.to(device).contiguous(), table, out)
         return out
     # output entry k lies in range i = the last range starting at or before k
+    table = table.to(torch.int64)
     out = torch.arange(total, device=device)
     i = torch.searchsorted(table[0], out, right=True) - 1
     return kv_indices.to(device)[out + table[1][i]].to(torch.int32)
+
+
+def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], staging: HostStaging,
+                       kernel: Any = None) -> torch.Tensor:
+    """int32 page list on the staging device: for each (first, count) of ``ranges``,
+    kv_indices[first : first + count], back to back; the table goes over in one staged copy
+    (no sync)."""
+    flat, total = page_gather_table(ranges)
+    table = staging.to_device(flat, torch.int32).view(2, -1) if total else None
+    return gather_pages(kv_indices, table, total, staging.device, kernel)
 
 
 # ----------------------------------------------------------------------------- fa3

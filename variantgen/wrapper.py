@@ -30,7 +30,7 @@ from .cache import Cache
 from .errors import LaunchError
 from .graph import GraphBuffers, GraphCapacity
 from .intervals import analyze
-from .planner import gather_page_ranges
+from .planner import gather_page_ranges, gather_pages, page_gather_table
 from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
 from .spec import VariantSpec, load_spec
 from .staging import HostStaging
@@ -111,6 +111,8 @@ class WrapperBase:
         self._batch: Any = None
         self._pdl: bool | None = None
         self._sms: int | None = None
+        self._sched_ws: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._sched_end = 0
         self._planned_args: dict[str, Any] = {}
         self.plan_stats: dict[str, Any] = {}
         self._staging = HostStaging(self.device)  # plan()'s host-to-device copies
@@ -122,6 +124,15 @@ class WrapperBase:
             self._pinned.append(torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
                                             pin_memory=self.device.type == "cuda"))
         return self._int_workspaces[i], self._pinned[i]
+
+    def _schedule_workspace(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (int workspace, page-locked mirror) that launches scheduled by the planner
+        module share (each at its own offset)."""
+        if self._sched_ws is None:
+            self._sched_ws = (torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device),
+                              torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
+                                          pin_memory=self.device.type == "cuda"))
+        return self._sched_ws
 
     def _num_sms(self) -> int:
         if self._sms is None:
@@ -478,19 +489,22 @@ class VariantWrapper(WrapperBase):
         graph = self._graph
         ranges = [r for launch in launches for r in launch.get("page_ranges", ())]
         kernel = self.row_planner if hasattr(self.row_planner, "gather_pages") else None  # the planner module
-        pages = gather_page_ranges(kv_indices, ranges, staging, kernel) if ranges else \
-            torch.empty(0, dtype=torch.int32, device=dev)
+        table, total = page_gather_table(ranges)
+        self._sched_end = 0  # bytes of the shared schedule workspace used so far
         if graph is None:
-            flat: list[int] = []
+            flat = list(table)  # the page gather's table and the launch metadata: one copy
             for launch in launches:
                 flat += launch["q_starts"]
                 flat += launch["kv_indptr"]
                 flat += launch["last_page_len"]
                 for row in launch["meta"]:
                     flat += row
-            metadata = staging.to_device(flat, torch.int32)
+            staged = staging.to_device(flat, torch.int32)
+            pages = gather_pages(kv_indices, staged[:len(table)].view(2, -1), total, dev, kernel)
+            metadata = staged[len(table):]
             padded: list[dict | None] = [None] * len(launches)
         else:
+            pages = gather_page_ranges(kv_indices, ranges, staging, kernel)
             padded = [graph.write_slot(i, launch) for i, launch in enumerate(launches)]
             graph.metadata.copy_(graph.host, non_blocking=True)
         out, at, page_at = [], 0, 0
@@ -516,6 +530,9 @@ class VariantWrapper(WrapperBase):
             # allowed where a launch's requests are back to back in q/o.
             split_off = disable_split_kv or not launch.get("packed", True)
             out.append(self._make_launch(i, len(launches), launch, split_off, views, padded[i]))
+        if self._sched_end:
+            sched_ws, sched_pinned = self._schedule_workspace()
+            sched_ws[:self._sched_end].copy_(sched_pinned[:self._sched_end], non_blocking=True)
         # Copies from page-locked memory (int workspace mirrors, graph metadata) are queued: the
         # next plan() rewrites that memory only after they ran.
         staging.record()
@@ -552,18 +569,21 @@ class VariantWrapper(WrapperBase):
                 int(plan_qo[-1]), n, b.num_qo_heads, b.num_kv_heads, b.page_size, launch["mask_mode"] == "causal")
         elif hasattr(self.row_planner, "schedule"):
             # The planner module's work list (no split-KV); it writes o_indptr = q_starts itself.
+            # Scheduled launches share one int workspace, copied once (_make_launches).
             if q_starts_h is None:
                 q_starts_h = torch.tensor(launch["q_starts"], dtype=torch.int32)
+            sched_ws, sched_pinned = self._schedule_workspace()
             info = list(self.row_planner.schedule(
-                pinned, plan_qo, q_starts_h, b.num_qo_heads, b.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_vo,
-                1 if cfg.kv_dtype.startswith("fp8") else 2, graph.capacity.max_total_q if graph else 0))
-            nbytes = info.pop()
+                sched_pinned, self._sched_end, plan_qo, q_starts_h, b.num_qo_heads, b.num_kv_heads, cfg.head_dim_qk,
+                cfg.head_dim_vo, 1 if cfg.kv_dtype.startswith("fp8") else 2,
+                graph.capacity.max_total_q if graph else 0))
+            end = info.pop()
             # Where split-KV is allowed, FlashInfer splits only when the tiles cannot fill its
             # grid (2 CTAs per SM over the KV heads); with at least that many it would not split,
             # and this is its schedule.
             if disable_split_kv or graph is not None or info[0] >= 2 * self._num_sms() // b.num_kv_heads:
-                int_ws[:nbytes].copy_(pinned[:nbytes], non_blocking=True)
-                plan_info, o_indptr_written = info, True
+                self._sched_end = -(-end // 16) * 16
+                plan_info, int_ws, o_indptr_written = info, sched_ws, True
         if plan_info is None:
             # FlashInfer's scheduler; in graph mode its CUDA-graph scheduling over the capacity.
             if kv_indptr_h is None:
