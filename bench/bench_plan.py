@@ -86,21 +86,25 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backends", default="fa2,fa3")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--skip-flashinfer", action="store_true",
+                    help="no FlashInfer baseline rows (they JIT-compile FlashInfer's modules on first use)")
     args = ap.parse_args()
     batch, ranges = prefill_bench_batch("cuda")
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     kv = (batch.k_cache, batch.v_cache)
     out = {**run_environment(), "workload": "8 x 8192, 32/8 heads, hd 128, bf16, page 16, 3 spans of 1024",
            "plan_ms": {}, "run_ms": {}, "plan_fraction_of_run": {}, "launches": {}}
-    import flashinfer
-
     for backend in args.backends.split(","):
-        # FlashInfer's own causal wrapper: its plan() is the floor a launch pays (host scheduler).
-        fw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
-        fi_kw = dict(causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-        fi_plan = FlashInferPlan(fw, batch, fi_kw)
-        out["plan_ms"][f"{backend}_flashinfer_causal"] = plan_ms(fi_plan, batch, {}, args.iters)
-        out["run_ms"][f"{backend}_flashinfer_causal"] = round(cuda_median_ms(lambda fw=fw: fw.run(batch.q, kv), 10), 3)
+        if not args.skip_flashinfer:
+            import flashinfer
+
+            # FlashInfer's own causal wrapper: its plan() is the floor a launch pays (host scheduler).
+            fw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+            fi_kw = dict(causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+            fi_plan = FlashInferPlan(fw, batch, fi_kw)
+            out["plan_ms"][f"{backend}_flashinfer_causal"] = plan_ms(fi_plan, batch, {}, args.iters)
+            out["run_ms"][f"{backend}_flashinfer_causal"] = round(
+                cuda_median_ms(lambda fw=fw: fw.run(batch.q, kv), 10), 3)
         for name, spec_args in (("causal", {}), ("mm_prefix", {"ranges": ranges})):
             w = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
                                         kv_dtype="bf16", backend=backend)

@@ -9,8 +9,11 @@ the generated mask always sees true positions and rows; q and o are read and wri
 place (launch requests need not be packed), so nothing is gathered or scattered.
 
 The same wrapper drives fa2 and fa3 (sm90) prefill modules; for fa3 the launches are
-reshaped by planner.regroup_for_fa3 and each launch is planned with its requests' first
-rows (the fa3 binding points FlashInfer's work list at them). Decode and ragged KV have
+reshaped by planner.regroup_for_fa3 and each launch is planned by the module's own
+all-heads work list, whose items carry their requests' first rows. fa2 launches without
+split-KV are scheduled by the spec's planner module when there is one (O(tiles) on the
+host), else by FlashInfer's scheduler. Graph mode (graph.py) fixes the launches and their
+buffers at a capacity. Decode and ragged KV have
 their own wrappers (decode.py, ragged.py) on the shared checks of WrapperBase.
 """
 
