@@ -559,42 +559,19 @@ class VariantWrapper(WrapperBase):
         chunk = self._float_workspace.numel() // n_launches
         float_ws = self._float_workspace[i * chunk:(i + 1) * chunk]
         o_indptr_written = False
-        plan_info = None
         if cfg.backend == "fa3":
-            # FA3 takes kv lengths directly and each work item's first row from q_starts.
-            kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
-            pages = kv_indptr_h[1:] - kv_indptr_h[:-1]
-            last = torch.tensor(launch["last_page_len"], dtype=torch.int32)
-            kv_lens_h = torch.where(pages > 0, (pages - 1) * b.page_size + last, torch.zeros_like(pages))
-            q_starts_h = torch.tensor(launch["q_starts"][:n], dtype=torch.int32)
-            plan_info = self.module.plan(
-                float_ws, int_ws, pinned, plan_qo, kv_indptr_h, kv_lens_h, q_starts_h,
-                int(plan_qo[-1]), n, b.num_qo_heads, b.num_kv_heads, b.page_size, launch["mask_mode"] == "causal")
-        elif hasattr(self.row_planner, "schedule"):
-            # The planner module's work list (no split-KV); it writes o_indptr = q_starts itself.
-            # Scheduled launches share one int workspace, copied once (_make_launches).
-            if q_starts_h is None:
-                q_starts_h = torch.tensor(launch["q_starts"], dtype=torch.int32)
-            sched_ws, sched_pinned = self._schedule_workspace()
-            info = list(self.row_planner.schedule(
-                sched_pinned, self._sched_end, plan_qo, q_starts_h, b.num_qo_heads, b.num_kv_heads, cfg.head_dim_qk,
-                cfg.head_dim_vo, 1 if cfg.kv_dtype.startswith("fp8") else 2,
-                graph.capacity.max_total_q if graph else 0))
-            end = info.pop()
-            # Where split-KV is allowed, FlashInfer splits only when the tiles cannot fill its
-            # grid (2 CTAs per SM over the KV heads); with at least that many it would not split,
-            # and this is its schedule.
-            if disable_split_kv or graph is not None or info[0] >= 2 * self._num_sms() // b.num_kv_heads:
-                self._sched_end = -(-end // 16) * 16
-                plan_info, int_ws, o_indptr_written = info, sched_ws, True
-        if plan_info is None:
-            # FlashInfer's scheduler; in graph mode its CUDA-graph scheduling over the capacity.
-            if kv_indptr_h is None:
-                kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
-            total_rows = graph.capacity.max_total_q if graph else int(plan_qo[-1])
-            plan_info = self.module.plan(
-                float_ws, int_ws, pinned, plan_qo, kv_indptr_h, total_rows, n, b.num_qo_heads,
-                b.num_kv_heads, b.page_size, graph is not None, -1, -1, bool(disable_split_kv))
+            plan_info = self._plan_fa3(launch, plan_qo, float_ws, int_ws, pinned)
+        else:
+            plan_info = self._schedule_fa2(launch, plan_qo, q_starts_h, disable_split_kv)
+            if plan_info is not None:  # in the shared schedule workspace, with o_indptr = q_starts
+                int_ws, o_indptr_written = self._schedule_workspace()[0], True
+            else:  # FlashInfer's scheduler; in graph mode its CUDA-graph scheduling over the capacity
+                if kv_indptr_h is None:
+                    kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
+                total_rows = graph.capacity.max_total_q if graph else int(plan_qo[-1])
+                plan_info = self.module.plan(
+                    float_ws, int_ws, pinned, plan_qo, kv_indptr_h, total_rows, n, b.num_qo_heads,
+                    b.num_kv_heads, b.page_size, graph is not None, -1, -1, bool(disable_split_kv))
         if graph is not None:
             graph.check_plan_info(i, plan_info)
         q_starts = views["q_starts"]
@@ -621,6 +598,42 @@ class VariantWrapper(WrapperBase):
             float_workspace=float_ws,
             num_requests=n,
         )
+
+    def _plan_fa3(self, launch: dict, plan_qo: torch.Tensor, float_ws: torch.Tensor, int_ws: torch.Tensor,
+                  pinned: torch.Tensor) -> Any:
+        """The fa3 module's work list: it takes kv lengths, and each item's first row from q_starts."""
+        b = self._batch
+        n = plan_qo.numel() - 1
+        kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
+        pages = kv_indptr_h[1:] - kv_indptr_h[:-1]
+        last = torch.tensor(launch["last_page_len"], dtype=torch.int32)
+        kv_lens_h = torch.where(pages > 0, (pages - 1) * b.page_size + last, torch.zeros_like(pages))
+        q_starts_h = torch.tensor(launch["q_starts"][:n], dtype=torch.int32)
+        return self.module.plan(float_ws, int_ws, pinned, plan_qo, kv_indptr_h, kv_lens_h, q_starts_h,
+                                int(plan_qo[-1]), n, b.num_qo_heads, b.num_kv_heads, b.page_size,
+                                launch["mask_mode"] == "causal")
+
+    def _schedule_fa2(self, launch: dict, plan_qo: torch.Tensor, q_starts_h: torch.Tensor | None,
+                      disable_split_kv: bool) -> list[int] | None:
+        """The planner module's work list for an fa2 launch (no split-KV, O(tiles) on the host),
+        written at the next offset of the shared schedule workspace; None where there is no
+        planner module, or where split-KV is allowed and could pay (then FlashInfer schedules)."""
+        if not hasattr(self.row_planner, "schedule"):
+            return None
+        b, cfg, graph = self._batch, self.config, self._graph
+        if q_starts_h is None:
+            q_starts_h = torch.tensor(launch["q_starts"], dtype=torch.int32)
+        info = list(self.row_planner.schedule(
+            self._schedule_workspace()[1], self._sched_end, plan_qo, q_starts_h, b.num_qo_heads, b.num_kv_heads,
+            cfg.head_dim_qk, cfg.head_dim_vo, 1 if cfg.kv_dtype.startswith("fp8") else 2,
+            graph.capacity.max_total_q if graph else 0))
+        end = info.pop()
+        # FlashInfer splits KV only when the query tiles cannot fill its grid (2 CTAs per SM over
+        # the KV heads); with at least that many it would not split, and this is its schedule.
+        if not (disable_split_kv or graph is not None or info[0] >= 2 * self._num_sms() // b.num_kv_heads):
+            return None
+        self._sched_end = -(-end // 16) * 16
+        return info
 
     # ------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
