@@ -16,9 +16,9 @@ mode gets, how many pages they read), so in graph mode the wrapper
   the same for every batch that fits, and checks that it is: a plan() that would change it
   raises instead of leaving a captured graph to replay stale launch parameters.
 
-So: plan() (outside the graph) before each replay, run() once under capture. fa2 only: the
-fa3 planner's launch set depends on the batch (one launch per window width, launches split
-by tile count).
+So: plan() (outside the graph) before each replay, run() once under capture. fa2 only (the
+fa3 planner's launch set depends on the batch: one launch per window width); decode uses it
+on the tensor-core path (decode.py), whose kernel is the paged prefill one.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch
 from .errors import LaunchError
 
 GRAPH_MODES = ("custom", "causal", "none")  # the launches of a graph-mode plan, in order
-META_COLUMNS = 9  # = wrapper.META_COLUMNS (vg_meta row width)
+META_COLUMNS = 9  # vg_meta row width (VG_META_STRIDE in templates/fa2/config.inc.jinja)
 
 
 def _positive(name: str, value: object) -> int:

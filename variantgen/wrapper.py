@@ -31,7 +31,7 @@ import torch
 from .build import BuildResult, build_module, default_cache, load_module
 from .cache import Cache
 from .errors import LaunchError
-from .graph import GraphBuffers, GraphCapacity
+from .graph import META_COLUMNS, GraphBuffers, GraphCapacity
 from .intervals import analyze
 from .planner import gather_page_ranges, gather_pages, page_gather_table
 from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
@@ -48,7 +48,6 @@ TORCH_DTYPES = {
 }
 SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
-META_COLUMNS = 9  # VG_META_STRIDE in templates/fa2/config.inc.jinja
 INT_WORKSPACE_BYTES = 8 << 20
 DEFAULT_MASK_MODES = ("none", "causal", "custom")
 
