@@ -295,10 +295,10 @@ def test_graph_mode_refusals():
         VariantWrapper(w.spec, w.config, w.module, w.build, torch.empty(8, dtype=torch.uint8),
                        graph={"max_batch_size": 4})
     ws = torch.empty(8, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"graph=: CUDA-graph mode is for kind='prefill' and for kind='decode' with "
-                                         r"use_tensor_cores=True \(got kind='decode', use_tensor_cores=False\)"):
+    with pytest.raises(ValueError, match=r"graph=: CUDA-graph mode is for kind='prefill' and kind='decode' "
+                                         r"\(got kind='ragged'\)"):
         variantgen.make_wrapper(SPECS_DIR / "causal.yaml", ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
-                                arch="9.0a", kind="decode", graph=CAP)
+                                arch="9.0a", kind="ragged", graph=CAP)
     with pytest.raises(ValueError, match=r"graph=: CUDA-graph mode needs backend='fa2' \(got 'fa3'\)"):
         variantgen.make_wrapper(SPECS_DIR / "causal.yaml", ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
                                 arch="9.0a", backend="fa3", graph=CAP)
@@ -357,7 +357,59 @@ def test_tensor_core_decode_replays_after_replanning():
         got = out[:n].float()
         assert not torch.isnan(got).any() and torch.isnan(out[n:].float()).all(), f"batch {seed}"
         assert ((got - ref.to(torch.bfloat16).float()).norm() / ref.norm()).item() < 1e-2, f"batch {seed}"
-    with pytest.raises(LaunchError, match=r"CUDA-graph mode for decode runs on the tensor-core path"):
-        DecodeWrapper(spec, render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2",
-                                                kind="decode"), fake, build, torch.empty(8, dtype=torch.uint8),
-                      graph=cap)
+
+
+def test_cuda_core_decode_replays_after_replanning():
+    """CUDA-core decode in graph mode: batches of max_batch_size requests with other lengths and
+    key-trimmed page lists (sliding window), replayed from one capture."""
+    from _fake_decode import FakeDecodeModule
+
+    from variantgen.decode import DecodeWrapper
+
+    spec = variantgen.load_spec(SPECS_DIR / "sliding_window.yaml")
+    cap = GraphCapacity(max_batch_size=4, max_total_q=4, max_kv_pages=64)
+    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2", kind="decode")
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec, set())[1]], "module_sha256": "x",
+                "module_file": "x.so"}
+    fake = FakeDecodeModule(spec, ())
+    build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
+                        built=False, seconds=0.0)
+    w = DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=cap)
+    q = torch.zeros(4, HQ, HEAD_DIM, dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    k = torch.zeros(64, PAGE, HKV, HEAD_DIM, dtype=torch.bfloat16)
+    v = torch.zeros_like(k)
+    calls: list[tuple] = []
+    for seed, kv_lens in enumerate(([30, 100, 7, 64], [1, 200, 17, 300], [16, 16, 16, 16])):
+        b = random_paged_batch([1] * 4, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                               page_size=PAGE, seed=seed)
+        q[:] = b.q
+        k[:b.k_cache.shape[0]], v[:b.v_cache.shape[0]] = b.k_cache, b.v_cache
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)
+        assert w.plan_stats["pages"]["visited"] < w.plan_stats["pages"]["given"] or seed == 2  # trimmed
+        if not calls:
+            real = fake.run
+
+            def record(*a, real=real):
+                calls.append(a)
+                return real(*a)
+
+            fake.run = record
+            w.run(q, (k, v), out=out, window=20)
+            fake.run = real
+        out.fill_(math.nan)
+        for a in calls:
+            fake.run(*a)
+        ref = reference_attention(spec, b.q, (b.k_cache, b.v_cache), torch.arange(5, dtype=torch.int32),
+                                  b.kv_indptr, b.kv_indices, b.last_page_len, {"window": 20})
+        err = ((out.float() - ref.to(torch.bfloat16).float()).norm() / ref.norm()).item()
+        assert err < 1e-2, f"batch {seed}: replay rel. error {err:.2e}"
+    assert all(c.enable_cuda_graph for c in fake.plan_calls)
+    b = random_paged_batch([1] * 3, [5, 5, 5], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
+    with pytest.raises(LaunchError, match=r"plans exactly max_batch_size=4 requests .* got 3; pad the batch"):
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)
+    b = random_paged_batch([1] * 4, [300, 300, 300, 300], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                           page_size=PAGE)
+    with pytest.raises(LaunchError, match=r"paged_kv_indptr\[-1\] \(page-list entries\) 76 exceeds .* "
+                                          r"max_kv_pages=64"):
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)

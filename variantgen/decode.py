@@ -76,10 +76,17 @@ class DecodeWrapper(WrapperBase):
         # Tensor cores: the prefill wrapper on the same module does the work.
         self._prefill: VariantWrapper | None = None
         self._graph = graph
+        # CUDA cores in graph mode: the launch's metadata and page list live in these buffers
+        # (batch = max_batch_size requests, at most max_kv_pages page-list entries), rewritten
+        # in place by plan(); FlashInfer's CUDA-graph decode schedule for that batch size.
+        self._graph_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._graph_plan_info: list[int] | None = None
         if graph is not None and not self.use_tensor_cores:
-            raise LaunchError("graph=: CUDA-graph mode for decode runs on the tensor-core path (the prefill "
-                              "kernel, whose launches plan() rewrites in place); make the wrapper with "
-                              "use_tensor_cores=True")
+            if not isinstance(graph, GraphCapacity):
+                raise LaunchError(f"graph={graph!r}: expected a variantgen.GraphCapacity (or None)")
+            n = graph.max_batch_size
+            self._graph_buffers = (torch.zeros(n + 1 + n + META_COLUMNS * n, dtype=torch.int32, device=self.device),
+                                   torch.zeros(graph.max_kv_pages, dtype=torch.int32, device=self.device))
         if self.use_tensor_cores:
             self._prefill = VariantWrapper(self.spec, self.config, self.module, self.build,
                                            self._float_workspace, self.kv_layout, graph=graph)
@@ -129,6 +136,17 @@ class DecodeWrapper(WrapperBase):
         if kvp_h[0] < 0 or kvp_h[-1] > paged_kv_indices.numel():
             raise LaunchError(f"plan(): paged_kv_indices has {paged_kv_indices.numel()} entries, "
                               f"paged_kv_indptr needs [{kvp_h[0]}, {kvp_h[-1]})")
+        graph = self._graph
+        if graph is not None and not self.use_tensor_cores:
+            if batch != graph.max_batch_size:
+                raise LaunchError(f"plan(): CUDA-graph decode on CUDA cores plans exactly max_batch_size="
+                                  f"{graph.max_batch_size} requests (FlashInfer's CUDA-graph decode schedule is "
+                                  f"for one batch size), got {batch}; pad the batch with dummy requests, or make "
+                                  "the wrapper with use_tensor_cores=True (any batch up to the capacity)")
+            if kvp_h[-1] > graph.max_kv_pages:
+                raise LaunchError(f"plan(): paged_kv_indptr[-1] (page-list entries) {kvp_h[-1]} exceeds the "
+                                  f"wrapper's CUDA-graph capacity max_kv_pages={graph.max_kv_pages}; make the wrapper "
+                                  "with a larger GraphCapacity")
         new_batch = Batch(batch, batch, sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
                           (1,) * batch, tuple(kv_lens))
         if self._prefill is not None:
@@ -178,13 +196,27 @@ class DecodeWrapper(WrapperBase):
         kv_row = list(accumulate(kv_lens, initial=0))
         meta = [[i, kv_lens[i] - 1, kv_pos_base[i], i, kv_row[i], 1, kv_lens[i], -1, 1] for i in range(batch)]
         int_ws, pinned = self._workspace(0)
+        fixed = self._graph_buffers
         plan_info = self.module.plan(self._float_workspace, int_ws, pinned, torch.tensor(kvp_h, dtype=torch.int32),
-                                     batch, b.num_qo_heads, b.num_kv_heads, ps, False)
+                                     batch, b.num_qo_heads, b.num_kv_heads, ps, fixed is not None)
+        if fixed is not None:  # the captured launch's parameters must not change
+            if self._graph_plan_info is None:
+                self._graph_plan_info = list(plan_info)
+            elif list(plan_info) != self._graph_plan_info:
+                raise LaunchError(f"plan(): FlashInfer's CUDA-graph decode schedule changed ({self._graph_plan_info} "
+                                  f"-> {list(plan_info)}); a captured graph would replay stale launch parameters. "
+                                  "This is a variantgen bug: please report it with the batch")
         # kv_indptr, last_page_len and vg_meta in one staged copy (no sync)
         staged = self._staging.to_device(kvp_h + last_h + [x for row in meta for x in row], torch.int32)
+        kv_indices = kv_indices.to(dev)
+        if fixed is not None:  # graph mode: into the buffers the captured launch reads
+            fixed[0].copy_(staged)
+            count = kvp_h[-1]
+            fixed[1][:count].copy_(kv_indices[:count])
+            staged, kv_indices = fixed
         self._launch = DecodeLaunch(
             kv_indptr=staged[:batch + 1],
-            kv_indices=kv_indices.to(dev),
+            kv_indices=kv_indices,
             last_page_len=staged[batch + 1:2 * batch + 1],
             meta=staged[2 * batch + 1:].view(batch, META_COLUMNS),
             plan_info=plan_info,

@@ -727,7 +727,8 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     CUDA-core decode kernel - FlashInfer's advice for large GQA groups. ``graph``
     (kind "prefill"): CUDA-graph mode with fixed buffers for at most that batch, so a
     captured run() can be replayed after each plan() (graph.py; fa2, chosen when backend
-    is None); also kind "decode" with use_tensor_cores=True.
+    is None); also kind "decode" (tensor cores: any batch up to the capacity; CUDA cores:
+    exactly max_batch_size requests per plan, as FlashInfer's CUDA-graph decode).
     Raises SpecError / ValueError / BuildError / JitDisabledError with what went wrong;
     call variantgen.probe() first to get a reason instead of an exception.
     """
@@ -742,10 +743,9 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     arch = canonical_arch(arch)
     hd_vo = head_dim_vo or head_dim_qk
     if graph is not None:
-        if kind not in ("prefill", "decode") or (kind == "decode" and not use_tensor_cores):
-            raise ValueError(f"graph=: CUDA-graph mode is for kind='prefill' and for kind='decode' with "
-                             f"use_tensor_cores=True (got kind={kind!r}, use_tensor_cores={use_tensor_cores}); "
-                             "the other wrappers allocate their metadata per plan()")
+        if kind not in ("prefill", "decode"):
+            raise ValueError(f"graph=: CUDA-graph mode is for kind='prefill' and kind='decode' (got kind={kind!r}); "
+                             "ragged wrappers allocate their metadata per plan()")
         if backend is None:
             backend = "fa2"  # fa3's launch set depends on the batch
         elif backend != "fa2":
