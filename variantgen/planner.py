@@ -126,7 +126,7 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_lens:
         from .rowplan import plan_rows, read_segments
 
         rec, seg = plan_rows(kernel, spec, form, args, qo_h, kv_lens, ps, dev, w._staging,
-                             segment_capacity=w.segment_capacity)
+                             segment_capacity=w.segment_capacity, buffers=w.row_buffers)
         host = read_segments(kernel, rec, seg)
         # room for twice this batch's launch requests next time (one read-back, not two)
         w.segment_capacity = max(w.segment_capacity, 1 << (2 * len(host)).bit_length())

@@ -159,17 +159,28 @@ SEG_FIELDS = 9  # segments_kernel's record per launch request (see planner._segm
 
 def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str, Any], qo_indptr: list[int],
               kv_lens: list[int], page_size: int, device: torch.device, staging: HostStaging | None = None,
-              segment_capacity: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+              segment_capacity: int = 1024, buffers: dict[str, torch.Tensor] | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the kernel over a batch: (rec, seg) on ``device``. rec: int64 [len(REC_FIELDS),
     total_q], what planner.classify_rows gives (``starts`` as 0/1; a custom run's first row
-    holds the run's hull); seg: the launch requests compacted (read_segments)."""
+    holds the run's hull); seg: the launch requests compacted (read_segments). ``buffers``:
+    the caller's dict to keep rec / seg / scratch in from one plan to the next."""
     batch = len(kv_lens)
     kv_start = list(accumulate(kv_lens, initial=0))
     starts = (staging.to_device(qo_indptr + kv_start, torch.int64) if staging is not None
               else torch.tensor(qo_indptr + kv_start, dtype=torch.int64, device=device)).view(2, batch + 1)
-    rec = torch.empty((len(REC_FIELDS), qo_indptr[-1]), dtype=torch.int64, device=device)
-    seg = torch.empty(1 + SEG_FIELDS * max(1, segment_capacity), dtype=torch.int64, device=device)
-    scratch = torch.empty(max(1, len(sorted_id_tensors(form))) * batch, dtype=torch.uint8, device=device)
+
+    def buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        kept = buffers.get(name) if buffers is not None else None
+        if kept is None or kept.shape != shape or kept.dtype != dtype or kept.device != device:
+            kept = torch.empty(shape, dtype=dtype, device=device)
+            if buffers is not None:
+                buffers[name] = kept
+        return kept
+
+    rec = buffer("rec", (len(REC_FIELDS), qo_indptr[-1]), torch.int64)
+    seg = buffer("seg", (1 + SEG_FIELDS * max(1, segment_capacity),), torch.int64)
+    scratch = buffer("scratch", (max(1, len(sorted_id_tensors(form))) * batch,), torch.uint8)
     tensor_names, scalar_names = planner_inputs(spec, form)
     defaults = {s.name: s.default for s in spec.scalars}
     module.plan_rows(rec, starts, scratch, seg, *(args[n] for n in tensor_names),

@@ -11,7 +11,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +107,15 @@ class VariantSpec:
     backends: tuple[str, ...] = BACKENDS
     path: str = "<string>"
     locations: dict[str, Location] = field(default_factory=dict, compare=False, hash=False)
+
+    def __hash__(self) -> int:
+        # Specs key caches looked up on every plan() (intervals.analyze): hash the deep, immutable
+        # expression trees once, not per lookup. Same fields as the generated hash would use.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self) if f.compare and f.hash is not False))
+            object.__setattr__(self, "_hash", cached)
+        return cached
 
     @property
     def tensor_names(self) -> tuple[str, ...]:

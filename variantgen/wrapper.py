@@ -381,6 +381,7 @@ class VariantWrapper(WrapperBase):
         self.row_planner: Any = None
         self.row_planner_reason = ""
         self.segment_capacity = 1024  # launch requests the row kernel's read-back has room for
+        self.row_buffers: dict[str, torch.Tensor] = {}  # the row kernel's outputs, kept across plans
 
     def _trim_to_batch(self, args: dict[str, Any]) -> dict[str, Any]:
         """Spec tensors given as capacity-sized static buffers, cut to this batch's sizes
@@ -502,22 +503,22 @@ class VariantWrapper(WrapperBase):
                 for row in launch["meta"]:
                     flat += row
             staged = staging.to_device(flat, torch.int32)
-            pages = gather_pages(kv_indices, staged[:len(table)].view(2, -1), total, dev, kernel)
-            metadata = staged[len(table):]
+            sizes = [len(table)]
+            for launch in launches:
+                n = len(launch["meta"])
+                sizes += [n + 1, n + 1, n, n * META_COLUMNS]
+            parts = staged.split(sizes)  # every view in one op
+            pages = gather_pages(kv_indices, parts[0].view(2, -1), total, dev, kernel)
             padded: list[dict | None] = [None] * len(launches)
         else:
             pages = gather_page_ranges(kv_indices, ranges, staging, kernel)
             padded = [graph.write_slot(i, launch) for i, launch in enumerate(launches)]
             graph.metadata.copy_(graph.host, non_blocking=True)
-        out, at, page_at = [], 0, 0
+        out, page_at = [], 0
         for i, launch in enumerate(launches):
-            n = len(launch["meta"])
             views = {}
             if graph is None:
-                for name, size in (("q_starts", n + 1), ("kv_indptr", n + 1), ("last_page_len", n),
-                                   ("meta", n * META_COLUMNS)):
-                    views[name] = metadata[at:at + size]
-                    at += size
+                views = dict(zip(("q_starts", "kv_indptr", "last_page_len", "meta"), parts[1 + 4 * i:5 + 4 * i]))
             count = launch["kv_indptr"][-1]
             if "page_ranges" in launch:
                 views["kv_indices"] = pages[page_at:page_at + count]
@@ -550,9 +551,10 @@ class VariantWrapper(WrapperBase):
         int_ws, pinned = self._workspace(i)
         if padded is not None:
             plan_qo, kv_indptr_h, q_starts_h = padded["plan_qo"], padded["kv_indptr"], padded["q_starts"]
-        else:
-            plan_qo = torch.tensor(launch["plan_qo"], dtype=torch.int32)
-            kv_indptr_h = q_starts_h = None
+        else:  # both host indptrs from one list (one tensor op)
+            n = len(launch["meta"])
+            both = torch.tensor(launch["plan_qo"] + launch["q_starts"], dtype=torch.int32)
+            plan_qo, q_starts_h, kv_indptr_h = both[:n + 1], both[n + 1:], None
         n = plan_qo.numel() - 1
         # Each launch gets its own slice of the caller's float workspace (split-KV scratch).
         chunk = self._float_workspace.numel() // n_launches
