@@ -98,22 +98,18 @@ def test_replay_after_replanning(spec_name, skip_tiles, planner_module, workspac
         assert torch.equal(engine.out[:tq], replayed[:tq]), f"batch {seed}: eager run differs from the replay"
 
 
-def test_tensor_core_decode_replay_after_replanning(workspace):
-    """Decode through the prefill kernel (use_tensor_cores=True) in graph mode: one capture,
-    batches of 1..64 requests replayed from static q / out buffers."""
-    spec = variantgen.load_spec(SPECS / "sliding_window.yaml")
-    cap = GraphCapacity(max_batch_size=64, max_total_q=64, max_kv_pages=4096)
-    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", kind="decode",
-                                use_tensor_cores=True, graph=cap)
-    q = torch.empty(64, HQ, HD, dtype=torch.bfloat16, device="cuda")
+def replay_decode(w, spec, cap: GraphCapacity, batches: list[list[int]]) -> None:
+    """Capture a decode run() after the first plan, then re-plan every batch (one query per
+    request, sliding window 1000) and replay: each vs the reference, rows past it untouched."""
+    q = torch.empty(cap.max_batch_size, HQ, HD, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
-    k = torch.zeros(4096, PAGE, HKV, HD, dtype=torch.bfloat16, device="cuda")
+    k = torch.zeros(cap.max_kv_pages, PAGE, HKV, HD, dtype=torch.bfloat16, device="cuda")
     v = torch.zeros_like(k)
     graph = None
-    for seed, kv_lens in enumerate(([300, 5000, 17], [1] * 64, [9000, 16, 4000, 1200] * 3, [16384])):
-        b = random_paged_batch([1] * len(kv_lens), kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD,
-                               page_size=PAGE, dtype=torch.bfloat16, device="cuda", seed=seed)
+    for seed, kv_lens in enumerate(batches):
         n = len(kv_lens)
+        b = random_paged_batch([1] * n, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=PAGE,
+                               dtype=torch.bfloat16, device="cuda", seed=seed)
         q[:n] = b.q
         k[:b.k_cache.shape[0]], v[:b.v_cache.shape[0]] = b.k_cache, b.v_cache
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=1000)
@@ -132,6 +128,16 @@ def test_tensor_core_decode_replay_after_replanning(workspace):
         assert torch.isnan(out[n:].float()).all()
 
 
+def test_tensor_core_decode_replay_after_replanning(workspace):
+    """Decode through the prefill kernel (use_tensor_cores=True) in graph mode: one capture,
+    batches of 1..64 requests replayed from static q / out buffers."""
+    spec = variantgen.load_spec(SPECS / "sliding_window.yaml")
+    cap = GraphCapacity(max_batch_size=64, max_total_q=64, max_kv_pages=4096)
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", kind="decode",
+                                use_tensor_cores=True, graph=cap)
+    replay_decode(w, spec, cap, [[300, 5000, 17], [1] * 64, [9000, 16, 4000, 1200] * 3, [16384]])
+
+
 def test_cuda_core_decode_replay_after_replanning(workspace):
     """The CUDA-core decode kernel in graph mode: 16 requests per plan (FlashInfer's CUDA-graph
     decode schedule is for one batch size), other lengths and key-trimmed page lists, one capture."""
@@ -140,26 +146,4 @@ def test_cuda_core_decode_replay_after_replanning(workspace):
     w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", kind="decode",
                                 graph=cap)
     assert not w.use_tensor_cores
-    q = torch.empty(16, HQ, HD, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty_like(q)
-    k = torch.zeros(8192, PAGE, HKV, HD, dtype=torch.bfloat16, device="cuda")
-    v = torch.zeros_like(k)
-    graph = None
-    for seed, kv_lens in enumerate(([300, 5000, 17, 1] * 4, [16384, 1, 2, 3] * 4, [8000] * 16)):
-        b = random_paged_batch([1] * 16, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=PAGE,
-                               dtype=torch.bfloat16, device="cuda", seed=seed)
-        q.copy_(b.q)
-        k[:b.k_cache.shape[0]], v[:b.v_cache.shape[0]] = b.k_cache, b.v_cache
-        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=1000)
-        if graph is None:
-            w.run(q, (k, v), out=out, window=1000)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                w.run(q, (k, v), out=out, window=1000)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        ref = reference_attention(spec, b.q, (b.k_cache, b.v_cache), torch.arange(17, dtype=torch.int32,
-                                  device="cuda"), b.kv_indptr, b.kv_indices, b.last_page_len, {"window": 1000})
-        err = rel_error(out, ref)
-        assert err < 1e-2, f"decode batch {seed}: replay rel. error {err:.2e}"
+    replay_decode(w, spec, cap, [[300, 5000, 17, 1] * 4, [16384, 1, 2, 3] * 4, [8000] * 16])

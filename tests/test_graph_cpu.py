@@ -84,22 +84,27 @@ class Engine:
         return out
 
 
-def capture(w: VariantWrapper, fake: FakeModule, engine: Engine, static_args: dict) -> list[tuple]:
-    """run() once on the static buffers, recording each kernel launch's arguments."""
-    calls = []
-    real = fake.paged_run
+def record_calls(fake, attr: str, fn) -> list[tuple]:
+    """Run fn() while recording every call of fake.<attr>: the kernel launches a graph captures."""
+    calls, real = [], getattr(fake, attr)
 
     def record(*args):
         calls.append(args)
         return real(*args)
 
-    fake.paged_run = record
+    setattr(fake, attr, record)
     try:
-        engine.out.fill_(math.nan)
-        w.run(engine.q, (engine.k, engine.v), out=engine.out, **static_args)
+        fn()
     finally:
-        fake.paged_run = real
+        setattr(fake, attr, real)
     return calls
+
+
+def capture(w: VariantWrapper, fake: FakeModule, engine: Engine, static_args: dict) -> list[tuple]:
+    """run() once on the static buffers, recording each kernel launch's arguments."""
+    engine.out.fill_(math.nan)
+    return record_calls(fake, "paged_run",
+                        lambda: w.run(engine.q, (engine.k, engine.v), out=engine.out, **static_args))
 
 
 def replay(fake: FakeModule, engine: Engine, calls: list[tuple]) -> None:
@@ -313,97 +318,70 @@ def test_static_q_larger_than_capacity_is_refused():
         w.run(q, (batch.k_cache, batch.v_cache))
 
 
-def test_tensor_core_decode_replays_after_replanning():
-    """Decode on the tensor-core path (the prefill kernel, one query per request) in graph mode:
-    static q/out of capacity rows, capture once, re-plan batches of other sizes, replay."""
+def fake_decode_wrapper(spec, cap: GraphCapacity, *, tensor_cores: bool):
+    """A graph-mode DecodeWrapper on a fake module: the prefill one (tensor cores) or decode."""
+    from _fake_decode import FakeDecodeModule
+
     from variantgen.decode import DecodeWrapper
 
-    spec = variantgen.load_spec(SPECS_DIR / "sliding_window.yaml")
-    cap = GraphCapacity(max_batch_size=6, max_total_q=6, max_kv_pages=40)
-    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2")
+    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2",
+                                 kind="prefill" if tensor_cores else "decode")
     manifest = {"scalar_args": [a.name for a in render.kernel_args(spec, set())[1]], "module_sha256": "x",
                 "module_file": "x.so"}
-    fake = FakeModule(spec, ())
+    fake = FakeModule(spec, ()) if tensor_cores else FakeDecodeModule(spec, ())
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
-    w = DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=cap)
-    q = torch.full((6, HQ, HEAD_DIM), math.nan, dtype=torch.bfloat16)
+    return DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=cap), fake
+
+
+def replay_fake_decode(w, fake, spec, cap: GraphCapacity, batches: list[list[int]], launch: str) -> None:
+    """Static q/out of capacity rows; capture a run() after the first plan, then re-plan every
+    batch (one query per request, window 20) and replay the recorded ``launch`` calls."""
+    q = torch.full((cap.max_batch_size, HQ, HEAD_DIM), math.nan, dtype=torch.bfloat16)
     out = torch.full_like(q, math.nan)
-    k = torch.zeros(40, PAGE, HKV, HEAD_DIM, dtype=torch.bfloat16)
+    k = torch.zeros(cap.max_kv_pages, PAGE, HKV, HEAD_DIM, dtype=torch.bfloat16)
     v = torch.zeros_like(k)
     calls = None
-    for seed, kv_lens in enumerate(([30, 100, 7], [1, 16, 17, 200, 50, 9], [64])):
-        b = random_paged_batch([1] * len(kv_lens), kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
-                               page_size=PAGE, seed=seed)
+    for seed, kv_lens in enumerate(batches):
         n = len(kv_lens)
+        b = random_paged_batch([1] * n, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                               page_size=PAGE, seed=seed)
         q[:n], q[n:] = b.q, math.nan
         k[:b.k_cache.shape[0]], v[:b.v_cache.shape[0]] = b.k_cache, b.v_cache
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)
         if calls is None:
-            calls, real = [], fake.paged_run
-
-            def record(*a, calls=calls, real=real):
-                calls.append(a)
-                return real(*a)
-
-            fake.paged_run = record
-            w.run(q, (k, v), out=out, window=20)
-            fake.paged_run = real
+            calls = record_calls(fake, launch, lambda: w.run(q, (k, v), out=out, window=20))
         out.fill_(math.nan)
-        for a in calls:
-            fake.paged_run(*a)
+        for args in calls:
+            getattr(fake, launch)(*args)
         ref = reference_attention(spec, b.q, (b.k_cache, b.v_cache), torch.arange(n + 1, dtype=torch.int32),
                                   b.kv_indptr, b.kv_indices, b.last_page_len, {"window": 20})
         got = out[:n].float()
         assert not torch.isnan(got).any() and torch.isnan(out[n:].float()).all(), f"batch {seed}"
-        assert ((got - ref.to(torch.bfloat16).float()).norm() / ref.norm()).item() < 1e-2, f"batch {seed}"
+        err = ((got - ref.to(torch.bfloat16).float()).norm() / ref.norm()).item()
+        assert err < 1e-2, f"batch {seed}: replay rel. error {err:.2e}"
+
+
+def test_tensor_core_decode_replays_after_replanning():
+    """Decode on the tensor-core path (the prefill kernel, one query per request) in graph mode:
+    re-planned batches of other sizes replay from one capture."""
+    spec = variantgen.load_spec(SPECS_DIR / "sliding_window.yaml")
+    cap = GraphCapacity(max_batch_size=6, max_total_q=6, max_kv_pages=40)
+    w, fake = fake_decode_wrapper(spec, cap, tensor_cores=True)
+    replay_fake_decode(w, fake, spec, cap, [[30, 100, 7], [1, 16, 17, 200, 50, 9], [64]], "paged_run")
 
 
 def test_cuda_core_decode_replays_after_replanning():
     """CUDA-core decode in graph mode: batches of max_batch_size requests with other lengths and
     key-trimmed page lists (sliding window), replayed from one capture."""
-    from _fake_decode import FakeDecodeModule
-
-    from variantgen.decode import DecodeWrapper
-
     spec = variantgen.load_spec(SPECS_DIR / "sliding_window.yaml")
     cap = GraphCapacity(max_batch_size=4, max_total_q=4, max_kv_pages=64)
-    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2", kind="decode")
-    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec, set())[1]], "module_sha256": "x",
-                "module_file": "x.so"}
-    fake = FakeDecodeModule(spec, ())
-    build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
-                        built=False, seconds=0.0)
-    w = DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=cap)
-    q = torch.zeros(4, HQ, HEAD_DIM, dtype=torch.bfloat16)
-    out = torch.zeros_like(q)
-    k = torch.zeros(64, PAGE, HKV, HEAD_DIM, dtype=torch.bfloat16)
-    v = torch.zeros_like(k)
-    calls: list[tuple] = []
-    for seed, kv_lens in enumerate(([30, 100, 7, 64], [1, 200, 17, 300], [16, 16, 16, 16])):
-        b = random_paged_batch([1] * 4, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
-                               page_size=PAGE, seed=seed)
-        q[:] = b.q
-        k[:b.k_cache.shape[0]], v[:b.v_cache.shape[0]] = b.k_cache, b.v_cache
-        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)
-        assert w.plan_stats["pages"]["visited"] < w.plan_stats["pages"]["given"] or seed == 2  # trimmed
-        if not calls:
-            real = fake.run
-
-            def record(*a, real=real):
-                calls.append(a)
-                return real(*a)
-
-            fake.run = record
-            w.run(q, (k, v), out=out, window=20)
-            fake.run = real
-        out.fill_(math.nan)
-        for a in calls:
-            fake.run(*a)
-        ref = reference_attention(spec, b.q, (b.k_cache, b.v_cache), torch.arange(5, dtype=torch.int32),
-                                  b.kv_indptr, b.kv_indices, b.last_page_len, {"window": 20})
-        err = ((out.float() - ref.to(torch.bfloat16).float()).norm() / ref.norm()).item()
-        assert err < 1e-2, f"batch {seed}: replay rel. error {err:.2e}"
+    w, fake = fake_decode_wrapper(spec, cap, tensor_cores=False)
+    replay_fake_decode(w, fake, spec, cap, [[30, 100, 7, 64], [1, 200, 17, 300], [16, 16, 16, 16]], "run")
+    b = random_paged_batch([1] * 4, [1, 200, 17, 300], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                           page_size=PAGE)
+    w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)
+    assert w.plan_stats["pages"]["visited"] < w.plan_stats["pages"]["given"]  # the page lists were trimmed
     assert all(c.enable_cuda_graph for c in fake.plan_calls)
     b = random_paged_batch([1] * 3, [5, 5, 5], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
     with pytest.raises(LaunchError, match=r"plans exactly max_batch_size=4 requests .* got 3; pad the batch"):
