@@ -351,6 +351,18 @@ def test_probe_no_build_prints_the_precompile_command(tmp_path):
             f"--cache-dir {tmp_path / 'c'}") in r.stdout
 
 
+def test_probe_cuda_graph(clean):
+    """--cuda-graph: the auto backend is fa2 (found here), ragged is demoted with the reason."""
+    entry = publish_fake(Cache(clean.cache_dir), config())
+    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--no-build", "--cuda-graph")
+    assert r.exit_code == 0, r.output
+    assert "backend: fa2" in r.stdout and f"uri:     {entry.uri}" in r.stdout
+    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--no-build", "--cuda-graph",
+            "--kind", "prefill,ragged")
+    assert r.exit_code == 1
+    assert "reason:  cuda_graph=True: CUDA-graph mode is for kind 'prefill' and 'decode' (got 'ragged')" in r.stdout
+
+
 def test_probe_unsupported_combination():
     r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--backend", "fa3", "--arch", "8.0")
     assert r.exit_code == 1 and "arch=8.0: fa3 modules run on sm90 (Hopper) only" in r.stdout

@@ -601,3 +601,21 @@ def test_row_planner_status_is_reported_never_a_failure(clean, fake_build):
     publish_fake(Cache(clean.cache_dir), mm_config(kind="decode"))
     r = probe(MM, **BASE, arch="9.0a", kind="decode")
     assert r and "row_planner" not in r.details  # decode trims keys with the torch rules only
+
+
+def test_cuda_graph_probe_follows_what_graph_mode_supports():
+    """cuda_graph=True answers for make_wrapper(graph=...): fa2 paged prefill and decode."""
+    base = dict(BASE, backend=None)  # what make_wrapper picks
+    auto = probe(MM, **base, arch="9.0a", build=False)
+    assert auto.details["backend"] == "fa3" and not auto.details["cuda_graph"]
+    r = probe(MM, **base, arch="9.0a", build=False, cuda_graph=True)
+    assert r.details["backend"] == "fa2" and r.details["cuda_graph"]  # as make_wrapper picks with graph=
+    assert r.reason.startswith("building disabled (build=False) and module vg_mm_prefix_fa2_prefill")
+    r = probe(MM, **dict(base, backend="fa3"), arch="9.0a", build=False, cuda_graph=True)
+    assert not r.ok and r.reason == ("cuda_graph=True: CUDA-graph mode needs backend 'fa2' (got 'fa3'): the fa3 "
+                                     "planner's launch set depends on the batch")
+    r = probe(MM, **base, arch="9.0a", build=False, cuda_graph=True, kind="ragged")
+    assert not r.ok and r.reason.startswith("cuda_graph=True: CUDA-graph mode is for kind 'prefill' and "
+                                            "'decode' (got 'ragged')")
+    r = probe(MM, **base, arch="9.0a", build=False, cuda_graph=True, kind="decode")
+    assert r.details["backend"] == "fa2" and "decode" in r.reason

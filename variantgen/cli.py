@@ -411,11 +411,14 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
 @click.option("--device", default=None, help="CUDA device, e.g. cuda:1 (default: the current one).")
 @click.option("--page-size", type=int, default=None)
 @click.option("--no-build", is_flag=True, help="Only look in the cache.")
+@click.option("--cuda-graph", is_flag=True, help="For CUDA-graph mode (make_wrapper(graph=...)): paged prefill "
+              "on fa2 and decode.")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
               o_dtype: str | None, backends: str, kinds: str, arch: str | None, device: str | None,
-              page_size: int | None, no_build: bool, cache_dir: str | None, as_json: bool) -> None:
+              page_size: int | None, no_build: bool, cuda_graph: bool, cache_dir: str | None,
+              as_json: bool) -> None:
     """Say whether SPEC can run here (exit 0) or why not (exit 1), per backend and kind."""
     from .probe import probe_backends
 
@@ -424,7 +427,7 @@ def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_
         backends=tuple(None if b == "auto" else b for b in _choices(backends, (*BACKENDS, "auto"), "--backend",
                                                                    ["auto"])), head_dim_qk=head_dim,
         head_dim_vo=head_dim_vo, q_dtype=dtype, kv_dtype=kv_dtype or dtype, o_dtype=o_dtype, page_size=page_size,
-        device=device, build=not no_build, cache_dir=cache_dir, arch=arch)
+        device=device, build=not no_build, cache_dir=cache_dir, arch=arch, cuda_graph=cuda_graph)
     if as_json:
         payload = [{"backend": r.details.get("backend", b or "auto"), "kind": k, "ok": r.ok, "reason": r.reason,
                     "uri": r.uri, "source": r.source,

@@ -113,6 +113,7 @@ def probe(
     cache_dir: str | Path | None = None,
     arch: str | None = None,
     kind: str = "prefill",
+    cuda_graph: bool = False,
 ) -> ProbeResult:
     """Say whether ``spec`` can run here with these settings; never raises.
 
@@ -125,11 +126,14 @@ def probe(
     the current one, when CUDA is available). ``arch`` (or VARIANTGEN_ARCH) names the target
     when no GPU is visible: then the module is found or built but not loaded.
     ``build=False`` only looks in the cache. ``cache_dir`` defaults to VARIANTGEN_CACHE_DIR.
+    ``cuda_graph=True``: for a wrapper made with ``graph=GraphCapacity(...)`` (paged prefill on
+    fa2, decode): other kinds and fa3 are demoted with the reason; no backend picks fa2, as
+    make_wrapper does.
     """
     t0 = time.perf_counter()
     args = dict(head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype,
                 o_dtype=o_dtype, backend=backend, page_size=page_size, device=device, build=build,
-                cache_dir=cache_dir, arch=arch, kind=kind)
+                cache_dir=cache_dir, arch=arch, kind=kind, cuda_graph=cuda_graph)
     try:
         key = _memo_key(spec, args)
     except Exception:  # unhashable oddities: just do not memoize
@@ -175,9 +179,17 @@ def probe_backends(spec: VariantSpec | str | Path, *, kinds: tuple[str, ...] = (
 
 def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, kv_dtype: Any,
            o_dtype: Any, backend: Any, page_size: Any, device: Any, build: bool, cache_dir: Any,
-           arch: Any, kind: Any) -> ProbeResult:
+           arch: Any, kind: Any, cuda_graph: Any = False) -> ProbeResult:
     # 1. spec
     spec = _load(spec_arg)
+    if cuda_graph:  # what make_wrapper(graph=...) accepts
+        if kind not in ("prefill", "decode"):
+            raise _Fail(f"cuda_graph=True: CUDA-graph mode is for kind 'prefill' and 'decode' (got {kind!r}); "
+                        "ragged wrappers allocate their metadata per plan()")
+        if backend not in (None, "fa2"):
+            raise _Fail(f"cuda_graph=True: CUDA-graph mode needs backend 'fa2' (got {backend!r}): the fa3 "
+                        "planner's launch set depends on the batch")
+        backend = "fa2"
 
     # 2. flashinfer
     problem = flashinfer_problem()
@@ -227,7 +239,7 @@ def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dt
     except ValueError as e:
         raise _Fail(str(e)) from None
     details: dict[str, Any] = {"arch": target, "device_arch": device_arch, "backend": config.backend,
-                               "config": config.describe()}
+                               "config": config.describe(), "cuda_graph": bool(cuda_graph)}
 
     # 5-8. find or build (build_module orders: toolchain, lookup, JIT, writable, build)
     cache = Cache(cache_dir) if cache_dir is not None else build_default_cache()
