@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from .errors import LaunchError
-from .graph import GraphCapacity
+from .graph import GraphCapacity, pin_plan_info
 from .planner import gather_page_ranges
 from .wrapper import LAYOUT_CODES, META_COLUMNS, Batch, VariantWrapper, WrapperBase, host_lists
 
@@ -143,10 +143,7 @@ class DecodeWrapper(WrapperBase):
                                   f"{graph.max_batch_size} requests (FlashInfer's CUDA-graph decode schedule is "
                                   f"for one batch size), got {batch}; pad the batch with dummy requests, or make "
                                   "the wrapper with use_tensor_cores=True (any batch up to the capacity)")
-            if kvp_h[-1] > graph.max_kv_pages:
-                raise LaunchError(f"plan(): paged_kv_indptr[-1] (page-list entries) {kvp_h[-1]} exceeds the "
-                                  f"wrapper's CUDA-graph capacity max_kv_pages={graph.max_kv_pages}; make the wrapper "
-                                  "with a larger GraphCapacity")
+            graph.check_batch(batch, batch, kvp_h[-1])
         new_batch = Batch(batch, batch, sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
                           (1,) * batch, tuple(kv_lens))
         if self._prefill is not None:
@@ -200,12 +197,7 @@ class DecodeWrapper(WrapperBase):
         plan_info = self.module.plan(self._float_workspace, int_ws, pinned, torch.tensor(kvp_h, dtype=torch.int32),
                                      batch, b.num_qo_heads, b.num_kv_heads, ps, fixed is not None)
         if fixed is not None:  # the captured launch's parameters must not change
-            if self._graph_plan_info is None:
-                self._graph_plan_info = list(plan_info)
-            elif list(plan_info) != self._graph_plan_info:
-                raise LaunchError(f"plan(): FlashInfer's CUDA-graph decode schedule changed ({self._graph_plan_info} "
-                                  f"-> {list(plan_info)}); a captured graph would replay stale launch parameters. "
-                                  "This is a variantgen bug: please report it with the batch")
+            self._graph_plan_info = pin_plan_info(self._graph_plan_info, plan_info, "the decode launch")
         # kv_indptr, last_page_len and vg_meta in one staged copy (no sync)
         staged = self._staging.to_device(kvp_h + last_h + [x for row in meta for x in row], torch.int32)
         kv_indices = kv_indices.to(dev)

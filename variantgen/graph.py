@@ -24,6 +24,7 @@ on the tensor-core path (decode.py), whose kernel is the paged prefill one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -77,6 +78,16 @@ class GraphCapacity:
                 raise LaunchError(f"GraphCapacity: max_launch_pages={n} is below max_kv_pages={self.max_kv_pages} "
                                   "(the direct path passes the caller's whole page list)")
 
+    def check_batch(self, batch_size: int, total_q: int, kv_pages: int) -> None:
+        """plan()'s batch against the capacity; the error names the field to raise."""
+        for name, value, field, limit in (
+                ("batch size", batch_size, "max_batch_size", self.max_batch_size),
+                ("total query rows", total_q, "max_total_q", self.max_total_q),
+                ("paged_kv_indptr[-1] (page-list entries)", kv_pages, "max_kv_pages", self.max_kv_pages)):
+            if value > limit:
+                raise LaunchError(f"plan(): {name} {value} exceeds the wrapper's CUDA-graph capacity "
+                                  f"{field}={limit}; make the wrapper with a larger GraphCapacity")
+
     @property
     def launch_requests(self) -> int:
         if self.max_launch_requests is not None:
@@ -104,16 +115,6 @@ class GraphBuffers:
         self.host = torch.zeros(n * self.slot_ints, dtype=torch.int32, pin_memory=device.type == "cuda")
         self.kv_indices = torch.zeros(n * self.pages, dtype=torch.int32, device=device)
         self.plan_info: list[list[int] | None] = [None] * n  # the scheduler's, from the first plan()
-
-    def check_batch(self, batch_size: int, total_q: int, kv_pages: int) -> None:
-        cap = self.capacity
-        for name, value, field, limit in (
-                ("batch size", batch_size, "max_batch_size", cap.max_batch_size),
-                ("total query rows", total_q, "max_total_q", cap.max_total_q),
-                ("paged_kv_indptr[-1] (page-list entries)", kv_pages, "max_kv_pages", cap.max_kv_pages)):
-            if value > limit:
-                raise LaunchError(f"plan(): {name} {value} exceeds the wrapper's CUDA-graph capacity "
-                                  f"{field}={limit}; make the wrapper with a larger GraphCapacity")
 
     def slot_launches(self, launches: list[dict]) -> list[dict]:
         """``launches`` (at most one per mask mode) as the fixed GRAPH_MODES slots (an empty
@@ -180,10 +181,16 @@ class GraphBuffers:
 
     def check_plan_info(self, i: int, plan_info: list[int]) -> None:
         """The scheduler's plan_info for slot i must be the one the graph was captured with."""
-        known = self.plan_info[i]
-        if known is None:
-            self.plan_info[i] = list(plan_info)
-        elif list(plan_info) != known:
-            raise LaunchError(f"plan(): the schedule for the {GRAPH_MODES[i]!r} launch changed "
-                              f"({known} -> {list(plan_info)}); a captured CUDA graph would replay the old launch "
-                              "parameters. This is a variantgen bug: please report it with the batch")
+        self.plan_info[i] = pin_plan_info(self.plan_info[i], plan_info, f"the {GRAPH_MODES[i]!r} launch")
+
+
+def pin_plan_info(known: list[int] | None, plan_info: Any, what: str) -> list[int]:
+    """The first plan_info of a graph-mode launch, kept; a later one that differs raises (a
+    captured graph replays the launch parameters it was captured with)."""
+    if known is None:
+        return list(plan_info)
+    if list(plan_info) != known:
+        raise LaunchError(f"plan(): the schedule for {what} changed ({known} -> {list(plan_info)}); a captured "
+                          "CUDA graph would replay the old launch parameters. This is a variantgen bug: please "
+                          "report it with the batch")
+    return known

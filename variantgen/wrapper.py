@@ -442,7 +442,7 @@ class VariantWrapper(WrapperBase):
                               f"paged_kv_indptr needs {kvp_h[-1]}")
         graph = self._graph
         if graph is not None:
-            graph.check_batch(batch, qo_h[-1], kvp_h[-1])
+            graph.capacity.check_batch(batch, qo_h[-1], kvp_h[-1])
             disable_split_kv = True  # split-KV changes the schedule from batch to batch
         self._batch = Batch(batch, qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
                             tuple(qo_lens), tuple(kv_lens))
@@ -458,7 +458,7 @@ class VariantWrapper(WrapperBase):
             from .planner import plan_launches
 
             checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
-            if self._graph is not None:
+            if graph is not None:
                 checked = self._trim_to_batch(checked)
             read = args_read(analyze(self.spec), self.spec)
             self._planned_args = {k: v for k, v in checked.items() if k in read}
@@ -495,19 +495,16 @@ class VariantWrapper(WrapperBase):
         table, total = page_gather_table(ranges)
         self._sched_end = 0  # bytes of the shared schedule workspace used so far
         if graph is None:
-            flat = list(table)  # the page gather's table and the launch metadata: one copy
+            flat, sizes = list(table), [len(table)]  # the page gather's table and the launch metadata: one copy
             for launch in launches:
+                n = len(launch["meta"])
                 flat += launch["q_starts"]
                 flat += launch["kv_indptr"]
                 flat += launch["last_page_len"]
                 for row in launch["meta"]:
                     flat += row
-            staged = staging.to_device(flat, torch.int32)
-            sizes = [len(table)]
-            for launch in launches:
-                n = len(launch["meta"])
                 sizes += [n + 1, n + 1, n, n * META_COLUMNS]
-            parts = staged.split(sizes)  # every view in one op
+            parts = staging.to_device(flat, torch.int32).split(sizes)  # every view in one op
             pages = gather_pages(kv_indices, parts[0].view(2, -1), total, dev, kernel)
             padded: list[dict | None] = [None] * len(launches)
         else:
@@ -516,9 +513,8 @@ class VariantWrapper(WrapperBase):
             graph.metadata.copy_(graph.host, non_blocking=True)
         out, page_at = [], 0
         for i, launch in enumerate(launches):
-            views = {}
-            if graph is None:
-                views = dict(zip(("q_starts", "kv_indptr", "last_page_len", "meta"), parts[1 + 4 * i:5 + 4 * i]))
+            views = ({} if graph is not None else
+                     dict(zip(("q_starts", "kv_indptr", "last_page_len", "meta"), parts[1 + 4 * i:5 + 4 * i])))
             count = launch["kv_indptr"][-1]
             if "page_ranges" in launch:
                 views["kv_indices"] = pages[page_at:page_at + count]
@@ -561,9 +557,9 @@ class VariantWrapper(WrapperBase):
         float_ws = self._float_workspace[i * chunk:(i + 1) * chunk]
         o_indptr_written = False
         if cfg.backend == "fa3":
-            plan_info = self._plan_fa3(launch, plan_qo, float_ws, int_ws, pinned)
+            plan_info = self._plan_fa3(launch, plan_qo, q_starts_h[:n], float_ws, int_ws, pinned)
         else:
-            plan_info = self._schedule_fa2(launch, plan_qo, q_starts_h, disable_split_kv)
+            plan_info = self._schedule_fa2(plan_qo, q_starts_h, disable_split_kv)
             if plan_info is not None:  # in the shared schedule workspace, with o_indptr = q_starts
                 int_ws, o_indptr_written = self._schedule_workspace()[0], True
             else:  # FlashInfer's scheduler; in graph mode its CUDA-graph scheduling over the capacity
@@ -600,30 +596,28 @@ class VariantWrapper(WrapperBase):
             num_requests=n,
         )
 
-    def _plan_fa3(self, launch: dict, plan_qo: torch.Tensor, float_ws: torch.Tensor, int_ws: torch.Tensor,
-                  pinned: torch.Tensor) -> Any:
-        """The fa3 module's work list: it takes kv lengths, and each item's first row from q_starts."""
+    def _plan_fa3(self, launch: dict, plan_qo: torch.Tensor, q_starts_h: torch.Tensor, float_ws: torch.Tensor,
+                  int_ws: torch.Tensor, pinned: torch.Tensor) -> Any:
+        """The fa3 module's work list: it takes kv lengths, and each item's first row from
+        ``q_starts_h`` (one per launch request)."""
         b = self._batch
         n = plan_qo.numel() - 1
         kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
         pages = kv_indptr_h[1:] - kv_indptr_h[:-1]
         last = torch.tensor(launch["last_page_len"], dtype=torch.int32)
         kv_lens_h = torch.where(pages > 0, (pages - 1) * b.page_size + last, torch.zeros_like(pages))
-        q_starts_h = torch.tensor(launch["q_starts"][:n], dtype=torch.int32)
         return self.module.plan(float_ws, int_ws, pinned, plan_qo, kv_indptr_h, kv_lens_h, q_starts_h,
                                 int(plan_qo[-1]), n, b.num_qo_heads, b.num_kv_heads, b.page_size,
                                 launch["mask_mode"] == "causal")
 
-    def _schedule_fa2(self, launch: dict, plan_qo: torch.Tensor, q_starts_h: torch.Tensor | None,
-                      disable_split_kv: bool) -> list[int] | None:
+    def _schedule_fa2(self, plan_qo: torch.Tensor, q_starts_h: torch.Tensor, disable_split_kv: bool,
+                      ) -> list[int] | None:
         """The planner module's work list for an fa2 launch (no split-KV, O(tiles) on the host),
         written at the next offset of the shared schedule workspace; None where there is no
         planner module, or where split-KV is allowed and could pay (then FlashInfer schedules)."""
         if not hasattr(self.row_planner, "schedule"):
             return None
         b, cfg, graph = self._batch, self.config, self._graph
-        if q_starts_h is None:
-            q_starts_h = torch.tensor(launch["q_starts"], dtype=torch.int32)
         info = list(self.row_planner.schedule(
             self._schedule_workspace()[1], self._sched_end, plan_qo, q_starts_h, b.num_qo_heads, b.num_kv_heads,
             cfg.head_dim_qk, cfg.head_dim_vo, 1 if cfg.kv_dtype.startswith("fp8") else 2,
