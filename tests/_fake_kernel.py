@@ -321,10 +321,10 @@ class FakeRowPlanner:
         self.spec = spec
         self.calls = 0
 
-    def plan_rows(self, rec, starts, scratch, seg, *spec_args_and_page_size):
+    def plan_rows(self, rec, starts, scratch, counts, seg, *spec_args_and_page_size):
         from variantgen.intervals import analyze
         from variantgen.planner import classify_rows
-        from variantgen.rowplan import planner_inputs
+        from variantgen.rowplan import ROW_BLOCK, planner_inputs
 
         self.calls += 1
         form = analyze(self.spec)
@@ -334,17 +334,22 @@ class FakeRowPlanner:
         qo_indptr, kv_start = starts.tolist()
         kv_lens = [b - a for a, b in zip(kv_start, kv_start[1:])]
         rec.copy_(classify_rows(self.spec, form, qo_indptr, kv_lens, page_size, args, rec.device))
-        self.compact_segments(rec, seg)
+        total_q = rec.shape[1]
+        padded = torch.zeros(counts.numel() * ROW_BLOCK, dtype=torch.int64)
+        padded[:total_q] = rec[0]
+        counts.copy_(padded.view(-1, ROW_BLOCK).sum(1))
+        self.compact_segments(rec, counts, seg)
 
-    def compact_segments(self, rec, seg):
+    def compact_segments(self, rec, counts, seg):
         """What segments_kernel writes: the count, then as many launch requests as fit."""
         from variantgen.planner import _segments
         from variantgen.rowplan import SEG_FIELDS
 
         self.compactions = getattr(self, "compactions", 0) + 1
-        rows = _segments(rec, rec.shape[1]) if rec.shape[1] else []
+        rows = _segments(rec, rec.shape[1]) if rec.shape[1] else torch.empty(0, SEG_FIELDS, dtype=torch.int64)
+        assert int(counts.sum()) == rows.shape[0], "counts: the launch requests starting per block of rows"
         room = (seg.numel() - 1) // SEG_FIELDS
-        seg[0] = len(rows)
+        seg[0] = rows.shape[0]
         kept = rows[:room]
-        if kept:
-            seg[1:1 + SEG_FIELDS * len(kept)] = torch.tensor(kept, dtype=torch.int64).flatten()
+        if kept.numel():
+            seg[1:1 + kept.numel()] = kept.flatten()

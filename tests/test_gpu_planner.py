@@ -42,7 +42,8 @@ def compare(spec, args, qo_lens, kv_lens, page_size, label):
         qo_indptr.append(qo_indptr[-1] + n)
     form = analyze(spec)
     dev = torch.device("cuda")
-    got, seg = plan_rows(module, spec, form, args, qo_indptr, kv_lens, page_size, dev)
+    rows = plan_rows(module, spec, form, args, qo_indptr, kv_lens, page_size, dev)
+    got = rows.rec
     want = classify_rows(spec, form, qo_indptr, kv_lens, page_size, args, dev)
     assert got.shape == want.shape == (len(REC_FIELDS), qo_indptr[-1])
     for i, field in enumerate(REC_FIELDS):
@@ -52,10 +53,10 @@ def compare(spec, args, qo_lens, kv_lens, page_size, label):
     if qo_indptr[-1]:
         # the kernel's compacted launch requests, with room for all and with room for one
         # (then read back again at full size)
-        want_segments = _segments(want, qo_indptr[-1])
-        assert read_segments(module, got, seg) == want_segments, f"{label}: compacted launch requests differ"
-        _, small = plan_rows(module, spec, form, args, qo_indptr, kv_lens, page_size, dev, segment_capacity=1)
-        assert read_segments(module, got, small) == want_segments, f"{label}: re-read launch requests differ"
+        want_segments = _segments(want, qo_indptr[-1]).tolist()
+        assert read_segments(module, rows).tolist() == want_segments, f"{label}: compacted launch requests differ"
+        small = plan_rows(module, spec, form, args, qo_indptr, kv_lens, page_size, dev, segment_capacity=1)
+        assert read_segments(module, small).tolist() == want_segments, f"{label}: re-read launch requests differ"
 
 
 def batch_args(spec, qo_lens, kv_lens, page_size, seed):

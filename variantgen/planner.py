@@ -101,41 +101,51 @@ def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], k
     return torch.stack([starts, request, cls, param_a, lo, hi, q_pos])
 
 
-def _segments(rec: torch.Tensor, total_q: int) -> list[list[int]]:
-    """The launch requests of the row pass, on the host: per run of rows with one key,
-    [first row, end row, request, class, param_a, lo, hi, first q_pos, last q_pos] (lo/hi:
+def _segments(rec: torch.Tensor, total_q: int) -> torch.Tensor:
+    """The launch requests of the row pass, on the host: int64 [n, 9], per run of rows with one
+    key [first row, end row, request, class, param_a, lo, hi, first q_pos, last q_pos] (lo/hi:
     the first row's interval, the hull for custom runs). The planner's one device-to-host sync."""
     seg_start = rec[0].nonzero().squeeze(1)
     seg_end = torch.cat([seg_start[1:], seg_start.new_full((1,), total_q)])
-    table = torch.cat([seg_start[None], seg_end[None], rec[1:, seg_start], rec[6:, seg_end - 1]]).cpu().tolist()
-    return [list(col) for col in zip(*table)]
+    table = torch.cat([seg_start[None], seg_end[None], rec[1:, seg_start], rec[6:, seg_end - 1]])
+    return table.t().contiguous().cpu()
+
+
+def row_segments(w: VariantWrapper, qo_h: list[int], kv_lens: list[int], args: dict[str, Any]) -> torch.Tensor:
+    """The row pass over a batch, compacted on the host (_segments' table): by the spec's
+    generated row kernel where the wrapper has one, else by the torch rules."""
+    spec, b, dev = w.spec, w._batch, w.device
+    assert b is not None
+    form = usable_form(spec, args)
+    kernel = w.row_planner
+    if kernel is None:
+        w.plan_stats["row_planner"] = "torch" + (f" ({w.row_planner_reason})" if w.row_planner_reason else "")
+        return _segments(classify_rows(spec, form, qo_h, kv_lens, b.page_size, args, dev), b.total_q)
+    from .rowplan import plan_rows, read_segments
+
+    rows = plan_rows(kernel, spec, form, args, qo_h, kv_lens, b.page_size, dev, w._staging,
+                     segment_capacity=w.segment_capacity, buffers=w.row_buffers)
+    host = read_segments(kernel, rows)
+    # room for twice this batch's launch requests next time (one read-back, not two)
+    w.segment_capacity = max(w.segment_capacity, 1 << (2 * len(host)).bit_length())
+    w.plan_stats["row_planner"] = "kernel"
+    return host
 
 
 def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_lens: list[int],
                   args: dict[str, Any]) -> list[dict]:
     """The interval plan of a batch as launches (host lists; pages as ranges of the caller's
     page list). ``qo_h``/``kvp_h``: host copies of qo_indptr and paged_kv_indptr."""
-    spec = w.spec
-    form = usable_form(spec, args)
+    return launches_from_segments(w, row_segments(w, qo_h, kv_lens, args).tolist(), kvp_h, kv_lens)
+
+
+def launches_from_segments(w: VariantWrapper, host: list[list[int]], kvp_h: list[int], kv_lens: list[int],
+                           ) -> list[dict]:
+    """The launches of row_segments' table (as lists): launch requests grouped by mask mode.
+    The planner module's build_launches does the same in C++ (native_plan.py)."""
     b = w._batch
     assert b is not None
-    dev = w.device
     ps = b.page_size
-    kernel = w.row_planner
-    if kernel is not None:  # the spec's generated row kernel (rowplan.py): one launch
-        from .rowplan import plan_rows, read_segments
-
-        rec, seg = plan_rows(kernel, spec, form, args, qo_h, kv_lens, ps, dev, w._staging,
-                             segment_capacity=w.segment_capacity, buffers=w.row_buffers)
-        host = read_segments(kernel, rec, seg)
-        # room for twice this batch's launch requests next time (one read-back, not two)
-        w.segment_capacity = max(w.segment_capacity, 1 << (2 * len(host)).bit_length())
-        w.plan_stats["row_planner"] = "kernel"
-    else:
-        rec = classify_rows(spec, form, qo_h, kv_lens, ps, args, dev)
-        w.plan_stats["row_planner"] = "torch" + (f" ({w.row_planner_reason})" if w.row_planner_reason else "")
-        host = _segments(rec, b.total_q)
-
     kv_row_base_h = list(accumulate(kv_lens, initial=0))
     by_mode: dict[str, dict[str, list]] = {}
     stats = {"dense": 0, "causal": 0, "window": 0, "custom": 0, "custom_rows": 0}

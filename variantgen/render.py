@@ -242,7 +242,8 @@ def environment() -> jinja2.Environment:
 
 
 # What a backend's modules use ("planner": the interval planner's row kernel, variantgen/rowplan.py).
-TEMPLATE_DIRS = {"fa2": ("common", "fa2"), "fa3": ("common", "fa3"), "planner": ("common", "planner")}
+# sched/: host-side schedulers included by more than one module kind
+TEMPLATE_DIRS = {"fa2": ("common", "fa2"), "fa3": ("common", "fa3", "sched"), "planner": ("common", "planner", "sched")}
 
 
 def template_files(backend: str = "fa2") -> list[Path]:

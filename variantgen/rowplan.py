@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -155,16 +155,24 @@ def load_planner(spec: VariantSpec, arch: str, cache: Cache, *, allow_build: boo
 
 
 SEG_FIELDS = 9  # segments_kernel's record per launch request (see planner._segments)
+ROW_BLOCK = 256  # rows per block of the row kernels (kThreads): one launch-request count each
+
+
+class RowPass(NamedTuple):
+    """The row kernel's outputs on the device (kept across plans by the caller)."""
+
+    rec: torch.Tensor  # int64 [len(REC_FIELDS), total_q]
+    counts: torch.Tensor  # int32 [ceil(total_q / ROW_BLOCK)]: launch requests starting per block
+    seg: torch.Tensor  # int64 [1 + SEG_FIELDS * capacity]: their count, then the compacted requests
 
 
 def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str, Any], qo_indptr: list[int],
               kv_lens: list[int], page_size: int, device: torch.device, staging: HostStaging | None = None,
-              segment_capacity: int = 1024, buffers: dict[str, torch.Tensor] | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the kernel over a batch: (rec, seg) on ``device``. rec: int64 [len(REC_FIELDS),
-    total_q], what planner.classify_rows gives (``starts`` as 0/1; a custom run's first row
-    holds the run's hull); seg: the launch requests compacted (read_segments). ``buffers``:
-    the caller's dict to keep rec / seg / scratch in from one plan to the next."""
+              segment_capacity: int = 1024, buffers: dict[str, torch.Tensor] | None = None) -> RowPass:
+    """Run the kernel over a batch. rec: what planner.classify_rows gives (``starts`` as 0/1;
+    a custom run's first row holds the run's hull); seg: the launch requests compacted
+    (read_segments). ``buffers``: the caller's dict to keep the outputs and scratch in from
+    one plan to the next."""
     batch = len(kv_lens)
     kv_start = list(accumulate(kv_lens, initial=0))
     starts = (staging.to_device(qo_indptr + kv_start, torch.int64) if staging is not None
@@ -178,23 +186,27 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
                 buffers[name] = kept
         return kept
 
-    rec = buffer("rec", (len(REC_FIELDS), qo_indptr[-1]), torch.int64)
-    seg = buffer("seg", (1 + SEG_FIELDS * max(1, segment_capacity),), torch.int64)
+    total_q = qo_indptr[-1]
+    rows = RowPass(rec=buffer("rec", (len(REC_FIELDS), total_q), torch.int64),
+                   counts=buffer("counts", (max(1, -(-total_q // ROW_BLOCK)),), torch.int32),
+                   seg=buffer("seg", (1 + SEG_FIELDS * max(1, segment_capacity),), torch.int64))
     scratch = buffer("scratch", (max(1, len(sorted_id_tensors(form))) * batch,), torch.uint8)
     tensor_names, scalar_names = planner_inputs(spec, form)
     defaults = {s.name: s.default for s in spec.scalars}
-    module.plan_rows(rec, starts, scratch, seg, *(args[n] for n in tensor_names),
+    module.plan_rows(rows.rec, starts, scratch, rows.counts, rows.seg, *(args[n] for n in tensor_names),
                      *(args.get(n, defaults[n]) for n in scalar_names), page_size)
-    return rec, seg
+    return rows
 
 
-def read_segments(module: Any, rec: torch.Tensor, seg: torch.Tensor) -> list[list[int]]:
-    """The launch requests plan_rows compacted, on the host (planner._segments' rows). One
-    small device-to-host copy; a second pass with room for all if ``seg`` was too small."""
+def read_segments(module: Any, rows: RowPass) -> torch.Tensor:
+    """The launch requests plan_rows compacted, on the host: int64 [count, SEG_FIELDS]
+    (planner._segments' rows). One small device-to-host copy; a second pass with room for
+    all if ``seg`` was too small."""
+    seg = rows.seg
     host = seg.cpu()
     count = int(host[0])
     if count > (seg.numel() - 1) // SEG_FIELDS:
         seg = torch.empty(1 + SEG_FIELDS * count, dtype=torch.int64, device=seg.device)
-        module.compact_segments(rec, seg)
+        module.compact_segments(rows.rec, rows.counts, seg)
         host = seg.cpu()
-    return host[1:1 + SEG_FIELDS * count].view(count, SEG_FIELDS).tolist()
+    return host[1:1 + SEG_FIELDS * count].view(count, SEG_FIELDS)

@@ -33,6 +33,7 @@ from .cache import Cache
 from .errors import LaunchError
 from .graph import META_COLUMNS, GraphBuffers, GraphCapacity
 from .intervals import analyze
+from .native_plan import HEADER, LAUNCH_FIELDS, MAX_LAUNCHES
 from .planner import gather_page_ranges, gather_pages, page_gather_table
 from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
 from .spec import VariantSpec, load_spec
@@ -50,6 +51,7 @@ SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
 INT_WORKSPACE_BYTES = 8 << 20
 DEFAULT_MASK_MODES = ("none", "causal", "custom")
+NATIVE_DESC_FIELDS = len(HEADER) + LAUNCH_FIELDS * MAX_LAUNCHES
 
 
 @dataclass
@@ -131,10 +133,16 @@ class WrapperBase:
         """The (int workspace, page-locked mirror) that launches scheduled by the planner
         module share (each at its own offset)."""
         if self._sched_ws is None:
-            self._sched_ws = (torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device),
-                              torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
-                                          pin_memory=self.device.type == "cuda"))
+            self._grow_schedule_workspace(INT_WORKSPACE_BYTES)
+        assert self._sched_ws is not None
         return self._sched_ws
+
+    def _grow_schedule_workspace(self, nbytes: int) -> None:
+        """A schedule workspace of at least ``nbytes`` (plan() waited for the copies out of the
+        old mirror in staging.begin(); the old device buffer is freed in stream order)."""
+        size = max(nbytes, INT_WORKSPACE_BYTES)
+        self._sched_ws = (torch.empty(size, dtype=torch.uint8, device=self.device),
+                          torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda"))
 
     def _num_sms(self) -> int:
         if self._sms is None:
@@ -382,6 +390,7 @@ class VariantWrapper(WrapperBase):
         self.row_planner_reason = ""
         self.segment_capacity = 1024  # launch requests the row kernel's read-back has room for
         self.row_buffers: dict[str, torch.Tensor] = {}  # the row kernel's outputs, kept across plans
+        self._native_desc = torch.zeros(NATIVE_DESC_FIELDS, dtype=torch.int64)  # build_launches' answer
 
     def _trim_to_batch(self, args: dict[str, Any]) -> dict[str, Any]:
         """Spec tensors given as capacity-sized static buffers, cut to this batch's sizes
@@ -455,13 +464,19 @@ class VariantWrapper(WrapperBase):
                        else self._intervals_default(spec_args, "interval planner"))
         if use_planner:
             from .intervals import analyze, args_read
-            from .planner import plan_launches
+            from .native_plan import build_launches, has_native_build
+            from .planner import plan_launches, row_segments
 
             checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
             if graph is not None:
                 checked = self._trim_to_batch(checked)
             read = args_read(analyze(self.spec), self.spec)
             self._planned_args = {k: v for k, v in checked.items() if k in read}
+            if graph is None and has_native_build(self.row_planner):  # launches built in one C++ call
+                segments = row_segments(self, qo_h, kv_lens, checked)
+                self._launches = build_launches(self, segments, kvp_h, kv_lens, paged_kv_indices, disable_split_kv)
+                self._staging.record()
+                return
             launches = plan_launches(self, qo_h, kvp_h, kv_lens, checked)
         else:
             if spec_args:
@@ -555,33 +570,22 @@ class VariantWrapper(WrapperBase):
         # Each launch gets its own slice of the caller's float workspace (split-KV scratch).
         chunk = self._float_workspace.numel() // n_launches
         float_ws = self._float_workspace[i * chunk:(i + 1) * chunk]
-        o_indptr_written = False
         if cfg.backend == "fa3":
             plan_info = self._plan_fa3(launch, plan_qo, q_starts_h[:n], float_ws, int_ws, pinned)
         else:
             plan_info = self._schedule_fa2(plan_qo, q_starts_h, disable_split_kv)
             if plan_info is not None:  # in the shared schedule workspace, with o_indptr = q_starts
-                int_ws, o_indptr_written = self._schedule_workspace()[0], True
+                int_ws = self._schedule_workspace()[0]
+                if graph is not None:
+                    graph.check_plan_info(i, plan_info)
             else:  # FlashInfer's scheduler; in graph mode its CUDA-graph scheduling over the capacity
                 if kv_indptr_h is None:
                     kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
                 total_rows = graph.capacity.max_total_q if graph else int(plan_qo[-1])
-                plan_info = self.module.plan(
-                    float_ws, int_ws, pinned, plan_qo, kv_indptr_h, total_rows, n, b.num_qo_heads,
-                    b.num_kv_heads, b.page_size, graph is not None, -1, -1, bool(disable_split_kv))
-        if graph is not None:
-            graph.check_plan_info(i, plan_info)
+                unpacked = not launch.get("packed", True)
+                int_ws, plan_info = self._flashinfer_plan(i, plan_qo, kv_indptr_h, total_rows, float_ws,
+                                                          disable_split_kv, views["q_starts"] if unpacked else None)
         q_starts = views["q_starts"]
-        if cfg.backend == "fa2" and not launch.get("packed", True) and not o_indptr_written:
-            # Launch requests are not back to back in q/o: the kernel takes each one's first
-            # row from q_indptr (our q_starts) but writes o (and lse) at the plan's o_indptr,
-            # which the scheduler packed. Point o_indptr at the same rows (split-KV is off for
-            # such launches, so o_indptr has exactly one entry per launch request).
-            info = list(plan_info)
-            if info[14]:
-                raise LaunchError("internal: a planned launch must not split KV")
-            offset = int(info[8])
-            int_ws[offset:offset + 4 * (n + 1)].view(torch.int32).copy_(q_starts)
         return Launch(
             mask_mode=launch["mask_mode"],
             q_starts=q_starts,
@@ -595,6 +599,33 @@ class VariantWrapper(WrapperBase):
             float_workspace=float_ws,
             num_requests=n,
         )
+
+    def _flashinfer_plan(self, i: int, plan_qo: torch.Tensor, kv_indptr_h: torch.Tensor, total_rows: int,
+                         float_ws: torch.Tensor, disable_split_kv: bool, o_rows: torch.Tensor | None,
+                         ) -> tuple[torch.Tensor, Any]:
+        """FlashInfer's fa2 scheduler for launch ``i`` (host plan_qo / kv_indptr) in the i-th
+        int workspace: (that workspace, plan_info). ``o_rows`` (device, one entry per launch
+        request + 1): where the launch requests' rows start in o when they are not back to back."""
+        b = self._batch
+        assert b is not None
+        int_ws, pinned = self._workspace(i)
+        n = plan_qo.numel() - 1
+        plan_info = self.module.plan(
+            float_ws, int_ws, pinned, plan_qo, kv_indptr_h, total_rows, n, b.num_qo_heads, b.num_kv_heads,
+            b.page_size, self._graph is not None, -1, -1, bool(disable_split_kv or o_rows is not None))
+        if self._graph is not None:
+            self._graph.check_plan_info(i, plan_info)
+        if o_rows is not None:
+            # Launch requests are not back to back in q/o: the kernel takes each one's first
+            # row from q_indptr (our q_starts) but writes o (and lse) at the plan's o_indptr,
+            # which the scheduler packed. Point o_indptr at the same rows (split-KV is off for
+            # such launches, so o_indptr has exactly one entry per launch request).
+            info = list(plan_info)
+            if info[14]:
+                raise LaunchError("internal: a planned launch must not split KV")
+            offset = int(info[8])
+            int_ws[offset:offset + 4 * (n + 1)].view(torch.int32).copy_(o_rows)
+        return int_ws, plan_info
 
     def _plan_fa3(self, launch: dict, plan_qo: torch.Tensor, q_starts_h: torch.Tensor, float_ws: torch.Tensor,
                   int_ws: torch.Tensor, pinned: torch.Tensor) -> Any:

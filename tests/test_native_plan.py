@@ -1,0 +1,207 @@
+"""The planner module's build_launches (native_plan.py) against the Python path it replaces
+(planner.launches_from_segments + regroup_for_fa3 + the wrapper's metadata layout), on the
+CPU: the module is built with nvcc and its host function called directly."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import SPECS_DIR
+
+from variantgen import build
+from variantgen.cache import Cache
+from variantgen.native_plan import HEADER, LAUNCH, LAUNCH_FIELDS, MAX_LAUNCHES, MODE_NAMES, fa3_cta_tile_q
+from variantgen.planner import (
+    CAUSAL,
+    CUSTOM,
+    DENSE,
+    FA3_MAX_WINDOW_LAUNCHES,
+    WINDOW,
+    gather_pages,
+    launches_from_segments,
+    page_gather_table,
+    regroup_for_fa3,
+)
+from variantgen.rowplan import SEG_FIELDS, PlannerConfig
+from variantgen.spec import load_spec
+
+pytestmark = pytest.mark.nvcc
+HQ, HKV, SMS = 32, 8, 132
+
+
+_BUILT: dict[str, object] = {}
+
+
+@pytest.fixture
+def planner_module(tmp_path_factory, toolchain):
+    """The causal spec's planner module (any spec's has the same host functions), built once."""
+    if "module" not in _BUILT:
+        cache = Cache(tmp_path_factory.mktemp("native_plan_cache"))
+        spec = load_spec(SPECS_DIR / "causal.yaml")
+        _BUILT["module"] = build.load_module(build.build_module(PlannerConfig(spec, "9.0a"), cache).entry)
+    return _BUILT["module"]
+
+
+def random_segments(rng: random.Random, qo_lens: list[int], kv_lens: list[int], page_size: int) -> list[list[int]]:
+    """A segment table like read_segments': each request's rows cut into runs of one class."""
+    table, row = [], 0
+    widths = [rng.choice([3, 17, 40, 64, 100, 200]) for _ in range(7)]
+    for req, (q, k) in enumerate(zip(qo_lens, kv_lens)):
+        r = 0
+        while r < q:
+            n = min(q - r, rng.randint(1, 90))
+            first, last = k - q + r, k - q + r + n - 1
+            cls = rng.choice([DENSE, CAUSAL, WINDOW, CUSTOM])
+            if cls == DENSE:
+                lo = rng.randrange(0, k, page_size) if rng.random() < 0.5 else 0
+                pa, slo, shi = lo, lo, rng.randint(lo, k - 1)
+            elif cls == CAUSAL:
+                pa = min(rng.randrange(0, first + 1, page_size), first // page_size * page_size)
+                slo, shi = pa, first
+            elif cls == WINDOW:
+                pa = rng.choice(widths)
+                slo, shi = max(first - pa, 0), first
+            else:
+                slo = rng.randint(0, last)
+                pa, shi = r // 128, rng.randint(slo, k - 1)
+            table.append([row + r, row + r + n, req, cls, pa, slo, shi, first, last])
+            r += n
+        row += q
+    return table
+
+
+def python_launches(table, qo_lens, kv_lens, kvp_h, page_size, fa3):
+    batch = SimpleNamespace(page_size=page_size, qo_lens=tuple(qo_lens), total_q=sum(qo_lens))
+    launches = launches_from_segments(SimpleNamespace(_batch=batch, plan_stats={}), table, kvp_h, kv_lens)
+    return regroup_for_fa3(launches) if fa3 else launches
+
+
+def native_launches(module, table, qo_lens, kv_lens, kvp_h, page_size, fa3, min_tiles=0, capacity=1 << 22):
+    kv_row_base = [sum(kv_lens[:i]) for i in range(len(kv_lens))]
+    requests = torch.tensor([kvp_h[:-1], kv_row_base, qo_lens, kv_lens], dtype=torch.int64)
+    segments = torch.tensor(table, dtype=torch.int64).view(-1, SEG_FIELDS)
+    host = torch.zeros(capacity, dtype=torch.uint8)
+    desc = torch.zeros(len(HEADER) + LAUNCH_FIELDS * MAX_LAUNCHES, dtype=torch.int64)
+    module.build_launches(segments, requests, host, desc, sum(qo_lens), page_size, fa3, FA3_MAX_WINDOW_LAUNCHES,
+                          SMS, fa3_cta_tile_q(128), HQ, HKV, 128, 128, 2, min_tiles)
+    return host, desc
+
+
+def decode(host, desc):
+    head = dict(zip(HEADER, desc[:len(HEADER)].tolist()))
+    ints = host.view(torch.int32)
+    out = []
+    for i in range(head["launches"]):
+        d = desc[len(HEADER) + i * LAUNCH_FIELDS:len(HEADER) + (i + 1) * LAUNCH_FIELDS].tolist()
+        la = dict(zip(LAUNCH, d))
+        n, at = la["requests"], la["offset"] // 4
+        q_starts, kv_indptr, last, meta, plan_qo = ints[at:at + 13 * n + 3].split([n + 1, n + 1, n, 9 * n, n + 1])
+        la.update(q_starts=q_starts.tolist(), kv_indptr=kv_indptr.tolist(), last_page_len=last.tolist(),
+                  meta=meta.view(n, 9).tolist(), plan_qo=plan_qo.tolist(),
+                  info=d[len(LAUNCH):len(LAUNCH) + la["info_len"]])
+        out.append(la)
+    table = ints[head["table_offset"] // 4:head["table_offset"] // 4 + 2 * head["ranges"]].view(2, -1)
+    return head, out, table
+
+
+def check_fa3_work_list(host, la, page_size):
+    """Every (launch request, query tile) once, with its request's rows, pages and lengths."""
+    info, n = la["info"], la["requests"]
+    ints = host.view(torch.int32)
+
+    def field(k, count):
+        return ints[info[k] // 4:info[k] // 4 + count].tolist()
+
+    work_indptr = field(6, SMS + 1)
+    works = work_indptr[-1]
+    assert work_indptr[0] == 0 and all(a <= b for a, b in zip(work_indptr, work_indptr[1:])) and info[8] == 1
+    tile, q_first, kv_first, q_len, k_len, _head, batch = (field(k, works) for k in (0, 1, 2, 3, 4, 5, 7))
+    cta = fa3_cta_tile_q(128)
+    want = {(b, t) for b in range(n) for t in range(-(-(la["plan_qo"][b + 1] - la["plan_qo"][b]) // cta))}
+    assert sorted(zip(batch, tile)) == sorted(want)
+    for w in range(works):
+        b = batch[w]
+        pages = la["kv_indptr"][b + 1] - la["kv_indptr"][b]
+        keys = (pages - 1) * page_size + la["last_page_len"][b] if pages else 0
+        assert (q_first[w], kv_first[w], q_len[w], k_len[w]) == (
+            la["q_starts"][b], la["kv_indptr"][b], la["plan_qo"][b + 1] - la["plan_qo"][b], keys)
+
+
+@pytest.mark.parametrize("fa3", [False, True], ids=["fa2", "fa3"])
+@pytest.mark.parametrize("seed", range(6))
+def test_build_launches_matches_the_python_path(planner_module, fa3, seed):
+    rng = random.Random(seed)
+    page_size = rng.choice([1, 16, 64])
+    batch = rng.randint(1, 6)
+    qo_lens = [rng.choice([1, 7, 130, 300]) for _ in range(batch)]
+    kv_lens = [q + rng.choice([0, 5, 700]) for q in qo_lens]
+    pages_per = [-(-k // page_size) for k in kv_lens]
+    kvp_h = [sum(pages_per[:i]) for i in range(batch + 1)]
+    table = random_segments(rng, qo_lens, kv_lens, page_size)
+    kv_indices = torch.randperm(kvp_h[-1] + 5, dtype=torch.int64).to(torch.int32)
+
+    want = python_launches(table, qo_lens, kv_lens, kvp_h, page_size, fa3)
+    host, desc = native_launches(planner_module, table, qo_lens, kv_lens, kvp_h, page_size, fa3)
+    head, got, table_t = decode(host, desc)
+    assert [(la["mode"], la["window_left"]) for la in got] == [
+        ([c for c, name in MODE_NAMES.items() if name == w["mask_mode"]][0], w.get("window_left", -1)) for w in want]
+    counts = {name: sum(1 for s in table if s[3] == c) for name, c in
+              (("dense", DENSE), ("causal", CAUSAL), ("window", WINDOW), ("custom", CUSTOM))}
+    assert {k: head[k] for k in counts} == counts
+    assert head["custom_rows"] == sum(s[1] - s[0] for s in table if s[3] == CUSTOM)
+    # the page lists: the Python ranges gathered == the table's gather, launch by launch
+    ranges = [r for w in want for r in w["page_ranges"]]
+    want_table, total = page_gather_table(ranges)
+    assert head["total_pages"] == total and head["ranges"] == len(want_table) // 2
+    assert table_t.flatten().tolist() == want_table
+    pages = gather_pages(kv_indices, table_t, total, torch.device("cpu"))
+    for w, la in zip(want, got):
+        n = len(w["meta"])
+        assert la["requests"] == n and la["rows"] == w["plan_qo"][-1]
+        for key in ("q_starts", "kv_indptr", "last_page_len", "meta", "plan_qo"):
+            assert la[key] == w[key], key
+        assert bool(la["packed"]) == w["packed"]
+        mine = pages[la["page_at"]:la["page_at"] + la["pages"]]
+        theirs = torch.cat([kv_indices[a:a + c] for a, c in w["page_ranges"]]) if la["pages"] else mine
+        assert torch.equal(mine, theirs)
+        if fa3:
+            assert la["schedule"] == 2 and len(la["info"]) == 9
+            check_fa3_work_list(host, la, page_size)
+        else:  # the planner module's fa2 work list of that launch, at the same offset
+            assert la["schedule"] == 1 and len(la["info"]) == 15
+            alone = torch.zeros_like(host)
+            base = la["info"][4]
+            qo = torch.tensor(w["plan_qo"], dtype=torch.int32)
+            o = torch.tensor(w["q_starts"], dtype=torch.int32)
+            info = list(planner_module.schedule(alone, base, qo, o, HQ, HKV, 128, 128, 2, 0))
+            end = info.pop()
+            assert info == la["info"] and torch.equal(alone[base:end], host[base:end])
+    assert head["pages_offset"] % 16 == 0 and head["copy_bytes"] == head["pages_offset"]
+
+
+def test_build_launches_leaves_small_fa2_launches_to_flashinfer_and_asks_for_room(planner_module):
+    qo_lens, kv_lens, page_size = [40, 40], [40, 900], 16
+    pages_per = [-(-k // page_size) for k in kv_lens]
+    kvp_h = [0, pages_per[0], sum(pages_per)]
+    table = [[0, 40, 0, CAUSAL, 0, 0, 39, 0, 39], [40, 80, 1, DENSE, 0, 0, 899, 860, 899]]
+    # 2 launches of 10 query tiles each (4 heads per group, 16-row tiles): below the 33-tile
+    # bar for 132 SMs and 8 KV heads, FlashInfer schedules them (it may split KV)
+    host, desc = native_launches(planner_module, table, qo_lens, kv_lens, kvp_h, page_size, False,
+                                 min_tiles=2 * SMS // HKV)
+    head, got, _ = decode(host, desc)
+    assert [la["schedule"] for la in got] == [0, 0] and all(la["info_len"] == 0 for la in got)
+    host, desc = native_launches(planner_module, table, qo_lens, kv_lens, kvp_h, page_size, False, min_tiles=0)
+    assert [la["schedule"] for la in decode(host, desc)[1]] == [1, 1]
+    # a buffer too small for the work lists: desc[0] asks for more, and that is enough
+    need = -int(native_launches(planner_module, table, qo_lens, kv_lens, kvp_h, page_size, True, capacity=256)[1][0])
+    assert need > 256
+    host, desc = native_launches(planner_module, table, qo_lens, kv_lens, kvp_h, page_size, True, capacity=need)
+    assert desc[0] > 0 and [la["mode"] for la in decode(host, desc)[1]] == [1, 0]
+
+
+def test_build_launches_names_a_bad_segment_table(planner_module):
+    with pytest.raises(Exception, match="segments: row 0 is not a launch request of this batch"):
+        native_launches(planner_module, [[0, 10, 3, CAUSAL, 0, 0, 9, 0, 9]], [10], [10], [0, 1], 16, False)
