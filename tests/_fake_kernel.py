@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from variantgen.native_plan import fa3_cta_tile_q
 from variantgen.reference import _Evaluator, softmax_attention
 from variantgen.spec import VariantSpec
 
@@ -205,9 +206,12 @@ class FakeModule:
         assert window_left == -1 and isinstance(enable_pdl, bool)
         info = list(plan_info)
         assert len(info) == 15 and not info[14], info
-        n = int(info[0])
-        planned = self._planned[int_ws.data_ptr()]
-        assert planned.batch_size == n and meta_t.shape[0] == n, (planned.batch_size, n, tuple(meta_t.shape))
+        planned = self._planned.get(int_ws.data_ptr())
+        if planned is None:  # not FlashInfer's scheduler: the planner module's work list
+            planned = self._own_schedule(int_ws, info, meta_t.tolist(), kv_indptr, q.shape[1], k_cache.shape[2],
+                                         k_cache.shape[1])
+        n = planned.batch_size
+        assert meta_t.shape[0] == n, (n, tuple(meta_t.shape))
         assert kv_indptr.tolist() == planned.kv_indptr, "kv_indptr differs from the one plan() scheduled"
         meta = meta_t.tolist()
         qs = q_starts.tolist()
@@ -269,6 +273,23 @@ class FakeModule:
                                       {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}))
 
 
+    @staticmethod
+    def _own_schedule(int_ws, info, meta, kv_indptr, hq, hkv, page_size) -> PlanCall:
+        """A launch the planner module scheduled (fa2_schedule): one CTA per (launch request,
+        query tile) in order; the plan it stands for (o_indptr is read from int_ws as always)."""
+        tiles, cta = int(info[0]), int(info[3])
+        ints = int_ws.view(torch.int32)
+        request = ints[info[4] // 4:info[4] // 4 + tiles].tolist()
+        q_tile = ints[info[5] // 4:info[5] // 4 + tiles].tolist()
+        group = hq // hkv
+        want = [(b, t) for b, row in enumerate(meta) for t in range(-(-row[8] * group // cta))]
+        assert list(zip(request, q_tile)) == want, "work list: one CTA per (launch request, query tile)"
+        qo = [0]
+        for row in meta:
+            qo.append(qo[-1] + row[8])
+        return PlanCall(qo, kv_indptr.tolist(), qo[-1], len(meta), hq, hkv, page_size, False, -1, -1, True)
+
+
 class FakeFa3Module(FakeModule):
     """Emulates a generated fa3 module: ``plan`` gets packed lengths, the kv lengths and each
     launch request's first row (q_starts); ``paged_run`` takes the left window per launch
@@ -297,10 +318,43 @@ class FakeFa3Module(FakeModule):
                                              starts=starts + [total_rows], n=batch_size)
         return ["fa3-plan", batch_size]
 
+    @staticmethod
+    def _fa3_work_list(int_ws, info, n, page_size, cta) -> dict:
+        """A launch's sm90 work list (PrefillPlanSM90Info offsets): every (launch request, query
+        tile) once; per launch request its first row, pages and lengths, as the fake plan keeps them."""
+        ints = int_ws.view(torch.int32)
+        assert len(info) == 9 and info[8] == 1, info
+        works = int(ints[info[6] // 4 + 1])  # work_indptr of one SM (the wrapper's count on the CPU)
+        fields = [ints[info[k] // 4:info[k] // 4 + works].tolist() for k in (0, 1, 2, 3, 4, 7)]
+        tile, q_first, kv_first, q_len, k_len, batch = fields
+        per = {}
+        for w in range(works):
+            per.setdefault(batch[w], []).append((tile[w], q_first[w], kv_first[w], q_len[w], k_len[w]))
+        assert sorted(per) == list(range(n)), "work list: every launch request has its tiles"
+        starts, kvp, last, qo = [], [], [], [0]
+        for b in range(n):
+            items = per[b]
+            assert sorted(t for t, *_ in items) == list(range(-(-items[0][3] // cta))), (b, items)
+            assert len({tuple(x[1:]) for x in items}) == 1, "a launch request's tiles disagree"
+            _, first, kv0, qlen, klen = items[0]
+            starts.append(first)
+            kvp.append(kv0)
+            last.append((klen - 1) % page_size + 1 if klen else 0)
+            qo.append(qo[-1] + qlen)
+        pages_last = -(-per[n - 1][0][4] // page_size)
+        kv_indptr = torch.tensor(kvp + [kvp[-1] + pages_last], dtype=torch.int32)
+        return dict(kv_indptr=kv_indptr, last=last, starts=starts + [qo[-1]], n=n, qo=qo)
+
     def paged_run(self, float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indices, out, lse, mask_mode, layout,
                   window_left, enable_pdl, *extra):
-        p = self._fa3[int_ws.data_ptr()]
-        assert plan_info == ["fa3-plan", p["n"]]
+        p = getattr(self, "_fa3", {}).get(int_ws.data_ptr())
+        if p is None:  # not this module's plan: the planner module's work list (build_launches)
+            n_t = len(self.spec.tensors)
+            p = self._fa3_work_list(int_ws, list(plan_info), extra[n_t].shape[0], k_cache.shape[1],
+                                    fa3_cta_tile_q(out.shape[2]))
+            p["causal"] = mask_mode == 1
+        else:
+            assert plan_info == ["fa3-plan", p["n"]]
         assert (mask_mode == 1) == p["causal"], "plan(causal=...) must match the launch's mask mode"
         assert window_left == -1 or mask_mode == 1, "a left window only exists in causal launches"
         n_t = len(self.spec.tensors)
@@ -308,6 +362,12 @@ class FakeFa3Module(FakeModule):
         meta[:, 7] = window_left if mask_mode == 1 else -1  # fa3 ignores vg_meta's kernel window
         extra = (*extra[:n_t], meta, *extra[n_t + 1:])
         info = [p["n"], 0, 0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        if "qo" in p:  # the work list's first rows, where FakeModule reads o_indptr
+            int_ws = torch.zeros(4 * (p["n"] + 1), dtype=torch.uint8)  # (a stand-in workspace)
+            int_ws[:4 * (p["n"] + 1)].view(torch.int32).copy_(torch.tensor(p["starts"], dtype=torch.int32))
+            self._planned[int_ws.data_ptr()] = PlanCall(
+                p["qo"], p["kv_indptr"].tolist(), p["qo"][-1], p["n"], q.shape[1], k_cache.shape[2],
+                k_cache.shape[1], False, -1, -1, True)
         super().paged_run(float_ws, int_ws, info, q, k_cache, v_cache, torch.tensor(p["starts"], dtype=torch.int32),
                           p["kv_indptr"], kv_indices, torch.tensor(p["last"], dtype=torch.int32), out, lse,
                           mask_mode, layout, -1, enable_pdl, *extra)

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _fake_kernel import FakeRowPlanner
 from conftest import SPECS_DIR
 
 from variantgen import build
@@ -27,9 +28,10 @@ from variantgen.planner import (
 )
 from variantgen.rowplan import SEG_FIELDS, PlannerConfig
 from variantgen.spec import load_spec
+from variantgen.testing import random_paged_batch, random_spec_args
 
 pytestmark = pytest.mark.nvcc
-HQ, HKV, SMS = 32, 8, 132
+HQ, HKV, SMS = 32, 8, 132  # the H200-sized schedules of the direct build_launches tests
 
 
 _BUILT: dict[str, object] = {}
@@ -205,3 +207,45 @@ def test_build_launches_leaves_small_fa2_launches_to_flashinfer_and_asks_for_roo
 def test_build_launches_names_a_bad_segment_table(planner_module):
     with pytest.raises(Exception, match="segments: row 0 is not a launch request of this batch"):
         native_launches(planner_module, [[0, 10, 3, CAUSAL, 0, 0, 9, 0, 9]], [10], [10], [0, 1], 16, False)
+
+
+# ----------------------------------------------------------------------------- through the wrapper
+class NativeRowPlanner(FakeRowPlanner):
+    """The fake row kernel (torch rules) with the real planner module's build_launches, so that
+    plan() takes the native path on the CPU; the fake kernels run its launches."""
+
+    def __init__(self, spec, module):
+        super().__init__(spec)
+        self.build_launches = module.build_launches
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("spec_name", ["mm_prefix", "sliding_window", "document", "prefix_lm"])
+def test_native_plan_matches_the_reference(planner_module, spec_name, backend):
+    from test_wrapper_cpu import HEAD_DIM, HKV, HQ, check
+
+    spec = load_spec(SPECS_DIR / f"{spec_name}.yaml")
+    cases = [([33, 200, 1], [33, 450, 9], 16), ([300], [300], 4), ([5, 64], [70, 64], 1)]
+    for seed, (qo, kv, page) in enumerate(cases):
+        batch = random_paged_batch(qo, kv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=page,
+                                   seed=seed)
+        args = random_spec_args(spec, batch, seed=seed)
+        w, _ = check(spec, batch, args, skip_tiles=True, backend=backend, label=f"{spec_name} {seed}",
+                     row_planner=NativeRowPlanner(spec, planner_module))
+        assert w.plan_stats["row_planner"] == "kernel" and w.plan_stats["launches"]
+        assert all(la.int_workspace.data_ptr() == w._schedule_workspace()[0].data_ptr() for la in w._launches)
+
+
+def test_native_plan_leaves_small_fa2_launches_to_flashinfers_scheduler(planner_module, monkeypatch):
+    """Below FlashInfer's split-KV bar its scheduler plans the launch (in its own workspace),
+    and rows that are not back to back keep their place in o."""
+    from test_wrapper_cpu import HEAD_DIM, HKV, HQ, check
+
+    spec = load_spec(SPECS_DIR / "mm_prefix.yaml")
+    monkeypatch.setattr("variantgen.wrapper.VariantWrapper._num_sms", lambda self: 10_000)
+    batch = random_paged_batch([40, 90], [40, 300], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                               page_size=16, seed=3)
+    w, fake = check(spec, batch, random_spec_args(spec, batch, seed=3), skip_tiles=True,
+                    row_planner=NativeRowPlanner(spec, planner_module))
+    assert fake.plan_calls and len(fake.plan_calls) == len(w._launches)
+    assert all(la.int_workspace.data_ptr() != w._schedule_workspace()[0].data_ptr() for la in w._launches)

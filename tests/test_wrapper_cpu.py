@@ -65,9 +65,13 @@ def batch_of(qo_lens, kv_lens, page_size, seed=0):
                               page_size=page_size, seed=seed)
 
 
-def check(spec, batch, args, *, skip_tiles, scales=None, label="", codegen_q_idx=False, backend="fa2"):
-    """Plan + run through the fake kernel and compare with the reference; returns (wrapper, fake)."""
+def check(spec, batch, args, *, skip_tiles, scales=None, label="", codegen_q_idx=False, backend="fa2",
+          row_planner=None):
+    """Plan + run through the fake kernel and compare with the reference; returns (wrapper, fake).
+    ``row_planner``: the wrapper's planner module (default: none, the torch rules)."""
     w, fake = make(spec, codegen_q_idx=codegen_q_idx, backend=backend)
+    if row_planner is not None:
+        w.set_row_planner(row_planner)
     plan_kw = dict(skip_tiles=skip_tiles)
     if skip_tiles:
         plan_kw.update(args)

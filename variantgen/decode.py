@@ -216,6 +216,7 @@ class DecodeWrapper(WrapperBase):
             float_workspace=self._float_workspace,
             pages=kvp_h[-1] - kvp_h[0],
         )
+        self._staging.record()
         self.plan_stats["launches"] = [("decode", batch)]
         self.plan_stats["pages"] = {"given": sum(-(-kl // ps) for kl in kv_lens), "visited": self._launch.pages}
 

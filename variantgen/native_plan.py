@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .graph import META_COLUMNS
-from .planner import FA3_MAX_WINDOW_LAUNCHES
+from .planner import FA3_MAX_WINDOW_LAUNCHES, gather_pages
 from .render import MASK_MODES
 
 if TYPE_CHECKING:
@@ -79,8 +79,11 @@ def build_launches(w: VariantWrapper, segments: torch.Tensor, kvp_h: list[int], 
     ints = device_ws.view(torch.int32)
     pages = ints[pages_off // 4:pages_off // 4 + total_pages]
     if total_pages:
-        w.row_planner.gather_pages(kv_indices.to(w.device).contiguous(),
-                                   ints[table_off // 4:table_off // 4 + 2 * ranges].view(2, ranges), pages)
+        table = ints[table_off // 4:table_off // 4 + 2 * ranges].view(2, ranges)
+        if w.device.type == "cuda":  # the planner module's gather kernel, into the workspace
+            w.row_planner.gather_pages(kv_indices.to(w.device).contiguous(), table, pages)
+        else:  # (CPU tests) the same gather in torch ops
+            pages.copy_(gather_pages(kv_indices, table, total_pages, w.device))
     w.plan_stats["segments"] = dict(zip(HEADER[6:], head[6:]))
     rows = desc[len(HEADER):len(HEADER) + LAUNCH_FIELDS * n_launches].view(n_launches, LAUNCH_FIELDS).tolist()
     chunk = w._float_workspace.numel() // max(n_launches, 1)
@@ -92,8 +95,10 @@ def build_launches(w: VariantWrapper, segments: torch.Tensor, kvp_h: list[int], 
         float_ws = w._float_workspace[i * chunk:(i + 1) * chunk]
         int_ws = device_ws
         if schedule == SCHEDULE_NONE:  # fa2 where KV may be split: FlashInfer's scheduler
-            int_ws, plan_info = w._flashinfer_plan(i, host_ws.view(torch.int32), at, n, nrows, float_ws,
-                                                   q_starts, disable_split_kv or not packed, packed)
+            host_ints = host_ws.view(torch.int32)  # plan_qo and kv_indptr of the launch, on the host
+            int_ws, plan_info = w._flashinfer_plan(
+                i, host_ints[at + 12 * n + 2:at + 13 * n + 3], host_ints[at + n + 1:at + 2 * n + 2], nrows,
+                float_ws, disable_split_kv, None if packed else q_starts)
         else:
             plan_info = d[len(LAUNCH):len(LAUNCH) + info_len]
         launches.append(Launch(

@@ -125,9 +125,11 @@ def row_segments(w: VariantWrapper, qo_h: list[int], kv_lens: list[int], args: d
 
     rows = plan_rows(kernel, spec, form, args, qo_h, kv_lens, b.page_size, dev, w._staging,
                      segment_capacity=w.segment_capacity, buffers=w.row_buffers)
-    host = read_segments(kernel, rows)
-    # room for twice this batch's launch requests next time (one read-back, not two)
+    host = read_segments(kernel, rows, expect=w.segment_read)
+    # room for twice this batch's launch requests next time (one pass, not two), and a first
+    # read-back of that many (not the whole buffer)
     w.segment_capacity = max(w.segment_capacity, 1 << (2 * len(host)).bit_length())
+    w.segment_read = max(64, 2 * len(host))
     w.plan_stats["row_planner"] = "kernel"
     return host
 

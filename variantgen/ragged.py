@@ -143,6 +143,7 @@ class RaggedWrapper(WrapperBase):
         # qo_indptr, kv_indptr and vg_meta in one staged copy (no sync)
         self._staging.begin()
         staged = self._staging.to_device(qo_h + kv_h + [x for row in meta for x in row], torch.int32)
+        self._staging.record()
         self._launch = RaggedLaunch(
             mask_mode=mode,
             qo_indptr=staged[:batch + 1],

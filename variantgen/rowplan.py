@@ -198,15 +198,20 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
     return rows
 
 
-def read_segments(module: Any, rows: RowPass) -> torch.Tensor:
+def read_segments(module: Any, rows: RowPass, expect: int | None = None) -> torch.Tensor:
     """The launch requests plan_rows compacted, on the host: int64 [count, SEG_FIELDS]
-    (planner._segments' rows). One small device-to-host copy; a second pass with room for
-    all if ``seg`` was too small."""
+    (planner._segments' rows). One small device-to-host copy of the first ``expect`` of them
+    (default: all the buffer holds); a second copy if there are more, and a second pass with
+    room for all if ``seg`` was too small."""
     seg = rows.seg
-    host = seg.cpu()
+    room = (seg.numel() - 1) // SEG_FIELDS
+    head = min(room, expect) if expect else room
+    host = seg[:1 + SEG_FIELDS * head].cpu()
     count = int(host[0])
-    if count > (seg.numel() - 1) // SEG_FIELDS:
+    if count > room:
         seg = torch.empty(1 + SEG_FIELDS * count, dtype=torch.int64, device=seg.device)
         module.compact_segments(rows.rec, rows.counts, seg)
         host = seg.cpu()
+    elif count > head:
+        host = seg[:1 + SEG_FIELDS * count].cpu()
     return host[1:1 + SEG_FIELDS * count].view(count, SEG_FIELDS)

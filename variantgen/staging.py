@@ -24,9 +24,12 @@ class HostStaging:
         self._offset = 0
         self._retired: list[torch.Tensor] = []  # outgrown buffers with copies possibly in flight
         self._event: torch.cuda.Event | None = None
+        self._unrecorded = False  # copies queued since the last record()
 
     def begin(self) -> None:
         """Start handing out the buffer from its beginning (after the last copies ran)."""
+        if self._unrecorded:  # the last plan() stopped before record() (it raised)
+            self.record()
         if self._event is not None:
             self._event.synchronize()
             self._event = None
@@ -34,12 +37,13 @@ class HostStaging:
         self._offset = 0
 
     def record(self) -> None:
-        """Mark copies the caller queued from page-locked memory it reuses on the next plan
-        (e.g. the int workspace mirrors): begin() then waits for them too."""
+        """Mark the copies queued so far (to_device's, and the caller's from page-locked memory
+        it reuses on the next plan, e.g. the int workspace mirrors): begin() waits for them."""
         if self.device.type == "cuda":
             if self._event is None:
                 self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(self.device))
+        self._unrecorded = False
 
     def to_device(self, values: Sequence[int] | torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """``values`` as a 1-D ``dtype`` tensor on the device (a CPU tensor is copied as it is)."""
@@ -55,8 +59,5 @@ class HostStaging:
         region = self._buffer[self._offset:self._offset + nbytes].view(dtype)
         self._offset += -(-nbytes // ALIGN) * ALIGN
         region.copy_(host)
-        out = region.to(self.device, non_blocking=True)
-        if self._event is None:
-            self._event = torch.cuda.Event()
-        self._event.record(torch.cuda.current_stream(self.device))
-        return out
+        self._unrecorded = True  # record() (at the end of plan(), or in begin()) marks the copy
+        return region.to(self.device, non_blocking=True)

@@ -389,6 +389,7 @@ class VariantWrapper(WrapperBase):
         self.row_planner: Any = None
         self.row_planner_reason = ""
         self.segment_capacity = 1024  # launch requests the row kernel's read-back has room for
+        self.segment_read = 64  # launch requests plan() copies back at first (more: a second copy)
         self.row_buffers: dict[str, torch.Tensor] = {}  # the row kernel's outputs, kept across plans
         self._native_desc = torch.zeros(NATIVE_DESC_FIELDS, dtype=torch.int64)  # build_launches' answer
 
