@@ -178,24 +178,40 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
     starts = (staging.to_device(qo_indptr + kv_start, torch.int64) if staging is not None
               else torch.tensor(qo_indptr + kv_start, dtype=torch.int64, device=device)).view(2, batch + 1)
 
-    def buffer(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def buffer(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The first ``numel`` entries of a kept buffer (grown, never shrunk: batch sizes vary)."""
         kept = buffers.get(name) if buffers is not None else None
-        if kept is None or kept.shape != shape or kept.dtype != dtype or kept.device != device:
-            kept = torch.empty(shape, dtype=dtype, device=device)
+        if kept is None or kept.numel() < numel or kept.dtype != dtype or kept.device != device:
+            kept = torch.empty(max(numel, 2 * kept.numel() if kept is not None else 0), dtype=dtype, device=device)
             if buffers is not None:
                 buffers[name] = kept
-        return kept
+        return kept[:numel]
 
     total_q = qo_indptr[-1]
-    rows = RowPass(rec=buffer("rec", (len(REC_FIELDS), total_q), torch.int64),
-                   counts=buffer("counts", (max(1, -(-total_q // ROW_BLOCK)),), torch.int32),
-                   seg=buffer("seg", (1 + SEG_FIELDS * max(1, segment_capacity),), torch.int64))
-    scratch = buffer("scratch", (max(1, len(sorted_id_tensors(form))) * batch,), torch.uint8)
-    tensor_names, scalar_names = planner_inputs(spec, form)
-    defaults = {s.name: s.default for s in spec.scalars}
+    rows = RowPass(rec=buffer("rec", len(REC_FIELDS) * total_q, torch.int64).view(len(REC_FIELDS), total_q),
+                   counts=buffer("counts", max(1, -(-total_q // ROW_BLOCK)), torch.int32),
+                   seg=buffer("seg", 1 + SEG_FIELDS * max(1, segment_capacity), torch.int64))
+    tensor_names, scalar_names, defaults, sorted_count = _call_layout(spec, form)
+    scratch = buffer("scratch", max(1, sorted_count) * batch, torch.uint8)
     module.plan_rows(rows.rec, starts, scratch, rows.counts, rows.seg, *(args[n] for n in tensor_names),
                      *(args.get(n, defaults[n]) for n in scalar_names), page_size)
     return rows
+
+
+_LAYOUTS: dict[tuple[int, int], tuple] = {}
+
+
+def _call_layout(spec: VariantSpec, form: IntervalForm) -> tuple[list[str], list[str], dict[str, Any], int]:
+    """plan_rows' argument layout for a spec and its intervals: (tensor names, scalar names,
+    scalar defaults, sorted-id tensors). Kept per (spec, form) object: plan() asks every time."""
+    key = (id(spec), id(form))
+    hit = _LAYOUTS.get(key)
+    if hit is None or hit[0] is not spec or hit[1] is not form:
+        tensor_names, scalar_names = planner_inputs(spec, form)
+        hit = (spec, form, tensor_names, scalar_names, {s.name: s.default for s in spec.scalars},
+               len(sorted_id_tensors(form)))
+        _LAYOUTS[key] = hit
+    return hit[2:]
 
 
 def read_segments(module: Any, rows: RowPass, expect: int | None = None) -> torch.Tensor:

@@ -8,13 +8,15 @@ carries a row of ``vg_meta`` telling the variant where it sits in the caller's b
 the generated mask always sees true positions and rows; q and o are read and written in
 place (launch requests need not be packed), so nothing is gathered or scattered.
 
-The same wrapper drives fa2 and fa3 (sm90) prefill modules; for fa3 the launches are
-reshaped by planner.regroup_for_fa3 and each launch is planned by the module's own
-all-heads work list, whose items carry their requests' first rows. fa2 launches without
-split-KV are scheduled by the spec's planner module when there is one (O(tiles) on the
-host), else by FlashInfer's scheduler. Graph mode (graph.py) fixes the launches and their
-buffers at a capacity. Decode and ragged KV have
-their own wrappers (decode.py, ragged.py) on the shared checks of WrapperBase.
+The same wrapper drives fa2 and fa3 (sm90) prefill modules. With the spec's planner module
+(the default on CUDA), plan() builds every launch, its metadata and its schedule in one C++
+call (native_plan.py) and one copy. Otherwise the launches are built here in Python: for fa3
+reshaped by planner.regroup_for_fa3 and each planned by the module's own all-heads work list
+(whose items carry their requests' first rows); fa2 launches without split-KV scheduled by
+the planner module when there is one (O(tiles) on the host), else by FlashInfer's
+scheduler. Graph mode (graph.py) fixes the launches and their buffers at a capacity. Decode
+and ragged KV have their own wrappers (decode.py, ragged.py) on the shared checks of
+WrapperBase.
 """
 
 from __future__ import annotations
