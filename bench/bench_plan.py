@@ -4,9 +4,10 @@ Workload of bench_prefill.py (8 x 8192 tokens, 32/8 heads, hd 128, page 16, thre
 spans per request). Per backend and spec: plan() with the planner off (one FlashInfer plan),
 on without the planner module (row pass and page gather in torch ops, FlashInfer's
 scheduler), and on with the spec's generated planner module (rowplan.py, the default on
-CUDA: row kernel, compacted read-back, page gather kernel, O(tiles) scheduler); then run()
-of the planned and unplanned launches; for fa2 also CUDA-graph mode (plan, eager run, replay). Each plan() is timed
-from the host (it ends with a device sync: the segment boundaries are read back); median of
+CUDA: row kernel, compacted read-back, launches built in one C++ call), also with the index
+tensors on the host as serving engines pass them; then run() of the planned and unplanned
+launches; for fa2 also CUDA-graph mode (plan, eager run, replay). Each plan() is timed from
+the host (it ends with a device sync: the segment boundaries are read back); median of
 --iters after two warm-up plans. Writes bench/results/plan-<date>-<gpu>.json (or --out; also
 into $OUT when set). Run on the GPU machine:  python bench/bench_plan.py
 """
@@ -38,12 +39,18 @@ from variantgen.testing import (  # noqa: E402
 D = PREFILL_BENCH_SHAPE[4]  # head dim
 
 
-def plan_ms(w, batch, kw, iters: int) -> float:
+def plan_ms(w, batch, kw, iters: int, host_indptrs: bool = False) -> float:
+    """Median plan() time. ``host_indptrs``: qo_indptr, paged_kv_indptr and last_page_len as
+    CPU tensors, as serving engines pass them to FlashInfer's plan (vLLM keeps CPU copies);
+    the page list stays on the GPU. Otherwise all on the GPU (plan() reads them back: a sync)."""
+    args = list(batch.plan_args())
+    if host_indptrs:
+        args[0], args[1], args[3] = args[0].cpu(), args[1].cpu(), args[3].cpu()
     times = []
     for i in range(iters + 2):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        w.plan(*batch.plan_args(), **kw)
+        w.plan(*args, **kw)
         torch.cuda.synchronize()
         if i >= 2:
             times.append((time.perf_counter() - t) * 1e3)
@@ -103,6 +110,7 @@ def main() -> None:
             fi_kw = dict(causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
             fi_plan = FlashInferPlan(fw, batch, fi_kw)
             out["plan_ms"][f"{backend}_flashinfer_causal"] = plan_ms(fi_plan, batch, {}, args.iters)
+            out["plan_ms"][f"{backend}_flashinfer_causal_host_indptrs"] = plan_ms(fi_plan, batch, {}, args.iters, True)
             out["run_ms"][f"{backend}_flashinfer_causal"] = round(
                 cuda_median_ms(lambda fw=fw: fw.run(batch.q, kv), 10), 3)
         for name, spec_args in (("causal", {}), ("mm_prefix", {"ranges": ranges})):
@@ -118,11 +126,12 @@ def main() -> None:
             out["plan_ms"][f"{tag}_planned_torch_rows"] = plan_ms(w, batch, planned, args.iters)
             w.row_planner = kernel
             out["plan_ms"][f"{tag}_planned_row_kernel"] = plan_ms(w, batch, planned, args.iters)
+            out["plan_ms"][f"{tag}_planned_row_kernel_host_indptrs"] = plan_ms(w, batch, planned, args.iters, True)
             out["launches"][tag] = {"row_planner": w.plan_stats.get("row_planner"),
                                     "launches": w.plan_stats.get("launches")}
             run = cuda_median_ms(lambda w=w, a=spec_args: w.run(batch.q, kv, **a), 10)
             out["run_ms"][f"{tag}_planned"] = round(run, 3)
-            for impl in ("torch_rows", "row_kernel"):
+            for impl in ("torch_rows", "row_kernel", "row_kernel_host_indptrs"):
                 out["plan_fraction_of_run"][f"{tag}_{impl}"] = round(out["plan_ms"][f"{tag}_planned_{impl}"] / run, 4)
             if backend == "fa2":
                 graph_mode(out, tag, batch, ws, name, planned, args.iters)

@@ -381,7 +381,7 @@ class FakeRowPlanner:
         self.spec = spec
         self.calls = 0
 
-    def plan_rows(self, rec, starts, scratch, counts, seg, *spec_args_and_page_size):
+    def plan_rows(self, rec, starts_host, starts_page_locked, starts, scratch, counts, seg, *spec_args_and_page_size):
         from variantgen.intervals import analyze
         from variantgen.planner import classify_rows
         from variantgen.rowplan import ROW_BLOCK, planner_inputs
@@ -391,7 +391,11 @@ class FakeRowPlanner:
         tensors, scalars = planner_inputs(self.spec, form)
         *values, page_size = spec_args_and_page_size
         args = dict(zip(tensors + scalars, values))
-        qo_indptr, kv_start = starts.tolist()
+        assert starts_host.device.type == "cpu" and starts_host.dtype == torch.int64 and starts_host.dim() == 2
+        count = starts_host.numel()
+        assert starts_page_locked.numel() >= count and starts.numel() >= count
+        starts[:count].copy_(starts_host.flatten())  # what the module's upload does
+        qo_indptr, kv_start = starts_host.tolist()
         kv_lens = [b - a for a, b in zip(kv_start, kv_start[1:])]
         rec.copy_(classify_rows(self.spec, form, qo_indptr, kv_lens, page_size, args, rec.device))
         total_q = rec.shape[1]

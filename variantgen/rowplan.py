@@ -174,18 +174,23 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
     (read_segments). ``buffers``: the caller's dict to keep the outputs and scratch in from
     one plan to the next."""
     batch = len(kv_lens)
-    kv_start = list(accumulate(kv_lens, initial=0))
-    starts = (staging.to_device(qo_indptr + kv_start, torch.int64) if staging is not None
-              else torch.tensor(qo_indptr + kv_start, dtype=torch.int64, device=device)).view(2, batch + 1)
+    starts_host = torch.tensor([qo_indptr, list(accumulate(kv_lens, initial=0))], dtype=torch.int64)
 
-    def buffer(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def buffer(name: str, numel: int, dtype: torch.dtype, where: torch.device = device) -> torch.Tensor:
         """The first ``numel`` entries of a kept buffer (grown, never shrunk: batch sizes vary)."""
         kept = buffers.get(name) if buffers is not None else None
-        if kept is None or kept.numel() < numel or kept.dtype != dtype or kept.device != device:
-            kept = torch.empty(max(numel, 2 * kept.numel() if kept is not None else 0), dtype=dtype, device=device)
+        if kept is None or kept.numel() < numel or kept.dtype != dtype or kept.device != where:
+            size = max(numel, 2 * kept.numel() if kept is not None else 0)
+            pinned = where.type == "cpu" and device.type == "cuda"
+            kept = torch.empty(size, dtype=dtype, device=where, pin_memory=pinned)
             if buffers is not None:
                 buffers[name] = kept
         return kept[:numel]
+
+    # The starts go over through a kept page-locked buffer; plan() waits (staging.begin) for the
+    # previous plan's copies before this one rewrites it.
+    starts_page_locked = buffer("starts_page_locked", 2 * (batch + 1), torch.int64, torch.device("cpu"))
+    starts = buffer("starts", 2 * (batch + 1), torch.int64)
 
     total_q = qo_indptr[-1]
     rows = RowPass(rec=buffer("rec", len(REC_FIELDS) * total_q, torch.int64).view(len(REC_FIELDS), total_q),
@@ -193,8 +198,10 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
                    seg=buffer("seg", 1 + SEG_FIELDS * max(1, segment_capacity), torch.int64))
     tensor_names, scalar_names, defaults, sorted_count = _call_layout(spec, form)
     scratch = buffer("scratch", max(1, sorted_count) * batch, torch.uint8)
-    module.plan_rows(rows.rec, starts, scratch, rows.counts, rows.seg, *(args[n] for n in tensor_names),
-                     *(args.get(n, defaults[n]) for n in scalar_names), page_size)
+    if staging is not None and buffers is not None:
+        staging.queued()  # the starts' copy, out of a kept page-locked buffer
+    module.plan_rows(rows.rec, starts_host, starts_page_locked, starts, scratch, rows.counts, rows.seg,
+                     *(args[n] for n in tensor_names), *(args.get(n, defaults[n]) for n in scalar_names), page_size)
     return rows
 
 

@@ -45,6 +45,11 @@ class HostStaging:
             self._event.record(torch.cuda.current_stream(self.device))
         self._unrecorded = False
 
+    def queued(self) -> None:
+        """The caller queued a copy out of page-locked memory that it rewrites on its next plan
+        (record() at the end of plan() marks it; begin() waits for it)."""
+        self._unrecorded = True
+
     def to_device(self, values: Sequence[int] | torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """``values`` as a 1-D ``dtype`` tensor on the device (a CPU tensor is copied as it is)."""
         host = values.reshape(-1).to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
@@ -59,5 +64,5 @@ class HostStaging:
         region = self._buffer[self._offset:self._offset + nbytes].view(dtype)
         self._offset += -(-nbytes // ALIGN) * ALIGN
         region.copy_(host)
-        self._unrecorded = True  # record() (at the end of plan(), or in begin()) marks the copy
+        self.queued()
         return region.to(self.device, non_blocking=True)
