@@ -5,8 +5,8 @@ Python what the planner module's ``build_launches`` does in C++ (templates/plann
 compacted launch requests into launches, each with its metadata (q_starts, kv_indptr,
 last_page_len, vg_meta) and its schedule (an fa3 work list, or an fa2 one where KV is not
 split), all written to one page-locked buffer. plan() then makes one host-to-device copy,
-one page-gather launch and a few views per launch: on the H200 this took the fa3 plan of
-the benchmark workload from 0.6-1.2 ms to about a third of that (bench/results).
+one page-gather launch and a few views per launch (README: plan() time, measured per run in
+bench/results/plan-s5-*.json).
 
 The wrapper's shared schedule workspace (device buffer + page-locked mirror, the same size)
 holds, from offset 0: the page gather table, each launch's metadata, each launch's schedule,
