@@ -249,3 +249,33 @@ def test_native_plan_leaves_small_fa2_launches_to_flashinfers_scheduler(planner_
                     row_planner=NativeRowPlanner(spec, planner_module))
     assert fake.plan_calls and len(fake.plan_calls) == len(w._launches)
     assert all(la.int_workspace.data_ptr() != w._schedule_workspace()[0].data_ptr() for la in w._launches)
+
+
+def test_native_plan_grows_the_schedule_workspace(planner_module, monkeypatch):
+    """A batch whose launches do not fit the schedule workspace: plan() grows it and goes on."""
+    from test_wrapper_cpu import HEAD_DIM, HKV, HQ, check
+
+    import variantgen.wrapper as wrapper_mod
+
+    monkeypatch.setattr(wrapper_mod, "INT_WORKSPACE_BYTES", 512)
+    spec = load_spec(SPECS_DIR / "mm_prefix.yaml")
+    batch = random_paged_batch([300, 200], [300, 260], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                               page_size=4, seed=5)
+    w, _ = check(spec, batch, random_spec_args(spec, batch, seed=5), skip_tiles=True,
+                 row_planner=NativeRowPlanner(spec, planner_module))
+    assert w._schedule_workspace()[0].numel() > 512
+
+
+def test_native_plan_names_a_workspace_that_never_fits(planner_module, monkeypatch):
+    from test_wrapper_cpu import HEAD_DIM, HKV, HQ, check
+
+    from variantgen.errors import LaunchError
+
+    def never_large_enough(self, nbytes):  # a broken grow: always 256 bytes
+        self._sched_ws = (torch.empty(256, dtype=torch.uint8), torch.empty(256, dtype=torch.uint8))
+
+    monkeypatch.setattr("variantgen.wrapper.WrapperBase._grow_schedule_workspace", never_large_enough)
+    spec = load_spec(SPECS_DIR / "causal.yaml")
+    batch = random_paged_batch([100], [100], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=4)
+    with pytest.raises(LaunchError, match="internal: build_launches still asks for"):
+        check(spec, batch, {}, skip_tiles=True, row_planner=NativeRowPlanner(spec, planner_module))

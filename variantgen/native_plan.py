@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .errors import LaunchError
 from .graph import META_COLUMNS
 from .planner import FA3_MAX_WINDOW_LAUNCHES, gather_pages
 from .render import MASK_MODES
@@ -64,7 +65,7 @@ def build_launches(w: VariantWrapper, segments: torch.Tensor, kvp_h: list[int], 
     # FlashInfer splits KV only when the query tiles cannot fill its grid (2 CTAs per SM over
     # the KV heads); with at least that many it would not split, and the own schedule is its.
     min_tiles = 0 if disable_split_kv else 2 * sms // b.num_kv_heads
-    while True:
+    for _ in range(3):  # the answer to a too-small buffer is the exact size: one retry suffices
         device_ws, host_ws = w._schedule_workspace()
         w.row_planner.build_launches(
             segments, requests, host_ws, desc, b.total_q, b.page_size, fa3, FA3_MAX_WINDOW_LAUNCHES, sms,
@@ -74,6 +75,8 @@ def build_launches(w: VariantWrapper, segments: torch.Tensor, kvp_h: list[int], 
         if head[0] >= 0:
             break
         w._grow_schedule_workspace(-head[0])
+    else:
+        raise LaunchError(f"internal: build_launches still asks for {-head[0]} bytes after growing the workspace")
     copy_bytes, table_off, ranges, pages_off, total_pages, n_launches = head[:6]
     device_ws[:copy_bytes].copy_(host_ws[:copy_bytes], non_blocking=True)
     ints = device_ws.view(torch.int32)
