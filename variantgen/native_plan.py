@@ -16,6 +16,7 @@ HEADER fields, then LAUNCH_FIELDS per launch.
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import torch
@@ -36,6 +37,7 @@ LAUNCH_FIELDS = len(LAUNCH) + 15
 MAX_LAUNCHES = 8  # custom, none, causal split into at most 1 + FA3_MAX_WINDOW_LAUNCHES + custom
 SCHEDULE_NONE, SCHEDULE_FA2, SCHEDULE_FA3 = 0, 1, 2
 MODE_NAMES = {code: name for name, (code, _) in MASK_MODES.items()}
+DESC_FIELDS = len(HEADER) + LAUNCH_FIELDS * MAX_LAUNCHES  # the int64 answer build_launches writes
 
 
 def fa3_cta_tile_q(head_dim_vo: int) -> int:
@@ -54,23 +56,16 @@ def build_launches(w: VariantWrapper, segments: torch.Tensor, kvp_h: list[int], 
 
     b, cfg = w._batch, w.config
     assert b is not None
-    kv_row_base, total = [], 0
-    for n in kv_lens:
-        kv_row_base.append(total)
-        total += n
-    requests = torch.tensor([kvp_h[:-1], kv_row_base, list(b.qo_lens), kv_lens], dtype=torch.int64)
+    kv_row_base = list(accumulate(kv_lens))[:-1]
+    requests = torch.tensor([kvp_h[:-1], [0, *kv_row_base], list(b.qo_lens), kv_lens], dtype=torch.int64)
     desc = w._native_desc
     fa3 = cfg.backend == "fa3"
-    sms = w._num_sms()
-    # FlashInfer splits KV only when the query tiles cannot fill its grid (2 CTAs per SM over
-    # the KV heads); with at least that many it would not split, and the own schedule is its.
-    min_tiles = 0 if disable_split_kv else 2 * sms // b.num_kv_heads
     for _ in range(3):  # the answer to a too-small buffer is the exact size: one retry suffices
         device_ws, host_ws = w._schedule_workspace()
         w.row_planner.build_launches(
-            segments, requests, host_ws, desc, b.total_q, b.page_size, fa3, FA3_MAX_WINDOW_LAUNCHES, sms,
+            segments, requests, host_ws, desc, b.total_q, b.page_size, fa3, FA3_MAX_WINDOW_LAUNCHES, w._num_sms(),
             fa3_cta_tile_q(cfg.head_dim_vo), b.num_qo_heads, b.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_vo,
-            1 if cfg.kv_dtype.startswith("fp8") else 2, min_tiles)
+            w._kv_dtype_bytes(), w._own_schedule_min_tiles(disable_split_kv))
         head = desc[:len(HEADER)].tolist()
         if head[0] >= 0:
             break
@@ -81,12 +76,8 @@ def build_launches(w: VariantWrapper, segments: torch.Tensor, kvp_h: list[int], 
     device_ws[:copy_bytes].copy_(host_ws[:copy_bytes], non_blocking=True)
     ints = device_ws.view(torch.int32)
     pages = ints[pages_off // 4:pages_off // 4 + total_pages]
-    if total_pages:
-        table = ints[table_off // 4:table_off // 4 + 2 * ranges].view(2, ranges)
-        if w.device.type == "cuda":  # the planner module's gather kernel, into the workspace
-            w.row_planner.gather_pages(kv_indices.to(w.device).contiguous(), table, pages)
-        else:  # (CPU tests) the same gather in torch ops
-            pages.copy_(gather_pages(kv_indices, table, total_pages, w.device))
+    table = ints[table_off // 4:table_off // 4 + 2 * ranges].view(2, ranges)
+    gather_pages(kv_indices, table, total_pages, w.device, w.row_planner, out=pages)  # into the workspace
     w.plan_stats["segments"] = dict(zip(HEADER[6:], head[6:]))
     rows = desc[len(HEADER):len(HEADER) + LAUNCH_FIELDS * n_launches].view(n_launches, LAUNCH_FIELDS).tolist()
     chunk = w._float_workspace.numel() // max(n_launches, 1)

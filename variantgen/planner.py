@@ -204,21 +204,23 @@ def page_gather_table(ranges: list[tuple[int, int]]) -> tuple[list[int], int]:
 
 
 def gather_pages(kv_indices: torch.Tensor, table: torch.Tensor, total: int, device: torch.device,
-                 kernel: Any = None) -> torch.Tensor:
+                 kernel: Any = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """int32 page list on ``device``: the ranges of ``table`` (page_gather_table's, int32
     [2, ranges] on the device) back to back - with the planner module's gather kernel
-    (``kernel``), or a search + index in torch ops (no repeat_interleave, which syncs here)."""
-    if total == 0:
-        return torch.empty(0, dtype=torch.int32, device=device)
-    if kernel is not None and device.type == "cuda":
+    (``kernel``), or a search + index in torch ops (no repeat_interleave, which syncs here).
+    ``out``: int32 [total] on ``device`` to write it to (default: a new tensor)."""
+    if out is None:
         out = torch.empty(total, dtype=torch.int32, device=device)
+    if total == 0:
+        return out
+    if kernel is not None and device.type == "cuda":
         kernel.gather_pages(kv_indices.to(device).contiguous(), table, out)
         return out
     # output entry k lies in range i = the last range starting at or before k
     table = table.to(torch.int64)
-    out = torch.arange(total, device=device)
-    i = torch.searchsorted(table[0], out, right=True) - 1
-    return kv_indices.to(device)[out + table[1][i]].to(torch.int32)
+    k = torch.arange(total, device=device)
+    i = torch.searchsorted(table[0], k, right=True) - 1
+    return out.copy_(kv_indices.to(device)[k + table[1][i]])
 
 
 def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], staging: HostStaging,

@@ -35,7 +35,7 @@ from .cache import Cache
 from .errors import LaunchError
 from .graph import META_COLUMNS, GraphBuffers, GraphCapacity
 from .intervals import analyze
-from .native_plan import HEADER, LAUNCH_FIELDS, MAX_LAUNCHES
+from .native_plan import DESC_FIELDS
 from .planner import gather_page_ranges, gather_pages, page_gather_table
 from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
 from .spec import VariantSpec, load_spec
@@ -53,7 +53,6 @@ SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
 INT_WORKSPACE_BYTES = 8 << 20
 DEFAULT_MASK_MODES = ("none", "causal", "custom")
-NATIVE_DESC_FIELDS = len(HEADER) + LAUNCH_FIELDS * MAX_LAUNCHES
 
 
 @dataclass
@@ -393,7 +392,7 @@ class VariantWrapper(WrapperBase):
         self.segment_capacity = 1024  # launch requests the row kernel's read-back has room for
         self.segment_read = 64  # launch requests plan() copies back at first (more: a second copy)
         self.row_buffers: dict[str, torch.Tensor] = {}  # the row kernel's outputs, kept across plans
-        self._native_desc = torch.zeros(NATIVE_DESC_FIELDS, dtype=torch.int64)  # build_launches' answer
+        self._native_desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)  # build_launches' answer
 
     def _trim_to_batch(self, args: dict[str, Any]) -> dict[str, Any]:
         """Spec tensors given as capacity-sized static buffers, cut to this batch's sizes
@@ -411,6 +410,19 @@ class VariantWrapper(WrapperBase):
         cap = self._graph.capacity
         return {"total_q": cap.max_total_q, "batch": cap.max_batch_size,
                 "total_kv": cap.max_kv_pages * self._batch.page_size}
+
+    def _kv_dtype_bytes(self) -> int:
+        return 1 if self.config.kv_dtype.startswith("fp8") else 2
+
+    def _own_schedule_min_tiles(self, disable_split_kv: bool) -> int:
+        """Query tiles from which a launch gets the planner module's fa2 work list (no split-KV)
+        rather than FlashInfer's scheduler. FlashInfer splits KV only when the tiles cannot fill
+        its grid (2 CTAs per SM over the KV heads); with at least that many it would not split,
+        and the planner module's work list is its. 0: always (split-KV off, or graph mode)."""
+        if disable_split_kv or self._graph is not None:
+            return 0
+        assert self._batch is not None
+        return 2 * self._num_sms() // self._batch.num_kv_heads
 
     def set_row_planner(self, module: Any, reason: str = "") -> None:
         """Use the spec's row kernel in plan() (None: the torch rules, ``reason`` says why)."""
@@ -654,12 +666,9 @@ class VariantWrapper(WrapperBase):
         b, cfg, graph = self._batch, self.config, self._graph
         info = list(self.row_planner.schedule(
             self._schedule_workspace()[1], self._sched_end, plan_qo, q_starts_h, b.num_qo_heads, b.num_kv_heads,
-            cfg.head_dim_qk, cfg.head_dim_vo, 1 if cfg.kv_dtype.startswith("fp8") else 2,
-            graph.capacity.max_total_q if graph else 0))
+            cfg.head_dim_qk, cfg.head_dim_vo, self._kv_dtype_bytes(), graph.capacity.max_total_q if graph else 0))
         end = info.pop()
-        # FlashInfer splits KV only when the query tiles cannot fill its grid (2 CTAs per SM over
-        # the KV heads); with at least that many it would not split, and this is its schedule.
-        if not (disable_split_kv or graph is not None or info[0] >= 2 * self._num_sms() // b.num_kv_heads):
+        if info[0] < self._own_schedule_min_tiles(disable_split_kv):
             return None
         self._sched_end = -(-end // 16) * 16
         return info
