@@ -8,7 +8,8 @@ CUDA: row kernel, compacted read-back, launches built in one C++ call), also wit
 tensors on the host as serving engines pass them; then run() of the planned and unplanned
 launches; for fa2 also CUDA-graph mode (plan, eager run, replay). Each plan() is timed from
 the host (it ends with a device sync: the segment boundaries are read back); median of
---iters after two warm-up plans. Writes bench/results/plan-<date>-<gpu>.json (or --out; also
+--iters after two warm-up plans (and, for the default path, the fastest and the 90th
+percentile). Writes bench/results/plan-<date>-<gpu>.json (or --out; also
 into $OUT when set). Run on the GPU machine:  python bench/bench_plan.py
 """
 
@@ -39,10 +40,11 @@ from variantgen.testing import (  # noqa: E402
 D = PREFILL_BENCH_SHAPE[4]  # head dim
 
 
-def plan_ms(w, batch, kw, iters: int, host_indptrs: bool = False) -> float:
+def plan_ms(w, batch, kw, iters: int, host_indptrs: bool = False, spread: dict | None = None) -> float:
     """Median plan() time. ``host_indptrs``: qo_indptr, paged_kv_indptr and last_page_len as
     CPU tensors, as serving engines pass them to FlashInfer's plan (vLLM keeps CPU copies);
-    the page list stays on the GPU. Otherwise all on the GPU (plan() reads them back: a sync)."""
+    the page list stays on the GPU. Otherwise all on the GPU (plan() reads them back: a sync).
+    ``spread``: gets the fastest and the 90th-percentile plan too (host time is noisy)."""
     args = list(batch.plan_args())
     if host_indptrs:
         args[0], args[1], args[3] = args[0].cpu(), args[1].cpu(), args[3].cpu()
@@ -54,6 +56,9 @@ def plan_ms(w, batch, kw, iters: int, host_indptrs: bool = False) -> float:
         torch.cuda.synchronize()
         if i >= 2:
             times.append((time.perf_counter() - t) * 1e3)
+    if spread is not None:
+        times.sort()
+        spread.update(min=round(times[0], 3), p90=round(times[int(0.9 * (len(times) - 1))], 3))
     return round(statistics.median(times), 3)
 
 
@@ -100,7 +105,7 @@ def main() -> None:
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     kv = (batch.k_cache, batch.v_cache)
     out = {**run_environment(), "workload": "8 x 8192, 32/8 heads, hd 128, bf16, page 16, 3 spans of 1024",
-           "plan_ms": {}, "run_ms": {}, "plan_fraction_of_run": {}, "launches": {}}
+           "plan_ms": {}, "plan_ms_spread": {}, "run_ms": {}, "plan_fraction_of_run": {}, "launches": {}}
     for backend in args.backends.split(","):
         if not args.skip_flashinfer:
             import flashinfer
@@ -125,8 +130,9 @@ def main() -> None:
             w.row_planner = None
             out["plan_ms"][f"{tag}_planned_torch_rows"] = plan_ms(w, batch, planned, args.iters)
             w.row_planner = kernel
-            out["plan_ms"][f"{tag}_planned_row_kernel"] = plan_ms(w, batch, planned, args.iters)
-            out["plan_ms"][f"{tag}_planned_row_kernel_host_indptrs"] = plan_ms(w, batch, planned, args.iters, True)
+            for impl, host_indptrs in (("row_kernel", False), ("row_kernel_host_indptrs", True)):
+                spread = out["plan_ms_spread"][f"{tag}_planned_{impl}"] = {}
+                out["plan_ms"][f"{tag}_planned_{impl}"] = plan_ms(w, batch, planned, args.iters, host_indptrs, spread)
             out["launches"][tag] = {"row_planner": w.plan_stats.get("row_planner"),
                                     "launches": w.plan_stats.get("launches")}
             run = cuda_median_ms(lambda w=w, a=spec_args: w.run(batch.q, kv, **a), 10)

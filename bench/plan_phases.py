@@ -2,8 +2,7 @@
 below wrapped with a timer) and a torch.profiler table of host ops and kernels, for the
 benchmark workload (bench_plan.py's). Wrapping adds ~1 us per call, so the total is a little
 above bench_plan's. Run on the GPU machine:  python bench/plan_phases.py --backends fa3,fa2
-(bench/results/plan-phases-s5-*.log were made with an earlier form of this script in session 5;
-this form has not run on a GPU yet)."""
+(bench/results/plan-phases-s5-*.log were made with an earlier form of this script in session 5)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen import planner, rowplan, staging, wrapper  # noqa: E402
+from variantgen import native_plan, planner, rowplan, staging, wrapper  # noqa: E402
 from variantgen.testing import PREFILL_BENCH_SHAPE, prefill_bench_batch  # noqa: E402
 
 SECONDS: dict[str, float] = collections.defaultdict(float)
@@ -63,6 +62,7 @@ def main() -> None:
     wrap(wrapper, ["host_lists"], "wrapper")
     wrap(planner, ["plan_launches", "row_segments", "regroup_for_fa3"], "planner")
     wrap(rowplan, ["plan_rows", "read_segments"], "rowplan")
+    wrap(native_plan, ["plan_batch", "launches_from_desc"], "native_plan")
     wrap(wrapper.VariantWrapper, ["_make_launches", "_make_launch", "_plan_fa3", "_schedule_fa2", "_check_args",
                                   "_intervals_default"], "wrapper")
     wrap(staging.HostStaging, ["to_device", "record", "begin"], "staging")

@@ -1,6 +1,9 @@
 """The planner module's build_launches (native_plan.py) against the Python path it replaces
 (planner.launches_from_segments + regroup_for_fa3 + the wrapper's metadata layout), on the
-CPU: the module is built with nvcc and its host function called directly."""
+CPU: the module is built with nvcc and its host function called directly. plan_batch (the
+same host code after a row pass and a read-back) needs a GPU: tests/test_gpu_*.py run it;
+here a stand-in built from the fake row pass and the real build_launches drives plan()'s
+native path end to end."""
 
 from __future__ import annotations
 
@@ -211,12 +214,53 @@ def test_build_launches_names_a_bad_segment_table(planner_module):
 
 # ----------------------------------------------------------------------------- through the wrapper
 class NativeRowPlanner(FakeRowPlanner):
-    """The fake row kernel (torch rules) with the real planner module's build_launches, so that
-    plan() takes the native path on the CPU; the fake kernels run its launches."""
+    """The fake row kernel (torch rules) with the real planner module's build_launches, put
+    together the way the module's plan_batch does on the GPU, so that plan() takes the native
+    path on the CPU; the fake kernels run its launches."""
 
     def __init__(self, spec, module):
         super().__init__(spec)
         self.build_launches = module.build_launches
+        self.batches = 0
+
+    def plan_batch(self, indices, starts_page_locked, starts, rec, counts, seg, seg_host, scratch, kv_indices,
+                   workspace, workspace_host, desc, expect, fa3, max_window_launches, num_sm, cta_tile_q, hq, hkv,
+                   head_dim_qk, head_dim_vo, kv_dtype_bytes, fa2_min_tiles, *spec_args_and_page_size):
+        from variantgen.rowplan import REC_FIELDS, ROW_BLOCK
+
+        self.batches += 1
+        assert indices.dtype == torch.int32 and indices.device.type == "cpu" and indices.dim() == 1
+        batch = (indices.numel() - 2) // 3
+        page_size = spec_args_and_page_size[-1]
+        qo, page_indptr, last = indices.split([batch + 1, batch + 1, batch])
+        qo, page_indptr, last = qo.tolist(), page_indptr.tolist(), last.tolist()
+        kv_start = [0]
+        for b in range(batch):
+            pages = page_indptr[b + 1] - page_indptr[b]
+            kv_start.append(kv_start[-1] + ((pages - 1) * page_size + last[b] if pages else 0))
+        total_q = qo[-1]
+        batch_host = torch.tensor([qo, kv_start], dtype=torch.int64)
+        assert seg_host.numel() >= seg.numel() and workspace.numel() >= workspace_host.numel()
+        self.plan_rows(rec[:len(REC_FIELDS) * total_q].view(len(REC_FIELDS), total_q), batch_host,
+                       starts_page_locked, starts, scratch, counts[:-(-total_q // ROW_BLOCK)], seg,
+                       *spec_args_and_page_size)
+        seg_host[:seg.numel()] = seg
+        count = int(seg_host[0])
+        if count > (seg.numel() - 1) // SEG_FIELDS:
+            return count
+        requests = torch.tensor([page_indptr[:-1], kv_start[:-1], [b - a for a, b in zip(qo, qo[1:])],
+                                 [b - a for a, b in zip(kv_start, kv_start[1:])]], dtype=torch.int64)
+        self.build_launches(seg_host[1:1 + SEG_FIELDS * count].view(count, SEG_FIELDS), requests, workspace_host,
+                            desc, total_q, page_size, fa3, max_window_launches, num_sm, cta_tile_q, hq, hkv,
+                            head_dim_qk, head_dim_vo, kv_dtype_bytes, fa2_min_tiles)
+        copy_bytes, table_off, ranges, pages_off, total_pages = desc[:5].tolist()
+        if copy_bytes < 0:
+            return count
+        workspace[:copy_bytes] = workspace_host[:copy_bytes]
+        ints = workspace.view(torch.int32)
+        table = ints[table_off // 4:table_off // 4 + 2 * ranges].view(2, ranges)
+        gather_pages(kv_indices, table, total_pages, workspace.device, out=ints[pages_off // 4:][:total_pages])
+        return count
 
 
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
@@ -266,6 +310,33 @@ def test_native_plan_grows_the_schedule_workspace(planner_module, monkeypatch):
     assert w._schedule_workspace()[0].numel() > 512
 
 
+def test_native_plan_grows_the_segment_read_back(planner_module):
+    """More launch requests than the read-back has room for: plan_batch answers the count
+    (nothing built), plan() calls it again with room for all, and the next plan() starts
+    with room for twice as many (one call)."""
+    from test_wrapper_cpu import HEAD_DIM, HKV, HQ, make
+
+    from variantgen.reference import reference_attention
+
+    spec = load_spec(SPECS_DIR / "mm_prefix.yaml")
+    batch = random_paged_batch([64, 48, 90], [64, 80, 90], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                               page_size=16, seed=7)
+    args = random_spec_args(spec, batch, seed=7)
+    planner = NativeRowPlanner(spec, planner_module)
+    w, _ = make(spec)
+    w.set_row_planner(planner)
+    w.segment_capacity = 1
+    w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    n = sum(count for _, count in w.plan_stats["launches"])
+    assert n > 1 and planner.batches == 2 and w.segment_capacity >= 2 * n
+    out = w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
+                              batch.kv_indices, batch.last_page_len, args)
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+    w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    assert planner.batches == 3  # one call now
+
+
 def test_native_plan_names_a_workspace_that_never_fits(planner_module, monkeypatch):
     from test_wrapper_cpu import HEAD_DIM, HKV, HQ, check
 
@@ -277,5 +348,5 @@ def test_native_plan_names_a_workspace_that_never_fits(planner_module, monkeypat
     monkeypatch.setattr("variantgen.wrapper.WrapperBase._grow_schedule_workspace", never_large_enough)
     spec = load_spec(SPECS_DIR / "causal.yaml")
     batch = random_paged_batch([100], [100], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=4)
-    with pytest.raises(LaunchError, match="internal: build_launches still asks for"):
+    with pytest.raises(LaunchError, match="internal: plan_batch still asks for room"):
         check(spec, batch, {}, skip_tiles=True, row_planner=NativeRowPlanner(spec, planner_module))

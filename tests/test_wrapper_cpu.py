@@ -733,10 +733,12 @@ def test_fa3_large_launches_stay_one_launch():
 
 def test_host_lists_and_staging_on_the_cpu():
     from variantgen.staging import HostStaging
-    from variantgen.wrapper import host_lists
+    from variantgen.wrapper import host_indices, host_lists
 
     a, b = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([5, 1], dtype=torch.int32)
     assert host_lists(a, b) == [[0, 3, 7], [5, 1]]
+    lists, flat = host_indices(a, b)
+    assert lists == [[0, 3, 7], [5, 1]] and flat.dtype == torch.int32 and flat.tolist() == [0, 3, 7, 5, 1]
     staging = HostStaging(torch.device("cpu"))
     staging.begin()
     got = staging.to_device([1, -2, 3], torch.int64)

@@ -1,12 +1,13 @@
 """plan()'s launches built by the spec's planner module in one host call.
 
-planner.launches_from_segments, regroup_for_fa3 and the wrapper's metadata staging do in
-Python what the planner module's ``build_launches`` does in C++ (templates/planner/): turn the
-compacted launch requests into launches, each with its metadata (q_starts, kv_indptr,
-last_page_len, vg_meta) and its schedule (an fa3 work list, or an fa2 one where KV is not
-split), all written to one page-locked buffer. plan() then makes one host-to-device copy,
-one page-gather launch and a few views per launch (README: plan() time, measured per run in
-bench/results/plan-s5-*.json).
+The module's ``plan_batch`` (templates/planner/) runs the row pass, reads the compacted
+launch requests back, and does in C++ what planner.launches_from_segments, regroup_for_fa3
+and the wrapper's metadata staging do in Python: launches, each with its metadata
+(q_starts, kv_indptr, last_page_len, vg_meta) and its schedule (an fa3 work list, or an fa2
+one where KV is not split), written to one page-locked buffer, copied to the device in one
+go, and the launches' page lists gathered there. What is left here is a few views per
+launch: a plan() costs one call's argument passing rather than a few dozen tensor ops (README:
+plan() time, measured per run in bench/results/plan-*.json).
 
 The wrapper's shared schedule workspace (device buffer + page-locked mirror, the same size)
 holds, from offset 0: the page gather table, each launch's metadata, each launch's schedule,
@@ -16,15 +17,16 @@ HEADER fields, then LAUNCH_FIELDS per launch.
 
 from __future__ import annotations
 
-from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import LaunchError
 from .graph import META_COLUMNS
-from .planner import FA3_MAX_WINDOW_LAUNCHES, gather_pages
+from .intervals import usable_form
+from .planner import FA3_MAX_WINDOW_LAUNCHES
 from .render import MASK_MODES
+from .rowplan import REC_FIELDS, ROW_BLOCK, SEG_FIELDS, call_layout, kept_buffer
 
 if TYPE_CHECKING:
     from .wrapper import Launch, VariantWrapper
@@ -45,60 +47,98 @@ def fa3_cta_tile_q(head_dim_vo: int) -> int:
     return 192 if head_dim_vo == 64 else 128
 
 
-def has_native_build(module: object) -> bool:
-    return hasattr(module, "build_launches")
+def has_native_plan(module: object) -> bool:
+    return hasattr(module, "plan_batch")
 
 
-def build_launches(w: VariantWrapper, segments: torch.Tensor, kvp_h: list[int], kv_lens: list[int],
-                   kv_indices: torch.Tensor, disable_split_kv: bool) -> list[Launch]:
-    """The launches of ``segments`` (read_segments' host table) on the wrapper's device."""
+def plan_batch(w: VariantWrapper, indices: torch.Tensor, args: dict[str, Any], kv_indices: torch.Tensor,
+               disable_split_kv: bool) -> list[Launch]:
+    """The launches of a batch from the planner module's ``plan_batch``: row pass, read-back,
+    launches, copy and page gather in one host call. ``indices``: plan()'s qo_indptr,
+    paged_kv_indptr and last_page_len back to back on the host (int32, checked);
+    ``args``: the checked spec arguments."""
+    b, cfg, spec, module = w._batch, w.config, w.spec, w.row_planner
+    assert b is not None
+    tensor_names, scalar_names, defaults, sorted_count = call_layout(spec, usable_form(spec, args))
+    spec_values = [args[n] for n in tensor_names] + [args.get(n, defaults[n]) for n in scalar_names]
+    kv_indices = kv_indices.to(w.device).contiguous()
+    kept, dev, host = w.row_buffers, w.device, torch.device("cpu")
+    starts_page_locked = kept_buffer(kept, "starts_page_locked", 2 * (b.batch_size + 1), torch.int64, host, dev)
+    starts = kept_buffer(kept, "starts", 2 * (b.batch_size + 1), torch.int64, dev)
+    rec = kept_buffer(kept, "rec", len(REC_FIELDS) * b.total_q, torch.int64, dev)
+    counts = kept_buffer(kept, "counts", -(-b.total_q // ROW_BLOCK), torch.int32, dev)
+    scratch = kept_buffer(kept, "scratch", max(1, sorted_count * b.batch_size), torch.uint8, dev)
+    desc = w._native_desc
+    for _ in range(4):  # a too-small buffer is answered with the size it needs: one retry each
+        seg = kept_buffer(kept, "seg", 1 + SEG_FIELDS * w.segment_capacity, torch.int64, dev)
+        seg_host = kept_buffer(kept, "seg_host", seg.numel(), torch.int64, host, dev)
+        device_ws, host_ws = w._schedule_workspace()
+        count = module.plan_batch(
+            indices, starts_page_locked, starts, rec, counts, seg, seg_host, scratch, kv_indices, device_ws,
+            host_ws, desc, w.segment_read, cfg.backend == "fa3", FA3_MAX_WINDOW_LAUNCHES, w._num_sms(),
+            fa3_cta_tile_q(cfg.head_dim_vo), b.num_qo_heads, b.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_vo,
+            w._kv_dtype_bytes(), w._own_schedule_min_tiles(disable_split_kv), *spec_values, b.page_size)
+        w._staging.queued()  # the starts and the workspace go over from kept page-locked buffers
+        # room for twice this batch's launch requests next time, and a first read-back of that many
+        w.segment_capacity = max(w.segment_capacity, 1 << (2 * count).bit_length())
+        w.segment_read = max(64, 2 * count)
+        if count > (seg.numel() - 1) // SEG_FIELDS:
+            continue
+        values = desc.tolist()
+        if values[0] >= 0:
+            break
+        w._grow_schedule_workspace(-values[0])
+    else:
+        raise LaunchError("internal: plan_batch still asks for room after the buffers grew")
+    w.plan_stats["row_planner"] = "kernel"
+    return launches_from_desc(w, values, device_ws, host_ws, disable_split_kv)
+
+
+def launches_from_desc(w: VariantWrapper, values: list[int], device_ws: torch.Tensor, host_ws: torch.Tensor,
+                       disable_split_kv: bool) -> list[Launch]:
+    """The Launch views of a written plan: ``values`` is the descriptor (HEADER, then
+    LAUNCH_FIELDS per launch), the workspace holds what it points at. Every view comes from
+    one split of the workspace (a view op costs microseconds of host time)."""
     from .wrapper import Launch
 
-    b, cfg = w._batch, w.config
-    assert b is not None
-    kv_row_base = list(accumulate(kv_lens))[:-1]
-    requests = torch.tensor([kvp_h[:-1], [0, *kv_row_base], list(b.qo_lens), kv_lens], dtype=torch.int64)
-    desc = w._native_desc
-    fa3 = cfg.backend == "fa3"
-    for _ in range(3):  # the answer to a too-small buffer is the exact size: one retry suffices
-        device_ws, host_ws = w._schedule_workspace()
-        w.row_planner.build_launches(
-            segments, requests, host_ws, desc, b.total_q, b.page_size, fa3, FA3_MAX_WINDOW_LAUNCHES, w._num_sms(),
-            fa3_cta_tile_q(cfg.head_dim_vo), b.num_qo_heads, b.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_vo,
-            w._kv_dtype_bytes(), w._own_schedule_min_tiles(disable_split_kv))
-        head = desc[:len(HEADER)].tolist()
-        if head[0] >= 0:
-            break
-        w._grow_schedule_workspace(-head[0])
-    else:
-        raise LaunchError(f"internal: build_launches still asks for {-head[0]} bytes after growing the workspace")
-    copy_bytes, table_off, ranges, pages_off, total_pages, n_launches = head[:6]
-    device_ws[:copy_bytes].copy_(host_ws[:copy_bytes], non_blocking=True)
-    ints = device_ws.view(torch.int32)
-    pages = ints[pages_off // 4:pages_off // 4 + total_pages]
-    table = ints[table_off // 4:table_off // 4 + 2 * ranges].view(2, ranges)
-    gather_pages(kv_indices, table, total_pages, w.device, w.row_planner, out=pages)  # into the workspace
+    head = values[:len(HEADER)]
+    pages_off, total_pages, n_launches = head[3:6]
     w.plan_stats["segments"] = dict(zip(HEADER[6:], head[6:]))
-    rows = desc[len(HEADER):len(HEADER) + LAUNCH_FIELDS * n_launches].view(n_launches, LAUNCH_FIELDS).tolist()
-    chunk = w._float_workspace.numel() // max(n_launches, 1)
+    ints = device_ws.view(torch.int32)
+    rows = [values[len(HEADER) + i * LAUNCH_FIELDS:len(HEADER) + (i + 1) * LAUNCH_FIELDS] for i in range(n_launches)]
+    # [gap, q_starts, kv_indptr, last_page_len, meta] per launch, a gap, each launch's pages, the rest
+    sizes, at = [], 0
+    for d in rows:
+        n, offset = d[2], d[3] // 4
+        sizes += [offset - at, n + 1, n + 1, n, META_COLUMNS * n]
+        at = offset + 3 * n + 2 + META_COLUMNS * n
+    sizes.append(pages_off // 4 - at)
+    page_at = 0
+    for d in rows:
+        if d[7] != page_at:
+            raise LaunchError(f"internal: launch pages at {d[7]}, expected {page_at} (back to back)")
+        sizes.append(d[8])
+        page_at += d[8]
+    sizes.append(ints.numel() - pages_off // 4 - total_pages)
+    views = ints.split_with_sizes(sizes)
+    float_chunks = w._float_chunks(n_launches)
     launches = []
     for i, d in enumerate(rows):
-        mode, window, n, offset, packed, schedule, nrows, page_at, npages, info_len = d[:len(LAUNCH)]
-        at = offset // 4
-        q_starts, kv_indptr, last_page_len, meta = ints[at:at + 12 * n + 2].split([n + 1, n + 1, n, 9 * n])
-        float_ws = w._float_workspace[i * chunk:(i + 1) * chunk]
+        mode, window, n, offset, packed, schedule, nrows, _, _, info_len = d[:len(LAUNCH)]
+        _, q_starts, kv_indptr, last_page_len, meta = views[5 * i:5 * i + 5]
         int_ws = device_ws
         if schedule == SCHEDULE_NONE:  # fa2 where KV may be split: FlashInfer's scheduler
+            at = offset // 4
             host_ints = host_ws.view(torch.int32)  # plan_qo and kv_indptr of the launch, on the host
             int_ws, plan_info = w._flashinfer_plan(
                 i, host_ints[at + 12 * n + 2:at + 13 * n + 3], host_ints[at + n + 1:at + 2 * n + 2], nrows,
-                float_ws, disable_split_kv, None if packed else q_starts)
+                float_chunks[i], disable_split_kv, None if packed else q_starts)
         else:
             plan_info = d[len(LAUNCH):len(LAUNCH) + info_len]
         launches.append(Launch(
             mask_mode=MODE_NAMES[mode], q_starts=q_starts, kv_indptr=kv_indptr,
-            kv_indices=pages[page_at:page_at + npages], last_page_len=last_page_len,
+            kv_indices=views[5 * n_launches + 1 + i], last_page_len=last_page_len,
             meta=meta.view(n, META_COLUMNS), window_left=window, plan_info=plan_info, int_workspace=int_ws,
-            float_workspace=float_ws, num_requests=n))
+            float_workspace=float_chunks[i], num_requests=n))
     w.plan_stats["launches"] = [(la.mask_mode, la.num_requests) for la in launches]
     return launches

@@ -175,17 +175,10 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
     one plan to the next."""
     batch = len(kv_lens)
     starts_host = torch.tensor([qo_indptr, list(accumulate(kv_lens, initial=0))], dtype=torch.int64)
+    kept = buffers if buffers is not None else {}
 
     def buffer(name: str, numel: int, dtype: torch.dtype, where: torch.device = device) -> torch.Tensor:
-        """The first ``numel`` entries of a kept buffer (grown, never shrunk: batch sizes vary)."""
-        kept = buffers.get(name) if buffers is not None else None
-        if kept is None or kept.numel() < numel or kept.dtype != dtype or kept.device != where:
-            size = max(numel, 2 * kept.numel() if kept is not None else 0)
-            pinned = where.type == "cpu" and device.type == "cuda"
-            kept = torch.empty(size, dtype=dtype, device=where, pin_memory=pinned)
-            if buffers is not None:
-                buffers[name] = kept
-        return kept[:numel]
+        return kept_buffer(kept, name, numel, dtype, where, device)[:numel]
 
     # The starts go over through a kept page-locked buffer; plan() waits (staging.begin) for the
     # previous plan's copies before this one rewrites it.
@@ -196,7 +189,7 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
     rows = RowPass(rec=buffer("rec", len(REC_FIELDS) * total_q, torch.int64).view(len(REC_FIELDS), total_q),
                    counts=buffer("counts", max(1, -(-total_q // ROW_BLOCK)), torch.int32),
                    seg=buffer("seg", 1 + SEG_FIELDS * max(1, segment_capacity), torch.int64))
-    tensor_names, scalar_names, defaults, sorted_count = _call_layout(spec, form)
+    tensor_names, scalar_names, defaults, sorted_count = call_layout(spec, form)
     scratch = buffer("scratch", max(1, sorted_count) * batch, torch.uint8)
     if staging is not None and buffers is not None:
         staging.queued()  # the starts' copy, out of a kept page-locked buffer
@@ -205,10 +198,22 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
     return rows
 
 
+def kept_buffer(kept: dict[str, torch.Tensor], name: str, numel: int, dtype: torch.dtype, where: torch.device,
+                device: torch.device | None = None) -> torch.Tensor:
+    """``kept[name]``, a buffer of at least ``numel`` on ``where`` (grown, never shrunk: batch
+    sizes vary). Host buffers are page-locked when ``device`` (the one they feed) is CUDA."""
+    buf = kept.get(name)
+    if buf is None or buf.numel() < numel or buf.dtype != dtype or buf.device != where:
+        size = max(numel, 2 * buf.numel() if buf is not None else 0)
+        pinned = where.type == "cpu" and device is not None and device.type == "cuda"
+        buf = kept[name] = torch.empty(size, dtype=dtype, device=where, pin_memory=pinned)
+    return buf
+
+
 _LAYOUTS: dict[tuple[int, int], tuple] = {}
 
 
-def _call_layout(spec: VariantSpec, form: IntervalForm) -> tuple[list[str], list[str], dict[str, Any], int]:
+def call_layout(spec: VariantSpec, form: IntervalForm) -> tuple[list[str], list[str], dict[str, Any], int]:
     """plan_rows' argument layout for a spec and its intervals: (tensor names, scalar names,
     scalar defaults, sorted-id tensors). Kept per (spec, form) object: plan() asks every time."""
     key = (id(spec), id(form))

@@ -9,14 +9,14 @@ the generated mask always sees true positions and rows; q and o are read and wri
 place (launch requests need not be packed), so nothing is gathered or scattered.
 
 The same wrapper drives fa2 and fa3 (sm90) prefill modules. With the spec's planner module
-(the default on CUDA), plan() builds every launch, its metadata and its schedule in one C++
-call (native_plan.py) and one copy. Otherwise the launches are built here in Python: for fa3
-reshaped by planner.regroup_for_fa3 and each planned by the module's own all-heads work list
-(whose items carry their requests' first rows); fa2 launches without split-KV scheduled by
-the planner module when there is one (O(tiles) on the host), else by FlashInfer's
-scheduler. Graph mode (graph.py) fixes the launches and their buffers at a capacity. Decode
-and ragged KV have their own wrappers (decode.py, ragged.py) on the shared checks of
-WrapperBase.
+(the default on CUDA), plan() runs the row pass and builds every launch, its metadata and
+its schedule in one C++ call (native_plan.py) with one copy. Otherwise the launches are
+built here in Python: for fa3 reshaped by planner.regroup_for_fa3 and each planned by the
+module's own all-heads work list (whose items carry their requests' first rows); fa2
+launches without split-KV scheduled by the planner module when there is one (O(tiles) on
+the host), else by FlashInfer's scheduler. Graph mode (graph.py) fixes the launches and
+their buffers at a capacity. Decode and ragged KV have their own wrappers (decode.py,
+ragged.py) on the shared checks of WrapperBase.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from .build import BuildResult, build_module, default_cache, load_module
 from .cache import Cache
 from .errors import LaunchError
 from .graph import META_COLUMNS, GraphBuffers, GraphCapacity
-from .intervals import analyze
-from .native_plan import DESC_FIELDS
-from .planner import gather_page_ranges, gather_pages, page_gather_table
+from .intervals import analyze, args_read, tensors_read
+from .native_plan import DESC_FIELDS, has_native_plan, plan_batch
+from .planner import gather_page_ranges, gather_pages, page_gather_table, plan_launches, regroup_for_fa3
 from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
 from .spec import VariantSpec, load_spec
 from .staging import HostStaging
@@ -121,6 +121,7 @@ class WrapperBase:
         self._planned_args: dict[str, Any] = {}
         self.plan_stats: dict[str, Any] = {}
         self._staging = HostStaging(self.device)  # plan()'s host-to-device copies
+        self._float_chunk_cache: dict[int, list[torch.Tensor]] = {}
 
     def _workspace(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The i-th (int workspace, page-locked host mirror) pair; one per launch."""
@@ -129,6 +130,16 @@ class WrapperBase:
             self._pinned.append(torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
                                             pin_memory=self.device.type == "cuda"))
         return self._int_workspaces[i], self._pinned[i]
+
+    def _float_chunks(self, n_launches: int) -> list[torch.Tensor]:
+        """The caller's float workspace cut into ``n_launches`` equal slices (split-KV scratch:
+        one per launch); kept per count (views cost host time every plan)."""
+        chunks = self._float_chunk_cache.get(n_launches)
+        if chunks is None:
+            chunk = self._float_workspace.numel() // max(n_launches, 1)
+            chunks = self._float_chunk_cache[n_launches] = [
+                self._float_workspace[i * chunk:(i + 1) * chunk] for i in range(n_launches)]
+        return chunks
 
     def _schedule_workspace(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The (int workspace, page-locked mirror) that launches scheduled by the planner
@@ -160,8 +171,6 @@ class WrapperBase:
         """Whether ``what`` (the interval planner, decode's key trimming) is on by default: the
         mask's key intervals are known and plan() was given the spec tensors they read.
         Otherwise ``plan_stats["planner_off"]`` says why."""
-        from .intervals import analyze, tensors_read
-
         form = analyze(self.spec)
         if not form.planner_ready:
             self.plan_stats["planner_off"] = form.reason
@@ -447,7 +456,7 @@ class VariantWrapper(WrapperBase):
                 f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
                 "(expected batch+1, batch+1, batch)")
         self._staging.begin()
-        qo_h, kvp_h, last_h = host_lists(qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
+        (qo_h, kvp_h, last_h), indices_h = host_indices(qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
         qo_lens, kv_lens = [], []
         for b in range(batch):
             ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
@@ -478,18 +487,13 @@ class VariantWrapper(WrapperBase):
         use_planner = (bool(skip_tiles) if skip_tiles is not None
                        else self._intervals_default(spec_args, "interval planner"))
         if use_planner:
-            from .intervals import analyze, args_read
-            from .native_plan import build_launches, has_native_build
-            from .planner import plan_launches, row_segments
-
             checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
             if graph is not None:
                 checked = self._trim_to_batch(checked)
             read = args_read(analyze(self.spec), self.spec)
             self._planned_args = {k: v for k, v in checked.items() if k in read}
-            if graph is None and has_native_build(self.row_planner):  # launches built in one C++ call
-                segments = row_segments(self, qo_h, kv_lens, checked)
-                self._launches = build_launches(self, segments, kvp_h, kv_lens, paged_kv_indices, disable_split_kv)
+            if graph is None and has_native_plan(self.row_planner):  # the whole plan in one C++ call
+                self._launches = plan_batch(self, indices_h, checked, paged_kv_indices, disable_split_kv)
                 self._staging.record()
                 return
             launches = plan_launches(self, qo_h, kvp_h, kv_lens, checked)
@@ -504,8 +508,6 @@ class VariantWrapper(WrapperBase):
             launches = [dict(mask_mode="custom", q_starts=qo_h, plan_qo=qo_h, kv_indptr=kvp_h,
                              kv_indices=paged_kv_indices, last_page_len=last_h, meta=meta)]
         if self.config.backend == "fa3":
-            from .planner import regroup_for_fa3
-
             launches = regroup_for_fa3(launches)
         if graph is not None:
             launches = graph.slot_launches(launches)
@@ -582,9 +584,7 @@ class VariantWrapper(WrapperBase):
             both = torch.tensor(launch["plan_qo"] + launch["q_starts"], dtype=torch.int32)
             plan_qo, q_starts_h, kv_indptr_h = both[:n + 1], both[n + 1:], None
         n = plan_qo.numel() - 1
-        # Each launch gets its own slice of the caller's float workspace (split-KV scratch).
-        chunk = self._float_workspace.numel() // n_launches
-        float_ws = self._float_workspace[i * chunk:(i + 1) * chunk]
+        float_ws = self._float_chunks(n_launches)[i]
         if cfg.backend == "fa3":
             plan_info = self._plan_fa3(launch, plan_qo, q_starts_h[:n], float_ws, int_ws, pinned)
         else:
@@ -710,16 +710,24 @@ class VariantWrapper(WrapperBase):
 
 
 def host_lists(*tensors: torch.Tensor) -> list[list[int]]:
-    """Host copies of small index tensors as int lists: one device-to-host copy for all of
-    them when they share a CUDA device (each copy is a sync)."""
-    if len({(t.device, t.dtype) for t in tensors}) == 1 and tensors[0].device.type == "cuda":
-        flat = torch.cat([t.reshape(-1) for t in tensors]).cpu().tolist()
-        out, at = [], 0
-        for t in tensors:
-            out.append(flat[at:at + t.numel()])
-            at += t.numel()
-        return out
-    return [t.to("cpu", torch.int64).tolist() for t in tensors]
+    """Host copies of small index tensors as int lists (see host_indices)."""
+    return host_indices(*tensors)[0]
+
+
+def host_indices(*tensors: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]:
+    """Host copies of small 1-D index tensors of one dtype: as int lists, and back to back in one
+    CPU tensor. One device-to-host copy for all of them when they share a CUDA device (each
+    copy is a sync)."""
+    if len({t.device for t in tensors}) == 1:
+        flat = torch.cat(tensors).cpu()
+    else:
+        flat = torch.cat([t.cpu() for t in tensors])
+    values = flat.tolist()
+    out, at = [], 0
+    for t in tensors:
+        out.append(values[at:at + t.numel()])
+        at += t.numel()
+    return out, flat
 
 
 def resolve_spec(spec: VariantSpec | str | Path) -> VariantSpec:
