@@ -59,7 +59,10 @@ def plan_batch(w: VariantWrapper, indices: torch.Tensor, args: dict[str, Any], k
     ``args``: the checked spec arguments."""
     b, cfg, spec, module = w._batch, w.config, w.spec, w.row_planner
     assert b is not None
-    tensor_names, scalar_names, defaults, sorted_count = call_layout(spec, usable_form(spec, args))
+    form, _, tensors = w._interval_facts
+    if not form.planner_ready or not tensors <= args.keys():
+        usable_form(spec, args)  # raises: which intervals or tensors are missing
+    tensor_names, scalar_names, defaults, sorted_count = call_layout(spec, form)
     spec_values = [args[n] for n in tensor_names] + [args.get(n, defaults[n]) for n in scalar_names]
     kv_indices = kv_indices.to(w.device).contiguous()
     kept, dev, host = w.row_buffers, w.device, torch.device("cpu")

@@ -21,12 +21,13 @@ ragged.py) on the shared checks of WrapperBase.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -34,7 +35,7 @@ from .build import BuildResult, build_module, default_cache, load_module
 from .cache import Cache
 from .errors import LaunchError
 from .graph import META_COLUMNS, GraphBuffers, GraphCapacity
-from .intervals import analyze, args_read, tensors_read
+from .intervals import IntervalForm, analyze, args_read, tensors_read
 from .native_plan import DESC_FIELDS, has_native_plan, plan_batch
 from .planner import gather_page_ranges, gather_pages, page_gather_table, plan_launches, regroup_for_fa3
 from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
@@ -70,6 +71,12 @@ class Launch:
     int_workspace: torch.Tensor
     float_workspace: torch.Tensor
     num_requests: int
+
+
+class IntervalFacts(NamedTuple):
+    form: IntervalForm  # intervals.analyze(spec)
+    args: frozenset[str]  # spec arguments the intervals read
+    tensors: frozenset[str]  # ... of them the tensors (plan() needs them)
 
 
 @dataclass(frozen=True)
@@ -167,15 +174,21 @@ class WrapperBase:
             self._pdl = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device)[0] >= 9
         return self._pdl
 
+    @functools.cached_property
+    def _interval_facts(self) -> IntervalFacts:
+        """The spec's key intervals and the arguments they read (asked on every plan())."""
+        form = analyze(self.spec)
+        return IntervalFacts(form, frozenset(args_read(form, self.spec)), frozenset(tensors_read(form, self.spec)))
+
     def _intervals_default(self, spec_args: dict[str, Any], what: str) -> bool:
         """Whether ``what`` (the interval planner, decode's key trimming) is on by default: the
         mask's key intervals are known and plan() was given the spec tensors they read.
         Otherwise ``plan_stats["planner_off"]`` says why."""
-        form = analyze(self.spec)
+        form, _, tensors = self._interval_facts
         if not form.planner_ready:
             self.plan_stats["planner_off"] = form.reason
             return False
-        missing = sorted(tensors_read(form, self.spec) - set(spec_args))
+        missing = sorted(tensors - set(spec_args))
         if missing:
             reason = f"plan() was not given {', '.join(missing)}, which the key intervals read"
             if reason != self.plan_stats.get("planner_off"):
@@ -490,7 +503,7 @@ class VariantWrapper(WrapperBase):
             checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
             if graph is not None:
                 checked = self._trim_to_batch(checked)
-            read = args_read(analyze(self.spec), self.spec)
+            read = self._interval_facts.args
             self._planned_args = {k: v for k, v in checked.items() if k in read}
             if graph is None and has_native_plan(self.row_planner):  # the whole plan in one C++ call
                 self._launches = plan_batch(self, indices_h, checked, paged_kv_indices, disable_split_kv)
