@@ -39,7 +39,7 @@ LAUNCH_FIELDS = len(LAUNCH) + 15
 MAX_LAUNCHES = 8  # custom, none, causal split into at most 1 + FA3_MAX_WINDOW_LAUNCHES + custom
 SCHEDULE_NONE, SCHEDULE_FA2, SCHEDULE_FA3 = 0, 1, 2
 MODE_NAMES = {code: name for name, (code, _) in MASK_MODES.items()}
-DESC_FIELDS = len(HEADER) + LAUNCH_FIELDS * MAX_LAUNCHES  # the int64 answer build_launches writes
+DESC_FIELDS = len(HEADER) + LAUNCH_FIELDS * MAX_LAUNCHES  # the int64 answer plan_batch writes
 
 
 def fa3_cta_tile_q(head_dim_vo: int) -> int:

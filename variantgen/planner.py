@@ -144,7 +144,7 @@ def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_lens:
 def launches_from_segments(w: VariantWrapper, host: list[list[int]], kvp_h: list[int], kv_lens: list[int],
                            ) -> list[dict]:
     """The launches of row_segments' table (as lists): launch requests grouped by mask mode.
-    The planner module's build_launches does the same in C++ (native_plan.py)."""
+    The planner module does the same in C++ (plan_batch, native_plan.py)."""
     b = w._batch
     assert b is not None
     ps = b.page_size

@@ -414,7 +414,7 @@ class VariantWrapper(WrapperBase):
         self.segment_capacity = 1024  # launch requests the row kernel's read-back has room for
         self.segment_read = 64  # launch requests plan() copies back at first (more: a second copy)
         self.row_buffers: dict[str, torch.Tensor] = {}  # the row kernel's outputs, kept across plans
-        self._native_desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)  # build_launches' answer
+        self._native_desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)  # plan_batch's answer
 
     def _trim_to_batch(self, args: dict[str, Any]) -> dict[str, Any]:
         """Spec tensors given as capacity-sized static buffers, cut to this batch's sizes
