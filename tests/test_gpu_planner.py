@@ -135,3 +135,40 @@ def test_schedule_matches_flashinfers_scheduler(heads, workspace):
             a = ours_ints[ours[field] // 4:ours[field] // 4 + count]
             b = fi_ints[fi[field] // 4:fi[field] // 4 + count]
             assert torch.equal(a, b), f"{label}: plan_info field {field} arrays differ"
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_plan_batch_retries_give_the_same_plan(backend, workspace):
+    """plan_batch's less common paths - a second read-back copy (more launch requests than the
+    first copy takes), a retry with room for them all, a schedule workspace grown mid-plan -
+    give the same launches and the same output as a plan with room to spare."""
+    spec = load_spec("mm_prefix")
+    b = random_paged_batch([700, 64, 1, 300], [900, 64, 40, 1300], num_qo_heads=32, num_kv_heads=8, head_dim=128,
+                           page_size=16, dtype=torch.bfloat16, device="cuda", seed=4)
+    spans = [[(10, 90), (300, 420), (600, 650)], [(0, 20)], [], [(100, 400), (1000, 1290)]]
+    args = {"ranges": spans_to_ranges([700, 64, 1, 300], [900, 64, 40, 1300], spans).cuda()}
+
+    def planned(setup):
+        w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
+                                    backend=backend)
+        assert w.row_planner is not None, w.row_planner_reason
+        setup(w)
+        w.plan(*b.plan_args(), **args)
+        launches = [(la.mask_mode, la.num_requests, la.meta.tolist(), la.kv_indices.tolist()) for la in w._launches]
+        return w, launches, w.run(b.q, (b.k_cache, b.v_cache), **args)
+
+    def tiny_workspace(w):
+        w._sched_ws = (torch.empty(256, dtype=torch.uint8, device="cuda"),
+                       torch.empty(256, dtype=torch.uint8, pin_memory=True))
+
+    _, want_launches, want = planned(lambda w: None)
+    assert sum(n for _, n, _, _ in want_launches) > 4, want_launches
+    setups = {"second copy": lambda w: setattr(w, "segment_read", 1),
+              "room for one": lambda w: setattr(w, "segment_capacity", 1),
+              "tiny workspace": tiny_workspace}
+    for label, setup in setups.items():
+        w, launches, out = planned(setup)
+        assert w.plan_stats["row_planner"] == "kernel", label
+        assert launches == want_launches, label
+        assert torch.equal(out, want), label
+    assert w._schedule_workspace()[0].numel() > 256

@@ -212,6 +212,21 @@ def test_build_launches_names_a_bad_segment_table(planner_module):
         native_launches(planner_module, [[0, 10, 3, CAUSAL, 0, 0, 9, 0, 9]], [10], [10], [0, 1], 16, False)
 
 
+def test_plan_batch_names_bad_indices(planner_module):
+    """plan_batch checks its host inputs before any CUDA call (the rest needs a GPU)."""
+    def call(indices):
+        i64 = [torch.zeros(n, dtype=torch.int64) for n in (4, 4, 70)]
+        planner_module.plan_batch(indices, *i64, torch.zeros(1, dtype=torch.int32), torch.zeros(10, dtype=torch.int64),
+                                  torch.zeros(10, dtype=torch.int64), torch.zeros(1, dtype=torch.uint8),
+                                  torch.zeros(2, dtype=torch.int32), torch.zeros(64, dtype=torch.uint8),
+                                  torch.zeros(64, dtype=torch.uint8), torch.zeros(MAX_LAUNCHES, dtype=torch.int64), 64,
+                                  True, FA3_MAX_WINDOW_LAUNCHES, SMS, 128, HQ, HKV, 128, 128, 2, 0, 16)
+
+    for bad in (torch.tensor([0, 10, 0, 1, 10], dtype=torch.int64), torch.tensor([0, 10, 0, 1], dtype=torch.int32)):
+        with pytest.raises(Exception, match=r"indices: expected int32 \[3 batch \+ 2\] on the host"):
+            call(bad)
+
+
 # ----------------------------------------------------------------------------- through the wrapper
 class NativeRowPlanner(FakeRowPlanner):
     """The fake row kernel (torch rules) with the real planner module's build_launches, put
