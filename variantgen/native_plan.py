@@ -26,7 +26,7 @@ from .graph import META_COLUMNS
 from .intervals import usable_form
 from .planner import FA3_MAX_WINDOW_LAUNCHES
 from .render import MASK_MODES
-from .rowplan import REC_FIELDS, ROW_BLOCK, SEG_FIELDS, call_layout, kept_buffer
+from .rowplan import SEG_FIELDS, call_layout, kept_buffer, row_buffers
 
 if TYPE_CHECKING:
     from .wrapper import Launch, VariantWrapper
@@ -65,22 +65,18 @@ def plan_batch(w: VariantWrapper, indices: torch.Tensor, args: dict[str, Any], k
     tensor_names, scalar_names, defaults, sorted_count = call_layout(spec, form)
     spec_values = [args[n] for n in tensor_names] + [args.get(n, defaults[n]) for n in scalar_names]
     kv_indices = kv_indices.to(w.device).contiguous()
-    kept, dev, host = w.row_buffers, w.device, torch.device("cpu")
-    starts_page_locked = kept_buffer(kept, "starts_page_locked", 2 * (b.batch_size + 1), torch.int64, host, dev)
-    starts = kept_buffer(kept, "starts", 2 * (b.batch_size + 1), torch.int64, dev)
-    rec = kept_buffer(kept, "rec", len(REC_FIELDS) * b.total_q, torch.int64, dev)
-    counts = kept_buffer(kept, "counts", -(-b.total_q // ROW_BLOCK), torch.int32, dev)
-    scratch = kept_buffer(kept, "scratch", max(1, sorted_count * b.batch_size), torch.uint8, dev)
     desc = w._native_desc
     for _ in range(4):  # a too-small buffer is answered with the size it needs: one retry each
-        seg = kept_buffer(kept, "seg", 1 + SEG_FIELDS * w.segment_capacity, torch.int64, dev)
-        seg_host = kept_buffer(kept, "seg_host", seg.numel(), torch.int64, host, dev)
+        bufs = row_buffers(w.row_buffers, b.batch_size, b.total_q, sorted_count, w.segment_capacity, w.device)
+        seg = bufs.seg
+        seg_host = kept_buffer(w.row_buffers, "seg_host", seg.numel(), torch.int64, torch.device("cpu"), w.device)
         device_ws, host_ws = w._schedule_workspace()
         count = module.plan_batch(
-            indices, starts_page_locked, starts, rec, counts, seg, seg_host, scratch, kv_indices, device_ws,
-            host_ws, desc, w.segment_read, cfg.backend == "fa3", FA3_MAX_WINDOW_LAUNCHES, w._num_sms(),
-            fa3_cta_tile_q(cfg.head_dim_vo), b.num_qo_heads, b.num_kv_heads, cfg.head_dim_qk, cfg.head_dim_vo,
-            w._kv_dtype_bytes(), w._own_schedule_min_tiles(disable_split_kv), *spec_values, b.page_size)
+            indices, bufs.starts_page_locked, bufs.starts, bufs.rec, bufs.counts, seg, seg_host, bufs.scratch,
+            kv_indices, device_ws, host_ws, desc, w.segment_read, cfg.backend == "fa3", FA3_MAX_WINDOW_LAUNCHES,
+            w._num_sms(), fa3_cta_tile_q(cfg.head_dim_vo), b.num_qo_heads, b.num_kv_heads, cfg.head_dim_qk,
+            cfg.head_dim_vo, w._kv_dtype_bytes(), w._own_schedule_min_tiles(disable_split_kv), *spec_values,
+            b.page_size)
         w._staging.queued()  # the starts and the workspace go over from kept page-locked buffers
         # room for twice this batch's launch requests next time, and a first read-back of that many
         w.segment_capacity = max(w.segment_capacity, 1 << (2 * count).bit_length())

@@ -175,27 +175,42 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
     one plan to the next."""
     batch = len(kv_lens)
     starts_host = torch.tensor([qo_indptr, list(accumulate(kv_lens, initial=0))], dtype=torch.int64)
-    kept = buffers if buffers is not None else {}
-
-    def buffer(name: str, numel: int, dtype: torch.dtype, where: torch.device = device) -> torch.Tensor:
-        return kept_buffer(kept, name, numel, dtype, where, device)[:numel]
-
-    # The starts go over through a kept page-locked buffer; plan() waits (staging.begin) for the
-    # previous plan's copies before this one rewrites it.
-    starts_page_locked = buffer("starts_page_locked", 2 * (batch + 1), torch.int64, torch.device("cpu"))
-    starts = buffer("starts", 2 * (batch + 1), torch.int64)
-
     total_q = qo_indptr[-1]
-    rows = RowPass(rec=buffer("rec", len(REC_FIELDS) * total_q, torch.int64).view(len(REC_FIELDS), total_q),
-                   counts=buffer("counts", max(1, -(-total_q // ROW_BLOCK)), torch.int32),
-                   seg=buffer("seg", 1 + SEG_FIELDS * max(1, segment_capacity), torch.int64))
     tensor_names, scalar_names, defaults, sorted_count = call_layout(spec, form)
-    scratch = buffer("scratch", max(1, sorted_count) * batch, torch.uint8)
+    kept = row_buffers(buffers if buffers is not None else {}, batch, total_q, sorted_count, segment_capacity,
+                       device)
+    rows = RowPass(rec=kept.rec[:len(REC_FIELDS) * total_q].view(len(REC_FIELDS), total_q),
+                   counts=kept.counts[:max(1, -(-total_q // ROW_BLOCK))],
+                   seg=kept.seg[:1 + SEG_FIELDS * max(1, segment_capacity)])
     if staging is not None and buffers is not None:
         staging.queued()  # the starts' copy, out of a kept page-locked buffer
-    module.plan_rows(rows.rec, starts_host, starts_page_locked, starts, scratch, rows.counts, rows.seg,
+    module.plan_rows(rows.rec, starts_host, kept.starts_page_locked, kept.starts, kept.scratch, rows.counts, rows.seg,
                      *(args[n] for n in tensor_names), *(args.get(n, defaults[n]) for n in scalar_names), page_size)
     return rows
+
+
+class RowBuffers(NamedTuple):
+    """The row pass's buffers, kept across plans (each at least as large as the batch needs)."""
+
+    starts_page_locked: torch.Tensor  # int64 host, page-locked: the request starts on their way up
+    starts: torch.Tensor  # int64 device: qo_indptr, then each request's first key row
+    rec: torch.Tensor  # int64 device, len(REC_FIELDS) * total_q
+    counts: torch.Tensor  # int32 device, a count per ROW_BLOCK rows
+    scratch: torch.Tensor  # uint8 device: per-request sortedness flags of sorted-id tensors
+    seg: torch.Tensor  # int64 device, 1 + SEG_FIELDS * segment_capacity
+
+
+def row_buffers(kept: dict[str, torch.Tensor], batch: int, total_q: int, sorted_count: int,
+                segment_capacity: int, device: torch.device) -> RowBuffers:
+    """The row pass's buffers for a batch, from ``kept`` (plan_rows' and plan_batch's)."""
+    host = torch.device("cpu")
+    return RowBuffers(
+        starts_page_locked=kept_buffer(kept, "starts_page_locked", 2 * (batch + 1), torch.int64, host, device),
+        starts=kept_buffer(kept, "starts", 2 * (batch + 1), torch.int64, device),
+        rec=kept_buffer(kept, "rec", len(REC_FIELDS) * total_q, torch.int64, device),
+        counts=kept_buffer(kept, "counts", max(1, -(-total_q // ROW_BLOCK)), torch.int32, device),
+        scratch=kept_buffer(kept, "scratch", max(1, sorted_count * batch), torch.uint8, device),
+        seg=kept_buffer(kept, "seg", 1 + SEG_FIELDS * max(1, segment_capacity), torch.int64, device))
 
 
 def kept_buffer(kept: dict[str, torch.Tensor], name: str, numel: int, dtype: torch.dtype, where: torch.device,
