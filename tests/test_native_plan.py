@@ -207,6 +207,21 @@ def test_build_launches_leaves_small_fa2_launches_to_flashinfer_and_asks_for_roo
     assert desc[0] > 0 and [la["mode"] for la in decode(host, desc)[1]] == [1, 0]
 
 
+def test_build_launches_never_leaves_a_windowed_fa2_launch_to_flashinfer(planner_module):
+    """A launch with a kernel window gets the planner module's work list (no split-KV) however
+    small: FlashInfer's split-KV would size the window's partial rows differently from its
+    kernel (issue 14: wrong rows and NaN on the H200)."""
+    qo_lens, kv_lens, page_size = [40, 40], [40, 900], 16
+    pages_per = [-(-k // page_size) for k in kv_lens]
+    kvp_h = [0, pages_per[0], sum(pages_per)]
+    table = [[0, 40, 0, CAUSAL, 0, 0, 39, 0, 39], [40, 80, 1, WINDOW, 5, 855, 860, 860, 899]]
+    host, desc = native_launches(planner_module, table, qo_lens, kv_lens, kvp_h, page_size, False,
+                                 min_tiles=2 * SMS // HKV)
+    (launch,) = decode(host, desc)[1]
+    assert launch["schedule"] == 1 and launch["info_len"] == 15
+    assert [row[7] for row in launch["meta"]] == [-1, 5]
+
+
 def test_build_launches_names_a_bad_segment_table(planner_module):
     with pytest.raises(Exception, match="segments: row 0 is not a launch request of this batch"):
         native_launches(planner_module, [[0, 10, 3, CAUSAL, 0, 0, 9, 0, 9]], [10], [10], [0, 1], 16, False)

@@ -226,6 +226,25 @@ def test_mm_prefix_planner_sends_few_rows_to_custom(record_property):
         record_property(f"mode_rows_cw{cw}_rw{rw}", mode_rows(fake))
 
 
+def test_fa2_launches_with_a_kernel_window_never_split_kv():
+    """The H200 case of issue 14 (mm_prefix, window 5, page size 1, chunked prefill): the planner
+    makes causal launch requests with a kernel window of 5; FlashInfer's scheduler must not split
+    their KV (its fa2 kernel sizes split-KV partial rows from the window it runs with, the
+    scheduler from the one it is planned with), whatever the launch's size."""
+    spec = shipped("mm_prefix")
+    qo_lens, kv_lens = [662, 49], [746, 67]
+    batch = batch_of(qo_lens, kv_lens, 1, seed=14)
+    ranges = torch.full((sum(qo_lens), 2), -1, dtype=torch.int32)
+    args = {"ranges": ranges, "causal_window_left": 5, "range_window_left": -1}
+    w, fake = check(spec, batch, args, skip_tiles=True, label="issue 14 case 1")
+    assert w.plan_stats["launches"] == [("causal", 2)]
+    assert any(row[wrapper_mod.META_KERNEL_WINDOW] == 5 for la in w._launches for row in la.meta.tolist())
+    assert fake.plan_calls and all(call.disable_split_kv for call in fake.plan_calls)
+    # a launch without a kernel window still lets FlashInfer split where it pays
+    w, fake = check(spec, batch, dict(args, causal_window_left=-1), skip_tiles=True, label="no window")
+    assert fake.plan_calls and not any(call.disable_split_kv for call in fake.plan_calls)
+
+
 # ----------------------------------------------------------------------------- other masks' edges
 
 

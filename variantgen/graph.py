@@ -32,6 +32,7 @@ from .errors import LaunchError
 
 GRAPH_MODES = ("custom", "causal", "none")  # the launches of a graph-mode plan, in order
 META_COLUMNS = 9  # vg_meta row width (VG_META_STRIDE in templates/fa2/config.inc.jinja)
+META_KERNEL_WINDOW = 7  # vg_meta column: the left window the kernel may prune with (-1: none)
 
 
 def _positive(name: str, value: object) -> int:

@@ -34,7 +34,7 @@ import torch
 from .build import BuildResult, build_module, default_cache, load_module
 from .cache import Cache
 from .errors import LaunchError
-from .graph import META_COLUMNS, GraphBuffers, GraphCapacity
+from .graph import META_COLUMNS, META_KERNEL_WINDOW, GraphBuffers, GraphCapacity
 from .intervals import IntervalForm, analyze, args_read, tensors_read
 from .native_plan import DESC_FIELDS, has_native_plan, plan_batch
 from .planner import gather_page_ranges, gather_pages, page_gather_table, plan_launches, regroup_for_fa3
@@ -571,8 +571,13 @@ class VariantWrapper(WrapperBase):
                 fixed["kv_indices"][:count].copy_(views["kv_indices"])
                 views = fixed
             # Split-KV writes partial rows packed and merges them into packed rows, so it is only
-            # allowed where a launch's requests are back to back in q/o.
-            split_off = disable_split_kv or not launch.get("packed", True)
+            # allowed where a launch's requests are back to back in q/o. Nor where a launch request
+            # has a kernel window: FlashInfer's fa2 kernel sizes each request's split-KV partial rows
+            # from the window it is run with (min(kv_len, window_left + CTA_TILE_Q)), its scheduler
+            # from the window it is planned with - one per launch, while fa2 takes the window per
+            # launch request (vg_meta). Planned with -1, a windowed request's partial rows land at
+            # the wrong offsets: wrong rows, or NaN (tests/test_gpu_regressions.py).
+            split_off = disable_split_kv or not launch.get("packed", True) or has_kernel_window(launch["meta"])
             out.append(self._make_launch(i, len(launches), launch, split_off, views, padded[i]))
         if self._sched_end:
             sched_ws, sched_pinned = self._schedule_workspace()
@@ -720,6 +725,11 @@ class VariantWrapper(WrapperBase):
                     la.kv_indptr, la.kv_indices, la.last_page_len, out, lse, code, layout,
                     -1, enable_pdl, *tensors, la.meta, *scalars)
         return (out, lse) if return_lse else out
+
+
+def has_kernel_window(meta: list[list[int]]) -> bool:
+    """Whether a launch has a launch request that the kernel may prune with a left window."""
+    return any(row[META_KERNEL_WINDOW] >= 0 for row in meta)
 
 
 def host_lists(*tensors: torch.Tensor) -> list[list[int]]:
