@@ -247,17 +247,23 @@ TEMPLATE_DIRS = {"fa2": ("common", "fa2"), "fa3": ("common", "fa3", "sched"), "p
 
 
 def template_files(backend: str = "fa2") -> list[Path]:
+    """The templates and static sources a backend's modules are made of."""
     root = settings().template_dir
-    return sorted(p for d in TEMPLATE_DIRS[backend] for p in (root / d).glob("*.jinja") if p.is_file())
+    return sorted(p for d in TEMPLATE_DIRS[backend] for p in (root / d).iterdir() if p.is_file())
 
 
 @functools.lru_cache(maxsize=8)
 def _template_digest(template_dir: str, backend: str) -> str:
     h = hashlib.sha256()
     for d in TEMPLATE_DIRS[backend]:
-        for p in sorted((Path(template_dir) / d).glob("*.jinja")):
+        for p in sorted(q for q in (Path(template_dir) / d).iterdir() if q.is_file()):
             h.update(f"{d}/{p.name}".encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def static_source(name: str) -> str:
+    """A static C++ file of the template tree (copied into a module's sources as it is)."""
+    return (settings().template_dir / name).read_text()
 
 
 def template_digest(backend: str = "fa2") -> str:
@@ -448,6 +454,7 @@ def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
                cutlass_o=CUTLASS_TYPES[config.o_dtype])
     files = {
         "variant.cuh": env.get_template("fa3/variant.cuh.jinja").render(ctx),
+        "cutlass_prelude.cuh": static_source("fa3/cutlass_prelude.cuh"),
         "batch_prefill_sm90_config.inc": env.get_template("fa3/config.inc.jinja").render(ctx),
         "binding.cu": env.get_template("fa3/binding.cu.jinja").render(ctx, launches=launches),
     }
