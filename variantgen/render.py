@@ -339,7 +339,6 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
     ctx = {
         "vg_version": __version__,
         "spec": spec,
-        "spec_file": codegen.comment_text(Path(spec.path).name),
         "uri": config.uri_prefix,  # the full URI (with hash) is only known after rendering
         "kind": config.kind,
         "kind_text": KINDS[config.kind],

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from itertools import accumulate
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -113,7 +112,6 @@ def render_planner(config: PlannerConfig) -> RenderedModule:
         "vg_version": __version__,
         "uri": config.uri_prefix,
         "spec": spec,
-        "spec_file": codegen.comment_text(Path(spec.path).name),
         "mask_comment": codegen.describe(spec.mask),
         "terms": terms,
         "custom_rows": CUSTOM_ROWS,
