@@ -1,7 +1,7 @@
 """Document masking (8 documents per request) on the prefill workload, planned, on the GPU.
 
 Same workload as bench_prefill.py; FlexAttention on the same mask measured 2.18 ms in
-bench/results/prefill-2026-11-29-NVIDIA_H200.json. Run on the GPU machine.
+bench/results/2026-11-29-h200/prefill-948f6a9.json. Run on the GPU machine.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 below wrapped with a timer) and a torch.profiler table of host ops and kernels, for the
 benchmark workload (bench_plan.py's). Wrapping adds ~1 us per call, so the total is a little
 above bench_plan's. Run on the GPU machine:  python bench/plan_phases.py --backends fa3,fa2
-(bench/results/plan-phases-s5-*.log were made with an earlier form of this script in session 5)."""
+(bench/logs/2026-11-29-h200/plan-phases-534fafb.log and -0a08588.log were made with an earlier form of it)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ and the wrapper's metadata staging do in Python: launches, each with its metadat
 one where KV is not split), written to one page-locked buffer, copied to the device in one
 go, and the launches' page lists gathered there. What is left here is a few views per
 launch: a plan() costs one call's argument passing rather than a few dozen tensor ops (README:
-plan() time, measured per run in bench/results/plan-*.json).
+plan() time, measured in bench/results/<date>-<gpu>/plan-*.json).
 
 The wrapper's shared schedule workspace (device buffer + page-locked mirror, the same size)
 holds, from offset 0: the page gather table, each launch's metadata, each launch's schedule,

@@ -190,7 +190,7 @@ def choose_backend(spec: VariantSpec, *, kind: str, head_dim_qk: int, head_dim_v
 
     fa3 where an fa3 module is valid: paged prefill on sm90 with 16-bit KV of the query's
     dtype, head dims 64/128/256, a spec that allows it. On the H200 it measured faster than
-    fa2 for both routes (bench/results/prefill-fa3-2026-11-29-NVIDIA_H200.json, mm_prefix,
+    fa2 for both routes (bench/results/2026-11-29-h200/prefill-fa3-5ec28f3.json, mm_prefix,
     8 x 8192: planned 9.40 vs 13.39 ms, direct 54.3 vs 81.2 ms). Everything else: fa2 (decode,
     ragged, fp8 KV caches, 192/128, other GPUs)."""
     fa3_problems = ModuleConfig.problems_of(spec=spec, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
