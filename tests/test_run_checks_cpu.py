@@ -358,7 +358,7 @@ def test_used_bounds_ignores_entries_past_the_batch():
 
 
 def test_page_bounds_on_the_host_read_nothing_back():
-    reader = PageBoundsReader(torch.device("cpu"))
+    reader = PageBoundsReader()
     kv = torch.tensor([4, 2, 8, -1], dtype=torch.int32)
     assert reader.fold(kv, torch.tensor([0, 3], dtype=torch.int32)) == []  # host tensors: no fold
     reader.begin(kv, 3, [])

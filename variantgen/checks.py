@@ -64,8 +64,7 @@ def used_bounds(kv_indices: torch.Tensor, entries: torch.Tensor, positions: torc
 class PageBoundsReader:
     """plan()'s read of the page list's bounds (see the module doc); one per wrapper, reused."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self) -> None:
         self._positions: torch.Tensor | None = None  # 0, 1, 2, ... on the device (the masked reduction)
         self._pinned: torch.Tensor | None = None  # page-locked int32 [2]: the bounds on their way over
         self._event: torch.cuda.Event | None = None
@@ -167,11 +166,12 @@ class PlanCheck:
         self._planned: list[PlannedCopy] = []
         self._flags: torch.Tensor | None = None  # bool [tensors]: a captured run() found it changed
         self._flag_names: list[str] = []
+        self._captured = False  # a run() was captured: replays may set the flags
 
     def replays_changed(self) -> list[str]:
         """The tensors a replayed run() found changed since the plan it replayed (then forgotten).
         Reads the flags back: a sync (debug mode)."""
-        if self._flags is None:
+        if self._flags is None or not self._captured:
             return []
         hit = self._flags.tolist()
         self._flags.zero_()
@@ -202,6 +202,7 @@ class PlanCheck:
         for i, p in enumerate(self._planned):
             if capturing:
                 assert self._flags is not None
+                self._captured = True
                 self._flags[i:i + 1].logical_or_(torch.ne(p.tensor, p.copy).any().view(1))
             elif not torch.equal(p.tensor, p.copy):
                 raise LaunchError(f"run(): `{p.name}` changed since plan() read it (check_plan=True): the launches "

@@ -115,6 +115,8 @@ class WrapperBase:
             raise LaunchError(f"kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
         if not isinstance(float_workspace, torch.Tensor) or float_workspace.dtype != torch.uint8:
             raise LaunchError("workspace: expected a torch.uint8 tensor (e.g. 128 MiB on the GPU)")
+        if not float_workspace.is_contiguous():  # the kernels take its address and byte count
+            raise LaunchError(f"workspace: expected a contiguous tensor (got strides {list(float_workspace.stride())})")
         if check_plan is not None and not isinstance(check_plan, bool):
             raise LaunchError(f"check_plan={check_plan!r}: expected a bool (or None: VARIANTGEN_CHECK_PLAN)")
         self.spec = spec
@@ -142,7 +144,7 @@ class WrapperBase:
         self._plan_check = PlanCheck() if self.check_plan else None
         # The planned page list's bounds (checks.py) and the caller's tensor (for error messages);
         # the page count of the KV cache a captured run() used (later plan()s check against it).
-        self._page_reader = PageBoundsReader(self.device)
+        self._page_reader = PageBoundsReader()
         self._page_bounds: PageBounds = NO_PAGES
         self._page_list: torch.Tensor | None = None
         self._captured_pages: int | None = None
@@ -393,14 +395,15 @@ class WrapperBase:
         self._check_tensor(name, t, dtype, shape, layout_text)
         if t.numel() == 0:
             return t
-        if t.stride(-1) != 1:
-            raise LaunchError(f"run(): `{name}` must have a contiguous last dimension (stride {t.stride()})")
+        *outer, last = strides = t.stride()
+        if last != 1:
+            raise LaunchError(f"run(): `{name}` must have a contiguous last dimension (stride {strides})")
         unit = ALIGN_BYTES // t.element_size()
-        if t.data_ptr() % ALIGN_BYTES or any(s % unit for s in t.stride()[:-1]):
+        if t.data_ptr() % ALIGN_BYTES or any(s % unit for s in outer):
             raise LaunchError(f"run(): `{name}`: rows must start at {ALIGN_BYTES}-byte boundaries (data pointer and "
-                              f"strides {list(t.stride())} in multiples of {unit} elements); call .contiguous()")
-        if max(t.stride()[:-1]) >= 2**31:
-            raise LaunchError(f"run(): `{name}`: strides {list(t.stride())} do not fit the kernel's 32-bit strides")
+                              f"strides {list(strides)} in multiples of {unit} elements); call .contiguous()")
+        if max(outer) >= 2**31:
+            raise LaunchError(f"run(): `{name}`: strides {list(strides)} do not fit the kernel's 32-bit strides")
         return t
 
     def _check_scales(self, q_scale: Any, k_scale: Any, v_scale: Any) -> None:
@@ -499,16 +502,16 @@ class WrapperBase:
                 raise LaunchError(f"run(): `{name}`: expected dtype {kvdt}, got {t.dtype}")
             if t.device != self.device:
                 raise LaunchError(f"run(): `{name}` is on {t.device}, expected {self.device}")
-            if t.stride(-1) != 1:
+            *outer, last = strides = t.stride()
+            if last != 1:
                 raise LaunchError(f"run(): `{name}` must have a contiguous last dimension")
             # The kernels load 16-byte vectors through the cache's strides, stored as 32-bit fields.
             unit = ALIGN_BYTES // t.element_size()
-            if t.numel() and (t.data_ptr() % ALIGN_BYTES or any(s % unit for s in t.stride()[:-1])):
+            if (t.data_ptr() % ALIGN_BYTES or any(s % unit for s in outer)) and t.numel():
                 raise LaunchError(f"run(): `{name}`: pages and rows must start at {ALIGN_BYTES}-byte boundaries "
-                                  f"(data pointer and strides {list(t.stride())} in multiples of {unit} elements)")
-            if max(t.stride()[:-1]) >= 2**32:
-                raise LaunchError(f"run(): `{name}`: strides {list(t.stride())} do not fit the kernel's 32-bit "
-                                  "strides")
+                                  f"(data pointer and strides {list(strides)} in multiples of {unit} elements)")
+            if max(outer) >= 2**32:
+                raise LaunchError(f"run(): `{name}`: strides {list(strides)} do not fit the kernel's 32-bit strides")
         if k_cache.stride() != v_cache.stride():
             raise LaunchError(f"run(): k_cache and v_cache must have identical strides (got {k_cache.stride()} and "
                               f"{v_cache.stride()}); this module is compiled for equal K/V strides")
@@ -595,7 +598,8 @@ class VariantWrapper(WrapperBase):
         ``paged_kv_indices[:paged_kv_indptr[-1]]``, must be a page of the KV cache run() is
         given: negative entries are refused here, the rest by run(), which has the cache (in
         CUDA-graph mode, where replays run no host code, also here against the cache the graph
-        was captured with). Page lists on the host are checked for free; see checks.py.
+        was captured with). The bounds are read without a sync of their own where plan() reads
+        anything back from the device (see checks.py).
 
         Contract: the tensors plan() reads must not change until the next plan(). run()
         re-reads q, the KV cache and the spec tensors, but the launches - which rows go to
