@@ -221,6 +221,8 @@ class FakeModule:
         o_indptr = int_ws[o_off:o_off + 4 * (n + 1)].view(torch.int32).tolist()
         assert len(qs) >= n and len(last) == n and len(kvp) == n + 1
         total_q, hq, dim = q.shape
+        # FlashInfer's fa2 kernel writes o (and lse) at row * heads * head_dim: no strides.
+        assert out.is_contiguous() and (lse is None or lse.is_contiguous())
         num_pages, page_size, hkv, _ = k_cache.shape
         assert v_cache.shape == k_cache.shape and k_cache.stride() == v_cache.stride()
         assert planned.page_size == page_size and planned.num_qo_heads == hq and planned.num_kv_heads == hkv

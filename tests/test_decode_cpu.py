@@ -471,7 +471,7 @@ def causal_batch():
     (dict(paged_kv_last_page_len=torch.tensor([1, 0, 1], dtype=torch.int32)),
      "plan(): paged_kv_last_page_len[1]=0: expected 1..4"),
     (dict(paged_kv_indices=torch.zeros(5, dtype=torch.int32)),
-     "plan(): paged_kv_indices has 5 entries, paged_kv_indptr needs [0, 8)"),
+     "plan(): paged_kv_indices has 5 entries, paged_kv_indptr needs 8"),
 ])
 def test_plan_errors(causal_batch, change, message):
     spec, batch = causal_batch
@@ -546,8 +546,9 @@ def test_run_errors_of_spec_arguments():
         w.run(batch.q, kv)
     with pytest.raises(LaunchError, match=exact("run(): `ranges`: expected shape [total_q=3, 2], got [4, 2]")):
         w.run(batch.q, kv, ranges=torch.zeros(4, 2, dtype=torch.int32))
-    with pytest.raises(LaunchError, match=exact("run(): `out` must be contiguous (the decode kernel writes "
-                                                "[batch, heads, head_dim] rows back to back)")):
+    with pytest.raises(LaunchError, match=exact("run(): `out` must be contiguous (the kernel writes rows of "
+                                                "num_qo_heads * head_dim_vo elements back to back; got strides "
+                                                "[64, 192, 1])")):
         w.run(batch.q, kv, ranges=torch.zeros(3, 2, dtype=torch.int32),
               out=torch.empty(HQ, 3, HEAD_DIM, dtype=torch.bfloat16).transpose(0, 1))
 

@@ -380,3 +380,50 @@ def test_native_plan_names_a_workspace_that_never_fits(planner_module, monkeypat
     batch = random_paged_batch([100], [100], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=4)
     with pytest.raises(LaunchError, match="internal: plan_batch still asks for room"):
         check(spec, batch, {}, skip_tiles=True, row_planner=NativeRowPlanner(spec, planner_module))
+
+
+def test_native_plan_checks_page_numbers_and_copies_the_page_list(planner_module):
+    """The native path's launches read the page list gathered in plan(); its bounds are checked
+    as on every path (tests/test_run_checks_cpu.py): negative entries by plan(), entries past the
+    cache by run()."""
+    from test_run_checks_cpu import assert_reference, mm_case, plan_prefill, prefill
+
+    from variantgen.errors import LaunchError
+
+    spec, batch, args = mm_case(qo_lens=(20, 9), kv_lens=(40, 9), seed=6)
+    w, fake = prefill(spec)
+    w.set_row_planner(NativeRowPlanner(spec, planner_module))
+    kv = batch.kv_indices.clone()
+    kv[5] = -2
+    with pytest.raises(LaunchError, match=r"^plan\(\): paged_kv_indices\[5\]=-2 is not a page number"):
+        plan_prefill(w, batch, args, True, kv)
+    pages = batch.k_cache.shape[0]
+    kv[5] = pages
+    plan_prefill(w, batch, args, True, kv)
+    assert w.plan_stats["row_planner"] == "kernel"
+    with pytest.raises(LaunchError, match=rf"^run\(\): paged_kv_indices\[5\]={pages} is not a page of the KV cache "
+                                          rf"run\(\) was given \({pages} pages"):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    assert fake.run_calls == []
+    kv.copy_(batch.kv_indices)
+    plan_prefill(w, batch, args, True, kv)
+    kv.fill_(1 << 20)  # after plan(): the launches hold their gathered copy
+    assert_reference(spec, w.run(batch.q, (batch.k_cache, batch.v_cache), **args), batch, args)
+
+
+def test_native_plan_with_check_plan(planner_module):
+    from test_run_checks_cpu import assert_reference, mm_case, plan_prefill, prefill, rewrite_ranges
+
+    from variantgen.errors import LaunchError
+
+    spec, batch, args = mm_case(qo_lens=(20, 9), kv_lens=(40, 9), seed=6)
+    w, _ = prefill(spec, check_plan=True)
+    w.set_row_planner(NativeRowPlanner(spec, planner_module))
+    plan_prefill(w, batch, args, True)
+    assert w.plan_stats["row_planner"] == "kernel"
+    assert_reference(spec, w.run(batch.q, (batch.k_cache, batch.v_cache), **args), batch, args)
+    rewrite_ranges(args["ranges"])
+    with pytest.raises(LaunchError, match=r"^run\(\): `ranges` changed since plan\(\) read it \(check_plan=True\)"):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    plan_prefill(w, batch, args, True)
+    assert_reference(spec, w.run(batch.q, (batch.k_cache, batch.v_cache), **args), batch, args)

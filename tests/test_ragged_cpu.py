@@ -466,7 +466,7 @@ def test_plan_errors(mm, case, message):
                      "in multiples of 8 elements); call .contiguous()"),
     ("out_shape", "run(): `out`: expected shape [12, 4, 128], got [12, 4, 192]"),
     ("out_strided", "run(): `out` must be contiguous (the kernel writes rows of num_qo_heads * head_dim_vo "
-                    "elements)"),
+                    "elements back to back; got strides [1024, 256, 1])"),
     ("return_lse", "run(): return_lse=1: expected a bool"),
     ("missing", "run(): missing tensor argument `ranges` (int32, shape ['total_q', 2]: inclusive absolute key span "
                 "[start, end] each query token sees; (-1, -1) for none)"),

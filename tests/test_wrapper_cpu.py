@@ -678,6 +678,8 @@ def test_wrapper_constructor_checks():
     with pytest.raises(LaunchError, match=exact(
             "workspace: expected a torch.uint8 tensor (e.g. 128 MiB on the GPU)")):
         VariantWrapper(spec, w.config, fake, w.build, torch.empty(16, dtype=torch.float32))
+    with pytest.raises(LaunchError, match=exact("workspace: expected a contiguous tensor (got strides [2])")):
+        VariantWrapper(spec, w.config, fake, w.build, torch.empty(32, dtype=torch.uint8)[::2])
 
 
 def test_document_with_page_aligned_documents_runs_causal_launches():

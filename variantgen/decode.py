@@ -89,7 +89,8 @@ class DecodeWrapper(WrapperBase):
                                    torch.zeros(graph.max_kv_pages, dtype=torch.int32, device=self.device))
         if self.use_tensor_cores:
             self._prefill = VariantWrapper(self.spec, self.config, self.module, self.build,
-                                           self._float_workspace, self.kv_layout, graph=graph)
+                                           self._float_workspace, self.kv_layout, graph=graph,
+                                           check_plan=self.check_plan)
             self.plan_stats = self._prefill.plan_stats
         self._launch: DecodeLaunch | None = None
 
@@ -105,9 +106,16 @@ class DecodeWrapper(WrapperBase):
              *, skip_tiles: bool | None = None, **spec_args: Any) -> None:
         """Plan a decode batch (one query per request). ``skip_tiles`` turns key trimming
         on/off (default: on where the spec's key intervals are known and plan() was given
-        the spec tensors they read; pass those by name here and to run())."""
+        the spec tensors they read; pass those by name here and to run()).
+
+        As VariantWrapper.plan: the index tensors are read (and the page list copied) here,
+        ``paged_kv_indptr`` starts at 0, every entry of ``paged_kv_indices[:paged_kv_indptr[-1]]``
+        must be a page of the KV cache run() is given (run() checks; in CUDA-graph mode plan()
+        too, against the cache the graph was captured with), and the spec tensors key trimming
+        reads must not change until the next plan() (``check_plan=True`` detects it)."""
         # A plan() that fails must not leave the previous plan half-replaced.
         self._batch, self._launch, self._planned_args = None, None, {}
+        self._check_replays()
         self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
         group = num_qo_heads // num_kv_heads
         if not self.use_tensor_cores and group not in DECODE_GROUP_SIZES:
@@ -121,7 +129,12 @@ class DecodeWrapper(WrapperBase):
             raise LaunchError(
                 f"plan(): inconsistent batch: paged_kv_indptr has {paged_kv_indptr.numel()} entries, "
                 f"paged_kv_last_page_len {paged_kv_last_page_len.numel()} (expected batch+1 and batch, batch >= 1)")
-        kvp_h, last_h = host_lists(paged_kv_indptr, paged_kv_last_page_len)
+        if self._prefill is not None:  # its plan() reads the page list
+            (kvp_h, last_h), folded = host_lists(paged_kv_indptr, paged_kv_last_page_len), []
+        else:
+            (kvp_h, last_h), _, folded = self._read_indptrs(paged_kv_indices, paged_kv_indptr, paged_kv_indptr,
+                                                             paged_kv_last_page_len)
+        self._check_indptr_starts(paged_kv_indptr=kvp_h[0])
         kv_lens = []
         for b in range(batch):
             npages, lp = kvp_h[b + 1] - kvp_h[b], last_h[b]
@@ -133,9 +146,9 @@ class DecodeWrapper(WrapperBase):
             if not 1 <= lp <= page_size:
                 raise LaunchError(f"plan(): paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
             kv_lens.append((npages - 1) * page_size + lp)
-        if kvp_h[0] < 0 or kvp_h[-1] > paged_kv_indices.numel():
+        if kvp_h[-1] > paged_kv_indices.numel():
             raise LaunchError(f"plan(): paged_kv_indices has {paged_kv_indices.numel()} entries, "
-                              f"paged_kv_indptr needs [{kvp_h[0]}, {kvp_h[-1]})")
+                              f"paged_kv_indptr needs {kvp_h[-1]}")
         graph = self._graph
         if graph is not None and not self.use_tensor_cores:
             if batch != graph.max_batch_size:
@@ -154,8 +167,11 @@ class DecodeWrapper(WrapperBase):
             return
         self._batch = new_batch
         self._staging.begin()
+        self._begin_pages(paged_kv_indices, kvp_h[-1], folded)
         try:
             self._plan_cuda_cores(kvp_h, last_h, kv_lens, paged_kv_indices, skip_tiles, spec_args)
+            self._finish_pages()
+            self._snapshot_planned()
         except BaseException:
             self._batch, self._launch, self._planned_args = None, None, {}
             raise
@@ -164,10 +180,10 @@ class DecodeWrapper(WrapperBase):
                          kv_indices: torch.Tensor, skip_tiles: bool | None, spec_args: dict[str, Any]) -> None:
         b = self._batch
         assert b is not None
-        dev = self.device
         batch, ps = b.batch_size, b.page_size
         trim = bool(skip_tiles) if skip_tiles is not None else self._intervals_default(spec_args, "key trimming")
         kv_pos_base = [0] * batch
+        trimmed = False
         if trim:
             from .intervals import analyze, args_read
 
@@ -184,6 +200,7 @@ class DecodeWrapper(WrapperBase):
                 # request i's trimmed list: its original list from page first_page[i] on
                 ranges = [(kvp_h[i] + first_page[i], counts[i]) for i in range(batch)]
                 kv_indices = gather_page_ranges(kv_indices, ranges, self._staging)
+                trimmed = True
                 kvp_h = list(accumulate(counts, initial=0))
                 last_h = [hi[i] + 1 - kv_pos_base[i] - (counts[i] - 1) * ps for i in range(batch)]
         elif spec_args:
@@ -200,12 +217,13 @@ class DecodeWrapper(WrapperBase):
             self._graph_plan_info = pin_plan_info(self._graph_plan_info, plan_info, "the decode launch")
         # kv_indptr, last_page_len and vg_meta in one staged copy (no sync)
         staged = self._staging.to_device(kvp_h + last_h + [x for row in meta for x in row], torch.int32)
-        kv_indices = kv_indices.to(dev)
+        count = kvp_h[-1]
         if fixed is not None:  # graph mode: into the buffers the captured launch reads
             fixed[0].copy_(staged)
-            count = kvp_h[-1]
             fixed[1][:count].copy_(kv_indices[:count])
             staged, kv_indices = fixed
+        elif not trimmed:  # (a trimmed list is a gathered copy already)
+            kv_indices = self._own_pages(kv_indices, count)
         self._launch = DecodeLaunch(
             kv_indptr=staged[:batch + 1],
             kv_indices=kv_indices,
@@ -247,7 +265,8 @@ class DecodeWrapper(WrapperBase):
             return_lse: bool = False, enable_pdl: bool | None = None, **spec_args: Any):
         """Decode one query per request: ``q`` [batch, num_qo_heads, head_dim]; returns ``out``
         [batch, num_qo_heads, head_dim] (and the base-2 LSE [batch, num_qo_heads] with
-        ``return_lse=True``)."""
+        ``return_lse=True``). Checks as VariantWrapper.run (the planned page list against the
+        cache's page count among them)."""
         if self._batch is None or (self._prefill is None and self._launch is None):
             raise LaunchError("run() called before plan(): call plan(paged_kv_indptr, paged_kv_indices, "
                               "paged_kv_last_page_len, num_qo_heads, num_kv_heads, page_size) first")
@@ -267,9 +286,6 @@ class DecodeWrapper(WrapperBase):
         k_cache, v_cache, args = self._check_paged_run(q, want, paged_kv_cache, (q_scale, k_scale, v_scale),
                                                        spec_args)
         out, lse = self._outputs(out, return_lse)
-        if not out.is_contiguous():
-            raise LaunchError("run(): `out` must be contiguous (the decode kernel writes [batch, heads, head_dim] "
-                              "rows back to back)")
         tensors, scalars = self._kernel_args(args, q_scale, k_scale, v_scale)
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
             enable_pdl = self._pdl_default()

@@ -41,6 +41,9 @@ class Settings:
     """VARIANTGEN_TEMPLATE_DIR: where the Jinja templates live (default: <checkout>/templates)."""
     lock_timeout_s: float
     """VARIANTGEN_LOCK_TIMEOUT: seconds to wait for another process's build of a module."""
+    check_plan: bool
+    """VARIANTGEN_CHECK_PLAN=1: wrappers check in run() that the tensors plan() planned from are
+    unchanged (debug mode; the default of make_wrapper(check_plan=...))."""
 
 
 def _default_cache_dir() -> Path:
@@ -88,6 +91,7 @@ def _read() -> Settings:
         if os.environ.get("VARIANTGEN_TEMPLATE_DIR")
         else REPO_DIR / "templates",
         lock_timeout_s=float(timeout) if timeout else 1800.0,
+        check_plan=_flag("VARIANTGEN_CHECK_PLAN"),
     )
 
 

@@ -31,8 +31,6 @@ from .errors import LaunchError
 from .expr import Const
 from .wrapper import LAYOUT_CODES, MASK_MODES, META_COLUMNS, TORCH_DTYPES, Batch, WrapperBase, host_lists
 
-ALIGN_BYTES = 16  # the kernel loads q/k/v rows with 16-byte cp.async
-
 
 def launch_mask_mode(spec: Any, compiled: tuple[str, ...]) -> str:
     """The FlashInfer mask mode a ragged launch uses for ``spec`` (see the module doc)."""
@@ -77,6 +75,8 @@ class RaggedWrapper(WrapperBase):
     head_dim_qk], v [total_kv, Hkv, head_dim_vo]; "HND": k [Hkv, total_kv, head_dim_qk], v
     [Hkv, total_kv, head_dim_vo]. q, k and v may be strided views (e.g. v split off a wider
     kv tensor) as long as their last dimension is contiguous and rows are 16-byte aligned.
+    The kernel reads every input in run(), so plan() fixes nothing a later change of a tensor
+    could contradict (``check_plan`` has nothing to check here).
     """
 
     # False: always launch kCustom (evaluate the spec's mask on every tile), e.g. to compare.
@@ -107,10 +107,7 @@ class RaggedWrapper(WrapperBase):
             raise LaunchError(f"plan(): inconsistent batch: `qo_indptr` has {qo_indptr.numel()} entries and "
                               f"`kv_indptr` {kv_indptr.numel()} (expected batch + 1 each, batch >= 1)")
         qo_h, kv_h = host_lists(qo_indptr, kv_indptr)
-        for name, ptr in (("qo_indptr", qo_h), ("kv_indptr", kv_h)):
-            if ptr[0] != 0:
-                raise LaunchError(f"plan(): `{name}`[0]={ptr[0]}: expected 0 (rows are packed from the first row "
-                                  "of the tensor)")
+        self._check_indptr_starts(qo_indptr=qo_h[0], kv_indptr=kv_h[0])
         qo_lens, kv_lens = [], []
         for b in range(batch):
             ql, kl = qo_h[b + 1] - qo_h[b], kv_h[b + 1] - kv_h[b]
@@ -157,22 +154,6 @@ class RaggedWrapper(WrapperBase):
         self.plan_stats["launches"] = [(mode, batch)]
 
     # ------------------------------------------------------------------ run
-    def _check_rows(self, name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...], layout_text: str,
-                    ) -> torch.Tensor:
-        """A q/k/v tensor: the shared checks, then a contiguous last dim and 16-byte aligned rows."""
-        self._check_tensor(name, t, dtype, shape, layout_text)
-        if t.numel() == 0:
-            return t
-        if t.stride(-1) != 1:
-            raise LaunchError(f"run(): `{name}` must have a contiguous last dimension (stride {t.stride()})")
-        unit = ALIGN_BYTES // t.element_size()
-        if t.data_ptr() % ALIGN_BYTES or any(s % unit for s in t.stride()[:-1]):
-            raise LaunchError(f"run(): `{name}`: rows must start at {ALIGN_BYTES}-byte boundaries (data pointer and "
-                              f"strides {list(t.stride())} in multiples of {unit} elements); call .contiguous()")
-        if max(t.stride()[:-1]) >= 2**32:
-            raise LaunchError(f"run(): `{name}`: strides {list(t.stride())} do not fit the kernel's 32-bit strides")
-        return t
-
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_scale: float | None = None,
             k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
             return_lse: bool = False, enable_pdl: bool | None = None, **spec_args: Any):
@@ -198,9 +179,6 @@ class RaggedWrapper(WrapperBase):
             raise LaunchError(f"run(): return_lse={return_lse!r}: expected a bool")
         self._check_scales(q_scale, k_scale, v_scale)
         args = self._check_args(spec_args, where="run()")
-        if out is not None and isinstance(out, torch.Tensor) and not out.is_contiguous():
-            raise LaunchError("run(): `out` must be contiguous (the kernel writes rows of num_qo_heads * "
-                              "head_dim_vo elements)")
         out, lse = self._outputs(out, return_lse)
         if b.total_q == 0:
             return (out, lse) if return_lse else out

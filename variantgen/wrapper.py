@@ -33,6 +33,8 @@ import torch
 
 from .build import BuildResult, build_module, default_cache, load_module
 from .cache import Cache
+from .checks import NO_PAGES, PageBounds, PageBoundsReader, PlanCheck, check_page_high, check_page_low
+from .env import settings
 from .errors import LaunchError
 from .graph import META_COLUMNS, META_KERNEL_WINDOW, GraphBuffers, GraphCapacity
 from .intervals import IntervalForm, analyze, args_read, tensors_read
@@ -54,6 +56,7 @@ SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
 INT_WORKSPACE_BYTES = 8 << 20
 DEFAULT_MASK_MODES = ("none", "causal", "custom")
+ALIGN_BYTES = 16  # the kernels move q/k/v/o rows in 16-byte vectors (cp.async, TMA)
 
 
 @dataclass
@@ -99,15 +102,23 @@ def _is_int(value: Any) -> bool:
 
 class WrapperBase:
     """What every kernel kind's wrapper shares: the module, the float workspace, and the
-    checks of the spec's named arguments, scales and outputs. Subclasses set ``_batch``
-    (an object with the fields ``_dims`` reads) in plan()."""
+    checks of the spec's named arguments, scales, outputs and (paged kinds) page list.
+    Subclasses set ``_batch`` (an object with the fields ``_dims`` reads) in plan().
+
+    ``check_plan`` (default: VARIANTGEN_CHECK_PLAN): debug mode, in which run() verifies that
+    the spec tensors plan() planned from still hold what plan() saw (checks.PlanCheck; a
+    device sync per run())."""
 
     def __init__(self, spec: VariantSpec, config: ModuleConfig, module: Any, build: BuildResult,
-                 float_workspace: torch.Tensor, kv_layout: str = "NHD"):
+                 float_workspace: torch.Tensor, kv_layout: str = "NHD", *, check_plan: bool | None = None):
         if kv_layout not in LAYOUT_CODES:
             raise LaunchError(f"kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
         if not isinstance(float_workspace, torch.Tensor) or float_workspace.dtype != torch.uint8:
             raise LaunchError("workspace: expected a torch.uint8 tensor (e.g. 128 MiB on the GPU)")
+        if not float_workspace.is_contiguous():  # the kernels take its address and byte count
+            raise LaunchError(f"workspace: expected a contiguous tensor (got strides {list(float_workspace.stride())})")
+        if check_plan is not None and not isinstance(check_plan, bool):
+            raise LaunchError(f"check_plan={check_plan!r}: expected a bool (or None: VARIANTGEN_CHECK_PLAN)")
         self.spec = spec
         self.config = config
         self.module = module
@@ -129,6 +140,14 @@ class WrapperBase:
         self.plan_stats: dict[str, Any] = {}
         self._staging = HostStaging(self.device)  # plan()'s host-to-device copies
         self._float_chunk_cache: dict[int, list[torch.Tensor]] = {}
+        self.check_plan = settings().check_plan if check_plan is None else check_plan
+        self._plan_check = PlanCheck() if self.check_plan else None
+        # The planned page list's bounds (checks.py) and the caller's tensor (for error messages);
+        # the page count of the KV cache a captured run() used (later plan()s check against it).
+        self._page_reader = PageBoundsReader()
+        self._page_bounds: PageBounds = NO_PAGES
+        self._page_list: torch.Tensor | None = None
+        self._captured_pages: int | None = None
 
     def _workspace(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The i-th (int workspace, page-locked host mirror) pair; one per launch."""
@@ -217,6 +236,80 @@ class WrapperBase:
                 got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise LaunchError(f"plan(): {name}: expected a 1-D torch.int32 tensor, got {got}")
 
+    @staticmethod
+    def _check_indptr_starts(**firsts: int) -> None:
+        """plan()'s indptrs start at 0: the kernels index q / o rows and the page list from the
+        first row and entry of their tensors (an offset would be applied nowhere)."""
+        for name, first in firsts.items():
+            if first != 0:
+                what = ("page lists are packed from the first entry of `paged_kv_indices`" if name == "paged_kv_indptr"
+                        else "rows are packed from the first row of the tensor")
+                raise LaunchError(f"plan(): `{name}`[0]={first}: expected 0 ({what})")
+
+    # ------------------------------------------------------------------ the page list (checks.py)
+    def _read_indptrs(self, kv_indices: torch.Tensor, kv_indptr: torch.Tensor, *indptrs: torch.Tensor,
+                      ) -> tuple[list[list[int]], torch.Tensor, list[int]]:
+        """host_indices of ``indptrs`` with, where that is a copy from the page list's device, the
+        page list's bounds in the same copy: (lists, flat, folded bounds for begin_pages)."""
+        folded = self._page_reader.fold(kv_indices, kv_indptr)
+        lists, flat = host_indices(*indptrs, *folded)
+        if not folded:
+            return lists, flat, []
+        return lists[:-2], flat[:flat.numel() - 2], [lists[-2][0], lists[-1][0]]
+
+    def _begin_pages(self, kv_indices: torch.Tensor, entries: int, folded: list[int]) -> None:
+        """plan(): start reading the bounds of the batch's page list ``kv_indices[:entries]``."""
+        self._page_list = kv_indices
+        self._page_reader.begin(kv_indices, entries, folded)
+
+    def _finish_pages(self) -> None:
+        """plan()'s end: the page list's bounds (after its reads back). Negative entries are
+        refused here; the rest is for run(), which has the cache - and for this plan() where a
+        captured run() fixed the cache replays read."""
+        bounds = self._page_reader.result()
+        assert self._page_list is not None
+        check_page_low(bounds, self._page_list)
+        if self._captured_pages is not None:
+            check_page_high("plan()", bounds, self._page_list, self._captured_pages,
+                            "the KV cache the CUDA graph was captured with")
+        self._page_bounds = bounds
+
+    def _own_pages(self, kv_indices: torch.Tensor, count: int) -> torch.Tensor:
+        """The wrapper's contiguous device copy of ``kv_indices[:count]`` (a launch's page list as
+        it is): the kernel reads what plan() checked, whatever the caller does with its tensor."""
+        src = kv_indices[:count]
+        if src.device.type == "cpu" and self.device.type == "cuda":
+            return self._staging.to_device(src)  # through page-locked memory: no sync
+        return torch.empty(count, dtype=torch.int32, device=self.device).copy_(src)
+
+    def _capturing(self) -> bool:
+        """Whether run() is being captured into a CUDA graph (its host code will not run again)."""
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+    # ------------------------------------------------------------------ check_plan (debug mode)
+    def _check_replays(self) -> None:
+        """plan()'s start, debug mode: refuse if a replayed run() found a planned tensor changed
+        since the plan it replayed (the graph recorded the comparison; this reads it back)."""
+        if self._plan_check is None:
+            return
+        self._plan_check.clear()
+        changed = self._plan_check.replays_changed()
+        if changed:
+            names = ", ".join(f"`{n}`" for n in changed)
+            raise LaunchError(f"plan(): {names} changed after the previous plan() read it, and a replay of the "
+                              "captured run() ran with the new values (check_plan=True): that replay's launches "
+                              "were planned from the old values, so its output was wrong. Call plan() after "
+                              "changing a tensor the plan reads, before replaying")
+
+    def _snapshot_planned(self) -> None:
+        """plan()'s end, debug mode: copy the planned spec tensors."""
+        if self._plan_check is not None:
+            self._plan_check.snapshot({k: v for k, v in self._planned_args.items() if isinstance(v, torch.Tensor)})
+
+    def _verify_planned(self) -> None:
+        if self._plan_check is not None:
+            self._plan_check.verify(self._capturing())
+
     def _dims(self) -> dict[str, int]:
         b = self._batch
         assert b is not None
@@ -295,6 +388,24 @@ class WrapperBase:
             raise LaunchError(f"run(): `{name}` is on {t.device}, expected {self.device}")
         return t
 
+    def _check_rows(self, name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...], layout_text: str = "",
+                    ) -> torch.Tensor:
+        """A q/k/v tensor the kernel reads through its strides: the shared checks, then a contiguous
+        last dim, 16-byte aligned rows and strides that fit the kernels' 32-bit stride fields."""
+        self._check_tensor(name, t, dtype, shape, layout_text)
+        if t.numel() == 0:
+            return t
+        *outer, last = strides = t.stride()
+        if last != 1:
+            raise LaunchError(f"run(): `{name}` must have a contiguous last dimension (stride {strides})")
+        unit = ALIGN_BYTES // t.element_size()
+        if t.data_ptr() % ALIGN_BYTES or any(s % unit for s in outer):
+            raise LaunchError(f"run(): `{name}`: rows must start at {ALIGN_BYTES}-byte boundaries (data pointer and "
+                              f"strides {list(strides)} in multiples of {unit} elements); call .contiguous()")
+        if max(outer) >= 2**31:
+            raise LaunchError(f"run(): `{name}`: strides {list(strides)} do not fit the kernel's 32-bit strides")
+        return t
+
     def _check_scales(self, q_scale: Any, k_scale: Any, v_scale: Any) -> None:
         if not self.spec.qkv_scales and any(x is not None for x in (q_scale, k_scale, v_scale)):
             raise LaunchError(f"run(): spec `{self.spec.name}` sets `scales.qkv_scales: false`; "
@@ -340,7 +451,15 @@ class WrapperBase:
         if out is None:
             out = torch.empty(rows, b.num_qo_heads, cfg.head_dim_vo, dtype=odt, device=self.device)
         else:
+            # The fa2 kernels write o at row * num_qo_heads * head_dim_vo (their o strides are not
+            # arguments); fa3 takes o's strides, but one rule for both backends.
             self._check_tensor("out", out, odt, (rows, b.num_qo_heads, cfg.head_dim_vo))
+            if not out.is_contiguous():
+                raise LaunchError(f"run(): `out` must be contiguous (the kernel writes rows of num_qo_heads * "
+                                  f"head_dim_vo elements back to back; got strides {list(out.stride())})")
+            if out.data_ptr() % ALIGN_BYTES:
+                raise LaunchError(f"run(): `out` must start at a {ALIGN_BYTES}-byte boundary (the kernel writes "
+                                  f"{ALIGN_BYTES}-byte vectors); call .contiguous() on a fresh tensor")
         lse = torch.empty(rows, b.num_qo_heads, dtype=torch.float32, device=self.device) if return_lse else None
         return out, lse
 
@@ -350,17 +469,17 @@ class WrapperBase:
         """run()'s checks over a paged KV cache, in order: q, the cache, q/k/v scales, the
         spec's arguments (and that they are what plan() planned with). Returns (k_cache,
         v_cache, checked spec arguments)."""
-        self._check_tensor("q", q, TORCH_DTYPES[self.config.q_dtype], q_shape)
-        if q.stride(-1) != 1:
-            raise LaunchError("run(): `q` must have a contiguous last dimension")
+        self._check_rows("q", q, TORCH_DTYPES[self.config.q_dtype], q_shape)
         k_cache, v_cache = self._check_paged_cache(paged_kv_cache)
         self._check_scales(*scales)
         args = self._check_args(spec_args, where="run()")
         self._check_planned_args(args)
+        self._verify_planned()
         return k_cache, v_cache, args
 
     def _check_paged_cache(self, paged_kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) from a pair or a [pages, 2, ...] tensor, checked against the plan."""
+        """(k_cache, v_cache) from a pair or a [pages, 2, ...] tensor, checked against the plan:
+        shapes, strides the kernel can take, and every planned page inside the cache."""
         b, cfg = self._batch, self.config
         kvdt = TORCH_DTYPES[cfg.kv_dtype]
         if isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
@@ -383,11 +502,26 @@ class WrapperBase:
                 raise LaunchError(f"run(): `{name}`: expected dtype {kvdt}, got {t.dtype}")
             if t.device != self.device:
                 raise LaunchError(f"run(): `{name}` is on {t.device}, expected {self.device}")
-            if t.stride(-1) != 1:
+            *outer, last = strides = t.stride()
+            if last != 1:
                 raise LaunchError(f"run(): `{name}` must have a contiguous last dimension")
+            # The kernels load 16-byte vectors through the cache's strides, stored as 32-bit fields.
+            unit = ALIGN_BYTES // t.element_size()
+            if (t.data_ptr() % ALIGN_BYTES or any(s % unit for s in outer)) and t.numel():
+                raise LaunchError(f"run(): `{name}`: pages and rows must start at {ALIGN_BYTES}-byte boundaries "
+                                  f"(data pointer and strides {list(strides)} in multiples of {unit} elements)")
+            if max(outer) >= 2**32:
+                raise LaunchError(f"run(): `{name}`: strides {list(strides)} do not fit the kernel's 32-bit strides")
         if k_cache.stride() != v_cache.stride():
             raise LaunchError(f"run(): k_cache and v_cache must have identical strides (got {k_cache.stride()} and "
                               f"{v_cache.stride()}); this module is compiled for equal K/V strides")
+        num_pages = k_cache.shape[0]
+        if v_cache.shape[0] != num_pages:
+            raise LaunchError(f"run(): k_cache has {num_pages} pages and v_cache {v_cache.shape[0]}; expected the "
+                              "same page count (a page number addresses both)")
+        check_page_high("run()", self._page_bounds, self._page_list, num_pages, "the KV cache run() was given")
+        if self._capturing():  # replays read this cache: later plan()s check against it
+            self._captured_pages = num_pages
         return k_cache, v_cache
 
 
@@ -456,9 +590,26 @@ class VariantWrapper(WrapperBase):
              *, skip_tiles: bool | None = None, disable_split_kv: bool = False, **spec_args: Any) -> None:
         """Plan a batch. ``skip_tiles`` turns the interval planner on/off (default: on where
         the spec's intervals are known). With the planner on, spec tensors the intervals
-        read must be passed here by name as well (they are read once, here)."""
+        read must be passed here by name as well.
+
+        The index tensors (int32, any device; indptrs starting at 0) are read here, once:
+        the launches get their own copies of the indptrs, lengths and page list, so changing
+        them after plan() changes nothing. Every entry of the batch's page list,
+        ``paged_kv_indices[:paged_kv_indptr[-1]]``, must be a page of the KV cache run() is
+        given: negative entries are refused here, the rest by run(), which has the cache (in
+        CUDA-graph mode, where replays run no host code, also here against the cache the graph
+        was captured with). The bounds are read without a sync of their own where plan() reads
+        anything back from the device (see checks.py).
+
+        Contract: the tensors plan() reads must not change until the next plan(). run()
+        re-reads q, the KV cache and the spec tensors, but the launches - which rows go to
+        which mask mode, which pages each reads - are fixed here from the values of the spec
+        tensors the intervals read (e.g. ``ranges``, ``doc_ids``): rewriting those in place
+        without planning again gives a wrong output. ``check_plan=True`` detects it.
+        """
         # A plan() that fails must not leave the previous plan half-replaced.
         self._batch, self._launches, self._planned_args = None, [], {}
+        self._check_replays()
         self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
         self._check_index_tensors(qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
                                   paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
@@ -469,7 +620,9 @@ class VariantWrapper(WrapperBase):
                 f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
                 "(expected batch+1, batch+1, batch)")
         self._staging.begin()
-        (qo_h, kvp_h, last_h), indices_h = host_indices(qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
+        (qo_h, kvp_h, last_h), indices_h, folded = self._read_indptrs(
+            paged_kv_indices, paged_kv_indptr, qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
+        self._check_indptr_starts(qo_indptr=qo_h[0], paged_kv_indptr=kvp_h[0])
         qo_lens, kv_lens = [], []
         for b in range(batch):
             ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
@@ -490,41 +643,57 @@ class VariantWrapper(WrapperBase):
         if graph is not None:
             graph.capacity.check_batch(batch, qo_h[-1], kvp_h[-1])
             disable_split_kv = True  # split-KV changes the schedule from batch to batch
+        self._begin_pages(paged_kv_indices, kvp_h[-1], folded)
         self._batch = Batch(batch, qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
                             tuple(qo_lens), tuple(kv_lens))
-        if self._batch.total_q == 0:  # nothing to compute; run() returns empty outputs
+        try:
+            self._plan_batch(qo_h, kvp_h, last_h, indices_h, paged_kv_indices, skip_tiles, disable_split_kv,
+                             spec_args)
+            self._finish_pages()
+            self._snapshot_planned()
+        except BaseException:
+            self._batch, self._launches, self._planned_args = None, [], {}
+            raise
+
+    def _plan_batch(self, qo_h: list[int], kvp_h: list[int], last_h: list[int], indices_h: torch.Tensor,
+                    kv_indices: torch.Tensor, skip_tiles: bool | None, disable_split_kv: bool,
+                    spec_args: dict[str, Any]) -> None:
+        """plan() once the batch is checked: the launches, by the interval planner or direct."""
+        b, graph = self._batch, self._graph
+        assert b is not None
+        if b.total_q == 0:  # nothing to compute; run() returns empty outputs
             self.plan_stats["launches"] = []
             if graph is not None:  # ... but a captured graph still replays: plan empty launches
-                self._launches = self._make_launches(graph.slot_launches([]), paged_kv_indices, True)
+                self._launches = self._make_launches(graph.slot_launches([]), kv_indices, True)
             return
         use_planner = (bool(skip_tiles) if skip_tiles is not None
                        else self._intervals_default(spec_args, "interval planner"))
         if use_planner:
             checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
-            if graph is not None:
-                checked = self._trim_to_batch(checked)
             read = self._interval_facts.args
             self._planned_args = {k: v for k, v in checked.items() if k in read}
+            if graph is not None:
+                checked = self._trim_to_batch(checked)
             if graph is None and has_native_plan(self.row_planner):  # the whole plan in one C++ call
-                self._launches = plan_batch(self, indices_h, checked, paged_kv_indices, disable_split_kv)
+                self._launches = plan_batch(self, indices_h, checked, kv_indices, disable_split_kv)
                 self._staging.record()
                 return
-            launches = plan_launches(self, qo_h, kvp_h, kv_lens, checked)
+            launches = plan_launches(self, qo_h, kvp_h, list(b.kv_lens), checked)
         else:
             if spec_args:
                 why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
                 raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without the interval planner "
                                   f"({why}) spec arguments go to run() only")
-            kv_row = list(accumulate(kv_lens, initial=0))
-            meta = [[qo_h[b], kv_lens[b] - qo_lens[b], 0, b, kv_row[b], qo_lens[b], kv_lens[b], -1, qo_lens[b]]
-                    for b in range(batch)]
+            kv_row = list(accumulate(b.kv_lens, initial=0))
+            meta = [[qo_h[r], b.kv_lens[r] - b.qo_lens[r], 0, r, kv_row[r], b.qo_lens[r], b.kv_lens[r], -1,
+                     b.qo_lens[r]] for r in range(b.batch_size)]
             launches = [dict(mask_mode="custom", q_starts=qo_h, plan_qo=qo_h, kv_indptr=kvp_h,
-                             kv_indices=paged_kv_indices, last_page_len=last_h, meta=meta)]
+                             kv_indices=kv_indices, last_page_len=last_h, meta=meta)]
         if self.config.backend == "fa3":
             launches = regroup_for_fa3(launches)
         if graph is not None:
             launches = graph.slot_launches(launches)
-        self._launches = self._make_launches(launches, paged_kv_indices, disable_split_kv)
+        self._launches = self._make_launches(launches, kv_indices, disable_split_kv)
         self.plan_stats["launches"] = [(la["mask_mode"], len(la["meta"])) for la in launches if la["meta"]]
 
     def _make_launches(self, launches: list[dict], kv_indices: torch.Tensor, disable_split_kv: bool) -> list[Launch]:
@@ -564,8 +733,10 @@ class VariantWrapper(WrapperBase):
             if "page_ranges" in launch:
                 views["kv_indices"] = pages[page_at:page_at + count]
                 page_at += count
-            else:
-                views["kv_indices"] = launch["kv_indices"][:count].to(dev)
+            elif graph is None:
+                views["kv_indices"] = self._own_pages(launch["kv_indices"], count)
+            else:  # into the graph's page list below
+                views["kv_indices"] = launch["kv_indices"][:count]
             if graph is not None:
                 fixed = graph.slot_views(i)
                 fixed["kv_indices"][:count].copy_(views["kv_indices"])
@@ -695,6 +866,15 @@ class VariantWrapper(WrapperBase):
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
             k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
             return_lse: bool = False, enable_pdl: bool | None = None, **spec_args: Any):
+        """Attention of ``q`` [total_q, num_qo_heads, head_dim_qk] over ``paged_kv_cache`` ((k_cache,
+        v_cache), or one [num_pages, 2, ...] tensor) for the planned batch; returns ``out``
+        [total_q, num_qo_heads, head_dim_vo] (contiguous), or ``(out, lse)`` with ``return_lse=True``
+        (base-2 LSE, float32 [total_q, num_qo_heads]). Spec arguments by name.
+
+        run() reads q, the cache and the spec tensors; the launches are plan()'s (see its
+        contract). It checks every argument first, and the planned page list against the
+        cache's page count; under CUDA-graph capture it also remembers that page count, which
+        later plan()s check against (replays run no host code)."""
         if self._batch is None or (self._batch.total_q and not self._launches):  # none, or plan() failed
             raise LaunchError("run() called before plan(): call plan(qo_indptr, paged_kv_indptr, ...) first")
         b = self._batch
@@ -786,7 +966,7 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
                  backend: str | None = None, kind: str = "prefill", kv_layout: str = "NHD",
                  arch: str | None = None, cache: Cache | None = None, build: bool = True,
                  jobs: int | None = None, use_tensor_cores: bool = False,
-                 graph: GraphCapacity | None = None) -> WrapperBase:
+                 graph: GraphCapacity | None = None, check_plan: bool | None = None) -> WrapperBase:
     """Build (or load from the cache) the spec's module for one kernel kind and wrap it.
 
     ``kind``: "prefill" (paged KV), "ragged" (ragged KV) or "decode" (paged KV, one query
@@ -799,6 +979,10 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     captured run() can be replayed after each plan() (graph.py; fa2, chosen when backend
     is None); also kind "decode" (tensor cores: any batch up to the capacity; CUDA cores:
     exactly max_batch_size requests per plan, as FlashInfer's CUDA-graph decode).
+    ``check_plan`` (default: the VARIANTGEN_CHECK_PLAN variable): debug mode, in which run()
+    verifies that the spec tensors plan() planned from (e.g. ``ranges``) were not changed
+    since, and raises naming the tensor (a device sync per run(); under CUDA-graph capture the
+    comparison is recorded and the next plan() raises if a replay found a change).
     Raises SpecError / ValueError / BuildError / JitDisabledError with what went wrong;
     call variantgen.probe() first to get a reason instead of an exception.
     """
@@ -833,7 +1017,7 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     result = build_module(config, cache, jobs=jobs, allow_build=build)
     module = load_module(result.entry)
     extra = {"graph": graph} if graph is not None else {}
-    wrapper = cls(spec, config, module, result, workspace, kv_layout, **extra)
+    wrapper = cls(spec, config, module, result, workspace, kv_layout, check_plan=check_plan, **extra)
     # The paged prefill kernel (also behind tensor-core decode) is planned by the interval planner.
     if module_kind == "prefill" and wrapper.device.type == "cuda" and analyze(spec).planner_ready:
         from .rowplan import load_planner
