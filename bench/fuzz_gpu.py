@@ -31,10 +31,12 @@ import functools
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -401,109 +403,179 @@ def _print(text: str) -> None:
     print(text, flush=True)
 
 
-def run_fuzz(cfg: Config, modules: fz.Modules, flashinfer: FlashInferComparer | None = None,
-             log=_print) -> dict[str, Any]:
-    """Fuzz for ``cfg.seconds`` (or ``cfg.max_cases``), then minimize; returns the results
-    (without the environment fields main() adds)."""
-    t_setup = time.perf_counter()
-    targets = [fz.TARGET_BY_NAME[n] for n in cfg.targets]
-    available: dict[str, list[ModuleKey]] = {}
-    missing: dict[tuple[str, str, ModuleKey], str] = {}
-    for target in targets:
-        available[target.name] = []
-        for m in modules_of(target, cfg.specs):
-            key = (target.backend, target.module_kind, m)
-            if key not in missing:
-                why = modules.missing(target, m)
-                if why:
-                    missing[key] = why
-            if key not in missing:
-                available[target.name].append(m)
-    stats = {t.name: TargetStats() for t in targets}
-    active = [t for t in targets if available[t.name]]
-    for t in targets:
-        if not available[t.name]:
-            log(f"  {t.name}: no module of its matrix is available - skipped")
+class Fuzzer:
+    """One fuzz run: which modules can run here, the time-fair loop over the targets, the
+    minimizing of what failed, the results."""
 
-    def lose(key: tuple[str, str, ModuleKey], why: str) -> None:
+    def __init__(self, cfg: Config, modules: fz.Modules, flashinfer: FlashInferComparer | None = None,
+                 log: Callable[[str], None] = _print):
+        self.cfg, self.modules, self.flashinfer, self.log = cfg, modules, flashinfer, log
+        self.targets = [fz.TARGET_BY_NAME[n] for n in cfg.targets]
+        self.stats = {t.name: TargetStats() for t in self.targets}
+        self.available: dict[str, list[ModuleKey]] = {}
+        self.missing: dict[tuple[str, str, ModuleKey], str] = {}  # (backend, module kind, module) -> why
+        self.failures: list[tuple[FuzzCase, fz.Verdict]] = []
+        self.fatal: str | None = None
+        self.interrupted = False
+        self.seconds = {"setup": 0.0, "fuzz": 0.0, "minimize": 0.0}
+        self.minimized: list[dict[str, Any]] | None = None
+
+    def check_modules(self) -> None:
+        """Which modules of each target's matrix can run here (asked once per module; never built)."""
+        t0 = time.perf_counter()
+        for target in self.targets:
+            self.available[target.name] = []
+            for m in modules_of(target, self.cfg.specs):
+                key = (target.backend, target.module_kind, m)
+                if key not in self.missing:
+                    why = self.modules.missing(target, m)
+                    if why:
+                        self.missing[key] = why
+                if key not in self.missing:
+                    self.available[target.name].append(m)
+            if not self.available[target.name]:
+                self.log(f"  {target.name}: no module of its matrix is available - skipped")
+        self.seconds["setup"] = time.perf_counter() - t0
+
+    def _lose(self, key: tuple[str, str, ModuleKey], why: str) -> None:
         """A module found unusable mid-run: out of every target that runs it."""
-        missing[key] = why
-        for t in list(active):
-            if (t.backend, t.module_kind) == key[:2] and key[2] in available[t.name]:
-                available[t.name].remove(key[2])
-                if not available[t.name]:
-                    active.remove(t)
-                    log(f"  {t.name}: no module left ({why})")
-    runner = fz.CaseRunner(modules)
-    master = random.Random(cfg.seed)
-    failures: list[tuple[FuzzCase, fz.Verdict]] = []
-    fatal: str | None = None
-    setup_s = time.perf_counter() - t_setup
-    t0 = time.perf_counter()
-    total = 0
-    last_report = t0
-    while active and time.perf_counter() - t0 < cfg.seconds and (cfg.max_cases is None or total < cfg.max_cases):
-        target = min(active, key=lambda t: stats[t.name].total.seconds)
-        st = stats[target.name]
-        r = random.Random(master.getrandbits(64))
-        m = r.choice(modules_of(target, cfg.specs))
+        self.missing[key] = why
+        for t in self.targets:
+            if (t.backend, t.module_kind) == key[:2] and key[2] in self.available[t.name]:
+                self.available[t.name].remove(key[2])
+                if not self.available[t.name]:
+                    self.log(f"  {t.name}: no module left ({why})")
+
+    def fuzz(self) -> None:
+        """Cases until the time (or case count) is spent: each from the target that has had the
+        least time so far, on a random module of its matrix (a missing one is counted, skipped)."""
+        cfg, runner, master = self.cfg, fz.CaseRunner(self.modules), random.Random(self.cfg.seed)
+        t0 = last_report = time.perf_counter()
+        drawn = 0
+        try:
+            while time.perf_counter() - t0 < cfg.seconds and (cfg.max_cases is None or drawn < cfg.max_cases):
+                active = [t for t in self.targets if self.available[t.name]]
+                if not active:
+                    break
+                target = min(active, key=lambda t: self.stats[t.name].total.seconds)
+                r = random.Random(master.getrandbits(64))
+                if not self._one_case(runner, target, r):
+                    continue
+                drawn += 1
+                if self.fatal:
+                    break
+                if time.perf_counter() - last_report > 30:
+                    last_report = time.perf_counter()
+                    done = sum(s.total.cases for s in self.stats.values())
+                    self.log(f"  {last_report - t0:.0f}s: {done} cases, {len(self.failures)} failed")
+        except KeyboardInterrupt:  # also SIGTERM (main): keep what was found
+            self.interrupted = True
+            self.log("  interrupted: writing what was found")
+        self.seconds["fuzz"] = time.perf_counter() - t0
+
+    def _one_case(self, runner: fz.CaseRunner, target: Target, r: random.Random) -> bool:
+        """Draw and run one case of ``target``; False when the draw hit a missing module."""
+        st = self.stats[target.name]
+        m = r.choice(modules_of(target, self.cfg.specs))
         key = (target.backend, target.module_kind, m)
-        if key in missing:
+        if key in self.missing:
             st.skip(m.spec, "module not available")
-            continue
+            return False
         t1 = time.perf_counter()
         try:
             plans = runner.plan_paths(target, m)
         except Exception as e:  # noqa: BLE001 - a module that does not load is reported, then left out
-            lose(key, f"wrapper failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
+            self._lose(key, f"wrapper failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
             st.skip(m.spec, "module not available")
-            continue
+            return False
         sessions = [s for s in runner.sessions() if s.target == target.name and s.module == m]
-        session = r.choice(sessions) if sessions and r.random() < cfg.session_reuse else None
-        case = fz.draw_case(r, target, m, limits=cfg.limits, plans=plans, session=session)
+        session = r.choice(sessions) if sessions and r.random() < self.cfg.session_reuse else None
+        case = fz.draw_case(r, target, m, limits=self.cfg.limits, plans=plans, session=session)
         result = runner.run(case)
-        v = result.verdict
-        dt = time.perf_counter() - t1
-        total += 1
+        v, dt = result.verdict, time.perf_counter() - t1
         if _is_capacity_skip(target, v):
             st.skip(m.spec, "batch past the CUDA-graph capacity")
             st.total.seconds += dt
-            continue
+            return True
         st.record(case, v, dt)
-        if flashinfer is not None and result.outcome is not None:
-            flashinfer.compare(case, result.outcome)
+        if self.flashinfer is not None and result.outcome is not None:
+            self.flashinfer.compare(case, result.outcome)
         if not v.ok:
-            failures.append((case, v))
+            self.failures.append((case, v))
             if fz.is_fatal(v):
-                fatal = f"{case.label()}: {v.message}"
-                log(f"  FATAL (the CUDA context is lost, stopping): {fatal}")
-                break
-        if time.perf_counter() - last_report > 30:
-            last_report = time.perf_counter()
-            done = sum(s.total.cases for s in stats.values())
-            log(f"  {time.perf_counter() - t0:.0f}s: {done} cases, {len(failures)} failed")
-    fuzz_s = time.perf_counter() - t0
-    minimized = [] if fatal else _minimize_all(cfg, modules, failures, log)
-    return {
-        "seed": cfg.seed,
-        "config": {"seconds": cfg.seconds, "targets": list(cfg.targets), "specs": list(cfg.specs),
-                   "limits": dataclasses.asdict(cfg.limits), "max_cases": cfg.max_cases,
-                   "minimize_seconds": cfg.minimize_seconds, "max_minimize": cfg.max_minimize},
-        "setup_seconds": round(setup_s, 2),
-        "fuzz_seconds": round(fuzz_s, 2),
-        "minimize_seconds": round(sum(x["minimized"]["seconds"] for x in minimized if x.get("minimized")), 2),
-        "cases": sum(s.total.cases for s in stats.values()),
-        "failed": sum(s.total.failed for s in stats.values()),
-        "skipped": sum(s.total.skipped for s in stats.values()),
-        "targets": {t.name: stats[t.name].as_json(t) for t in targets},
-        "modules": {"available": {t: [m.label() for m in ms] for t, ms in available.items()},
-                    "missing": [{"backend": b, "kind": k, "module": m.label(), "reason": why}
-                                for (b, k, m), why in missing.items()]},
-        "fatal": fatal,
-        "failures": minimized if not fatal else [_failure_json(c, v, None, cfg.seed) for c, v in failures[:20]],
-        "failures_total": len(failures),
-        "flashinfer_comparisons": flashinfer.results() if flashinfer is not None else None,
-    }
+                self.fatal = f"{case.label()}: {v.message}"
+                self.log(f"  FATAL (the CUDA context is lost, stopping): {self.fatal}")
+        return True
+
+    def minimize(self) -> None:
+        """The first failure of each (target, spec, verdict) minimized, within the budget; the
+        others (up to 3 per signature) kept as found. Not after a lost CUDA context."""
+        if self.fatal or self.interrupted:
+            return
+        groups: dict[tuple[str, str, str], list[tuple[FuzzCase, fz.Verdict]]] = defaultdict(list)
+        for case, v in self.failures:
+            groups[(case.target, case.module.spec, v.signature)].append((case, v))
+        out = []
+        runner = fz.CaseRunner(self.modules)  # fresh wrappers: a failure must not need the fuzz run's state
+        t0 = time.perf_counter()
+        budget = self.cfg.minimize_seconds
+        try:
+            for i, (key, items) in enumerate(groups.items()):
+                left = budget - (time.perf_counter() - t0)
+                case, v = items[0]
+                mz = None
+                if i < self.cfg.max_minimize and left > 0:
+                    mz = fz.minimize(case, v.signature, runner, budget_s=min(left, max(budget / 4, 10.0)))
+                    note = "not reproduced in fresh wrappers" if not mz.reproduced else \
+                        f"{fz.case_size(case)} -> {fz.case_size(mz.case)} in {mz.steps} runs"
+                    self.log(f"  minimized {key}: {note}")
+                out.append(_failure_json(case, v, mz, self.cfg.seed))
+                out += [_failure_json(c, vv, None, self.cfg.seed) for c, vv in items[1:3]]
+        except KeyboardInterrupt:
+            self.interrupted = True
+            out = None
+        self.minimized = out
+        self.seconds["minimize"] = time.perf_counter() - t0
+
+    def results(self) -> dict[str, Any]:
+        """The results (main() adds the environment); failures as minimized, else as found."""
+        cfg, stats = self.cfg, self.stats
+        failures = self.minimized if self.minimized is not None else [
+            _failure_json(c, v, None, cfg.seed) for c, v in self.failures[:20]]
+        return {
+            "seed": cfg.seed,
+            "config": {"seconds": cfg.seconds, "targets": list(cfg.targets), "specs": list(cfg.specs),
+                       "limits": dataclasses.asdict(cfg.limits), "max_cases": cfg.max_cases,
+                       "minimize_seconds": cfg.minimize_seconds, "max_minimize": cfg.max_minimize},
+            **{f"{k}_seconds": round(v, 2) for k, v in self.seconds.items()},
+            "cases": sum(s.total.cases for s in stats.values()),
+            "failed": sum(s.total.failed for s in stats.values()),
+            "skipped": sum(s.total.skipped for s in stats.values()),
+            "targets": {t.name: stats[t.name].as_json(t) for t in self.targets},
+            "modules": {"available": {t: [m.label() for m in ms] for t, ms in self.available.items()},
+                        "missing": [{"backend": b, "kind": k, "module": m.label(), "reason": why}
+                                    for (b, k, m), why in self.missing.items()]},
+            "fatal": self.fatal,
+            "interrupted": self.interrupted,
+            "minimized": self.minimized is not None,
+            "failures": failures,
+            "failures_total": len(self.failures),
+            "flashinfer_comparisons": self.flashinfer.results() if self.flashinfer is not None else None,
+        }
+
+
+def run_fuzz(cfg: Config, modules: fz.Modules, flashinfer: FlashInferComparer | None = None,
+             log: Callable[[str], None] = _print,
+             checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Fuzz for ``cfg.seconds`` (or ``cfg.max_cases``), then minimize; returns the results.
+    ``checkpoint`` gets the results before minimizing too (a run stopped then still leaves them)."""
+    f = Fuzzer(cfg, modules, flashinfer, log)
+    f.check_modules()
+    f.fuzz()
+    if checkpoint is not None:
+        checkpoint(f.results())
+    f.minimize()
+    return f.results()
 
 
 def _failure_json(case: FuzzCase, v: fz.Verdict, mz: fz.Minimized | None, seed: int) -> dict[str, Any]:
@@ -522,30 +594,6 @@ def _failure_json(case: FuzzCase, v: fz.Verdict, mz: fz.Minimized | None, seed: 
                                               "size": fz.case_size(mz.case)},
         "regression_test": fz.regression_test(shown, verdict, origin=origin),
     }
-
-
-def _minimize_all(cfg: Config, modules: fz.Modules, failures: list[tuple[FuzzCase, fz.Verdict]],
-                  log) -> list[dict[str, Any]]:
-    """The first failure of each (target, spec, verdict) minimized, within the budget; the others
-    (up to 3 per signature) kept as found."""
-    groups: dict[tuple[str, str, str], list[tuple[FuzzCase, fz.Verdict]]] = defaultdict(list)
-    for case, v in failures:
-        groups[(case.target, case.module.spec, v.signature)].append((case, v))
-    out = []
-    runner = fz.CaseRunner(modules)  # fresh wrappers: a failure must not need the fuzz run's state
-    t0 = time.perf_counter()
-    for i, (key, items) in enumerate(groups.items()):
-        left = cfg.minimize_seconds - (time.perf_counter() - t0)
-        case, v = items[0]
-        mz = None
-        if i < cfg.max_minimize and left > 0:
-            mz = fz.minimize(case, v.signature, runner, budget_s=min(left, max(cfg.minimize_seconds / 4, 10.0)))
-            note = "not reproduced in fresh wrappers" if not mz.reproduced else \
-                f"{fz.case_size(case)} -> {fz.case_size(mz.case)} in {mz.steps} runs"
-            log(f"  minimized {key}: {note}")
-        out.append(_failure_json(case, v, mz, cfg.seed))
-        out += [_failure_json(c, vv, None, cfg.seed) for c, vv in items[1:3]]
-    return out
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -594,6 +642,8 @@ def summary(results: dict[str, Any]) -> str:
         lines.append(f"  FAIL {f['label']}: {f['verdict']['kind']}: {f['verdict']['message'][:200]}")
     if results["fatal"]:
         lines.append(f"  stopped early: {results['fatal']}")
+    if results["interrupted"]:
+        lines.append("  interrupted (SIGTERM or Ctrl-C): what ran is counted, failures are not minimized")
     return "\n".join(lines)
 
 
@@ -655,14 +705,23 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         fi.setup(args.flashinfer_setup_seconds)
         print(f"  FlashInfer setup {time.perf_counter() - t:.1f}s", flush=True)
-    results = {"tool": "bench/fuzz_gpu.py", **environment(args.fake), **run_fuzz(cfg, modules, fi)}
+    env = {"tool": "bench/fuzz_gpu.py", **environment(args.fake)}
     out = args.out
     if out is None:
         from variantgen.testing import result_file_name
 
-        out = REPO / "bench" / "results" / result_file_name(f"fuzz-gpu-seed{args.seed}", results)
+        out = REPO / "bench" / "results" / result_file_name(f"fuzz-gpu-seed{args.seed}", env)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1) + "\n")
+
+    def write(results: dict[str, Any]) -> None:
+        out.write_text(json.dumps({**env, **results}, indent=1) + "\n")
+
+    def stop(signum: int, frame: Any) -> None:  # a time limit's SIGTERM: end the loop, keep the results
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    results = run_fuzz(cfg, modules, fi, checkpoint=write)
+    write(results)
     print(summary(results))
     for f in results["failures"]:
         print("\n# " + f["label"] + "\n" + f["regression_test"])
