@@ -13,7 +13,7 @@ results JSON (seed, commit, versions, counts per target and spec, max errors, fa
 their reproduction) goes to bench/results/.
 
 Modules are only looked up, never built: precompile the matrix first (``--list-modules``
-prints the commands; ~46 modules + the specs' planner modules); a missing one is skipped and
+prints the commands; 49 modules + the specs' planner modules); a missing one is skipped and
 counted. FlashInfer's comparison modules are JIT-built by FlashInfer before the clock starts,
 within ``--flashinfer-setup-seconds`` (point FLASHINFER_WORKSPACE_BASE at a carried folder to
 keep them between machines).
@@ -53,16 +53,18 @@ SPECS = tuple(sorted(p.stem for p in (REPO / "specs").glob("*.yaml")))
 M = ModuleKey
 
 # The modules cases are drawn from, per (backend, module kind): every shipped spec at hd 128 bf16,
-# and for a few specs other head dims, fp16 and an fp8 KV cache. Tensor-core decode and the graph
-# targets run the prefill / decode modules of their backend.
+# and for a few specs head dims 64 / 256 (ragged: 192/128), fp16 and an fp8 KV cache. Tensor-core
+# decode and the graph targets run the prefill / decode modules of their backend. 49 modules and
+# the 9 specs' planner modules: what a build box precompiles for one run.
 MODULES: dict[tuple[str, str], tuple[ModuleKey, ...]] = {
     ("fa2", "prefill"): (*(M(s) for s in SPECS), M("mm_prefix", 64, 64, "fp16", "fp16"),
                          M("softcap", 256, 256, "fp16", "fp16"), M("alibi", 256, 256),
                          M("mm_prefix", kv_dtype="fp8_e4m3")),
     ("fa3", "prefill"): (*(M(s) for s in SPECS), M("mm_prefix", 64, 64), M("softcap", 256, 256, "fp16", "fp16")),
-    ("fa2", "decode"): (*(M(s) for s in SPECS), M("softcap", 256, 256, "fp16", "fp16"),
+    ("fa2", "decode"): (*(M(s) for s in SPECS), M("document", 64, 64), M("softcap", 256, 256, "fp16", "fp16"),
                         M("sliding_window", kv_dtype="fp8_e4m3")),
-    ("fa2", "ragged"): (*(M(s) for s in SPECS), M("mm_prefix", 192, 128), M("causal", 192, 128, "fp16", "fp16")),
+    ("fa2", "ragged"): (*(M(s) for s in SPECS), M("mm_prefix", 192, 128), M("causal", 192, 128, "fp16", "fp16"),
+                        M("softcap", 64, 64), M("alibi", 256, 256)),
 }
 ARCH = "9.0a"
 

@@ -82,7 +82,8 @@ def test_targets_cover_every_backend_and_kind():
 
 def test_list_modules_commands_are_the_matrix(capsys):
     """The printed precompile commands expand (dry run) to exactly the matrix plus the planner
-    modules, under the ~60 modules a build box precompiles for the fuzzer."""
+    modules, under the ~60 modules a build box precompiles for the fuzzer; every kind gets head
+    dims 64, 128 and 256."""
     assert fuzz_gpu.main(["--list-modules"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python -m variantgen.cli")]
     uris = []
@@ -94,9 +95,11 @@ def test_list_modules_commands_are_the_matrix(capsys):
     matrix = {(b, k, m) for (b, k), ms in fuzz_gpu.MODULES.items() for m in ms}
     kernels = [u for u in uris if not u.endswith("_planner_sm90a")]
     planners = set(uris) - set(kernels)  # each command adds its specs' planner modules (built once)
-    assert len(kernels) == len(set(kernels)) == len(matrix) == 46
+    assert len(kernels) == len(set(kernels)) == len(matrix) == 49
     assert planners == {f"vg_{s}_planner_sm90a" for s in fuzz_gpu.SPECS}
     assert len(set(uris)) <= 60
+    for (backend, kind), ms in fuzz_gpu.MODULES.items():
+        assert {64, 128, 256} <= {m.head_dim_qk for m in ms}, (backend, kind)
     assert fuzz_gpu.main(["--list-modules", "table"]) == 0
     assert len(capsys.readouterr().out.strip().splitlines()) == 1 + len(matrix)
     assert fuzz_gpu.main(["--list-modules", "args"]) == 0  # what scripts/precompile_gpu_tests.sh fuzz reads
@@ -311,10 +314,9 @@ class IgnoringWindow(FakeModule):
         super().paged_run(*a)
 
 
-def planted_failure(fake: type, specs: tuple[str, ...], kind: str, seed: int) -> dict:
+def planted_failure(fake: type, specs: tuple[str, ...], kind: str, seed: int, target: str = "fa2/prefill") -> dict:
     modules = FakeModules({("fa2", "prefill"): fake})
-    results = fuzz_gpu.run_fuzz(config(max_cases=40, seed=seed, targets=("fa2/prefill",), specs=specs), modules,
-                                log=quiet)
+    results = fuzz_gpu.run_fuzz(config(max_cases=40, seed=seed, targets=(target,), specs=specs), modules, log=quiet)
     assert results["failed"] > 0, f"the planted {fake.__name__} was not found"
     found = [f for f in results["failures"] if f["verdict"]["kind"] == kind and f["minimized"]]
     assert found, [f["verdict"] for f in results["failures"]]
@@ -334,7 +336,8 @@ def check_minimized(f: dict, fake: type) -> FuzzCase:
     text = f["regression_test"]
     namespace: dict = {}
     exec(compile(text, "regression_test", "exec"), namespace)  # noqa: S102 - the text we generated
-    assert text.startswith("def test_fuzz_fa2_prefill_") and "assert_case_passes(case, workspace)" in text
+    assert text.startswith(f"def test_fuzz_{small.target.replace('/', '_').replace('-', '_')}_")
+    assert "assert_case_passes(case, workspace)" in text
     literal = text.split("    case = ", 1)[1].rsplit("\n    assert_case_passes", 1)[0]
     assert eval(literal, vars(fz)) == small  # noqa: S307
     assert max(len(line) for line in text.splitlines()) <= 120
@@ -347,11 +350,16 @@ def test_planted_dropped_row_is_found_and_minimized():
     assert 5 <= small.batch.qo_lens[0] <= 8, small.label()
 
 
-def test_planted_ignored_window_is_found_and_minimized():
-    f = planted_failure(IgnoringWindow, ("sliding_window",), "mismatch", seed=12)
+@pytest.mark.parametrize("target", ["fa2/prefill", "fa2/prefill-graph"])
+def test_planted_ignored_window_is_found_and_minimized(target):
+    """In graph mode the replayed batch and the capture batch both shrink."""
+    f = planted_failure(IgnoringWindow, ("sliding_window",), "mismatch", seed=12, target=target)
     small = check_minimized(f, IgnoringWindow)
     assert small.plan in ("module", "torch"), "the kernel window exists only in planned causal launches"
     assert 0 <= dict(small.scalars)["window"] < small.batch.kv_lens[0] - 1
+    if small.graph is not None:
+        original = fz.from_json(f["case"])
+        assert sum(small.graph.capture.kv_lens) <= sum(original.graph.capture.kv_lens)
 
 
 class LosingTheContext(FakeModule):
@@ -390,3 +398,23 @@ def test_spec_tensors_must_be_the_specs():
         fz.make_tensors(case, case.batch, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"unknown type 'Case'"):
         fz.from_json({"type": "Case"})
+
+
+class Interrupting(FakeModule):
+    """Ctrl-C (or the SIGTERM main() turns into it) in the middle of the fifth launch."""
+
+    calls = 0
+
+    def paged_run(self, *a):
+        Interrupting.calls += 1
+        if Interrupting.calls == 5:
+            raise KeyboardInterrupt
+        super().paged_run(*a)
+
+
+def test_an_interrupted_run_keeps_what_it_found():
+    seen = []
+    results = fuzz_gpu.run_fuzz(config(max_cases=40, targets=("fa2/prefill",), specs=("causal",)),
+                                FakeModules({("fa2", "prefill"): Interrupting}), log=quiet, checkpoint=seen.append)
+    assert results["interrupted"] and not results["minimized"] and 3 <= results["cases"] < 40
+    assert len(seen) == 1 and seen[0]["cases"] == results["cases"]
