@@ -747,8 +747,19 @@ _CUDA_FATAL = re.compile(r"illegal memory access|unspecified launch failure|devi
 
 
 def is_fatal(v: Verdict) -> bool:
-    """Whether an error leaves the CUDA context unusable (later cases cannot run in this process)."""
-    return v.kind == "error" and bool(_CUDA_FATAL.search(v.message))
+    """Whether an error left the CUDA context unusable (later cases cannot run in this process):
+    a CUDA error after which a small op fails too (sticky: illegal address, launch failure,
+    device assert), not one it recovers from (invalid argument, out of memory)."""
+    if v.kind != "error" or not _CUDA_FATAL.search(v.message):
+        return False
+    if not torch.cuda.is_available():
+        return True  # (the CPU fakes plant such errors; nothing to probe)
+    try:
+        torch.ones(1, device="cuda").add_(1).item()
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - any failure here means the context is gone
+        return True
+    return False
 
 
 # ----------------------------------------------------------------------------- running a case
@@ -982,7 +993,7 @@ def _batch_shrinks(case: FuzzCase, b: Batch, fixed_count: bool) -> Iterator[Batc
             options += [(1, 1), (1, max(1, k // 2)), (1, k - 1)]
         else:
             cached = k - q
-            options += [(q, q), (q, q + cached // 2)]  # drop the cached keys before the chunk
+            options += [(q, q), (q, q + cached // 2), (q, k - 1)]  # fewer cached keys before the chunk
             options += [(1, cached + 1), (q // 2, cached + q // 2), (q - 1, k - 1)]  # keep the first queries
             options += [(1, k), (q // 2, k), (q - 1, k)]  # keep the last queries (and every key)
         seen = set()
