@@ -341,7 +341,8 @@ class Config:
     max_cases: int | None = None
     minimize_seconds: float = 120.0
     max_minimize: int = 12  # failure signatures (target, spec, kind) minimized
-    session_reuse: float = 0.9  # graph targets: chance that a case replays in an existing session
+    session_reuse: float = 0.9  # graph targets: chance that a case replays in a live session
+    max_sessions: int = 24  # live graph sessions (static buffers and a captured graph each)
 
 
 @dataclass
@@ -453,7 +454,8 @@ class Fuzzer:
     def fuzz(self) -> None:
         """Cases until the time (or case count) is spent: each from the target that has had the
         least time so far, on a random module of its matrix (a missing one is counted, skipped)."""
-        cfg, runner, master = self.cfg, fz.CaseRunner(self.modules), random.Random(self.cfg.seed)
+        cfg, master = self.cfg, random.Random(self.cfg.seed)
+        runner = fz.CaseRunner(self.modules, max_sessions=cfg.max_sessions)
         t0 = last_report = time.perf_counter()
         drawn = 0
         try:
@@ -480,7 +482,10 @@ class Fuzzer:
     def _one_case(self, runner: fz.CaseRunner, target: Target, r: random.Random) -> bool:
         """Draw and run one case of ``target``; False when the draw hit a missing module."""
         st = self.stats[target.name]
-        m = r.choice(modules_of(target, self.cfg.specs))
+        # Graph targets mostly replay in a live session (captured once, re-planned per batch).
+        live = [s for s in runner.sessions() if s.target == target.name] if target.graph else []
+        session = r.choice(live) if live and r.random() < self.cfg.session_reuse else None
+        m = session.module if session is not None else r.choice(modules_of(target, self.cfg.specs))
         key = (target.backend, target.module_kind, m)
         if key in self.missing:
             st.skip(m.spec, "module not available")
@@ -492,8 +497,6 @@ class Fuzzer:
             self._lose(key, f"wrapper failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
             st.skip(m.spec, "module not available")
             return False
-        sessions = [s for s in runner.sessions() if s.target == target.name and s.module == m]
-        session = r.choice(sessions) if sessions and r.random() < self.cfg.session_reuse else None
         case = fz.draw_case(r, target, m, limits=self.cfg.limits, plans=plans, session=session)
         result = runner.run(case)
         v, dt = result.verdict, time.perf_counter() - t1
@@ -502,6 +505,8 @@ class Fuzzer:
             st.total.seconds += dt
             return True
         st.record(case, v, dt)
+        if target.graph:
+            st.coverage["graph"]["replayed in a live session" if session else "new session"] += 1
         if self.flashinfer is not None and result.outcome is not None:
             self.flashinfer.compare(case, result.outcome)
         if not v.ok:

@@ -268,6 +268,8 @@ def test_fuzz_run_on_the_fakes_writes_its_json():
         assert sum(s["cases"] for s in t["specs"].values()) == t["cases"]
         assert sum(s["skipped"] for s in t["specs"].values()) == t["skipped"]
         assert t["max_abs_err"] < 0.1 and sum(t["coverage"]["plan"].values()) == t["cases"]
+        if t["graph"]:
+            assert sum(t["coverage"]["graph"].values()) == t["cases"]
     assert results["modules"]["missing"] == [{"backend": "fa2", "kind": "decode", "module": "mm_prefix hd128 bf16",
                                               "reason": modules.missing(fz.TARGET_BY_NAME["fa2/decode"], gone[2])}]
     decode = [results["targets"][n] for n in ("fa2/decode", "fa2/decode-graph")]
