@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Precompile every module the GPU test files use, several at a time, before `pytest -m gpu`
 # (one cold fa2 module is ~20-75 s on 16 cores, an fa3 module 60-110 s). Usage, on the GPU box:
-#   bash scripts/precompile_gpu_tests.sh [fa2|fa3|decode|ragged ...]   (default: all four groups)
+#   bash scripts/precompile_gpu_tests.sh [fa2|fa3|decode|ragged|fuzz ...]   (default: the first four groups)
 # Modules go to VARIANTGEN_CACHE_DIR (default cache/). Extra arguments to precompile via PRECOMPILE_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,6 +30,8 @@ for g in "${groups[@]}"; do
       "${VG[@]}" specs/*.yaml --head-dim 128 --dtype bf16 --backend fa2 --kind ragged
       "${VG[@]}" specs/mm_prefix.yaml specs/causal.yaml specs/softcap.yaml --head-dim 192/128 --dtype bf16,fp16 --backend fa2 --kind ragged
       "${VG[@]}" specs/softcap.yaml --head-dim 64,256 --dtype bf16 --backend fa2 --kind ragged ;;
-    *) echo "unknown group $g (expected fa2, fa3, decode, ragged)" >&2; exit 2 ;;
+    fuzz)    # bench/fuzz_gpu.py's module matrix (not in the default groups)
+      python3 bench/fuzz_gpu.py --list-modules args | while read -r args; do "${VG[@]}" $args; done ;;
+    *) echo "unknown group $g (expected fa2, fa3, decode, ragged, fuzz)" >&2; exit 2 ;;
   esac
 done

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _fake_kernel import FakeModule, assert_lse_matches, launch_env, scores_with_logits, spec_mask
+from _fake_kernel import FakeRaggedModule, assert_lse_matches
 from conftest import ALL_SPECS, SPECS_DIR
 from conftest import CPU_KV_LENS as KV_LENS
 from conftest import CPU_QO_LENS as QO_LENS
@@ -32,11 +32,9 @@ from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.errors import LaunchError
 from variantgen.ragged import RaggedWrapper, launch_mask_mode, random_ragged_batch, reference_ragged
-from variantgen.reference import softmax_attention
 from variantgen.testing import random_spec_args
 
 HQ, HKV = 4, 2
-MODE_NAMES = {0: "none", 1: "causal", 2: "custom"}
 
 
 @pytest.fixture(autouse=True)
@@ -137,67 +135,7 @@ def test_head_dims_per_kind():
     assert ragged_config(spec, 192, 128).uri_prefix.endswith("_fa2_ragged_qbf16_kvbf16_obf16_hd192x128_sm90a")
 
 
-# ----------------------------------------------------------------------------- a fake ragged module
-
-
-class FakeRaggedModule(FakeModule):
-    """``plan`` from FakeModule (FlashInfer's plan-info layout, packed o_indptr in the int
-    workspace) plus an emulated ``ragged_run``."""
-
-    def __init__(self, spec, clamped=()):
-        super().__init__(spec, clamped)
-        self.ragged_calls: list[dict] = []
-
-    def paged_run(self, *a, **k):  # a ragged module exports no paged_run
-        raise AssertionError("RaggedWrapper called paged_run")
-
-    def ragged_run(self, float_ws, int_ws, plan_info, q, k, v, qo_indptr, kv_indptr, out, lse, mask_mode, layout,
-                   window_left, enable_pdl, *extra):
-        args, meta_t, sm_scale, v_scale = self._unpack_extra(extra)
-        assert mask_mode in MODE_NAMES and layout in (0, 1) and window_left == -1
-        assert isinstance(enable_pdl, bool)
-        info = list(plan_info)
-        n = int(info[0])
-        planned = self._planned[int_ws.data_ptr()]
-        assert planned.page_size == 1 and planned.batch_size == n and meta_t.shape == (n, 9)
-        assert qo_indptr.dtype == kv_indptr.dtype == torch.int32 and qo_indptr.device == q.device
-        qs, kvp = qo_indptr.tolist(), kv_indptr.tolist()
-        assert qs == planned.qo_indptr and kvp == planned.kv_indptr, "indptrs differ from the planned ones"
-        o_indptr = int_ws[int(info[8]):int(info[8]) + 4 * (n + 1)].view(torch.int32).tolist()
-        if layout == 1:  # HND -> NHD
-            k, v = k.transpose(0, 1), v.transpose(0, 1)
-        total_q, hq, _ = q.shape
-        hkv = k.shape[1]
-        assert planned.num_qo_heads == hq and planned.num_kv_heads == hkv and k.shape[0] == v.shape[0]
-        assert out.is_contiguous() and out.shape == (total_q, hq, v.shape[-1])
-        group = hq // hkv
-        meta = meta_t.tolist()
-        self.ragged_calls.append(dict(mode=MODE_NAMES[mask_mode], meta=meta, qo_indptr=qs, kv_indptr=kvp,
-                                      layout=layout, lse=lse is not None, sm_scale=sm_scale, v_scale=v_scale,
-                                      args={k_: v_ for k_, v_ in args.items() if not isinstance(v_, torch.Tensor)}))
-        for b in range(n):
-            q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo, req_kv, kwin, qo_len = meta[b]
-            kv_len = kvp[b + 1] - kvp[b]
-            assert q_row_base == qs[b] and qo_len == qs[b + 1] - qs[b] and kv_row_base == kvp[b], meta[b]
-            assert kv_pos_base == 0 and req_kv == kv_len and req_qo == qo_len and kwin == -1, meta[b]
-            if qo_len == 0:
-                continue
-            kb = k[kvp[b]:kvp[b + 1]].float().repeat_interleave(group, dim=1)
-            vb = v[kvp[b]:kvp[b + 1]].float().repeat_interleave(group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q[qs[b]:qs[b + 1]].float(), kb) * sm_scale
-            env, i, j = launch_env(meta[b], qo_len, kv_len, hq, group)
-            scores = scores_with_logits(self.spec, env, args, scores)
-            if mask_mode == 2:
-                visible = spec_mask(self.spec, env, args, (hq, qo_len, kv_len))
-            elif mask_mode == 1:
-                visible = (j <= kv_len - qo_len + i).expand(hq, qo_len, kv_len)
-            else:
-                visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
-            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), vb)
-            o_row = o_indptr[b]
-            out[o_row:o_row + qo_len] = (o * v_scale).to(out.dtype)
-            if lse is not None:
-                lse[o_row:o_row + qo_len] = lse_b
+# ----------------------------------------------------------------------------- the wrapper on the fake module
 
 
 def make(spec, qk=64, vo=None, *, kv_layout="NHD", mask_modes=("none", "causal", "custom"), kv_dtype="bf16",

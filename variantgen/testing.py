@@ -173,7 +173,8 @@ def run_environment() -> dict[str, Any]:
         nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.splitlines()[-1]
     except (OSError, IndexError):
         nvcc = None
-    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name(0),
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {"date": datetime.date.today().isoformat(), "gpu": gpu,
             "torch": torch.__version__, "cuda": torch.version.cuda, "flashinfer": flashinfer.__version__,
             "variantgen": __version__, "host": platform.node(), "nvcc": nvcc}
 

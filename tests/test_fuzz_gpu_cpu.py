@@ -1,0 +1,422 @@
+"""The GPU differential fuzzer's harness on the CPU (bench/fuzz_gpu.py, variantgen/fuzzing.py).
+
+Cases are drawn, run through the fake modules of tests/_fake_kernel.py / _fake_decode.py
+(tests/_fake_modules.py makes the wrappers), compared with the reference, minimized and written
+as JSON exactly as on the GPU. Planted bugs - a kernel that leaves a row unwritten, one that
+ignores the kernel window of its causal launches, one that loses the CUDA context - must be
+found, and the first two minimized into a regression test that names a smaller case.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _fake_kernel import FakeModule
+from _fake_modules import FakeModules
+from click.testing import CliRunner
+
+from variantgen import fuzzing as fz
+from variantgen import render
+from variantgen.cli import main as cli_main
+from variantgen.fuzzing import TARGETS, Batch, FuzzCase, ModuleKey, Ranges
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import fuzz_gpu  # noqa: E402
+
+LIMITS = fuzz_gpu.FAKE_LIMITS
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(vg_env):
+    """Render from the checkout's templates with a private cache dir."""
+
+
+def quiet(_text: str) -> None:
+    pass
+
+
+def config(**kw) -> fuzz_gpu.Config:
+    kw.setdefault("seconds", 600.0)
+    kw.setdefault("limits", LIMITS)
+    kw.setdefault("minimize_seconds", 60.0)
+    return fuzz_gpu.Config(**kw)
+
+
+def drawn(n_per_target: int, seed: int = 0, specs=fuzz_gpu.SPECS) -> list[FuzzCase]:
+    """Cases of every target (not run), graph targets also as replays in a drawn session."""
+    r = random.Random(seed)
+    out = []
+    for target in TARGETS:
+        for _ in range(n_per_target):
+            m = r.choice(fuzz_gpu.modules_of(target, specs))
+            case = fz.draw_case(r, target, m, limits=LIMITS)
+            out.append(case)
+            if target.graph:
+                out.append(fz.draw_case(r, target, m, limits=LIMITS, session=case))
+    return out
+
+
+# ----------------------------------------------------------------------------- what is fuzzed
+
+
+def test_targets_cover_every_backend_and_kind():
+    """One table of (backend, kind): every pair render.HEAD_DIMS compiles has a target, and every
+    target's modules are valid configurations of its kind."""
+    pairs = {(t.backend, t.module_kind) for t in TARGETS}
+    assert pairs == set(render.HEAD_DIMS)
+    for t in TARGETS:
+        assert t.kind in render.KINDS and set(t.plans) <= set(fz.PLAN_PATHS), t
+        modules = fuzz_gpu.modules_of(t)
+        assert {m.spec for m in modules} == set(fuzz_gpu.SPECS), f"{t.name}: every shipped spec"
+        for m in modules:
+            render.ModuleConfig(fz.shipped_spec(m.spec), m.head_dim_qk, m.head_dim_vo, m.q_dtype, m.kv_dtype,
+                                m.q_dtype, "9.0a", t.backend, kind=t.module_kind)  # raises if invalid
+    assert {t.name for t in TARGETS if t.graph} == {"fa2/prefill-graph", "fa2/decode-graph", "fa2/decode-tc-graph"}
+
+
+def test_list_modules_commands_are_the_matrix(capsys):
+    """The printed precompile commands expand (dry run) to exactly the matrix plus the planner
+    modules, under the ~60 modules a build box precompiles for the fuzzer; every kind gets head
+    dims 64, 128 and 256."""
+    assert fuzz_gpu.main(["--list-modules"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python -m variantgen.cli")]
+    uris = []
+    for line in lines:
+        args = line.split()[3:] + ["--dry-run"]
+        res = CliRunner().invoke(cli_main, args)
+        assert res.exit_code == 0, (line, res.output)
+        uris += [u for u in res.output.splitlines() if u.startswith("vg_")]
+    matrix = {(b, k, m) for (b, k), ms in fuzz_gpu.MODULES.items() for m in ms}
+    kernels = [u for u in uris if not u.endswith("_planner_sm90a")]
+    planners = set(uris) - set(kernels)  # each command adds its specs' planner modules (built once)
+    assert len(kernels) == len(set(kernels)) == len(matrix) == 49
+    assert planners == {f"vg_{s}_planner_sm90a" for s in fuzz_gpu.SPECS}
+    assert len(set(uris)) <= 60
+    for (backend, kind), ms in fuzz_gpu.MODULES.items():
+        assert {64, 128, 256} <= {m.head_dim_qk for m in ms}, (backend, kind)
+    assert fuzz_gpu.main(["--list-modules", "table"]) == 0
+    assert len(capsys.readouterr().out.strip().splitlines()) == 1 + len(matrix)
+    assert fuzz_gpu.main(["--list-modules", "args"]) == 0  # what scripts/precompile_gpu_tests.sh fuzz reads
+    args = capsys.readouterr().out.strip().splitlines()
+    assert [f"python -m variantgen.cli precompile {a} --arch 9.0a -j 8" for a in args] == lines
+
+
+def test_cases_round_trip_through_json_and_their_literal():
+    for case in drawn(6, seed=1):
+        assert fz.from_json(json.loads(json.dumps(fz.to_json(case)))) == case
+        assert eval(fz.case_literal(case), vars(fz)) == case  # noqa: S307 - our own repr
+
+
+def test_drawn_cases_cover_the_edges_the_fuzzer_promises():
+    """Over many draws: every page size and GQA group, windows none / 0 / 1 / small / large,
+    chunked prefill, spans crossing the chunk start, empty and future-only per-row ranges,
+    documents of length 1, unsorted document ids, prefix lengths at the chunk start."""
+    r = random.Random(7)
+    t = fz.TARGET_BY_NAME["fa2/prefill"]
+    seen: dict[str, set] = {k: set() for k in ("page", "group", "window", "plan")}
+    flags = set()
+    for _ in range(600):
+        m = ModuleKey(r.choice(["mm_prefix", "document", "prefix_lm", "sliding_window"]))
+        c = fz.draw_case(r, t, m, limits=fz.Limits())
+        b, s = c.batch, dict(c.scalars)
+        seen["page"].add(c.page_size)
+        seen["group"].add(c.num_qo_heads // c.num_kv_heads)
+        seen["plan"].add(c.plan)
+        for name in ("window", "causal_window_left"):
+            if name in s:
+                w = s[name]
+                seen["window"].add("none" if w < 0 else w if w <= 1 else "small" if w <= 16 else "large")
+        if any(k > q for q, k in zip(b.qo_lens, b.kv_lens)):
+            flags.add("chunked")
+        for _, arg in b.tensors:
+            if isinstance(arg, Ranges):
+                for q, k, spans, rows in zip(b.qo_lens, b.kv_lens, arg.spans, arg.rows):
+                    if any(s0 < k - q <= e0 for s0, e0 in spans):
+                        flags.add("span across the chunk start")
+                    if any(s0 > e0 for *_, s0, e0 in rows):
+                        flags.add("empty range")
+                    if any(s0 > k - q + last for _, last, s0, _e in rows):
+                        flags.add("future-only range")
+            elif isinstance(arg, fz.DocRuns):
+                for k, runs in zip(b.kv_lens, arg.runs):
+                    starts = [s0 for s0, _ in runs] + [k]
+                    if any(b2 - a2 == 1 for a2, b2 in zip(starts, starts[1:])):
+                        flags.add("document of length 1")
+                    ids = [i for _, i in runs]
+                    if ids != sorted(ids):
+                        flags.add("unsorted ids")
+            elif isinstance(arg, fz.PerRequest):
+                if any(v == k - q and k > q for v, q, k in zip(arg.values, b.qo_lens, b.kv_lens)):
+                    flags.add("prefix at the chunk start")
+    assert seen["page"] == {1, 5, 16, 64} and seen["group"] == {1, 2, 4, 8, 16}
+    assert seen["window"] == {"none", 0, 1, "small", "large"} and seen["plan"] == {"off", "module", "torch"}
+    assert flags == {"chunked", "span across the chunk start", "empty range", "future-only range",
+                     "document of length 1", "unsorted ids", "prefix at the chunk start"}
+
+
+def test_shrink_candidates_are_valid_and_smaller():
+    for case in drawn(4, seed=2):
+        target = fz.TARGET_BY_NAME[case.target]
+        size = fz.case_size(case)
+        for cand in fz.shrink_candidates(case):
+            assert cand != case
+            for b in [cand.batch] + ([cand.graph.capture] if cand.graph else []):
+                n = len(b.qo_lens)
+                assert n >= 1 and len(b.kv_lens) == n and sum(b.qo_lens) >= 1
+                assert all(0 <= q <= k for q, k in zip(b.qo_lens, b.kv_lens))
+                if target.kind == "decode":
+                    assert set(b.qo_lens) == {1} and min(b.kv_lens) >= 1
+                for _, arg in b.tensors:
+                    per = {fz.Ranges: lambda a: (a.spans, a.rows), fz.DocRuns: lambda a: (a.runs,),
+                           fz.PerRequest: lambda a: (a.values,)}.get(type(arg))
+                    assert per is None or all(len(x) == n for x in per(arg))
+                if cand.graph and target.kind == "decode" and not target.tensor_cores:
+                    assert n == cand.graph.max_batch_size  # CUDA-core graph decode plans exactly that many
+            assert cand.num_qo_heads % cand.num_kv_heads == 0
+            assert all(a <= b for a, b in zip(fz.case_size(cand), size)) or cand.graph != case.graph
+
+
+def test_tensors_poison_what_no_request_owns():
+    case = FuzzCase("fa2/prefill", ModuleKey("causal", 64, 64), Batch((3, 2), (21, 2), (), 11), 4, 2, 5)
+    t = fz.make_tensors(case, case.batch, torch.device("cpu"))
+    pages = t.kv_indices.tolist()
+    assert t.kv_indptr.tolist() == [0, 5, 6] and t.last_page_len.tolist() == [1, 2]
+    assert len(set(pages)) == 6 and t.k.shape[0] >= 6 and t.k.shape[1:] == (5, 2, 64)
+    owned = torch.zeros(t.k.shape[:2], dtype=torch.bool)
+    for lo, hi, last in ((0, 5, 1), (5, 6, 2)):
+        for j, p in enumerate(pages[lo:hi]):
+            owned[p, :last if j == hi - lo - 1 else 5] = True
+    assert (t.k[~owned].float() == fz.POISON_K).all() and (t.v[~owned].float() == fz.POISON_V).all()
+    assert (t.k[owned].float().abs() < fz.POISON_K).all()
+
+
+def test_compare_names_what_went_wrong():
+    ref = torch.randn(6, 2, 8)
+    lse = torch.randn(6, 2)
+    assert fz.compare(ref.to(torch.bfloat16), ref, "bf16", lse, lse).ok
+    out = ref.clone()
+    out[2] = fz.SENTINEL
+    assert fz.compare(out, ref, "bf16").kind == "unwritten"
+    out = ref.clone()
+    out[1, 0, 3] = math.nan
+    assert fz.compare(out, ref, "bf16").kind == "nan"
+    out = ref.clone()
+    out[4] += 0.5
+    v = fz.compare(out, ref, "bf16")
+    assert v.kind == "mismatch" and v.bad_rows == 1 and v.max_abs_err == pytest.approx(0.5, rel=1e-3)
+    bad_lse = lse.clone()
+    bad_lse[0, 1] = -math.inf
+    assert fz.compare(ref, ref, "fp16", bad_lse, lse).kind == "lse"
+    assert fz.compare(ref, ref, "fp16", rows_past_written=3).kind == "rows_past_batch"
+    zeros = torch.zeros(3, 2, 8)  # rows with no visible key: exact zeros pass, anything else fails
+    assert fz.compare(zeros, zeros, "bf16").ok and not fz.compare(zeros + 0.1, zeros, "bf16").ok
+
+
+def test_flashinfer_calls_have_the_cases_mask():
+    """Where FlashInfer has a case's mask, the call carries its window and cap; most such cases
+    fall on a FlashInfer module of the comparison matrix."""
+    calls, in_matrix = 0, 0
+    for case in drawn(40, seed=3):
+        call = fuzz_gpu.flashinfer_call(case)
+        m = case.module
+        if call is None:
+            continue
+        calls += 1
+        in_matrix += call.key in fuzz_gpu.FI_BY_KEY
+        assert (m.head_dim_qk, m.q_dtype, m.kv_dtype) == (128, "bf16", "bf16") and m.spec != "alibi"
+        assert case.scales == (None, None, None) and 0 not in case.batch.kv_lens
+        s = dict(case.scalars)
+        if m.spec in ("sliding_window", "softcap"):
+            assert call.window_left == max(s["window"], -1)
+        assert call.soft_cap == (s["soft_cap"] if m.spec == "softcap" else None)
+        assert call.api == ("mm_prefix" if m.spec == "mm_prefix" else fz.TARGET_BY_NAME[case.target].kind)
+    assert calls > 20 and in_matrix > calls // 2
+    assert len(fuzz_gpu.FI_BY_KEY) == len(fuzz_gpu.FI_ENTRIES)
+    alibi = FuzzCase("fa2/prefill", ModuleKey("alibi"), Batch((4,), (9,), (("slopes", fz.PerHead()),), 0), 4, 2, 16)
+    assert fuzz_gpu.flashinfer_call(alibi) is None
+    sink = FuzzCase("fa2/decode", ModuleKey("attention_sink"), Batch((1,), (9,), (), 0), 4, 2, 16,
+                    scalars=(("num_sink", 0), ("window", 5)))
+    assert fuzz_gpu.flashinfer_call(sink) == fuzz_gpu.FiCall("decode", "fa2", 5, None)
+
+
+# ----------------------------------------------------------------------------- the harness end to end
+
+
+def capacity_skips(results: dict) -> int:
+    return sum(t["skip_reasons"].get("batch past the CUDA-graph capacity", 0) for t in results["targets"].values())
+
+
+def test_fuzz_run_on_the_fakes_writes_its_json():
+    """A few dozen cases over every target through the fakes: all pass, the JSON has the counts
+    per target and spec, and a module reported missing is skipped and counted, never run."""
+    gone = ("fa2", "decode", ModuleKey("mm_prefix"))
+    modules = FakeModules(missing=[gone])
+    specs = ("causal", "mm_prefix")  # (half the decode draws hit the missing module)
+    results = fuzz_gpu.run_fuzz(config(max_cases=64, seed=5, specs=specs), modules, log=quiet)
+    json.dumps(results)
+    assert results["cases"] + capacity_skips(results) == 64
+    assert results["failed"] == 0 and results["failures"] == []
+    for name, t in results["targets"].items():
+        assert t["cases"] > 0, name
+        assert t["passed"] + t["failed"] == t["cases"]
+        assert sum(s["cases"] for s in t["specs"].values()) == t["cases"]
+        assert sum(s["skipped"] for s in t["specs"].values()) == t["skipped"]
+        assert t["max_abs_err"] < 0.1 and sum(t["coverage"]["plan"].values()) == t["cases"]
+        if t["graph"]:
+            assert sum(t["coverage"]["graph"].values()) == t["cases"]
+    assert results["modules"]["missing"] == [{"backend": "fa2", "kind": "decode", "module": "mm_prefix hd128 bf16",
+                                              "reason": modules.missing(fz.TARGET_BY_NAME["fa2/decode"], gone[2])}]
+    decode = [results["targets"][n] for n in ("fa2/decode", "fa2/decode-graph")]
+    skips = sum(t["specs"].get("mm_prefix", {}).get("skipped", 0) for t in decode)
+    assert skips > 0 and skips == sum(t["skip_reasons"].get("module not available", 0) for t in decode)
+    assert all(t["specs"].get("mm_prefix", {}).get("cases", 0) == 0 for t in decode)
+    assert not any(type(f).__name__ == "FakeDecodeModule" and f.spec.name == "mm_prefix" for f in modules.made)
+
+
+def test_main_fake_mode_writes_results_with_the_environment(tmp_path):
+    """bench/fuzz_gpu.py --fake: the results file has the run's seed, commit and versions."""
+    out = tmp_path / "fuzz.json"
+    rc = fuzz_gpu.main(["--fake", "--seconds", "600", "--max-cases", "16", "--seed", "9", "--targets",
+                        "fa2/decode,fa2/ragged", "--specs", "causal,document", "--out", str(out)])
+    assert rc == 0
+    results = json.loads(out.read_text())
+    for key in ("seed", "commit", "date", "gpu", "torch", "flashinfer", "variantgen", "targets", "failures"):
+        assert key in results, key
+    assert results["seed"] == 9 and results["cases"] == 16 and set(results["targets"]) == {"fa2/decode",
+                                                                                            "fa2/ragged"}
+    assert set(results["targets"]["fa2/ragged"]["specs"]) <= {"causal", "document"}
+
+
+class DroppingRow(FakeModule):
+    """A planted bug: the last row of every launch request of 5 or more rows stays unwritten."""
+
+    def paged_run(self, *a):
+        out, before = a[10], a[10].clone()
+        super().paged_run(*a)
+        for row in a[16 + len(self.spec.tensors)].tolist():
+            if row[8] >= 5:
+                out[row[0] + row[8] - 1] = before[row[0] + row[8] - 1]
+
+
+class IgnoringWindow(FakeModule):
+    """A planted bug: causal launches ignore the kernel window the planner gave their requests."""
+
+    def paged_run(self, *a):
+        a = list(a)
+        at = 16 + len(self.spec.tensors)
+        meta = a[at].clone()
+        meta[:, 7] = -1
+        a[at] = meta
+        super().paged_run(*a)
+
+
+def planted_failure(fake: type, specs: tuple[str, ...], kind: str, seed: int, target: str = "fa2/prefill") -> dict:
+    modules = FakeModules({("fa2", "prefill"): fake})
+    results = fuzz_gpu.run_fuzz(config(max_cases=40, seed=seed, targets=(target,), specs=specs), modules, log=quiet)
+    assert results["failed"] > 0, f"the planted {fake.__name__} was not found"
+    found = [f for f in results["failures"] if f["verdict"]["kind"] == kind and f["minimized"]]
+    assert found, [f["verdict"] for f in results["failures"]]
+    return found[0]
+
+
+def check_minimized(f: dict, fake: type) -> FuzzCase:
+    """The minimized case is smaller, still fails on the planted bug, passes without it, and its
+    regression test is valid Python naming that very case."""
+    original, small = fz.from_json(f["case"]), fz.from_json(f["minimized"]["case"])
+    assert f["minimized"]["reproduced"] and f["minimized"]["accepted"] >= 1
+    assert fz.case_size(small) <= fz.case_size(original) and small != original
+    assert len(small.batch.qo_lens) == 1, small.label()
+    assert fz.CaseRunner(FakeModules({("fa2", "prefill"): fake})).run(small).verdict.signature == \
+        f["minimized"]["verdict"]["kind"]
+    assert fz.CaseRunner(FakeModules()).run(small).verdict.ok
+    text = f["regression_test"]
+    namespace: dict = {}
+    exec(compile(text, "regression_test", "exec"), namespace)  # noqa: S102 - the text we generated
+    assert text.startswith(f"def test_fuzz_{small.target.replace('/', '_').replace('-', '_')}_")
+    assert "assert_case_passes(case, workspace)" in text
+    literal = text.split("    case = ", 1)[1].rsplit("\n    assert_case_passes", 1)[0]
+    assert eval(literal, vars(fz)) == small  # noqa: S307
+    assert max(len(line) for line in text.splitlines()) <= 120
+    return small
+
+
+def test_planted_dropped_row_is_found_and_minimized():
+    f = planted_failure(DroppingRow, ("causal", "prefix_lm"), "unwritten", seed=11)
+    small = check_minimized(f, DroppingRow)
+    assert 5 <= small.batch.qo_lens[0] <= 8, small.label()
+
+
+@pytest.mark.parametrize("target", ["fa2/prefill", "fa2/prefill-graph"])
+def test_planted_ignored_window_is_found_and_minimized(target):
+    """In graph mode the replayed batch and the capture batch both shrink."""
+    f = planted_failure(IgnoringWindow, ("sliding_window",), "mismatch", seed=12, target=target)
+    small = check_minimized(f, IgnoringWindow)
+    assert small.plan in ("module", "torch"), "the kernel window exists only in planned causal launches"
+    assert 0 <= dict(small.scalars)["window"] < small.batch.kv_lens[0] - 1
+    if small.graph is not None:
+        original = fz.from_json(f["case"])
+        assert sum(small.graph.capture.kv_lens) <= sum(original.graph.capture.kv_lens)
+
+
+class LosingTheContext(FakeModule):
+    def paged_run(self, *a):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def test_a_lost_cuda_context_stops_the_run():
+    modules = FakeModules({("fa2", "prefill"): LosingTheContext})
+    results = fuzz_gpu.run_fuzz(config(max_cases=30, targets=("fa2/prefill", "fa2/decode")), modules, log=quiet)
+    assert results["fatal"] and "illegal memory access" in results["fatal"]
+    assert results["failed"] == 1 and results["failures"][0]["minimized"] is None
+    assert "def test_fuzz_fa2_prefill" in results["failures"][0]["regression_test"]
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(target="fa4/prefill"), r"target='fa4/prefill': expected one of \['fa2/prefill'"),
+    (dict(plan="trim"), r"plan='trim': target fa2/prefill plans with one of \['off', 'module', 'torch'\]"),
+    (dict(num_qo_heads=6, num_kv_heads=4), r"num_qo_heads=6, num_kv_heads=4: expected whole GQA groups"),
+    (dict(batch=Batch((3,), (2,), (), 0)), r"batch: qo_lens=\[3\], kv_lens=\[2\]: expected 0 <= qo_len <= kv_len"),
+    (dict(target="fa2/decode", plan="off"), r"batch: .*decode has one query per request"),
+    (dict(target="fa2/prefill-graph"), r"graph: target fa2/prefill-graph needs GraphSetup"),
+    (dict(batch=Batch((3, 1), (9, 4), (("ranges", Ranges(((),), ((),))),), 0)),
+     r"batch: tensor ranges: Ranges.spans has 1 entries for 2 requests"),
+])
+def test_a_case_that_could_not_be_drawn_is_refused_by_name(change, message):
+    base = dict(target="fa2/prefill", module=ModuleKey("mm_prefix"), batch=Batch((3,), (9,), (), 0),
+                num_qo_heads=4, num_kv_heads=2, page_size=16, plan="module")
+    with pytest.raises(ValueError, match=r"^FuzzCase: " + message):
+        FuzzCase(**{**base, **change})
+
+
+def test_spec_tensors_must_be_the_specs():
+    case = FuzzCase("fa2/prefill", ModuleKey("document"), Batch((3,), (9,), (), 0), 4, 2, 16)
+    with pytest.raises(ValueError, match=r"batch.tensors names \[\], spec `document` has tensors \['doc_ids'\]"):
+        fz.make_tensors(case, case.batch, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"unknown type 'Case'"):
+        fz.from_json({"type": "Case"})
+
+
+class Interrupting(FakeModule):
+    """Ctrl-C (or the SIGTERM main() turns into it) in the middle of the fifth launch."""
+
+    calls = 0
+
+    def paged_run(self, *a):
+        Interrupting.calls += 1
+        if Interrupting.calls == 5:
+            raise KeyboardInterrupt
+        super().paged_run(*a)
+
+
+def test_an_interrupted_run_keeps_what_it_found():
+    seen = []
+    results = fuzz_gpu.run_fuzz(config(max_cases=40, targets=("fa2/prefill",), specs=("causal",)),
+                                FakeModules({("fa2", "prefill"): Interrupting}), log=quiet, checkpoint=seen.append)
+    assert results["interrupted"] and not results["minimized"] and 3 <= results["cases"] < 40
+    assert len(seen) == 1 and seen[0]["cases"] == results["cases"]
