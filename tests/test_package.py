@@ -16,10 +16,12 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
 from conftest import REPO_DIR, SPEC_FILES, SPECS_DIR, TEMPLATES_DIR
+from packaging.version import Version
 
 import variantgen
 from variantgen import build
@@ -37,6 +39,12 @@ def _files(root: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
+    try:
+        setuptools = metadata.version("setuptools")
+    except metadata.PackageNotFoundError:
+        setuptools = "none"
+    assert setuptools != "none" and Version(setuptools) >= Version("70.1"), (
+        f"setuptools {setuptools}: the offline wheel build needs setuptools>=70.1 (pip install -e '.[test]')")
     src = tmp_path_factory.mktemp("src")
     for name in SOURCES:
         if (REPO_DIR / name).is_dir():
