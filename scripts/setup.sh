@@ -31,14 +31,21 @@ else:
 EOF
 }
 
-# Answers within 5 s? (a CPU index page of torch; any failure - no route, no DNS, refused - is "no")
+# Does the index have a torch page, answering within 5 s? (no route, no DNS, refused: no)
 index_reachable() {
   "$VPY" - "$1" <<'EOF'
+import os
 import sys
+import urllib.parse
 import urllib.request
 
+page = sys.argv[1].rstrip("/") + "/torch/"
 try:
-    urllib.request.urlopen(sys.argv[1].rstrip("/") + "/torch/", timeout=5).close()
+    if urllib.parse.urlsplit(page).scheme == "file":  # a local mirror: a folder per project
+        if not os.path.isdir(urllib.request.url2pathname(urllib.parse.urlsplit(page).path)):
+            raise FileNotFoundError(page)
+    else:
+        urllib.request.urlopen(page, timeout=5).close()
 except Exception as e:
     print(f"torch: {sys.argv[1]} is not reachable ({type(e).__name__}: {e})", file=sys.stderr)
     sys.exit(1)
@@ -62,7 +69,7 @@ elif index_reachable "$TORCH_INDEX"; then
 else
   source_note="pip's configured sources (the CPU wheel index is not reachable)"
 fi
-"$VPY" -m pip install -q ${torch_args[@]+"${torch_args[@]}"} "$TORCH"
+"$VPY" -m pip install -q --no-warn-conflicts ${torch_args[@]+"${torch_args[@]}"} "$TORCH"
 got=$(torch_build)
 echo "torch ${got% *} (${got#* } build) from $source_note"
 if [ "$want" = cpu ] && [ "${got#* }" = cuda ]; then
@@ -71,13 +78,21 @@ if [ "$want" = cpu ] && [ "${got#* }" = cuda ]; then
 fi
 
 # variantgen (editable) with its test tools, and what `import flashinfer` needs at run time.
-"$VPY" -m pip install -q -e ".[test]" numpy einops packaging requests tabulate nvidia-ml-py
+"$VPY" -m pip install -q --no-warn-conflicts -e ".[test]" numpy einops packaging requests tabulate nvidia-ml-py
 # flashinfer-python and apache-tvm-ffi without their dependencies: FlashInfer's GPU-only ones
-# (cuda-python, cuda-tile, nvidia-cudnn-frontend, nvidia-cutlass-dsl, nccl4py, nccl-extensions)
-# are not needed to build or run variantgen modules. Installed last and with --no-warn-conflicts,
-# so pip prints no "dependency resolver does not currently take into account all the packages
-# that are installed ... which is not installed" lines about them; `pip check` still lists them.
+# (cuda-python, cuda-tile, nccl-extensions, nccl4py, nvidia-cudnn-frontend, nvidia-cutlass-dsl)
+# are not needed to build or run variantgen modules. pip would report each of them, whenever it
+# installs anything flashinfer depends on (torch, numpy, ...), as "pip's dependency resolver does
+# not currently take into account all the packages that are installed ... flashinfer-python
+# requires X, which is not installed": hence --no-warn-conflicts on every install here, and one
+# `pip check` at the end that reports any other problem.
 "$VPY" -m pip install -q --no-deps --no-warn-conflicts "flashinfer-python==0.7.2.post1" "apache-tvm-ffi==0.1.15.post2"
-echo "flashinfer-python, apache-tvm-ffi: installed without FlashInfer's GPU-only dependencies" \
-     "(variantgen does not use them; \`pip check\` lists them as missing)"
+echo "flashinfer-python, apache-tvm-ffi: installed with --no-deps, without FlashInfer's GPU-only dependencies" \
+     "(variantgen does not use them; \`pip check\` lists them as not installed)"
+gpu_only="cuda-python|cuda-tile|nccl-extensions|nccl4py|nvidia-cudnn-frontend|nvidia-cutlass-dsl"
+known="^No broken requirements found|^flashinfer-python [^ ]+ requires ($gpu_only)([<>=!~][^,]*)?, which is not installed"
+problems=$("$VPY" -m pip check 2>&1 | grep -v -E "$known" || true)
+if [ -n "$problems" ]; then
+  printf 'warning: pip check:\n%s\n' "$problems" >&2
+fi
 echo "variantgen installed in .venv"
