@@ -8,14 +8,13 @@ plain causal backend and logs why. Runs anywhere: on a CPU box every group is de
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 import variantgen
 from variantgen.testing import random_paged_batch, spans_to_ranges
 
-SPEC = Path(__file__).resolve().parent.parent / "specs" / "mm_prefix.yaml"
+SPEC = "mm_prefix"  # a shipped spec, by name (a path to your own spec file works the same)
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
 log = logging.getLogger("engine")
 

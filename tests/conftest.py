@@ -19,10 +19,8 @@ import pytest
 
 import variantgen
 from variantgen import env as vg_env_mod
-from variantgen.env import REPO_DIR
+from variantgen.env import REPO_DIR, SPECS_DIR, TEMPLATES_DIR  # noqa: F401 - tests import them from here
 
-SPECS_DIR = REPO_DIR / "specs"
-TEMPLATES_DIR = REPO_DIR / "templates"
 SPEC_FILES = sorted(SPECS_DIR.glob("*.yaml"))
 ALL_SPECS = [p.stem for p in SPEC_FILES]
 # The CPU kernel emulations' batch: full prefill, chunked prefill (qo_len < kv_len),

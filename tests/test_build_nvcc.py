@@ -1,11 +1,17 @@
 """Real builds with nvcc on the CPU (no GPU needed): slow, deselect with -m 'not nvcc'.
 
-One module (causal spec, one mask mode) is compiled into a private cache, found again
-without rebuilding, and found with JIT disabled; a broken template gives a BuildError
-with the compiler's first error, a log and a kept failed build.
+One fa2 module (causal spec, one mask mode) is compiled into a private cache, found again
+without rebuilding, and found with JIT disabled; so is one fa3 (sm90a) module, as a build
+box without a GPU precompiles it; a broken template gives a BuildError with the
+compiler's first error, a log and a kept failed build.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import SPECS_DIR
@@ -14,7 +20,7 @@ import variantgen
 from variantgen import build
 from variantgen.cache import Cache
 from variantgen.errors import BuildError
-from variantgen.render import ModuleConfig
+from variantgen.render import ModuleConfig, choose_backend
 
 pytestmark = pytest.mark.nvcc
 
@@ -49,6 +55,46 @@ def test_build_find_and_deploy_a_real_module(vg_env, toolchain):
     vg_env.set(VARIANTGEN_DISABLE_JIT="1")
     deployed = build.build_module(config, cache)
     assert deployed.built is False and deployed.entry.module_path == entry.module_path
+
+
+def exported_functions(module: Path) -> set[str]:
+    """The functions a module exports through tvm-ffi (TVM_FFI_DLL_EXPORT_TYPED_FUNC symbols)."""
+    nm = shutil.which("nm")
+    assert nm, "nm (binutils) not found: it comes with the host compiler's toolchain"
+    out = subprocess.run([nm, "-D", "--defined-only", str(module)], capture_output=True, text=True, check=True)
+    return {line.split()[-1].removeprefix("__tvm_ffi_") for line in out.stdout.splitlines()
+            if line.split()[-1].startswith("__tvm_ffi_")}
+
+
+def test_build_an_fa3_module_without_a_gpu(vg_env, toolchain, tmp_path):
+    """What `variantgen precompile causal --arch 9.0a` does on a build box (backend auto is fa3
+    there), kept to one mask mode: nvcc and the CUDA runtime headers are all it needs."""
+    vg_env.set(VARIANTGEN_BUILD_JOBS="2")
+    cache = Cache(vg_env.cache_dir)
+    spec = variantgen.resolve_spec("causal")
+    assert choose_backend(spec, kind="prefill", head_dim_qk=128, head_dim_vo=128, q_dtype="bf16", kv_dtype="bf16",
+                          o_dtype="bf16", arch="9.0a") == "fa3"
+    config = ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a", "fa3", mask_modes=("causal",))
+    result = build.build_module(config, cache)
+    assert result.built is True
+    entry = result.entry
+    assert entry.uri.startswith("vg_causal_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a_")
+    assert entry.module_path.read_bytes()[:4] == b"\x7fELF"
+    assert entry.manifest["config"]["backend"] == "fa3" and entry.manifest["config"]["mask_modes"] == ["causal"]
+    assert (entry.path / "src" / "cutlass_prelude.cuh").is_file()  # stands in for FlashInfer's cutlass_utils.cuh
+    # what the fa3 wrapper calls, exported and loadable as a serving host loads it (no GPU needed to load)
+    assert exported_functions(entry.module_path) == {"plan", "paged_run"}
+    module = build.load_module(entry)
+    assert callable(module.plan) and callable(module.paged_run)
+
+    # Served with JIT off from another copy of the spec: the module is the spec's content, not its file.
+    copy = tmp_path / "elsewhere" / "my_causal.yaml"
+    copy.parent.mkdir()
+    shutil.copyfile(SPECS_DIR / "causal.yaml", copy)
+    vg_env.set(VARIANTGEN_DISABLE_JIT="1")
+    for other in (variantgen.load_spec(copy), variantgen.parse_spec((SPECS_DIR / "causal.yaml").read_text())):
+        deployed = build.build_module(dataclasses.replace(config, spec=other), cache)
+        assert deployed.built is False and deployed.entry.module_path == entry.module_path
 
 
 def test_broken_template_gives_a_build_error(vg_env, toolchain, template_copy):

@@ -122,7 +122,7 @@ def test_missing_spec_file(tmp_path):
 
 def test_spec_of_wrong_type():
     r = probe(42, **BASE, arch="9.0a")  # type: ignore[arg-type]
-    assert not r and "VariantSpec or a path" in r.reason
+    assert not r and r.reason == "spec must be a VariantSpec, a path to a spec file or a shipped spec name, got int"
 
 
 # ----------------------------------------------------------------------------- 2. flashinfer

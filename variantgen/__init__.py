@@ -1,13 +1,15 @@
 """variantgen: YAML attention-variant specs -> cached FlashInfer kernels.
 
-Public API: load_spec / parse_spec, make_wrapper, GraphCapacity (CUDA-graph mode),
-choose_backend, probe, probe_backends, and the error classes.
+Public API: load_spec / parse_spec, shipped_specs / resolve_spec (specs by name: wherever a
+spec is accepted, "mm_prefix" names the shipped one), make_wrapper, GraphCapacity (CUDA-graph
+mode), choose_backend, probe, probe_backends, and the error classes.
 Heavy imports (torch, flashinfer) happen lazily inside the functions that need them.
 """
 
 __version__ = "0.1.0"
 
 from .errors import BuildError, CacheError, LaunchError, SpecError, VariantgenError  # noqa: E402
+from .library import resolve_spec, shipped_specs  # noqa: E402
 from .spec import VariantSpec, load_spec, parse_spec  # noqa: E402
 
 
@@ -58,4 +60,6 @@ __all__ = [
     "parse_spec",
     "probe",
     "probe_backends",
+    "resolve_spec",
+    "shipped_specs",
 ]

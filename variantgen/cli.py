@@ -22,8 +22,8 @@ import click
 from . import __version__, env
 from .cache import Cache, age_seconds
 from .errors import SpecError, SpecErrors, VariantgenError
+from .library import resolve_spec, shipped_specs
 from .render import BACKENDS, KINDS, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
-from .spec import load_spec
 
 log = logging.getLogger("variantgen.cli")
 
@@ -148,7 +148,11 @@ def _default_arch() -> str | None:
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
               help="Module cache root (sets VARIANTGEN_CACHE_DIR for this run).")
 def main(log_level: str | None, cache_dir: str | None) -> None:
-    """YAML attention-variant specs -> cached FlashInfer kernels."""
+    """YAML attention-variant specs -> cached FlashInfer kernels.
+
+    SPEC arguments are spec files or names of the specs shipped with variantgen
+    (`variantgen specs` lists them), e.g. `variantgen demo mm_prefix`.
+    """
     level = getattr(logging, (log_level or "warning").upper())
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")  # no-op if configured
     if log_level:
@@ -164,11 +168,11 @@ def main(log_level: str | None, cache_dir: str | None) -> None:
 @main.command()
 @click.argument("specs", nargs=-1, required=True, type=click.Path())
 def validate(specs: tuple[str, ...]) -> None:
-    """Check spec files; print every error with its file:line:col."""
+    """Check spec files (or shipped specs by name); print every error with its file:line:col."""
     failed = 0
     for path in specs:
         try:
-            spec = load_spec(path)
+            spec = resolve_spec(path)
         except SpecErrors as e:
             failed += 1
             for err in e.errors:
@@ -184,12 +188,22 @@ def validate(specs: tuple[str, ...]) -> None:
         sys.exit(1)
 
 
+@main.command("specs")
+def specs_cmd() -> None:
+    """Table of the specs shipped with variantgen: pass a name wherever a spec file is accepted."""
+    rows = []
+    for name, path in shipped_specs().items():
+        spec = resolve_spec(path)
+        rows.append([name, " ".join(spec.description.split()), str(path)])
+    click.echo(_table(["name", "description", "file"], rows))
+
+
 # ----------------------------------------------------------------------------- render
 
 
 def _config(spec_path: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
             o_dtype: str | None, backend: str, arch: str, kind: str = "prefill") -> ModuleConfig:
-    spec = load_spec(spec_path)
+    spec = resolve_spec(spec_path)
     q = canonical_dtype(dtype, "--dtype")
     kv = canonical_dtype(kv_dtype, "--kv-dtype") if kv_dtype else q
     o = canonical_dtype(o_dtype, "--o-dtype") if o_dtype else q
@@ -263,7 +277,7 @@ def expand_matrix(spec_paths: list[str], head_dims: list[int] | list[tuple[int, 
                   ) -> tuple[list[ModuleConfig], list[tuple[str, str]]]:
     """Every valid ModuleConfig of the matrix (unique, sorted by URI prefix) and the skipped
     combinations with their reason."""
-    specs = [load_spec(p) for p in spec_paths]
+    specs = [resolve_spec(p) for p in spec_paths]
     qs = [canonical_dtype(d, "--dtype") for d in dtypes]
     kvs = [canonical_dtype(d, "--kv-dtype") for d in kv_dtypes] if kv_dtypes else None
     os_ = [canonical_dtype(d, "--o-dtype") for d in o_dtypes] if o_dtypes else None
@@ -572,6 +586,7 @@ def check(spec: str, head_dim: int, dtype: str, kv_dtype: str | None, o_dtype: s
     """Build SPEC's module, run it on a random batch and compare with the reference (needs a GPU)."""
     import torch
 
+    variant = resolve_spec(spec)  # a wrong spec is reported wherever this runs
     if not torch.cuda.is_available():
         click.echo("check needs a CUDA GPU", err=True)
         sys.exit(2)
@@ -580,7 +595,6 @@ def check(spec: str, head_dim: int, dtype: str, kv_dtype: str | None, o_dtype: s
     from .testing import random_paged_batch, random_spec_args
     from .wrapper import TORCH_DTYPES
 
-    variant = load_spec(spec)
     q_name = canonical_dtype(dtype, "--dtype")
     kv_name = canonical_dtype(kv_dtype, "--kv-dtype") if kv_dtype else q_name
     o_name = canonical_dtype(o_dtype, "--o-dtype") if o_dtype else q_name
@@ -624,7 +638,7 @@ def demo(ctx: click.Context, spec: str, head_dim: int, dtype: str, arch: str | N
     from .build import build_module
     from .render import render_module
 
-    variant = load_spec(spec)
+    variant = resolve_spec(spec)
     click.echo(f"[1/4] {spec}: valid spec `{variant.name}` ({len(variant.tensors)} tensor(s), "
                f"{len(variant.scalars)} scalar(s))")
     target = canonical_arch(arch or _default_arch() or "9.0a")

@@ -13,6 +13,24 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parent
+"""The folder above the package: the checkout's root when variantgen runs from a checkout."""
+IN_CHECKOUT = (REPO_DIR / "pyproject.toml").is_file()
+"""True in an editable install (or with the checkout on PYTHONPATH); False for an installed wheel."""
+
+
+def _data_dir(name: str) -> Path:
+    """A data folder of the package: inside it in an installed wheel (variantgen/templates/),
+    beside it in a checkout, whose layout keeps templates/ and specs/ at the top level."""
+    shipped = PACKAGE_DIR / name
+    if not shipped.is_dir() and IN_CHECKOUT:
+        return REPO_DIR / name
+    return shipped  # where an installed package has it (a broken install is reported at this path)
+
+
+TEMPLATES_DIR = _data_dir("templates")
+"""The Jinja templates and static sources modules are rendered from."""
+SPECS_DIR = _data_dir("specs")
+"""The shipped specs (variantgen.library)."""
 
 _TRUE = {"1", "true", "yes", "on"}
 
@@ -38,7 +56,7 @@ class Settings:
     nvcc_threads: int
     """VARIANTGEN_NVCC_THREADS: nvcc --threads per compile (default 1)."""
     template_dir: Path
-    """VARIANTGEN_TEMPLATE_DIR: where the Jinja templates live (default: <checkout>/templates)."""
+    """VARIANTGEN_TEMPLATE_DIR: where the Jinja templates live (default: TEMPLATES_DIR, the package's)."""
     lock_timeout_s: float
     """VARIANTGEN_LOCK_TIMEOUT: seconds to wait for another process's build of a module."""
     check_plan: bool
@@ -49,7 +67,7 @@ class Settings:
 def _default_cache_dir() -> Path:
     # A checkout keeps its cache beside the code (cache/ is git-ignored); an installed
     # package without a checkout falls back to the user's cache directory.
-    if (REPO_DIR / "pyproject.toml").exists():
+    if IN_CHECKOUT:
         return REPO_DIR / "cache"
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "variantgen"
@@ -89,7 +107,7 @@ def _read() -> Settings:
         nvcc_threads=_int_or_none("VARIANTGEN_NVCC_THREADS") or 1,
         template_dir=Path(os.environ["VARIANTGEN_TEMPLATE_DIR"])
         if os.environ.get("VARIANTGEN_TEMPLATE_DIR")
-        else REPO_DIR / "templates",
+        else TEMPLATES_DIR,
         lock_timeout_s=float(timeout) if timeout else 1800.0,
         check_plan=_flag("VARIANTGEN_CHECK_PLAN"),
     )

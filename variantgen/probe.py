@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import shlex
 import sys
 import threading
@@ -43,8 +44,9 @@ from . import build as _build
 from . import env, render
 from .cache import Cache
 from .errors import BuildError, CacheError, JitDisabledError, SpecError, ToolchainError
+from .library import resolve_spec
 from .render import HEAD_DIMS, KINDS, ModuleConfig, canonical_arch, canonical_dtype
-from .spec import BACKENDS, VariantSpec, load_spec
+from .spec import BACKENDS, VariantSpec
 
 log = logging.getLogger("variantgen.probe")
 
@@ -122,9 +124,10 @@ def probe(
     this GPU (render.choose_backend; ``details["backend"]`` says which). See
     :func:`probe_backends` for every backend at once.
 
-    ``spec`` is a VariantSpec or a path to a spec file. ``device`` selects the GPU (default:
-    the current one, when CUDA is available). ``arch`` (or VARIANTGEN_ARCH) names the target
-    when no GPU is visible: then the module is found or built but not loaded.
+    ``spec`` is a VariantSpec, a path to a spec file, or a shipped spec's name ("mm_prefix").
+    ``device`` selects the GPU (default: the current one, when CUDA is available). ``arch`` (or
+    VARIANTGEN_ARCH) names the target when no GPU is visible: then the module is found or built
+    but not loaded.
     ``build=False`` only looks in the cache. ``cache_dir`` defaults to VARIANTGEN_CACHE_DIR.
     ``cuda_graph=True``: for a wrapper made with ``graph=GraphCapacity(...)`` (paged prefill on
     fa2, decode): other kinds and fa3 are demoted with the reason; no backend picks fa2, as
@@ -339,12 +342,13 @@ def build_default_cache() -> Cache:
 def _load(spec_arg: Any) -> VariantSpec:
     if isinstance(spec_arg, VariantSpec):
         return spec_arg
-    if isinstance(spec_arg, (str, Path)):
+    if isinstance(spec_arg, (str, os.PathLike)):
         try:
-            return load_spec(spec_arg)
+            return resolve_spec(spec_arg)
         except SpecError as e:
             raise _Fail(str(e)) from None
-    raise _Fail(f"spec must be a VariantSpec or a path to a spec file, got {type(spec_arg).__name__}")
+    raise _Fail(f"spec must be a VariantSpec, a path to a spec file or a shipped spec name, "
+                f"got {type(spec_arg).__name__}")
 
 
 def _config_fields(spec: VariantSpec, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, kv_dtype: Any,

@@ -19,7 +19,8 @@ from typing import Any
 import jinja2
 
 from . import __version__, codegen
-from .env import settings
+from .env import TEMPLATES_DIR, settings
+from .errors import VariantgenError
 from .spec import VariantSpec
 
 # dtype name -> (C++ type, bytes)
@@ -237,8 +238,20 @@ def _environment(template_dir: str) -> jinja2.Environment:
     )
 
 
+def template_root() -> Path:
+    """The template folder in use (VARIANTGEN_TEMPLATE_DIR or the package's); an error that
+    names it when it is not a template tree, before Jinja or the digest reads from it."""
+    root = settings().template_dir
+    missing = [d for d in sorted({d for dirs in TEMPLATE_DIRS.values() for d in dirs}) if not (root / d).is_dir()]
+    if missing:
+        where = (f"VARIANTGEN_TEMPLATE_DIR={root}" if root != TEMPLATES_DIR
+                 else f"{root} (this variantgen installation lacks its templates: reinstall the package)")
+        raise VariantgenError(f"template folder {where}: expected the subfolders {', '.join(missing)}")
+    return root
+
+
 def environment() -> jinja2.Environment:
-    return _environment(str(settings().template_dir))
+    return _environment(str(template_root()))
 
 
 # What a backend's modules use ("planner": the interval planner's row kernel, variantgen/rowplan.py).
@@ -248,7 +261,7 @@ TEMPLATE_DIRS = {"fa2": ("common", "fa2"), "fa3": ("common", "fa3", "sched"), "p
 
 def template_files(backend: str = "fa2") -> list[Path]:
     """The templates and static sources a backend's modules are made of."""
-    root = settings().template_dir
+    root = template_root()
     return sorted(p for d in TEMPLATE_DIRS[backend] for p in (root / d).iterdir() if p.is_file())
 
 
@@ -263,11 +276,11 @@ def _template_digest(template_dir: str, backend: str) -> str:
 
 def static_source(name: str) -> str:
     """A static C++ file of the template tree (copied into a module's sources as it is)."""
-    return (settings().template_dir / name).read_text()
+    return (template_root() / name).read_text()
 
 
 def template_digest(backend: str = "fa2") -> str:
-    return _template_digest(str(settings().template_dir), backend)
+    return _template_digest(str(template_root()), backend)
 
 
 _LOCAL_DEFS = {

@@ -38,10 +38,11 @@ from .env import settings
 from .errors import LaunchError
 from .graph import META_COLUMNS, META_KERNEL_WINDOW, GraphBuffers, GraphCapacity
 from .intervals import IntervalForm, analyze, args_read, tensors_read
+from .library import resolve_spec
 from .native_plan import DESC_FIELDS, has_native_plan, plan_batch
 from .planner import gather_page_ranges, gather_pages, page_gather_table, plan_launches, regroup_for_fa3
 from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
-from .spec import VariantSpec, load_spec
+from .spec import VariantSpec
 from .staging import HostStaging
 
 log = logging.getLogger("variantgen.wrapper")
@@ -933,12 +934,6 @@ def host_indices(*tensors: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]
     return out, flat
 
 
-def resolve_spec(spec: VariantSpec | str | Path) -> VariantSpec:
-    if isinstance(spec, VariantSpec):
-        return spec
-    return load_spec(spec)
-
-
 def device_arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return canonical_arch(f"{major}.{minor}{'a' if major == 9 else ''}")
@@ -969,6 +964,8 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
                  graph: GraphCapacity | None = None, check_plan: bool | None = None) -> WrapperBase:
     """Build (or load from the cache) the spec's module for one kernel kind and wrap it.
 
+    ``spec``: a VariantSpec, a spec file's path, or a shipped spec's name ("mm_prefix";
+    variantgen.shipped_specs() lists them).
     ``kind``: "prefill" (paged KV), "ragged" (ragged KV) or "decode" (paged KV, one query
     per request). ``backend``: "fa2", "fa3", or None to let variantgen choose from the
     spec, dtypes, kind and GPU (see choose_backend). ``workspace`` is the float workspace

@@ -1,0 +1,159 @@
+"""The wheel: built from the checkout's sources, installed where no checkout is, run from there.
+
+The checkout keeps templates/ and specs/ at its top level; the wheel must carry them inside
+the package (variantgen/templates/, variantgen/specs/), and an installed variantgen must
+find them there, render the same sources as the checkout (so a module precompiled from
+either is the other's too) and accept the shipped specs by name. Offline: the build uses
+this environment's setuptools (--no-build-isolation), the install takes no dependencies
+(they come from this environment).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from conftest import REPO_DIR, SPEC_FILES, SPECS_DIR, TEMPLATES_DIR
+from packaging.version import Version
+
+import variantgen
+from variantgen import build
+from variantgen.render import ModuleConfig, render_module
+
+# What the wheel is built from (what an sdist or a clean clone has); copied so that the build's
+# own folders (build/, *.egg-info) never land in the checkout.
+SOURCES = ("pyproject.toml", "README.md", "variantgen", "templates", "specs")
+RENDER = ("render", "mm_prefix", "--head-dim", "128", "--dtype", "bf16", "--backend", "fa2", "--file", "all")
+
+
+def _files(root: Path) -> set[str]:
+    return {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    try:
+        setuptools = metadata.version("setuptools")
+    except metadata.PackageNotFoundError:
+        setuptools = "none"
+    assert setuptools != "none" and Version(setuptools) >= Version("70.1"), (
+        f"setuptools {setuptools}: the offline wheel build needs setuptools>=70.1 (pip install -e '.[test]')")
+    src = tmp_path_factory.mktemp("src")
+    for name in SOURCES:
+        if (REPO_DIR / name).is_dir():
+            shutil.copytree(REPO_DIR / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(REPO_DIR / name, src / name)
+    dist = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
+                           "--no-index", "-w", str(dist)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "warning" not in proc.stderr.lower(), proc.stderr  # e.g. setuptools' "package would be ignored"
+    wheels = list(dist.glob("variantgen-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> Path:
+    target = tmp_path_factory.mktemp("site")
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "--target",
+                           str(target), str(wheel)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return target
+
+
+def _run(installed: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run in a folder that is not the checkout, with only the installed copy on the path
+    (its dependencies come from this environment's site-packages)."""
+    env = dict(os.environ, PYTHONPATH=str(installed), VARIANTGEN_CACHE_DIR=str(tmp_path / "cache"))
+    for name in ("VARIANTGEN_TEMPLATE_DIR", "VARIANTGEN_DISABLE_JIT", "FLASHINFER_DISABLE_JIT"):
+        env.pop(name, None)
+    return subprocess.run(list(args), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_wheel_carries_templates_and_specs(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    package = {n for n in names if not n.startswith("variantgen-")}
+    expected = ({f"variantgen/templates/{f}" for f in _files(TEMPLATES_DIR)}
+                | {f"variantgen/specs/{p.name}" for p in SPEC_FILES}
+                | {f"variantgen/{p.name}" for p in (REPO_DIR / "variantgen").glob("*.py")})
+    assert "variantgen/templates/fa3/cutlass_prelude.cuh" in expected  # static sources too, not only .jinja
+    assert package == expected, (sorted(expected - package), sorted(package - expected))
+    meta = {n.rsplit("/", 1)[-1] for n in names - package}
+    assert {"METADATA", "WHEEL", "RECORD", "entry_points.txt"} <= meta
+    dist_info = next(n for n in names if n.endswith("entry_points.txt"))
+    assert "variantgen = variantgen.cli:main" in zipfile.ZipFile(wheel).read(dist_info).decode()
+
+
+def test_the_installed_package_uses_its_own_data(installed, tmp_path):
+    probe = ("import json, variantgen, variantgen.env as e; print(json.dumps([variantgen.__file__, "
+             "str(e.TEMPLATES_DIR), str(e.SPECS_DIR), e.IN_CHECKOUT, str(e.settings().cache_dir)]))")
+    proc = _run(installed, tmp_path, sys.executable, "-c", probe)
+    assert proc.returncode == 0, proc.stderr
+    module, templates, specs, in_checkout, cache_dir = json.loads(proc.stdout)
+    assert module == str(installed / "variantgen" / "__init__.py")
+    assert templates == str(installed / "variantgen" / "templates")
+    assert specs == str(installed / "variantgen" / "specs") and in_checkout is False
+    assert cache_dir == str(tmp_path / "cache")
+
+
+def test_the_installed_command_renders_shipped_specs_by_name(installed, tmp_path):
+    script = installed / "bin" / "variantgen"
+    assert script.is_file()
+    proc = _run(installed, tmp_path, str(script), *RENDER)
+    assert proc.returncode == 0, proc.stderr
+    spec = variantgen.load_spec(SPECS_DIR / "mm_prefix.yaml")
+    rendered = render_module(ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a", "fa2"))
+    expected = "".join(f"// ===== {name} =====\n{text}" for name, text in rendered.files.items())
+    assert proc.stdout == expected  # the checkout's sources, byte for byte
+    proc = _run(installed, tmp_path, str(script), "validate", "mm_prefix", "sliding_window")
+    assert proc.returncode == 0 and proc.stdout == "ok  mm_prefix (mm_prefix)\nok  sliding_window (sliding_window)\n"
+    proc = _run(installed, tmp_path, str(script), "specs")
+    assert proc.returncode == 0 and str(installed / "variantgen" / "specs" / "mm_prefix.yaml") in proc.stdout
+    proc = _run(installed, tmp_path, str(script), "validate", "specs/mm_prefix.yaml")
+    assert proc.returncode == 1 and "ships a spec named `mm_prefix`: pass that name" in proc.stdout
+
+
+def test_a_module_key_is_the_same_installed_or_checked_out(installed, tmp_path):
+    """Same sources and template digest: a cache precompiled from a checkout serves the wheel."""
+    code = ("import variantgen; from variantgen import build; from variantgen.render import ModuleConfig; "
+            "from variantgen.rowplan import PlannerConfig; s = variantgen.resolve_spec('mm_prefix'); "
+            "print(build.module_key(ModuleConfig(s, 128, 128, 'bf16', 'bf16', 'bf16', '9.0a', 'fa3').render(), None)"
+            ".uri); print(build.module_key(PlannerConfig(s, '9.0a').render(), None).uri)")
+    proc = _run(installed, tmp_path, sys.executable, "-c", code)
+    assert proc.returncode == 0, proc.stderr
+    from variantgen.rowplan import PlannerConfig
+
+    spec = variantgen.resolve_spec("mm_prefix")
+    here = [build.module_key(ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a", "fa3").render(), None).uri,
+            build.module_key(PlannerConfig(spec, "9.0a").render(), None).uri]
+    assert proc.stdout.split() == here
+
+
+def test_a_broken_installation_names_its_template_folder(installed, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(installed / "variantgen", broken / "variantgen",
+                    ignore=shutil.ignore_patterns("templates", "__pycache__"))
+    proc = _run(broken, tmp_path, sys.executable, "-m", "variantgen.cli", *RENDER)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    missing = broken / "variantgen" / "templates"
+    assert proc.stderr == (f"error: template folder {missing} (this variantgen installation lacks its templates: "
+                           "reinstall the package): expected the subfolders common, fa2, fa3, planner, sched\n")
+
+
+def test_a_template_dir_setting_that_is_no_template_tree(vg_env, tmp_path):
+    (tmp_path / "tpl" / "fa2").mkdir(parents=True)
+    vg_env.set(VARIANTGEN_TEMPLATE_DIR=tmp_path / "tpl")
+    spec = variantgen.resolve_spec("causal")
+    with pytest.raises(variantgen.VariantgenError) as e:
+        render_module(ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a"))
+    assert str(e.value) == (f"template folder VARIANTGEN_TEMPLATE_DIR={tmp_path / 'tpl'}: expected the subfolders "
+                            "common, fa3, planner, sched")
