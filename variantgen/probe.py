@@ -31,10 +31,8 @@ from __future__ import annotations
 import functools
 import logging
 import shlex
-import sys
 import threading
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -530,17 +528,4 @@ def _memo_key(spec: Any, args: dict[str, Any]) -> tuple:
     return spec_key, arg_key, env.settings()
 
 
-# ----------------------------------------------------------------------------- module call
-
-
-class _CallableModule(types.ModuleType):
-    """``import variantgen.probe`` rebinds ``variantgen.probe`` to this module (Python sets a
-    package attribute for every imported submodule), so the module forwards calls to
-    :func:`probe`: ``variantgen.probe(...)`` works before and after the import."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> ProbeResult:
-        return probe(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 probe.cache_clear = cache_clear  # type: ignore[attr-defined]
