@@ -27,7 +27,7 @@ def test_import_does_not_import_torch():
 
 
 @pytest.mark.parametrize("name, params", [
-    ("probe", ["spec", "head_dim_qk", "q_dtype", "kv_dtype"]),
+    ("probe", ["spec", "head_dim_qk", "q_dtype", "kv_dtype", "runtime"]),
     ("probe_backends", ["spec", "kinds", "backends"]),
     ("make_wrapper", ["spec", "workspace", "head_dim_qk", "q_dtype", "kv_dtype", "backend", "graph"]),
     ("choose_backend", ["spec", "kind", "arch"]),

@@ -31,14 +31,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .build import BuildResult, build_module, default_cache, load_module
+from .build import BuildResult, build_module, default_cache, load_module, select_backend
 from .cache import Cache
 from .errors import LaunchError
 from .graph import META_COLUMNS, META_KERNEL_WINDOW, GraphBuffers, GraphCapacity
 from .intervals import IntervalForm, analyze, args_read, tensors_read
 from .native_plan import DESC_FIELDS, has_native_plan, plan_batch
 from .planner import gather_page_ranges, gather_pages, page_gather_table, plan_launches, regroup_for_fa3
-from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
+from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype
 from .spec import VariantSpec, load_spec
 from .staging import HostStaging
 
@@ -791,7 +791,9 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
 
     ``kind``: "prefill" (paged KV), "ragged" (ragged KV) or "decode" (paged KV, one query
     per request). ``backend``: "fa2", "fa3", or None to let variantgen choose from the
-    spec, dtypes, kind and GPU (see choose_backend). ``workspace`` is the float workspace
+    spec, dtypes, kind and GPU (build.select_backend: choose_backend's pick, except that with
+    JIT disabled or ``build=False`` a precompiled fa2 module is used, with a warning, when
+    the fa3 one is not in the cache - the choice probe() reports). ``workspace`` is the float workspace
     (uint8, on the target GPU; 128 MiB is plenty). ``use_tensor_cores`` (decode only): run
     decode through the spec's prefill module (one query per request) instead of the
     CUDA-core decode kernel - FlashInfer's advice for large GQA groups. ``graph``
@@ -821,15 +823,18 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
         elif backend != "fa2":
             raise ValueError(f"graph=: CUDA-graph mode needs backend='fa2' (got {backend!r}): the fa3 planner's "
                              "launch set depends on the batch")
-    if backend is None:
-        backend = choose_backend(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=hd_vo, q_dtype=q,
-                                 kv_dtype=kv, o_dtype=o, arch=arch)
+    cache = cache or default_cache()
+    if backend is None:  # the same choice probe(backend=None) reports
+        choice = select_backend(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=hd_vo, q_dtype=q,
+                                kv_dtype=kv, o_dtype=o, arch=arch, cache=cache, allow_build=build)
+        backend = choice.backend
+        if choice.note:
+            log.warning("make_wrapper(%s): %s", spec.name, choice.note)
     cls = wrapper_class(kind)
     if use_tensor_cores and kind != "decode":
         raise ValueError(f"use_tensor_cores=True: only for kind='decode' (got kind={kind!r})")
     module_kind = "prefill" if use_tensor_cores else kind  # tensor-core decode = prefill kernel, qo_len 1
     config = ModuleConfig(spec, head_dim_qk, hd_vo, q, kv, o, arch, backend, DEFAULT_MASK_MODES, module_kind)
-    cache = cache or default_cache()
     result = build_module(config, cache, jobs=jobs, allow_build=build)
     module = load_module(result.entry)
     extra = {"graph": graph} if graph is not None else {}
