@@ -802,3 +802,26 @@ def test_a_build_in_another_process_is_reported_not_waited_for(clean, tmp_path, 
         holder.join(30)
     r = probe(MM, **BASE)
     assert r and r.source == "built" and fake_build == [uri]
+
+
+def test_full_disk_is_a_reason_naming_the_path(clean, monkeypatch):
+    """ENOSPC while building gave `internal error: OSError: [Errno 28] No space left on device`."""
+    import errno
+
+    monkeypatch.setattr(build, "flashinfer_info", lambda: procs.FAKE_FLASHINFER)
+    real_write_text = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if ".staging" in self.parts:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    r = probe(MM, **BASE)
+    assert not r and r.reason.startswith(f"cannot write {clean.cache_dir / '.staging'}/")
+    assert "/src/" in r.reason and r.reason.endswith(": No space left on device (free space on that file system)")
+    assert list((clean.cache_dir / ".staging").iterdir()) == [] and list((clean.cache_dir / ".locks").iterdir()) == []
+    monkeypatch.setattr(Path, "write_text", real_write_text)  # space freed: not memoized
+    monkeypatch.setattr(build, "_build_locked", lambda rendered, key, tc, cache, jobs, progress=None:
+                        publish_fake(cache, rendered.config, tc))
+    assert probe(MM, **BASE)

@@ -32,7 +32,7 @@ Checks run in this order, and the first failing one is reported:
 
 Results are memoized per argument combination (and environment snapshot) for the life
 of the process; ``probe.cache_clear()`` forgets them. A negative result caused by another
-process's build in progress is not memoized.
+process's build in progress, or by the cache's file system (a full disk), is not memoized.
 """
 
 from __future__ import annotations
@@ -337,8 +337,8 @@ def _find(config: ModuleConfig, cache: Cache, rendered: render.RenderedModule, s
         raise _Fail(f"module {uri} is being built by {who} (lock {cache.lock_path(uri)}); probe() waits "
                     f"{PROBE_LOCK_WAIT_S:g}s at most: probe again when that build is done", transient=True,
                     **details) from None
-    except CacheError as e:
-        raise _Fail(str(e), **details) from None
+    except CacheError as e:  # a full disk, an unwritable lock folder: may be fixed while we run
+        raise _Fail(str(e), transient=True, **details) from None
 
 
 def _missing_reason(why: str, uri: str, cache: Cache, config: ModuleConfig, damaged: list[str], *,

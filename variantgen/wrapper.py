@@ -21,7 +21,9 @@ ragged.py) on the shared checks of WrapperBase.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -227,14 +229,27 @@ class WrapperBase:
         """Graph mode: the largest size each batch-dependent dim may have (static buffers)."""
         return {}
 
+    def _check_known(self, given: dict[str, Any], where: str) -> None:
+        """LaunchError for keywords that are no spec argument, with the closest name (a spec
+        argument, or the method's own keyword: `skip_tile=` for skip_tiles)."""
+        known = self._tensor_names + self._scalar_names
+        extra = sorted(set(given) - set(known))
+        if not extra:
+            return
+        method = getattr(type(self), where.removesuffix("()"), None)
+        own = [n for n, p in inspect.signature(method).parameters.items()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY] if method is not None else []
+        named = []
+        for name in extra:
+            close = difflib.get_close_matches(name, [*known, *own], n=1, cutoff=0.6)
+            named.append(f"{name} (did you mean `{close[0]}`?)" if close else name)
+        takes = ", ".join(known) or "no extra arguments"
+        raise LaunchError(f"{where}: unexpected argument(s) {', '.join(named)}; spec `{self.spec.name}` takes: "
+                          f"{takes} (plus q_scale, k_scale, v_scale, out, return_lse in run())")
+
     def _check_args(self, given: dict[str, Any], *, where: str, require_tensors_from: str | None = None,
                     ) -> dict[str, Any]:
-        known = set(self._tensor_names) | set(self._scalar_names)
-        extra = sorted(set(given) - known)
-        if extra:
-            takes = ", ".join(self._tensor_names + self._scalar_names) or "no extra arguments"
-            raise LaunchError(f"{where}: unexpected argument(s) {', '.join(extra)}; spec `{self.spec.name}` takes: "
-                              f"{takes} (plus q_scale, k_scale, v_scale, out, return_lse in run())")
+        self._check_known(given, where)
         dims = self._dims()
         out: dict[str, Any] = {}
         for t in self.spec.tensors:
@@ -512,6 +527,7 @@ class VariantWrapper(WrapperBase):
             launches = plan_launches(self, qo_h, kvp_h, kv_lens, checked)
         else:
             if spec_args:
+                self._check_known(spec_args, "plan()")  # a misspelt name first: it may be why the planner is off
                 why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
                 raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without the interval planner "
                                   f"({why}) spec arguments go to run() only")
