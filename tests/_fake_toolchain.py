@@ -66,6 +66,7 @@ def make_toolchain(root: Path) -> tuple[Toolchain, FlashInferInfo]:
     for sub in ("bin", "include", "lib64"):
         (cuda / sub).mkdir(parents=True, exist_ok=True)
     (cuda / "include" / "cuda_runtime.h").write_text("")
+    (cuda / "lib64" / "libcudart.so").write_bytes(b"")
     for name, text in (("nvcc", NVCC), ("c++", CXX)):
         script = cuda / "bin" / name
         script.write_text(text)

@@ -714,5 +714,33 @@ def demo(ctx: click.Context, spec: str, head_dim: int, dtype: str, arch: str | N
     ctx.invoke(check, spec=spec, head_dim=head_dim, dtype=dtype, planner=True, backend="fa2")  # the module built above
 
 
+# ----------------------------------------------------------------------------- doctor
+
+
+@main.command()
+@click.option("--need", "needs", default=None,
+              help="What this machine is for, comma list of build, run: exit 0 only if it can do all of it "
+                   "(default: run, and build unless JIT is disabled). A build box: --need build.")
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+def doctor(needs: str | None, as_json: bool) -> None:
+    """Check that this machine can build modules (FlashInfer, nvcc, host compilers, ninja, CUDA
+    and FlashInfer headers, a writable cache) and run them (a GPU); each line says ok / missing
+    and the fix. Builds nothing."""
+    from . import doctor as doc
+
+    wanted = tuple(_choices(needs, (doc.BUILD, doc.RUN), "--need",
+                            [doc.RUN] if env.settings().jit_disabled else [doc.BUILD, doc.RUN]))
+    report = doc.run_checks()
+    ok = all(report.can(what) for what in wanted)
+    if as_json:
+        click.echo(json.dumps({"checks": [dict(name=c.name, status=c.status, detail=c.detail, fix=c.fix,
+                                               needed_for=list(c.needed_for)) for c in report.checks],
+                               "can_build": report.can(doc.BUILD), "can_run": report.can(doc.RUN),
+                               "needed": list(wanted), "ok": ok}, indent=1))
+    else:
+        click.echo(doc.render(report, wanted))
+    sys.exit(0 if ok else 1)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()
