@@ -68,7 +68,7 @@ def config(spec: Path = MM, hd: int = 128, arch: str = "9.0a", q: str = "bf16", 
 def test_help_and_version():
     r = run("--help")
     assert r.exit_code == 0
-    for cmd in ("validate", "render", "precompile", "probe", "list", "clear", "check"):
+    for cmd in ("validate", "render", "precompile", "probe", "list", "clear", "check", "demo", "doctor", "explain"):
         assert cmd in r.output
     assert variantgen.__version__ in run("--version").output
 

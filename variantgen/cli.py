@@ -25,6 +25,7 @@ import click
 from . import __version__, env
 from .cache import Cache, LockTimeout, age_seconds, spec_of_uri
 from .errors import SpecError, SpecErrors, VariantgenError
+from .explain import ARG_FORMS
 from .render import BACKENDS, KINDS, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
 from .spec import load_spec
 
@@ -712,6 +713,33 @@ def demo(ctx: click.Context, spec: str, head_dim: int, dtype: str, arch: str | N
         return
     click.echo("[4/4] running on the GPU against the derived reference:")
     ctx.invoke(check, spec=spec, head_dim=head_dim, dtype=dtype, planner=True, backend="fa2")  # the module built above
+
+
+# ----------------------------------------------------------------------------- explain
+
+
+@main.command(epilog="\b\nSpec arguments: " + ARG_FORMS)
+@click.argument("spec", type=click.Path())
+@click.option("--qo", "qo_len", type=int, default=8, show_default=True, help="Queries of the request.")
+@click.option("--kv", "kv_len", type=int, default=None, help="Keys of the request, cached ones included "
+              "(default: --qo); the queries are the last --qo of them.")
+@click.option("--arg", "arg_items", multiple=True, metavar="NAME=VALUE", help="A spec argument (repeatable; "
+              "forms below).")
+@click.option("--page-size", type=int, default=16, show_default=True, help="KV page size the planner aligns to.")
+@click.option("--heads", type=int, default=1, show_default=True, help="Query heads (num_qo_heads).")
+@click.option("--head", type=int, default=0, show_default=True, help="The query head whose mask is shown.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random tensors not given.")
+def explain(spec: str, qo_len: int, kv_len: int | None, arg_items: tuple[str, ...], page_size: int, heads: int,
+            head: int, seed: int) -> None:
+    """Show SPEC's mask for one request as a grid (queries x keys), the key intervals the planner
+    derives per row, and which rows run dense / causal / window / custom - on the CPU."""
+    from . import explain as ex
+
+    variant = load_spec(spec)
+    kv = qo_len if kv_len is None else kv_len
+    ex.check_request(qo_len, kv, page_size=page_size, heads=heads, head=head)
+    args = ex.resolve_args(variant, arg_items, qo_len, kv, heads, seed)
+    click.echo(ex.render(ex.explain(variant, qo_len, kv, args, page_size=page_size, head=head, heads=heads)))
 
 
 # ----------------------------------------------------------------------------- doctor
