@@ -446,6 +446,11 @@ def test_nvcc_not_found_lists_the_paths_tried(clean, monkeypatch, tmp_path):
     assert not r
     assert "nvcc not found" in r.reason and str(tmp_path / "no-cuda" / "bin" / "nvcc") in r.reason
     assert "CUDA_HOME" in r.reason
+    # and the way to serve without a compiler
+    assert r.reason.splitlines()[1] == (
+        "  (or, to serve without a compiler: precompile it on a build box, copy the cache here and set "
+        f"VARIANTGEN_DISABLE_JIT=1: variantgen precompile {MM} --head-dim 128 --dtype bf16 --kv-dtype bf16 --backend "
+        f"fa2 --arch 9.0a --cache-dir {clean.cache_dir})")
 
 
 def test_nvcc_missing_but_module_built_elsewhere_gets_a_hint(clean, monkeypatch):

@@ -445,7 +445,8 @@ def _check_matrix(configs: list, cache: Cache) -> None:
                    "one answer per backend and kind.")
 @click.option("--kind", "kinds", default="prefill", show_default=True,
               help="Kernel kind(s): prefill, ragged, decode (comma list).")
-@click.option("--arch", default=None, help="Target arch when no GPU is visible (or to override it).")
+@click.option("--arch", default=None, help="The arch the GPU must have (the probe answers for this machine: to "
+              "check a cache for another GPU, use `precompile ... --check`).")
 @click.option("--device", default=None, help="CUDA device, e.g. cuda:1 (default: the current one).")
 @click.option("--page-size", type=int, default=None)
 @click.option("--no-build", is_flag=True, help="Only look in the cache.")
@@ -457,7 +458,8 @@ def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_
               o_dtype: str | None, backends: str, kinds: str, arch: str | None, device: str | None,
               page_size: int | None, no_build: bool, cuda_graph: bool, cache_dir: str | None,
               as_json: bool) -> None:
-    """Say whether SPEC can run here (exit 0) or why not (exit 1), per backend and kind."""
+    """Say whether SPEC can run here, now (exit 0: a GPU is visible and the module was found or
+    built, and loaded) or why not (exit 1), per backend and kind."""
     from .probe import probe_backends
 
     results = probe_backends(

@@ -322,6 +322,9 @@ def _find(config: ModuleConfig, cache: Cache, rendered: render.RenderedModule, s
         if _same_inputs_cached(cache, rendered):
             text += ("\n  (a module with the same inputs built by another toolchain is in the cache; "
                      "set VARIANTGEN_DISABLE_JIT=1 to use it without nvcc)")
+        else:
+            text += ("\n  (or, to serve without a compiler: precompile it on a build box, copy the cache here and "
+                     f"set VARIANTGEN_DISABLE_JIT=1: {precompile_command(config, cache.root)})")
         raise _Fail(text, **details) from None
     except BuildError as e:
         reason = f"building module {uri} failed"
@@ -377,7 +380,7 @@ def _row_planner_status(config: ModuleConfig, cache: Cache, build: bool) -> str:
         if s.jit_disabled and _same_inputs_cached(cache, rendered):
             return f"cached (another toolchain's build): {planner.uri_prefix}"
         return (f"torch rules (slower plan()): {planner.uri_prefix} is not precompiled in {cache.root}; "
-                "`variantgen precompile` builds it with the prefill modules")
+                "`variantgen precompile` on a build box builds it with the prefill modules")
     except Exception as e:  # noqa: BLE001 - informational: plan() falls back to the torch rules
         return f"torch rules (slower plan()): {type(e).__name__}: {e}"
 
