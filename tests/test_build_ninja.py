@@ -234,3 +234,29 @@ def test_full_disk_names_the_path_and_cleans_up(toolchain, cache, monkeypatch, w
     assert text.startswith(f"cannot write {cache.root / '.staging'}/") and f"/{name}: No space left on device" in text
     assert text.endswith("(free space on that file system)")
     assert leftovers(cache) == {".staging": [], ".locks": []} and list(cache.entries()) == []
+
+
+def test_a_failing_progress_display_does_not_stop_the_build(toolchain, cache):
+    class Broken:
+        def __init__(self, uri, units, kind):
+            pass
+
+        def update(self, done, total):
+            raise RuntimeError("terminal went away")
+
+        def close(self, ok):
+            pass
+
+    result = build.build_module(causal_config(), cache, progress=Broken)
+    assert result.built and cache.lookup(result.entry.uri)
+
+
+def test_ninja_that_cannot_run_is_a_toolchain_error(toolchain, cache, monkeypatch, tmp_path):
+    from variantgen.errors import ToolchainError
+
+    not_executable = tmp_path / "ninja"
+    not_executable.write_text("not a program")
+    monkeypatch.setattr(build, "_ninja", lambda: str(not_executable))
+    with pytest.raises(ToolchainError, match=f"cannot run {not_executable}: Permission denied"):
+        build.build_module(causal_config(), cache)
+    assert leftovers(cache) == {".staging": [], ".locks": []}

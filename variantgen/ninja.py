@@ -14,7 +14,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import re
 import shlex
@@ -27,6 +29,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import ToolchainError
+
+log = logging.getLogger("variantgen.build")
 STATUS = "[%f/%t] "  # NINJA_STATUS: finished / total edges
 _STATUS_RE = re.compile(r"^\[(\d+)/(\d+)\] ")
 PID_FILE = "ninja.pid"
@@ -69,12 +74,17 @@ def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, t
     lines: list[str] = []
     log_problem = ""
     try:
-        log = open(log_path, "w")  # noqa: SIM115 - closed by the reader thread
+        log_file = open(log_path, "w")  # closed by the reader thread
     except OSError as e:
-        log, log_problem = None, f"cannot write {log_path}: {e.strerror or e}"
-    proc = subprocess.Popen(list(cmd), cwd=cwd, env=dict(env, NINJA_STATUS=STATUS), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
-                            bufsize=1, start_new_session=True)
+        log_file, log_problem = None, f"cannot write {log_path}: {e.strerror or e}"
+    try:
+        proc = subprocess.Popen(list(cmd), cwd=cwd, env=dict(env, NINJA_STATUS=STATUS), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
+                                bufsize=1, start_new_session=True)
+    except OSError as e:
+        if log_file is not None:
+            log_file.close()
+        raise ToolchainError(f"cannot run {cmd[0]}: {e.strerror or e}") from None
     record = cwd / PID_FILE
     try:
         record.write_text(json.dumps({"pid": proc.pid, "start": _start_ticks(proc.pid), "host": socket.gethostname()}))
@@ -82,23 +92,30 @@ def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, t
         pass  # only lets a later build end this one's compilers if we are killed
 
     def read() -> None:
-        nonlocal log, log_problem
+        nonlocal log_file, log_problem
+        report = on_status
         assert proc.stdout is not None
-        for line in proc.stdout:
+        for line in proc.stdout:  # drained to the end, whatever happens: ninja blocks on a full pipe
             lines.append(line)
-            if log is not None:
+            if log_file is not None:
                 try:
-                    log.write(line)
-                    log.flush()
+                    log_file.write(line)
+                    log_file.flush()
                 except OSError as e:  # keep the output in memory (BuildError carries it)
                     log_problem = f"cannot write {log_path}: {e.strerror or e}"
-                    log.close()
-                    log = None
+                    with contextlib.suppress(OSError):
+                        log_file.close()
+                    log_file = None
             m = _STATUS_RE.match(line)
-            if m and on_status is not None:
-                on_status(int(m.group(1)), int(m.group(2)))
-        if log is not None:
-            log.close()
+            if m and report is not None:
+                try:
+                    report(int(m.group(1)), int(m.group(2)))
+                except Exception:  # noqa: BLE001 - a broken progress display must not stop the build
+                    log.debug("progress report failed; no more updates", exc_info=True)
+                    report = None
+        if log_file is not None:
+            with contextlib.suppress(OSError):
+                log_file.close()
 
     reader = threading.Thread(target=read, name="variantgen-ninja-output", daemon=True)
     reader.start()
