@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 import variantgen
-from variantgen.testing import random_paged_batch, spans_to_ranges
+from variantgen.testing import random_paged_batch
 
 SPEC = "mm_prefix"  # a shipped spec, by name (a path to your own spec file works the same)
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}
@@ -32,7 +32,7 @@ class Engine:
         self.wrappers = {}  # group name -> variantgen wrapper, only for groups that passed the probe
         for g in groups:
             r = variantgen.probe(SPEC, head_dim_qk=g.head_size, q_dtype=g.q_dtype, kv_dtype=g.kv_dtype)
-            if r.ok and r.details.get("loaded"):
+            if r:  # truthy only when the module is built or found and loaded on this GPU
                 backend = r.details["backend"]  # fa3 on sm90 where valid, else fa2 (variantgen.choose_backend)
                 log.info("group %s: advertising mm_prefix backend (%s %s, from %s)", g.name, backend, r.uri,
                          r.source)
@@ -40,9 +40,8 @@ class Engine:
                 self.wrappers[g.name] = variantgen.make_wrapper(
                     SPEC, ws, head_dim_qk=g.head_size, q_dtype=g.q_dtype, kv_dtype=g.kv_dtype, backend=backend)
             else:
-                why = r.reason or "module is not loadable here (no CUDA device)"
                 log.warning("group %s (head %d, kv %s): demoted to plain causal: %s",
-                            g.name, g.head_size, g.kv_dtype, why)
+                            g.name, g.head_size, g.kv_dtype, r.reason)
 
     def dispatch(self, batch: dict) -> str:
         wrapper = self.wrappers.get(batch["group"].name)
@@ -61,7 +60,8 @@ def make_batch(group: LayerGroup, tokens: int, spans: list, gpu: bool) -> dict:
         paged = random_paged_batch([tokens], [tokens], num_qo_heads=8, num_kv_heads=2, head_dim=group.head_size,
                                    page_size=16, dtype=TORCH[group.q_dtype], kv_dtype=TORCH[group.kv_dtype],
                                    device="cuda")
-        batch.update(paged=paged, ranges=spans_to_ranges([tokens], [tokens], [spans]).cuda())
+        # the engine's image spans (absolute key positions) as the spec's per-query `ranges`
+        batch.update(paged=paged, ranges=variantgen.spans_to_ranges([tokens], [tokens], [spans], device="cuda"))
     return batch
 
 

@@ -16,6 +16,7 @@ from variantgen import build
 from variantgen.build import FlashInferInfo, Toolchain
 from variantgen.cache import Cache, Entry, ModuleKey
 from variantgen.env import REPO_DIR
+from variantgen.errors import BuildError
 
 FAKE_FLASHINFER = FlashInferInfo(
     version="0.7.2.post1",
@@ -54,14 +55,17 @@ def publish_fake(cache: Cache, key: ModuleKey, *, extra: dict | None = None) -> 
 
 
 class FakeBuilder:
-    """Stands in for build._build_locked: records each build, optionally slowly."""
+    """Stands in for build._build_locked: records each build, optionally slowly; ``fail``: the
+    build fails as a compile error does (kept in .failed with its record, BuildError)."""
 
-    def __init__(self, record: str | None = None, delay: float = 0.0, hang_file: str | None = None):
+    def __init__(self, record: str | None = None, delay: float = 0.0, hang_file: str | None = None,
+                 fail: bool = False):
         self.record = record
         self.delay = delay
         self.hang_file = hang_file  # set: write a partial module, create this file, then hang
+        self.fail = fail
 
-    def __call__(self, rendered, key, tc, cache, jobs):
+    def __call__(self, rendered, key, tc, cache, jobs, progress=None):
         if self.record:
             fd = os.open(self.record, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             try:
@@ -71,19 +75,30 @@ class FakeBuilder:
         if self.hang_file:
             staging = cache.new_staging(key.uri)
             (staging / f"{key.uri}.so").write_bytes(b"\x7fELF half writ")
-            Path(self.hang_file).write_text(str(staging))
+            tmp = Path(self.hang_file + ".tmp")  # renamed: the parent never reads it half written
+            tmp.write_text(str(staging))
+            os.replace(tmp, self.hang_file)
             while True:
                 time.sleep(1)
         time.sleep(self.delay)
+        if self.fail:
+            staging = cache.new_staging(key.uri)
+            output = "[1/2] nvcc kernel.cu\nkernel.cu(3): error: boom\n"
+            (staging / "build.log").write_text(output)
+            what = f"ninja exit 1 after {self.delay:.1f}s"
+            error = BuildError(f"building module {key.uri} failed ({what})", output=output)
+            kept = cache.keep_failed(key.uri, staging, {"key_digest": key.digest, "message": what,
+                                                       "first_error": error.first_error})
+            raise BuildError(str(error).splitlines()[0], log_path=str(kept / "build.log"), output=output)
         return publish_fake(cache, key)
 
 
 def patch_build(record: str | None = None, delay: float = 0.0, hang_file: str | None = None,
-                nvcc_version: str = "V12.8.93") -> None:
+                nvcc_version: str = "V12.8.93", fail: bool = False) -> None:
     """In this process: fake toolchain, flashinfer and builder (no nvcc, no flashinfer import)."""
     build.toolchain = lambda: fake_toolchain(nvcc_version)  # type: ignore[assignment]
     build.flashinfer_info = lambda: FAKE_FLASHINFER  # type: ignore[assignment]
-    build._build_locked = FakeBuilder(record, delay, hang_file)  # type: ignore[assignment]
+    build._build_locked = FakeBuilder(record, delay, hang_file, fail)  # type: ignore[assignment]
 
 
 def causal_config(arch: str = "9.0a"):
@@ -128,6 +143,29 @@ def race_build(root: str, record: str, out_dir: str, barrier, delay: float) -> N
         "sha": result.entry.manifest["module_sha256"],
         "built_by_pid": result.entry.manifest["built_by_pid"],
     }))
+
+
+def race_failing_build(root: str, record: str, out_dir: str, barrier, delay: float) -> None:
+    """One of N processes wanting a module whose build fails; writes the error it got."""
+    patch_build(record=record, delay=delay, fail=True)
+    config = causal_config()
+    barrier.wait(timeout=120)
+    try:
+        build.build_module(config, Cache(root))
+        text = "built"
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        text = f"{type(e).__name__}: {e}"
+    Path(out_dir, f"{os.getpid()}.txt").write_text(text)
+
+
+def count_under_lock(root: str, uri: str, counter: str, rounds: int, barrier) -> None:
+    """Increment a counter file ``rounds`` times, each read-modify-write under the URI's lock."""
+    cache = Cache(root)
+    barrier.wait(timeout=120)
+    for _ in range(rounds):
+        with cache.lock(uri, timeout=120):
+            value = int(Path(counter).read_text())
+            Path(counter).write_text(str(value + 1))
 
 
 def build_and_hang(root: str, hang_file: str) -> None:

@@ -4,7 +4,7 @@
 * ``spec_from(text)`` parses dedented YAML into a VariantSpec (path ``spec.yaml``);
 * ``vg_env`` points VARIANTGEN_CACHE_DIR at a fresh tmp folder (and lets a test set more
   variables), re-reading the settings before and after;
-* tests marked ``gpu`` are skipped when torch sees no CUDA device.
+* tests marked ``gpu`` are skipped (at collection) when torch sees no CUDA device.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ CPU_SMALL_SCALARS = {
 VG_VARIABLES = (
     "VARIANTGEN_CACHE_DIR", "VARIANTGEN_DISABLE_JIT", "FLASHINFER_DISABLE_JIT", "VARIANTGEN_ARCH",
     "VARIANTGEN_BUILD_JOBS", "MAX_JOBS", "VARIANTGEN_NVCC_THREADS", "VARIANTGEN_TEMPLATE_DIR",
-    "VARIANTGEN_LOCK_TIMEOUT", "VARIANTGEN_CHECK_PLAN", "CUDA_HOME", "CUDA_PATH",
+    "VARIANTGEN_LOCK_TIMEOUT", "VARIANTGEN_CHECK_PLAN", "VARIANTGEN_BUILD_TIMEOUT", "CUDA_HOME", "CUDA_PATH",
 )
 
 
@@ -53,11 +53,16 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-@pytest.fixture(autouse=True)
-def _skip_gpu_tests_without_cuda(request):
-    """Tests marked ``gpu`` run only where torch sees a CUDA device."""
-    if request.node.get_closest_marker("gpu") is not None and not cuda_available():
-        pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` run only where torch sees a CUDA device. Skipped at collection, so
+    that none of their fixtures (module-scoped CUDA workspaces, wrappers) is set up: a skip
+    from a function-scoped fixture comes after those and turns into an error on a CPU box."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
+    if not gpu_items or cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in gpu_items:
+        item.add_marker(skip)
 
 
 @pytest.fixture

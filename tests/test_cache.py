@@ -23,7 +23,7 @@ import variantgen
 from variantgen import build, render
 from variantgen import cache as cache_mod
 from variantgen.cache import Cache, ModuleKey
-from variantgen.errors import CacheError, JitDisabledError, ToolchainError
+from variantgen.errors import BuildError, CacheError, JitDisabledError, ToolchainError
 from variantgen.render import ModuleConfig, render_module
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -259,7 +259,7 @@ def test_truncated_module_is_detected(cache):
     found = cache.lookup(k.uri)
     assert not found
     assert found.reason == f"entry {entry.path}: module file size differs from the manifest (truncated?)"
-    assert cache.lookup(k.uri, verify=False)  # the cheap listing does not read the module
+    assert not cache.lookup(k.uri, verify=False)  # the size is checked without reading the module
 
 
 def test_corrupted_module_is_detected(cache):
@@ -270,6 +270,7 @@ def test_corrupted_module_is_detected(cache):
     found = cache.lookup(k.uri)
     assert not found
     assert found.reason == f"entry {entry.path}: module file hash differs from the manifest (corrupted)"
+    assert cache.lookup(k.uri, verify=False)  # same size: only the hash (read with verify=True) tells
 
 
 def test_missing_module_is_detected(cache):
@@ -555,11 +556,14 @@ def test_lock_is_exclusive_across_processes_and_released_by_sigkill(tmp_path):
         out = tmp_path / "other.txt"
         other = _start(procs.try_lock, str(root), uri, 0.3, str(out))
         other.join(60)
-        assert out.read_text().startswith(f"CacheError: timed out after 0s waiting for another build of {uri}")
-        # ... nor can this one
-        with pytest.raises(CacheError, match="timed out after 0s waiting for another build"):
+        assert out.read_text().startswith(f"LockTimeout: timed out after 0s waiting for another build of {uri} "
+                                          f"(held by pid {holder.pid} on ")
+        # ... nor can this one; the holder is named
+        with pytest.raises(cache_mod.LockTimeout, match="timed out after 0s waiting for another build") as e:
             with Cache(root).lock(uri, timeout=0.2):
                 pass
+        assert e.value.holder.pid == holder.pid and e.value.uri == uri and e.value.waited >= 0.2
+        assert Cache(root).holder(uri).pid == holder.pid
         # a different URI is not blocked
         with Cache(root).lock(uri + "x", timeout=1):
             pass
@@ -570,6 +574,99 @@ def test_lock_is_exclusive_across_processes_and_released_by_sigkill(tmp_path):
     start = time.monotonic()
     with Cache(root).lock(uri, timeout=10):
         assert time.monotonic() - start < 5  # the dead holder's lock is gone at once
+        assert Cache(root).holder(uri).pid == os.getpid()  # its stale description replaced
+    assert list((root / ".locks").iterdir()) == []
+
+
+def test_lock_file_lives_only_while_held(tmp_path):
+    cache = Cache(tmp_path / "cache")
+    uri = key().uri
+    path = cache.lock_path(uri)
+    assert cache.holder(uri) is None
+    with cache.lock(uri):
+        holder = cache.holder(uri)
+        assert path.exists() and holder.pid == os.getpid() and abs(holder.since - time.time()) < 60
+        assert holder.describe().startswith(f"pid {os.getpid()} on ")
+    assert not path.exists() and cache.holder(uri) is None
+    with pytest.raises(RuntimeError):
+        with cache.lock(uri):
+            raise RuntimeError("a build failed")
+    assert not path.exists()
+
+
+def test_lock_waiters_are_told_once_who_holds_it(tmp_path):
+    root, uri = tmp_path / "cache", key().uri
+    ready = tmp_path / "ready"
+    holder = _start(procs.hold_lock, str(root), uri, str(ready))
+    try:
+        wait_for(ready)
+        told = []
+        with pytest.raises(cache_mod.LockTimeout):
+            with Cache(root).lock(uri, timeout=0.5, on_wait=told.append):
+                pass
+        assert [h.pid for h in told] == [holder.pid]
+    finally:
+        _stop(holder)
+
+
+def test_lock_is_mutually_exclusive_under_contention(tmp_path):
+    """Four processes x 40 read-modify-writes of one counter under the lock: none lost, although
+    each holder unlinks the lock file on release (waiters that opened the old file retry)."""
+    n, rounds = 4, 40
+    root, counter = tmp_path / "cache", tmp_path / "counter"
+    counter.write_text("0")
+    barrier = SPAWN.Barrier(n)
+    children = [_start(procs.count_under_lock, str(root), key().uri, str(counter), rounds, barrier)
+                for _ in range(n)]
+    try:
+        for child in children:
+            child.join(120)
+    finally:
+        for child in children:
+            _stop(child)
+    assert [c.exitcode for c in children] == [0] * n
+    assert int(counter.read_text()) == n * rounds
+    assert list((root / ".locks").iterdir()) == []
+
+
+def test_waiters_report_a_build_that_failed_while_they_waited(vg_env, tmp_path, monkeypatch):
+    """Four processes want one module whose build fails: one builds (and fails), the three that
+    waited report that failure instead of each compiling the same failing module in turn."""
+    n = 4
+    record, out_dir = tmp_path / "builds.txt", tmp_path / "results"
+    out_dir.mkdir()
+    barrier = SPAWN.Barrier(n)
+    children = [_start(procs.race_failing_build, str(vg_env.cache_dir), str(record), str(out_dir), barrier, 1.0)
+                for _ in range(n)]
+    try:
+        for child in children:
+            child.join(180)
+    finally:
+        for child in children:
+            _stop(child)
+    assert [c.exitcode for c in children] == [0] * n
+    assert len(builds(record)) == 1, builds(record)
+    builder = int(builds(record)[0].split()[0])
+    results = {int(p.stem): p.read_text() for p in out_dir.iterdir()}
+    assert len(results) == n
+    assert results[builder].startswith("BuildError: building module vg_causal_") and "ninja exit 1" in results[builder]
+    for pid, text in results.items():
+        if pid != builder:
+            assert text.startswith("BuildError: building module vg_causal_"), text
+            assert f"failed in pid {builder} on " in text and "while this process waited for that build; not tried " \
+                                                            "again (ninja exit 1 after 1.0s)" in text
+            assert "first error: kernel.cu(3): error: boom" in text and "full log: " in text
+    cache = Cache(vg_env.cache_dir)
+    assert list(cache.entries()) == [] and list((vg_env.cache_dir / ".locks").iterdir()) == []
+    # a build started after the failure tries again
+    uri = builds(record)[0].split()[1]
+    assert cache.failure(uri).pid == builder
+    monkeypatch.setattr(build, "flashinfer_info", lambda: procs.FAKE_FLASHINFER)
+    monkeypatch.setattr(build, "toolchain", lambda: procs.fake_toolchain())
+    monkeypatch.setattr(build, "_build_locked", procs.FakeBuilder(str(record), fail=True))
+    with pytest.raises(BuildError, match="ninja exit 1"):
+        build.build_module(procs.causal_config(), cache)
+    assert len(builds(record)) == 2
 
 
 def test_lock_directory_must_be_creatable(tmp_path):

@@ -68,7 +68,7 @@ def config(spec: Path = MM, hd: int = 128, arch: str = "9.0a", q: str = "bf16", 
 def test_help_and_version():
     r = run("--help")
     assert r.exit_code == 0
-    for cmd in ("validate", "render", "precompile", "probe", "list", "clear", "check"):
+    for cmd in ("validate", "render", "precompile", "probe", "list", "clear", "check", "demo", "doctor", "explain"):
         assert cmd in r.output
     assert variantgen.__version__ in run("--version").output
 
@@ -163,7 +163,7 @@ def fake_builds(monkeypatch):
     lock = threading.Lock()
     state = {"fail_hd": None, "threads": set(), "planners": []}
 
-    def fake(cfg, cache, *, jobs=None, rendered=None, allow_build=True):
+    def fake(cfg, cache, *, jobs=None, rendered=None, allow_build=True, progress=None):
         with lock:  # planner modules (one per spec and arch) are recorded apart
             (state["planners"] if cfg.kind == "planner" else calls).append((cfg.uri_prefix, str(cache.root), jobs))
             state["threads"].add(threading.get_ident())
@@ -326,33 +326,55 @@ def test_precompile_bad_inputs(fake_builds, tmp_path):
 # ----------------------------------------------------------------------------- probe
 
 
-def test_probe_without_gpu_or_arch_exits_1():
-    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16")
+@pytest.fixture
+def gpu(monkeypatch):
+    """A fake GPU of the given capability on which any module loads (the probe's last step)."""
+    loaded: list[str] = []
+
+    def make(capability=(9, 0)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(build, "load_module", lambda entry: loaded.append(entry.uri) or object())
+        return loaded
+
+    return make
+
+
+@pytest.mark.parametrize("arch", [[], ["--arch", "9.0a"]])
+def test_probe_without_gpu_exits_1(arch):
+    """`probe --arch 9.0a` on a CPU box: no (nothing can run here), whatever the arch."""
+    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", *arch)
     assert r.exit_code == 1
     assert "ok:      no" in r.stdout
-    assert "reason:  no CUDA device visible and no target arch given" in r.stdout
+    assert "reason:  no CUDA device visible: probe() answers whether the module runs here" in r.stdout
+    assert "precompile ... --check" in r.stdout
 
 
-def test_probe_finds_a_cached_module(clean):
+def test_probe_finds_a_cached_module(clean, gpu):
+    loaded = gpu()
     entry = publish_fake(Cache(clean.cache_dir), config())
     r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--no-build", "--backend", "fa2")
     assert r.exit_code == 0, r.output
     assert "ok:      yes" in r.stdout and f"uri:     {entry.uri}" in r.stdout and "source:  cache" in r.stdout
     r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--json", "--backend", "fa2")
     data = json.loads(r.stdout)
-    assert r.exit_code == 0 and data["ok"] is True and data["uri"] == entry.uri
+    assert r.exit_code == 0 and data["ok"] is True and data["uri"] == entry.uri and data["details"]["loaded"]
+    assert set(loaded) == {entry.uri}
 
 
-def test_probe_no_build_prints_the_precompile_command(tmp_path):
+def test_probe_no_build_prints_the_precompile_command(tmp_path, gpu):
+    gpu((8, 0))
     r = run("probe", CAUSAL, "--head-dim", "64", "--dtype", "fp16", "--arch", "8.0", "--no-build",
             "--cache-dir", tmp_path / "c")
     assert r.exit_code == 1
-    assert (f"run: variantgen precompile {CAUSAL} --head-dim 64 --dtype fp16 --kv-dtype fp16 --backend fa2 --arch 8.0 "
+    assert (f"copy the cache folder here: variantgen precompile {CAUSAL} --head-dim 64 --dtype fp16 --kv-dtype fp16 "
+            "--backend fa2 --arch 8.0 "
             f"--cache-dir {tmp_path / 'c'}") in r.stdout
 
 
-def test_probe_cuda_graph(clean):
+def test_probe_cuda_graph(clean, gpu):
     """--cuda-graph: the auto backend is fa2 (found here), ragged is demoted with the reason."""
+    gpu()
     entry = publish_fake(Cache(clean.cache_dir), config())
     r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--no-build", "--cuda-graph")
     assert r.exit_code == 0, r.output
@@ -414,6 +436,32 @@ def test_list_shows_the_cache(filled):
     assert f"4 module(s) in {cache.root}" in r.stdout
 
 
+@pytest.mark.parametrize("damage, reason", [
+    ("truncate", "module file size differs from the manifest (truncated?)"),
+    ("flip", "module file hash differs from the manifest (corrupted)"),
+    ("delete", "is missing"),
+])
+def test_list_verifies_modules(filled, damage, reason):
+    """A truncated, bit-flipped or missing module file is listed as damaged, not as healthy."""
+    cache, entries, _ = filled
+    module = entries["mm"].module_path
+    data = module.read_bytes()
+    if damage == "truncate":
+        module.write_bytes(data[:100])
+    elif damage == "flip":
+        module.write_bytes(data[:50] + bytes([data[50] ^ 0x10]) + data[51:])
+    else:
+        module.unlink()
+    r = run("list")
+    assert r.exit_code == 0
+    row = next(line for line in r.stdout.splitlines() if line.startswith(entries["mm"].uri))
+    assert f"damaged: entry {entries['mm'].path}: " in row and reason in row
+    assert f"4 module(s) in {cache.root}, 2 damaged" in r.stdout
+    quick = run("list", "--no-verify")
+    row = next(line for line in quick.stdout.splitlines() if line.startswith(entries["mm"].uri))
+    assert ("damaged" in row) == (damage != "flip")  # a same-size bit flip needs the hash
+
+
 def test_list_shows_planner_modules(clean):
     entry = publish_fake(Cache(clean.cache_dir), PlannerConfig(variantgen.load_spec(MM), "9.0a"))
     r = run("list")
@@ -467,11 +515,124 @@ def test_clear_asks_first(filled):
     assert r.exit_code == 0 and "removed 0 modules" in r.stdout
 
 
-def test_clear_unknown_spec_removes_nothing(filled):
+def test_clear_unknown_spec_exits_1_and_removes_nothing(filled):
     cache, _, _ = filled
-    r = run("clear", "alibi", "--yes")
-    assert r.exit_code == 0 and "removed 0 modules" in r.stdout and len(list(cache.entries())) == 4
+    for name in ("alibi", "nosuchspec"):
+        r = run("clear", name, "--yes")
+        assert r.exit_code == 1 and len(list(cache.entries())) == 4
+        assert r.stderr.strip() == (f"error: no module of spec `{name}` in {cache.root} (specs with modules there: "
+                                    "causal, mm_prefix)")
     assert (cache.root / next(iter(cache.entries()))[0] / MANIFEST).exists()
+
+
+def test_clear_by_spec_file(filled):
+    cache, entries, _ = filled
+    r = run("clear", MM, "--yes")
+    assert r.exit_code == 0 and "removed 1 module" in r.stdout
+    assert entries["mm"].uri not in [uri for uri, _ in cache.entries()]
+
+
+def test_clear_never_removes_what_is_not_a_module(filled):
+    """A user's folder in the cache root (and files, and folders named almost like a module)
+    survive `clear --yes`; they are listed. Damaged module folders go, with a note."""
+    cache, _, damaged = filled
+    notes = cache.root / "my_notes"
+    notes.mkdir()
+    (notes / "thesis.txt").write_text("four years of work")
+    (cache.root / "README.md").write_text("the team's cache")
+    lookalike = cache.root / "vg_causal_not_a_module"
+    lookalike.mkdir()
+    (cache.root / "vg_file_sm90a_0123456789ab").write_text("a file named like a module")
+    r = run("clear", "--yes")
+    assert r.exit_code == 0, r.output
+    assert "removed 4 modules" in r.stdout
+    assert f"note: removed damaged entry {damaged.name} (entry {damaged} has no manifest" in r.stdout
+    assert (notes / "thesis.txt").read_text() == "four years of work" and lookalike.is_dir()
+    assert (cache.root / "README.md").exists() and (cache.root / "vg_file_sm90a_0123456789ab").exists()
+    assert (f"left 4 item(s) in {cache.root} that are not variantgen modules: README.md, my_notes/, "
+            "vg_causal_not_a_module/, vg_file_sm90a_0123456789ab") in r.stdout
+    assert list(cache.entries()) == []
+
+
+def test_clear_skips_a_module_being_built(filled, tmp_path):
+    import multiprocessing
+
+    import _cache_procs as procs
+
+    cache, entries, _ = filled
+    uri = entries["mm"].uri
+    ready = tmp_path / "ready"
+    holder = multiprocessing.get_context("spawn").Process(target=procs.hold_lock, args=(str(cache.root), uri,
+                                                                                       str(ready)), daemon=True)
+    holder.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        r = run("clear", "mm_prefix", "--yes")
+    finally:
+        procs.kill(holder.pid)
+        holder.join(30)
+    assert r.exit_code == 1 and "removed 0 modules" in r.stdout
+    assert f"skipped {uri} (being built by pid {holder.pid} on " in r.stderr
+    assert uri in [u for u, _ in cache.entries()]
+
+
+# ----------------------------------------------------------------------------- precompile --check
+
+
+def test_precompile_check_lists_what_is_missing(clean, fake_builds):
+    calls, _ = fake_builds
+    cache = Cache(clean.cache_dir)
+    args = ("precompile", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "8.0,9.0a", "--check")
+    r = run(*args)
+    assert r.exit_code == 1 and calls == []
+    assert f"0 of 4 module(s) in {cache.root}, 4 missing or damaged" in r.stdout
+    assert re.search(r"vg_mm_prefix_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a_\*\s+missing", r.stdout)
+    fa3 = publish_fake(cache, ModuleConfig(variantgen.load_spec(MM), 128, 128, "bf16", "bf16", "bf16", "9.0a", "fa3"))
+    fa2 = publish_fake(cache, config(arch="8.0"))
+    planners = [publish_fake(cache, PlannerConfig(variantgen.load_spec(MM), a)) for a in ("8.0", "9.0a")]
+    r = run(*args)
+    assert r.exit_code == 0, r.output
+    assert f"4 of 4 module(s) in {cache.root}, 0 missing or damaged" in r.stdout
+    for e in (fa3, fa2, *planners):
+        assert re.search(rf"{e.uri}\s+ok", r.stdout)
+    fa3.module_path.write_bytes(b"x")
+    r = run(*args)
+    assert r.exit_code == 1 and "3 of 4 module(s)" in r.stdout
+    assert f"corrupted: entry {fa3.path}: module file size differs" in r.stdout
+    assert run(*args, "--dry-run").exit_code == 2
+
+
+def test_precompile_check_accepts_another_toolchains_build(clean, monkeypatch):
+    cache = Cache(clean.cache_dir)
+    publish_fake(cache, config(CAUSAL, arch="8.0"))
+    publish_fake(cache, PlannerConfig(variantgen.load_spec(CAUSAL), "8.0"))
+    other = build.Toolchain(FAKE_TC.cuda_home, FAKE_TC.nvcc, "V12.1.1", FAKE_TC.cxx, FAKE_TC.cxx_version)
+    monkeypatch.setattr(build, "toolchain", lambda: other)
+    r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "bf16", "--arch", "8.0", "--check")
+    assert r.exit_code == 0, r.output
+    assert "ok (built by nvcc V13.0.88)" in r.stdout
+
+
+# ----------------------------------------------------------------------------- pipes
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`variantgen probe ... | head -1`: the reader leaves early; no 'error: Broken pipe'."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", VARIANTGEN_CACHE_DIR=str(tmp_path / "c"))
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads: the first write fails with EPIPE
+    proc = subprocess.run([sys.executable, "-m", "variantgen.cli", "probe", str(MM), "--head-dim", "128", "--dtype",
+                           "bf16", "--backend", "fa2,fa3", "--kind", "prefill,decode"], stdout=write_end,
+                          stderr=subprocess.PIPE, text=True, env=env, timeout=300)
+    os.close(write_end)
+    assert proc.returncode == 1 and proc.stderr == ""
 
 
 # ----------------------------------------------------------------------------- check

@@ -1,23 +1,28 @@
-"""variantgen.probe: every reason, injected; never raises; memoization; relocatable caches.
+"""variantgen.probe: every reason, injected; never raises; memoization; relocatable caches;
+runtime probes (a GPU, loaded) and cache checks (runtime=False).
 
-No test compiles anything: the toolchain is faked (or deliberately broken) and builds are
-replaced by a function that publishes a dummy module into the cache.
+No test compiles anything: the toolchain is faked (or deliberately broken), builds are
+replaced by a function that publishes a dummy module into the cache, and the GPU is a fake
+sm90 (torch.cuda's capability query and build.load_module patched) unless a test says
+otherwise.
 """
 
 from __future__ import annotations
 
 import importlib
+import multiprocessing
 import shutil
 import time
 from pathlib import Path
 
+import _cache_procs as procs
 import pytest
 import torch
 
 import variantgen
 from variantgen import build
-from variantgen.cache import Cache, ModuleKey
-from variantgen.errors import BuildError, CacheError
+from variantgen.cache import Cache, LockHolder, LockTimeout, ModuleKey
+from variantgen.errors import BuildError
 from variantgen.probe import ProbeResult, probe
 from variantgen.render import ModuleConfig, render_module
 
@@ -59,12 +64,30 @@ def mm_config(arch: str = "9.0a", **kw) -> ModuleConfig:
     return ModuleConfig(variantgen.load_spec(MM), **fields)
 
 
+def _fake_gpu(monkeypatch, capability):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+def _no_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def no_device(device=None):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_device)
+
+
 @pytest.fixture(autouse=True)
 def clean(vg_env, monkeypatch):
-    """Private cache, clean environment, no GPU, a fake toolchain, an empty memo."""
+    """Private cache, clean environment, a fake sm90 GPU that loads any module (``clean.loaded``
+    lists what it loaded), a fake toolchain, an empty memo."""
     probe_mod.cache_clear()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _fake_gpu(monkeypatch, (9, 0))
+    loaded: list[str] = []
+    monkeypatch.setattr(build, "load_module", lambda entry: loaded.append(entry.uri) or object())
     monkeypatch.setattr(build, "toolchain", lambda: FAKE_TC)
+    vg_env.loaded = loaded
     yield vg_env
     probe_mod.cache_clear()
 
@@ -74,7 +97,7 @@ def fake_build(monkeypatch):
     """Replace the ninja build with publishing a dummy module; counts the builds."""
     calls = []
 
-    def fake_build_locked(rendered, key, tc, cache, jobs):
+    def fake_build_locked(rendered, key, tc, cache, jobs, progress=None):
         calls.append(key.uri)
         return publish_fake(cache, rendered.config, tc)
 
@@ -227,25 +250,40 @@ def test_valid_page_size(fake_build):
 # ----------------------------------------------------------------------------- 4. device
 
 
-def _fake_gpu(monkeypatch, capability):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-
-
 def test_gpu_too_old(monkeypatch):
     _fake_gpu(monkeypatch, (7, 5))
     r = probe(MM, **BASE)
     assert not r and r.reason == "GPU sm75 is older than sm80, which fa2 needs"
 
 
-def test_no_device_and_no_arch():
+NO_GPU_REASON = ("no CUDA device visible: probe() answers whether the module runs here, and nothing can run "
+                 "without a GPU (to check a cache for another machine: probe(..., runtime=False, arch=...) or "
+                 "`variantgen precompile ... --check`)")
+
+
+def test_no_device(monkeypatch):
+    _no_gpu(monkeypatch)
     r = probe(MM, **BASE)
-    assert not r
-    assert r.reason == "no CUDA device visible and no target arch given (pass arch= or set VARIANTGEN_ARCH)"
+    assert not r and r.reason == NO_GPU_REASON
+    assert "VARIANTGEN_ARCH" not in r.reason  # it would make a serving box compile
 
 
-def test_device_given_but_unusable():
-    r = probe(MM, **BASE, device="cuda:3")  # CUDA is "unavailable" here
+def test_a_target_arch_does_not_make_a_cpu_box_say_yes(monkeypatch, clean, fake_build):
+    """On a machine without a GPU the answer is no, whatever arch is named: the README's
+    `if variantgen.probe(...)` must not go on to make_wrapper there; nothing is built."""
+    _no_gpu(monkeypatch)
+    for kwargs in (dict(arch="9.0a"), dict(arch="8.0"), dict()):
+        r = variantgen.probe(MM, **BASE, **kwargs)
+        assert not r and r.reason == NO_GPU_REASON
+    clean.set(VARIANTGEN_ARCH="9.0a")
+    probe_mod.cache_clear()
+    assert probe(MM, **BASE).reason == NO_GPU_REASON
+    assert fake_build == [] and clean.loaded == []
+
+
+def test_device_given_but_unusable(monkeypatch):
+    _no_gpu(monkeypatch)
+    r = probe(MM, **BASE, device="cuda:3")
     assert not r and "cannot query CUDA device cuda:3" in r.reason
 
 
@@ -258,16 +296,54 @@ def test_arch_from_device(monkeypatch, clean, capability, arch):
     assert r.details["arch"] == arch
 
 
-def test_arch_from_environment(clean):
-    clean.set(VARIANTGEN_ARCH="sm_80", VARIANTGEN_DISABLE_JIT="1")
-    r = probe(MM, **BASE)
+def test_explicit_arch_must_be_the_gpus(clean, fake_build):
+    r = probe(MM, **BASE, arch="8.0")
+    assert not r and r.reason == ("arch=8.0 was given, but the visible GPU is 9.0a: a module for 8.0 does not run "
+                                  "here (probe(..., runtime=False) checks a cache for another GPU)")
+    assert fake_build == []
+    r = probe(MM, **BASE, arch="sm_90a")  # the GPU's own arch, spelled another way
+    assert r and "_sm90a_" in r.uri and r.details["loaded"] is True
+
+
+# ----------------------------------------------------------------------------- runtime=False
+
+
+def test_cache_check_without_a_gpu(monkeypatch, clean, fake_build):
+    """runtime=False: is the module a JIT-disabled server would load in the cache? No GPU
+    needed, nothing built or loaded, with JIT on or off."""
+    _no_gpu(monkeypatch)
+    r = probe(MM, **BASE, arch="90a", runtime=False)
+    uri = _expected_uri(mm_config())
+    assert not r and r.uri == uri and fake_build == []
+    assert r.reason == (f"runtime=False (a cache check) and module {uri} is not precompiled in {clean.cache_dir}; "
+                        f"build it: variantgen precompile {MM} --head-dim 128 --dtype bf16 --kv-dtype bf16 "
+                        f"--backend fa2 --arch 9.0a --cache-dir {clean.cache_dir}")
+    entry = publish_fake(Cache(clean.cache_dir), mm_config())
+    probe_mod.cache_clear()  # results are memoized per process
+    r = probe(MM, **BASE, arch="90a", runtime=False)
+    assert r and r.source == "cache" and r.uri == entry.uri and r.details["loaded"] is False
+    assert fake_build == [] and clean.loaded == []
+
+
+def test_cache_check_finds_another_toolchains_build(monkeypatch, clean):
+    """As a server with JIT disabled would: a build of the same inputs by any nvcc counts."""
+    entry = publish_fake(Cache(clean.cache_dir), mm_config(), toolchain_parts=(("nvcc", "V12.4.1"), ("cxx", "g")))
+    r = probe(MM, **BASE, arch="9.0a", runtime=False)
+    assert r and r.uri == entry.uri and r.source == "cache"
+
+
+def test_cache_check_arch_from_the_gpu_or_the_environment(monkeypatch, clean):
+    _fake_gpu(monkeypatch, (8, 6))
+    r = probe(MM, **BASE, runtime=False)
+    assert not r and "_sm86_" in r.uri and "--arch 8.6 " in r.reason
+    _no_gpu(monkeypatch)
+    clean.set(VARIANTGEN_ARCH="sm_80")
+    r = probe(MM, **BASE, runtime=False)
     assert not r and "--arch 8.0 " in r.reason and "_sm80_" in r.uri
-
-
-def test_explicit_arch_works_without_gpu(fake_build):
-    r = probe(MM, **BASE, arch="90a")
-    assert r, r.reason
-    assert r.source == "built" and r.details["loaded"] is False and "_sm90a_" in r.uri
+    clean.set(VARIANTGEN_ARCH=None)
+    probe_mod.cache_clear()  # the memo knows the environment, not the GPU
+    r = probe(MM, **BASE, runtime=False)
+    assert not r and r.reason.startswith("runtime=False: no target arch (pass arch=")
 
 
 # ----------------------------------------------------------------------------- 5. JIT disabled
@@ -285,18 +361,51 @@ def test_jit_disabled_reason_has_the_exact_precompile_command(clean, variable):
     uri = _expected_uri(mm_config())
     assert not r
     assert r.reason == (
-        f"JIT disabled by {variable} and module {uri} is not precompiled in {cache_dir}; run: "
+        f"JIT disabled by {variable} and module {uri} is not precompiled in {cache_dir}; build it where nvcc is "
+        f"(a build box) and copy the cache folder here: "
         f"variantgen precompile {MM} --head-dim 128 --dtype bf16 --kv-dtype bf16 --backend fa2 --arch 9.0a "
         f"--cache-dir {cache_dir}")
     assert r.uri == uri
 
 
-def test_build_false_reason_and_command_with_other_dtypes(tmp_path):
-    r = probe(MM, head_dim_qk=256, q_dtype="fp16", kv_dtype="fp8_e5m2", arch="8.0", build=False,
+@pytest.mark.parametrize("damage", ["truncated", "bit flip", "missing"])
+@pytest.mark.parametrize("nvcc", ["same nvcc", "no nvcc"])
+def test_jit_disabled_names_a_corrupted_module(clean, monkeypatch, damage, nvcc):
+    """A damaged precompiled module is reported as corrupted, with its path - not as missing
+    (a server without nvcc finds modules by their inputs: that path too)."""
+    entry = publish_fake(Cache(clean.cache_dir), mm_config())
+    data = entry.module_path.read_bytes()
+    if damage == "truncated":
+        entry.module_path.write_bytes(data[:10])
+    elif damage == "bit flip":
+        entry.module_path.write_bytes(data[:5] + bytes([data[5] ^ 1]) + data[6:])
+    else:
+        entry.module_path.unlink()
+    if nvcc == "no nvcc":
+        def no_nvcc():
+            raise build.ToolchainError("nvcc not found")
+
+        monkeypatch.setattr(build, "toolchain", no_nvcc)
+    clean.set(VARIANTGEN_DISABLE_JIT="1")
+    r = probe(MM, **BASE)
+    assert not r
+    assert r.reason.startswith("JIT disabled by VARIANTGEN_DISABLE_JIT and module ")
+    assert f" in {clean.cache_dir} is corrupted: entry {entry.path}: module file " in r.reason
+    assert {"truncated": "(truncated?)", "bit flip": "(corrupted)", "missing": "is missing"}[damage] in r.reason
+    assert "copy a good one from the build box's cache" in r.reason and clean.loaded == []
+    probe_mod.cache_clear()
+    r = probe(MM, **BASE, runtime=False)
+    assert not r and "is corrupted: entry " in r.reason
+
+
+def test_build_false_reason_and_command_with_other_dtypes(tmp_path, monkeypatch):
+    _fake_gpu(monkeypatch, (8, 0))
+    r = probe(MM, head_dim_qk=256, q_dtype="fp16", kv_dtype="fp8_e5m2", build=False,
               cache_dir=tmp_path / "c")
     assert not r
     assert r.reason.startswith("building disabled (build=False) and module vg_mm_prefix_fa2_prefill_qfp16_kvfp8_e5m2")
-    assert r.reason.endswith(f"run: variantgen precompile {MM} --head-dim 256 --dtype fp16 --kv-dtype fp8_e5m2 "
+    assert r.reason.endswith(f"copy the cache folder here: variantgen precompile {MM} --head-dim 256 --dtype fp16 "
+                             f"--kv-dtype fp8_e5m2 "
                              f"--backend fa2 --arch 8.0 --cache-dir {tmp_path / 'c'}")
 
 
@@ -337,6 +446,11 @@ def test_nvcc_not_found_lists_the_paths_tried(clean, monkeypatch, tmp_path):
     assert not r
     assert "nvcc not found" in r.reason and str(tmp_path / "no-cuda" / "bin" / "nvcc") in r.reason
     assert "CUDA_HOME" in r.reason
+    # and the way to serve without a compiler
+    assert r.reason.splitlines()[1] == (
+        "  (or, to serve without a compiler: precompile it on a build box, copy the cache here and set "
+        f"VARIANTGEN_DISABLE_JIT=1: variantgen precompile {MM} --head-dim 128 --dtype bf16 --kv-dtype bf16 --backend "
+        f"fa2 --arch 9.0a --cache-dir {clean.cache_dir})")
 
 
 def test_nvcc_missing_but_module_built_elsewhere_gets_a_hint(clean, monkeypatch):
@@ -372,8 +486,8 @@ def test_read_only_cache_with_the_module_succeeds(monkeypatch, clean, fake_build
     _read_only(monkeypatch)
     r = probe(MM, **BASE, arch="9.0a")
     assert r, r.reason
-    assert r.source == "cache" and r.uri == entry.uri and r.details["loaded"] is False
-    assert fake_build == []
+    assert r.source == "cache" and r.uri == entry.uri and r.details["loaded"] is True
+    assert fake_build == [] and clean.loaded == [entry.uri]
 
 
 # ----------------------------------------------------------------------------- 8. build failure
@@ -382,7 +496,7 @@ def test_read_only_cache_with_the_module_succeeds(monkeypatch, clean, fake_build
 def test_build_failure_names_first_error_and_log(monkeypatch, tmp_path):
     log_path = tmp_path / "build.log"
 
-    def failing(rendered, key, tc, cache, jobs):
+    def failing(rendered, key, tc, cache, jobs, progress=None):
         raise BuildError(f"building module {key.uri} failed (ninja exit 1 after 3.0s)", log_path=str(log_path),
                          output="[1/13] nvcc binding.cu\nvariant.cuh(57): error: identifier \"qq\" is undefined\n"
                                 "1 error detected\n")
@@ -401,38 +515,27 @@ def test_build_failure_names_first_error_and_log(monkeypatch, tmp_path):
 def test_success_builds_then_finds_in_cache(fake_build):
     r = probe(MM, **BASE, arch="9.0a")
     assert r and r.source == "built" and r.reason == ""
-    assert Path(r.module_path).is_file() and r.details["loaded"] is False
+    assert Path(r.module_path).is_file() and r.details["loaded"] is True
     probe_mod.cache_clear()
     r2 = probe(MM, **BASE, arch="9.0a")
     assert r2 and r2.source == "cache" and r2.uri == r.uri
     assert len(fake_build) == 1
 
 
-def test_success_on_a_gpu_loads_the_module(monkeypatch, fake_build):
-    _fake_gpu(monkeypatch, (9, 0))
-    loaded = []
-    monkeypatch.setattr(build, "load_module", lambda entry: loaded.append(entry.uri) or object())
+def test_success_on_a_gpu_loads_the_module(clean, fake_build):
     r = probe(MM, **BASE)
     assert r, r.reason
-    assert r.details["loaded"] is True and loaded == [r.uri] and "_sm90a_" in r.uri
+    assert r.details["loaded"] is True and clean.loaded == [r.uri] and "_sm90a_" in r.uri
 
 
 def test_load_failure_is_a_reason(monkeypatch, fake_build):
-    _fake_gpu(monkeypatch, (9, 0))
-
     def bad_load(entry):
         raise RuntimeError("undefined symbol: foo")
 
     monkeypatch.setattr(build, "load_module", bad_load)
     r = probe(MM, **BASE)
     assert not r and "failed to load" in r.reason and "undefined symbol: foo" in r.reason
-
-
-def test_explicit_arch_differing_from_the_gpu_is_not_loaded(monkeypatch, fake_build):
-    _fake_gpu(monkeypatch, (9, 0))
-    monkeypatch.setattr(build, "load_module", lambda entry: pytest.fail("must not load an sm80 module on sm90a"))
-    r = probe(MM, **BASE, arch="8.0")
-    assert r and r.details["loaded"] is False and "not loaded" in r.details["note"]
+    assert r.uri and "_sm90a_" in r.uri
 
 
 def test_spec_object_is_accepted(fake_build):
@@ -484,7 +587,7 @@ def test_results_are_memoized_per_argument_combination(fake_build, monkeypatch):
     r1 = probe(MM, **BASE, arch="9.0a")
     r2 = probe(MM, **BASE, arch="9.0a")
     assert r1 is r2 and len(calls) == 1
-    r3 = probe(MM, **BASE, arch="8.0")
+    r3 = probe(MM, **BASE, arch="9.0a", kind="decode")
     assert r3 is not r1 and len(calls) == 2
     r4 = probe(MM, head_dim_qk=128, q_dtype=torch.bfloat16, kv_dtype="bfloat16", arch="9.0a", backend="fa2")
     assert r4.uri == r1.uri and len(calls) == 3  # other spelling: another combination, same module
@@ -499,7 +602,7 @@ def test_default_backend_is_what_make_wrapper_picks(fake_build):
     assert r and r.details["backend"] == "fa3" and "_fa3_prefill_" in r.uri
     r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="fp8_e4m3", arch="9.0a")
     assert r and r.details["backend"] == "fa2"  # fa3 modules need a 16-bit KV cache
-    r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", arch="8.0", kind="decode")
+    r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", kind="decode")
     assert r and r.details["backend"] == "fa2" and "_fa2_decode_" in r.uri
 
 
@@ -512,9 +615,10 @@ def test_probe_backends_answers_per_backend_and_kind(fake_build):
     assert not out["fa3", "ragged"] and "backend 'fa3' generates only ['prefill']" in out["fa3", "ragged"].reason
 
 
-def test_negative_results_are_memoized():
+def test_negative_results_are_memoized(monkeypatch):
+    _no_gpu(monkeypatch)
     r1 = probe(MM, **BASE)
-    assert probe(MM, **BASE) is r1
+    assert not r1 and probe(MM, **BASE) is r1
 
 
 def test_environment_change_is_a_new_combination(clean, fake_build):
@@ -529,17 +633,19 @@ def test_lock_timeout_is_not_memoized(monkeypatch, fake_build):
     attempts = []
 
     def flaky(config, cache, **kwargs):
-        attempts.append(1)
+        attempts.append(kwargs["lock_timeout"])
         if len(attempts) == 1:
-            raise CacheError("timed out after 1800s waiting for another build of vg_x (lock /c/.locks/vg_x.lock)")
+            raise LockTimeout("timed out", uri="vg_x", holder=LockHolder(4242, "box", time.time() - 7), waited=5.0)
         return real(config, cache, **kwargs)
 
     monkeypatch.setattr(build, "build_module", flaky)
     r1 = probe(MM, **BASE, arch="9.0a")
-    assert not r1 and "timed out" in r1.reason
+    assert not r1 and r1.reason.startswith("module vg_mm_prefix_fa2_prefill_") and r1.details["building_pid"] == 4242
+    assert " is being built by pid 4242 on box since " in r1.reason
+    assert "probe again when that build is done" in r1.reason
     r2 = probe(MM, **BASE, arch="9.0a")
     assert r2, r2.reason
-    assert len(attempts) == 2
+    assert attempts == [probe_mod.PROBE_LOCK_WAIT_S] * 2  # a short wait, never VARIANTGEN_LOCK_TIMEOUT
 
 
 def test_edited_spec_file_is_a_new_combination(tmp_path, fake_build):
@@ -619,3 +725,108 @@ def test_cuda_graph_probe_follows_what_graph_mode_supports():
                                             "'decode' (got 'ragged')")
     r = probe(MM, **base, arch="9.0a", build=False, cuda_graph=True, kind="decode")
     assert r.details["backend"] == "fa2" and "decode" in r.reason
+
+
+# ----------------------------------------------------------------------------- backend=None with JIT off
+
+
+@pytest.mark.parametrize("cached", [(), ("fa2",), ("fa3",), ("fa2", "fa3")])
+def test_jit_off_serves_a_precompiled_fa2_module_when_fa3_is_missing(clean, monkeypatch, cached):
+    """backend=None on sm90 prefers fa3; a server that cannot build, whose cache has only the fa2
+    module, serves that (and says so) instead of demoting the layer. make_wrapper(backend=None)
+    makes the same choice (build.select_backend)."""
+    from _fake_kernel import FakeFa3Module, FakeModule
+
+    from variantgen import wrapper as wrapper_mod
+
+    cache = Cache(clean.cache_dir)
+    for backend in cached:
+        publish_fake(cache, mm_config(backend=backend))
+    clean.set(VARIANTGEN_DISABLE_JIT="1")
+    r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
+    expected = "fa2" if cached == ("fa2",) else "fa3"
+    assert r.details["backend"] == expected and bool(r) == bool(cached)
+    if cached == ("fa2",):
+        assert r.uri.startswith("vg_mm_prefix_fa2_prefill_") and r.details["note"] == (
+            f"the fa3 module vg_mm_prefix_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a_* is not precompiled in "
+            f"{clean.cache_dir}; using the precompiled fa2 module {r.uri} (correct, slower; precompile the fa3 "
+            "module to serve fa3)")
+    else:
+        assert "note" not in r.details
+    if not cached:
+        assert "_fa3_prefill_" in r.reason  # the module to precompile is the preferred one
+        return
+    spec = variantgen.load_spec(MM)
+
+    def load(entry):
+        backend = entry.manifest["config"]["backend"]
+        return (FakeFa3Module if backend == "fa3" else FakeModule)(spec)
+
+    monkeypatch.setattr(wrapper_mod, "load_module", load)
+    w = variantgen.make_wrapper(MM, torch.empty(1 << 20, dtype=torch.uint8), head_dim_qk=128, q_dtype="bf16",
+                                kv_dtype="bf16", arch="9.0a")
+    assert w.config.backend == expected and w.uri == r.uri
+
+
+def test_jit_on_builds_the_preferred_fa3_module(clean, fake_build):
+    publish_fake(Cache(clean.cache_dir), mm_config(backend="fa2"))
+    r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
+    assert r and r.details["backend"] == "fa3" and r.source == "built" and "note" not in r.details
+    probe_mod.cache_clear()
+    r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", build=False)
+    assert r and r.details["backend"] == "fa3" and r.source == "cache"
+
+
+# ----------------------------------------------------------------------------- another process's build
+
+
+def test_a_build_in_another_process_is_reported_not_waited_for(clean, tmp_path, monkeypatch, fake_build):
+    """A stuck builder holding the module's lock: probe() answers within PROBE_LOCK_WAIT_S,
+    naming the holder, and does not memoize it (the next probe, once the lock is free, builds)."""
+    monkeypatch.setattr(probe_mod, "PROBE_LOCK_WAIT_S", 0.5)
+    uri = _expected_uri(mm_config())
+    ready = tmp_path / "ready"
+    holder = multiprocessing.get_context("spawn").Process(
+        target=procs.hold_lock, args=(str(clean.cache_dir), uri, str(ready)), daemon=True)
+    holder.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            assert time.monotonic() < deadline, "the lock holder did not start"
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        r = probe(MM, **BASE)
+        waited = time.monotonic() - t0
+        assert not r and 0.4 < waited < 5
+        assert r.reason.startswith(f"module {uri} is being built by pid {holder.pid} on ")
+        assert f"(lock {clean.cache_dir / '.locks' / (uri + '.lock')}); probe() waits 0.5s at most" in r.reason
+        assert "probe again when that build is done" in r.reason and r.details["building_pid"] == holder.pid
+        assert fake_build == []
+    finally:
+        procs.kill(holder.pid)
+        holder.join(30)
+    r = probe(MM, **BASE)
+    assert r and r.source == "built" and fake_build == [uri]
+
+
+def test_full_disk_is_a_reason_naming_the_path(clean, monkeypatch):
+    """ENOSPC while building gave `internal error: OSError: [Errno 28] No space left on device`."""
+    import errno
+
+    monkeypatch.setattr(build, "flashinfer_info", lambda: procs.FAKE_FLASHINFER)
+    real_write_text = Path.write_text
+
+    def write_text(self, *args, **kwargs):
+        if ".staging" in self.parts:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    r = probe(MM, **BASE)
+    assert not r and r.reason.startswith(f"cannot write {clean.cache_dir / '.staging'}/")
+    assert "/src/" in r.reason and r.reason.endswith(": No space left on device (free space on that file system)")
+    assert list((clean.cache_dir / ".staging").iterdir()) == [] and list((clean.cache_dir / ".locks").iterdir()) == []
+    monkeypatch.setattr(Path, "write_text", real_write_text)  # space freed: not memoized
+    monkeypatch.setattr(build, "_build_locked", lambda rendered, key, tc, cache, jobs, progress=None:
+                        publish_fake(cache, rendered.config, tc))
+    assert probe(MM, **BASE)

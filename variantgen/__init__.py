@@ -1,55 +1,48 @@
 """variantgen: YAML attention-variant specs -> cached FlashInfer kernels.
 
 Public API: load_spec / parse_spec, shipped_specs / resolve_spec (specs by name: wherever a
-spec is accepted, "mm_prefix" names the shipped one), make_wrapper, GraphCapacity (CUDA-graph
-mode), choose_backend, probe, probe_backends, and the error classes.
-Heavy imports (torch, flashinfer) happen lazily inside the functions that need them.
+spec is accepted, "mm_prefix" names the shipped one), probe / probe_backends (ProbeResult),
+make_wrapper, GraphCapacity (CUDA-graph mode), choose_backend, spans_to_ranges, and the error
+classes. ``import variantgen`` does not import torch: make_wrapper, GraphCapacity and
+spans_to_ranges are imported on first access (they need torch; the spec, probe and cache paths
+do not).
 """
 
 __version__ = "0.1.0"
 
 from .errors import BuildError, CacheError, LaunchError, SpecError, VariantgenError  # noqa: E402
 from .library import resolve_spec, shipped_specs  # noqa: E402
+
+# Bound after the submodule import, so `variantgen.probe` is the function (not the module of
+# the same name): help(variantgen.probe) shows its signature and docstring.
+from .probe import ProbeResult, probe, probe_backends  # noqa: E402
+from .render import choose_backend  # noqa: E402
 from .spec import VariantSpec, load_spec, parse_spec  # noqa: E402
 
-
-def make_wrapper(*args, **kwargs):
-    from .wrapper import make_wrapper as _make_wrapper
-
-    return _make_wrapper(*args, **kwargs)
-
-
-def choose_backend(*args, **kwargs):
-    from .render import choose_backend as _choose_backend
-
-    return _choose_backend(*args, **kwargs)
+# name -> submodule that defines it; these import torch, so only when first asked for
+_TORCH_NAMES = {"make_wrapper": "wrapper", "GraphCapacity": "graph", "spans_to_ranges": "spans"}
 
 
 def __getattr__(name):
-    if name == "GraphCapacity":  # imports torch: only when asked for
-        from .graph import GraphCapacity
+    if name in _TORCH_NAMES:
+        import importlib
 
-        return GraphCapacity
+        value = getattr(importlib.import_module(f".{_TORCH_NAMES[name]}", __name__), name)
+        globals()[name] = value  # later lookups skip this hook
+        return value
     raise AttributeError(f"module 'variantgen' has no attribute {name!r}")
 
 
-def probe(*args, **kwargs):
-    from .probe import probe as _probe
-
-    return _probe(*args, **kwargs)
-
-
-def probe_backends(*args, **kwargs):
-    from .probe import probe_backends as _probe_backends
-
-    return _probe_backends(*args, **kwargs)
+def __dir__():
+    return sorted(set(globals()) | set(_TORCH_NAMES))
 
 
 __all__ = [
     "BuildError",
-    "GraphCapacity",
     "CacheError",
+    "GraphCapacity",
     "LaunchError",
+    "ProbeResult",
     "SpecError",
     "VariantSpec",
     "VariantgenError",
@@ -62,4 +55,5 @@ __all__ = [
     "probe_backends",
     "resolve_spec",
     "shipped_specs",
+    "spans_to_ranges",
 ]

@@ -6,6 +6,11 @@ mask modes and the paged surface the wrapper calls are compiled (one .cu per mas
 and CTA tile, so a many-core box builds them all at once), and a cached module is loaded
 with ``tvm_ffi.load_module`` without running ninja again - which is what makes a
 precompiled cache work on a server with JIT disabled and no compiler.
+
+A build runs under the module's lock. Waiters see the builder's pid in the lock; a build
+that fails is recorded in ``.failed/<uri>``, and processes that were waiting for it report
+that failure instead of compiling the same failing module again one after another.
+Running ninja (progress, log, ending the compilers on errors) is ninja.py's part.
 """
 
 from __future__ import annotations
@@ -19,15 +24,18 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .cache import Cache, Entry, ModuleKey
+from . import ninja as _ninja_run
+from .cache import Cache, Entry, LockHolder, ModuleKey, path_error
 from .env import settings
-from .errors import BuildError, JitDisabledError, ToolchainError
-from .render import ModuleConfig, RenderedModule, canonical_arch
+from .errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error
+from .progress import BuildProgress
+from .render import ModuleConfig, RenderedModule, canonical_arch, choose_backend
 
 if TYPE_CHECKING:
     from .rowplan import PlannerConfig
@@ -193,20 +201,23 @@ def module_key(rendered: RenderedModule, tc: Toolchain | None) -> ModuleKey:
 
 
 def _ninja_file(rendered: RenderedModule, tc: Toolchain, src_dir: Path, out_name: str) -> str:
+    """The module's build.ninja. Every path is escaped (ninja's ``$ ``, ``$:``, ``$$`` in build
+    lines; shell quoting and ``$$`` in command variables): cache and toolkit paths may hold
+    spaces, colons and dollars."""
     fi = flashinfer_info()
     flags = semantic_flags(rendered.config)
     includes = [f"-I{src_dir}"] + [f"-I{p}" for p in fi.include_dirs]
-    includes += [f"-isystem {p}" for p in fi.system_include_dirs]
-    includes += [f"-isystem {tc.cuda_home / 'include'}"]
+    for p in (*fi.system_include_dirs, tc.cuda_home / "include"):
+        includes += ["-isystem", str(p)]
     nvcc_threads = f"--threads={settings().nvcc_threads}"
-    q = shlex.quote
+    args = _ninja_run.shell_args
     lines = [
         "ninja_required_version = 1.3",
-        f"nvcc = {q(str(tc.nvcc))}",
-        f"cxx = {q(tc.cxx)}",
-        "includes = " + " ".join(includes),
-        "cuda_flags = " + " ".join(flags["cuda"] + [nvcc_threads]),
-        f"ldflags = {' '.join(flags['ld'])} -L{tc.cuda_home / 'lib64'}",
+        f"nvcc = {args([tc.nvcc])}",
+        f"cxx = {args([tc.cxx])}",
+        f"includes = {args(includes)}",
+        f"cuda_flags = {args(flags['cuda'] + [nvcc_threads])}",
+        "ldflags = " + args([*flags["ld"], f"-L{tc.cuda_home / 'lib64'}"]),
         "",
         "rule cuda_compile",
         "  command = $nvcc --generate-dependencies-with-compile -MF $out.d $cuda_flags $includes -c $in -o $out",
@@ -224,9 +235,13 @@ def _ninja_file(rendered: RenderedModule, tc: Toolchain, src_dir: Path, out_name
     for unit in units:
         obj = f"obj/{unit.stem}.o"
         objects.append(obj)
-        lines.append(f"build {obj}: cuda_compile {unit}")
+        lines.append(f"build {obj}: cuda_compile {_ninja_run.escape_path(unit)}")
     lines += ["", f"build {out_name}: link {' '.join(objects)}", f"default {out_name}", ""]
     return "\n".join(lines)
+
+
+# (uri, compile units, config kind) -> what reports the build's progress (progress.BuildProgress)
+ProgressFactory = Callable[[str, int, str], BuildProgress]
 
 
 @dataclass(frozen=True)
@@ -247,81 +262,154 @@ def _ninja() -> str:
     raise ToolchainError("ninja not found on PATH (pip install ninja)")
 
 
+def lookup_module(config: ModuleConfig | PlannerConfig, cache: Cache, *,
+                  rendered: RenderedModule | None = None) -> tuple[BuildResult | None, ModuleKey, list[str]]:
+    """What a server with JIT disabled loads for ``config``, without building: the exact key
+    (with this machine's toolchain, when it has one), else a build of the same inputs by any
+    toolchain. Also: the key, and why entries that would have matched are unusable (damaged,
+    corrupted: the reasons name their paths)."""
+    t0 = time.perf_counter()
+    rendered = rendered or config.render()
+    try:
+        tc: Toolchain | None = toolchain()
+    except ToolchainError:
+        tc = None
+    key = module_key(rendered, tc)
+    found = cache.lookup(key.uri)
+    if found:
+        return BuildResult(found.entry, key, False, time.perf_counter() - t0), key, []
+    damaged = [] if found.reason == "not in cache" else [found.reason]
+    same = cache.find_same_inputs(config.uri_prefix, key.inputs_digest)
+    if same:
+        return BuildResult(same[0], key, False, time.perf_counter() - t0), key, []
+    damaged += [r for r in cache.damaged_same_inputs(config.uri_prefix, key.inputs_digest) if r not in damaged]
+    return None, key, damaged
+
+
 def build_module(config: ModuleConfig | PlannerConfig, cache: Cache, *, jobs: int | None = None,
-                 rendered: RenderedModule | None = None, allow_build: bool = True) -> BuildResult:
+                 rendered: RenderedModule | None = None, allow_build: bool = True,
+                 lock_timeout: float | None = None, progress: ProgressFactory | None = None) -> BuildResult:
     """Find ``config``'s module (a kernel module, or a spec's planner module) in the cache, or
     build and publish it.
 
-    With JIT disabled (or ``allow_build=False``) this only looks up: the exact key when a
-    toolchain is present, else any toolchain's build of the same inputs.
+    With JIT disabled (or ``allow_build=False``) this only looks up (lookup_module):
+    JitDisabledError if the module is not there (``damaged`` lists unusable entries).
+    ``lock_timeout``: how long to wait for another process's build of the same module
+    (default VARIANTGEN_LOCK_TIMEOUT; LockTimeout names the holder). A build that failed in
+    another process while this one waited is reported (BuildError), not run again.
+    ``progress``: makes the build's BuildProgress from (uri, units, kind), to report
+    differently (precompile drops finished bars); default: progress.BuildProgress.
     """
     t0 = time.perf_counter()
     rendered = rendered or config.render()
     s = settings()
     jit_off = s.jit_disabled or not allow_build
-    try:
-        tc: Toolchain | None = toolchain()
-    except ToolchainError:
-        if not jit_off:
-            raise
-        tc = None
+    if jit_off:
+        result, key, damaged = lookup_module(config, cache, rendered=rendered)
+        if result is not None:
+            if result.entry.uri != key.uri and key.toolchain:
+                log.warning("using %s built by nvcc %s (local nvcc %s): JIT is disabled", result.entry.uri,
+                            result.entry.manifest.get("toolchain", {}).get("nvcc"), dict(key.toolchain)["nvcc"])
+            return result
+        why = f"JIT disabled by {s.jit_disabled_by}" if s.jit_disabled else "building not allowed"
+        state = f"unusable: {'; '.join(damaged)}" if damaged else "not in cache"
+        raise JitDisabledError(f"{why} and module {key.uri} is not precompiled in {cache.root} ({state})",
+                               damaged=damaged)
+    tc = toolchain()
     key = module_key(rendered, tc)
     found = cache.lookup(key.uri)
     if found:
         return BuildResult(found.entry, key, False, time.perf_counter() - t0)
-    if jit_off:
-        same = cache.find_same_inputs(config.uri_prefix, key.inputs_digest)
-        if same:
-            if tc is not None:
-                log.warning("using %s built by %s (local nvcc %s): JIT is disabled", same[0].uri,
-                            same[0].manifest.get("toolchain", {}).get("nvcc"), tc.nvcc_version)
-            return BuildResult(same[0], key, False, time.perf_counter() - t0)
-        why = f"JIT disabled by {s.jit_disabled_by}" if s.jit_disabled else "building not allowed"
-        raise JitDisabledError(f"{why} and module {key.uri} is not precompiled in {cache.root} "
-                               f"({found.reason})")
-    assert tc is not None
     ok, why = cache.writable()
     if not ok:
         raise JitDisabledError(f"{why}; module {key.uri} is not in it and cannot be built there")
-    with cache.lock(key.uri, timeout=s.lock_timeout_s):
+
+    def waiting(holder: LockHolder | None) -> None:
+        log.info("waiting for %s: being built by %s", key.uri, holder.describe() if holder else "another process")
+
+    waited_since = time.time()
+    with cache.lock(key.uri, timeout=s.lock_timeout_s if lock_timeout is None else lock_timeout, on_wait=waiting):
         found = cache.lookup(key.uri)  # another process may have finished it meanwhile
         if found:
             return BuildResult(found.entry, key, False, time.perf_counter() - t0)
+        failed = cache.failure(key.uri)
+        if failed is not None and failed.key_digest == key.digest and failed.failed_at >= waited_since:
+            ago = max(0.0, time.time() - failed.failed_at)
+            raise BuildError(f"building module {key.uri} failed in pid {failed.pid} on {failed.host} {ago:.0f}s ago, "
+                             f"while this process waited for that build; not tried again ({failed.message})",
+                             log_path=failed.log_path, first_error=failed.first_error)
         if found.reason != "not in cache":
             log.warning("rebuilding %s: %s", key.uri, found.reason)
-        entry = _build_locked(rendered, key, tc, cache, jobs)
+        entry = _build_locked(rendered, key, tc, cache, jobs, progress)
     return BuildResult(entry, key, True, time.perf_counter() - t0)
 
 
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text)
+    except OSError as e:
+        raise path_error(e, path, "write") from None
+
+
 def _build_locked(rendered: RenderedModule, key: ModuleKey, tc: Toolchain, cache: Cache,
-                  jobs: int | None) -> Entry:
+                  jobs: int | None, progress: ProgressFactory | None = None) -> Entry:
+    """Build ``key``'s module in a fresh staging folder and publish it; call with the lock held.
+    Whatever happens, no staging folder and no compiler process outlives a failed call."""
+    for old in cache.attempts(key.uri):  # a killed builder's compilers may still be running
+        if _ninja_run.end_recorded(old):
+            log.warning("ended the compilers of a killed build of %s (%s)", key.uri, old)
     staging = cache.new_staging(key.uri)
+    try:
+        return _build_in(staging, rendered, key, tc, cache, jobs, progress)
+    except BaseException:
+        cache.discard_staging(staging)  # gone already if it was kept as failed or published
+        raise
+
+
+def _build_in(staging: Path, rendered: RenderedModule, key: ModuleKey, tc: Toolchain, cache: Cache,
+              jobs: int | None, progress: ProgressFactory | None) -> Entry:
     src_dir = staging / "src"
-    src_dir.mkdir()
+    try:
+        src_dir.mkdir()
+    except OSError as e:
+        raise path_error(e, src_dir, "create") from None
     for name, text in rendered.files.items():
-        (src_dir / name).write_text(text)
+        _write(src_dir / name, text)
     out_name = f"{key.uri}.so"
-    (staging / "build.ninja").write_text(_ninja_file(rendered, tc, src_dir, out_name))
+    _write(staging / "build.ninja", _ninja_file(rendered, tc, src_dir, out_name))
     cmd = [_ninja(), "-C", str(staging), "-f", "build.ninja"]
-    jobs = jobs or settings().build_jobs
+    s = settings()
+    jobs = jobs or s.build_jobs
     if jobs:
         cmd += ["-j", str(jobs)]
     env = dict(os.environ, CUDA_HOME=str(tc.cuda_home))
-    log.info("building %s (%d compile units)", key.uri, len(rendered.compile_units) + len(rendered.host_sources))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    seconds = time.perf_counter() - t0
-    (staging / "build.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0 or not (staging / out_name).is_file():
-        kept = cache.keep_failed(key.uri, staging)
+    units = len(rendered.compile_units) + len(rendered.host_sources)
+    report = (progress or BuildProgress)(key.uri, units, rendered.config.kind)
+    ok = False
+    try:
+        run = _ninja_run.run(cmd, cwd=staging, env=env, log_path=staging / "build.log", timeout=s.build_timeout_s,
+                             on_status=report.update)
+        ok = run.returncode == 0 and not run.timed_out and (staging / out_name).is_file()
+    finally:
+        report.close(ok)
+    if not ok:
+        if run.timed_out:
+            what = f"timed out after {run.seconds:.0f}s (VARIANTGEN_BUILD_TIMEOUT={s.build_timeout_s:g}); ended"
+        else:
+            what = f"ninja exit {run.returncode} after {run.seconds:.1f}s"
+        message = f"building module {key.uri} failed ({what})"
+        kept = cache.keep_failed(key.uri, staging, {"key_digest": key.digest, "message": what,
+                                                   "first_error": first_compiler_error(run.output)})
         raise BuildError(
-            f"building module {key.uri} failed (ninja exit {proc.returncode} after {seconds:.1f}s)",
+            message + (f"; {run.log_problem}" if run.log_problem else ""),
             log_path=str(kept / "build.log"),
             command=f"ninja -C {shlex.quote(str(kept))} -f build.ninja  "
                     "(paths inside point at the original staging folder; re-run the variantgen command "
                     "to regenerate)",
-            output=proc.stdout + proc.stderr,
+            output=run.output,
         )
+    if run.log_problem:
+        log.warning("module %s built; its build.log is incomplete: %s", key.uri, run.log_problem)
     # Keep what explains the module (sources, ninja file, log); drop the bulky objects.
     shutil.rmtree(staging / "obj", ignore_errors=True)
     for junk in (".ninja_deps", ".ninja_log"):
@@ -337,14 +425,46 @@ def _build_locked(rendered: RenderedModule, key: ModuleKey, tc: Toolchain, cache
         "tensor_args": [a.name for a in rendered.tensor_args],
         "scalar_args": [a.name for a in rendered.scalar_args],
         "build_command": " ".join(shlex.quote(c) for c in cmd),
-        "build_seconds": round(seconds, 2),
+        "build_seconds": round(run.seconds, 2),
         "built_at": time.time(),
         "built_by_pid": os.getpid(),
         "host": os.uname().nodename,
     }
-    entry = cache.publish(key.uri, staging, manifest)
-    log.info("built %s in %.1fs", key.uri, seconds)
-    return entry
+    return cache.publish(key.uri, staging, manifest)
+
+
+# ----------------------------------------------------------------------------- backend
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    backend: str
+    note: str = ""  # why another backend than render.choose_backend's was taken
+
+
+def select_backend(spec: Any, *, kind: str, head_dim_qk: int, head_dim_vo: int, q_dtype: str, kv_dtype: str,
+                   o_dtype: str, arch: str, cache: Cache, allow_build: bool = True) -> BackendChoice:
+    """The backend make_wrapper(backend=None) and probe(backend=None) use: render.choose_backend's
+    (fa3 where valid), except on a server that cannot build (JIT disabled, or
+    ``allow_build=False``) whose cache lacks that fa3 module but holds the fa2 one: then fa2,
+    with a note saying so (a slower correct kernel beats demoting the layer)."""
+    fields = dict(kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                  o_dtype=o_dtype, arch=arch)
+    preferred = choose_backend(spec, **fields)
+    if preferred != "fa3" or (allow_build and not settings().jit_disabled):
+        return BackendChoice(preferred)
+    fa3 = ModuleConfig(spec, head_dim_qk, head_dim_vo, q_dtype, kv_dtype, o_dtype, arch, "fa3", kind=kind)
+    if lookup_module(fa3, cache)[0] is not None:
+        return BackendChoice("fa3")
+    if ModuleConfig.problems_of(spec=spec, **fields, backend="fa2"):
+        return BackendChoice("fa3")
+    fa2 = ModuleConfig(spec, head_dim_qk, head_dim_vo, q_dtype, kv_dtype, o_dtype, arch, "fa2", kind=kind)
+    found = lookup_module(fa2, cache)[0]
+    if found is None:
+        return BackendChoice("fa3")  # neither: the fa3 module is the one to precompile
+    return BackendChoice("fa2", f"the fa3 module {fa3.uri_prefix}_* is not precompiled in {cache.root}; using the "
+                                f"precompiled fa2 module {found.entry.uri} (correct, slower; precompile the fa3 "
+                                "module to serve fa3)")
 
 
 # ----------------------------------------------------------------------------- loading

@@ -1,12 +1,15 @@
-"""The ``variantgen`` command: validate, render, precompile, probe, list, clear, check.
+"""The ``variantgen`` command: validate, render, precompile, probe, list, clear, check, demo,
+doctor, explain.
 
 Errors variantgen raises on purpose (and ValueErrors from bad settings) are printed as one
-``error: ...`` message on stderr with exit status 1; usage errors exit with 2 (click).
+``error: ...`` message on stderr with exit status 1; usage errors exit with 2 (click). Output
+piped into a reader that stops early (``| head``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import itertools
 import json
 import logging
@@ -20,8 +23,9 @@ from typing import Any
 import click
 
 from . import __version__, env
-from .cache import Cache, age_seconds
+from .cache import Cache, LockTimeout, age_seconds, spec_of_uri
 from .errors import SpecError, SpecErrors, VariantgenError
+from .explain import ARG_FORMS
 from .library import resolve_spec, shipped_specs
 from .render import BACKENDS, KINDS, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
 
@@ -37,6 +41,8 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except (VariantgenError, ValueError, OSError) as e:
+            if isinstance(e, OSError) and e.errno == errno.EPIPE:
+                raise  # the reader went away (`| head`): click's main ends quietly
             text = str(e) if not isinstance(e, OSError) or not e.strerror else f"{e.strerror}: {e.filename}"
             click.echo(f"error: {text}", err=True)
             ctx.exit(1)
@@ -322,14 +328,20 @@ def expand_matrix(spec_paths: list[str], head_dims: list[int] | list[tuple[int, 
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--shard", default=None, help="I/N: build every N-th module starting at I (0-based).")
 @click.option("--dry-run", is_flag=True, help="List the modules of the matrix (and this shard); build nothing.")
+@click.option("--check", is_flag=True, help="Say which modules of the matrix are missing from the cache or damaged "
+              "(what a server with JIT disabled would not find); build nothing; exit 1 if any.")
 def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple[str, ...],
                kv_dtypes: tuple[str, ...], o_dtypes: tuple[str, ...], archs: tuple[str, ...],
                backends: tuple[str, ...], kinds: tuple[str, ...], jobs: int, jobs_per_module: int | None,
-               cache_dir: str | None, shard: str | None, dry_run: bool) -> None:
+               cache_dir: str | None, shard: str | None, dry_run: bool, check: bool) -> None:
     """Build the modules of a matrix into the cache (spec x head dim x dtype x kv dtype x arch x
-    backend x kind); combinations a backend does not support are listed as skipped."""
+    backend x kind); combinations a backend does not support are listed as skipped. With
+    --check: only say whether the cache holds them all (for copying it to servers)."""
     from . import build
+    from .progress import BuildProgress
 
+    if dry_run and check:
+        raise click.UsageError("--dry-run and --check: pick one")
     shard_i, shard_n = _parse_shard(shard)
     arch_list = _csv(archs)
     if not arch_list:
@@ -355,6 +367,9 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
         for cfg in mine:
             click.echo(cfg.uri_prefix)
         return
+    if check:
+        _check_matrix(mine, _cache(cache_dir))
+        return
     if not mine:
         click.echo("nothing to build")
         return
@@ -365,10 +380,13 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
     cache = _cache(cache_dir)
     results: dict[str, tuple[str, str, float, str]] = {}  # prefix -> (uri, status, seconds, error)
 
+    def module_progress(uri: str, units: int, kind: str) -> BuildProgress:
+        return BuildProgress(uri, units, kind, leave=False)  # the summary line below stays instead
+
     def one(cfg: ModuleConfig):
         t0 = time.perf_counter()
         try:
-            r = build.build_module(cfg, cache, jobs=jobs_per_module)
+            r = build.build_module(cfg, cache, jobs=jobs_per_module, progress=module_progress)
         except (VariantgenError, ValueError, OSError) as e:
             return cfg, None, time.perf_counter() - t0, e
         except Exception as e:  # noqa: BLE001 - one module's surprise must not stop the others
@@ -406,6 +424,26 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
         sys.exit(1)
 
 
+def _check_matrix(configs: list, cache: Cache) -> None:
+    """precompile --check: each module's state in the cache, as a JIT-disabled server finds it."""
+    from .build import lookup_module
+
+    rows, missing = [], 0
+    for cfg in configs:
+        found, key, damaged = lookup_module(cfg, cache)
+        if found is not None:
+            by = found.entry.manifest.get("toolchain", {}).get("nvcc", "?")
+            rows.append([found.entry.uri, "ok" if found.entry.uri == key.uri else f"ok (built by nvcc {by})"])
+        else:
+            missing += 1
+            rows.append([f"{cfg.uri_prefix}_*", f"corrupted: {damaged[0]}" if damaged else "missing"])
+    if rows:
+        click.echo(_table(["uri", "state"], rows))
+    click.echo(f"{len(configs) - missing} of {len(configs)} module(s) in {cache.root}, {missing} missing or damaged")
+    if missing:
+        sys.exit(1)
+
+
 # ----------------------------------------------------------------------------- probe
 
 
@@ -421,7 +459,8 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
                    "one answer per backend and kind.")
 @click.option("--kind", "kinds", default="prefill", show_default=True,
               help="Kernel kind(s): prefill, ragged, decode (comma list).")
-@click.option("--arch", default=None, help="Target arch when no GPU is visible (or to override it).")
+@click.option("--arch", default=None, help="The arch the GPU must have (the probe answers for this machine: to "
+              "check a cache for another GPU, use `precompile ... --check`).")
 @click.option("--device", default=None, help="CUDA device, e.g. cuda:1 (default: the current one).")
 @click.option("--page-size", type=int, default=None)
 @click.option("--no-build", is_flag=True, help="Only look in the cache.")
@@ -433,7 +472,8 @@ def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_
               o_dtype: str | None, backends: str, kinds: str, arch: str | None, device: str | None,
               page_size: int | None, no_build: bool, cuda_graph: bool, cache_dir: str | None,
               as_json: bool) -> None:
-    """Say whether SPEC can run here (exit 0) or why not (exit 1), per backend and kind."""
+    """Say whether SPEC can run here, now (exit 0: a GPU is visible and the module was found or
+    built, and loaded) or why not (exit 1), per backend and kind."""
     from .probe import probe_backends
 
     results = probe_backends(
@@ -488,17 +528,21 @@ def _entry_row(uri: str, found, root: Path) -> list[str]:
 @main.command("list")
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
 @click.option("-v", "--verbose", is_flag=True, help="Also print every part of each module's key.")
-def list_cmd(cache_dir: str | None, verbose: bool) -> None:
-    """Table of the modules in the cache."""
+@click.option("--no-verify", is_flag=True, help="Do not read the module files to check their sha256 (their size "
+              "and the manifests are still checked).")
+def list_cmd(cache_dir: str | None, verbose: bool, no_verify: bool) -> None:
+    """Table of the modules in the cache; a damaged entry (truncated, corrupted, missing its module
+    or manifest) says why in its last column."""
     cache = _cache(cache_dir)
-    entries = list(cache.entries())
+    entries = list(cache.entries(verify=not no_verify))
     if not entries:
         click.echo(f"no modules in {cache.root}")
         return
     headers = ["uri", "spec", "head dims", "q/kv/o", "backend", "size", "age", "flashinfer", "nvcc", "arch"]
     rows = [_entry_row(uri, found, cache.root) for uri, found in entries]
-    click.echo(_table(headers, rows))  # a damaged entry says why in its last column
-    click.echo(f"{len(entries)} module(s) in {cache.root}")
+    click.echo(_table(headers, rows))
+    damaged = sum(1 for _, found in entries if not found)
+    click.echo(f"{len(entries)} module(s) in {cache.root}" + (f", {damaged} damaged" if damaged else ""))
     if verbose:
         for uri, found in entries:
             click.echo(f"\n{uri}")
@@ -523,32 +567,57 @@ def list_cmd(cache_dir: str | None, verbose: bool) -> None:
 @click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def clear(spec_name: str | None, older_than: float | None, cache_dir: str | None, yes: bool) -> None:
-    """Remove cached modules (all, or those of SPEC_NAME / older than --older-than days)."""
+    """Remove cached modules (all, or those of SPEC_NAME / older than --older-than days).
+
+    Only module entries are removed (folders named like a module URI: healthy ones, and damaged
+    ones, which are named in a note); anything else in the cache folder is left and listed.
+    A module being built is skipped (exit 1). SPEC_NAME with no module in the cache exits 1."""
     cache = _cache(cache_dir)
-    chosen = []
-    for uri, found in cache.entries():
+    if spec_name is not None and spec_name.endswith((".yaml", ".yml")):
+        spec_name = resolve_spec(spec_name).name  # a spec file: its name
+    chosen: list[tuple[str, str]] = []  # (uri, why it is damaged or "")
+    names: set[str] = set()
+    for uri, found in cache.entries(verify=False):
         if found:
             m = found.entry.manifest
-            name = m.get("config", {}).get("spec")
+            name = m.get("config", {}).get("spec") or spec_of_uri(uri)
             age = age_seconds(m)
         else:  # damaged: judge by name and folder time
-            name = None
+            name = spec_of_uri(uri)
             try:
                 age = time.time() - (cache.root / uri).stat().st_mtime
             except OSError:
                 age = 0.0
-        if spec_name is not None and name != spec_name and not (name is None and uri.startswith(f"vg_{spec_name}_")):
+        if name:
+            names.add(name)
+        if spec_name is not None and name != spec_name:
             continue
         if older_than is not None and age < older_than * 86400:
             continue
-        chosen.append(uri)
-    if not chosen:
-        click.echo("removed 0 modules")
-        return
-    if not yes:
+        chosen.append((uri, "" if found else found.reason))
+    if spec_name is not None and spec_name not in names:
+        present = ", ".join(sorted(names)) or "none"
+        raise VariantgenError(f"no module of spec `{spec_name}` in {cache.root} (specs with modules there: "
+                              f"{present})")
+    if chosen and not yes:
         click.confirm(f"remove {len(chosen)} module(s) from {cache.root}?", abort=True)
-    removed = sum(1 for uri in chosen if cache.remove(uri))
+    removed, skipped = 0, []
+    for uri, damaged in chosen:
+        try:
+            if cache.remove(uri, timeout=2.0):
+                removed += 1
+                if damaged:
+                    click.echo(f"note: removed damaged entry {uri} ({damaged})")
+        except LockTimeout as e:
+            skipped.append(f"{uri} (being built by {e.holder.describe() if e.holder else 'another process'})")
     click.echo(f"removed {removed} module{'s' if removed != 1 else ''}")
+    others = cache.others()
+    if others and spec_name is None and older_than is None:
+        shown = ", ".join(p.name + ("/" if p.is_dir() else "") for p in others)
+        click.echo(f"left {len(others)} item(s) in {cache.root} that are not variantgen modules: {shown}")
+    if skipped:
+        click.echo("skipped " + "; ".join(skipped), err=True)
+        sys.exit(1)
 
 
 # ----------------------------------------------------------------------------- check
@@ -660,6 +729,61 @@ def demo(ctx: click.Context, spec: str, head_dim: int, dtype: str, arch: str | N
         return
     click.echo("[4/4] running on the GPU against the derived reference:")
     ctx.invoke(check, spec=spec, head_dim=head_dim, dtype=dtype, planner=True, backend="fa2")  # the module built above
+
+
+# ----------------------------------------------------------------------------- explain
+
+
+@main.command(epilog="\b\nSpec arguments: " + ARG_FORMS)
+@click.argument("spec", type=click.Path())
+@click.option("--qo", "qo_len", type=int, default=8, show_default=True, help="Queries of the request.")
+@click.option("--kv", "kv_len", type=int, default=None, help="Keys of the request, cached ones included "
+              "(default: --qo); the queries are the last --qo of them.")
+@click.option("--arg", "arg_items", multiple=True, metavar="NAME=VALUE", help="A spec argument (repeatable; "
+              "forms below).")
+@click.option("--page-size", type=int, default=16, show_default=True, help="KV page size the planner aligns to.")
+@click.option("--heads", type=int, default=1, show_default=True, help="Query heads (num_qo_heads).")
+@click.option("--head", type=int, default=0, show_default=True, help="The query head whose mask is shown.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random tensors not given.")
+def explain(spec: str, qo_len: int, kv_len: int | None, arg_items: tuple[str, ...], page_size: int, heads: int,
+            head: int, seed: int) -> None:
+    """Show SPEC's mask for one request as a grid (queries x keys), the key intervals the planner
+    derives per row, and which rows run dense / causal / window / custom - on the CPU."""
+    from . import explain as ex
+
+    variant = resolve_spec(spec)
+    kv = qo_len if kv_len is None else kv_len
+    ex.check_request(qo_len, kv, page_size=page_size, heads=heads, head=head)
+    args = ex.resolve_args(variant, arg_items, qo_len, kv, heads, seed)
+    click.echo(ex.render(ex.explain(variant, qo_len, kv, args, page_size=page_size, head=head, heads=heads)))
+
+
+# ----------------------------------------------------------------------------- doctor
+
+
+@main.command()
+@click.option("--need", "needs", default=None,
+              help="What this machine is for, comma list of build, run: exit 0 only if it can do all of it "
+                   "(default: run, and build unless JIT is disabled). A build box: --need build.")
+@click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
+def doctor(needs: str | None, as_json: bool) -> None:
+    """Check that this machine can build modules (FlashInfer, nvcc, host compilers, ninja, CUDA
+    and FlashInfer headers, a writable cache) and run them (a GPU); each line says ok / missing
+    and the fix. Builds nothing."""
+    from . import doctor as doc
+
+    wanted = tuple(_choices(needs, (doc.BUILD, doc.RUN), "--need",
+                            [doc.RUN] if env.settings().jit_disabled else [doc.BUILD, doc.RUN]))
+    report = doc.run_checks()
+    ok = all(report.can(what) for what in wanted)
+    if as_json:
+        click.echo(json.dumps({"checks": [dict(name=c.name, status=c.status, detail=c.detail, fix=c.fix,
+                                               needed_for=list(c.needed_for)) for c in report.checks],
+                               "can_build": report.can(doc.BUILD), "can_run": report.can(doc.RUN),
+                               "needed": list(wanted), "ok": ok}, indent=1))
+    else:
+        click.echo(doc.render(report, wanted))
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -204,6 +204,7 @@ class DecodeWrapper(WrapperBase):
                 kvp_h = list(accumulate(counts, initial=0))
                 last_h = [hi[i] + 1 - kv_pos_base[i] - (counts[i] - 1) * ps for i in range(batch)]
         elif spec_args:
+            self._check_known(spec_args, "plan()")  # a misspelt name first: it may be why trimming is off
             why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
             raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without key trimming ({why}) "
                               "spec arguments go to run() only")

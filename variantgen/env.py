@@ -58,7 +58,10 @@ class Settings:
     template_dir: Path
     """VARIANTGEN_TEMPLATE_DIR: where the Jinja templates live (default: TEMPLATES_DIR, the package's)."""
     lock_timeout_s: float
-    """VARIANTGEN_LOCK_TIMEOUT: seconds to wait for another process's build of a module."""
+    """VARIANTGEN_LOCK_TIMEOUT: seconds make_wrapper / precompile wait for another process's build
+    of a module (default 1800; probe() waits a few seconds only)."""
+    build_timeout_s: float
+    """VARIANTGEN_BUILD_TIMEOUT: seconds one module's build may take before it is ended (default 3600)."""
     check_plan: bool
     """VARIANTGEN_CHECK_PLAN=1: wrappers check in run() that the tensors plan() planned from are
     unchanged (debug mode; the default of make_wrapper(check_plan=...))."""
@@ -86,6 +89,20 @@ def _int_or_none(name: str) -> int | None:
     return value
 
 
+def _seconds(name: str, default: float, *, zero_ok: bool = False) -> float:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r}: expected a number of seconds") from None
+    if not (value >= 0 if zero_ok else value > 0) or value == float("inf"):
+        least = "a number of seconds >= 0" if zero_ok else "a positive number of seconds"
+        raise ValueError(f"environment variable {name}={raw!r}: expected {least}")
+    return value
+
+
 def _read() -> Settings:
     if _flag("VARIANTGEN_DISABLE_JIT"):
         disabled_by = "VARIANTGEN_DISABLE_JIT"
@@ -94,7 +111,6 @@ def _read() -> Settings:
     else:
         disabled_by = None
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    timeout = os.environ.get("VARIANTGEN_LOCK_TIMEOUT", "").strip()
     return Settings(
         cache_dir=Path(os.environ["VARIANTGEN_CACHE_DIR"]).expanduser()
         if os.environ.get("VARIANTGEN_CACHE_DIR")
@@ -108,7 +124,8 @@ def _read() -> Settings:
         template_dir=Path(os.environ["VARIANTGEN_TEMPLATE_DIR"])
         if os.environ.get("VARIANTGEN_TEMPLATE_DIR")
         else TEMPLATES_DIR,
-        lock_timeout_s=float(timeout) if timeout else 1800.0,
+        lock_timeout_s=_seconds("VARIANTGEN_LOCK_TIMEOUT", 1800.0, zero_ok=True),
+        build_timeout_s=_seconds("VARIANTGEN_BUILD_TIMEOUT", 3600.0),
         check_plan=_flag("VARIANTGEN_CHECK_PLAN"),
     )
 

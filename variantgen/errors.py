@@ -93,11 +93,11 @@ class BuildError(VariantgenError):
     """Compiling or linking a module failed."""
 
     def __init__(self, message: str, *, log_path: str | None = None, command: str | None = None,
-                 output: str = ""):
+                 output: str = "", first_error: str | None = None):
         self.log_path = log_path
         self.command = command
         self.output = output
-        self.first_error = first_compiler_error(output)
+        self.first_error = first_error or first_compiler_error(output)
         text = message
         if self.first_error:
             text += f"\n  first error: {self.first_error}"
@@ -117,7 +117,12 @@ class CacheError(VariantgenError):
 
 
 class JitDisabledError(VariantgenError):
-    """JIT is disabled and the module is not in the cache."""
+    """JIT is disabled (or building not allowed) and the module is not in the cache.
+    ``damaged``: why entries that would have been it are unusable (each names its path)."""
+
+    def __init__(self, message: str, *, damaged: list[str] | None = None):
+        super().__init__(message)
+        self.damaged = list(damaged or ())
 
 
 class LaunchError(VariantgenError, ValueError):

@@ -1,10 +1,17 @@
-"""Can this spec run here? One call that answers yes, or no with the reason.
+"""Can this spec run here, now? One call that answers yes, or no with the reason.
 
 ``probe`` is what a serving engine calls at startup before it advertises a variant
-backend: it validates the spec, checks the installed FlashInfer, the dtype / head-dim /
-backend combination, the GPU (or a target arch on build boxes), JIT settings, the
-toolchain and the cache, and finally finds or builds the module (and loads it when a GPU
-is present). It never raises: every failure, expected or not, becomes ``reason``.
+backend. It is truthy only when the module can run on this machine now: a GPU of the
+target arch is visible, the module was found in the cache (or built, where JIT is on) and
+it loaded. It never raises and never waits long: every failure, expected or not, becomes
+``reason``, and a build another process holds the lock for is reported after
+PROBE_LOCK_WAIT_S seconds ("being built by pid N ..."), not waited for. A reason never
+asks a serving box to do something that starts a compile there.
+
+``probe(..., runtime=False)`` answers another question, for build boxes and deployment
+checks: is the module a server with JIT disabled would load for ``arch`` in the cache
+(no GPU needed; nothing is built or loaded)? ``variantgen precompile ... --check`` asks it
+for a whole matrix.
 
 Checks run in this order, and the first failing one is reported:
 
@@ -13,17 +20,19 @@ Checks run in this order, and the first failing one is reported:
    ``PrefillPlan`` in ``scheduler.cuh``), apache-tvm-ffi is importable;
 3. the combination (dtypes, head dims, backend, kernel kind, page size) is one the
    backend's modules support (fa3: sm90 only, 16-bit KV; see render.HEAD_DIMS);
-4. a GPU of sm80 or newer is visible, or a target arch was given (``arch=`` or
-   VARIANTGEN_ARCH);
-5. with JIT disabled (or ``build=False``) the module is precompiled in the cache;
+4. a GPU of sm80 or newer is visible (and of ``arch`` when one is given); with
+   ``runtime=False``: a target arch is known (``arch=``, the visible GPU, VARIANTGEN_ARCH);
+5. with JIT disabled, ``build=False`` or ``runtime=False``: the module is in the cache, and
+   intact (a truncated or corrupted entry is named with its path);
 6. nvcc is found (CUDA_HOME);
 7. the cache directory is writable (only when the module is absent);
-8. the build succeeds;
-9. the module loads (only when a GPU is present).
+8. no other process is building it (or it finishes within PROBE_LOCK_WAIT_S), and the
+   build succeeds;
+9. the module loads (not with ``runtime=False``).
 
 Results are memoized per argument combination (and environment snapshot) for the life
-of the process; ``probe.cache_clear()`` forgets them. A negative result caused by a lock
-timeout (another process building the same module for too long) is not memoized.
+of the process; ``probe.cache_clear()`` forgets them. A negative result caused by another
+process's build in progress, or by the cache's file system (a full disk), is not memoized.
 """
 
 from __future__ import annotations
@@ -32,17 +41,15 @@ import functools
 import logging
 import os
 import shlex
-import sys
 import threading
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import build as _build
 from . import env, render
-from .cache import Cache
+from .cache import Cache, LockTimeout
 from .errors import BuildError, CacheError, JitDisabledError, SpecError, ToolchainError
 from .library import resolve_spec
 from .render import HEAD_DIMS, KINDS, ModuleConfig, canonical_arch, canonical_dtype
@@ -51,6 +58,7 @@ from .spec import BACKENDS, VariantSpec
 log = logging.getLogger("variantgen.probe")
 
 NEEDED_FLASHINFER = "0.7.2"
+PROBE_LOCK_WAIT_S = 5.0  # how long probe() waits for another process's build of the module
 
 
 @dataclass(frozen=True)
@@ -116,27 +124,36 @@ def probe(
     arch: str | None = None,
     kind: str = "prefill",
     cuda_graph: bool = False,
+    runtime: bool = True,
 ) -> ProbeResult:
-    """Say whether ``spec`` can run here with these settings; never raises.
+    """Say whether ``spec`` can run here, now, with these settings; never raises.
+
+    Truthy only when a GPU is visible, the module is found in the cache or built (JIT on,
+    ``build=True``) and loaded on it: then ``make_wrapper`` with the same settings succeeds
+    without building. ``reason`` says why not, in words an operator can act on.
 
     ``kind`` is the kernel ("prefill", "ragged", "decode"; tensor-core decode runs the
-    prefill module); ``backend`` "fa2" or "fa3", or None for the one make_wrapper picks for
-    this GPU (render.choose_backend; ``details["backend"]`` says which). See
-    :func:`probe_backends` for every backend at once.
+    prefill module); ``backend`` "fa2" or "fa3", or None for the one make_wrapper(backend=None)
+    picks here (build.select_backend: fa3 where valid; fa2 on a server that cannot build whose
+    cache has the fa2 module but not the fa3 one, with ``details["note"]`` saying so);
+    ``details["backend"]`` says which. See :func:`probe_backends` for every backend at once.
 
     ``spec`` is a VariantSpec, a path to a spec file, or a shipped spec's name ("mm_prefix").
-    ``device`` selects the GPU (default: the current one, when CUDA is available). ``arch`` (or
-    VARIANTGEN_ARCH) names the target when no GPU is visible: then the module is found or built
-    but not loaded.
-    ``build=False`` only looks in the cache. ``cache_dir`` defaults to VARIANTGEN_CACHE_DIR.
-    ``cuda_graph=True``: for a wrapper made with ``graph=GraphCapacity(...)`` (paged prefill on
-    fa2, decode): other kinds and fa3 are demoted with the reason; no backend picks fa2, as
-    make_wrapper does.
+    ``device`` selects the GPU (default: the current one). ``arch``: the GPU's arch is checked
+    against it. ``build=False`` only looks in the cache. ``cache_dir`` defaults to
+    VARIANTGEN_CACHE_DIR. ``cuda_graph=True``: for a wrapper made with
+    ``graph=GraphCapacity(...)`` (paged prefill on fa2, decode): other kinds and fa3 are demoted
+    with the reason; no backend picks fa2, as make_wrapper does.
+
+    ``runtime=False``: whether the cache holds the module a server with JIT disabled would load
+    for ``arch`` (or the visible GPU, or VARIANTGEN_ARCH) - no GPU needed, nothing built or
+    loaded; ``source`` is "cache" when it does. ``variantgen precompile ... --check`` asks this
+    for a whole matrix.
     """
     t0 = time.perf_counter()
     args = dict(head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype,
                 o_dtype=o_dtype, backend=backend, page_size=page_size, device=device, build=build,
-                cache_dir=cache_dir, arch=arch, kind=kind, cuda_graph=cuda_graph)
+                cache_dir=cache_dir, arch=arch, kind=kind, cuda_graph=cuda_graph, runtime=runtime)
     try:
         key = _memo_key(spec, args)
     except Exception:  # unhashable oddities: just do not memoize
@@ -182,7 +199,7 @@ def probe_backends(spec: VariantSpec | str | Path, *, kinds: tuple[str, ...] = (
 
 def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, kv_dtype: Any,
            o_dtype: Any, backend: Any, page_size: Any, device: Any, build: bool, cache_dir: Any,
-           arch: Any, kind: Any, cuda_graph: Any = False) -> ProbeResult:
+           arch: Any, kind: Any, cuda_graph: Any = False, runtime: Any = True) -> ProbeResult:
     # 1. spec
     spec = _load(spec_arg)
     if cuda_graph:  # what make_wrapper(graph=...) accepts
@@ -220,50 +237,97 @@ def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dt
         s = env.settings()
     except ValueError as e:  # a malformed environment variable
         raise _Fail(str(e)) from None
-    device_arch = _device_arch(device)
-    if explicit_arch is not None:
-        target = explicit_arch
-    elif device_arch is not None:
-        target = device_arch
-    elif s.arch:
-        try:
-            target = canonical_arch(s.arch)
-        except ValueError as e:
-            raise _Fail(f"VARIANTGEN_ARCH: {e}") from None
-    else:
-        raise _Fail("no CUDA device visible and no target arch given (pass arch= or set VARIANTGEN_ARCH)")
-    if backend is None:  # what make_wrapper would pick for this target
-        from .render import choose_backend
-
-        config_fields["backend"] = choose_backend(
-            spec, **{k: v for k, v in config_fields.items() if k not in ("spec", "backend")}, arch=target)
+    target, device_arch = _target_arch(explicit_arch, device, s.arch, runtime=bool(runtime))
+    cache = Cache(cache_dir) if cache_dir is not None else build_default_cache()
+    allow_build = bool(build) and bool(runtime)
+    note = ""
+    if backend is None:  # what make_wrapper(backend=None) picks here
+        choice = _build.select_backend(spec, **{k: v for k, v in config_fields.items() if k not in ("spec", "backend")},
+                                       arch=target, cache=cache, allow_build=allow_build)
+        config_fields["backend"], note = choice.backend, choice.note
     try:
         config = ModuleConfig(**config_fields, arch=target)
     except ValueError as e:
         raise _Fail(str(e)) from None
     details: dict[str, Any] = {"arch": target, "device_arch": device_arch, "backend": config.backend,
-                               "config": config.describe(), "cuda_graph": bool(cuda_graph)}
+                               "config": config.describe(), "cuda_graph": bool(cuda_graph),
+                               "cache_dir": str(cache.root)}
+    if note:
+        details["note"] = note
 
-    # 5-8. find or build (build_module orders: toolchain, lookup, JIT, writable, build)
-    cache = Cache(cache_dir) if cache_dir is not None else build_default_cache()
-    details["cache_dir"] = str(cache.root)
+    # 5-8. find (or build)
     rendered = render.render_module(config)
-    uri = _expected_uri(rendered)
-    details["uri"] = uri
-    jit_off = s.jit_disabled or not build
+    details["uri"] = _expected_uri(rendered)
+    result = _find(config, cache, rendered, s, build=bool(build), runtime=bool(runtime), details=details)
+    entry = result.entry
+    details.pop("uri")
+    details["built"] = result.built
+    details["loaded"] = False
+
+    # 9. load
+    if runtime:
+        try:
+            _build.load_module(entry)
+        except Exception as e:
+            raise _Fail(f"module {entry.uri} was found but failed to load: {type(e).__name__}: {e}",
+                        uri=entry.uri, **details) from None
+        details["loaded"] = True
+    if config.kind == "prefill":
+        details["row_planner"] = _row_planner_status(config, cache, allow_build)
+    return ProbeResult(True, "", entry.uri, "built" if result.built else "cache", str(entry.module_path),
+                       time.perf_counter() - t0, details)
+
+
+def _target_arch(explicit: str | None, device: Any, env_arch: str | None, *, runtime: bool) -> tuple[str, str | None]:
+    """(the arch to find the module for, the visible GPU's arch or None)."""
+    if not runtime and explicit is not None:
+        return explicit, None  # a cache check: no GPU query (build boxes have none)
+    device_arch = _device_arch(device)
+    if runtime:
+        if device_arch is None:
+            raise _Fail("no CUDA device visible: probe() answers whether the module runs here, and nothing can "
+                        "run without a GPU (to check a cache for another machine: probe(..., runtime=False, "
+                        "arch=...) or `variantgen precompile ... --check`)")
+        if explicit is not None and explicit != device_arch:
+            raise _Fail(f"arch={explicit} was given, but the visible GPU is {device_arch}: a module for {explicit} "
+                        "does not run here (probe(..., runtime=False) checks a cache for another GPU)")
+        return device_arch, device_arch
+    if device_arch is not None:
+        return device_arch, device_arch
+    if env_arch:
+        try:
+            return canonical_arch(env_arch), None
+        except ValueError as e:
+            raise _Fail(f"VARIANTGEN_ARCH: {e}") from None
+    raise _Fail("runtime=False: no target arch (pass arch=, e.g. arch='9.0a', or set VARIANTGEN_ARCH) and no "
+                "CUDA device visible to take it from")
+
+
+def _find(config: ModuleConfig, cache: Cache, rendered: render.RenderedModule, s: env.Settings, *, build: bool,
+          runtime: bool, details: dict[str, Any]) -> _build.BuildResult:
+    """Steps 5-8: the module from the cache, or built (runtime probes with JIT on)."""
+    uri = details["uri"]
+    if not runtime:
+        found, _, damaged = _build.lookup_module(config, cache, rendered=rendered)
+        if found is not None:
+            return found
+        raise _Fail(_missing_reason("runtime=False (a cache check)", uri, cache, config, damaged, here=True),
+                    **details)
     try:
-        result = _build_module(config, cache, rendered=rendered, allow_build=build)
+        return _build_module(config, cache, rendered=rendered, allow_build=build, lock_timeout=PROBE_LOCK_WAIT_S)
     except JitDisabledError as e:
-        if jit_off:
+        if s.jit_disabled or not build:
             why = f"JIT disabled by {s.jit_disabled_by}" if s.jit_disabled else "building disabled (build=False)"
-            raise _Fail(f"{why} and module {uri} is not precompiled in {cache.root}; run: "
-                        + precompile_command(config, cache.root), **details) from None
+            raise _Fail(_missing_reason(why, uri, cache, config, e.damaged), **details) from None
         raise _Fail(str(e), **details) from None  # cache not writable
     except ToolchainError as e:
         text = str(e)
         if _same_inputs_cached(cache, rendered):
             text += ("\n  (a module with the same inputs built by another toolchain is in the cache; "
                      "set VARIANTGEN_DISABLE_JIT=1 to use it without nvcc)")
+        else:
+            text += ("\n  (or, to serve without a compiler: precompile it on a build box, copy the cache here and "
+                     f"set VARIANTGEN_DISABLE_JIT=1: {precompile_command(config, cache.root)})")
         raise _Fail(text, **details) from None
     except BuildError as e:
         reason = f"building module {uri} failed"
@@ -272,28 +336,29 @@ def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dt
         if e.log_path:
             reason += f" (full log: {e.log_path})"
         raise _Fail(reason, first_error=e.first_error, log_path=e.log_path, **details) from None
-    except CacheError as e:
-        raise _Fail(str(e), transient="timed out" in str(e), **details) from None
+    except LockTimeout as e:
+        who = e.holder.describe() if e.holder else "another process"
+        if e.holder:
+            details["building_pid"] = e.holder.pid
+        raise _Fail(f"module {uri} is being built by {who} (lock {cache.lock_path(uri)}); probe() waits "
+                    f"{PROBE_LOCK_WAIT_S:g}s at most: probe again when that build is done", transient=True,
+                    **details) from None
+    except CacheError as e:  # a full disk, an unwritable lock folder: may be fixed while we run
+        raise _Fail(str(e), transient=True, **details) from None
 
-    entry = result.entry
-    details["uri"] = entry.uri
-    details["built"] = result.built
-    details["loaded"] = False
-    if device_arch is not None:
-        if canonical_arch(target) == device_arch:
-            try:
-                _build.load_module(entry)
-            except Exception as e:
-                raise _Fail(f"module {entry.uri} was found but failed to load: {type(e).__name__}: {e}",
-                            **details) from None
-            details["loaded"] = True
-        else:
-            details["note"] = f"module built for sm{config.arch_tag}; the visible GPU is {device_arch}, not loaded"
-    details.pop("uri")
-    if config.kind == "prefill":
-        details["row_planner"] = _row_planner_status(config, cache, build)
-    return ProbeResult(True, "", entry.uri, "built" if result.built else "cache", str(entry.module_path),
-                       time.perf_counter() - t0, details)
+
+def _missing_reason(why: str, uri: str, cache: Cache, config: ModuleConfig, damaged: list[str], *,
+                    here: bool = False) -> str:
+    """Why a module that is not built here is not usable, and the fix: done on a build box,
+    unless ``here`` (a cache check, asked on the build box itself)."""
+    command = precompile_command(config, cache.root)
+    if damaged:
+        fix = f"rebuild it: {command}" if here else f"copy a good one from the build box's cache (or rebuild it " \
+                                                    f"there: {command})"
+        return f"{why} and module {uri} in {cache.root} is corrupted: {damaged[0]}; {fix}"
+    fix = f"build it: {command}" if here else f"build it where nvcc is (a build box) and copy the cache folder " \
+                                              f"here: {command}"
+    return f"{why} and module {uri} is not precompiled in {cache.root}; {fix}"
 
 
 def _row_planner_status(config: ModuleConfig, cache: Cache, build: bool) -> str:
@@ -318,7 +383,7 @@ def _row_planner_status(config: ModuleConfig, cache: Cache, build: bool) -> str:
         if s.jit_disabled and _same_inputs_cached(cache, rendered):
             return f"cached (another toolchain's build): {planner.uri_prefix}"
         return (f"torch rules (slower plan()): {planner.uri_prefix} is not precompiled in {cache.root}; "
-                "`variantgen precompile` builds it with the prefill modules")
+                "`variantgen precompile` on a build box builds it with the prefill modules")
     except Exception as e:  # noqa: BLE001 - informational: plan() falls back to the torch rules
         return f"torch rules (slower plan()): {type(e).__name__}: {e}"
 
@@ -534,17 +599,4 @@ def _memo_key(spec: Any, args: dict[str, Any]) -> tuple:
     return spec_key, arg_key, env.settings()
 
 
-# ----------------------------------------------------------------------------- module call
-
-
-class _CallableModule(types.ModuleType):
-    """``import variantgen.probe`` rebinds ``variantgen.probe`` to this module (Python sets a
-    package attribute for every imported submodule), so the module forwards calls to
-    :func:`probe`: ``variantgen.probe(...)`` works before and after the import."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> ProbeResult:
-        return probe(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
 probe.cache_clear = cache_clear  # type: ignore[attr-defined]

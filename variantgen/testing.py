@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .spans import spans_to_ranges  # also importable from here, where tests and bench/ take it
 from .spec import VariantSpec
 
 
@@ -67,20 +68,6 @@ def random_paged_batch(qo_lens: list[int], kv_lens: list[int], *, num_qo_heads: 
     )
 
 
-def spans_to_ranges(qo_lens: list[int], kv_lens: list[int], spans: list[list[tuple[int, int]]]) -> torch.Tensor:
-    """[total_q, 2] int32: each query's inclusive span if its position lies in one, else (-1, -1)."""
-    rows = []
-    for ql, kl, req_spans in zip(qo_lens, kv_lens, spans):
-        r = torch.full((ql, 2), -1, dtype=torch.int32)
-        pos = torch.arange(kl - ql, kl)
-        for s, e in req_spans:
-            inside = (pos >= s) & (pos <= e)
-            r[inside, 0] = s
-            r[inside, 1] = e
-        rows.append(r)
-    return torch.cat(rows) if rows else torch.empty(0, 2, dtype=torch.int32)
-
-
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     n = 2 ** math.floor(math.log2(num_heads))
     base = [2 ** (-8.0 * (i + 1) / n) for i in range(n)]
@@ -106,7 +93,8 @@ def random_spec_args(spec: VariantSpec, batch: PagedBatch, *, seed: int = 0,
                 for _ in range(int(torch.randint(0, 4, (1,), generator=g))):
                     s = int(torch.randint(0, max(k, 1), (1,), generator=g))
                     e = min(k - 1, s + int(torch.randint(0, max(k // 3, 1), (1,), generator=g)))
-                    if not any(s <= e2 and e >= s2 for s2, e2 in req):
+                    # (a request without keys draws the empty span (0, -1): dropped, same draws)
+                    if s <= e and not any(s <= e2 and e >= s2 for s2, e2 in req):
                         req.append((s, e))
                 spans.append(req)
             value = spans_to_ranges(ql, kl, spans)

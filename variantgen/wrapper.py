@@ -21,7 +21,9 @@ ragged.py) on the shared checks of WrapperBase.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import inspect
 import logging
 import math
 from dataclasses import dataclass
@@ -31,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .build import BuildResult, build_module, default_cache, load_module
+from .build import BuildResult, build_module, default_cache, load_module, select_backend
 from .cache import Cache
 from .checks import NO_PAGES, PageBounds, PageBoundsReader, PlanCheck, check_page_high, check_page_low
 from .env import settings
@@ -41,7 +43,7 @@ from .intervals import IntervalForm, analyze, args_read, tensors_read
 from .library import resolve_spec
 from .native_plan import DESC_FIELDS, has_native_plan, plan_batch
 from .planner import gather_page_ranges, gather_pages, page_gather_table, plan_launches, regroup_for_fa3
-from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
+from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype
 from .spec import VariantSpec
 from .staging import HostStaging
 
@@ -321,14 +323,27 @@ class WrapperBase:
         """Graph mode: the largest size each batch-dependent dim may have (static buffers)."""
         return {}
 
+    def _check_known(self, given: dict[str, Any], where: str) -> None:
+        """LaunchError for keywords that are no spec argument, with the closest name (a spec
+        argument, or the method's own keyword: `skip_tile=` for skip_tiles)."""
+        known = self._tensor_names + self._scalar_names
+        extra = sorted(set(given) - set(known))
+        if not extra:
+            return
+        method = getattr(type(self), where.removesuffix("()"), None)
+        own = [n for n, p in inspect.signature(method).parameters.items()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY] if method is not None else []
+        named = []
+        for name in extra:
+            close = difflib.get_close_matches(name, [*known, *own], n=1, cutoff=0.6)
+            named.append(f"{name} (did you mean `{close[0]}`?)" if close else name)
+        takes = ", ".join(known) or "no extra arguments"
+        raise LaunchError(f"{where}: unexpected argument(s) {', '.join(named)}; spec `{self.spec.name}` takes: "
+                          f"{takes} (plus q_scale, k_scale, v_scale, out, return_lse in run())")
+
     def _check_args(self, given: dict[str, Any], *, where: str, require_tensors_from: str | None = None,
                     ) -> dict[str, Any]:
-        known = set(self._tensor_names) | set(self._scalar_names)
-        extra = sorted(set(given) - known)
-        if extra:
-            takes = ", ".join(self._tensor_names + self._scalar_names) or "no extra arguments"
-            raise LaunchError(f"{where}: unexpected argument(s) {', '.join(extra)}; spec `{self.spec.name}` takes: "
-                              f"{takes} (plus q_scale, k_scale, v_scale, out, return_lse in run())")
+        self._check_known(given, where)
         dims = self._dims()
         out: dict[str, Any] = {}
         for t in self.spec.tensors:
@@ -682,6 +697,7 @@ class VariantWrapper(WrapperBase):
             launches = plan_launches(self, qo_h, kvp_h, list(b.kv_lens), checked)
         else:
             if spec_args:
+                self._check_known(spec_args, "plan()")  # a misspelt name first: it may be why the planner is off
                 why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
                 raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without the interval planner "
                                   f"({why}) spec arguments go to run() only")
@@ -968,7 +984,9 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     variantgen.shipped_specs() lists them).
     ``kind``: "prefill" (paged KV), "ragged" (ragged KV) or "decode" (paged KV, one query
     per request). ``backend``: "fa2", "fa3", or None to let variantgen choose from the
-    spec, dtypes, kind and GPU (see choose_backend). ``workspace`` is the float workspace
+    spec, dtypes, kind and GPU (build.select_backend: choose_backend's pick, except that with
+    JIT disabled or ``build=False`` a precompiled fa2 module is used, with a warning, when
+    the fa3 one is not in the cache - the choice probe() reports). ``workspace`` is the float workspace
     (uint8, on the target GPU; 128 MiB is plenty). ``use_tensor_cores`` (decode only): run
     decode through the spec's prefill module (one query per request) instead of the
     CUDA-core decode kernel - FlashInfer's advice for large GQA groups. ``graph``
@@ -1002,15 +1020,18 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
         elif backend != "fa2":
             raise ValueError(f"graph=: CUDA-graph mode needs backend='fa2' (got {backend!r}): the fa3 planner's "
                              "launch set depends on the batch")
-    if backend is None:
-        backend = choose_backend(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=hd_vo, q_dtype=q,
-                                 kv_dtype=kv, o_dtype=o, arch=arch)
+    cache = cache or default_cache()
+    if backend is None:  # the same choice probe(backend=None) reports
+        choice = select_backend(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=hd_vo, q_dtype=q,
+                                kv_dtype=kv, o_dtype=o, arch=arch, cache=cache, allow_build=build)
+        backend = choice.backend
+        if choice.note:
+            log.warning("make_wrapper(%s): %s", spec.name, choice.note)
     cls = wrapper_class(kind)
     if use_tensor_cores and kind != "decode":
         raise ValueError(f"use_tensor_cores=True: only for kind='decode' (got kind={kind!r})")
     module_kind = "prefill" if use_tensor_cores else kind  # tensor-core decode = prefill kernel, qo_len 1
     config = ModuleConfig(spec, head_dim_qk, hd_vo, q, kv, o, arch, backend, DEFAULT_MASK_MODES, module_kind)
-    cache = cache or default_cache()
     result = build_module(config, cache, jobs=jobs, allow_build=build)
     module = load_module(result.entry)
     extra = {"graph": graph} if graph is not None else {}

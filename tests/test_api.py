@@ -1,0 +1,103 @@
+"""The package surface: `import variantgen` stays light (no torch), help() shows the real
+signatures and docstrings, and the public helpers check their arguments."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pydoc
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import variantgen
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_import_does_not_import_torch():
+    code = ("import sys, variantgen, variantgen.probe; print('torch' in sys.modules, "
+            "callable(variantgen.probe), variantgen.probe.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}).stdout.split()
+    assert out == ["False", "True", "variantgen.probe"]
+
+
+@pytest.mark.parametrize("name, params", [
+    ("probe", ["spec", "head_dim_qk", "q_dtype", "kv_dtype", "runtime"]),
+    ("probe_backends", ["spec", "kinds", "backends"]),
+    ("make_wrapper", ["spec", "workspace", "head_dim_qk", "q_dtype", "kv_dtype", "backend", "graph"]),
+    ("choose_backend", ["spec", "kind", "arch"]),
+    ("spans_to_ranges", ["qo_lens", "kv_lens", "spans", "device"]),
+])
+def test_help_shows_the_real_signature_and_docstring(name, params):
+    fn = getattr(variantgen, name)
+    assert inspect.isfunction(fn)
+    signature = inspect.signature(fn)
+    assert all(p in signature.parameters for p in params), signature
+    text = pydoc.render_doc(fn, renderer=pydoc.plaintext)
+    assert f"function {name} in module variantgen." in text
+    assert fn.__doc__ and fn.__doc__.split("\n")[0].strip() in text
+
+
+def test_probe_stays_the_function_after_importing_the_submodule():
+    module = importlib.import_module("variantgen.probe")
+    assert variantgen.probe is module.probe and variantgen.probe is not module
+    assert variantgen.probe.cache_clear is module.cache_clear
+
+
+def test_dir_and_all_name_the_lazy_functions():
+    for name in ("make_wrapper", "GraphCapacity", "spans_to_ranges"):
+        assert name in dir(variantgen) and name in variantgen.__all__
+    assert all(hasattr(variantgen, name) for name in variantgen.__all__)
+    with pytest.raises(AttributeError, match="has no attribute 'nope'"):
+        variantgen.nope  # noqa: B018
+
+
+# ----------------------------------------------------------------------------- spans_to_ranges
+
+
+def test_spans_to_ranges_marks_each_query_of_a_span():
+    # request 0: 6 queries at positions 0..5; request 1: chunked prefill, queries at 7..9
+    ranges = variantgen.spans_to_ranges([6, 3], [6, 10], [[(1, 2), (4, 5)], [(6, 8)]])
+    assert ranges.dtype == torch.int32 and ranges.shape == (9, 2)
+    assert ranges.tolist() == [[-1, -1], [1, 2], [1, 2], [-1, -1], [4, 5], [4, 5],
+                               [6, 8], [6, 8], [-1, -1]]
+    assert variantgen.spans_to_ranges([], [], []).shape == (0, 2)
+    assert variantgen.spans_to_ranges([2], [2], [[]]).tolist() == [[-1, -1], [-1, -1]]
+    assert variantgen.spans_to_ranges([1], [1], [[(0, 0)]], device="cpu").tolist() == [[0, 0]]
+
+
+def test_spans_to_ranges_agrees_with_the_reference_mask():
+    """The spans it builds give the mm_prefix mask FlashInfer's ranges wrapper computes."""
+    from variantgen.reference import RequestGrid, mask_for_request
+
+    spec = variantgen.load_spec(REPO / "specs" / "mm_prefix.yaml")
+    ranges = variantgen.spans_to_ranges([4], [8], [[(2, 6)]])
+    grid = RequestGrid(0, 4, 8, 0, 0, 1, 1, torch.device("cpu"))
+    mask = mask_for_request(spec, grid, {"ranges": ranges, "causal_window_left": -1, "range_window_left": -1})
+    visible = mask.reshape(4, 8)
+    # queries at positions 4..7: 4, 5, 6 lie in the span (keys 2..6 and causal); 7 is causal only
+    assert visible[0].tolist() == [True] * 7 + [False]
+    assert visible[3].tolist() == [True] * 8
+
+
+@pytest.mark.parametrize("args, message", [
+    (([1, 2], [1], [[], []]), "one entry per request (got 2, 1 and 2)"),
+    (([3], [2], [[]]), "qo_lens[0]=3, kv_lens[0]=2: expected whole numbers with 0 <= qo_len <= kv_len"),
+    (([1.0], [2], [[]]), "qo_lens[0]=1.0"),
+    (([2], [5], [[(1, 5)]]), "spans[0][0]=(1, 5): expected 0 <= start <= end < kv_lens[0]=5"),
+    (([2], [5], [[(3, 2)]]), "spans[0][0]=(3, 2): expected 0 <= start <= end"),
+    (([2], [5], [[(-1, 2)]]), "spans[0][0]=(-1, 2)"),
+    (([2], [5], [[(1, 2, 3)]]), "spans[0][0]=(1, 2, 3): expected a pair of whole numbers"),
+    (([2], [5], [[(True, 2)]]), "expected a pair of whole numbers"),
+    (([2], [5], [[5]]), "spans[0][0]=5: expected a pair"),
+    (([2, 2], [5, 9], [[], [(4, 6), (0, 1), (6, 8)]]), "spans[1][0]=(4, 6) and spans[1][2]=(6, 8) overlap"),
+])
+def test_spans_to_ranges_names_bad_input(args, message):
+    with pytest.raises(ValueError, match="^spans_to_ranges: ") as e:
+        variantgen.spans_to_ranges(*args)
+    assert message in str(e.value)

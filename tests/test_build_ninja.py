@@ -1,0 +1,262 @@
+"""Module builds through the real ninja with fake compilers (tests/_fake_toolchain.py):
+paths ninja and the shell must not split, progress and the build log, and what a failed,
+timed-out, interrupted or killed build leaves behind (nothing: no staging folder, no lock
+file, no compiler process).
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import _fake_toolchain as fake
+import pytest
+from _cache_procs import causal_config
+
+from variantgen import build, ninja
+from variantgen.cache import Cache
+from variantgen.errors import BuildError, CacheError
+from variantgen.render import render_module
+
+ODD = "dir with space, $dollar and a:colon"
+
+
+@pytest.fixture
+def toolchain(tmp_path, monkeypatch, vg_env):
+    """The fake toolchain under a path with a space, a $ and a colon; the cache under another."""
+    tc, info = fake.make_toolchain(tmp_path / ODD / "tools")
+    monkeypatch.setattr(build, "toolchain", lambda: tc)
+    monkeypatch.setattr(build, "flashinfer_info", lambda: info)
+    for name in ("VG_FAKE_NVCC_SLEEP", "VG_FAKE_NVCC_FAIL", "VG_FAKE_PIDS"):
+        monkeypatch.delenv(name, raising=False)
+    return tc
+
+
+@pytest.fixture
+def cache(tmp_path) -> Cache:
+    return Cache(tmp_path / ODD / "my cache")
+
+
+def leftovers(cache: Cache) -> dict[str, list[str]]:
+    return {name: sorted(p.name for p in (cache.root / name).iterdir()) if (cache.root / name).is_dir() else []
+            for name in (".staging", ".locks")}
+
+
+def pids(path: Path) -> list[int]:
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+def wait_for_pids(path: Path, n: int, timeout: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while len(pids(path)) < n:
+        assert time.monotonic() < deadline, f"the fake compilers did not start ({path})"
+        time.sleep(0.05)
+    return pids(path)
+
+
+def test_escapes():
+    assert ninja.escape_path("/a b/c:d/$e.cu") == "/a$ b/c$:d/$$e.cu"
+    assert ninja.shell_args(["-I/a b", "-DX=$Y", "plain"]) == "'-I/a b' '-DX=$$Y' plain"
+    with pytest.raises(ValueError, match="contains a line break"):
+        ninja.escape_path("/a\nb")
+
+
+def test_ninja_file_escapes_every_path(toolchain, tmp_path):
+    rendered = render_module(causal_config())
+    text = build._ninja_file(rendered, toolchain, tmp_path / ODD / "src", "m.so")
+    escaped = str(tmp_path / ODD).replace("$", "$$").replace(" ", "$ ").replace(":", "$:")
+    assert f"build obj/binding.o: cuda_compile {escaped}/src/binding.cu" in text.splitlines()
+    assert f"'-I{tmp_path / ODD}/src'".replace("$", "$$") in text
+    assert f"nvcc = '{toolchain.nvcc}'".replace("$", "$$") in text
+
+
+def test_build_in_paths_with_spaces_dollars_and_colons(toolchain, cache, caplog):
+    """Every build broke when the cache path held a space, a $ or a colon."""
+    caplog.set_level(logging.INFO, logger="variantgen.build")
+    config = causal_config()
+    rendered = render_module(config)
+    seen: list[tuple[int, int]] = []
+
+    class Recorder:
+        def __init__(self, uri, units, kind):
+            self.args = (uri, units, kind)
+
+        def update(self, done, total):
+            seen.append((done, total))
+
+        def close(self, ok):
+            seen.append(("closed", ok))
+
+    result = build.build_module(config, cache, progress=Recorder)
+    assert result.built and cache.lookup(result.entry.uri)
+    units = len(rendered.compile_units) + len(rendered.host_sources)
+    assert seen[-1] == ("closed", True) and seen[-2] == (units + 1, units + 1)  # the link is an edge too
+    assert [d for d, _ in seen[:-1]] == sorted(d for d, _ in seen[:-1])
+    log_text = (result.entry.path / "build.log").read_text()
+    for unit in rendered.compile_units:
+        assert f"fake nvcc: compiling {cache.root / '.staging'}" in log_text and unit in log_text
+    assert "fake c++: linking" in log_text
+    assert leftovers(cache) == {".staging": [], ".locks": []}
+    assert not (result.entry.path / ninja.PID_FILE).exists() and not (result.entry.path / "obj").exists()
+
+
+def test_default_progress_logs_start_and_finish_off_a_terminal(toolchain, cache, caplog):
+    caplog.set_level(logging.INFO, logger="variantgen.build")
+    result = build.build_module(causal_config(), cache)
+    messages = [r.getMessage() for r in caplog.records if r.name == "variantgen.build"]
+    units = len(render_module(causal_config()).compile_units) + 1
+    assert messages[0] == (f"building {result.entry.uri} ({units} compile units; a first build takes about a "
+                           "minute)")
+    assert messages[-1].startswith(f"built {result.entry.uri} in ")
+
+
+def test_progress_bar_on_a_terminal(toolchain, cache, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    build.build_module(causal_config(), cache)
+    err = capsys.readouterr().err
+    units = len(render_module(causal_config()).compile_units) + 1
+    assert "causal_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a: " in err
+    assert f"{units + 1}/{units + 1} units" in err
+
+
+def test_compile_error_is_kept_with_the_whole_log(toolchain, cache, monkeypatch):
+    monkeypatch.setenv("VG_FAKE_NVCC_FAIL", "binding")
+    with pytest.raises(BuildError) as e:
+        build.build_module(causal_config(), cache)
+    err = e.value
+    assert err.first_error.endswith("binding.cu(3): error: fake failure")
+    kept = Path(err.log_path).parent
+    assert kept.parent == cache.root / ".failed" and not (kept / "obj").exists()
+    log_text = (kept / "build.log").read_text()
+    assert "binding.cu(3): error: fake failure" in log_text and log_text == err.output
+    record = json.loads((kept / "failure.json").read_text())
+    assert record["pid"] == os.getpid() and record["first_error"] == err.first_error
+    assert leftovers(cache) == {".staging": [], ".locks": []}
+
+
+def _gone(all_pids: list[int], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(ninja._alive(p) for p in all_pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_timeout_ends_every_compiler(toolchain, cache, monkeypatch, vg_env, tmp_path):
+    record = tmp_path / "pids"
+    monkeypatch.setenv("VG_FAKE_NVCC_SLEEP", "120")
+    monkeypatch.setenv("VG_FAKE_PIDS", str(record))
+    vg_env.set(VARIANTGEN_BUILD_TIMEOUT="1.5", VARIANTGEN_BUILD_JOBS="2")
+    t0 = time.monotonic()
+    with pytest.raises(BuildError, match=r"failed \(timed out after 2s \(VARIANTGEN_BUILD_TIMEOUT=1.5\); ended\)"):
+        build.build_module(causal_config(), cache)
+    assert time.monotonic() - t0 < 30
+    started = pids(record)
+    assert len(started) >= 2 and _gone(started), [p for p in started if ninja._alive(p)]
+    assert leftovers(cache) == {".staging": [], ".locks": []}
+
+
+def test_interrupt_ends_every_compiler_and_cleans_up(toolchain, cache, monkeypatch, tmp_path):
+    record = tmp_path / "pids"
+    monkeypatch.setenv("VG_FAKE_NVCC_SLEEP", "120")
+    monkeypatch.setenv("VG_FAKE_PIDS", str(record))
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 1.5)
+        with pytest.raises(KeyboardInterrupt):
+            build.build_module(causal_config(), cache)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    started = pids(record)
+    assert started and _gone(started)
+    assert leftovers(cache) == {".staging": [], ".locks": []}
+    assert not (cache.root / ".failed").exists()  # an interrupt is not a failed build
+
+
+def test_next_build_ends_a_killed_builders_compilers(toolchain, cache, monkeypatch, tmp_path):
+    """kill -9 of a builder leaves ninja and its compilers running (their own session); the next
+    build of the module ends them before it starts."""
+    record = tmp_path / "pids"
+    monkeypatch.setenv("VG_FAKE_NVCC_SLEEP", "300")
+    monkeypatch.setenv("VG_FAKE_PIDS", str(record))
+    child = multiprocessing.get_context("spawn").Process(
+        target=fake.build_in_child, args=(str(tmp_path / ODD / "tools"), str(cache.root)), daemon=True)
+    child.start()
+    try:
+        orphans = wait_for_pids(record, 2)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(30)
+    time.sleep(0.5)
+    assert all(ninja._alive(p) for p in orphans)  # still compiling, for nobody
+    monkeypatch.delenv("VG_FAKE_NVCC_SLEEP")
+    result = build.build_module(causal_config(), cache)
+    assert result.built and _gone(orphans)
+    assert leftovers(cache) == {".staging": [], ".locks": []}
+
+
+@pytest.mark.parametrize("where", ["sources", "ninja file", "manifest"])
+def test_full_disk_names_the_path_and_cleans_up(toolchain, cache, monkeypatch, where):
+    """ENOSPC gave `internal error: OSError: [Errno 28]` with no path and left a staging folder
+    and a lock behind."""
+    real_write_text = Path.write_text
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def write_text(self, *args, **kwargs):
+        if self.name == {"sources": "variant.cuh", "ninja file": "build.ninja"}.get(where):
+            raise full
+        return real_write_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", write_text)
+    if where == "manifest":
+        def fsync(fd):
+            raise full
+
+        monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(CacheError) as e:
+        build.build_module(causal_config(), cache)
+    name = {"sources": "src/variant.cuh", "ninja file": "build.ninja", "manifest": "manifest.json.tmp"}[where]
+    text = str(e.value)
+    assert text.startswith(f"cannot write {cache.root / '.staging'}/") and f"/{name}: No space left on device" in text
+    assert text.endswith("(free space on that file system)")
+    assert leftovers(cache) == {".staging": [], ".locks": []} and list(cache.entries()) == []
+
+
+def test_a_failing_progress_display_does_not_stop_the_build(toolchain, cache):
+    class Broken:
+        def __init__(self, uri, units, kind):
+            pass
+
+        def update(self, done, total):
+            raise RuntimeError("terminal went away")
+
+        def close(self, ok):
+            pass
+
+    result = build.build_module(causal_config(), cache, progress=Broken)
+    assert result.built and cache.lookup(result.entry.uri)
+
+
+def test_ninja_that_cannot_run_is_a_toolchain_error(toolchain, cache, monkeypatch, tmp_path):
+    from variantgen.errors import ToolchainError
+
+    not_executable = tmp_path / "ninja"
+    not_executable.write_text("not a program")
+    monkeypatch.setattr(build, "_ninja", lambda: str(not_executable))
+    with pytest.raises(ToolchainError, match=f"cannot run {not_executable}: Permission denied"):
+        build.build_module(causal_config(), cache)
+    assert leftovers(cache) == {".staging": [], ".locks": []}
