@@ -88,12 +88,12 @@ def test_precompiled_from_one_file_is_found_for_the_others_with_jit_off(box, vg_
         assert kernel.entry.uri.startswith("vg_mm_prefix_fa2_prefill_") and planner.entry.uri.startswith(
             "vg_mm_prefix_planner_sm90a_")
         result = variantgen.probe(spec, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", arch="9.0a", backend="fa2",
-                                  build=False)
+                                  build=False, runtime=False)
         assert result and result.source == "cache" and result.uri == kernel.entry.uri
     # by path and by name through probe's own loading, too
     for arg in (others[0].path, "mm_prefix"):
         assert variantgen.probe(arg, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", arch="9.0a", backend="fa2",
-                                build=False).source == "cache"
+                                build=False, runtime=False).source == "cache"
 
     # A serving host without nvcc: looked up by the build's inputs, whatever toolchain built it.
     def no_toolchain():

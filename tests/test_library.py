@@ -147,9 +147,9 @@ def test_make_wrapper_takes_a_name(monkeypatch):
 
 def test_probe_takes_a_name(clean):
     by_name = variantgen.probe("sliding_window", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", arch="9.0a",
-                               backend="fa2", build=False)
+                               backend="fa2", build=False, runtime=False)
     by_path = variantgen.probe(SPECS_DIR / "sliding_window.yaml", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
-                               arch="9.0a", backend="fa2", build=False)
+                               arch="9.0a", backend="fa2", build=False, runtime=False)
     # nothing is precompiled here: both say so, for the same module
     assert not by_name and by_name.source == by_path.source == "not built"
     assert by_name.uri is not None and by_name.uri == by_path.uri and "vg_sliding_window_fa2" in by_name.uri
@@ -165,7 +165,7 @@ def fake_builds(monkeypatch):
     """build.build_module replaced: records each config, publishes nothing."""
     configs = []
 
-    def fake(cfg, cache, *, jobs=None, rendered=None, allow_build=True):
+    def fake(cfg, cache, *, jobs=None, rendered=None, allow_build=True, **_):
         configs.append(cfg)
         entry = build.Entry(cache.root, f"{cfg.uri_prefix}_0123456789ab", {"module_file": "x.so"})
         return build.BuildResult(entry, build.ModuleKey(cfg.uri_prefix, ()), built=True, seconds=0.1)
@@ -215,10 +215,13 @@ def test_cli_precompile_and_demo_take_names(fake_builds):
 
 
 def test_cli_probe_and_check_take_names(tmp_path):
+    # (no GPU here: whether the cache holds it is precompile --check's question)
+    r = run("precompile", "mm_prefix", "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--backend", "fa2",
+            "--check", "--cache-dir", tmp_path / "c")
+    assert r.exit_code == 1 and "vg_mm_prefix_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a_*  missing" in r.stdout
     r = run("probe", "mm_prefix", "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--no-build",
             "--backend", "fa2", "--cache-dir", tmp_path / "c")
-    assert r.exit_code == 1 and "ok:      no" in r.stdout and "uri:     vg_mm_prefix_fa2_prefill" in r.stdout
-    assert "run: variantgen precompile " in r.stdout
+    assert r.exit_code == 1 and "ok:      no" in r.stdout and "no CUDA device visible" in r.stdout
     r = run("probe", "mm_prefx", "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a")
     assert r.exit_code == 1 and f"reason:  {unknown('mm_prefx')}" in r.stdout
     # check needs a GPU, but a wrong spec is reported first, wherever it runs
