@@ -144,8 +144,8 @@ class FakeRaggedModule(FakeModule):
     """``plan`` from FakeModule (FlashInfer's plan-info layout, packed o_indptr in the int
     workspace) plus an emulated ``ragged_run``."""
 
-    def __init__(self, spec, clamped=()):
-        super().__init__(spec, clamped)
+    def __init__(self, spec):
+        super().__init__(spec)
         self.ragged_calls: list[dict] = []
 
     def paged_run(self, *a, **k):  # a ragged module exports no paged_run
@@ -205,7 +205,7 @@ def make(spec, qk=64, vo=None, *, kv_layout="NHD", mask_modes=("none", "causal",
     config = ragged_config(spec, qk, vo or qk, kv_dtype=kv_dtype, mask_modes=mask_modes)
     rendered = render.render_module(config)
     manifest = {"scalar_args": [a.name for a in rendered.scalar_args], "module_sha256": "x", "module_file": "x.so"}
-    fake = FakeRaggedModule(spec, rendered.clamped_tensors)
+    fake = FakeRaggedModule(spec)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
     ws = workspace if workspace is not None else torch.empty(1 << 20, dtype=torch.uint8)

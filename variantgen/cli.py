@@ -21,7 +21,7 @@ import click
 
 from . import __version__, env
 from .cache import Cache, age_seconds
-from .errors import SpecError, SpecErrors, VariantgenError
+from .errors import SpecError, VariantgenError, printable
 from .render import BACKENDS, KINDS, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
 from .spec import load_spec
 
@@ -169,16 +169,11 @@ def validate(specs: tuple[str, ...]) -> None:
     for path in specs:
         try:
             spec = load_spec(path)
-        except SpecErrors as e:
-            failed += 1
-            for err in e.errors:
-                click.echo(str(err))
-            continue
-        except SpecError as e:
+        except SpecError as e:  # one or several (SpecErrors), each line naming the file
             failed += 1
             click.echo(str(e))
             continue
-        click.echo(f"ok  {path} ({spec.name})")
+        click.echo(f"ok  {printable(path)} ({spec.name})")
     if failed:
         click.echo(f"{failed} of {len(specs)} spec file(s) have errors", err=True)
         sys.exit(1)
