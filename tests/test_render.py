@@ -212,6 +212,13 @@ def test_offset_rows_in_every_kernel(spec_from, backend, kind):
         assert args + code in variant, code
     heads = "params.additional_params.vg_num_qo_heads" if backend == "fa3" else "params.num_qo_heads"
     assert f"{args}ht[vg_clamp(int64_t(qo_head) + int32_t(1), int32_t({heads}))]" in variant
+    # the key/value head count as each kernel's params hold it
+    kv_spec = spec_from("name: kvh\ntensors:\n  g: {dtype: float32, shape: [num_kv_heads]}\n"
+                        "mask: g[kv_head + 1] > 0.0\n")
+    kv_heads = {"fa3": "params.additional_params.vg_num_kv_heads", "ragged": "params.num_kv_heads"}.get(
+        backend if backend == "fa3" else kind, "params.paged_kv.num_heads")
+    kv_variant = render_module(config(kv_spec, backend=backend, kind=kind)).files["variant.cuh"]
+    assert f"vg_clamp(int64_t(kv_head) + int32_t(1), int32_t({kv_heads}))" in kv_variant
     for local in ("const int32_t q_idx =", "const int32_t q_row =", "const int32_t kv_row =",
                   "const int32_t q_kv_row =", "const int32_t kv_pos ="):
         assert local in variant, local

@@ -47,8 +47,10 @@ class Target:
     num_kv_heads: str
 
 
-# FA2 kernels hand the hooks their Params struct (PagedParams / RaggedParams / decode Params).
+# FA2 kernels hand the hooks their Params struct: paged prefill and decode keep the key/value
+# head count in their paged_kv, the ragged kernel's RaggedParams in a field of its own.
 FA2_PAGED = Target("params.", "int32_t(params.num_qo_heads)", "int32_t(params.paged_kv.num_heads)")
+FA2_RAGGED = Target("params.", "int32_t(params.num_qo_heads)", "int32_t(params.num_kv_heads)")
 # FA3 hooks get the mainloop's params; our arguments live in its additional_params.
 FA3 = Target("params.additional_params.", "int32_t(params.additional_params.vg_num_qo_heads)",
              "int32_t(params.additional_params.vg_num_kv_heads)")

@@ -5,6 +5,10 @@ built-in, a declared scalar or a declared tensor; the checked tree is what code
 generation, the torch reference and the interval analysis walk. Nothing from the
 source text reaches generated C++ except through that tree.
 
+Indices are checked by kind: a symbolic dimension (``total_kv`` ...) takes only its row
+builtin (``kv_row`` ...), optionally offset by terms that are the same for every row of the
+request (``kv_row - 1``); see docs/spec-reference.md and ``row_index``.
+
 Grammar, lowest precedence first::
 
     cond    := or ['if' or 'else' cond]

@@ -320,13 +320,14 @@ def kernel_args(spec: VariantSpec) -> tuple[tuple[KernelArg, ...], tuple[KernelA
 
 
 # How each backend's hooks reach their arguments (see codegen.Target).
-CODEGEN_TARGETS = {"fa2": codegen.FA2_PAGED, "fa3": codegen.FA3}
+CODEGEN_TARGETS = {("fa2", "prefill"): codegen.FA2_PAGED, ("fa2", "decode"): codegen.FA2_PAGED,
+                   ("fa2", "ragged"): codegen.FA2_RAGGED, ("fa3", "prefill"): codegen.FA3}
 
 
 def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...], tuple[KernelArg, ...]]:
     """What every backend's variant template needs: the spec's mask/logits as C++, its args."""
     spec = config.spec
-    target = CODEGEN_TARGETS[config.backend]
+    target = CODEGEN_TARGETS[(config.backend, config.kind)]
     mask = codegen.emit_mask(spec, target)
     logits = codegen.emit_logits(spec, target=target)
     tensor_args, scalar_args = kernel_args(spec)
