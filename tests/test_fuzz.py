@@ -530,3 +530,21 @@ def test_validate_of_the_hostile_corpus_reports_every_file(tmp_path):
     assert result.exit_code == 1
     assert result.stdout.count("ok  ") == 1
     assert f"{len(texts) - 1} of {len(texts)} spec file(s) have errors" in result.stderr
+
+
+def test_probe_keeps_a_bounded_reason_for_a_hostile_file(tmp_path, vg_env):
+    """probe() memoizes the reason: it is the capped error text, not megabytes of it."""
+    import importlib
+
+    probe_mod = importlib.import_module("variantgen.probe")
+    path = tmp_path / "hostile.yaml"
+    path.write_text(fuzz_corpus.HOSTILE_SPECS["many bad keys on one line"])
+    probe_mod.cache_clear()
+    try:
+        result = variantgen.probe(str(path), head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", page_size=16)
+        assert not result
+        reason = str(result.reason)
+        assert reason.startswith(f"{path}:1:34: k0: unknown field")
+        assert len(reason) <= (MAX_SPEC_ERRORS + 1) * (ERROR_CHARS + len(str(path)))
+    finally:
+        probe_mod.cache_clear()
