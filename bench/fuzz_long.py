@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 import variantgen  # noqa: E402
 from variantgen import codegen, expr  # noqa: E402
-from variantgen.errors import SpecError, SpecErrors  # noqa: E402
+from variantgen.errors import MAX_SPEC_ERRORS, SpecError, SpecErrors  # noqa: E402
 from variantgen.expr import SourceText  # noqa: E402
 from variantgen.render import kernel_args  # noqa: E402
 
@@ -44,7 +44,7 @@ LOCATED = re.compile(rf"^{re.escape(PATH)}(:\d+(:\d+)?)?: \S")
 EXPR_LOCATED = re.compile(r"^<string>:\d+:\d+: expression: \S")
 SHIPPED = [p.read_text() for p in sorted((REPO / "specs").glob("*.yaml"))]
 
-from fuzz_corpus import ENV, EXPR_TOKENS, NAMES, YAML_TOKENS  # noqa: E402
+from fuzz_corpus import ENV, EXPR_TOKENS, HOSTILE_SPECS, NAMES, YAML_TOKENS  # noqa: E402
 
 # ----------------------------------------------------------------------------- generators
 
@@ -72,7 +72,8 @@ def gen_expr(r: random.Random, depth: int = 0) -> str:
         choice = r.random()
         if choice < 0.5:
             return r.choice(["kv_pos", "q_pos", "q_idx", "kv_len", "w", "f", "flag", "logits", "nope", "true",
-                             "t[q_row, 0]", "s[qo_head]", "t[1]", "w[0]", "t(1)", "min(1)"])
+                             "t[q_row, 0]", "s[qo_head]", "t[1]", "w[0]", "t(1)", "min(1)", "t[q_row - w, 1]",
+                             "t[kv_row, 0]", "t[q_idx, 0]", "t[2 * q_row, 1]", "s[kv_pos - 1]"])
         if choice < 0.75:
             return str(r.choice([0, 1, -1, 3, 2**31 - 1, 2**31, -(2**31), 10**12, r.randint(-1000, 1000)]))
         return repr(r.choice([0.0, 1.5, -2.25, 1e-45, 3.4e38, 1e39, r.uniform(-100, 100)]))
@@ -121,7 +122,31 @@ def rand_value(r: random.Random):
 
 
 GOOD_MASKS = ["kv_pos <= q_pos", "kv_pos <= q_pos and (w < 0 or q_pos - kv_pos <= w)", "t[q_row, 0] <= kv_pos",
-              "kv_pos // max(w, 1) == q_pos // max(w, 1)", "flag or s[0] > f", "kv_pos <= max(q_pos, t[q_row, 1])"]
+              "kv_pos // max(w, 1) == q_pos // max(w, 1)", "flag or s[0] > f", "kv_pos <= max(q_pos, t[q_row, 1])",
+              "t[q_row - 1, 0] <= kv_pos", "kv_pos <= t[q_row + w, 1]", "s[kv_pos] > 0.0"]
+
+
+def gen_range(r: random.Random, dtype: str) -> dict:
+    """Random `min` / `max` / `positive` keys (some contradict the default or each other)."""
+    out: dict = {}
+    if r.random() < 0.3:
+        out["min"] = r.randint(-6, 2) if dtype == "int" else r.uniform(-3, 1)
+    if r.random() < 0.2:
+        out["max"] = r.randint(-1, 8) if dtype == "int" else r.uniform(-1, 3)
+    if r.random() < 0.2:
+        out["positive"] = r.random() < 0.8
+    if r.random() < 0.05:
+        out[r.choice(["min", "max", "positive"])] = rand_value(r)
+    return out
+
+
+def gen_hostile(r: random.Random) -> str:
+    """A file of tests/fuzz_corpus.HOSTILE_SPECS, sometimes mutated."""
+    text = r.choice(list(HOSTILE_SPECS.values()))
+    if r.random() < 0.5:
+        pos = r.randint(0, len(text))
+        text = text[:pos] + (r.choice(YAML_TOKENS) if r.random() < 0.7 else rand_text(r, 5)) + text[pos:]
+    return text
 
 
 def gen_good(r: random.Random) -> str:
@@ -129,10 +154,11 @@ def gen_good(r: random.Random) -> str:
     doc = {
         "name": r.choice(["x", "good_spec", "a1"]),
         "description": rand_text(r, r.randint(0, 30)),
-        "tensors": {"t": {"dtype": "int32", "shape": [r.choice(["total_q", "batch", 4]), 2]},
-                    "s": {"dtype": "float32", "shape": [r.choice(["num_qo_heads", "total_kv", 3])]}},
-        "scalars": {"w": {"dtype": "int", "default": r.randint(-5, 5)},
-                    "f": {"dtype": "float", "default": r.uniform(-2, 2)},
+        # mostly the shapes GOOD_MASKS index correctly (t[q_row, ...], s[0]); sometimes not
+        "tensors": {"t": {"dtype": "int32", "shape": [r.choice(["total_q", "total_q", "batch", 4]), 2]},
+                    "s": {"dtype": "float32", "shape": [r.choice([3, 3, "num_qo_heads", "total_kv"])]}},
+        "scalars": {"w": {"dtype": "int", "default": r.randint(-5, 5), **gen_range(r, "int")},
+                    "f": {"dtype": "float", "default": r.uniform(-2, 2), **gen_range(r, "float")},
                     "flag": {"dtype": "bool", "default": r.random() < 0.5}},
         "mask": " and ".join(r.sample(GOOD_MASKS, r.randint(1, 3))) if r.random() < 0.8 else gen_expr(r),
     }
@@ -165,7 +191,8 @@ def gen_structured(r: random.Random) -> str:
         }
     if r.random() < 0.5:
         doc["scalars"] = {
-            r.choice(NAMES): ({"dtype": r.choice(["int", "float", "bool", "int32"]), "default": rand_value(r)}
+            r.choice(NAMES): ({"dtype": r.choice(["int", "float", "bool", "int32"]), "default": rand_value(r),
+                               **gen_range(r, r.choice(["int", "float"]))}
                               if r.random() < 0.8 else rand_value(r))
             for _ in range(r.randint(0, 3))
         }
@@ -229,6 +256,18 @@ def _errors(e: SpecError) -> list[SpecError]:
     return e.errors if isinstance(e, SpecErrors) else [e]
 
 
+ERROR_CHARS = 1800  # what one error may print at most (tests/test_fuzz.py)
+
+
+def check_error_text(e: SpecError, path: str) -> None:
+    """Printable (no lone surrogate), at most MAX_SPEC_ERRORS errors, bounded size."""
+    text = str(e)
+    text.encode("utf-8")
+    errors = _errors(e)
+    if len(errors) > MAX_SPEC_ERRORS or len(text) > (len(errors) + 1) * (ERROR_CHARS + len(path)):
+        raise AssertionError(f"unbounded error output: {len(errors)} errors, {len(text)} characters")
+
+
 def run_spec(text: str) -> str:
     try:
         spec = variantgen.parse_spec(text, PATH)
@@ -236,6 +275,7 @@ def run_spec(text: str) -> str:
         for one in [e, *_errors(e)]:
             if not LOCATED.match(str(one)):
                 raise AssertionError(f"unlocated SpecError message: {str(one)[:200]!r}") from None
+        check_error_text(e, PATH)
         return "spec_error"
     codegen.emit_mask(spec)
     codegen.emit_logits(spec)
@@ -263,6 +303,7 @@ def run_file(data: bytes, folder: Path) -> str:
     except SpecError as e:
         if not str(e).startswith(str(path)):
             raise AssertionError(f"unlocated SpecError message: {str(e)[:200]!r}") from None
+        check_error_text(e, str(path))
         return "spec_error"
     codegen.emit_mask(spec)
     return "ok"
@@ -274,6 +315,7 @@ GENERATORS = [
     ("mutated", 3, lambda r, d: run_spec(gen_mutated(r))),
     ("structured", 3, lambda r, d: run_spec(gen_structured(r))),
     ("good", 2, lambda r, d: run_spec(gen_good(r))),
+    ("hostile", 1, lambda r, d: run_spec(gen_hostile(r))),
     ("binary", 1, lambda r, d: run_file(gen_binary(r), d)),
     ("expr", 2, lambda r, d: run_expr(gen_expr(r))),
     ("expr_soup", 2, lambda r, d: run_expr(gen_expr_soup(r))),

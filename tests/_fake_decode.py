@@ -54,9 +54,9 @@ class DecodeRunCall:
 class FakeDecodeModule:
     """Emulates a generated decode module's ``plan`` and ``run`` on the CPU."""
 
-    def __init__(self, spec: VariantSpec, clamped: tuple[str, ...] = ()):
+    def __init__(self, spec: VariantSpec):
         self.spec = spec
-        self._abi = FakeModule(spec, clamped)  # for its extra-argument (ABI) unpacking
+        self._abi = FakeModule(spec)  # for its extra-argument (ABI) unpacking
         self.plan_calls: list[DecodePlanCall] = []
         self.run_calls: list[DecodeRunCall] = []
         self._planned: dict[int, DecodePlanCall] = {}

@@ -129,9 +129,8 @@ class RunCall:
 class FakeModule:
     """Emulates a generated module's ``plan`` and ``paged_run`` on the CPU."""
 
-    def __init__(self, spec: VariantSpec, clamped: tuple[str, ...] = (), *, codegen_q_idx: bool = False):
+    def __init__(self, spec: VariantSpec, *, codegen_q_idx: bool = False):
         self.spec = spec
-        self.clamped = tuple(sorted(clamped))
         # True: q_idx as the generated hook computed it before the fix (q_local: the index
         # inside the *launch* request); False: the language's meaning (index inside the request).
         self.codegen_q_idx = codegen_q_idx
@@ -168,7 +167,7 @@ class FakeModule:
     def _unpack_extra(self, extra: tuple) -> tuple[dict[str, Any], torch.Tensor, float, float]:
         spec = self.spec
         n_t = len(spec.tensors)
-        expected = n_t + 1 + len(spec.scalars) + 1 + int(spec.qkv_scales) + len(self.clamped)
+        expected = n_t + 1 + len(spec.scalars) + 1 + int(spec.qkv_scales)
         assert len(extra) == expected, f"paged_run got {len(extra)} extra arguments, the ABI has {expected}"
         args: dict[str, Any] = {}
         for t, value in zip(spec.tensors, extra[:n_t]):
@@ -195,9 +194,6 @@ class FakeModule:
         if spec.qkv_scales:
             v_scale = rest.pop(0)
             assert isinstance(v_scale, float)
-        for t in self.clamped:
-            rows = rest.pop(0)
-            assert isinstance(rows, int) and rows == args[t].shape[0], (t, rows)
         assert not rest
         return args, meta, sm_scale, v_scale
 
@@ -382,8 +378,8 @@ class FakeRaggedModule(FakeModule):
     """``plan`` from FakeModule (FlashInfer's plan-info layout, packed o_indptr in the int
     workspace) plus an emulated ``ragged_run``."""
 
-    def __init__(self, spec, clamped=()):
-        super().__init__(spec, clamped)
+    def __init__(self, spec):
+        super().__init__(spec)
         self.ragged_calls: list[dict] = []
 
     def paged_run(self, *a, **k):  # a ragged module exports no paged_run

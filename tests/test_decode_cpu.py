@@ -58,10 +58,9 @@ def make(spec, *, tensor_cores: bool = False, kv_layout: str = "NHD", kv_dtype: 
     """A DecodeWrapper on a fake module: decode (CUDA cores) or prefill (tensor cores)."""
     config = ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", kv_dtype, "bf16", "9.0a",
                           kind="prefill" if tensor_cores else "decode")
-    clamped = render_module(config).clamped_tensors
-    manifest = {"scalar_args": [a.name for a in kernel_args(spec, set(clamped))[1]],
+    manifest = {"scalar_args": [a.name for a in kernel_args(spec)[1]],
                 "module_sha256": "x", "module_file": "x.so"}
-    fake = FakeModule(spec, clamped) if tensor_cores else FakeDecodeModule(spec, clamped)
+    fake = FakeModule(spec) if tensor_cores else FakeDecodeModule(spec)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
     return DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), kv_layout), fake

@@ -26,7 +26,7 @@ from variantgen.expr import (
 
 ENV = TypeEnv(
     scalars={"w": Type.INT, "f": Type.FLOAT, "flag": Type.BOOL},
-    tensors={"t": TensorSig("t", 2, Type.INT), "s": TensorSig("s", 1, Type.FLOAT)},
+    tensors={"t": TensorSig("t", ("total_q", 2), Type.INT), "s": TensorSig("s", (4,), Type.FLOAT)},
 )
 LOGITS_ENV = TypeEnv(ENV.scalars, ENV.tensors, allow_logits=True)
 
@@ -371,21 +371,33 @@ def test_logits_only_in_transforms():
     assert typed("logits > 0", LOGITS_ENV).ty is Type.BOOL
 
 
-@pytest.mark.parametrize("literal", ["2147483648", "99999999999", "9" * 400])
+@pytest.mark.parametrize("literal", ["2147483648", "99999999999"])
 def test_huge_int_literal(literal):
     err = error(f"kv_pos < {literal}")
     assert err.message == f"integer {literal} does not fit in 32 bits"
     assert where(err) == at(9)
 
 
+@pytest.mark.parametrize("digits", [400, 4095 - 9])  # 4086: the longest literal an expression can hold
+def test_very_long_int_literal_is_quoted_short(digits):
+    err = error("kv_pos < " + "9" * digits)
+    assert err.message == f"integer 9999999999999999...99999999 ({digits} characters) does not fit in 32 bits"
+
+
 def test_negated_int_min_does_not_fit():
     assert error("-(-2147483648) > 0").message == "integer 2147483648 does not fit in 32 bits"
 
 
-@pytest.mark.parametrize("literal", ["1e39", "3.5e38", "1e400", "9" * 50 + ".0"])
+@pytest.mark.parametrize("literal", ["1e39", "3.5e38", "1e400", "3.4028236e38"])
 def test_huge_float_literal(literal):
     err = error(f"f < {literal}")
     assert err.message == f"number {literal} does not fit in a 32-bit float"
+
+
+def test_float_literal_limits():
+    assert typed("f < 3.4028234e38").ty is Type.BOOL  # the largest float32
+    assert error(f"f < {'9' * 50}.0").message == ("number 9999999999999999...999999.0 (52 characters) does not fit "
+                                                  "in a 32-bit float")
 
 
 def test_non_ascii_digits_are_not_numbers():
@@ -480,6 +492,111 @@ def test_trailing_tokens_hint():
     err = error("kv_pos <= q_pos q_pos")
     assert err.hint == "join conditions with 'and' / 'or'; a conditional reads 'a if test else b'"
     assert where(err) == at(16)
+
+
+# ----------------------------------------------------------------------------- index kinds
+
+KIND_ENV = TypeEnv(
+    scalars={"w": Type.INT, "f": Type.FLOAT},
+    tensors={
+        "p": TensorSig("p", ("batch",), Type.INT),
+        "d": TensorSig("d", ("total_kv",), Type.INT),
+        "r": TensorSig("r", ("total_q", 2), Type.INT),
+        "h": TensorSig("h", ("num_qo_heads",), Type.FLOAT),
+        "g": TensorSig("g", ("num_kv_heads", 3), Type.FLOAT),
+        "fixed": TensorSig("fixed", (8,), Type.INT),
+    },
+)
+
+
+@pytest.mark.parametrize("text", [
+    "p[request] > 0",
+    "d[kv_row] == d[q_kv_row]",
+    "r[q_row, 0] <= kv_pos",
+    "h[qo_head] > 0.0 and g[kv_head, 2] > 0.0",
+    # an offset by a row-independent int keeps the kind
+    "d[kv_row - 1] > 0", "d[1 + kv_row] > 0", "d[kv_row - w + 2] > 0", "d[+kv_row] > 0",
+    "d[q_kv_row - kv_len] > 0", "r[q_row + qo_len - 1, 1] > 0", "d[kv_row + p[request]] > 0",
+    "d[kv_row - (1 if w > 0 else 2)] > 0", "h[qo_head + 1] > 0.0",
+    # fixed sizes take any int
+    "fixed[kv_pos] > 0", "fixed[2 * q_row + kv_row] > 0", "r[q_row, q_idx] > 0", "fixed[-5] > 0",
+    # rows are ordinary ints outside an index
+    "2 * q_row > kv_row and float(qo_head + 1) > 0.5",
+])
+def test_index_kinds_that_check(text):
+    assert typed(text, KIND_ENV).ty is Type.BOOL
+
+
+@pytest.mark.parametrize(("text", "offset", "message", "hint"), [
+    ("p[q_row] > 0", 2,
+     "`p` has batch rows (one row per request), but `q_row` indexes total_q rows (one row per query token, in the "
+     "order of q)", "`p` is per request: index it with request"),
+    ("d[kv_pos] > 0", 2,
+     "`kv_pos` is a position within its request, but `d` has total_kv rows (one row per key token, requests back "
+     "to back): it would read the first request's rows for every request",
+     "`d` is per key token: index it with kv_row (the row of kv_pos in the batch)"),
+    ("d[q_pos + 1] > 0", 8,
+     "`q_pos` is a position within its request, but `d` has total_kv rows (one row per key token, requests back "
+     "to back): it would read the first request's rows for every request",
+     "`d` is per key token: index it with q_kv_row (the row of q_pos in the batch)"),
+    ("r[q_idx, 0] > 0", 2,
+     "`q_idx` is a position within its request, but dimension 0 of `r` has total_q rows (one row per query token, "
+     "in the order of q): it would read the first request's rows for every request",
+     "`r` is per query token: index it with q_row (the row of q_idx in the batch)"),
+    ("p[kv_pos] > 0", 2,
+     "`kv_pos` is a position within its request, but `p` has batch rows (one row per request): it would read the "
+     "first request's rows for every request", "`p` is per request: index it with request"),
+    ("r[0, 1] > 0", 2, "dimension 0 of `r` has total_q rows (one row per query token, in the order of q); `0` is "
+     "not a row index", "`r` is per query token: index it with q_row"),
+    ("h[w] > 0.0", 2, "`h` has num_qo_heads rows (one row per query head); `w` is not a row index",
+     "`h` is per query head: index it with qo_head"),
+    ("h[kv_head] > 0.0", 2, "`h` has num_qo_heads rows (one row per query head), but `kv_head` indexes "
+     "num_kv_heads rows (one row per key/value head)", "`h` is per query head: index it with qo_head"),
+    ("d[2 * kv_row] > 0", 4,
+     "`2 * kv_row` is not a row of `d` (total_kv): it computes with the row index `kv_row`, and only adding or "
+     "subtracting an offset keeps an index a row",
+     "`d` is per key token: index it with kv_row or q_kv_row, or kv_row + k / kv_row - k with k the same for every "
+     "row of the request"),
+    ("d[-kv_row] > 0", 2,
+     "`-kv_row` is not a row of `d` (total_kv): it computes with the row index `kv_row`, and only adding or "
+     "subtracting an offset keeps an index a row",
+     "`d` is per key token: index it with kv_row or q_kv_row, or kv_row + k / kv_row - k with k the same for every "
+     "row of the request"),
+    ("d[q_row + kv_row] > 0", 8,
+     "`q_row + kv_row` combines the row indices `q_row` and `kv_row`, which makes no row of any tensor",
+     "`d` is per key token: index it with kv_row or q_kv_row"),
+    ("d[kv_row + request] > 0", 9,
+     "`kv_row + request` combines the row indices `kv_row` and `request`, which makes no row of any tensor",
+     "`d` is per key token: index it with kv_row or q_kv_row"),
+    ("d[kv_row - kv_pos] > 0", 11,
+     "the offset `kv_pos` of `kv_row` reads `kv_pos`, which changes from row to row; an offset must be the same "
+     "for every row of the request", "offset by ints, scalars, qo_len, kv_len or tensors indexed by request"),
+    ("d[kv_row + d[q_kv_row]] > 0", 11,
+     "the offset `d[q_kv_row]` of `kv_row` reads `q_kv_row`, which changes from row to row; an offset must be the "
+     "same for every row of the request", "offset by ints, scalars, qo_len, kv_len or tensors indexed by request"),
+    ("p[request + 1] > 0", 10,
+     "`request + 1` would read another request's row of `p`: a query sees only its own request's values",
+     "index `p` with request itself"),
+    ("d[kv_row if w > 0 else q_kv_row] > 0", 9,
+     "`kv_row if (w > 0) else q_kv_row` is not a row of `d` (total_kv): it computes with the row index `kv_row`, "
+     "and only adding or subtracting an offset keeps an index a row",
+     "`d` is per key token: index it with kv_row or q_kv_row, or kv_row + k / kv_row - k with k the same for every "
+     "row of the request"),
+])
+def test_index_kind_mismatches(text, offset, message, hint):
+    err = error(text, KIND_ENV)
+    assert err.message == message
+    assert err.hint == hint
+    assert where(err) == at(offset)
+
+
+def test_row_index_decomposition():
+    ref = expr.row_index(parse("1 + kv_row - w"))
+    assert ref.builtin == "kv_row" and ref.kind == "total_kv"
+    assert [(sign, to_source(term)) for sign, term in ref.offsets] == [(1, "1"), (-1, "w")]
+    assert expr.row_index(parse("q_kv_row")) == expr.RowIndex("q_kv_row")
+    for text in ("kv_pos - 1", "2 * kv_row", "w - kv_row", "-q_row", "min(kv_row, 3)"):
+        assert expr.row_index(parse(text)) is None, text
 
 
 # ----------------------------------------------------------------------------- locations

@@ -14,6 +14,7 @@ import re
 import fuzz_corpus
 import pytest
 import yaml
+from click.testing import CliRunner
 from conftest import SPEC_FILES
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -21,7 +22,8 @@ from hypothesis import strategies as st
 import variantgen
 from variantgen import codegen, expr
 from variantgen import spec as spec_mod
-from variantgen.errors import SpecError, SpecErrors
+from variantgen.cli import main as cli_main
+from variantgen.errors import MAX_SPEC_ERRORS, SpecError, SpecErrors
 from variantgen.expr import SourceText, Type, TypeEnv
 from variantgen.render import ModuleConfig, kernel_args, render_module
 
@@ -48,8 +50,21 @@ SHIPPED = [p.read_text() for p in SPEC_FILES]
 MARKER = "ZQXMARKER"  # put into descriptions and docs: must never reach the sources
 
 
+# What one error may print at most: message and hint (600 each), field, location, two excerpt lines.
+ERROR_CHARS = 1800
+
+
 def errors_of(err: SpecError) -> list[SpecError]:
     return err.errors if isinstance(err, SpecErrors) else [err]
+
+
+def check_error_text(err: SpecError, path: str = PATH) -> None:
+    """Printable, at most MAX_SPEC_ERRORS errors of bounded size, each located in ``path``."""
+    text = str(err)
+    text.encode("utf-8")  # a lone surrogate would make printing fail
+    errors = errors_of(err)
+    assert len(errors) <= MAX_SPEC_ERRORS
+    assert len(text) <= (len(errors) + 1) * (ERROR_CHARS + len(path)), len(text)
 
 
 def check_spec(text: str):
@@ -58,6 +73,7 @@ def check_spec(text: str):
         spec = variantgen.parse_spec(text, PATH)
     except SpecError as e:
         assert LOCATED.match(str(e)), str(e)
+        check_error_text(e)
         n_lines = len(YAML_BREAKS.findall(text)) + 2
         for one in errors_of(e):
             assert LOCATED.match(str(one)), str(one)
@@ -120,7 +136,9 @@ def _expr_tree(depth: int):
                          "true", "false"]),
         st.integers(min_value=-(2**33), max_value=2**33).map(str),
         st.floats(allow_nan=False, allow_infinity=False, width=64).map(repr),
-        st.sampled_from(["t[q_row, 0]", "s[qo_head]", "t[1]", "s[f]", "w[0]", "t(1)", "min(1)"]),
+        st.sampled_from(["t[q_row, 0]", "s[qo_head]", "t[1]", "s[f]", "w[0]", "t(1)", "min(1)", "t[q_row - w, 1]",
+                         "t[1 + q_row, 0]", "t[kv_row, 0]", "t[q_idx, 1]", "t[2 * q_row, 0]", "t[q_row + kv_pos, 0]",
+                         "s[kv_pos - 1]", "t[q_row + qo_len, 1]"]),
     )
     return st.recursive(
         leaf,
@@ -145,10 +163,12 @@ names = st.one_of(
                      "x); asm(\"trap\");", "#include <x>", "../../etc", "sm_scale", "logits", "min", "and"]),
     st.text(max_size=12),
 )
+HUGE = "ZQXHUGE"  # replaced by a 5000-digit int after dumping (the YAML dumper cannot print one)
 scalar_values = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**40), max_value=2**40), st.floats(), st.text(max_size=8),
     st.just(10**400), st.lists(st.integers(), max_size=3), st.dictionaries(st.text(max_size=3), st.integers(),
                                                                            max_size=2),
+    st.just(HUGE), st.just("\ud83d"), st.just("causal\n"),
 )
 
 
@@ -182,7 +202,9 @@ def structured_specs(draw):
             st.one_of(
                 st.fixed_dictionaries({"dtype": st.sampled_from(["int", "float", "bool", "int32"]),
                                        "default": scalar_values},
-                                      optional={"doc": st.text(max_size=10).map(lambda s: MARKER + s)}),
+                                      optional={"doc": st.text(max_size=10).map(lambda s: MARKER + s),
+                                                "min": scalar_values, "max": scalar_values,
+                                                "positive": scalar_values}),
                 scalar_values,
             ),
             max_size=3,
@@ -207,7 +229,7 @@ def structured_specs(draw):
     if draw(st.booleans()) and items:  # duplicate a key line
         lines = text.splitlines(keepends=True)
         text += draw(st.sampled_from(lines))
-    return text
+    return text.replace(HUGE, draw(st.sampled_from(["9" * 5000, "0x" + "F" * 4000, "-" + "1" * 4500])))
 
 
 @st.composite
@@ -431,7 +453,7 @@ logits: logits*1.0   # {MARKER}_EXPR_COMMENT
     assert "params.ids[" in sources and "arg_win" in sources
     # every identifier that reads params comes from a declared argument or FlashInfer's own fields
     fields = set(re.findall(r"params\.([A-Za-z_]\w*)", sources))
-    assert fields <= {"ids", "win", "sm_scale", "v_scale", "vg_meta", "vg_rows_ids", "num_qo_heads", "paged_kv",
+    assert fields <= {"ids", "win", "sm_scale", "v_scale", "vg_meta", "num_qo_heads", "paged_kv",
                       "get_qo_len", "get_kv_len"} | {"q", "k", "v", "o", "lse"}, fields
 
 
@@ -453,3 +475,76 @@ def test_long_error_lines_do_not_crash():
     text = "name: x\nmask: " + "kv_pos <= q_pos and " * 300 + "nope\n"
     with pytest.raises(SpecError, match=r"^fuzz\.yaml:2:7: mask: expression is \d+ characters long"):
         variantgen.parse_spec(text, PATH)
+
+
+# ----------------------------------------------------------------------------- hostile files and validate
+
+
+@pytest.mark.parametrize("name", sorted(fuzz_corpus.HOSTILE_SPECS))
+def test_hostile_specs_fail_cleanly(name):
+    with pytest.raises(SpecError) as info:
+        variantgen.parse_spec(fuzz_corpus.HOSTILE_SPECS[name], PATH)
+    assert LOCATED.match(str(info.value)), str(info.value)
+    check_error_text(info.value)
+
+
+def validate_files(tmp_path, texts: list[str | bytes]):
+    """`variantgen validate` over one file per text: every file is reported (an ok line or
+    errors located in it), nothing but SpecErrors, no traceback, bounded output per file."""
+    paths = []
+    for i, text in enumerate(texts):
+        path = tmp_path / f"spec{i}.yaml"
+        path.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8", "surrogatepass"))
+        paths.append(path)
+    result = CliRunner().invoke(cli_main, ["validate", *map(str, paths)])
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.output
+    assert result.exit_code in (0, 1)
+    # Every line belongs to a file: its ok line, an error (or "... and N more") starting with its
+    # path, or the excerpt / hint lines under such an error.
+    chars = dict.fromkeys(paths, 0)
+    current = None
+    for line in result.stdout.splitlines():
+        owner = next((p for p in paths if line.startswith((f"{p}:", f"ok  {p} "))), None)
+        if owner is None:
+            assert current is not None and line.startswith("  "), line
+        else:
+            current = owner
+        chars[current] += len(line) + 1
+    for path, n in chars.items():
+        assert n, f"{path} not reported"
+        assert n <= (MAX_SPEC_ERRORS + 1) * (ERROR_CHARS + len(str(path))), (path, n)
+    return result
+
+
+@FUZZ
+@given(st.lists(st.one_of(structured_specs(), mutated_shipped(), yaml_soup,
+                          st.sampled_from(sorted(fuzz_corpus.HOSTILE_SPECS.values()))), min_size=1, max_size=4))
+def test_validate_reports_every_file(tmp_path_factory, texts):
+    validate_files(tmp_path_factory.mktemp("validate"), texts)
+
+
+def test_validate_of_the_hostile_corpus_reports_every_file(tmp_path):
+    texts = [*fuzz_corpus.HOSTILE_SPECS.values(), SHIPPED[0], b"\xff\xfe not utf-8"]
+    result = validate_files(tmp_path, texts)
+    assert result.exit_code == 1
+    assert result.stdout.count("ok  ") == 1
+    assert f"{len(texts) - 1} of {len(texts)} spec file(s) have errors" in result.stderr
+
+
+def test_probe_keeps_a_bounded_reason_for_a_hostile_file(tmp_path, vg_env):
+    """probe() memoizes the reason: it is the capped error text, not megabytes of it."""
+    import importlib
+
+    probe_mod = importlib.import_module("variantgen.probe")
+    path = tmp_path / "hostile.yaml"
+    path.write_text(fuzz_corpus.HOSTILE_SPECS["many bad keys on one line"])
+    probe_mod.cache_clear()
+    try:
+        result = variantgen.probe(str(path), head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", page_size=16)
+        assert not result
+        reason = str(result.reason)
+        assert reason.startswith(f"{path}:1:34: k0: unknown field")
+        assert len(reason) <= (MAX_SPEC_ERRORS + 1) * (ERROR_CHARS + len(str(path)))
+    finally:
+        probe_mod.cache_clear()

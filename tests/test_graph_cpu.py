@@ -39,10 +39,9 @@ def _clean_env(vg_env):
 def make(spec_name: str, capacity: GraphCapacity = CAP, backend: str = "fa2") -> tuple[VariantWrapper, FakeModule]:
     spec = variantgen.load_spec(SPECS_DIR / f"{spec_name}.yaml")
     config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", backend)
-    clamped = render.render_module(config).clamped_tensors
-    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec, set(clamped))[1]],
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]],
                 "module_sha256": "x", "module_file": "x.so"}
-    fake = FakeModule(spec, clamped)
+    fake = FakeModule(spec)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
     w = VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=capacity)
@@ -326,9 +325,9 @@ def fake_decode_wrapper(spec, cap: GraphCapacity, *, tensor_cores: bool):
 
     config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2",
                                  kind="prefill" if tensor_cores else "decode")
-    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec, set())[1]], "module_sha256": "x",
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]], "module_sha256": "x",
                 "module_file": "x.so"}
-    fake = FakeModule(spec, ()) if tensor_cores else FakeDecodeModule(spec, ())
+    fake = FakeModule(spec) if tensor_cores else FakeDecodeModule(spec)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
     return DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=cap), fake

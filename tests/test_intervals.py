@@ -109,3 +109,31 @@ def test_negation_and_chunk_forms():
                       "mask: not (kv_pos > q_pos) and kv_pos // c == q_pos // c\n")
     exact, total = check_sound(spec, [9, 3], [9, 12], {"c": 4})
     assert exact == total
+
+
+def test_sorted_ids_need_a_key_row_tensor():
+    """`t[kv_row] == v` is a sorted-id term only for a [total_kv] tensor: on a fixed-size one
+    (any int index, clamped) it reads the key in a way the planner does not model."""
+    fixed = parse_spec("name: x\ntensors:\n  t: {dtype: int32, shape: [8]}\n"
+                       "mask: kv_pos <= q_pos and t[kv_row] == 1\n")
+    form = analyze(fixed)
+    assert [t.sorted_eqs for t in form.terms] == [()] and not form.exact
+    t = torch.tensor([1, 0, 1, 1, 0, 0, 1, 0], dtype=torch.int32)
+    check_sound(fixed, [5, 3], [9, 4], {"t": t})
+
+
+def test_offset_rows_in_bounds_are_sound():
+    """Row-only bounds with offset rows evaluate with the request-local clamp (the planner and
+    the reference share it)."""
+    spec = parse_spec("name: x\ntensors:\n  r: {dtype: int32, shape: [total_q, 2]}\n"
+                      "  d: {dtype: int32, shape: [total_kv]}\n"
+                      "mask: r[q_row - 1, 0] <= kv_pos and kv_pos <= max(r[q_row + 1, 1], d[q_kv_row - 2])\n")
+    form = analyze(spec)
+    assert form.planner_ready and form.exact
+    qo_lens, kv_lens = [5, 1, 7], [9, 4, 7]
+    g = torch.Generator().manual_seed(3)
+    args = {"r": torch.randint(-2, 10, (sum(qo_lens), 2), generator=g, dtype=torch.int32),
+            "d": torch.randint(-2, 10, (sum(kv_lens),), generator=g, dtype=torch.int32)}
+    check_sound(spec, qo_lens, kv_lens, args)
+    iv = row_intervals(form, spec, row_env(qo_lens, kv_lens), args)
+    assert bool((iv.exact | iv.empty).all())  # one interval per row, each exact (or provably empty)

@@ -143,7 +143,7 @@ def make(spec, qk=64, vo=None, *, kv_layout="NHD", mask_modes=("none", "causal",
     config = ragged_config(spec, qk, vo or qk, kv_dtype=kv_dtype, mask_modes=mask_modes)
     rendered = render.render_module(config)
     manifest = {"scalar_args": [a.name for a in rendered.scalar_args], "module_sha256": "x", "module_file": "x.so"}
-    fake = FakeRaggedModule(spec, rendered.clamped_tensors)
+    fake = FakeRaggedModule(spec)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
     ws = workspace if workspace is not None else torch.empty(1 << 20, dtype=torch.uint8)

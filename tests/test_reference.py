@@ -392,6 +392,7 @@ def test_negative_operands_in_masks(spec_from):
 
 
 def test_index_clamping(spec_from):
+    """Fixed-size dimensions clamp any index to their size."""
     spec = spec_from(
         """
         name: clamp
@@ -399,7 +400,7 @@ def test_index_clamping(spec_from):
           t: {dtype: float32, shape: [4]}
           u: {dtype: int32, shape: [batch, 3]}
         mask: 'true'
-        logits: logits + t[kv_pos - 2] + 100.0 * float(u[request + 7, q_idx - 1])
+        logits: logits + t[kv_pos - 2] + 100.0 * float(u[request, q_idx - 1])
         """
     )
     t = torch.tensor([1.0, 2.0, 4.0, 8.0])
@@ -410,9 +411,48 @@ def test_index_clamping(spec_from):
         for p in batch.positions():
             if p.b != b:
                 continue
-            ti = min(max(p.j - 2, 0), 3)
-            ur, uc = min(max(p.b + 7, 0), 1), min(max(p.i - 1, 0), 2)
-            assert got[p.h, p.i, p.j].item() == t[ti].item() + 100.0 * u[ur, uc].item()
+            ti, uc = min(max(p.j - 2, 0), 3), min(max(p.i - 1, 0), 2)
+            assert got[p.h, p.i, p.j].item() == t[ti].item() + 100.0 * u[p.b, uc].item()
+
+
+def test_offset_rows_are_clamped_to_their_request(spec_from):
+    """`kv_row - 1` at a request's first key reads that key, not the previous request's last;
+    `q_row + 1` at its last query reads that query; heads clamp to the head count."""
+    spec = spec_from(
+        """
+        name: offsets
+        tensors:
+          kv_t: {dtype: float32, shape: [total_kv]}
+          q_t: {dtype: float32, shape: [total_q]}
+          h_t: {dtype: float32, shape: [num_qo_heads]}
+        scalars:
+          w: {dtype: int, default: 2}
+        mask: 'true'
+        logits: >-
+          logits + kv_t[kv_row - 1] + 32.0 * kv_t[q_kv_row + w] + 1024.0 * q_t[1 + q_row]
+          + 32768.0 * h_t[qo_head + 1] + 524288.0 * kv_t[kv_row + kv_len]
+        """
+    )
+    # Small ints: every sum below is exact in float32.
+    kv_t = torch.arange(sum(KV_LENS), dtype=torch.float32) + 1
+    q_t = torch.arange(sum(QO_LENS), dtype=torch.float32) + 1
+    h_t = torch.arange(H_QO, dtype=torch.float32) + 1
+    args = {"kv_t": kv_t, "q_t": q_t, "h_t": h_t}
+
+    def want(p: Pos, w: int) -> float:
+        def key(pos: int) -> float:  # key `pos` of p's request, clamped to the request's keys
+            return kv_t[p.kv_row_base + min(max(pos, 0), p.kv_len - 1)].item()
+
+        return (key(p.j - 1) + 32.0 * key(p.q + w) + 1024.0 * q_t[p.q_row_base + min(p.i + 1, p.qo_len - 1)].item()
+                + 32768.0 * h_t[min(p.h + 1, H_QO - 1)].item() + 524288.0 * key(p.j + p.kv_len))
+
+    batch = make_batch()
+    for w in (2, -1000, 0):
+        for b in range(2):
+            got = _values(spec, batch, b, {**args, "w": w})
+            for p in batch.positions():
+                if p.b == b:
+                    assert got[p.h, p.i, p.j].item() == want(p, w), (p, w)
 
 
 def test_builtins_across_requests(spec_from):

@@ -121,7 +121,7 @@ def test_kernel_argument_order(spec_from):
           win: {dtype: int, default: 4}
           cap: {dtype: float, default: 1.0}
           on_off: {dtype: bool, default: true}
-        mask: "kv_pos <= q_pos and alpha[kv_pos] >= 0 and (on_off or win > 0)"
+        mask: "kv_pos <= q_pos and alpha[kv_row - 1] >= 0 and (on_off or win > 0)"
         logits: logits * cap + zeta[qo_head]
         """
     )
@@ -129,15 +129,14 @@ def test_kernel_argument_order(spec_from):
     assert [(a.name, a.cpp_type) for a in module.tensor_args] == [
         ("zeta", "float"), ("alpha", "int32_t"), ("vg_meta", "int32_t")]
     assert [(a.name, a.cpp_type) for a in module.scalar_args] == [
-        ("win", "int64_t"), ("cap", "double"), ("on_off", "bool"), ("sm_scale", "double"), ("v_scale", "double"),
-        ("vg_rows_alpha", "int64_t")]  # alpha[kv_pos] is not provably in range: clamped at run time
-    assert module.clamped_tensors == ("alpha",)
+        ("win", "int64_t"), ("cap", "double"), ("on_off", "bool"), ("sm_scale", "double"), ("v_scale", "double")]
     inc = module.files["batch_prefill_config.inc"]
     params = re.search(r"#define ADDITIONAL_FUNC_PARAMS (.*)", inc).group(1)
     assert params == (", ffi::Tensor zeta, ffi::Tensor alpha, ffi::Tensor vg_meta, int64_t win, double cap, "
-                      "bool on_off, double sm_scale, double v_scale, int64_t vg_rows_alpha")
+                      "bool on_off, double sm_scale, double v_scale")
     variant = module.files["variant.cuh"]
-    assert "vg_clamp(kv_pos, int32_t(params.vg_rows_alpha))" in variant
+    # an offset row is clamped to its request's rows, from what the hook knows (no extra argument)
+    assert "params.alpha[vg_request_row(kv_row - kv_pos, int64_t(kv_pos) - int32_t(1), req_kv_len)]" in variant
     assert "params.zeta[qo_head]" in variant  # in range by construction: no clamp
 
 
@@ -174,9 +173,69 @@ def test_codegen_index_flattening(spec_from):
     spec = spec_from("name: x\ntensors:\n  r: {dtype: int32, shape: [total_q, 2]}\nmask: r[q_row, 1] <= kv_pos\n")
     snippet = codegen.emit_mask(spec)
     assert snippet.code == "(params.r[(q_row) * int32_t(2) + int32_t(1)] <= kv_pos)"
-    assert snippet.clamped_tensors == frozenset()
+    assert snippet.builtins == {"q_row", "kv_pos"}
     spec = spec_from("name: x\ntensors:\n  r: {dtype: int32, shape: [total_q, 2]}\nmask: r[q_row, q_idx] <= kv_pos\n")
     assert "vg_clamp(q_idx, int32_t(2))" in codegen.emit_mask(spec).code
+    spec = spec_from("name: x\ntensors:\n  r: {dtype: float32, shape: [total_kv, num_kv_heads, 3]}\n"
+                     "mask: r[kv_row, kv_head, 2] > 0.0\n")
+    assert codegen.emit_mask(spec).code == ("(params.r[((kv_row) * int32_t(params.paged_kv.num_heads) + kv_head) "
+                                            "* int32_t(3) + int32_t(2)] > 0.0f)")
+
+
+OFFSETS_SPEC = """\
+name: offsets
+tensors:
+  kt: {dtype: int32, shape: [total_kv]}
+  qt: {dtype: int32, shape: [total_q, 2]}
+  ht: {dtype: float32, shape: [num_qo_heads]}
+scalars:
+  lag: {dtype: int, default: 1}
+mask: kv_pos <= q_pos and kv_pos >= qt[q_row + 1, 0] and kt[kv_row - lag] == kt[q_kv_row - 2]
+logits: logits + ht[qo_head + 1]
+"""
+OFFSET_CODE = {  # what each index becomes in every hook (FA2 and FA3 spell the arguments differently)
+    "qt": "qt[(vg_request_row(q_row - q_idx, int64_t(q_idx) + int32_t(1), req_qo_len)) * int32_t(2) + int32_t(0)]",
+    "kt_kv": "kt[vg_request_row(kv_row - kv_pos, int64_t(kv_pos) - arg_lag, req_kv_len)]",
+    "kt_q": "kt[vg_request_row(q_kv_row - q_pos, int64_t(q_pos) - int32_t(2), req_kv_len)]",
+}
+
+
+@pytest.mark.parametrize(("backend", "kind"), [("fa2", "prefill"), ("fa2", "decode"), ("fa2", "ragged"),
+                                               ("fa3", "prefill")])
+def test_offset_rows_in_every_kernel(spec_from, backend, kind):
+    """Each hook clamps an offset row to its request's rows from the locals it defines."""
+    spec = spec_from(OFFSETS_SPEC)
+    module = render_module(config(spec, backend=backend, kind=kind))
+    variant = module.files["variant.cuh"]
+    args = "params.additional_params." if backend == "fa3" else "params."
+    for code in OFFSET_CODE.values():
+        assert args + code in variant, code
+    heads = "params.additional_params.vg_num_qo_heads" if backend == "fa3" else "params.num_qo_heads"
+    assert f"{args}ht[vg_clamp(int64_t(qo_head) + int32_t(1), int32_t({heads}))]" in variant
+    # the key/value head count as each kernel's params hold it
+    kv_spec = spec_from("name: kvh\ntensors:\n  g: {dtype: float32, shape: [num_kv_heads]}\n"
+                        "mask: g[kv_head + 1] > 0.0\n")
+    kv_heads = {"fa3": "params.additional_params.vg_num_kv_heads", "ragged": "params.num_kv_heads"}.get(
+        backend if backend == "fa3" else kind, "params.paged_kv.num_heads")
+    kv_variant = render_module(config(kv_spec, backend=backend, kind=kind)).files["variant.cuh"]
+    assert f"vg_clamp(int64_t(kv_head) + int32_t(1), int32_t({kv_heads}))" in kv_variant
+    for local in ("const int32_t q_idx =", "const int32_t q_row =", "const int32_t kv_row =",
+                  "const int32_t q_kv_row =", "const int32_t kv_pos ="):
+        assert local in variant, local
+    assert "req_qo_len = meta[VG_META_REQ_QO_LEN];" in variant and "req_kv_len = meta[VG_META_REQ_KV_LEN];" in variant
+    assert [a.name for a in module.scalar_args] == ["lag", "sm_scale", "v_scale"]
+
+
+def test_offset_rows_in_the_planner_row_kernel(spec_from):
+    """The interval planner evaluates row-only bounds (here qt[q_row + 1, 0]) with the same clamp."""
+    from variantgen import intervals, rowplan
+
+    spec = spec_from(OFFSETS_SPEC)
+    assert intervals.analyze(spec).planner_ready
+    text = rowplan.render_planner(rowplan.PlannerConfig(spec, "9.0a")).files["planner.cu"]
+    assert "p." + OFFSET_CODE["qt"] in text
+    assert "const int32_t q_idx = int32_t(row - p.q_start[request]);" in text
+    assert "const int32_t req_qo_len =" in text
 
 
 # ----------------------------------------------------------------------------- sanitising

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+import tracemalloc
 
 import pytest
 from conftest import SPEC_FILES, SPECS_DIR
@@ -151,7 +152,8 @@ def test_unknown_nested_fields():
     assert err.field == "tensors.a.dtyp" and err.hint == "did you mean `dtype`?"
     assert err.message == "unknown field; expected dtype, shape, doc"
     err = one(CAUSAL + "scalars:\n  a: {dtype: int, default: 1, defualt: 2}\n")
-    assert err.field == "scalars.a.defualt" and err.message == "unknown field; expected dtype, default, doc"
+    assert err.field == "scalars.a.defualt"
+    assert err.message == "unknown field; expected dtype, default, doc, min, max, positive"
     err = one(CAUSAL + "scales: {sm_scal: 1.0}\n")
     assert err.field == "scales.sm_scal" and err.hint == "did you mean `sm_scale`?"
 
@@ -206,7 +208,7 @@ def test_empty_file(spec_text):
 def test_bad_spec_names(name):
     err = one(f"name: {name!r}\nmask: kv_pos <= q_pos\n".replace("\\", "\\\\"))
     assert err.field == "name"
-    assert err.message == (f"spec name {name!r} must match ^[a-z][a-z0-9_]{{0,47}}$ "
+    assert err.message == (f"spec name {name!r} must match [a-z][a-z0-9_]{{0,47}} "
                            "(it becomes part of module names and cache paths)")
     assert str(err.location) == "spec.yaml:1:7"
 
@@ -217,7 +219,7 @@ def test_longest_spec_name_is_fine(spec_from):
 
 def test_spec_name_with_nul():
     err = fails('name: "a\\0b"\nmask: kv_pos <= q_pos\n')
-    assert err.message == "spec name 'a\\x00b' must match ^[a-z][a-z0-9_]{0,47}$ " \
+    assert err.message == "spec name 'a\\x00b' must match [a-z][a-z0-9_]{0,47} " \
                           "(it becomes part of module names and cache paths)"
     raw = fails("name: a\0b\nmask: kv_pos <= q_pos\n")
     assert str(raw) == "spec.yaml:1: spec contains a NUL byte"
@@ -232,7 +234,7 @@ def test_spec_name_must_be_text():
 
 RESERVED_MSG = "`{}` is reserved (a C++ keyword or a FlashInfer kernel parameter it would shadow); choose another name"
 BUILTIN_MSG = "`{}` is a built-in name of the expression language and cannot be declared"
-PATTERN_MSG = ("argument name {!r} must match ^[a-z][a-z0-9_]{{0,31}}$ (lower case letters, digits, '_'; "
+PATTERN_MSG = ("argument name {!r} must match [a-z][a-z0-9_]{{0,31}} (lower case letters, digits, '_'; "
                "at most 32 characters)")
 
 
@@ -349,7 +351,7 @@ def test_bad_shapes():
         ("float", ".inf", "default must be a float, got a float inf"),
         ("float", "1.0e+39", "default must be a float, got a float 1e+39"),
         ("float", "1e39", "default must be a float, got text '1e39'"),  # YAML 1.1: not a number
-        ("float", "9" * 400, f"default must be a float, got an int {'9' * 400}"),
+        ("float", "9" * 60, f"default must be a float, got an int {'9' * 60}"),
         ("bool", "1", "default must be a bool, got an int 1"),
         ("bool", '"true"', "default must be a bool, got text 'true'"),
     ],
@@ -385,7 +387,10 @@ def test_scales_and_backends_errors():
 
 def test_huge_sm_scale_is_an_error_not_a_crash():
     err = one(CAUSAL + "scales: {sm_scale: " + "9" * 400 + "}\n")
-    assert err.field == "scales.sm_scale" and err.message.startswith("expected a positive number")
+    assert err.field == "scales.sm_scale"
+    assert err.message == "integer 9999999999999999...99999999 (400 characters) is far too large"
+    err = one(CAUSAL + "scales: {sm_scale: " + "9" * 60 + "}\n")
+    assert err.message.startswith("expected a positive number or `default` (1/sqrt(head_dim_qk)), got 9999")
 
 
 # ----------------------------------------------------------------------------- YAML features
@@ -433,14 +438,15 @@ def test_deep_flow_nesting_is_refused_quickly():
     start = time.perf_counter()
     err = fails("name: x\nmask: kv_pos <= q_pos\ndescription: " + "[" * 200_000 + "\n")
     assert time.perf_counter() - start < 5
-    assert str(err) == (f"spec.yaml:3:{14 + spec_mod.MAX_YAML_DEPTH}: invalid YAML: collections are nested more "
-                        f"than {spec_mod.MAX_YAML_DEPTH} levels deep")
+    assert str(err).splitlines()[0] == (f"spec.yaml:3:{14 + spec_mod.MAX_YAML_DEPTH}: invalid YAML: collections "
+                                        f"are nested more than {spec_mod.MAX_YAML_DEPTH} levels deep")
+    assert err.hint is None and len(str(err)) < 400  # the line is shown around the caret only
 
 
 def test_deep_block_nesting_is_refused():
     text = "name: x\nmask: kv_pos <= q_pos\ndescription:\n" + "".join(" " * i + "a:\n" for i in range(1, 200))
     err = fails(text)
-    assert re.match(r"spec\.yaml:\d+:\d+: invalid YAML: collections are nested more than 32 levels deep$", str(err))
+    assert re.match(r"spec\.yaml:\d+:\d+: invalid YAML: collections are nested more than 32 levels deep\n", str(err))
     assert "nested more than" in fails("name: x\nmask: kv_pos <= q_pos\ndescription:\n" + "- " * 5000).message
 
 
@@ -653,3 +659,257 @@ def test_spec_errors_render_each_error():
     both = SpecErrors([a, b])
     assert str(both) == "f.yaml:1:2: x: first\nf.yaml:3:4: second\n  hint: try this"
     assert both.message == "first" and both.errors == [a, b]
+
+
+# ----------------------------------------------------------------------------- hostile input (issue 14)
+
+
+@pytest.mark.parametrize("text", [
+    'name: "causal\\n"\nmask: kv_pos <= q_pos\n',
+    "name: |\n  causal\nmask: kv_pos <= q_pos\n",  # a literal block keeps its final newline
+    'name: "causal\\r"\nmask: kv_pos <= q_pos\n',
+])
+def test_spec_name_with_a_line_break_is_refused(text):
+    err = one(text)
+    assert err.field == "name" and "must match [a-z][a-z0-9_]{0,47}" in err.message
+
+
+@pytest.mark.parametrize("name", ["q\\n", "ids\\n", "w\\n"])
+@pytest.mark.parametrize("section", ["tensors", "scalars"])
+def test_argument_name_with_a_trailing_newline_is_refused(section, name):
+    decl = "{dtype: int32, shape: [batch]}" if section == "tensors" else "{dtype: int, default: 0}"
+    err = one(f'{CAUSAL}{section}:\n  "{name}": {decl}\n')
+    assert err.field == spec_mod._shown(f"{section}.{name[:-2]}\n")
+    assert err.message.startswith(f"argument name {name[:-2] + chr(10)!r} must match [a-z][a-z0-9_]{{0,31}}")
+
+
+HUGE_DEC, HUGE_HEX = "9" * 5000, "0x" + "F" * 4000
+
+
+@pytest.mark.parametrize(("where", "field_name"), [
+    ("scalars:\n  w: {{dtype: int, default: {n}}}\n", "scalars.w.default"),
+    ("scalars:\n  w: {{dtype: float, default: 1.0, min: {n}}}\n", "scalars.w.min"),
+    ("tensors:\n  t: {{dtype: int32, shape: [{n}]}}\n", "tensors.t.shape[0]"),
+    ("scales: {{sm_scale: {n}}}\n", "scales.sm_scale"),
+    ("backends: [{n}]\n", "backends[0]"),
+    ("description: {n}\n", "description"),
+])
+@pytest.mark.parametrize("number", [HUGE_DEC, HUGE_HEX, "-" + HUGE_DEC, "1_" + "0" * 100])
+def test_huge_integers_are_located_errors(where, field_name, number):
+    """Past 4300 digits Python refuses to convert (or print) an int: never a plain ValueError."""
+    err = one(CAUSAL + where.format(n=number))
+    assert err.field == field_name and err.location.line == where.count("\n") + 2
+    assert err.message.startswith("integer ") and err.message.endswith(" is far too large")
+    assert len(str(err)) < 500
+
+
+def test_lone_surrogates_are_printable_in_errors():
+    err = one('name: x\nmask: "kv_pos <= q_pos and \\ud83d"\n')
+    assert err.message == "unexpected character U+D83D"
+    str(err).encode("utf-8")  # printing it cannot fail
+    assert "kv_pos <= q_pos and ?" in str(err)
+    err = one('name: "\\ud83d"\nmask: kv_pos <= q_pos\n')
+    assert err.message.startswith("spec name '\\ud83d' must match")
+    str(err).encode("utf-8")
+    assert variantgen.parse_spec('name: x\nmask: kv_pos <= q_pos\ndescription: "\\ud83d"\n').description == "\ud83d"
+
+
+def test_errors_per_file_are_capped():
+    """A 79 KB one-line spec with thousands of bad keys: 20 errors and a count, bounded output."""
+    keys = ", ".join(f"k{i}: 1" for i in range(10_000))
+    text = "{name: x, mask: kv_pos <= q_pos, " + keys + "}\n"
+    assert len(text) > 79_000
+    tracemalloc.start()
+    try:
+        err = fails(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20  # the YAML tree; errors used to take gigabytes
+    assert isinstance(err, SpecErrors) and len(err.errors) == spec_mod.MAX_SPEC_ERRORS
+    assert err.more == 10_000 - spec_mod.MAX_SPEC_ERRORS
+    rendered = str(err)
+    assert rendered.endswith(f"\nspec.yaml: ... and {err.more} more error(s)")
+    assert len(rendered) < 20 * 400
+    for e in err.errors:  # each shows the line around its own caret
+        line, caret = str(e).splitlines()[1:3]
+        key = e.field
+        assert line[caret.index("^"):].startswith(key), (line, caret, key)
+
+
+def test_expression_errors_count_towards_the_cap():
+    scalars = "".join(f"  s{i}: {{dtype: int, default: 1.5}}\n" for i in range(30))
+    err = fails("name: x\nmask: nope\nscalars:\n" + scalars)
+    assert len(err.errors) == spec_mod.MAX_SPEC_ERRORS and err.more == 31 - spec_mod.MAX_SPEC_ERRORS
+
+
+def test_long_source_lines_are_shown_around_the_caret():
+    text = "name: x\nmask: " + "kv_pos <= q_pos and " * 60 + "kv_poss > 0\n"
+    assert len(text) < expr.MAX_EXPR_CHARS
+    err = one(text)
+    line, caret = str(err).splitlines()[1:3]
+    assert line.startswith("    ...") and not line.endswith("...") and len(line) <= 4 + 3 + 100
+    assert line[caret.index("^"):] == "kv_poss > 0"
+    head = one("name: x\nmask: kv_poss > 0 and " + "kv_pos <= q_pos and " * 60 + "true\n")
+    line, caret = str(head).splitlines()[1:3]
+    assert line.endswith("...") and line[caret.index("^"):].startswith("kv_poss > 0 and")
+
+
+@pytest.mark.parametrize(("text", "where", "source", "hint"), [
+    ("name: x\nmask: kv_pos <= q_pos\nbackends: [fa2, fa3\n", "spec.yaml:4:1", "",
+     "close the list opened at line 3, column 11 with ']'"),
+    ("name: x\nmask: kv_pos <= q_pos\nscales: {sm_scale: 1.0\n", "spec.yaml:4:1", "",
+     "close the mapping opened at line 3, column 9 with '}'"),
+    ("name: x\n\tmask: kv_pos <= q_pos\n", "spec.yaml:2:1", "\tmask: kv_pos <= q_pos",
+     "indent with spaces: YAML does not allow tabs there"),
+    ("name: x\nmask: kv_pos <= q_pos\ndescription: a: b\n", "spec.yaml:3:15", "description: a: b",
+     "quote a value that contains ': ', and line nested keys up under their parent (e.g. mask: \"a: b\")"),
+    ('name: x\nmask: "kv_pos <= q_pos\n', "spec.yaml:3:1", "",
+     "close the quote opened at line 2, column 7"),
+    ('name: x\nmask: "kv_pos \\q"\n', "spec.yaml:2:16", 'mask: "kv_pos \\q"',
+     "inside double quotes write a backslash as \\\\, or use single quotes"),
+    ("name: x\nmask: kv_pos <= q_pos\n  logits: logits\n", "spec.yaml:3:9", "  logits: logits", None),
+])
+def test_yaml_syntax_errors_have_a_caret_and_a_hint(text, where, source, hint):
+    err = fails(text)
+    assert str(err.location) == where and err.message.startswith("invalid YAML: ")
+    assert err.source_line == source
+    lines = str(err).splitlines()
+    assert lines[2].strip() == "^"
+    if hint is not None:
+        assert err.hint == hint
+    else:
+        assert err.hint  # every YAML error gets some advice
+
+
+def test_refused_yaml_features_show_their_line():
+    err = fails("name: x\nmask: kv_pos <= q_pos\ndescription: *m\n")
+    assert str(err).splitlines()[1:] == ["    description: *m", "                 ^"]
+
+
+# ----------------------------------------------------------------------------- follow-on errors
+
+
+@pytest.mark.parametrize(("decl", "use", "field_name"), [
+    ("tensors:\n  t: {dtype: int64, shape: [batch]}\n", "t[request] > 0", "tensors.t.dtype"),
+    ("tensors:\n  t: {dtype: int32, shape: [batchh]}\n", "t[request] > 0", "tensors.t.shape[0]"),
+    ("tensors:\n  t: [batch]\n", "t[request] > 0", "tensors.t"),
+    ("tensors:\n  params: {dtype: int32, shape: [batch]}\n", "params[request] > 0", "tensors.params"),
+    ("tensors:\n  Tt: {dtype: int32, shape: [batch]}\n", "Tt[request] > 0", "tensors.Tt"),
+    ("scalars:\n  w: {dtype: int, default: 1.5}\n", "q_pos - kv_pos <= w", "scalars.w.default"),
+    ("scalars:\n  w: {dtype: int}\n", "q_pos - kv_pos <= w", "scalars.w.default"),
+    ("scalars:\n  w: {dtype: int, default: 5, max: 3}\n", "q_pos - kv_pos <= w", "scalars.w.default"),
+    ("tensors:\n  w: {dtype: int32, shape: [batch]}\nscalars:\n  w: {dtype: int, default: 1}\n",
+     "w[request] > 0", "scalars.w"),  # the tensor stands: the mask checks
+    ("tensors:\n  kv_pos: {dtype: int32, shape: [batch]}\n", "kv_pos <= q_pos", "tensors.kv_pos"),
+])
+def test_uses_of_a_refused_declaration_are_not_reported_again(decl, use, field_name):
+    err = one(f"name: x\n{decl}mask: kv_pos <= q_pos and {use}\n")
+    assert err.field == field_name
+
+
+def test_undeclared_names_are_still_reported_beside_a_refused_one():
+    errors = all_errors(fails("name: x\ntensors:\n  t: {dtype: int64, shape: [batch]}\n"
+                              "mask: t[request] > 0\nlogits: logits + u\n"))
+    assert [e.field for e in errors] == ["tensors.t.dtype", "logits"]
+    assert errors[1].message.startswith("unknown name `u`")
+
+
+# ----------------------------------------------------------------------------- shapes and index kinds
+
+
+@pytest.mark.parametrize("shape", ["[2, total_q]", "[num_qo_heads, total_kv]", "[total_q, batch]", "[4, 2, batch]"])
+def test_batch_sized_dimensions_only_first(shape):
+    err = one(CAUSAL + f"tensors:\n  t: {{dtype: int32, shape: {shape}}}\n")
+    assert re.fullmatch(r"tensors\.t\.shape\[\d\]", err.field)
+    assert err.message.endswith("can only be a tensor's first dimension (the dimensions after the first must be "
+                                "fixed sizes or head counts)")
+
+
+def test_head_dimensions_anywhere(spec_from):
+    spec = spec_from(CAUSAL + "tensors:\n  t: {dtype: float32, shape: [total_q, num_qo_heads, 2]}\n"
+                     "  u: {dtype: float32, shape: [3, num_kv_heads]}\n")
+    assert spec.tensors[0].shape == ("total_q", "num_qo_heads", 2)
+
+
+def test_index_kind_mismatch_in_a_spec_file():
+    err = one("name: x\ntensors:\n  prefix_len: {dtype: int32, shape: [batch]}\n"
+              "mask: kv_pos <= max(q_pos, prefix_len[q_row] - 1)\n")
+    assert str(err.location) == "spec.yaml:4:39" and err.field == "mask"
+    assert err.hint == "`prefix_len` is per request: index it with request"
+    assert str(err).splitlines()[1:3] == ["    kv_pos <= max(q_pos, prefix_len[q_row] - 1)",
+                                          "                                    ^"]
+
+
+# ----------------------------------------------------------------------------- scalar ranges
+
+
+def test_scalar_ranges(spec_from):
+    spec = spec_from(CAUSAL + "scalars:\n"
+                     "  w: {dtype: int, default: -1, min: -1}\n"
+                     "  c: {dtype: int, default: 8, positive: true, max: 8192}\n"
+                     "  f: {dtype: float, default: 0.5, min: 0, max: 1}\n"
+                     "  g: {dtype: float, default: 2, positive: true}\n"
+                     "  h: {dtype: float, default: 2, positive: false}\n")
+    w, c, f, g, h = spec.scalars
+    assert (w.minimum, w.maximum, w.positive, w.range_text()) == (-1, None, False, ">= -1")
+    assert c.range_text() == "> 0 and <= 8192" and f.range_text() == ">= 0.0 and <= 1.0"
+    assert g.range_text() == "> 0" and h.range_text() == "any value" and not h.has_range
+    assert isinstance(f.minimum, float)
+    assert w.out_of_range(-1) is None and w.out_of_range(-2) == "-2 is out of range: the spec allows >= -1"
+    assert c.out_of_range(0) == "0 is out of range: the spec allows > 0 and <= 8192"
+    assert c.out_of_range(8193) is not None and c.out_of_range(8192) is None
+    assert f.out_of_range(1.0000001) is not None
+    # judged as the kernel sees it: 1e-50 is 0.0 in float32
+    assert g.out_of_range(1e-50) == "1e-50 (as a 32-bit float it is 0.0) is out of range: the spec allows > 0"
+    # ranges describe valid values; they do not change the module
+    plain = spec_from(CAUSAL + "scalars:\n  w: {dtype: int, default: -1}\n  c: {dtype: int, default: 8}\n"
+                      "  f: {dtype: float, default: 0.5}\n  g: {dtype: float, default: 2}\n"
+                      "  h: {dtype: float, default: 2}\n")
+    assert plain.digest == spec.digest
+
+
+@pytest.mark.parametrize(("decl", "field_name", "message"), [
+    ("{dtype: int, default: -2, min: -1}", "scalars.w.default", "default -2 is out of range: the spec allows >= -1"),
+    ("{dtype: int, default: 0, positive: true}", "scalars.w.default",
+     "default 0 is out of range: the spec allows > 0"),
+    ("{dtype: float, default: 1.0e-46, positive: true}", "scalars.w.default",
+     "default 1e-46 (as a 32-bit float it is 0.0) is out of range: the spec allows > 0"),
+    ("{dtype: int, default: 1, min: 2, max: 1}", "scalars.w.max", "max 1 with min 2 leaves no valid value"),
+    ("{dtype: int, default: 1, positive: true, max: 0}", "scalars.w.max",
+     "max 0 with positive: true leaves no valid value"),
+    ("{dtype: int, default: 1, min: 0.5}", "scalars.w.min",
+     "min of an int scalar must be an int in 32-bit range, got a float 0.5"),
+    ("{dtype: int, default: 1, max: 2147483648}", "scalars.w.max",
+     "max of an int scalar must be an int in 32-bit range, got an int 2147483648"),
+    ("{dtype: float, default: 1.0, max: 1.0e+39}", "scalars.w.max",
+     "max of a float scalar must be a number in 32-bit float range, got a float 1e+39"),
+    ("{dtype: float, default: 1.0, min: true}", "scalars.w.min",
+     "min of a float scalar must be a number in 32-bit float range, got a bool True"),
+    ("{dtype: int, default: 1, min: '0'}", "scalars.w.min",
+     "min of an int scalar must be an int in 32-bit range, got text '0'"),
+    ("{dtype: int, default: 1, positive: 1}", "scalars.w.positive", "expected true or false, got 1"),
+    ("{dtype: bool, default: true, min: 0}", "scalars.w.min", "a bool scalar has no range"),
+    ("{dtype: bool, default: true, positive: true}", "scalars.w.positive", "a bool scalar has no range"),
+])
+def test_bad_scalar_ranges(decl, field_name, message):
+    err = one(f"{CAUSAL}scalars:\n  w: {decl}\n")
+    assert (err.field, err.message) == (field_name, message)
+    assert str(err.location).startswith("spec.yaml:4:")
+
+
+def test_misspelt_range_key():
+    err = one(CAUSAL + "scalars:\n  w: {dtype: int, default: 1, minimum: 0}\n")
+    assert err.field == "scalars.w.minimum" and err.hint == "did you mean `min`?"
+
+
+def test_shipped_scalar_ranges():
+    ranges = {(spec.name, s.name): s.range_text() for spec in map(variantgen.load_spec, SPEC_FILES)
+              for s in spec.scalars}
+    assert ranges == {
+        ("attention_sink", "num_sink"): ">= 0", ("attention_sink", "window"): ">= 0",
+        ("chunked_local", "chunk_size"): "> 0",
+        ("mm_prefix", "causal_window_left"): ">= -1", ("mm_prefix", "range_window_left"): ">= -1",
+        ("sliding_window", "window"): ">= -1",
+        ("softcap", "soft_cap"): "> 0", ("softcap", "window"): ">= -1",
+    }

@@ -30,7 +30,7 @@ from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.errors import LaunchError
 from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
+from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges, within_range
 from variantgen.wrapper import META_COLUMNS, VariantWrapper
 
 HQ, HKV, HEAD_DIM = 4, 2, 64
@@ -50,11 +50,10 @@ def shipped(name: str) -> variantgen.VariantSpec:
 def make(spec: variantgen.VariantSpec, *, codegen_q_idx: bool = False, backend: str = "fa2",
          ) -> tuple[VariantWrapper, FakeModule]:
     config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", backend)
-    clamped = render.render_module(config).clamped_tensors
-    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec, set(clamped))[1]],
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]],
                 "module_sha256": "x", "module_file": "x.so"}
     fake_class = FakeFa3Module if backend == "fa3" else FakeModule
-    fake = fake_class(spec, clamped, codegen_q_idx=codegen_q_idx)
+    fake = fake_class(spec, codegen_q_idx=codegen_q_idx)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
     return VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8)), fake
@@ -137,20 +136,23 @@ def test_qkv_scales_fold_into_sm_scale_and_output(spec_name):
         assert run.scalars == {s.name: args.get(s.name, s.default) for s in spec.scalars}
 
 
-def test_clamped_tensor_passes_its_rows():
-    """A tensor indexed by a non-row builtin is clamped in the kernel: vg_rows_<t> follows."""
+def test_offset_row_indices_stay_in_their_request():
+    """`keep[kv_row - lag]` reads the key `lag` rows back, clamped to the rows of its request
+    (the first key of a request reads itself, never the previous request's last key); the
+    module takes no extra argument for it."""
     spec = variantgen.parse_spec(
-        "name: keep_mask\n"
+        "name: keep_prev\n"
         "tensors:\n  keep: {dtype: int32, shape: [total_kv]}\n"
-        "scalars:\n  invert: {dtype: bool, default: false}\n"
-        "mask: kv_pos <= q_pos and ((keep[kv_pos] != 0) != invert or kv_pos == q_pos)\n")
+        "scalars:\n  invert: {dtype: bool, default: false}\n  lag: {dtype: int, default: 1}\n"
+        "mask: kv_pos <= q_pos and ((keep[kv_row - lag] != 0) != invert or kv_pos == q_pos)\n")
     config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a")
-    assert render.render_module(config).clamped_tensors == ("keep",)
+    assert [a.name for a in render.render_module(config).scalar_args] == ["invert", "lag", "sm_scale", "v_scale"]
     batch = batch_of([5, 12], [20, 12], 4, seed=5)
     keep = torch.randint(0, 2, (32,), generator=torch.Generator().manual_seed(1), dtype=torch.int32)
-    for invert in (False, True):
+    for invert, lag in ((False, 1), (True, 1), (False, -3), (False, 2**31 - 1)):
         for skip in (False, True):
-            check(spec, batch, {"keep": keep, "invert": invert}, skip_tiles=skip, label=f"keep {invert}")
+            check(spec, batch, {"keep": keep, "invert": invert, "lag": lag}, skip_tiles=skip,
+                  label=f"keep invert={invert} lag={lag}")
 
 
 # ----------------------------------------------------------------------------- mm_prefix adversarial
@@ -257,10 +259,18 @@ def test_sliding_window_sizes(window, page_size):
         check(spec, batch, {"window": window}, skip_tiles=skip, label=f"window {window} ps{page_size}")
 
 
+@functools.cache
+def chunks_any_size() -> variantgen.VariantSpec:
+    """chunked_local without its `positive: true`: the language's `//` by 0 or a negative."""
+    text = (SPECS_DIR / "chunked_local.yaml").read_text()
+    assert "    positive: true\n" in text
+    return variantgen.parse_spec(text.replace("    positive: true\n", ""))
+
+
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("chunk_size", [1, 3, 5, 7, 13, 0, -4])
 def test_chunked_local_chunk_sizes(chunk_size, page_size):
-    spec = shipped("chunked_local")
+    spec = shipped("chunked_local") if chunk_size > 0 else chunks_any_size()
     batch = batch_of([30, 1, 50], [30, 100, 90], page_size, seed=abs(chunk_size))
     for skip in (False, True):
         check(spec, batch, {"chunk_size": chunk_size}, skip_tiles=skip, label=f"chunk {chunk_size} ps{page_size}")
@@ -279,7 +289,7 @@ def test_prefix_lm_prefix_lengths(page_size):
 def test_attention_sink_sinks_past_the_window():
     spec = shipped("attention_sink")
     batch = batch_of([40, 1, 64], [40, 120, 64], 4, seed=9)
-    for num_sink, window in ((0, 3), (5, 0), (100, 2), (6, 200), (1, -1)):
+    for num_sink, window in ((0, 3), (5, 0), (100, 2), (6, 200), (1, 1)):
         for skip in (False, True):
             check(spec, batch, {"num_sink": num_sink, "window": window}, skip_tiles=skip,
                   label=f"sink {num_sink} window {window}")
@@ -404,7 +414,7 @@ def test_random_batches(seed):
     batch = batch_of(qo_lens, kv_lens, page_size, seed=seed)
     args = random_spec_args(spec, batch, seed=seed)
     for s in spec.scalars:
-        args[s.name] = rng.randint(-3, 40) if s.dtype == "int" else rng.uniform(0.5, 30.0)
+        args[s.name] = within_range(s, rng.randint(-3, 40) if s.dtype == "int" else rng.uniform(0.5, 30.0))
     for skip in (False, True):
         check(spec, batch, args, skip_tiles=skip, label=f"{name} {qo_lens} {kv_lens} ps{page_size} skip={skip}")
 
@@ -502,19 +512,54 @@ def test_run_bad_spec_tensor(mm, case):
 def test_run_bad_int_scalar(mm, value, shown):
     w, _, batch, args = mm
     w.plan(*batch.plan_args())
-    with pytest.raises(LaunchError, match=exact(f"run(): `causal_window_left`: expected a int in 32-bit range, "
+    with pytest.raises(LaunchError, match=exact(f"run(): `causal_window_left`: expected an int in 32-bit range, "
                                                 f"got {shown}")):
         w.run(batch.q, (batch.k_cache, batch.v_cache), **{**args, "causal_window_left": value})
 
 
-@pytest.mark.parametrize("value, shown", [(True, "True (bool)"), ("2.0", "'2.0' (str)"), (math.inf, "inf (float)")])
+@pytest.mark.parametrize("value, shown", [(True, "True (bool)"), ("2.0", "'2.0' (str)"), (math.inf, "inf (float)"),
+                                          (math.nan, "nan (float)"), (1e300, "1e+300 (float)"),
+                                          (-3.5e38, "-3.5e+38 (float)"),
+                                          pytest.param(10**400, "1" + "0" * 35 + "...00000000 (401 characters) (int)",
+                                                       id="10**400"),
+                                          pytest.param(10**5000, "<an integer of 16610 bits> (int)", id="10**5000")])
 def test_run_bad_float_scalar(value, shown):
+    """A float scalar must fit a 32-bit float: 1e300 would be inf in the kernel."""
     w, _ = make(shipped("softcap"))
     batch = batch_of([4], [4], 4)
     w.plan(*batch.plan_args())
-    with pytest.raises(LaunchError, match=exact(f"run(): `soft_cap`: expected a float, got {shown}")):
+    with pytest.raises(LaunchError, match=exact(f"run(): `soft_cap`: expected a float in 32-bit float range "
+                                                f"(|x| <= 3.402823e+38), got {shown}")):
         w.run(batch.q, (batch.k_cache, batch.v_cache), soft_cap=value)
     w.run(batch.q, (batch.k_cache, batch.v_cache), soft_cap=3)  # an int is a fine float
+    w.run(batch.q, (batch.k_cache, batch.v_cache), soft_cap=3.4e38)
+
+
+@pytest.mark.parametrize(("spec_name", "name", "value", "message"), [
+    ("softcap", "soft_cap", -1.0, "-1.0 is out of range: the spec allows > 0"),
+    ("softcap", "soft_cap", 0, "0 is out of range: the spec allows > 0"),
+    ("softcap", "soft_cap", 1e-50, "1e-50 (as a 32-bit float it is 0.0) is out of range: the spec allows > 0"),
+    ("softcap", "window", -2, "-2 is out of range: the spec allows >= -1"),
+    ("chunked_local", "chunk_size", 0, "0 is out of range: the spec allows > 0"),
+    ("attention_sink", "window", -1, "-1 is out of range: the spec allows >= 0"),
+    ("mm_prefix", "range_window_left", -5, "-5 is out of range: the spec allows >= -1"),
+])
+@pytest.mark.parametrize("where", ["plan()", "run()"])
+def test_scalars_outside_their_declared_range(spec_name, name, value, message, where):
+    spec = shipped(spec_name)
+    w, fake = make(spec)
+    batch = batch_of([4], [4], 4)
+    args = random_spec_args(spec, batch)
+    if where == "plan()":
+        with pytest.raises(LaunchError, match=exact(f"plan(): `{name}`: {message}")):
+            w.plan(*batch.plan_args(), **args, **{name: value})
+        return
+    ok = within_range(next(s for s in spec.scalars if s.name == name), value)  # the nearest valid value
+    w.plan(*batch.plan_args(), **args, **{name: ok})
+    with pytest.raises(LaunchError, match=exact(f"run(): `{name}`: {message}")):
+        w.run(batch.q, (batch.k_cache, batch.v_cache), **args, **{name: value})
+    assert not fake.run_calls
+    w.run(batch.q, (batch.k_cache, batch.v_cache), **args, **{name: ok})
 
 
 @pytest.mark.parametrize("case", ["dtype", "shape", "device", "out_shape"])

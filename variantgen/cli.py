@@ -24,7 +24,7 @@ import click
 
 from . import __version__, env
 from .cache import Cache, LockTimeout, age_seconds, spec_of_uri
-from .errors import SpecError, SpecErrors, VariantgenError
+from .errors import SpecError, VariantgenError, printable
 from .explain import ARG_FORMS
 from .library import resolve_spec, shipped_specs
 from .render import BACKENDS, KINDS, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
@@ -179,16 +179,11 @@ def validate(specs: tuple[str, ...]) -> None:
     for path in specs:
         try:
             spec = resolve_spec(path)
-        except SpecErrors as e:
-            failed += 1
-            for err in e.errors:
-                click.echo(str(err))
-            continue
-        except SpecError as e:
+        except SpecError as e:  # one or several (SpecErrors), each line naming the file
             failed += 1
             click.echo(str(e))
             continue
-        click.echo(f"ok  {path} ({spec.name})")
+        click.echo(f"ok  {printable(path)} ({spec.name})")
     if failed:
         click.echo(f"{failed} of {len(specs)} spec file(s) have errors", err=True)
         sys.exit(1)

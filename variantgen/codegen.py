@@ -8,7 +8,10 @@ are re-emitted from parsed values. Nothing is copied from the spec text.
 Semantics shared with reference.py (the torch reference must agree bit for bit on ints):
   * ints are 32-bit; ``//`` and ``%`` follow Python (floor) and give 0 for a zero divisor;
   * ``/`` is float division; mixed int/float arithmetic is float;
-  * tensor indices that are not provably in range are clamped to the tensor's extent.
+  * a symbolic dimension is indexed by its row builtin (the type checker saw to it), in range
+    by construction; an offset row (``kv_row - 1``) is clamped to the rows of its request, an
+    offset head to the head count; a fixed-size dimension clamps any index that is not a
+    constant in range.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import expr
-from .expr import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary
+from .expr import REQUEST_ROWS, Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, row_index
 from .spec import TensorArg, VariantSpec
 
 # Built-in name -> local variable of the generated hook that holds it.
@@ -33,14 +36,6 @@ BUILTIN_LOCALS = {
     "qo_len": "req_qo_len",
     "kv_len": "req_kv_len",
 }
-# A row builtin that is in range by construction for a tensor dimension of this name.
-SAFE_INDEX = {
-    "total_q": {"q_row"},
-    "total_kv": {"kv_row", "q_kv_row"},
-    "batch": {"request"},
-    "num_qo_heads": {"qo_head"},
-    "num_kv_heads": {"kv_head"},
-}
 
 
 @dataclass(frozen=True)
@@ -52,8 +47,10 @@ class Target:
     num_kv_heads: str
 
 
-# FA2 kernels hand the hooks their Params struct (PagedParams / RaggedParams / decode Params).
+# FA2 kernels hand the hooks their Params struct: paged prefill and decode keep the key/value
+# head count in their paged_kv, the ragged kernel's RaggedParams in a field of its own.
 FA2_PAGED = Target("params.", "int32_t(params.num_qo_heads)", "int32_t(params.paged_kv.num_heads)")
+FA2_RAGGED = Target("params.", "int32_t(params.num_qo_heads)", "int32_t(params.num_kv_heads)")
 # FA3 hooks get the mainloop's params; our arguments live in its additional_params.
 FA3 = Target("params.additional_params.", "int32_t(params.additional_params.vg_num_qo_heads)",
              "int32_t(params.additional_params.vg_num_kv_heads)")
@@ -65,18 +62,12 @@ PLANNER = Target("p.", "int32_t(0)", "int32_t(0)")
 CMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
 
 
-def rows_scalar_name(tensor: str) -> str:
-    """Extra int64 scalar carrying a tensor's first extent, when an index needs clamping."""
-    return f"vg_rows_{tensor}"
-
-
 @dataclass(frozen=True)
 class Snippet:
     """A C++ expression plus what the hook must set up before evaluating it."""
 
     code: str
     builtins: frozenset[str]  # expression builtins it reads
-    clamped_tensors: frozenset[str]  # tensors whose first extent is needed at run time
 
 
 class _Emitter:
@@ -87,7 +78,6 @@ class _Emitter:
         self.scalars = {s.name: s for s in spec.scalars}
         self.logits_local = logits_local
         self.builtins: set[str] = set()
-        self.clamped: set[str] = set()
 
     def emit(self, node: Node) -> str:
         return getattr(self, "_" + type(node).__name__.lower())(node)
@@ -120,33 +110,36 @@ class _Emitter:
 
     def _index(self, node: Index) -> str:
         t = self.tensors[node.tensor]
-        parts = []
-        for dim, idx in zip(t.shape, node.indices):
-            code = self.emit(idx)
-            if not self._in_range(dim, idx):
-                code = f"vg_clamp({code}, {self._extent(t, dim)})"
-            parts.append((dim, code))
-        # Row-major flat offset; extents after the first are fixed ints or head counts.
+        parts = [(dim, self._subscript(dim, idx)) for dim, idx in zip(t.shape, node.indices)]
+        # Row-major flat offset; the loader allows only fixed sizes and head counts after the first.
         flat = parts[0][1]
         for dim, code in parts[1:]:
-            flat = f"({flat}) * {self._extent(t, dim)} + {code}"
+            flat = f"({flat}) * {self._extent(dim)} + {code}"
         return f"{self.target.args}{t.name}[{flat}]"
 
-    def _in_range(self, dim: str | int, idx: Node) -> bool:
-        if isinstance(idx, Const) and isinstance(dim, int):
-            return 0 <= idx.value < dim
-        if isinstance(idx, Name) and isinstance(dim, str):
-            return idx.id in SAFE_INDEX.get(dim, set())
-        return False
+    def _subscript(self, dim: str | int, idx: Node) -> str:
+        """One index, in range: see the module docstring for which are clamped and how."""
+        if isinstance(dim, int):
+            code = self.emit(idx)
+            in_range = isinstance(idx, Const) and 0 <= idx.value < dim
+            return code if in_range else f"vg_clamp({code}, {self._extent(dim)})"
+        ref = row_index(idx)
+        assert ref is not None and ref.kind == dim, "an index the type checker refused"
+        base = self.emit(Name(id=ref.builtin))
+        if not ref.offsets:
+            return base
+        # int64: an offset must not overflow before it is clamped.
+        shifted = "".join(f" {'+' if sign > 0 else '-'} {self.emit(term)}" for sign, term in ref.offsets)
+        if ref.builtin not in REQUEST_ROWS:  # a head index: clamped to the head count
+            return f"vg_clamp(int64_t({base}){shifted}, {self._extent(dim)})"
+        position, count = (self.emit(Name(id=n)) for n in REQUEST_ROWS[ref.builtin])
+        return f"vg_request_row({base} - {position}, int64_t({position}){shifted}, {count})"
 
-    def _extent(self, t: TensorArg, dim: str | int) -> str:
+    def _extent(self, dim: str | int) -> str:
         if isinstance(dim, int):
             return f"int32_t({dim})"
-        if dim in ("num_qo_heads", "num_kv_heads"):
-            return getattr(self.target, dim)
-        # First dimension of symbolic row count: carried in an extra scalar.
-        self.clamped.add(t.name)
-        return f"int32_t({self.target.args}{rows_scalar_name(t.name)})"
+        assert dim in ("num_qo_heads", "num_kv_heads"), f"no extent for dimension {dim!r} in a kernel"
+        return getattr(self.target, dim)
 
     def _unary(self, node: Unary) -> str:
         inner = self.emit(node.operand)
@@ -199,7 +192,7 @@ class _Emitter:
 def emit_mask(spec: VariantSpec, target: Target = FA2_PAGED) -> Snippet:
     e = _Emitter(spec, target)
     code = e.emit(spec.mask)
-    return Snippet(code, frozenset(e.builtins), frozenset(e.clamped))
+    return Snippet(code, frozenset(e.builtins))
 
 
 def emit_logits(spec: VariantSpec, logits_local: str = "score", target: Target = FA2_PAGED) -> Snippet | None:
@@ -207,14 +200,14 @@ def emit_logits(spec: VariantSpec, logits_local: str = "score", target: Target =
         return None
     e = _Emitter(spec, target, logits_local)
     code = e.as_float(spec.logits)
-    return Snippet(code, frozenset(e.builtins), frozenset(e.clamped))
+    return Snippet(code, frozenset(e.builtins))
 
 
 def emit_row_expr(spec: VariantSpec, node: Node, target: Target = PLANNER) -> Snippet:
     """A row-only sub-expression of the mask (an interval bound or condition) as C++."""
     e = _Emitter(spec, target)
     code = e.emit(node)
-    return Snippet(code, frozenset(e.builtins), frozenset(e.clamped))
+    return Snippet(code, frozenset(e.builtins))
 
 
 def comment_text(text: str) -> str:

@@ -32,6 +32,33 @@ class Location:
         return Location(self.file, self.line + line_offset, col)
 
 
+EXCERPT_CHARS = 100  # a longer source line is shown around the caret only
+MAX_TEXT_CHARS = 600  # a message or hint quoting more of a hostile file is cut in the middle
+MAX_SPEC_ERRORS = 20  # per file; the rest are counted ("and N more")
+
+
+def printable(text: str) -> str:
+    """``text`` safe to print anywhere: lone surrogates (from a YAML escape such as "\\ud83d"
+    or a file name that is not UTF-8) become escapes instead of failing the UTF-8 encoder."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _bounded(text: str) -> str:
+    if len(text) <= MAX_TEXT_CHARS:
+        return text
+    return f"{text[:MAX_TEXT_CHARS - 100]} ... ({len(text)} characters) ... {text[-60:]}"
+
+
+def _excerpt(line: str, caret: int) -> tuple[str, int]:
+    """The source line as shown under a message, and the caret's 1-based column in it: one
+    line, control characters as '?', at most EXCERPT_CHARS characters around the caret."""
+    start = max(0, min(caret - 1 - EXCERPT_CHARS // 2, len(line) - EXCERPT_CHARS))
+    end = start + EXCERPT_CHARS  # one character shown per character of the line: the caret lines up
+    head, tail = ("..." if start else ""), ("..." if end < len(line) else "")
+    shown = "".join(ch if ch.isprintable() else " " if ch == "\t" else "?" for ch in line[start:end])
+    return head + shown + tail, caret - start + len(head)
+
+
 class SpecError(VariantgenError):
     """A spec file (or expression inside it) is wrong.
 
@@ -60,21 +87,24 @@ class SpecError(VariantgenError):
     def render(self) -> str:
         head = f"{self.location}: "
         if self.field:
-            head += f"{self.field}: "
-        text = head + self.message
+            head += f"{_bounded(self.field)}: "
+        text = head + _bounded(self.message)
         caret = self.caret_col if self.caret_col is not None else self.location.col
         if self.source_line is not None and caret > 0:
-            text += f"\n    {self.source_line}\n    {' ' * (caret - 1)}^"
+            line, caret = _excerpt(self.source_line, caret)
+            text += f"\n    {line}\n    {' ' * (caret - 1)}^"
         if self.hint:
-            text += f"\n  hint: {self.hint}"
-        return text
+            text += f"\n  hint: {_bounded(self.hint)}"
+        return printable(text)
 
 
 class SpecErrors(SpecError):
-    """Several spec errors found in one pass (validate reports all of them)."""
+    """Several spec errors found in one pass (validate reports all of them, up to
+    MAX_SPEC_ERRORS; ``more`` counts the ones left out)."""
 
-    def __init__(self, errors: list[SpecError]):
+    def __init__(self, errors: list[SpecError], more: int = 0):
         self.errors = list(errors)
+        self.more = more
         first = self.errors[0]
         super().__init__(
             first.message,
@@ -86,7 +116,14 @@ class SpecErrors(SpecError):
         )
 
     def render(self) -> str:  # type: ignore[override]
-        return "\n".join(e.render() for e in getattr(self, "errors", [])) or super().render()
+        errors = getattr(self, "errors", [])
+        if not errors:
+            return super().render()
+        text = "\n".join(e.render() for e in errors)
+        more = getattr(self, "more", 0)
+        if more:
+            text += f"\n{printable(errors[0].location.file)}: ... and {more} more error(s)"
+        return text
 
 
 class BuildError(VariantgenError):

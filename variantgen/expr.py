@@ -5,6 +5,10 @@ built-in, a declared scalar or a declared tensor; the checked tree is what code
 generation, the torch reference and the interval analysis walk. Nothing from the
 source text reaches generated C++ except through that tree.
 
+Indices are checked by kind: a symbolic dimension (``total_kv`` ...) takes only its row
+builtin (``kv_row`` ...), optionally offset by terms that are the same for every row of the
+request (``kv_row - 1``); see docs/spec-reference.md and ``row_index``.
+
 Grammar, lowest precedence first::
 
     cond    := or ['if' or 'else' cond]
@@ -34,6 +38,7 @@ MAX_EXPR_CHARS = 4096
 MAX_DEPTH = 64
 MAX_TREE_DEPTH = 128  # long chains (a + b + c ...) nest without parentheses; every tree walk recurses
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: beyond it a kernel sees inf
 
 
 class Type(enum.Enum):
@@ -396,15 +401,16 @@ class _Parser:
         tok = self.tok
         if tok.kind == "int":
             self.advance()
-            value = int(tok.text)
-            if value > INT32_MAX + 1:  # +1: '-2147483648' is parsed as -(2147483648)
-                raise self.src.error(tok.pos, f"integer {tok.text} does not fit in 32 bits")
+            # Length first: int() of thousands of digits is slow, and past 4300 digits it raises.
+            value = int(tok.text) if len(tok.text) <= 20 else None
+            if value is None or value > INT32_MAX + 1:  # +1: '-2147483648' is parsed as -(2147483648)
+                raise self.src.error(tok.pos, f"integer {_shorten(tok.text)} does not fit in 32 bits")
             return Const(pos=tok.pos, value=value)
         if tok.kind == "float":
             self.advance()
             value = float(tok.text)
-            if not math.isfinite(value) or abs(value) > 3.4e38:
-                raise self.src.error(tok.pos, f"number {tok.text} does not fit in a 32-bit float")
+            if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
+                raise self.src.error(tok.pos, f"number {_shorten(tok.text)} does not fit in a 32-bit float")
             return Const(pos=tok.pos, value=value)
         if tok.kind == "kw" and tok.text in ("true", "false", "True", "False"):
             self.advance()
@@ -416,6 +422,13 @@ class _Parser:
             return node
         found = "end of expression" if tok.kind == "end" else repr(tok.text)
         raise self.src.error(tok.pos, f"expected a value (number, name or '('), found {found}")
+
+
+def _shorten(text: str, limit: int = 40) -> str:
+    """A literal as quoted in a message: long ones keep their ends and say how long they are."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:16]}...{text[-8:]} ({len(text)} characters)"
 
 
 def _deeper_than(root: Node, limit: int) -> Node | None:
@@ -446,8 +459,12 @@ class TensorSig:
     """What the type checker needs to know about a declared tensor."""
 
     name: str
-    ndim: int
+    shape: tuple[str | int, ...]  # symbolic dimension names (DIMS) and fixed sizes
     elem: Type  # INT or FLOAT
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
 
 
 @dataclass(frozen=True)
@@ -491,17 +508,117 @@ FUNCTIONS: dict[str, tuple[int, int]] = {
 FLOAT_FUNCS = ("tanh", "exp", "log", "sqrt", "sigmoid")
 
 
+# ----------------------------------------------------------------------------- index kinds
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A symbolic tensor dimension: what its rows are and which builtins index them (their *kind*)."""
+
+    name: str
+    per: str  # "per query token": what one row of the tensor belongs to
+    rows: str  # how its rows are laid out
+    builtins: tuple[str, ...]
+
+
+DIMS: dict[str, Dim] = {
+    d.name: d
+    for d in (
+        Dim("total_q", "per query token", "one row per query token, in the order of q", ("q_row",)),
+        Dim("total_kv", "per key token", "one row per key token, requests back to back", ("kv_row", "q_kv_row")),
+        Dim("batch", "per request", "one row per request", ("request",)),
+        Dim("num_qo_heads", "per query head", "one row per query head", ("qo_head",)),
+        Dim("num_kv_heads", "per key/value head", "one row per key/value head", ("kv_head",)),
+    )
+}
+# The dimensions whose extent is the batch's: only a tensor's first dimension may be one.
+BATCH_SIZED = ("total_q", "total_kv", "batch")
+# Row builtin -> the dimension it indexes.
+INDEX_KINDS: dict[str, str] = {b: d.name for d in DIMS.values() for b in d.builtins}
+# Row builtins of a request's rows: (the row's position within the request, the request's row
+# count). An offset row is clamped to the request's rows: first + clamp(position + offset, count).
+REQUEST_ROWS: dict[str, tuple[str, str]] = {
+    "q_row": ("q_idx", "qo_len"), "kv_row": ("kv_pos", "kv_len"), "q_kv_row": ("q_pos", "kv_len")}
+# Request-local positions and the row builtin that places each in the batch.
+POSITION_ROWS: dict[str, str] = {"q_idx": "q_row", "kv_pos": "kv_row", "q_pos": "q_kv_row"}
+# Builtins that differ from one query, key or head to the next: an offset may not read them.
+PER_TOKEN = frozenset(POSITION_ROWS) | (frozenset(INDEX_KINDS) - {"request"})
+
+
+@dataclass(frozen=True)
+class RowIndex:
+    """An index of a symbolic dimension: a row builtin plus signed offset terms, e.g.
+    ``kv_row - 1`` is RowIndex("kv_row", ((-1, Const(1)),))."""
+
+    builtin: str
+    offsets: tuple[tuple[int, Node], ...] = ()
+
+    @property
+    def kind(self) -> str:
+        return INDEX_KINDS[self.builtin]
+
+
+def row_index(node: Node) -> RowIndex | None:
+    """``node`` as a row builtin offset by added or subtracted terms; None if it is not of that
+    form. Purely structural: the type checker decides whether the offsets are allowed, codegen
+    and the reference read checked trees through this same function."""
+    if isinstance(node, Name):
+        return RowIndex(node.id) if node.id in INDEX_KINDS else None
+    if isinstance(node, Unary) and node.op == "+":
+        return row_index(node.operand)
+    if isinstance(node, Binary) and node.op in ("+", "-"):
+        left = row_index(node.left)
+        if left is not None:
+            return replace(left, offsets=left.offsets + ((1 if node.op == "+" else -1, node.right),))
+        right = row_index(node.right) if node.op == "+" else None
+        if right is not None:
+            return replace(right, offsets=((1, node.left),) + right.offsets)
+    return None
+
+
+def _direct_names(node: Node) -> set[str]:
+    """Names ``node`` computes with, not counting those only inside a tensor's index."""
+    out: set[str] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, Name):
+            out.add(n.id)
+        elif not isinstance(n, Index):
+            stack.extend(n.children())
+    return out
+
+
+def _shown_expr(node: Node) -> str:
+    text = to_source(node)
+    return text[1:-1] if isinstance(node, (Binary, Unary, Cond)) and text.startswith("(") else text
+
+
 @dataclass(frozen=True)
 class TypeEnv:
     scalars: dict[str, Type]
     tensors: dict[str, TensorSig]
     allow_logits: bool = False
+    # Names whose declaration was refused: their uses raise FollowOnError (already reported).
+    failed: frozenset[str] = frozenset()
 
     def known_names(self) -> list[str]:
         names = list(BUILTINS) + list(self.scalars) + list(self.tensors)
         if self.allow_logits:
             names.append(LOGITS.name)
         return names
+
+
+class FollowOnError(SpecError):
+    """A use of a name whose declaration was refused: the declaration's error says it all,
+    so spec loading drops this one instead of reporting the same mistake twice."""
+
+
+def _listed(names: list[str], limit: int = 30) -> str:
+    """Names for a message ("a, b, c"), the first ``limit`` of them and a count of the rest."""
+    names = sorted(names)
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more or "(none)"
 
 
 def _suggest(name: str, candidates: list[str]) -> str | None:
@@ -516,6 +633,11 @@ class _Checker:
 
     def err(self, node: Node, message: str, hint: str | None = None) -> SpecError:
         return self.src.error(node.pos, message, hint)
+
+    def follow_on(self, node: Node, name: str) -> FollowOnError:
+        line, col = self.src.line_text(node.pos)
+        return FollowOnError(f"`{name}` is used but its declaration has errors", self.src.locate(node.pos),
+                             field=self.src.field, source_line=line, caret_col=col)
 
     def check(self, node: Node) -> Node:
         method = getattr(self, "_" + type(node).__name__.lower())
@@ -543,20 +665,24 @@ class _Checker:
             raise self.err(node, f"tensor `{node.id}` must be indexed, e.g. {node.id}[{idx}]")
         if node.id in FUNCTIONS:
             raise self.err(node, f"`{node.id}` is a function: call it, e.g. {node.id}(...)")
+        if node.id in self.env.failed:
+            raise self.follow_on(node, node.id)
         raise self.err(
             node,
-            f"unknown name `{node.id}`; known names: {', '.join(sorted(self.env.known_names()))}",
+            f"unknown name `{_shorten(node.id)}`; known names: {_listed(self.env.known_names())}",
             _suggest(node.id, self.env.known_names()),
         )
 
     def _index(self, node: Index) -> Node:
         sig = self.env.tensors.get(node.tensor)
         if sig is None:
+            if node.tensor in self.env.failed:
+                raise self.follow_on(node, node.tensor)
             what = "a scalar" if node.tensor in self.env.scalars or node.tensor in BUILTINS else "not a declared tensor"
             raise self.err(
                 node,
-                f"`{node.tensor}` is {what} and cannot be indexed; declared tensors: "
-                f"{', '.join(sorted(self.env.tensors)) or '(none)'}",
+                f"`{_shorten(node.tensor)}` is {what} and cannot be indexed; declared tensors: "
+                f"{_listed(list(self.env.tensors))}",
                 _suggest(node.tensor, list(self.env.tensors)),
             )
         if len(node.indices) != sig.ndim:
@@ -568,7 +694,53 @@ class _Checker:
         for i in indices:
             if i.ty is not Type.INT:
                 raise self.err(i, f"index of `{node.tensor}` must be an int, got {i.ty}")
+        for k, (dim, i) in enumerate(zip(sig.shape, indices)):
+            if isinstance(dim, str):  # fixed sizes take any int (clamped to the size)
+                self._check_row_index(sig, k, DIMS[dim], i)
         return replace(node, indices=indices, ty=sig.elem)
+
+    def _check_row_index(self, sig: TensorSig, k: int, dim: Dim, index: Node) -> None:
+        """A symbolic dimension takes only an index of its kind: its row builtin, optionally
+        offset by terms that are the same for every row of the request."""
+        t = sig.name
+        of = f"`{t}`" if sig.ndim == 1 else f"dimension {k} of `{t}`"
+        use = " or ".join(dim.builtins)
+        fix = f"`{t}` is {dim.per}: index it with {use}"
+        shown = _shown_expr(index)
+        ref = row_index(index)
+        if ref is None:
+            kinded = sorted(_direct_names(index) & set(INDEX_KINDS))
+            if kinded:
+                raise self.err(index, f"`{shown}` is not a row of {of} ({dim.name}): it computes with the row "
+                               f"index `{kinded[0]}`, and only adding or subtracting an offset keeps an index a row",
+                               f"{fix}, or {dim.builtins[0]} + k / {dim.builtins[0]} - k with k the same for every "
+                               "row of the request")
+            positions = sorted(_direct_names(index) & set(POSITION_ROWS))
+            if positions:
+                pos, row = positions[0], POSITION_ROWS[positions[0]]
+                hint = (f"`{t}` is {dim.per}: index it with {row} (the row of {pos} in the batch)"
+                        if row in dim.builtins else fix)
+                raise self.err(index, f"`{pos}` is a position within its request, but {of} has {dim.name} rows "
+                               f"({dim.rows}): it would read the first request's rows for every request", hint)
+            raise self.err(index, f"{of} has {dim.name} rows ({dim.rows}); `{shown}` is not a row index", fix)
+        for _, term in ref.offsets:
+            others = sorted(_direct_names(term) & set(INDEX_KINDS))
+            if others:
+                raise self.err(index, f"`{shown}` combines the row indices `{ref.builtin}` and `{others[0]}`, which "
+                               "makes no row of any tensor", fix)
+        if ref.kind != dim.name:
+            other = DIMS[ref.kind]
+            raise self.err(index, f"{of} has {dim.name} rows ({dim.rows}), but `{ref.builtin}` indexes "
+                           f"{other.name} rows ({other.rows})", fix)
+        if ref.offsets and dim.name == "batch":
+            raise self.err(index, f"`{shown}` would read another request's row of `{t}`: a query sees only its "
+                           "own request's values", f"index `{t}` with request itself")
+        for _, term in ref.offsets:
+            moving = sorted(names_used(term) & PER_TOKEN)
+            if moving:
+                raise self.err(term, f"the offset `{_shown_expr(term)}` of `{ref.builtin}` reads `{moving[0]}`, "
+                               "which changes from row to row; an offset must be the same for every row of the "
+                               "request", "offset by ints, scalars, qo_len, kv_len or tensors indexed by request")
 
     def _unary(self, node: Unary) -> Node:
         operand = self.check(node.operand)
@@ -619,7 +791,9 @@ class _Checker:
             if node.func in self.env.tensors:
                 raise self.err(node, f"tensor `{node.func}` is indexed with [...], not called",
                                f"write {node.func}[...]")
-            raise self.err(node, f"unknown function `{node.func}`; functions: {', '.join(sorted(FUNCTIONS))}",
+            if node.func in self.env.failed:
+                raise self.follow_on(node, node.func)
+            raise self.err(node, f"unknown function `{_shorten(node.func)}`; functions: {_listed(list(FUNCTIONS))}",
                            _suggest(node.func, list(FUNCTIONS)))
         lo, hi = FUNCTIONS[node.func]
         if not lo <= len(node.args) <= hi:

@@ -154,22 +154,23 @@ def _chunk_of_compare(node: Binary) -> Term | None:
     return None
 
 
-def _sorted_eq_of_compare(node: Binary) -> Term | None:
-    """t[kv_row] == v (either side), t one-dimensional, v row-only."""
+def _sorted_eq_of_compare(node: Binary, key_tensors: frozenset[str]) -> Term | None:
+    """t[kv_row] == v (either side), t one of the [total_kv] tensors, v row-only."""
     if node.op != "==":
         return None
     for a, b in ((node.left, node.right), (node.right, node.left)):
-        if (isinstance(a, Index) and len(a.indices) == 1 and isinstance(a.indices[0], Name)
+        if (isinstance(a, Index) and a.tensor in key_tensors and isinstance(a.indices[0], Name)
                 and a.indices[0].id == "kv_row" and _row_only(b)):
             return Term(sorted_eqs=((a.tensor, b),))
     return None
 
 
-def _atom(node: Node) -> Term:
+def _atom(node: Node, key_tensors: frozenset[str]) -> Term:
     if _row_only(node):
         return Term(conds=(node,))
     if isinstance(node, Binary) and node.op in ("<", "<=", ">", ">=", "==", "!="):
-        found = _bounds_of_compare(node) or _chunk_of_compare(node) or _sorted_eq_of_compare(node)
+        found = (_bounds_of_compare(node) or _chunk_of_compare(node)
+                 or _sorted_eq_of_compare(node, key_tensors))
         if found is not None:
             return found
     return Term(exact=False)  # reads the key in a way we do not model: hull
@@ -196,17 +197,19 @@ def _negate(node: Node) -> Node:
     return Unary(pos=node.pos, ty=Type.BOOL, op="not", operand=node)
 
 
-def _dnf(node: Node) -> list[Term]:
+def _dnf(node: Node, key_tensors: frozenset[str]) -> list[Term]:
+    """``node`` as a disjunction of terms; ``key_tensors``: the one-dimensional [total_kv] tensors
+    (a sorted-id comparison needs one row per key)."""
     if isinstance(node, Binary) and node.op == "or":
-        terms = _dnf(node.left) + _dnf(node.right)
+        terms = _dnf(node.left, key_tensors) + _dnf(node.right, key_tensors)
     elif isinstance(node, Binary) and node.op == "and":
-        terms = [_and(a, b) for a in _dnf(node.left) for b in _dnf(node.right)]
+        terms = [_and(a, b) for a in _dnf(node.left, key_tensors) for b in _dnf(node.right, key_tensors)]
     elif isinstance(node, Unary) and node.op == "not" and not _row_only(node):
-        return _dnf(_negate(node.operand))
+        return _dnf(_negate(node.operand), key_tensors)
     elif isinstance(node, Const) and node.ty is Type.BOOL:
         terms = [Term()] if node.value else []
     else:
-        terms = [_atom(node)]
+        terms = [_atom(node, key_tensors)]
     if len(terms) > MAX_TERMS:
         raise _TooComplex
     return terms
@@ -218,7 +221,8 @@ def analyze(spec: VariantSpec) -> IntervalForm:
     if used & HEAD_NAMES:
         return IntervalForm((), False, "the mask depends on the head index: intervals differ per head")
     try:
-        terms = tuple(_dnf(spec.mask))
+        key_tensors = frozenset(t.name for t in spec.tensors if t.shape == ("total_kv",))
+        terms = tuple(_dnf(spec.mask, key_tensors))
     except _TooComplex:
         return IntervalForm((), False, f"the mask expands to more than {MAX_TERMS} interval terms")
     if not terms:

@@ -2,9 +2,10 @@
 
 Every GPU test compares against this. It evaluates the mask (and logits transform) for
 each request over a [heads, qo_len, kv_len] grid with the semantics codegen.py promises:
-Python-style ``//`` and ``%`` (0 for a zero divisor), float ``/``, and tensor indices
-clamped to the tensor's extent. Integers are evaluated in int64; expressions whose values
-leave the int32 range are outside the language's contract.
+Python-style ``//`` and ``%`` (0 for a zero divisor), float ``/``, offset row indices
+(``kv_row - 1``) clamped to the rows of their request, other indices clamped to the
+tensor's extent. Integers are evaluated in int64; expressions whose values leave the int32
+range are outside the language's contract.
 
 It runs on whatever device the inputs are on (CPU in CI, the GPU in GPU tests).
 """
@@ -18,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .expr import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary
+from .expr import REQUEST_ROWS, Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, row_index
 from .spec import VariantSpec
 
 
@@ -106,10 +107,18 @@ class _Evaluator:
 
     def _index(self, node: Index) -> torch.Tensor:
         tensor = self.args[node.tensor]
+        shape = next(t.shape for t in self.spec.tensors if t.name == node.tensor)
         idx = []
-        for dim, sub in enumerate(node.indices):
-            i = self.ev(sub).to(torch.int64)
-            idx.append(i.clamp(0, tensor.shape[dim] - 1))
+        for k, (dim, sub) in enumerate(zip(shape, node.indices)):
+            ref = row_index(sub) if isinstance(dim, str) else None
+            if ref is not None and ref.offsets and ref.builtin in REQUEST_ROWS:
+                # first row of the request + (position + offset) clamped to the request's rows
+                position, count = (self.env[n] for n in REQUEST_ROWS[ref.builtin])
+                local = position + sum(sign * self.ev(term).to(torch.int64) for sign, term in ref.offsets)
+                i = self.env[ref.builtin] - position + torch.minimum(local.clamp_min(0), count - 1)
+            else:
+                i = self.ev(sub).to(torch.int64)
+            idx.append(i.clamp(0, tensor.shape[k] - 1))
         idx = torch.broadcast_tensors(*idx)
         value = tensor.to(self.device)[tuple(idx)]
         return value.to(torch.int64) if tensor.dtype == torch.int32 else value.to(torch.float32)

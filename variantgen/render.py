@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -215,7 +215,6 @@ class RenderedModule:
     tensor_args: tuple[KernelArg, ...]  # run() extra tensors, in ABI order
     scalar_args: tuple[KernelArg, ...]  # run() extra scalars, in ABI order
     template_digest: str
-    clamped_tensors: tuple[str, ...] = field(default=())
     # FlashInfer csrc files compiled into the module (its host code for this kind)
     host_sources: tuple[str, ...] = ("batch_prefill_paged.cu",)
 
@@ -321,8 +320,7 @@ def struct_name(spec: VariantSpec) -> str:
     return "VG_" + "".join(part.capitalize() for part in spec.name.split("_"))
 
 
-def kernel_args(spec: VariantSpec, clamped: frozenset[str] | set[str] = frozenset()) -> tuple[
-        tuple[KernelArg, ...], tuple[KernelArg, ...]]:
+def kernel_args(spec: VariantSpec) -> tuple[tuple[KernelArg, ...], tuple[KernelArg, ...]]:
     """run()'s extra arguments in ABI order: spec tensors, vg_meta; spec scalars, internals."""
     tensors = [KernelArg(t.name, t.cpp_type, f"spec tensor {list(t.shape)}") for t in spec.tensors]
     tensors.append(KernelArg("vg_meta", "int32_t", "per launch request metadata [n, VG_META_STRIDE]"))
@@ -331,23 +329,21 @@ def kernel_args(spec: VariantSpec, clamped: frozenset[str] | set[str] = frozense
     scalars.append(KernelArg("sm_scale", "double", "softmax scale, q/k scales folded in"))
     if spec.qkv_scales:
         scalars.append(KernelArg("v_scale", "double", "value scale, applied to the output"))
-    for t in sorted(clamped):
-        scalars.append(KernelArg(codegen.rows_scalar_name(t), "int64_t", f"rows of `{t}` (index clamping)"))
     return tuple(tensors), tuple(scalars)
 
 
 # How each backend's hooks reach their arguments (see codegen.Target).
-CODEGEN_TARGETS = {"fa2": codegen.FA2_PAGED, "fa3": codegen.FA3}
+CODEGEN_TARGETS = {("fa2", "prefill"): codegen.FA2_PAGED, ("fa2", "decode"): codegen.FA2_PAGED,
+                   ("fa2", "ragged"): codegen.FA2_RAGGED, ("fa3", "prefill"): codegen.FA3}
 
 
-def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...], tuple[KernelArg, ...], set[str]]:
+def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...], tuple[KernelArg, ...]]:
     """What every backend's variant template needs: the spec's mask/logits as C++, its args."""
     spec = config.spec
-    target = CODEGEN_TARGETS[config.backend]
+    target = CODEGEN_TARGETS[(config.backend, config.kind)]
     mask = codegen.emit_mask(spec, target)
     logits = codegen.emit_logits(spec, target=target)
-    clamped = set(mask.clamped_tensors) | (set(logits.clamped_tensors) if logits else set())
-    tensor_args, scalar_args = kernel_args(spec, clamped)
+    tensor_args, scalar_args = kernel_args(spec)
     scalar_local = {"int": "int32_t", "float": "float", "bool": "bool"}
     ctx = {
         "vg_version": __version__,
@@ -377,7 +373,7 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
         "head_dim_vo": config.head_dim_vo,
         "mask_modes": [{"name": m, "literal": MASK_MODES[m][1]} for m in config.mask_modes],
     }
-    return ctx, tensor_args, scalar_args, clamped
+    return ctx, tensor_args, scalar_args
 
 
 # A renderer turns the context into (files, compile units, FlashInfer host sources).
@@ -488,7 +484,7 @@ RENDERERS: dict[tuple[str, str], Renderer] = {
 
 
 def render_module(config: ModuleConfig) -> RenderedModule:
-    ctx, tensor_args, scalar_args, clamped = _variant_context(config)
+    ctx, tensor_args, scalar_args = _variant_context(config)
     renderer = RENDERERS.get((config.backend, config.kind))
     if renderer is None:
         raise ValueError(f"backend={config.backend!r}, kind={config.kind!r}: not generated yet")
@@ -500,6 +496,5 @@ def render_module(config: ModuleConfig) -> RenderedModule:
         tensor_args=tensor_args,
         scalar_args=scalar_args,
         template_digest=template_digest(config.backend),
-        clamped_tensors=tuple(sorted(clamped)),
         host_sources=host_sources,
     )

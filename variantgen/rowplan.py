@@ -118,7 +118,7 @@ def render_planner(config: PlannerConfig) -> RenderedModule:
         "rec_fields": REC_FIELDS,
         "seg_fields": SEG_FIELDS,
         "tensors": [{"name": n, "cpp_type": by_name[n].cpp_type, "shape": list(by_name[n].shape),
-                     "rows_name": codegen.rows_scalar_name(n)} for n in tensor_names],
+                     "rows_name": f"vg_rows_{n}"} for n in tensor_names],
         "sorted_tensors": sorted_tensors,
         "scalars": [{"name": n, "param_type": SCALAR_TYPES[scalars[n].dtype][0],
                      "local_type": SCALAR_TYPES[scalars[n].dtype][1]} for n in scalar_names],

@@ -9,33 +9,29 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
-from dataclasses import dataclass, field, fields
+import struct
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from . import expr
-from .errors import Location, SpecError, SpecErrors
-from .expr import BUILTINS, FUNCTIONS, SourceText, TensorSig, Type, TypeEnv
+from .errors import MAX_SPEC_ERRORS, Location, SpecError, SpecErrors
+from .expr import BUILTINS, DIMS, FLOAT32_MAX, FUNCTIONS, SourceText, TensorSig, Type, TypeEnv
 
 MAX_SPEC_BYTES = 256 * 1024
 MAX_YAML_NODES = 20_000
 MAX_YAML_DEPTH = 32  # nested collections; a spec needs 4
-NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
-ARG_RE = re.compile(r"^[a-z][a-z0-9_]{0,31}$")
+# Matched with fullmatch: `$` would also accept a trailing newline ("causal\n").
+NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,47}")
+ARG_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
+MAX_NUMBER_CHARS = 64  # a YAML number literal longer than this is refused before it is converted
 
 TENSOR_DTYPES = {"int32": Type.INT, "float32": Type.FLOAT}
 SCALAR_DTYPES = {"int": Type.INT, "float": Type.FLOAT, "bool": Type.BOOL}
-SYMBOLIC_DIMS = {
-    "total_q": "one row per query token of the batch, in the order of q (index with q_row)",
-    "total_kv": "one row per key token, requests back to back (index with kv_row / q_kv_row)",
-    "batch": "one row per request (index with request)",
-    "num_qo_heads": "one row per query head (index with qo_head)",
-    "num_kv_heads": "one row per key/value head (index with kv_head)",
-}
+SYMBOLIC_DIMS = {d.name: f"{d.rows} (index with {' / '.join(d.builtins)})" for d in DIMS.values()}
 BACKENDS = ("fa2", "fa3")
 TOP_LEVEL_KEYS = ("name", "description", "tensors", "scalars", "mask", "logits", "scales", "backends")
 
@@ -84,10 +80,41 @@ class ScalarArg:
     dtype: str  # 'int' | 'float' | 'bool'
     default: bool | int | float
     doc: str = ""
+    # The valid range (spec keys `min`, `max`, `positive`), checked for the default at load
+    # time and for every value plan()/run() get. Not part of the generated code.
+    minimum: int | float | None = None  # inclusive
+    maximum: int | float | None = None  # inclusive
+    positive: bool = False  # > 0
 
     @property
     def ty(self) -> Type:
         return SCALAR_DTYPES[self.dtype]
+
+    @property
+    def has_range(self) -> bool:
+        return self.positive or self.minimum is not None or self.maximum is not None
+
+    def range_text(self) -> str:
+        """The valid range as `> 0 and <= 8`, for messages and docs."""
+        parts = ["> 0"] if self.positive else []
+        if self.minimum is not None:
+            parts.append(f">= {self.minimum!r}")
+        if self.maximum is not None:
+            parts.append(f"<= {self.maximum!r}")
+        return " and ".join(parts) or "any value"
+
+    def out_of_range(self, value: int | float) -> str | None:
+        """Why ``value`` (already of the scalar's type, see value_fits) is outside the valid
+        range, or None. A float is judged as the kernel will see it: rounded to float32."""
+        def inside(x: int | float) -> bool:
+            return ((not self.positive or x > 0) and (self.minimum is None or x >= self.minimum)
+                    and (self.maximum is None or x <= self.maximum))
+
+        seen = _float32(value) if self.dtype == "float" else value
+        if self.dtype == "bool" or inside(seen):
+            return None
+        rounded = f" (as a 32-bit float it is {seen!r})" if inside(value) else ""
+        return f"{shown_value(value)}{rounded} is out of range: the spec allows {self.range_text()}"
 
 
 @dataclass(frozen=True)
@@ -128,7 +155,7 @@ class VariantSpec:
     def type_env(self, allow_logits: bool = False) -> TypeEnv:
         return TypeEnv(
             scalars={s.name: s.ty for s in self.scalars},
-            tensors={t.name: TensorSig(t.name, len(t.shape), t.elem) for t in self.tensors},
+            tensors={t.name: TensorSig(t.name, t.shape, t.elem) for t in self.tensors},
             allow_logits=allow_logits,
         )
 
@@ -187,32 +214,71 @@ class _SpecLoader(yaml.SafeLoader):
         return added
 
 
+def _marked_error(text: str, path: str, mark: yaml.Mark | None, message: str, hint: str | None = None) -> SpecError:
+    """A file-level error at a YAML mark, with the file's line and a caret like every other."""
+    if mark is None:
+        return SpecError(message, Location(path), hint=hint)
+    lines = text.splitlines()
+    # A mark just past the last line (end of the stream) gets an empty line to point at.
+    line = lines[mark.line] if 0 <= mark.line < len(lines) else "" if mark.line == len(lines) else None
+    return SpecError(message, Location(path, mark.line + 1, mark.column + 1), source_line=line, hint=hint)
+
+
 def _scan_yaml(text: str, path: str) -> None:
     """Refuse what a spec never needs and an attacker likes: anchors, aliases, tags."""
     try:
         for event in yaml.parse(text, Loader=_SpecLoader):
             mark = event.start_mark
-            where = Location(path, mark.line + 1, mark.column + 1)
             if isinstance(event, yaml.AliasEvent):
-                raise SpecError("YAML aliases (*name) are not allowed in spec files; write the value out", where)
+                raise _marked_error(text, path, mark, "YAML aliases (*name) are not allowed in spec files; "
+                                    "write the value out")
             anchor = getattr(event, "anchor", None)
             if anchor:
-                raise SpecError("YAML anchors (&name) are not allowed in spec files; write the value out", where)
+                raise _marked_error(text, path, mark, "YAML anchors (&name) are not allowed in spec files; "
+                                    "write the value out")
             tag = getattr(event, "tag", None)
             implicit = getattr(event, "implicit", True)
             if tag and not (implicit is True or (isinstance(implicit, tuple) and any(implicit))):
-                raise SpecError(f"YAML tags ({tag}) are not allowed in spec files", where)
+                raise _marked_error(text, path, mark, f"YAML tags ({shown_value(tag)[1:-1]}) are not allowed in "
+                                    "spec files", "quote the value if the '!' is part of it")
     except yaml.YAMLError as e:
-        raise _yaml_error(e, path) from None
+        raise _yaml_error(e, path, text) from None
 
 
-def _yaml_error(e: yaml.YAMLError, path: str) -> SpecError:
+# (substring of PyYAML's problem, hint); {open} is where the unclosed bracket or quote began.
+_YAML_HINTS = (
+    ("found character '\\t'", "indent with spaces: YAML does not allow tabs there"),
+    ("mapping values are not allowed", "quote a value that contains ': ', and line nested keys up under their "
+     "parent (e.g. mask: \"a: b\")"),
+    ("could not find expected ':'", "each line of a mapping reads `key: value`; quote a value that continues "
+     "on the next line"),
+    ("expected ',' or ']'", "close the list opened {open} with ']'"),
+    ("expected ',' or '}'", "close the mapping opened {open} with '}'"),
+    ("found unexpected end of stream", "close the quote opened {open}"),
+    ("found unknown escape character", "inside double quotes write a backslash as \\\\, or use single quotes"),
+    ("did not find expected key", "keys of one mapping must start in the same column"),
+    ("expected <block end>", "this line's indentation does not match the lines above it"),
+    ("did not find expected node content", "a value is missing here; quote values that start with a special "
+     "character (one of [ ] { } , : # & * ! | > ' \" % @ `)"),
+    ("found character that cannot start any token", "quote values that start with a special character "
+     "(one of [ ] { } , : # & * ! | > ' \" % @ `)"),
+    ("collections are nested more than", None),
+)
+
+
+def _yaml_error(e: yaml.YAMLError, path: str, text: str) -> SpecError:
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
-    where = Location(path, mark.line + 1, mark.column + 1) if mark else Location(path)
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
     context = getattr(e, "context", None)
     msg = f"invalid YAML: {problem}" + (f" ({context})" if context else "")
-    return SpecError(msg, where)
+    opened = getattr(e, "context_mark", None)
+    where_open = f"at line {opened.line + 1}, column {opened.column + 1}" if opened is not None else "before"
+    hint: str | None = "check the indentation and quoting around here"
+    for needle, text_hint in _YAML_HINTS:
+        if needle in problem:
+            hint = text_hint.replace("{open}", where_open) if text_hint else None
+            break
+    return _marked_error(text, path, mark, msg, hint)
 
 
 class _Reader:
@@ -222,9 +288,19 @@ class _Reader:
         self.path = path
         self.lines = text.splitlines()
         self.errors: list[SpecError] = []
+        self.more = 0  # errors past MAX_SPEC_ERRORS: counted, not kept
         self.nodes = 0
 
+    def add(self, err: SpecError) -> None:
+        if len(self.errors) < MAX_SPEC_ERRORS:
+            self.errors.append(err)
+        else:
+            self.more += 1
+
     def error(self, node: yaml.Node | None, field_name: str, message: str, hint: str | None = None) -> None:
+        if len(self.errors) >= MAX_SPEC_ERRORS:
+            self.more += 1
+            return
         loc = _loc(self.path, node) if node is not None else Location(self.path)
         line = self.lines[loc.line - 1] if node is not None and 0 < loc.line <= len(self.lines) else None
         shown = _shown(field_name) if field_name else None  # '': the document itself
@@ -260,6 +336,11 @@ class _Reader:
         if not isinstance(node, yaml.ScalarNode):
             self.error(node, field_name, f"expected a single value, got {_kind(node)}")
             return _MISSING
+        if node.tag == "tag:yaml.org,2002:int" and len(node.value) > MAX_NUMBER_CHARS:
+            # Converting it is slow, past 4300 digits it raises, and no spec value needs it.
+            self.error(node, field_name, f"integer {expr._shorten(node.value)} is far too large",
+                       "spec values are 32-bit ints and floats")
+            return _MISSING
         try:
             return yaml.SafeLoader(" ").construct_object(node)  # type: ignore[arg-type]
         except Exception as e:  # a malformed timestamp, a bad float ...
@@ -271,7 +352,7 @@ class _Reader:
         if value is _MISSING:
             return None
         if not isinstance(value, str):
-            self.error(node, field_name, f"expected text, got {_pytype(value)} {value!r}",
+            self.error(node, field_name, f"expected text, got {_pytype(value)} {shown_value(value)}",
                        "quote the value" if value is not None else None)
             return None
         return value
@@ -282,8 +363,10 @@ _PLAIN_FIELD = re.compile(r"[A-Za-z0-9_.\[\]]+")
 
 def _shown(text: str) -> str:
     """A field name built from the file's keys, safe to print: as is when plain, else
-    quoted and escaped (control characters, odd spaces or line breaks never reach a message)."""
-    return text if _PLAIN_FIELD.fullmatch(text) else ascii(text)
+    quoted and escaped (control characters, odd spaces or line breaks never reach a message);
+    a long one is cut in the middle."""
+    shown = text if _PLAIN_FIELD.fullmatch(text) else ascii(text)
+    return shown if len(shown) <= 80 else f"{shown[:56]}...{shown[-8:]} ({len(shown)} characters)"
 
 
 class _Missing:
@@ -298,7 +381,7 @@ def _kind(node: yaml.Node) -> str:
         return "a mapping"
     if isinstance(node, yaml.SequenceNode):
         return "a list"
-    return f"the value {node.value!r}"
+    return f"the value {shown_value(node.value)}"
 
 
 def _pytype(value: Any) -> str:
@@ -307,6 +390,32 @@ def _pytype(value: Any) -> str:
     return {bool: "a bool", int: "an int", float: "a float", str: "text", list: "a list", dict: "a mapping"}.get(
         type(value), type(value).__name__
     )
+
+
+def shown_value(value: Any, limit: int = 60) -> str:
+    """repr() of a value for a message, bounded: a huge int is described (repr of one over
+    4300 digits raises), long text is cut in the middle."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4096:
+        return f"{'-' if value < 0 else ''}<an integer of {value.bit_length()} bits>"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 24]}...{text[-8:]} ({len(text)} characters)"
+
+
+def value_fits(value: Any, dtype: str) -> bool:
+    """Whether ``value`` is a value of a scalar of this dtype as the kernel holds it: a bool;
+    an int in 32-bit range; an int or float within float32's finite range (1e300 would be inf)."""
+    if dtype == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if dtype == "int":
+        return isinstance(value, int) and expr.INT32_MIN <= value <= expr.INT32_MAX
+    # abs() compares ints of any size exactly (math.isfinite overflows past a double); NaN fails it.
+    return isinstance(value, (int, float)) and abs(value) <= FLOAT32_MAX
+
+
+def _float32(value: int | float) -> float:
+    return struct.unpack("f", struct.pack("f", float(value)))[0]
 
 
 _LINE_BREAKS = "\r\n\x85\u2028\u2029"
@@ -439,7 +548,7 @@ def parse_spec(text: str, path: str = "<string>") -> VariantSpec:
     try:
         root = yaml.compose(text, Loader=_SpecLoader)
     except yaml.YAMLError as e:
-        raise _yaml_error(e, path) from None
+        raise _yaml_error(e, path, text) from None
     except RecursionError:
         raise SpecError("YAML is nested too deeply", Location(path)) from None
     if root is None:
@@ -450,19 +559,20 @@ def parse_spec(text: str, path: str = "<string>") -> VariantSpec:
     except RecursionError:
         raise SpecError("spec is nested too deeply", Location(path)) from None
     if r.errors:
-        raise SpecErrors(r.errors) if len(r.errors) > 1 else r.errors[0]
+        raise SpecErrors(r.errors, r.more) if len(r.errors) > 1 or r.more else r.errors[0]
     assert spec is not None
     return spec
 
 
 def _check_arg_name(r: _Reader, key_node: yaml.Node, name: str, where: str, taken: dict[str, str]) -> bool:
     field_name = f"{where}.{name}"
-    if not ARG_RE.match(name):
-        r.error(key_node, field_name, f"argument name {name!r} must match {ARG_RE.pattern} "
+    if not ARG_RE.fullmatch(name):
+        r.error(key_node, field_name, f"argument name {shown_value(name)} must match {ARG_RE.pattern} "
                 "(lower case letters, digits, '_'; at most 32 characters)")
         return False
     if name.startswith("vg_"):
-        r.error(key_node, field_name, f"names starting with 'vg_' are reserved for variantgen internals: {name!r}")
+        r.error(key_node, field_name, "names starting with 'vg_' are reserved for variantgen internals: "
+                f"{shown_value(name)}")
         return False
     if name in BUILTINS or name in FUNCTIONS or name == "logits":
         r.error(key_node, field_name, f"`{name}` is a built-in name of the expression language and cannot be declared")
@@ -492,8 +602,8 @@ def _build(r: _Reader, root: yaml.Node) -> VariantSpec | None:
         r.error(root, "name", "missing required field `name`")
     else:
         name = r.string(fields["name"][1], "name")
-        if name is not None and not NAME_RE.match(name):
-            r.error(fields["name"][1], "name", f"spec name {name!r} must match {NAME_RE.pattern} "
+        if name is not None and not NAME_RE.fullmatch(name):
+            r.error(fields["name"][1], "name", f"spec name {shown_value(name)} must match {NAME_RE.pattern} "
                     "(it becomes part of module names and cache paths)")
             name = None
     description = ""
@@ -501,12 +611,14 @@ def _build(r: _Reader, root: yaml.Node) -> VariantSpec | None:
         description = r.string(fields["description"][1], "description") or ""
 
     taken: dict[str, str] = {}  # argument name -> 'tensor' | 'scalar', shared by both sections
-    tensors: list[TensorArg] = _arguments(r, fields, "tensors", _tensor, taken)
-    scalars: list[ScalarArg] = _arguments(r, fields, "scalars", _scalar, taken)
+    failed: set[str] = set()  # declarations refused: their uses are not reported again
+    tensors: list[TensorArg] = _arguments(r, fields, "tensors", _tensor, taken, failed)
+    scalars: list[ScalarArg] = _arguments(r, fields, "scalars", _scalar, taken, failed)
 
     env = TypeEnv(
         scalars={s.name: s.ty for s in scalars},
-        tensors={t.name: TensorSig(t.name, len(t.shape), t.elem) for t in tensors},
+        tensors={t.name: TensorSig(t.name, t.shape, t.elem) for t in tensors},
+        failed=frozenset(failed - set(taken)),
     )
     mask = mask_text = None
     if "mask" not in fields:
@@ -517,7 +629,7 @@ def _build(r: _Reader, root: yaml.Node) -> VariantSpec | None:
     if "logits" in fields and not _is_null(fields["logits"][1]):
         logits, logits_text = _expression(
             r, fields["logits"][1], "logits",
-            TypeEnv(env.scalars, env.tensors, allow_logits=True), Type.FLOAT,
+            replace(env, allow_logits=True), Type.FLOAT,
         )
         if logits is not None and "logits" not in expr.names_used(logits):
             r.error(fields["logits"][1], "logits", "the logits transform never reads `logits`; "
@@ -546,18 +658,23 @@ def _build(r: _Reader, root: yaml.Node) -> VariantSpec | None:
     )
 
 
-def _arguments(r: _Reader, fields: dict, section: str, read_one, taken: dict[str, str]) -> list:
-    """The declared arguments of one section ('tensors' or 'scalars'), names checked."""
+def _arguments(r: _Reader, fields: dict, section: str, read_one, taken: dict[str, str], failed: set[str]) -> list:
+    """The declared arguments of one section ('tensors' or 'scalars'), names checked; the
+    names of refused declarations go to ``failed`` (a built-in name keeps its meaning)."""
     out = []
     if section not in fields:
         return out
     for name, key_node, value in r.mapping(fields[section][1], section) or []:
         if not _check_arg_name(r, key_node, name, section, taken):
+            if name not in BUILTINS and name not in FUNCTIONS and name != "logits":
+                failed.add(name)
             continue
         arg = read_one(r, name, value)
         if arg is not None:
             out.append(arg)
             taken[name] = section[:-1]
+        else:
+            failed.add(name)
     return out
 
 
@@ -583,8 +700,8 @@ def _tensor(r: _Reader, name: str, node: yaml.Node) -> TensorArg | None:
     else:
         dtype = r.string(got["dtype"][1], f"{field_name}.dtype")
         if dtype is not None and dtype not in TENSOR_DTYPES:
-            r.error(got["dtype"][1], f"{field_name}.dtype", f"unsupported tensor dtype {dtype!r}; expected one of: "
-                    f"{', '.join(TENSOR_DTYPES)}", expr._suggest(dtype, list(TENSOR_DTYPES)))
+            r.error(got["dtype"][1], f"{field_name}.dtype", f"unsupported tensor dtype {shown_value(dtype)}; "
+                    f"expected one of: {', '.join(TENSOR_DTYPES)}", expr._suggest(dtype, list(TENSOR_DTYPES)))
             ok = False
         ok = ok and dtype is not None
     shape: list[str | int] = []
@@ -608,15 +725,21 @@ def _tensor(r: _Reader, name: str, node: yaml.Node) -> TensorArg | None:
                         r.error(dnode, f"{field_name}.shape[{i}]", "expected a dimension name or a size, got a bool")
                 elif isinstance(d, int):
                     if not 1 <= d <= 65536:
-                        r.error(dnode, f"{field_name}.shape[{i}]", f"fixed size must be 1..65536, got {d}")
+                        r.error(dnode, f"{field_name}.shape[{i}]", f"fixed size must be 1..65536, got {shown_value(d)}")
                         ok = False
                     shape.append(d)
                 elif isinstance(d, str) and d in SYMBOLIC_DIMS:
+                    if i > 0 and d in expr.BATCH_SIZED:
+                        # The kernel knows the extents of heads and fixed sizes, not of batch-sized
+                        # dimensions, so only the first may be one (its rows are addressed by index).
+                        r.error(dnode, f"{field_name}.shape[{i}]", f"`{d}` can only be a tensor's first dimension "
+                                "(the dimensions after the first must be fixed sizes or head counts)")
+                        ok = False
                     shape.append(d)
                 else:
                     r.error(dnode, f"{field_name}.shape[{i}]",
-                            f"unknown dimension {d!r}; expected a positive int or one of: {', '.join(SYMBOLIC_DIMS)}",
-                            expr._suggest(str(d), list(SYMBOLIC_DIMS)))
+                            f"unknown dimension {shown_value(d)}; expected a positive int or one of: "
+                            f"{', '.join(SYMBOLIC_DIMS)}", expr._suggest(str(d), list(SYMBOLIC_DIMS)))
                     ok = False
     doc = ""
     if "doc" in got:
@@ -626,6 +749,9 @@ def _tensor(r: _Reader, name: str, node: yaml.Node) -> TensorArg | None:
     return TensorArg(name, dtype, tuple(shape), doc.strip())
 
 
+SCALAR_KEYS = ("dtype", "default", "doc", "min", "max", "positive")
+
+
 def _scalar(r: _Reader, name: str, node: yaml.Node) -> ScalarArg | None:
     field_name = f"scalars.{name}"
     items = r.mapping(node, field_name)
@@ -633,9 +759,9 @@ def _scalar(r: _Reader, name: str, node: yaml.Node) -> ScalarArg | None:
         return None
     got = {k: (kn, v) for k, kn, v in items}
     for key, kn, _ in items:
-        if key not in ("dtype", "default", "doc"):
-            r.error(kn, f"{field_name}.{key}", "unknown field; expected dtype, default, doc",
-                    expr._suggest(key, ["dtype", "default", "doc"]))
+        if key not in SCALAR_KEYS:
+            r.error(kn, f"{field_name}.{key}", f"unknown field; expected {', '.join(SCALAR_KEYS)}",
+                    expr._suggest(key, list(SCALAR_KEYS)))
     if "dtype" not in got:
         r.error(node, f"{field_name}.dtype", f"missing dtype; expected one of: {', '.join(SCALAR_DTYPES)}")
         return None
@@ -643,9 +769,10 @@ def _scalar(r: _Reader, name: str, node: yaml.Node) -> ScalarArg | None:
     if dtype is None:
         return None
     if dtype not in SCALAR_DTYPES:
-        r.error(got["dtype"][1], f"{field_name}.dtype", f"unsupported scalar dtype {dtype!r}; expected one of: "
-                f"{', '.join(SCALAR_DTYPES)}", expr._suggest(dtype, list(SCALAR_DTYPES)))
+        r.error(got["dtype"][1], f"{field_name}.dtype", f"unsupported scalar dtype {shown_value(dtype)}; expected "
+                f"one of: {', '.join(SCALAR_DTYPES)}", expr._suggest(dtype, list(SCALAR_DTYPES)))
         return None
+    bounds = _scalar_range(r, field_name, dtype, got)
     if "default" not in got:
         r.error(node, f"{field_name}.default",
                 f"missing default ({_article(dtype)} {dtype}); run() uses it when the argument is omitted")
@@ -654,30 +781,67 @@ def _scalar(r: _Reader, name: str, node: yaml.Node) -> ScalarArg | None:
     default = r.scalar(dnode, f"{field_name}.default")
     if default is _MISSING:
         return None
-    if not _value_fits(default, dtype):
+    if not value_fits(default, dtype):
         in_range = dtype == "int" and isinstance(default, int) and not isinstance(default, bool)
         r.error(dnode, f"{field_name}.default", f"default must be {_article(dtype)} {dtype}"
-                + (" in 32-bit range" if in_range else "") + f", got {_pytype(default)} {default!r}")
+                + (" in 32-bit range" if in_range else "") + f", got {_pytype(default)} {shown_value(default)}")
         return None
     if dtype == "float":
         default = float(default)
     doc = (r.string(got["doc"][1], f"{field_name}.doc") or "") if "doc" in got else ""
-    return ScalarArg(name, dtype, default, doc.strip())
+    if bounds is None:
+        return None
+    arg = ScalarArg(name, dtype, default, doc.strip(), *bounds)
+    problem = arg.out_of_range(default)
+    if problem:
+        r.error(dnode, f"{field_name}.default", f"default {problem}",
+                "change the default or the range; run() uses the default when the argument is omitted")
+        return None
+    return arg
+
+
+def _scalar_range(r: _Reader, field_name: str, dtype: str, got: dict) -> tuple | None:
+    """(minimum, maximum, positive) from a scalar's `min`, `max` and `positive`; None (errors
+    reported) when they are malformed or leave no valid value."""
+    if dtype == "bool":
+        for key in ("min", "max", "positive"):
+            if key in got:
+                r.error(got[key][0], f"{field_name}.{key}", "a bool scalar has no range")
+        return None if any(key in got for key in ("min", "max", "positive")) else (None, None, False)
+    ok = True
+    bound: dict[str, int | float | None] = {"min": None, "max": None}
+    for key in bound:
+        if key not in got:
+            continue
+        vnode = got[key][1]
+        v = r.scalar(vnode, f"{field_name}.{key}")
+        if v is _MISSING:
+            ok = False
+        elif not value_fits(v, dtype) or (dtype == "float" and isinstance(v, bool)):
+            want = "an int in 32-bit range" if dtype == "int" else "a number in 32-bit float range"
+            r.error(vnode, f"{field_name}.{key}", f"{key} of {_article(dtype)} {dtype} scalar must be {want}, got "
+                    f"{_pytype(v)} {shown_value(v)}")
+            ok = False
+        else:
+            bound[key] = float(v) if dtype == "float" else v
+    positive = False
+    if "positive" in got:
+        v = r.scalar(got["positive"][1], f"{field_name}.positive")
+        if isinstance(v, bool):
+            positive = v
+        elif v is not _MISSING:
+            r.error(got["positive"][1], f"{field_name}.positive", f"expected true or false, got {shown_value(v)}")
+            ok = False
+    lo, hi = bound["min"], bound["max"]
+    if ok and hi is not None and ((lo is not None and hi < lo) or (positive and hi <= 0)):
+        why = f"min {lo!r}" if lo is not None and hi < lo else "positive: true"
+        r.error(got["max"][1], f"{field_name}.max", f"max {hi!r} with {why} leaves no valid value")
+        ok = False
+    return (lo, hi, positive) if ok else None
 
 
 def _article(dtype: str) -> str:
     return "an" if dtype == "int" else "a"
-
-
-def _value_fits(value: Any, dtype: str) -> bool:
-    if dtype == "bool":
-        return isinstance(value, bool)
-    if isinstance(value, bool):
-        return False
-    if dtype == "int":
-        return isinstance(value, int) and expr.INT32_MIN <= value <= expr.INT32_MAX
-    # The range test first: math.isfinite overflows on ints beyond a double's range.
-    return isinstance(value, (int, float)) and abs(value) <= 3.4e38 and math.isfinite(value)
 
 
 def _expression(r: _Reader, node: yaml.Node, field_name: str, env: TypeEnv, expect: Type):
@@ -685,7 +849,7 @@ def _expression(r: _Reader, node: yaml.Node, field_name: str, env: TypeEnv, expe
         if isinstance(node, yaml.ScalarNode):
             value = r.scalar(node, field_name)
             if isinstance(value, bool) and field_name == "mask":
-                r.error(node, field_name, f"expected an expression, got the bool {value!r}",
+                r.error(node, field_name, f"expected an expression, got the bool {value}",
                         "write `true` inside quotes, or `kv_pos <= q_pos` for causal")
                 return None, None
         r.error(node, field_name, f"expected an expression (text), got {_kind(node)}")
@@ -694,8 +858,10 @@ def _expression(r: _Reader, node: yaml.Node, field_name: str, env: TypeEnv, expe
     src = _expr_source(node, text, r.path, field_name)
     try:
         return expr.parse_typed(src, env, expect), text
+    except expr.FollowOnError:
+        return None, None  # the refused declaration it uses is reported already
     except SpecError as e:
-        r.errors.append(e)
+        r.add(e)
         return None, None
 
 
@@ -712,17 +878,17 @@ def _scales(r: _Reader, entry) -> tuple[float | None, bool]:
             v = r.scalar(vn, "scales.sm_scale")
             if v == "default" or v is None:
                 sm_scale = None
-            elif isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 3.4e38 and math.isfinite(v):
+            elif isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= FLOAT32_MAX:
                 sm_scale = float(v)
             elif v is not _MISSING:
                 r.error(vn, "scales.sm_scale",
-                        f"expected a positive number or `default` (1/sqrt(head_dim_qk)), got {v!r}")
+                        f"expected a positive number or `default` (1/sqrt(head_dim_qk)), got {shown_value(v)}")
         elif key == "qkv_scales":
             v = r.scalar(vn, "scales.qkv_scales")
             if isinstance(v, bool):
                 qkv = v
             elif v is not _MISSING:
-                r.error(vn, "scales.qkv_scales", f"expected true or false, got {v!r}")
+                r.error(vn, "scales.qkv_scales", f"expected true or false, got {shown_value(v)}")
         else:
             r.error(kn, f"scales.{key}", "unknown field; expected sm_scale, qkv_scales",
                     expr._suggest(key, ["sm_scale", "qkv_scales"]))
@@ -743,5 +909,5 @@ def _backends(r: _Reader, entry) -> tuple[str, ...]:
             if v not in out:
                 out.append(v)
         elif v is not _MISSING:
-            r.error(item, f"backends[{i}]", f"unknown backend {v!r}; expected one of {list(BACKENDS)}")
+            r.error(item, f"backends[{i}]", f"unknown backend {shown_value(v)}; expected one of {list(BACKENDS)}")
     return tuple(out) or ("fa2",)

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .spans import spans_to_ranges  # also importable from here, where tests and bench/ take it
-from .spec import VariantSpec
+from .spec import ScalarArg, VariantSpec
 
 
 @dataclass
@@ -114,6 +114,20 @@ def random_spec_args(spec: VariantSpec, batch: PagedBatch, *, seed: int = 0,
             value = torch.randn(shape, generator=g)
         out[t.name] = value.to(dev).contiguous()
     return out
+
+
+def within_range(scalar: ScalarArg, value: int | float) -> int | float:
+    """``value`` moved to the nearest value the scalar's declared range allows: random tests
+    draw scalars freely, then keep to what plan()/run() accept."""
+    lo, hi = scalar.minimum, scalar.maximum
+    if scalar.positive:
+        smallest = 1 if scalar.dtype == "int" else 2.0**-126  # the smallest normal float32
+        lo = smallest if lo is None else max(lo, smallest)
+    if lo is not None:
+        value = max(value, lo)
+    if hi is not None:
+        value = min(value, hi)
+    return value
 
 
 def cuda_median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:

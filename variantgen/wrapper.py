@@ -38,13 +38,14 @@ from .cache import Cache
 from .checks import NO_PAGES, PageBounds, PageBoundsReader, PlanCheck, check_page_high, check_page_low
 from .env import settings
 from .errors import LaunchError
+from .expr import FLOAT32_MAX
 from .graph import META_COLUMNS, META_KERNEL_WINDOW, GraphBuffers, GraphCapacity
 from .intervals import IntervalForm, analyze, args_read, tensors_read
 from .library import resolve_spec
 from .native_plan import DESC_FIELDS, has_native_plan, plan_batch
 from .planner import gather_page_ranges, gather_pages, page_gather_table, plan_launches, regroup_for_fa3
 from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype
-from .spec import VariantSpec
+from .spec import VariantSpec, shown_value, value_fits
 from .staging import HostStaging
 
 log = logging.getLogger("variantgen.wrapper")
@@ -380,13 +381,14 @@ class WrapperBase:
             out[t.name] = value
         for s in self.spec.scalars:
             value = given.get(s.name, s.default)
-            ok = (isinstance(value, bool) if s.dtype == "bool" else
-                  _is_int(value) and -(2**31) <= value < 2**31 if s.dtype == "int" else
-                  isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value))
-            if not ok:
-                raise LaunchError(f"{where}: `{s.name}`: expected a {s.dtype}"
-                                  + (" in 32-bit range" if s.dtype == "int" else "")
-                                  + f", got {value!r} ({type(value).__name__})")
+            if not value_fits(value, s.dtype):
+                want = {"bool": "a bool", "int": "an int in 32-bit range",
+                        "float": f"a float in 32-bit float range (|x| <= {FLOAT32_MAX:.7g})"}[s.dtype]
+                raise LaunchError(f"{where}: `{s.name}`: expected {want}, got {shown_value(value)} "
+                                  f"({type(value).__name__})")
+            problem = s.out_of_range(value)
+            if problem:
+                raise LaunchError(f"{where}: `{s.name}`: {problem}")
             out[s.name] = float(value) if s.dtype == "float" else value
         return out
 
@@ -435,7 +437,7 @@ class WrapperBase:
     def _kernel_args(self, args: dict[str, Any], q_scale: float | None, k_scale: float | None,
                      v_scale: float | None) -> tuple[list[torch.Tensor], list[Any]]:
         """The module's extra run() arguments in ABI order, except vg_meta (which the caller
-        inserts after the spec tensors): (spec tensors, scalars incl. sm_scale/v_scale/rows)."""
+        inserts after the spec tensors): (spec tensors, scalars incl. sm_scale/v_scale)."""
         cfg = self.config
         base = self.spec.sm_scale if self.spec.sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim_qk)
         sm_scale = base * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0)
@@ -443,9 +445,6 @@ class WrapperBase:
         scalars = [args[s] for s in self._scalar_names] + [float(sm_scale)]
         if self.spec.qkv_scales:
             scalars.append(float(v_scale) if v_scale is not None else 1.0)
-        for name in self.build.entry.manifest.get("scalar_args", []):
-            if name.startswith("vg_rows_"):
-                scalars.append(int(args[name.removeprefix("vg_rows_")].shape[0]))
         return tensors, scalars
 
     def _check_planned_args(self, args: dict[str, Any]) -> None:
