@@ -52,7 +52,7 @@ class FakeModules:
                                      module.q_dtype, "9.0a", target.backend, kind=target.module_kind)
         rendered = render.render_module(config)
         manifest = {"scalar_args": [a.name for a in rendered.scalar_args], "module_sha256": "x", "module_file": "x.so"}
-        fake = self.fakes[(target.backend, target.module_kind)](spec, rendered.clamped_tensors)
+        fake = self.fakes[(target.backend, target.module_kind)](spec)
         self.made.append(fake)
         build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                             built=False, seconds=0.0)

@@ -55,8 +55,8 @@ def spec_named(name: str) -> variantgen.VariantSpec:
     return variantgen.load_spec(SPECS_DIR / f"{name}.yaml")
 
 
-def fake_build(spec, config, clamped=()) -> BuildResult:
-    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec, set(clamped))[1]],
+def fake_build(spec, config) -> BuildResult:
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]],
                 "module_sha256": "x", "module_file": "x.so"}
     return BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                        built=False, seconds=0.0)
@@ -64,9 +64,8 @@ def fake_build(spec, config, clamped=()) -> BuildResult:
 
 def prefill(spec, backend="fa2", **kwargs) -> tuple[VariantWrapper, FakeModule]:
     config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", backend)
-    clamped = render.render_module(config).clamped_tensors
-    fake = (FakeFa3Module if backend == "fa3" else FakeModule)(spec, clamped)
-    w = VariantWrapper(spec, config, fake, fake_build(spec, config, clamped), torch.empty(1 << 20, dtype=torch.uint8),
+    fake = (FakeFa3Module if backend == "fa3" else FakeModule)(spec)
+    w = VariantWrapper(spec, config, fake, fake_build(spec, config), torch.empty(1 << 20, dtype=torch.uint8),
                        **kwargs)
     return w, fake
 
@@ -74,9 +73,8 @@ def prefill(spec, backend="fa2", **kwargs) -> tuple[VariantWrapper, FakeModule]:
 def decoder(spec, *, tensor_cores: bool, **kwargs) -> tuple[DecodeWrapper, object]:
     config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2",
                                  kind="prefill" if tensor_cores else "decode")
-    clamped = render.render_module(config).clamped_tensors
-    fake = FakeModule(spec, clamped) if tensor_cores else FakeDecodeModule(spec, clamped)
-    w = DecodeWrapper(spec, config, fake, fake_build(spec, config, clamped), torch.empty(1 << 20, dtype=torch.uint8),
+    fake = FakeModule(spec) if tensor_cores else FakeDecodeModule(spec)
+    w = DecodeWrapper(spec, config, fake, fake_build(spec, config), torch.empty(1 << 20, dtype=torch.uint8),
                       **kwargs)
     return w, fake
 

@@ -30,8 +30,7 @@ def _clean_env(vg_env):
 
 
 def _build(config: render.ModuleConfig) -> BuildResult:
-    clamped = render.render_module(config).clamped_tensors
-    manifest = {"scalar_args": [a.name for a in render.kernel_args(config.spec, set(clamped))[1]],
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(config.spec)[1]],
                 "module_sha256": "x", "module_file": "x.so"}
     return BuildResult(Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), None, False, 0.0)
 
@@ -39,7 +38,7 @@ def _build(config: render.ModuleConfig) -> BuildResult:
 @pytest.fixture
 def prefill():
     config = render.ModuleConfig(MM, 64, 64, "bf16", "bf16", "bf16", "9.0a")
-    w = VariantWrapper(MM, config, FakeModule(MM, render.render_module(config).clamped_tensors), _build(config),
+    w = VariantWrapper(MM, config, FakeModule(MM), _build(config),
                        torch.empty(1 << 20, dtype=torch.uint8))
     batch = random_paged_batch([5, 9], [12, 9], num_qo_heads=4, num_kv_heads=2, head_dim=64, page_size=4)
     return w, batch, random_spec_args(MM, batch)

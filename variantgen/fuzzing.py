@@ -29,7 +29,8 @@ from typing import Any, Protocol
 import torch
 
 from .env import REPO_DIR
-from .spec import VariantSpec, load_spec
+from .spec import ScalarArg, VariantSpec, load_spec
+from .testing import within_range
 
 # ----------------------------------------------------------------------------- what is fuzzed
 
@@ -337,14 +338,17 @@ SCALAR_DRAWS: dict[str, Callable[[random.Random], Scalar]] = {
 }
 
 
-def _draw_scalar(r: random.Random, name: str, dtype: str) -> Scalar:
-    if name in SCALAR_DRAWS:
-        return SCALAR_DRAWS[name](r)
-    if dtype == "bool":
+def _draw_scalar(r: random.Random, scalar: ScalarArg) -> Scalar:
+    """A random value of one of the spec's scalars, within the range the spec declares for it."""
+    if scalar.name in SCALAR_DRAWS:
+        value = SCALAR_DRAWS[scalar.name](r)
+    elif scalar.dtype == "bool":
         return r.random() < 0.5
-    if dtype == "int":
-        return _window(r)
-    return round(r.uniform(-2.0, 2.0), 4)
+    elif scalar.dtype == "int":
+        value = _window(r)
+    else:
+        value = round(r.uniform(-2.0, 2.0), 4)
+    return within_range(scalar, value)
 
 
 def _draw_lengths(r: random.Random, target: Target, limits: Limits, n: int | None = None) -> tuple[list, list]:
@@ -482,7 +486,7 @@ def draw_case(r: random.Random, target: Target, module: ModuleKey, *, limits: Li
     hkv = r.choice(limits.kv_heads)
     page_size = 1 if target.kind == "ragged" else r.choice(limits.page_sizes)
     plan = r.choice([p for p in target.plans if p in plans] or ["off"])
-    scalars = tuple((s.name, _draw_scalar(r, s.name, s.dtype)) for s in spec.scalars)
+    scalars = tuple((s.name, _draw_scalar(r, s)) for s in spec.scalars)
     scales: tuple[float | None, float | None, float | None] = (None, None, None)
     if spec.qkv_scales and (r.random() < 0.15 or module.kv_dtype.startswith("fp8") and r.random() < 0.6):
         scales = (r.choice([None, 0.5, 1.5]), r.choice([None, 0.25, 2.0]), r.choice([None, 0.5, 3.0]))
