@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
+from variantgen.evaluate import Evaluator
 from variantgen.native_plan import fa3_cta_tile_q
-from variantgen.reference import _Evaluator, softmax_attention
+from variantgen.reference import softmax_attention
 from variantgen.spec import VariantSpec
 
 META_COLUMNS = 9
@@ -69,13 +70,11 @@ def scores_with_logits(spec: VariantSpec, env: dict, args: dict, scores: torch.T
     """The spec's logits transform applied to the scaled scores (unchanged without one)."""
     if spec.logits is None:
         return scores
-    ev = _Evaluator.from_env(spec, env, args)
-    ev.logits = scores
-    return ev._as_float(spec.logits).expand_as(scores)
+    return Evaluator(spec, env, args, logits=scores).as_float(spec.logits).expand_as(scores)
 
 
 def spec_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...]) -> torch.Tensor:
-    return _Evaluator.from_env(spec, env, args).ev(spec.mask).expand(shape)
+    return Evaluator(spec, env, args).ev(spec.mask).expand(shape)
 
 
 def assert_lse_matches(lse: torch.Tensor, ref_lse: torch.Tensor, label: str) -> None:

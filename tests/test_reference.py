@@ -508,3 +508,29 @@ def test_logits_transform_sees_scaled_scores():
     torch.testing.assert_close(got, 2.0 * torch.tanh(scores / 2.0))
     # no transform: scores unchanged
     assert transform_logits(shipped("causal"), batch.grid(0), {}, scores) is scores
+
+
+def test_the_evaluator_over_query_rows_agrees_with_the_grid():
+    """evaluate.Evaluator is the one evaluator: over one entry per (query, key) pair it gives
+    the mask the reference computes over the request's grid."""
+    from variantgen.evaluate import Evaluator
+
+    spec = shipped("mm_prefix")
+    qo_len, kv_len = 3, 7
+    ranges = torch.tensor([[1, 2], [-1, -1], [0, 6]], dtype=torch.int32)
+    args = {"ranges": ranges, "causal_window_left": 2, "range_window_left": -1}
+    grid = RequestGrid(0, qo_len, kv_len, 0, 0, 1, 1, torch.device("cpu"))
+    dense = mask_for_request(spec, grid, args)[0]
+    i, j = (t.flatten() for t in torch.meshgrid(torch.arange(qo_len), torch.arange(kv_len), indexing="ij"))
+    q_pos = i + (kv_len - qo_len)
+    env = {"q_pos": q_pos, "kv_pos": j, "q_idx": i, "q_row": i, "kv_row": j, "q_kv_row": q_pos,
+           "request": torch.zeros_like(i), "qo_len": torch.full_like(i, qo_len), "kv_len": torch.full_like(i, kv_len)}
+    rows = Evaluator(spec, env, args).ev(spec.mask)
+    assert torch.equal(rows.view(qo_len, kv_len), dense)
+
+
+def test_the_evaluator_needs_an_environment():
+    from variantgen.evaluate import Evaluator
+
+    with pytest.raises(ValueError, match="^Evaluator: env must hold the builtin tensors"):
+        Evaluator(shipped("causal"), {}, {})

@@ -8,10 +8,9 @@ spans_to_ranges are imported on first access (they need torch; the spec, probe a
 do not).
 """
 
-__version__ = "0.1.0"
-
-from .errors import BuildError, CacheError, LaunchError, SpecError, VariantgenError  # noqa: E402
-from .library import resolve_spec, shipped_specs  # noqa: E402
+from ._version import __version__
+from .errors import BuildError, CacheError, LaunchError, SpecError, VariantgenError
+from .library import resolve_spec, shipped_specs
 
 # Bound after the submodule import, so `variantgen.probe` is the function (not the module of
 # the same name): help(variantgen.probe) shows its signature and docstring.

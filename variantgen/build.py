@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import __version__
 from . import ninja as _ninja_run
+from ._version import __version__
 from .cache import Cache, Entry, LockHolder, ModuleKey, path_error
 from .env import settings
 from .errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error

@@ -22,7 +22,8 @@ from typing import Any
 
 import click
 
-from . import __version__, env
+from . import env
+from ._version import __version__
 from .cache import Cache, LockTimeout, age_seconds, spec_of_uri
 from .errors import SpecError, VariantgenError, printable
 from .explain import ARG_FORMS

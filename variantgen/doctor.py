@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__, build, env
+from . import build, env
+from ._version import __version__
 from .errors import ToolchainError
 
 OK, WARN, MISSING = "ok", "warn", "missing"

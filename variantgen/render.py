@@ -18,7 +18,8 @@ from typing import Any
 
 import jinja2
 
-from . import __version__, codegen
+from . import codegen
+from ._version import __version__
 from .env import TEMPLATES_DIR, settings
 from .errors import VariantgenError
 from .spec import VariantSpec
