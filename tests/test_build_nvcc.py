@@ -19,8 +19,9 @@ from conftest import SPECS_DIR
 import variantgen
 from variantgen import build
 from variantgen.cache import Cache
+from variantgen.capabilities import choose_backend
 from variantgen.errors import BuildError
-from variantgen.render import ModuleConfig, choose_backend
+from variantgen.render import ModuleConfig
 
 pytestmark = pytest.mark.nvcc
 

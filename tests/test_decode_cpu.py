@@ -24,8 +24,9 @@ from conftest import ALL_SPECS, SPEC_FILES, SPECS_DIR
 from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
+import variantgen.build as build_mod
 import variantgen.wrapper as wrapper_mod
-from variantgen import render
+from variantgen import capabilities, render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.decode import DecodeWrapper
@@ -157,7 +158,7 @@ def test_every_shipped_spec_renders_a_decode_module(path):
     assert module.config.uri_prefix.startswith(f"vg_{spec.name}_fa2_decode_")
 
 
-@pytest.mark.parametrize("head_dim", render.FA2_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", [qk for qk, _ in capabilities.HEAD_DIMS["fa2", "decode"]])
 @pytest.mark.parametrize("q_dtype, kv_dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp8_e4m3"),
                                                ("fp16", "fp8_e5m2")])
 def test_decode_dtypes_and_head_dims(head_dim, q_dtype, kv_dtype):
@@ -415,8 +416,8 @@ def test_make_wrapper_builds_the_right_module(monkeypatch):
         manifest = {"scalar_args": [a.name for a in kernel_args(config.spec)[1]], "module_sha256": "x"}
         return BuildResult(Entry(Path("/nonexistent"), config.uri_prefix + "_x", manifest), None, False, 0.0)
 
-    monkeypatch.setattr(wrapper_mod, "build_module", fake_build)
-    monkeypatch.setattr(wrapper_mod, "load_module", lambda entry: object())
+    monkeypatch.setattr(build_mod, "build_module", fake_build)
+    monkeypatch.setattr(build_mod, "load_module", lambda entry: object())
     ws = torch.empty(16, dtype=torch.uint8)
     w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="fp8_e4m3",
                                 kind="decode", arch="9.0a", kv_layout="HND")

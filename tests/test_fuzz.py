@@ -536,7 +536,7 @@ def test_probe_keeps_a_bounded_reason_for_a_hostile_file(tmp_path, vg_env):
     """probe() memoizes the reason: it is the capped error text, not megabytes of it."""
     import importlib
 
-    probe_mod = importlib.import_module("variantgen.probe")
+    probe_mod = importlib.import_module("variantgen.probing")
     path = tmp_path / "hostile.yaml"
     path.write_text(fuzz_corpus.HOSTILE_SPECS["many bad keys on one line"])
     probe_mod.cache_clear()

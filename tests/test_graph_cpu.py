@@ -292,18 +292,19 @@ def test_capacity_defaults():
 
 
 def test_graph_mode_refusals():
-    with pytest.raises(LaunchError, match=r"CUDA-graph mode needs the fa2 backend \(this wrapper is fa3"):
+    with pytest.raises(LaunchError, match=r"^graph=: CUDA-graph mode needs backend 'fa2' \(got 'fa3'\): the fa3 "
+                                          r"planner's launch set depends on the batch$"):
         make("causal", backend="fa3")
     w, _ = make("causal")
     with pytest.raises(LaunchError, match=r"graph=\{'max_batch_size': 4\}: expected a variantgen.GraphCapacity"):
         VariantWrapper(w.spec, w.config, w.module, w.build, torch.empty(8, dtype=torch.uint8),
                        graph={"max_batch_size": 4})
     ws = torch.empty(8, dtype=torch.uint8)
-    with pytest.raises(ValueError, match=r"graph=: CUDA-graph mode is for kind='prefill' and kind='decode' "
-                                         r"\(got kind='ragged'\)"):
+    with pytest.raises(ValueError, match=r"^graph=: CUDA-graph mode is for kind 'prefill' and 'decode' "
+                                         r"\(got 'ragged'\); ragged wrappers allocate their metadata per plan\(\)$"):
         variantgen.make_wrapper(SPECS_DIR / "causal.yaml", ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
                                 arch="9.0a", kind="ragged", graph=CAP)
-    with pytest.raises(ValueError, match=r"graph=: CUDA-graph mode needs backend='fa2' \(got 'fa3'\)"):
+    with pytest.raises(ValueError, match=r"^graph=: CUDA-graph mode needs backend 'fa2' \(got 'fa3'\): "):
         variantgen.make_wrapper(SPECS_DIR / "causal.yaml", ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
                                 arch="9.0a", backend="fa3", graph=CAP)
 

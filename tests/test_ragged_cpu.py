@@ -26,6 +26,7 @@ from conftest import CPU_QO_LENS as QO_LENS
 from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
+import variantgen.build as build_mod
 import variantgen.wrapper as wrapper_mod
 from variantgen import render
 from variantgen.build import BuildResult
@@ -314,8 +315,8 @@ def test_make_wrapper_builds_a_ragged_module(monkeypatch):
         return BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix, manifest), key=None, built=True,
                            seconds=0.0)
 
-    monkeypatch.setattr(wrapper_mod, "build_module", fake_build)
-    monkeypatch.setattr(wrapper_mod, "load_module", lambda entry: FakeRaggedModule(shipped("causal")))
+    monkeypatch.setattr(build_mod, "build_module", fake_build)
+    monkeypatch.setattr(build_mod, "load_module", lambda entry: FakeRaggedModule(shipped("causal")))
     w = variantgen.make_wrapper(shipped("causal"), torch.empty(1 << 20, dtype=torch.uint8), head_dim_qk=192,
                                 head_dim_vo=128, q_dtype=torch.bfloat16, kv_dtype="bf16", kind="ragged", arch="9.0a")
     assert isinstance(w, RaggedWrapper)

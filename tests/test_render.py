@@ -10,7 +10,7 @@ from conftest import SPEC_FILES, SPECS_DIR
 
 import variantgen
 from variantgen import codegen, render
-from variantgen.render import ModuleConfig, canonical_arch, canonical_dtype, kernel_args, render_module
+from variantgen.render import ModuleConfig, kernel_args, render_module
 
 
 def config(spec, **overrides) -> ModuleConfig:
@@ -402,69 +402,3 @@ def test_problems_lists_everything():
     problems = cfg.problems()
     assert len(problems) == 2 and problems[0].startswith("q_dtype=fp8_e4m3") and problems[1] == (
         "arch=7.0: fa2 needs sm80 or newer")
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        ("9.0a", "9.0a"), ("90a", "9.0a"), ("sm_90a", "9.0a"), ("sm90a", "9.0a"), ("SM_90A", "9.0a"),
-        ("compute_90a", "9.0a"), ("8.0", "8.0"), ("80", "8.0"), ("sm_86", "8.6"), ("10.0a", "10.0a"),
-        ("100a", "10.0a"), ("sm_120f", "12.0f"), (" 8.9 ", "8.9"), ("09.0", "9.0"),
-    ],
-)
-def test_canonical_arch(value, expected):
-    assert canonical_arch(value) == expected
-
-
-@pytest.mark.parametrize("value", ["", "9", "sm_9", "9.x", "x.0", "9.0.1", "hopper", "9.0b", "a"])
-def test_canonical_arch_rejects(value):
-    with pytest.raises(ValueError, match=re.escape(f"arch={value!r}: expected a compute capability")):
-        canonical_arch(value)
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        ("bf16", "bf16"), ("bfloat16", "bf16"), ("torch.bfloat16", "bf16"), ("BF16", "bf16"),
-        ("half", "fp16"), ("float16", "fp16"), ("fp8", "fp8_e4m3"), ("float8_e4m3fn", "fp8_e4m3"),
-        ("e5m2", "fp8_e5m2"), ("torch.float8_e5m2", "fp8_e5m2"),
-    ],
-)
-def test_canonical_dtype(value, expected):
-    assert canonical_dtype(value, "q_dtype") == expected
-
-
-def test_canonical_dtype_of_torch_dtypes():
-    import torch
-
-    assert canonical_dtype(torch.bfloat16, "q") == "bf16"
-    assert canonical_dtype(torch.float16, "q") == "fp16"
-    assert canonical_dtype(torch.float8_e4m3fn, "kv") == "fp8_e4m3"
-    with pytest.raises(ValueError) as info:
-        canonical_dtype(torch.float32, "kv_dtype")
-    assert str(info.value) == ("kv_dtype=torch.float32: unsupported dtype; expected one of "
-                               "['bf16', 'fp16', 'fp8_e4m3', 'fp8_e5m2']")
-
-
-@pytest.mark.parametrize(("overrides", "expected"), [
-    ({}, "fa3"),
-    ({"arch": "8.0"}, "fa2"),
-    ({"arch": "10.0a"}, "fa2"),
-    ({"kind": "decode"}, "fa2"),
-    ({"kind": "ragged"}, "fa2"),
-    ({"kv_dtype": "fp8_e4m3"}, "fa2"),
-    ({"head_dim_qk": 192, "head_dim_vo": 128}, "fa2"),
-    ({"o_dtype": "fp16"}, "fa2"),
-    ({"q_dtype": "fp16", "kv_dtype": "fp16", "o_dtype": "fp16", "head_dim_qk": 64, "head_dim_vo": 64}, "fa3"),
-])
-def test_choose_backend(overrides, expected):
-    kw = dict(kind="prefill", head_dim_qk=128, head_dim_vo=128, q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16",
-              arch="9.0a")
-    kw.update(overrides)
-    assert render.choose_backend(shipped("mm_prefix"), **kw) == expected
-
-
-def test_choose_backend_respects_the_spec(spec_from):
-    spec = spec_from("name: only_fa2\nmask: kv_pos <= q_pos\nbackends: [fa2]\n")
-    assert render.choose_backend(spec, kind="prefill", head_dim_qk=128, head_dim_vo=128, q_dtype="bf16",
-                                 kv_dtype="bf16", o_dtype="bf16", arch="9.0a") == "fa2"

@@ -8,77 +8,31 @@ error, never an empty string in generated C++.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import jinja2
 
 from . import codegen
 from ._version import __version__
+from .capabilities import KINDS, MODULE_BACKENDS, TABLE, Request, Site, canonical_arch
 from .env import TEMPLATES_DIR, settings
 from .errors import VariantgenError
 from .spec import VariantSpec
 
-# dtype name -> (C++ type, bytes)
+# FlashInfer's dtypes -> (C++ type, bytes)
 DTYPES = {
     "bf16": ("nv_bfloat16", 2),
     "fp16": ("half", 2),
     "fp8_e4m3": ("__nv_fp8_e4m3", 1),
     "fp8_e5m2": ("__nv_fp8_e5m2", 1),
 }
-DTYPE_ALIASES = {
-    "bfloat16": "bf16", "bf16": "bf16", "torch.bfloat16": "bf16",
-    "float16": "fp16", "fp16": "fp16", "half": "fp16", "torch.float16": "fp16",
-    "float8_e4m3fn": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "e4m3": "fp8_e4m3", "fp8": "fp8_e4m3",
-    "torch.float8_e4m3fn": "fp8_e4m3",
-    "float8_e5m2": "fp8_e5m2", "fp8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2", "torch.float8_e5m2": "fp8_e5m2",
-}
-FA2_HEAD_DIMS = (64, 128, 256)
-# What each kernel kind is and which (head_dim_qk, head_dim_vo) pairs its backends compile.
-KINDS = {
-    "prefill": "paged-KV prefill",
-    "ragged": "ragged-KV prefill",
-    "decode": "paged-KV decode (CUDA cores)",
-}
-BACKENDS = ("fa2", "fa3")
-_EQUAL_DIMS = tuple((d, d) for d in FA2_HEAD_DIMS)
-HEAD_DIMS: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
-    ("fa2", "prefill"): _EQUAL_DIMS,
-    ("fa2", "ragged"): _EQUAL_DIMS + ((192, 128),),  # 192/128: MLA-shaped prefill (DeepSeek)
-    ("fa2", "decode"): _EQUAL_DIMS,
-    ("fa3", "prefill"): _EQUAL_DIMS,
-}
 MASK_MODES = {"none": (0, "MaskMode::kNone"), "causal": (1, "MaskMode::kCausal"), "custom": (2, "MaskMode::kCustom")}
+DEFAULT_MASK_MODES = tuple(MASK_MODES)  # what the wrappers launch: every mode
 FA2_CTA_TILES_Q = (16, 64, 128)  # what FlashInfer's FA2 planner picks for head_dim_vo < 512
-
-
-def canonical_dtype(value: object, arg: str) -> str:
-    """'bf16' for torch.bfloat16, 'bfloat16', 'bf16' ...; ValueError naming ``arg`` otherwise."""
-    key = str(value).strip().lower()
-    if key in DTYPE_ALIASES:
-        return DTYPE_ALIASES[key]
-    raise ValueError(f"{arg}={value!r}: unsupported dtype; expected one of {sorted(DTYPES)}")
-
-
-def canonical_arch(value: str) -> str:
-    """'9.0a' / '90a' / 'sm_90a' -> '9.0a'."""
-    raw = str(value).strip().lower().removeprefix("sm_").removeprefix("sm").removeprefix("compute_")
-    suffix = raw[-1] if raw and raw[-1] in "af" else ""
-    digits = raw[:-1] if suffix else raw
-    if "." in digits:
-        major, _, minor = digits.partition(".")
-    elif digits.isdigit() and len(digits) >= 2:
-        major, minor = digits[:-1], digits[-1]
-    else:
-        major, minor = "", ""
-    if not (major.isdigit() and minor.isdigit()):
-        raise ValueError(f"arch={value!r}: expected a compute capability such as 8.0, 9.0a or 10.0a")
-    return f"{int(major)}.{int(minor)}{suffix}"
 
 
 @dataclass(frozen=True)
@@ -93,7 +47,7 @@ class ModuleConfig:
     o_dtype: str
     arch: str
     backend: str = "fa2"
-    mask_modes: tuple[str, ...] = ("none", "causal", "custom")
+    mask_modes: tuple[str, ...] = DEFAULT_MASK_MODES
     kind: str = "prefill"
 
     def __post_init__(self) -> None:
@@ -101,58 +55,21 @@ class ModuleConfig:
         if problems:
             raise ValueError(problems[0])
 
-    @classmethod
-    def problems_of(cls, **fields: Any) -> list[str]:
-        """problems() of the config these fields (defaults for the rest) would make, all of
-        them: construction stops at the first."""
-        config = object.__new__(cls)  # skips __post_init__
-        for f in dataclasses.fields(cls):
-            object.__setattr__(config, f.name, fields.get(f.name, f.default))
-        return config.problems()
-
     def problems(self) -> list[str]:
+        """Why this module cannot be generated (the capability table's reasons, then the mask
+        modes'); [] when it can."""
         out = []
-        if self.kind not in KINDS:
-            out.append(f"kind={self.kind!r}: expected one of {list(KINDS)}")
-        if self.backend not in BACKENDS:
-            out.append(f"backend={self.backend!r}: expected one of {list(BACKENDS)}")
-        elif self.kind in KINDS and (self.backend, self.kind) not in HEAD_DIMS:
-            have = sorted(k for b, k in HEAD_DIMS if b == self.backend)
-            out.append(f"kind={self.kind!r}: backend {self.backend!r} generates only {have} modules")
-        if self.backend in BACKENDS and self.backend not in self.spec.backends:
-            out.append(f"backend={self.backend!r}: spec `{self.spec.name}` allows only {list(self.spec.backends)}")
-        for name in ("q_dtype", "kv_dtype", "o_dtype"):
-            if getattr(self, name) not in DTYPES:
-                out.append(f"{name}={getattr(self, name)!r}: expected one of {sorted(DTYPES)}")
-        if self.q_dtype.startswith("fp8"):
-            out.append(f"q_dtype={self.q_dtype}: fp8 query is not supported by {self.backend} (its tensor-core "
-                       "path needs 16-bit queries); use bf16 or fp16 queries with an fp8 KV cache")
-        if self.o_dtype.startswith("fp8"):
-            out.append(f"o_dtype={self.o_dtype}: fp8 output is not supported by {self.backend}")
-        if self.backend == "fa3" and self.kv_dtype != self.q_dtype:
-            out.append(f"kv_dtype={self.kv_dtype}: fa3 variant modules need kv_dtype == q_dtype "
-                       f"({self.q_dtype}); use backend fa2 for an fp8 KV cache")
-        if self.backend == "fa3" and self.o_dtype != self.q_dtype and not self.o_dtype.startswith("fp8"):
-            # Only o in the query's dtype has run on the H200; other outputs go to fa2.
-            out.append(f"o_dtype={self.o_dtype}: fa3 variant modules write o in the query dtype ({self.q_dtype}); "
-                       "use backend fa2 for another output dtype")
-        dims = HEAD_DIMS.get((self.backend, self.kind))
-        if dims and (self.head_dim_qk, self.head_dim_vo) not in dims:
-            pairs = ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in dims)
-            out.append(f"head_dim_qk={self.head_dim_qk}, head_dim_vo={self.head_dim_vo}: {self.backend} "
-                       f"{self.kind} modules support head dims {pairs} (qk/vo where they differ)")
+        if self.backend not in MODULE_BACKENDS:
+            if self.kind not in KINDS:
+                out.append(f"kind={self.kind!r}: expected one of {list(KINDS)}")
+            out.append(f"backend={self.backend!r}: expected one of {list(MODULE_BACKENDS)}")
+        else:
+            request = Request(self.spec, self.kind, self.head_dim_qk, self.head_dim_vo, self.q_dtype, self.kv_dtype,
+                              self.o_dtype, self.backend)
+            out += TABLE[self.backend].problems(request, Site(arch=self.arch))
         unknown = [m for m in self.mask_modes if m not in MASK_MODES]
         if unknown or not self.mask_modes:
             out.append(f"mask_modes={self.mask_modes!r}: expected a non-empty subset of {list(MASK_MODES)}")
-        try:
-            arch = canonical_arch(self.arch)
-            major = int(arch.split(".")[0])
-            if major < 8:
-                out.append(f"arch={self.arch}: {self.backend} needs sm80 or newer")
-            if self.backend == "fa3" and arch != "9.0a":
-                out.append(f"arch={self.arch}: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a")
-        except ValueError as e:
-            out.append(str(e))
         return out
 
     @property
@@ -184,21 +101,6 @@ class ModuleConfig:
             "arch": canonical_arch(self.arch),
             "mask_modes": list(self.mask_modes),
         }
-
-
-def choose_backend(spec: VariantSpec, *, kind: str, head_dim_qk: int, head_dim_vo: int, q_dtype: str,
-                   kv_dtype: str, o_dtype: str, arch: str) -> str:
-    """The backend make_wrapper uses when none is given. Pure: depends only on its arguments.
-
-    fa3 where an fa3 module is valid: paged prefill on sm90 with 16-bit KV of the query's
-    dtype, head dims 64/128/256, a spec that allows it. On the H200 it measured faster than
-    fa2 for both routes (bench/results/2026-11-29-h200/prefill-fa3-5ec28f3.json, mm_prefix,
-    8 x 8192: planned 9.40 vs 13.39 ms, direct 54.3 vs 81.2 ms). Everything else: fa2 (decode,
-    ragged, fp8 KV caches, 192/128, other GPUs)."""
-    fa3_problems = ModuleConfig.problems_of(spec=spec, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
-                                            q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, arch=arch,
-                                            backend="fa3", kind=kind)
-    return "fa2" if fa3_problems else "fa3"
 
 
 @dataclass(frozen=True)

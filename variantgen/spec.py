@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from . import expr
+from .capabilities import BACKENDS
 from .errors import MAX_SPEC_ERRORS, Location, SpecError, SpecErrors
 from .expr import BUILTINS, DIMS, FLOAT32_MAX, FUNCTIONS, SourceText, TensorSig, Type, TypeEnv
 
@@ -32,7 +33,6 @@ MAX_NUMBER_CHARS = 64  # a YAML number literal longer than this is refused befor
 TENSOR_DTYPES = {"int32": Type.INT, "float32": Type.FLOAT}
 SCALAR_DTYPES = {"int": Type.INT, "float": Type.FLOAT, "bool": Type.BOOL}
 SYMBOLIC_DIMS = {d.name: f"{d.rows} (index with {' / '.join(d.builtins)})" for d in DIMS.values()}
-BACKENDS = ("fa2", "fa3")
 TOP_LEVEL_KEYS = ("name", "description", "tensors", "scalars", "mask", "logits", "scales", "backends")
 
 # Names an argument may not take: C++ keywords and identifiers that would shadow or
