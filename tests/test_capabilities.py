@@ -471,3 +471,9 @@ def test_probe_make_wrapper_and_the_command_agree_with_the_resolver(gpu, capabil
         capacity = GraphCapacity(max_batch_size=4, max_total_q=64, max_kv_pages=64) if graph else None
         w = variantgen.make_wrapper(MM, torch.empty(1 << 20, dtype=torch.uint8), **args, arch=arch, graph=capacity)
         assert w.config == expected.config and w.uri == answer.uri
+
+
+def test_a_cache_check_of_the_flex_route_says_it_has_no_module(flex_route, machine):
+    r = probe("mm_prefix", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", backend="flex", runtime=False,
+              arch="9.0a")
+    assert not r and r.reason == "runtime=False checks the module cache; the flex route has no module"

@@ -253,8 +253,9 @@ def _probe(spec_arg: Any, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, k
     if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
         raise _Fail(f"page_size={page_size!r}: expected a positive whole number")
     routes = installed_routes() if runtime else ()
+    no_route = "" if runtime else "runtime=False checks the module cache; the flex route has no module"
     # 2. a backend for it at all (the target arch, when given)
-    served = resolve(request, Site(arch=explicit_arch, routes=routes))
+    served = resolve(request, Site(arch=explicit_arch, routes=routes, no_route=no_route))
     if not served:
         raise _Fail(served.reason)
     try:
@@ -267,7 +268,7 @@ def _probe(spec_arg: Any, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, k
     where = _module_target(request, explicit_arch, device, runtime, routes)
     site = module_site(where.arch, cache, build=build and runtime, no_modules=where.no_modules, routes=runtime,
                        arch_source=where.source)
-    resolution = resolve(request, site)
+    resolution = resolve(request, dataclasses.replace(site, no_route=no_route))
     if not resolution:
         raise _Fail(resolution.reason)
     details: dict[str, Any] = {"arch": where.arch, "device_arch": where.gpu, "backend": resolution.backend,
