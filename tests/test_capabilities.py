@@ -6,6 +6,7 @@ the resolver on a fake GPU."""
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import itertools
 import re
 import sys
@@ -477,3 +478,18 @@ def test_a_cache_check_of_the_flex_route_says_it_has_no_module(flex_route, machi
     r = probe("mm_prefix", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", backend="flex", runtime=False,
               arch="9.0a")
     assert not r and r.reason == "runtime=False checks the module cache; the flex route has no module"
+
+
+def test_a_route_is_installed_only_inside_this_package(tmp_path, monkeypatch):
+    """A module of the route's name elsewhere on the path (another checkout, an editable
+    install's finder) is not this variantgen's route."""
+    from variantgen.capabilities import Route
+
+    assert Route("variantgen.evaluate", "Evaluator", "x").installed()  # a file of the package
+    assert not Route("variantgen.no_such_route", "f", "p").installed()
+    elsewhere = tmp_path / "variantgen_elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "stray_route.py").write_text("raise SystemExit('imported')\n")
+    monkeypatch.syspath_prepend(str(elsewhere))
+    assert importlib.util.find_spec("stray_route") is not None
+    assert not Route("variantgen.stray_route", "f", "p").installed()

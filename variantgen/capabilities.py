@@ -25,7 +25,8 @@ neither, the preferred module (the one to precompile).
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import importlib.machinery
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -110,10 +111,15 @@ class Route:
     probe: str
 
     def installed(self) -> bool:
-        """Whether ``module`` is importable here (found without importing it)."""
+        """Whether ``module`` is part of this variantgen (imported already, or a file in the
+        package: found without importing it, and never a module of that name elsewhere)."""
+        if self.module in sys.modules:
+            return True
+        package = self.module.rpartition(".")[0]
         try:
-            return importlib.util.find_spec(self.module) is not None
-        except (ImportError, ValueError):
+            path = importlib.import_module(package).__path__
+            return importlib.machinery.PathFinder.find_spec(self.module, list(path)) is not None
+        except (ImportError, AttributeError, ValueError):
             return False
 
     def load(self, attr: str) -> Callable[..., Any]:

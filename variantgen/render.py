@@ -1,9 +1,17 @@
-"""Jinja templates -> the sources of one module.
+"""templates/ -> the sources of one module.
 
 A ``ModuleConfig`` (spec + head dims + dtypes + backend + arch + mask modes) fully
 determines the rendered files; rendering is pure, so the cache key can hash its output.
-Templates are loaded once per process, with StrictUndefined: a missing variable is an
-error, never an empty string in generated C++.
+
+FlashInfer's habit: static C++ lives in real ``.cuh`` / ``.cu`` files of templates/common,
+fa2 and fa3 (the expression helpers, FlashInfer's kernel parameters, the plan functions,
+the bindings that name no spec), copied into a module's sources as they are; Jinja renders
+only what depends on the spec and the config - the variant, the config (dtypes, head dims,
+the spec's arguments, the mask-mode dispatch) and one instantiation per mask mode and CTA
+tile. The template digest covers every file of a backend's folders. Which combinations a
+backend generates is the capability table's business (capabilities.py); the C++ of the
+spec's expressions is codegen.py's. Templates are loaded once per process, with
+StrictUndefined: a missing variable is an error, never an empty string in generated C++.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import codegen
+from . import codegen, expr
 from ._version import __version__
 from .capabilities import KINDS, MODULE_BACKENDS, TABLE, Request, Site, canonical_arch
 from .env import TEMPLATES_DIR, settings
@@ -181,42 +189,16 @@ def static_source(name: str) -> str:
     return (template_root() / name).read_text()
 
 
+def _static(*names: str, **renamed: str) -> dict[str, str]:
+    """Static sources as module files: under their own file name, or (``renamed``) under
+    another (``binding_cu="fa2/paged_binding.cu"`` is the module's binding.cu)."""
+    files = {name.rsplit("/", 1)[-1]: static_source(name) for name in names}
+    files.update({key.replace("_", "."): static_source(name) for key, name in renamed.items()})
+    return files
+
+
 def template_digest(backend: str = "fa2") -> str:
     return _template_digest(str(template_root()), backend)
-
-
-_LOCAL_DEFS = {
-    # builtin -> (C++ definition, builtins it depends on)
-    "q_local": ("const int32_t q_local = int32_t(qo_idx < qo_len ? qo_idx : qo_len - 1);"
-                "  // padding lanes: clamp before any per-token load", ()),
-    "kv_local": ("const int32_t kv_local = int32_t(kv_idx < kv_len ? kv_idx : kv_len - 1);", ()),
-    "q_pos": ("const int32_t q_pos = q_pos_base + q_local;", ("q_local",)),
-    # The request's query index, not the launch request's (the planner splits requests).
-    "q_idx": ("const int32_t q_idx = q_pos - (req_kv_len - req_qo_len);", ("q_pos",)),
-    "kv_pos": ("const int32_t kv_pos = kv_pos_base + kv_local;", ("kv_local",)),
-    "q_row": ("const int32_t q_row = q_row_base + q_local;", ("q_local",)),
-    "kv_row": ("const int32_t kv_row = kv_row_base + kv_pos;", ("kv_pos",)),
-    "q_kv_row": ("const int32_t q_kv_row = kv_row_base + q_pos;", ("q_pos",)),
-    "qo_head": ("const int32_t qo_head = int32_t(qo_head_idx);", ()),
-    "kv_head": ("const int32_t kv_head = int32_t(kv_head_idx);", ()),
-}
-_MEMBER_BUILTINS = {"request", "qo_len", "kv_len"}  # read from variant members
-
-
-def _locals(builtins: frozenset[str], indent: str = "    ") -> str:
-    need: list[str] = []
-
-    def add(name: str) -> None:
-        if name in need:
-            return
-        for dep in _LOCAL_DEFS[name][1]:
-            add(dep)
-        need.append(name)
-
-    for b in sorted(builtins):
-        if b not in _MEMBER_BUILTINS:
-            add(b)
-    return "\n".join(indent + _LOCAL_DEFS[n][0] for n in need)
 
 
 def struct_name(spec: VariantSpec) -> str:
@@ -255,15 +237,19 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
         "kind": config.kind,
         "kind_text": KINDS[config.kind],
         "struct_name": struct_name(spec),
-        "mask_comment": codegen.describe(spec.mask),
-        "mask_code": mask.code,
-        "mask_locals": _locals(mask.builtins),
+        # The spec's own text and the canonical form, for comments (made safe, wrapped).
+        "mask_text": codegen.comment_lines(spec.mask_text),
+        "mask_canonical": codegen.comment_lines(expr.to_source(spec.mask)),
+        "mask_code": mask.broken(),
+        "mask_locals": codegen.hook_locals(mask.builtins),
         "logits": logits is not None,
-        "logits_comment": codegen.describe(spec.logits) if spec.logits is not None else "",
+        "logits_text": codegen.comment_lines(spec.logits_text or "") if logits else [],
+        "logits_canonical": codegen.comment_lines(expr.to_source(spec.logits)) if logits else [],
         "logits_code": logits.code if logits else "",
-        "logits_locals": _locals(logits.builtins) if logits else "",
-        # a hook that evaluates both (fa3's masked transform)
-        "masked_locals": _locals(mask.builtins | (logits.builtins if logits else frozenset())),
+        "logits_locals": codegen.hook_locals(logits.builtins) if logits else "",
+        # fa3's masked transform: the mask's locals the logits transform did not define already
+        "mask_only_locals": codegen.hook_locals(mask.builtins, "      ", frozenset(
+            codegen.local_names(logits.builtins) if logits else ())),
         "scalars": [
             {"name": s.name, "dtype": s.dtype, "local_type": scalar_local[s.dtype]} for s in spec.scalars
         ],
@@ -283,14 +269,20 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
 Renderer = Callable[[ModuleConfig, dict, jinja2.Environment], tuple[dict[str, str], list[str], tuple[str, ...]]]
 
 
-def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template: str, binding_template: str,
+# Every fa2 module's static sources (templates/common and templates/fa2).
+FA2_STATIC = ("common/vg_helpers.cuh", "fa2/config_prelude.cuh", "fa2/kernel_params.cuh")
+
+
+def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template: str, binding: dict[str, str],
                          kernel_template: str, unit_prefix: str, host_source: str):
-    """The FA2 prefill kinds: variant, config and binding, plus one kernel unit per mask mode
-    and CTA tile (what FlashInfer's FA2 planner may pick), and FlashInfer's host code."""
+    """The FA2 prefill kinds: variant and config rendered, the static sources and the binding
+    (``binding``: its file), plus one kernel unit per mask mode and CTA tile (what FlashInfer's
+    FA2 planner may pick), and FlashInfer's host code."""
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
         "batch_prefill_config.inc": env.get_template(config_template).render(ctx),
-        "binding.cu": env.get_template(binding_template).render(ctx),
+        **_static(*FA2_STATIC, "fa2/prefill_plan.cuh"),
+        **binding,
     }
     units = ["binding.cu"]
     kernel = env.get_template(kernel_template)
@@ -304,8 +296,9 @@ def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template:
 
 def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
     return _render_fa2_per_tile(ctx, env, config_template="fa2/config.inc.jinja",
-                                binding_template="fa2/binding.cu.jinja", kernel_template="fa2/paged_kernel.cu.jinja",
-                                unit_prefix="paged_kernel", host_source="batch_prefill_paged.cu")
+                                binding=_static(binding_cu="fa2/paged_binding.cu"),
+                                kernel_template="fa2/paged_kernel.cu.jinja", unit_prefix="paged_kernel",
+                                host_source="batch_prefill_paged.cu")
 
 
 def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
@@ -314,7 +307,7 @@ def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
         "batch_decode_config.inc": env.get_template("fa2/decode_config.inc.jinja").render(ctx),
-        "binding.cu": env.get_template("fa2/decode_binding.cu.jinja").render(ctx),
+        **_static(*FA2_STATIC, binding_cu="fa2/decode_binding.cu"),
         "decode_kernel.cu": env.get_template("fa2/decode_kernel.cu.jinja").render(ctx),
     }
     return files, ["binding.cu", "decode_kernel.cu"], ("batch_decode.cu",)
@@ -328,7 +321,7 @@ def _render_fa2_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
     host code (batch_prefill.cu) compiled against our config, our plan + ragged_run binding."""
     ctx = dict(ctx, cta_tiles=list(FA2_CTA_TILES_Q), all_cta_tiles=list(FA2_DISPATCHED_CTA_TILES_Q))
     return _render_fa2_per_tile(ctx, env, config_template="fa2/ragged_config.inc.jinja",
-                                binding_template="fa2/ragged_binding.cu.jinja",
+                                binding={"binding.cu": env.get_template("fa2/ragged_binding.cu.jinja").render(ctx)},
                                 kernel_template="fa2/ragged_kernel.cu.jinja", unit_prefix="ragged_kernel",
                                 host_source="batch_prefill.cu")
 
@@ -365,8 +358,8 @@ def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
                cutlass_o=CUTLASS_TYPES[config.o_dtype])
     files = {
         "variant.cuh": env.get_template("fa3/variant.cuh.jinja").render(ctx),
-        "cutlass_prelude.cuh": static_source("fa3/cutlass_prelude.cuh"),
         "batch_prefill_sm90_config.inc": env.get_template("fa3/config.inc.jinja").render(ctx),
+        **_static("common/vg_helpers.cuh", "fa3/cutlass_prelude.cuh", "fa3/kernel_params.cuh", "fa3/run.cuh"),
         "binding.cu": env.get_template("fa3/binding.cu.jinja").render(ctx, launches=launches),
     }
     units = ["binding.cu"]
