@@ -2,7 +2,7 @@
 page list (8 requests x 8192 tokens in pages of 16: 4096 entries).
 
 Where plan() gets the page list on the GPU and the indptrs on the host and reads nothing back,
-it no longer waits for the list's bounds: run() clamps the kernels' copy of the list on the GPU
+it does not wait for the list's bounds: run() clamps the kernels' copy of the list on the GPU
 and a later call reports. Measured here, with PageGuard itself (no attention module needed):
 
 * device time of run()'s clamp and of plan()'s bounds reduction + copy to page-locked memory
@@ -81,7 +81,7 @@ def main() -> None:
                  "cuda": torch.version.cuda, "date": datetime.date.today().isoformat()}
 
     # --- device time
-    copy = BoundsCopy()
+    copy = BoundsCopy(dev)
     out["device_us"] = {
         "run_clamp": queued_device_us(lambda: kernel_list.clamp_(0, PAGES - 1), args.iters),
         "plan_bounds_to_host": queued_device_us(lambda: copy.start(page_list), args.iters),

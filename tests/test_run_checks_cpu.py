@@ -3,6 +3,10 @@
 * every entry of the planned page list is a page of the KV cache run() is given (run()
   raises; plan() for negative entries, and in CUDA-graph mode against the captured cache);
   the launches read plan()'s copy of the page list;
+* where the list's bounds are still on their way from the GPU (emulated: BoundsOnTheirWay,
+  with every wait for the GPU made to fail), plan() does not wait, run() clamps the kernels'
+  copy of the list (the fake kernels refuse a page outside the cache), the next call reports;
+  a captured run() records the clamp and the next plan() reports;
 * indptrs start at 0; out, q and the KV cache have the layout and alignment the kernels assume;
 * check_plan=True: run() refuses spec tensors changed in place since plan() planned from
   them; a captured run() records the comparison and the next plan() refuses.
@@ -397,7 +401,7 @@ class BoundsOnTheirWay:
     def needed(kv_indices: torch.Tensor) -> bool:
         return True
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.arrived, self._values = False, (0, -1)
         self.control.copies.append(self)
 
