@@ -110,9 +110,11 @@ class DecodeWrapper(WrapperBase):
 
         As VariantWrapper.plan: the index tensors are read (and the page list copied) here,
         ``paged_kv_indptr`` starts at 0, every entry of ``paged_kv_indices[:paged_kv_indptr[-1]]``
-        must be a page of the KV cache run() is given (run() checks; in CUDA-graph mode plan()
-        too, against the cache the graph was captured with), and the spec tensors key trimming
-        reads must not change until the next plan() (``check_plan=True`` detects it)."""
+        must be a page of the KV cache run() is given (run() checks, or guards where the list's
+        bounds are still on their way from the GPU - a device page list with host indptrs, as
+        serving engines pass them; in CUDA-graph mode plan() too, against the cache the graph was
+        captured with), and the spec tensors key trimming reads must not change until the next
+        plan() (``check_plan=True`` detects it)."""
         # A plan() that fails must not leave the previous plan half-replaced.
         self._batch, self._launch, self._planned_args = None, None, {}
         self._check_replays()
@@ -239,6 +241,9 @@ class DecodeWrapper(WrapperBase):
         self.plan_stats["launches"] = [("decode", batch)]
         self.plan_stats["pages"] = {"given": sum(-(-kl // ps) for kl in kv_lens), "visited": self._launch.pages}
 
+    def _page_lists(self) -> list[torch.Tensor]:
+        return [self._launch.kv_indices] if self._launch is not None else []  # graph mode: the whole buffer
+
     def _visible_hulls(self, kv_lens: list[int], args: dict[str, Any]) -> tuple[list[int], list[int]]:
         """Per request, [lo, hi]: a key range holding every key its (last-token) query sees.
         Evaluated on the host unless the intervals read spec tensors (then one device sync)."""
@@ -267,7 +272,7 @@ class DecodeWrapper(WrapperBase):
         """Decode one query per request: ``q`` [batch, num_qo_heads, head_dim]; returns ``out``
         [batch, num_qo_heads, head_dim] (and the base-2 LSE [batch, num_qo_heads] with
         ``return_lse=True``). Checks as VariantWrapper.run (the planned page list against the
-        cache's page count among them)."""
+        cache's page count among them, or the guard)."""
         if self._batch is None or (self._prefill is None and self._launch is None):
             raise LaunchError("run() called before plan(): call plan(paged_kv_indptr, paged_kv_indices, "
                               "paged_kv_last_page_len, num_qo_heads, num_kv_heads, page_size) first")

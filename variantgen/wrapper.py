@@ -35,7 +35,7 @@ import torch
 
 from .build import BuildResult, build_module, default_cache, load_module, select_backend
 from .cache import Cache
-from .checks import NO_PAGES, PageBounds, PageBoundsReader, PlanCheck, check_page_high, check_page_low
+from .checks import PageGuard, PlanCheck
 from .env import settings
 from .errors import LaunchError
 from .expr import FLOAT32_MAX
@@ -146,12 +146,8 @@ class WrapperBase:
         self._float_chunk_cache: dict[int, list[torch.Tensor]] = {}
         self.check_plan = settings().check_plan if check_plan is None else check_plan
         self._plan_check = PlanCheck() if self.check_plan else None
-        # The planned page list's bounds (checks.py) and the caller's tensor (for error messages);
-        # the page count of the KV cache a captured run() used (later plan()s check against it).
-        self._page_reader = PageBoundsReader()
-        self._page_bounds: PageBounds = NO_PAGES
-        self._page_list: torch.Tensor | None = None
-        self._captured_pages: int | None = None
+        # The planned page list's bounds, and run()'s guard where they are still on their way (checks.py).
+        self._pages = PageGuard()
 
     def _workspace(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The i-th (int workspace, page-locked host mirror) pair; one per launch."""
@@ -255,7 +251,7 @@ class WrapperBase:
                       ) -> tuple[list[list[int]], torch.Tensor, list[int]]:
         """host_indices of ``indptrs`` with, where that is a copy from the page list's device, the
         page list's bounds in the same copy: (lists, flat, folded bounds for begin_pages)."""
-        folded = self._page_reader.fold(kv_indices, kv_indptr)
+        folded = self._pages.fold(kv_indices, kv_indptr)
         lists, flat = host_indices(*indptrs, *folded)
         if not folded:
             return lists, flat, []
@@ -263,20 +259,17 @@ class WrapperBase:
 
     def _begin_pages(self, kv_indices: torch.Tensor, entries: int, folded: list[int]) -> None:
         """plan(): start reading the bounds of the batch's page list ``kv_indices[:entries]``."""
-        self._page_list = kv_indices
-        self._page_reader.begin(kv_indices, entries, folded)
+        self._pages.begin(kv_indices, entries, folded)
 
     def _finish_pages(self) -> None:
-        """plan()'s end: the page list's bounds (after its reads back). Negative entries are
-        refused here; the rest is for run(), which has the cache - and for this plan() where a
-        captured run() fixed the cache replays read."""
-        bounds = self._page_reader.result()
-        assert self._page_list is not None
-        check_page_low(bounds, self._page_list)
-        if self._captured_pages is not None:
-            check_page_high("plan()", bounds, self._page_list, self._captured_pages,
-                            "the KV cache the CUDA graph was captured with")
-        self._page_bounds = bounds
+        """plan()'s end (after its reads back): negative entries are refused here, and in CUDA-graph
+        mode entries outside the captured cache; the rest is for run(), which has the cache. Bounds
+        still on their way are run()'s to guard (checks.py)."""
+        self._pages.finish()
+
+    def _page_lists(self) -> list[torch.Tensor]:
+        """The wrapper's copies of the page list that run()'s kernels read (the guard clamps them)."""
+        return []
 
     def _own_pages(self, kv_indices: torch.Tensor, count: int) -> torch.Tensor:
         """The wrapper's contiguous device copy of ``kv_indices[:count]`` (a launch's page list as
@@ -292,8 +285,10 @@ class WrapperBase:
 
     # ------------------------------------------------------------------ check_plan (debug mode)
     def _check_replays(self) -> None:
-        """plan()'s start, debug mode: refuse if a replayed run() found a planned tensor changed
-        since the plan it replayed (the graph recorded the comparison; this reads it back)."""
+        """plan()'s start: refuse if an earlier run() or replay read a page list clamped by the
+        guard (checks.py), or (debug mode) if a replayed run() found a planned tensor changed since
+        the plan it replayed (the graph recorded the comparison; this reads it back)."""
+        self._pages.poll("plan()")
         if self._plan_check is None:
             return
         self._plan_check.clear()
@@ -483,7 +478,10 @@ class WrapperBase:
                          ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """run()'s checks over a paged KV cache, in order: q, the cache, q/k/v scales, the
         spec's arguments (and that they are what plan() planned with). Returns (k_cache,
-        v_cache, checked spec arguments)."""
+        v_cache, checked spec arguments). First, a report of an earlier run() that read a page
+        list clamped by the guard (checks.py)."""
+        if not self._capturing():  # (no event queries under capture)
+            self._pages.poll("run()")
         self._check_rows("q", q, TORCH_DTYPES[self.config.q_dtype], q_shape)
         k_cache, v_cache = self._check_paged_cache(paged_kv_cache)
         self._check_scales(*scales)
@@ -494,7 +492,8 @@ class WrapperBase:
 
     def _check_paged_cache(self, paged_kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) from a pair or a [pages, 2, ...] tensor, checked against the plan:
-        shapes, strides the kernel can take, and every planned page inside the cache."""
+        shapes, strides the kernel can take, and every planned page inside the cache (or, where
+        plan() left the bounds on their way, the kernels' page lists clamped to it)."""
         b, cfg = self._batch, self.config
         kvdt = TORCH_DTYPES[cfg.kv_dtype]
         if isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
@@ -534,9 +533,7 @@ class WrapperBase:
         if v_cache.shape[0] != num_pages:
             raise LaunchError(f"run(): k_cache has {num_pages} pages and v_cache {v_cache.shape[0]}; expected the "
                               "same page count (a page number addresses both)")
-        check_page_high("run()", self._page_bounds, self._page_list, num_pages, "the KV cache run() was given")
-        if self._capturing():  # replays read this cache: later plan()s check against it
-            self._captured_pages = num_pages
+        self._pages.check_run(num_pages, self._capturing(), self._page_lists)
         return k_cache, v_cache
 
 
@@ -564,6 +561,11 @@ class VariantWrapper(WrapperBase):
         self.segment_read = 64  # launch requests plan() copies back at first (more: a second copy)
         self.row_buffers: dict[str, torch.Tensor] = {}  # the row kernel's outputs, kept across plans
         self._native_desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)  # plan_batch's answer
+
+    def _page_lists(self) -> list[torch.Tensor]:
+        if self._graph is not None:  # every slot's whole buffer (what a captured launch reads)
+            return [self._graph.kv_indices]
+        return [la.kv_indices for la in self._launches]
 
     def _trim_to_batch(self, args: dict[str, Any]) -> dict[str, Any]:
         """Spec tensors given as capacity-sized static buffers, cut to this batch's sizes
@@ -613,8 +615,11 @@ class VariantWrapper(WrapperBase):
         ``paged_kv_indices[:paged_kv_indptr[-1]]``, must be a page of the KV cache run() is
         given: negative entries are refused here, the rest by run(), which has the cache (in
         CUDA-graph mode, where replays run no host code, also here against the cache the graph
-        was captured with). The bounds are read without a sync of their own where plan() reads
-        anything back from the device (see checks.py).
+        was captured with). plan() never waits for the GPU to read the list's bounds: with the
+        page list on the GPU and the indptrs on the host, and nothing else read back, they may
+        still be on their way when run() is called; run() then clamps the kernels' copy of the
+        list to the cache on the GPU, and the next plan() or run() raises once they show entries
+        outside it (checks.py). Pass the page list on the host to have them refused up front.
 
         Contract: the tensors plan() reads must not change until the next plan(). run()
         re-reads q, the KV cache and the spec tensors, but the launches - which rows go to
@@ -889,8 +894,12 @@ class VariantWrapper(WrapperBase):
 
         run() reads q, the cache and the spec tensors; the launches are plan()'s (see its
         contract). It checks every argument first, and the planned page list against the
-        cache's page count; under CUDA-graph capture it also remembers that page count, which
-        later plan()s check against (replays run no host code)."""
+        cache's page count - or, where plan() left the list's bounds on their way, clamps the
+        kernels' copy of it to the cache on the GPU before the launch; a later plan() or run()
+        raises if they show that the clamp changed anything (checks.py). It raises first for
+        such an earlier run(). Under CUDA-graph capture it records the clamp in the graph and
+        remembers the cache's page count, which later plan()s check against (replays run no
+        host code)."""
         if self._batch is None or (self._batch.total_q and not self._launches):  # none, or plan() failed
             raise LaunchError("run() called before plan(): call plan(qo_indptr, paged_kv_indptr, ...) first")
         b = self._batch
