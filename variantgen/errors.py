@@ -120,6 +120,10 @@ class JitDisabledError(VariantgenError):
     """JIT is disabled and the module is not in the cache."""
 
 
+class BackendError(VariantgenError):
+    """A backend cannot run here (e.g. the flex route on a torch without FlexAttention)."""
+
+
 class LaunchError(VariantgenError, ValueError):
     """A wrapper call was given arguments the kernel cannot take (raised before launch)."""
 

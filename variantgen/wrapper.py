@@ -49,6 +49,7 @@ TORCH_DTYPES = {
     "fp16": torch.float16,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "fp32": torch.float32,  # the flex route only (FlashInfer modules take 16-bit queries)
 }
 SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
@@ -102,7 +103,7 @@ class WrapperBase:
     checks of the spec's named arguments, scales and outputs. Subclasses set ``_batch``
     (an object with the fields ``_dims`` reads) in plan()."""
 
-    def __init__(self, spec: VariantSpec, config: ModuleConfig, module: Any, build: BuildResult,
+    def __init__(self, spec: VariantSpec, config: ModuleConfig, module: Any, build: BuildResult | None,
                  float_workspace: torch.Tensor, kv_layout: str = "NHD"):
         if kv_layout not in LAYOUT_CODES:
             raise LaunchError(f"kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
@@ -112,7 +113,7 @@ class WrapperBase:
         self.config = config
         self.module = module
         self.build = build
-        self.uri = build.entry.uri
+        self.uri = build.entry.uri if build is not None else None  # None: no module (the flex route)
         self.kv_layout = kv_layout
         self.device = float_workspace.device
         self._float_workspace = float_workspace
@@ -197,6 +198,19 @@ class WrapperBase:
             return False
         self.plan_stats.pop("planner_off", None)
         return True
+
+    def _refuse_plan_args(self, spec_args: dict[str, Any], skip_tiles: bool | None, what: str) -> None:
+        """plan() without ``what`` (the interval planner, key trimming) reads no spec argument:
+        a LaunchError if it was given some (they go to run())."""
+        if spec_args:
+            why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
+            raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without {what} ({why}) "
+                              "spec arguments go to run() only")
+
+    def _sm_scale(self, q_scale: float | None, k_scale: float | None) -> float:
+        """The softmax scale of the logits: the spec's (default 1/sqrt(head_dim_qk)) times q_scale * k_scale."""
+        base = self.spec.sm_scale if self.spec.sm_scale is not None else 1.0 / math.sqrt(self.config.head_dim_qk)
+        return float(base * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0))
 
     # ------------------------------------------------------------------ argument checks
     @staticmethod
@@ -309,11 +323,8 @@ class WrapperBase:
                      v_scale: float | None) -> tuple[list[torch.Tensor], list[Any]]:
         """The module's extra run() arguments in ABI order, except vg_meta (which the caller
         inserts after the spec tensors): (spec tensors, scalars incl. sm_scale/v_scale/rows)."""
-        cfg = self.config
-        base = self.spec.sm_scale if self.spec.sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim_qk)
-        sm_scale = base * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0)
         tensors = [args[t] for t in self._tensor_names]
-        scalars = [args[s] for s in self._scalar_names] + [float(sm_scale)]
+        scalars = [args[s] for s in self._scalar_names] + [self._sm_scale(q_scale, k_scale)]
         if self.spec.qkv_scales:
             scalars.append(float(v_scale) if v_scale is not None else 1.0)
         for name in self.build.entry.manifest.get("scalar_args", []):
@@ -459,39 +470,16 @@ class VariantWrapper(WrapperBase):
         read must be passed here by name as well (they are read once, here)."""
         # A plan() that fails must not leave the previous plan half-replaced.
         self._batch, self._launches, self._planned_args = None, [], {}
-        self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
-        self._check_index_tensors(qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
-                                  paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
-        batch = qo_indptr.numel() - 1
-        if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
-            raise LaunchError(
-                f"plan(): inconsistent batch: qo_indptr has {qo_indptr.numel()} entries, paged_kv_indptr "
-                f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
-                "(expected batch+1, batch+1, batch)")
+        paged = read_paged_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                                 num_qo_heads, num_kv_heads, page_size)
+        qo_h, kvp_h, last_h, indices_h = paged.qo_indptr, paged.kv_indptr, paged.last_page_len, paged.host
+        batch, qo_lens, kv_lens = paged.batch.batch_size, list(paged.batch.qo_lens), list(paged.batch.kv_lens)
         self._staging.begin()
-        (qo_h, kvp_h, last_h), indices_h = host_indices(qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
-        qo_lens, kv_lens = [], []
-        for b in range(batch):
-            ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
-            kl = 0 if npages == 0 else (npages - 1) * page_size + lp
-            if ql < 0 or npages < 0:
-                raise LaunchError(f"plan(): request {b}: indptrs must be non-decreasing")
-            if npages and not 1 <= lp <= page_size:
-                raise LaunchError(f"plan(): paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
-            if ql > kl:
-                raise LaunchError(f"plan(): request {b} has {ql} queries but only {kl} keys; the queries must be "
-                                  "the last qo_len tokens of the request's KV")
-            qo_lens.append(ql)
-            kv_lens.append(kl)
-        if kvp_h[-1] > paged_kv_indices.numel():
-            raise LaunchError(f"plan(): paged_kv_indices has {paged_kv_indices.numel()} entries, "
-                              f"paged_kv_indptr needs {kvp_h[-1]}")
         graph = self._graph
         if graph is not None:
             graph.capacity.check_batch(batch, qo_h[-1], kvp_h[-1])
             disable_split_kv = True  # split-KV changes the schedule from batch to batch
-        self._batch = Batch(batch, qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
-                            tuple(qo_lens), tuple(kv_lens))
+        self._batch = paged.batch
         if self._batch.total_q == 0:  # nothing to compute; run() returns empty outputs
             self.plan_stats["launches"] = []
             if graph is not None:  # ... but a captured graph still replays: plan empty launches
@@ -511,10 +499,7 @@ class VariantWrapper(WrapperBase):
                 return
             launches = plan_launches(self, qo_h, kvp_h, kv_lens, checked)
         else:
-            if spec_args:
-                why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
-                raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without the interval planner "
-                                  f"({why}) spec arguments go to run() only")
+            self._refuse_plan_args(spec_args, skip_tiles, "the interval planner")
             kv_row = list(accumulate(kv_lens, initial=0))
             meta = [[qo_h[b], kv_lens[b] - qo_lens[b], 0, b, kv_row[b], qo_lens[b], kv_lens[b], -1, qo_lens[b]]
                     for b in range(batch)]
@@ -753,6 +738,50 @@ def host_indices(*tensors: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]
     return out, flat
 
 
+class PagedBatchLists(NamedTuple):
+    """A paged batch as plan() checked it: the Batch and host copies of its index tensors."""
+
+    batch: Batch
+    qo_indptr: list[int]
+    kv_indptr: list[int]
+    last_page_len: list[int]
+    host: torch.Tensor  # the three back to back on the host (host_indices)
+
+
+def read_paged_batch(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any,
+                     num_qo_heads: Any, num_kv_heads: Any, page_size: Any) -> PagedBatchLists:
+    """plan()'s checks of a paged batch (sizes, index tensors, per-request lengths), shared by
+    every paged-prefill route; LaunchError naming the argument otherwise."""
+    WrapperBase._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
+    WrapperBase._check_index_tensors(qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
+                                     paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
+    batch = qo_indptr.numel() - 1
+    if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
+        raise LaunchError(
+            f"plan(): inconsistent batch: qo_indptr has {qo_indptr.numel()} entries, paged_kv_indptr "
+            f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
+            "(expected batch+1, batch+1, batch)")
+    (qo_h, kvp_h, last_h), indices_h = host_indices(qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
+    qo_lens, kv_lens = [], []
+    for b in range(batch):
+        ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
+        kl = 0 if npages == 0 else (npages - 1) * page_size + lp
+        if ql < 0 or npages < 0:
+            raise LaunchError(f"plan(): request {b}: indptrs must be non-decreasing")
+        if npages and not 1 <= lp <= page_size:
+            raise LaunchError(f"plan(): paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
+        if ql > kl:
+            raise LaunchError(f"plan(): request {b} has {ql} queries but only {kl} keys; the queries must be "
+                              "the last qo_len tokens of the request's KV")
+        qo_lens.append(ql)
+        kv_lens.append(kl)
+    if kvp_h[-1] > paged_kv_indices.numel():
+        raise LaunchError(f"plan(): paged_kv_indices has {paged_kv_indices.numel()} entries, "
+                          f"paged_kv_indptr needs {kvp_h[-1]}")
+    return PagedBatchLists(Batch(batch, qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
+                                 tuple(qo_lens), tuple(kv_lens)), qo_h, kvp_h, last_h, indices_h)
+
+
 def resolve_spec(spec: VariantSpec | str | Path) -> VariantSpec:
     if isinstance(spec, VariantSpec):
         return spec
@@ -791,7 +820,8 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
 
     ``kind``: "prefill" (paged KV), "ragged" (ragged KV) or "decode" (paged KV, one query
     per request). ``backend``: "fa2", "fa3", or None to let variantgen choose from the
-    spec, dtypes, kind and GPU (see choose_backend). ``workspace`` is the float workspace
+    spec, dtypes, kind and GPU (see choose_backend); "flex" runs the spec through torch's
+    FlexAttention on any CUDA or CPU device, with no module (flex_wrapper.py). ``workspace`` is the float workspace
     (uint8, on the target GPU; 128 MiB is plenty). ``use_tensor_cores`` (decode only): run
     decode through the spec's prefill module (one query per request) instead of the
     CUDA-core decode kernel - FlashInfer's advice for large GQA groups. ``graph``
@@ -803,6 +833,12 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     call variantgen.probe() first to get a reason instead of an exception.
     """
     spec = resolve_spec(spec)
+    if backend == "flex":  # torch's FlexAttention: no module, no nvcc (flex_wrapper.py)
+        from .flex_wrapper import make_flex_wrapper
+
+        return make_flex_wrapper(spec, workspace, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
+                                 kv_dtype=kv_dtype, o_dtype=o_dtype, kind=kind, kv_layout=kv_layout,
+                                 use_tensor_cores=use_tensor_cores, graph=graph)
     q = canonical_dtype(q_dtype, "q_dtype")
     kv = canonical_dtype(kv_dtype, "kv_dtype")
     o = canonical_dtype(o_dtype, "o_dtype") if o_dtype is not None else q
