@@ -242,6 +242,31 @@ def test_blocks_from_intervals_are_sound_and_tight(spec_name):
     assert assert_blocks_sound(w, args, w._run_blocks[1]) == 0
 
 
+def test_compiled_cpu_kernel_obeys_the_block_lists():
+    """The eager math evaluates the mask everywhere; the compiled kernel (inductor's CPU kernel
+    here, Triton on CUDA) trusts the block lists: it skips blocks not listed and the mask in
+    full ones. With the interval lists it matches the reference, and a list made wrong on
+    purpose changes the output, so the lists are what the compiled result rests on."""
+    spec = shipped("prefix_lm")
+    batch = random_paged_batch([300, 130, 1, 260], [300, 500, 70, 600], num_qo_heads=2, num_kv_heads=1,
+                               head_dim=16, page_size=16, dtype=torch.float32, seed=11)
+    args = spec_args(spec, batch, seed=4)
+    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
+                              batch.kv_indices, batch.last_page_len, args)
+    w = make_flex_wrapper(spec, WS, head_dim_qk=16, q_dtype="fp32", kv_dtype="fp32", compile=True)
+    w.plan(*batch.plan_args(), **args)
+    out = w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    assert (out - ref).abs().max() < 1e-5
+    partial, full = w._plan.blocks.dense()
+    assert full.any() and partial.any()
+    for name, bad_partial, bad_full in (("a full block dropped", partial, full & (full.cumsum(-1) > 1)),
+                                        ("a partial block marked full", partial & (partial.cumsum(-1) > 1),
+                                         full | (partial & (partial.cumsum(-1) == 1)))):
+        w._plan.blocks = flex.Blocks.from_dense(bad_partial, bad_full)
+        wrong = w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+        assert (wrong - ref).abs().max() > 1e-2, name
+
+
 # ----------------------------------------------------------------------------- ragged and decode
 
 
@@ -358,9 +383,16 @@ def test_argument_checks_are_the_wrappers():
     with pytest.raises(LaunchError, match=r"`out`: expected shape \[8, 4, 32\]"):
         w.run(batch.q, kv, out=torch.empty(7, HQ, HEAD_DIM, dtype=torch.float16), **args)
     small = (batch.k_cache[:2], batch.v_cache[:2])
-    with pytest.raises(LaunchError, match="paged_kv_indices \\(as planned\\) holds page [2-9], outside the KV "
-                                          "cache's 2 pages"):
+    bad = int((batch.kv_indices >= 2).nonzero()[0, 0])
+    with pytest.raises(LaunchError, match=exact(f"run(): paged_kv_indices[{bad}]={int(batch.kv_indices[bad])} (as "
+                                                "plan() read it) is outside the KV cache's 2 pages")):
         w.run(batch.q, small, **args)
+    negative = batch.kv_indices.clone()
+    negative[1] = -1  # torch would read the last page for it
+    w.plan(batch.qo_indptr, batch.kv_indptr, negative, batch.last_page_len, HQ, HKV, 4, **args)
+    with pytest.raises(LaunchError, match=exact("run(): paged_kv_indices[1]=-1 (as plan() read it) is outside the KV "
+                                                f"cache's {batch.k_cache.shape[0]} pages")):
+        w.run(batch.q, kv, **args)
 
 
 def test_decode_and_ragged_checks_are_the_wrappers():

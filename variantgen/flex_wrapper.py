@@ -96,6 +96,7 @@ class FlexPlan:
     reach: RowBlocks
     blocks: Blocks | None
     pages: tuple[int, int] | None = None  # smallest and largest page id read (paged kinds)
+    entries: torch.Tensor | None = None  # paged kinds: the paged_kv_indices entry of each gathered key
 
 
 class FlexWrapperBase(WrapperBase):
@@ -104,6 +105,9 @@ class FlexWrapperBase(WrapperBase):
     def __init__(self, spec: VariantSpec, config: FlexConfig, workspace: torch.Tensor, kv_layout: str = "NHD"):
         super().__init__(spec, config, None, None, workspace, kv_layout)  # type: ignore[arg-type]
         self._plan: FlexPlan | None = None
+        self._qo_h: list[int] = []  # ragged: plan()'s host indptrs (run() plans the intervals)
+        self._kv_h: list[int] = []
+        self._plans: dict[tuple, FlexPlan] = {}
         self._run_blocks: tuple[tuple, Blocks] | None = None  # (arguments key, blocks) of the last run()
         self.compiled = config.compiled
         self.plan_stats["backend"] = "flex"
@@ -225,10 +229,22 @@ class FlexWrapperBase(WrapperBase):
         return self._run_blocks[1]
 
     def _check_pages(self, plan: FlexPlan, num_pages: int) -> None:
-        if plan.pages is not None and not (0 <= plan.pages[0] and plan.pages[1] < num_pages):
-            bad = plan.pages[0] if plan.pages[0] < 0 else plan.pages[1]
-            raise LaunchError(f"run(): paged_kv_indices (as planned) holds page {bad}, outside the KV cache's "
-                              f"{num_pages} pages")
+        """Every page plan() will read lies in the cache run() was given (host values from plan())."""
+        if plan.pages is None or (0 <= plan.pages[0] and plan.pages[1] < num_pages):
+            return
+        pages, entries = plan.source[0], plan.entries
+        assert entries is not None
+        first = int(((pages < 0) | (pages >= num_pages)).nonzero()[0, 0])
+        raise LaunchError(f"run(): paged_kv_indices[{int(entries[first])}]={int(pages[first])} (as plan() read it) is "
+                          f"outside the KV cache's {num_pages} pages")
+
+    def _set_pages(self, plan: FlexPlan, indices: torch.Tensor, entries: torch.Tensor, offsets: torch.Tensor) -> None:
+        """The page of each gathered key (read from paged_kv_indices now, checked in run())."""
+        pages = indices.to(self.device)[entries].to(torch.int64)
+        plan.source, plan.entries = (pages, offsets), entries
+        if pages.numel():
+            lo, hi = torch.aminmax(pages)
+            plan.pages = (int(lo), int(hi))
 
     def _gather(self, plan: FlexPlan, cache: torch.Tensor, rows_shape: tuple[int, ...], dtype: torch.dtype,
                 ) -> torch.Tensor:
@@ -299,13 +315,7 @@ class FlexPrefillWrapper(FlexWrapperBase):
             return [kvp_h[r] + p // ps for p in pos], [p % ps for p in pos]
 
         plan = self._packed_plan(paged.qo_indptr, list(b.kv_lens), key_rows, intervals, paged=True)
-        entries, offsets = plan.source
-        indices = paged_kv_indices.to(self.device)
-        pages = indices[entries].to(torch.int64)
-        plan.source = (pages, offsets)
-        if pages.numel():
-            lo, hi = torch.aminmax(pages)
-            plan.pages = (int(lo), int(hi))
+        self._set_pages(plan, paged_kv_indices, *plan.source)
         self._finish_plan(plan)
 
     def _plan_intervals(self, qo_h: list[int], kv_lens: list[int], skip_tiles: bool | None,
@@ -370,8 +380,7 @@ class FlexRaggedWrapper(FlexWrapperBase):
         if spec_args:
             self._check_args(spec_args, where="plan()", require_tensors_from="plan")
         self._staging.begin()
-        self._qo_h, self._kv_h = qo_h, kv_h
-        self._plans: dict[tuple, FlexPlan] = {}
+        self._qo_h, self._kv_h, self._plans = qo_h, kv_h, {}
         if self._batch.total_q == 0:
             self.plan_stats["launches"] = []
             return
@@ -463,16 +472,13 @@ class FlexDecodeWrapper(FlexWrapperBase):
                           entries, offs, dest])
         layout = FlexLayout(False, batch, 1, kv_len, num_qo_heads, num_kv_heads, qo_len=t[0], kv_len_req=t[1],
                             q_start=t[2], kv_row_base=t[3], key_start=t[4], key_base=t[5], key_count=t[6])
-        pages = paged_kv_indices.to(self.device)[t[7]].to(torch.int64)
         reqs = torch.arange(batch, device=self.device)
         zeros = torch.zeros_like(reqs)
         reach = RowBlocks(reqs, zeros, zeros, layout.key_count - 1, torch.zeros_like(reqs, dtype=torch.bool))
         blocks = flex.blocks_from_intervals(layout, RowBlocks(reqs, zeros, zeros, layout.key_count - 1, exact)) \
             if exact is not None else None
-        plan = FlexPlan(layout, sum(count), (pages, t[8]), t[9], reach, blocks)
-        if pages.numel():
-            lo, hi = torch.aminmax(pages)
-            plan.pages = (int(lo), int(hi))
+        plan = FlexPlan(layout, sum(count), (), t[9], reach, blocks)
+        self._set_pages(plan, paged_kv_indices, t[7], t[8])
         self._finish_plan(plan)
 
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
