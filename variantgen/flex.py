@@ -41,7 +41,7 @@ from .spec import VariantSpec
 
 BLOCK = 128  # Flex's block size for queries and keys; lengths are padded to a multiple of it
 EVAL_CHUNK = 1 << 22  # mask elements evaluated per step when block masks come from the mask
-RECOMPILE_LIMIT = 64  # dynamo cache entries allowed for flex_attention while a flex route calls it
+RECOMPILE_LIMIT = 64  # compiled graphs kept per spec and layout (see _compiled), while a flex route calls it
 HEAD_NAMES = {"qo_head", "kv_head"}
 
 
@@ -334,23 +334,34 @@ def _real_rows(layout: FlexLayout, b: torch.Tensor, q: torch.Tensor) -> torch.Te
 
 
 @functools.cache
-def _compiled(backend: str) -> Callable:
+def _compiled(backend: str, key: tuple) -> Callable:
+    """flex_attention compiled for one spec and layout (``key``), behind a code object of its own:
+    dynamo keeps compiled graphs per code object and checks their guards one by one on every
+    call, so each spec's few graphs (dynamic shapes, sizes of 1 specialized) stay a short list
+    instead of one list for every spec of the process."""
+    import types
+
     from torch.nn.attention.flex_attention import flex_attention
 
+    def call(q, k, v, kwargs):
+        return flex_attention(q, k, v, **kwargs)
+
+    code = call.__code__.replace(co_name=f"flex_attention_{len(key)}_{abs(hash(key)) % 10**8}")
+    fn = types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
     # Dynamic shapes: one or two compiles serve every batch; lengths are padded to BLOCK, where
     # the dynamic kernel ran within 9% of a static one (a non-multiple ran 2x slower).
-    return torch.compile(flex_attention, backend=backend, dynamic=True)
+    return torch.compile(fn, backend=backend, dynamic=True)
 
 
 def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: FlexMods, block_mask: Any, scale: float,
-              compiled: bool, want_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+              compiled: bool, want_lse: bool, key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     """flex_attention over [B, H, L, D] tensors: (out [B, Hq, Lq, Dv] in q's dtype, natural-log LSE
     [B, Hq, Lq] float32, or an empty tensor without ``want_lse``). ``compiled``: inductor's kernel;
     else dynamo with the eager backend (the dense math; CPU's default, since torch's compiled CPU
-    kernel has no LSE)."""
+    kernel has no LSE). ``key``: what the compiled graphs are kept under (see _compiled)."""
     from torch.nn.attention import flex_attention as fa
 
-    fn = _compiled("inductor" if compiled else "eager")
+    fn = _compiled("inductor" if compiled else "eager", key)
     kwargs: dict[str, Any] = dict(score_mod=mods.score_mod, block_mask=block_mask, scale=scale,
                                   enable_gqa=q.shape[1] != k.shape[1])
     aux = getattr(fa, "AuxRequest", None)  # torch >= 2.9; return_lse before
@@ -359,7 +370,7 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: FlexMods,
     limit = {"recompile_limit": RECOMPILE_LIMIT} if hasattr(torch._dynamo.config, "recompile_limit") else \
         {"cache_size_limit": RECOMPILE_LIMIT}
     with torch.no_grad(), torch._dynamo.config.patch(**limit):
-        result = fn(q, k, v, **kwargs)
+        result = fn(q, k, v, kwargs)
     if not want_lse:
         return result, result.new_empty(0, dtype=torch.float32)
     out, lse = result

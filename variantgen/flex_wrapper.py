@@ -273,7 +273,7 @@ class FlexWrapperBase(WrapperBase):
             raise LaunchError("run(return_lse=True): torch's compiled CPU FlexAttention returns no LSE; make the "
                               "wrapper with compile=False on the CPU (the default)")
         return flex.flex_call(q4, k4, v4, mods, block_mask, self._sm_scale(q_scale, k_scale), self.compiled,
-                              want_lse)
+                              want_lse, (self.spec.digest, plan.layout.packed))
 
     def _finish(self, o: torch.Tensor, lse_n: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                 v_scale: float | None, return_lse: bool):
