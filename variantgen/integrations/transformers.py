@@ -230,11 +230,15 @@ class Session:
         route = Route(spec_name, kind, backend)
         spec = _shipped(spec_name)
         dtype = str(self.dtype).removeprefix("torch.")
-        result = variantgen.probe(spec, head_dim_qk=self.head_dim, q_dtype=dtype, kv_dtype=dtype, backend=backend,
-                                  kind=kind, device=self.device)
-        if not result.ok:
-            route.reason = result.reason
+        self.routes[(spec_name, kind)] = route
+        if backend != "flex" and self.device.type != "cuda":
+            route.reason = (f"the model is on {self.device}; the {backend or 'FlashInfer'} routes run on CUDA GPUs "
+                            "(backend='flex' runs here)")
         else:
+            result = variantgen.probe(spec, head_dim_qk=self.head_dim, q_dtype=dtype, kv_dtype=dtype,
+                                      backend=backend, kind=kind, device=self.device)
+            route.reason = result.reason
+        if not route.reason:
             def make() -> Any:
                 return make_wrapper(spec, self.workspace(), head_dim_qk=self.head_dim, q_dtype=dtype, kv_dtype=dtype,
                                     backend=backend, kind=kind, kv_layout="HND" if kind == "decode" else "NHD")
@@ -244,7 +248,6 @@ class Session:
                 route.make = make
             except Exception as e:  # noqa: BLE001 - the route is off, with the reason
                 route.reason = f"{type(e).__name__}: {e}"
-        self.routes[(spec_name, kind)] = route
         if self.report is not None:
             self.report.routes[(spec_name, kind)] = _route_status(route)
         return route
