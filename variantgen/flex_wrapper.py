@@ -138,21 +138,27 @@ class FlexWrapperBase(WrapperBase):
         return base, count
 
     def _tables(self, values: list[list[int]]) -> list[torch.Tensor]:
-        """Host int lists as int64 device tensors, in one staged copy."""
+        """Host int lists (one entry per request) as int64 device tensors, in one staged copy."""
         flat = [x for v in values for x in v]
         dev = self._staging.to_device(flat, torch.int64) if flat else torch.zeros(0, dtype=torch.int64,
                                                                                   device=self.device)
         return list(dev.split([len(v) for v in values]))
 
-    def _packed_plan(self, qo_h: list[int], kv_lens: list[int], key_rows_of: Any, intervals: Any,
-                     paged: bool) -> FlexPlan:
+    def _keys(self, count: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(request, index among its request's gathered keys) of each of ``total`` gathered keys."""
+        r = torch.repeat_interleave(torch.arange(count.numel(), device=self.device), count, output_size=total)
+        start = torch.cumsum(count, 0) - count
+        return r, torch.arange(total, device=self.device) - start[r]
+
+    def _packed_plan(self, qo_h: list[int], kv_lens: list[int], source_start: list[int], intervals: Any,
+                     page_size: int | None) -> FlexPlan:
         """The packed layout (prefill, ragged): queries as in q, each request's gathered keys back
-        to back. ``key_rows_of(r, first, count)``: host source lists of those keys ((page list
-        entries, offsets) when ``paged``, else (rows, [])); ``intervals``: (row env, RowIntervals),
-        or None (all keys gathered, blocks from the mask)."""
+        to back. ``source_start``: per request, its first page-list entry (paged, ``page_size``
+        given) or its first row of k (ragged); ``intervals``: (row env, RowIntervals), or None
+        (every key gathered, blocks from the mask)."""
         b = self._batch
         assert b is not None
-        batch = b.batch_size
+        batch, dev = b.batch_size, self.device
         if intervals is not None:
             env, iv = intervals
             base, count = self._key_ranges(env, iv, batch)
@@ -163,35 +169,33 @@ class FlexWrapperBase(WrapperBase):
         q_len = -(-max(b.total_q, 1) // BLOCK) * BLOCK
         kv_len = -(-max(gathered, 1) // BLOCK) * BLOCK
         qo_lens = [qo_h[r + 1] - qo_h[r] for r in range(batch)]
-        q_request = [-1] * qo_h[0] + [r for r in range(batch) for _ in range(qo_lens[r])]
-        q_request += [-1] * (q_len - len(q_request))
-        key_request = [r for r in range(batch) for _ in range(count[r])] + [-2] * (kv_len - gathered)
-        src_a: list[int] = []
-        src_b: list[int] = []
-        for r in range(batch):
-            if count[r]:
-                a, c = key_rows_of(r, base[r], count[r])
-                src_a += a
-                src_b += c
         kv_row_base = list(accumulate(kv_lens, initial=0))[:-1]
-        t = self._tables([qo_lens, list(kv_lens), qo_h[:-1], kv_row_base, key_start[:-1], base, count, q_request,
-                          key_request, src_a, src_b])
-        layout = FlexLayout(True, 1, q_len, kv_len, b.num_qo_heads, b.num_kv_heads, qo_len=t[0], kv_len_req=t[1],
-                            q_start=t[2], kv_row_base=t[3], key_start=t[4], key_base=t[5], key_count=t[6],
-                            q_request=t[7], key_request=t[8])
-        if paged:
-            source: tuple[torch.Tensor, ...] = (t[9], t[10])
-        else:  # ragged rows; () when they are all of k in order (k is then used as it is)
-            source = () if src_a == list(range(sum(kv_lens))) else (t[9],)
-        rows_req = torch.repeat_interleave(torch.arange(batch, device=self.device), layout.qo_len)
-        q_rows = torch.arange(qo_h[0], qo_h[-1], device=self.device)
-        first = layout.key_start[rows_req]
-        reach = RowBlocks(torch.zeros_like(q_rows), q_rows, first, first + layout.key_count[rows_req] - 1,
+        t = self._tables([qo_lens, list(kv_lens), qo_h[:-1], kv_row_base, key_start[:-1], base, count, source_start])
+        qo_len, key_start_t, key_base, key_count, src0 = t[0], t[4], t[5], t[6], t[7]
+        rows_req = torch.repeat_interleave(torch.arange(batch, device=dev), qo_len, output_size=qo_h[-1] - qo_h[0])
+        q_request = torch.full((q_len,), -1, dtype=torch.int64, device=dev)
+        q_request[qo_h[0]:qo_h[-1]] = rows_req
+        key_r, local = self._keys(key_count, gathered)
+        key_request = torch.full((kv_len,), -2, dtype=torch.int64, device=dev)
+        key_request[:gathered] = key_r
+        layout = FlexLayout(True, 1, q_len, kv_len, b.num_qo_heads, b.num_kv_heads, qo_len=qo_len, kv_len_req=t[1],
+                            q_start=t[2], kv_row_base=t[3], key_start=key_start_t, key_base=key_base,
+                            key_count=key_count, q_request=q_request, key_request=key_request)
+        pos = key_base[key_r] + local  # each gathered key's kv_pos
+        if page_size is not None:  # (page-list entry, offset in the page)
+            source: tuple[torch.Tensor, ...] = (src0[key_r] + pos // page_size, pos % page_size)
+        elif any(base) or count != list(kv_lens):  # ragged rows
+            source = (src0[key_r] + pos,)
+        else:  # every row of k in order: k is used as it is
+            source = ()
+        q_rows = torch.arange(qo_h[0], qo_h[-1], device=dev)
+        first = key_start_t[rows_req]
+        reach = RowBlocks(torch.zeros_like(q_rows), q_rows, first, first + key_count[rows_req] - 1,
                           torch.zeros_like(q_rows, dtype=torch.bool))
         blocks = None
         if intervals is not None:
             env, iv = intervals
-            shift = layout.key_start[rows_req] - layout.key_base[rows_req]
+            shift = first - key_base[rows_req]
             seen = ~iv.empty & (iv.lo <= iv.hi)
             lo = iv.lo + shift
             hi = torch.where(seen, iv.hi + shift, lo - 1)
@@ -199,14 +203,25 @@ class FlexWrapperBase(WrapperBase):
         return FlexPlan(layout, gathered, source, None, reach, blocks)
 
     def _finish_plan(self, plan: FlexPlan) -> None:
+        """Keep the plan; read back (in one copy) the page range run() checks and the block counts."""
         self._staging.record()
+        wanted = []
+        pages = plan.source[0] if plan.entries is not None and plan.gathered else None
+        if pages is not None:
+            wanted += [pages.min(), pages.max()]
+        if plan.blocks is not None:
+            wanted += [plan.blocks.kv_num.sum(), plan.blocks.full_num.sum()]
+        values = torch.stack(wanted).cpu().tolist() if wanted else []
+        if pages is not None:
+            plan.pages, values = (values[0], values[1]), values[2:]
+        if plan.blocks is not None:
+            total = plan.blocks.kv_num.numel() * plan.blocks.kv_idx.shape[-1]
+            self.plan_stats["blocks"] = {"partial": values[0], "full": values[1], "total": total}
+        else:
+            self.plan_stats.pop("blocks", None)
         self._plan = plan
         self.plan_stats["launches"] = [("flex", self._batch.batch_size)] if self._batch.total_q else []
         self.plan_stats["keys_gathered"] = plan.gathered
-        if plan.blocks is not None:
-            self.plan_stats["blocks"] = plan.blocks.counts()
-        else:
-            self.plan_stats.pop("blocks", None)
 
     # ------------------------------------------------------------------ run helpers
     def _check_planned(self) -> FlexPlan | None:
@@ -239,12 +254,10 @@ class FlexWrapperBase(WrapperBase):
                           f"outside the KV cache's {num_pages} pages")
 
     def _set_pages(self, plan: FlexPlan, indices: torch.Tensor, entries: torch.Tensor, offsets: torch.Tensor) -> None:
-        """The page of each gathered key (read from paged_kv_indices now, checked in run())."""
+        """The page of each gathered key (read from paged_kv_indices now; their range is read back
+        by _finish_plan and checked in run())."""
         pages = indices.to(self.device)[entries].to(torch.int64)
         plan.source, plan.entries = (pages, offsets), entries
-        if pages.numel():
-            lo, hi = torch.aminmax(pages)
-            plan.pages = (int(lo), int(hi))
 
     def _gather(self, plan: FlexPlan, cache: torch.Tensor, rows_shape: tuple[int, ...], dtype: torch.dtype,
                 ) -> torch.Tensor:
@@ -307,14 +320,7 @@ class FlexPrefillWrapper(FlexWrapperBase):
             self.plan_stats["launches"] = []
             return
         intervals = self._plan_intervals(paged.qo_indptr, list(b.kv_lens), skip_tiles, spec_args)
-        kvp_h = paged.kv_indptr
-        ps = page_size
-
-        def key_rows(r: int, first: int, count: int) -> tuple[list[int], list[int]]:
-            pos = range(first, first + count)
-            return [kvp_h[r] + p // ps for p in pos], [p % ps for p in pos]
-
-        plan = self._packed_plan(paged.qo_indptr, list(b.kv_lens), key_rows, intervals, paged=True)
+        plan = self._packed_plan(paged.qo_indptr, list(b.kv_lens), paged.kv_indptr[:-1], intervals, page_size)
         self._set_pages(plan, paged_kv_indices, *plan.source)
         self._finish_plan(plan)
 
@@ -388,12 +394,7 @@ class FlexRaggedWrapper(FlexWrapperBase):
         self._finish_plan(self._plan)
 
     def _ragged_plan(self, intervals: Any) -> FlexPlan:
-        kv_h = self._kv_h
-
-        def key_rows(r: int, first: int, count: int) -> tuple[list[int], list[int]]:
-            return list(range(kv_h[r] + first, kv_h[r] + first + count)), []
-
-        return self._packed_plan(self._qo_h, list(self._batch.kv_lens), key_rows, intervals, paged=False)
+        return self._packed_plan(self._qo_h, list(self._batch.kv_lens), self._kv_h[:-1], intervals, None)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_scale: float | None = None,
             k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
@@ -460,25 +461,21 @@ class FlexDecodeWrapper(FlexWrapperBase):
             self._refuse_plan_args(spec_args, skip_tiles, "key trimming")
             base, count = [0] * batch, list(kv_lens)
         kv_len = -(-max(max(count), 1) // BLOCK) * BLOCK
-        entries, offs, dest = [], [], []
-        for r in range(batch):
-            for j in range(count[r]):
-                p = base[r] + j
-                entries.append(kvp_h[r] + p // page_size)
-                offs.append(p % page_size)
-                dest.append(r * kv_len + j)
         kv_row_base = list(accumulate(kv_lens, initial=0))[:-1]
         t = self._tables([[1] * batch, kv_lens, list(range(batch)), kv_row_base, [0] * batch, base, count,
-                          entries, offs, dest])
+                          kvp_h[:-1]])
         layout = FlexLayout(False, batch, 1, kv_len, num_qo_heads, num_kv_heads, qo_len=t[0], kv_len_req=t[1],
                             q_start=t[2], kv_row_base=t[3], key_start=t[4], key_base=t[5], key_count=t[6])
+        key_r, local = self._keys(layout.key_count, sum(count))
+        pos = layout.key_base[key_r] + local  # each gathered key's kv_pos
+        entries, offs, dest = t[7][key_r] + pos // page_size, pos % page_size, key_r * kv_len + local
         reqs = torch.arange(batch, device=self.device)
         zeros = torch.zeros_like(reqs)
         reach = RowBlocks(reqs, zeros, zeros, layout.key_count - 1, torch.zeros_like(reqs, dtype=torch.bool))
         blocks = flex.blocks_from_intervals(layout, RowBlocks(reqs, zeros, zeros, layout.key_count - 1, exact)) \
             if exact is not None else None
-        plan = FlexPlan(layout, sum(count), (), t[9], reach, blocks)
-        self._set_pages(plan, paged_kv_indices, t[7], t[8])
+        plan = FlexPlan(layout, sum(count), (), dest, reach, blocks)
+        self._set_pages(plan, paged_kv_indices, entries, offs)
         self._finish_plan(plan)
 
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
