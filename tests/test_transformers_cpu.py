@@ -151,6 +151,7 @@ def test_gemma3_image_tokens_and_sliding_layers(record_property):
         out = model(**inputs).logits
     compare("gemma3 images forward", out, ref, mask.bool(), record_property)
     compare_generate("gemma3 images generate", generate(model, **inputs), ref_gen, record_property)
+    assert getattr(model, vg_hf.SESSION_ATTR).inputs == {}  # forgotten after the forward
     route = report_route(model, "mm_prefix", "ragged")
     assert len(route.wrappers) == 2  # global and sliding layers: one wrapper per set of windows
     assert report.calls["mm_prefix/ragged"] == 6 and report.calls["sliding_window/decode"] == 8
@@ -190,7 +191,7 @@ def test_detach_restores_the_model():
     vg_hf.attach(model, backend="flex")
     vg_hf.detach(model)
     assert model.config._attn_implementation == "sdpa" and not hasattr(model, vg_hf.SESSION_ATTR)
-    assert not model._forward_pre_hooks
+    assert not model._forward_pre_hooks and not model._forward_hooks
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref)
 

@@ -207,7 +207,7 @@ class Session:
         self.routes: dict[tuple[str, str], Route] = {}
         self.inputs: dict[str, Any] = {}
         self.report: AttachReport | None = None
-        self.hook: Any = None
+        self.hooks: list[Any] = []
         self._workspace: torch.Tensor | None = None
 
     def workspace(self) -> torch.Tensor:
@@ -306,7 +306,8 @@ def attach(model: Any, *, backend: str | None = "flex", prefill_kind: str | None
         model.set_attn_implementation({"text_config": IMPLEMENTATION})
     else:
         model.set_attn_implementation(IMPLEMENTATION)
-    session.hook = model.register_forward_pre_hook(_capture_inputs, with_kwargs=True)
+    session.hooks = [model.register_forward_pre_hook(_capture_inputs, with_kwargs=True),
+                     model.register_forward_hook(_forget_inputs, always_call=True)]
     log.info("%s", session.report)
     return session.report
 
@@ -316,8 +317,8 @@ def detach(model: Any) -> None:
     session = getattr(model, SESSION_ATTR, None)
     if session is None:
         return
-    if session.hook is not None:
-        session.hook.remove()
+    for hook in session.hooks:
+        hook.remove()
     if "text_config" in getattr(model.config, "sub_configs", {}):
         model.set_attn_implementation({"text_config": session.fallback})
     else:
@@ -358,6 +359,14 @@ def _capture_inputs(module: Any, args: tuple, kwargs: dict) -> None:
     session = getattr(module, SESSION_ATTR, None)
     if session is not None:
         session.inputs = {"token_type_ids": kwargs.get("token_type_ids")}
+
+
+def _forget_inputs(module: Any, args: tuple, output: Any) -> None:
+    """Forward hook (also on errors): a later call of an inner module alone must not see this
+    forward's inputs."""
+    session = getattr(module, SESSION_ATTR, None)
+    if session is not None:
+        session.inputs = {}
 
 
 # ----------------------------------------------------------------------------- the attention call
