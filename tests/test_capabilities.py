@@ -342,6 +342,7 @@ def flex_route(monkeypatch):
 
     module.make_flex_wrapper, module.probe_flex = make_flex_wrapper, probe_flex
     monkeypatch.setitem(sys.modules, "variantgen.flex_wrapper", module)
+    monkeypatch.setattr(capabilities, "installed_routes", lambda: ("flex",))
     return calls
 
 
@@ -355,9 +356,16 @@ def machine(vg_env, monkeypatch):
     probe.cache_clear()
 
 
-def test_an_installed_flex_route_is_found_without_importing_it(flex_route):
-    assert capabilities.installed_routes() == ("flex",)
-    assert TABLE["flex"].route.installed()
+def test_the_flex_route_is_found_without_importing_it():
+    """variantgen/flex_wrapper.py is the route's module: installed_routes() finds it, and asking
+    imports neither it nor torch (probe's and make_wrapper's cheap paths stay cheap)."""
+    import subprocess
+
+    code = ("import sys, variantgen.capabilities as c; print(c.installed_routes(), "
+            "'variantgen.flex_wrapper' in sys.modules, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=SPECS_DIR.parent, env={"PYTHONPATH": str(SPECS_DIR.parent), "PATH": "/usr/bin:/bin"})
+    assert out.stdout.split() == ["('flex',)", "False", "False"]
 
 
 def test_flex_serves_where_no_module_can(flex_route, machine):
@@ -409,6 +417,7 @@ def gpu(machine, monkeypatch):
     which 'load' as plain objects."""
     from test_probe import publish_fake
 
+    monkeypatch.setattr(capabilities, "installed_routes", lambda: ())  # the module routes (flex: above)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(build, "load_module", lambda entry: object())
     monkeypatch.setattr(build, "_build_locked", lambda rendered, key, tc, cache, jobs, progress=None:

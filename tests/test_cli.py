@@ -138,7 +138,7 @@ def test_render_without_a_module_backend_names_every_reason():
         "error: no backend can run it here:",
         "  fa3: --dtype=fp32: fa3 modules take bf16, fp16",
         "  fa2: --dtype=fp32: fa2 modules take bf16, fp16; --kv-dtype=fp32: fa2 modules take bf16, fp16, fp8_e4m3, "
-        "fp8_e5m2; --o-dtype=fp32: fa2 modules take bf16, fp16",
+        "fp8_e5m2",
         "  flex: the flex route has no module to render or build (it runs through torch; probe it with --backend "
         "flex)"]
 
@@ -362,12 +362,22 @@ def gpu(monkeypatch):
 
 @pytest.mark.parametrize("arch", [[], ["--arch", "9.0a"]])
 def test_probe_without_gpu_exits_1(arch):
-    """`probe --arch 9.0a` on a CPU box: no (nothing can run here), whatever the arch."""
-    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", *arch)
+    """`probe --backend fa2 --arch 9.0a` on a CPU box: no module runs here, whatever the arch."""
+    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--backend", "fa2,fa3", *arch)
     assert r.exit_code == 1
-    assert "ok:      no" in r.stdout
-    assert "reason:  no CUDA device visible: probe() answers whether the module runs here" in r.stdout
+    assert r.stdout.count("ok:      no") == 2
+    assert r.stdout.count("reason:  no CUDA device visible: probe() answers whether the module runs here") == 2
     assert "precompile ... --check" in r.stdout
+
+
+def test_probe_auto_on_a_cpu_box_is_the_flex_route():
+    """backend auto: where no module can run, the resolver's last choice, torch's FlexAttention
+    on the CPU (it ran a small batch there)."""
+    r = run("probe", MM, "--head-dim", "64", "--dtype", "bf16", "--json")
+    data = json.loads(r.stdout)
+    assert r.exit_code == 0, r.output
+    assert data["ok"] and data["backend"] == "flex" and data["source"] == "torch" and data["uri"] is None
+    assert data["details"]["not_chosen"]["fa2"].startswith("no CUDA device visible")
 
 
 def test_probe_finds_a_cached_module(clean, gpu):
@@ -385,7 +395,7 @@ def test_probe_finds_a_cached_module(clean, gpu):
 def test_probe_no_build_prints_the_precompile_command(tmp_path, gpu):
     gpu((8, 0))
     r = run("probe", CAUSAL, "--head-dim", "64", "--dtype", "fp16", "--arch", "8.0", "--no-build",
-            "--cache-dir", tmp_path / "c")
+            "--cache-dir", tmp_path / "c", "--backend", "fa2")
     assert r.exit_code == 1
     assert (f"copy the cache folder here: variantgen precompile {CAUSAL} --head-dim 64 --dtype fp16 --kv-dtype fp16 "
             "--backend fa2 --arch 8.0 "

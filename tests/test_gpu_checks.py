@@ -1,8 +1,11 @@
 """The run-time checks of what reaches a kernel (variantgen/checks.py) on the GPU, where the
 page list's bounds come over from the device: folded into plan()'s copy of device indptrs,
 or through page-locked memory with the planner's read-back (indptrs on the host), or on the
-host. Also: CUDA-graph capture remembers the cache the graph reads, and check_plan's captured
-comparison. The CPU tests (tests/test_run_checks_cpu.py) cover the messages on every path.
+host - or, with a device page list, host indptrs and nothing read back, still on their way
+in run(), which then clamps the kernels' copy of the list on the GPU (no wait in plan() or
+run()) and the next call reports. Also: CUDA-graph capture remembers the cache the graph
+reads and records the clamp, and check_plan's captured comparison. The CPU tests
+(tests/test_run_checks_cpu.py) cover the messages on every path.
 Run on the H200 with `pytest -m gpu tests/test_gpu_checks.py`.
 """
 
@@ -53,6 +56,41 @@ def negative(at: int, value: int) -> str:
                  "cache's page count)")
 
 
+def clamped_report(where: str, run: int, plan: int, value: int, pages: int) -> str:
+    """The guard's report of the last run() (#run), which read plan() #plan's list clamped."""
+    return exact(
+        f"{where}: the last run() (#{run} of this wrapper) read a page list with entries outside its KV cache: plan() "
+        f"#{plan}'s paged_kv_indices held page {value} (the cache had {pages} pages: expected 0 <= page < {pages}). "
+        "That run() ran with the list clamped to the cache on the GPU: it read nothing outside the cache, but its "
+        "output is wrong. plan() had left the list's bounds to arrive from the GPU (a page list there with host "
+        "indptrs, and nothing else read back); pass the page list on the host to have run() refuse such entries "
+        "before the launch")
+
+
+def in_flight(placement: str, reads_back: bool) -> bool:
+    """Whether plan()'s page bounds may still be on their way from the GPU when it returns: a
+    device page list with host indptrs, where plan() reads nothing else back."""
+    return placement == "device_page_list" and not reads_back
+
+
+def refused(plan, run, at: int, value: int, pages: int, bounds_in_flight: bool) -> None:
+    """A negative entry is refused by plan() - or, where its bounds may still be on their way
+    when plan() returns (a race with the GPU), by run() once they have landed (synchronized
+    here), before the launch."""
+    if not bounds_in_flight:
+        with pytest.raises(LaunchError, match=negative(at, value)):
+            plan()
+        return
+    try:
+        plan()
+    except LaunchError as e:
+        assert re.match(negative(at, value), str(e)), str(e)
+        return
+    torch.cuda.synchronize()
+    with pytest.raises(LaunchError, match=not_a_page("run()", at, value, pages)):
+        run()
+
+
 @pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("skip_tiles", [True, False], ids=["planner", "direct"])
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
@@ -75,11 +113,13 @@ def test_prefill_page_numbers(workspace, placement, skip_tiles, backend):
     bad = kv.clone()
     bad[at] = pages
     plan(bad)
+    flight = in_flight(placement, reads_back=skip_tiles)  # the planner reads its launch requests back
+    if flight:
+        torch.cuda.synchronize()  # landed: run() refuses before the launch (test_guard_* for the clamp)
     with pytest.raises(LaunchError, match=not_a_page("run()", at, pages, pages)):
         w.run(b.q, (b.k_cache, b.v_cache), **args)
     bad[at] = -5
-    with pytest.raises(LaunchError, match=negative(at, -5)):
-        plan(bad)
+    refused(lambda: plan(bad), lambda: w.run(b.q, (b.k_cache, b.v_cache), **args), at, -5, pages, flight)
     # the launches read plan()'s copy of the page list
     kv = kv.clone()
     plan(kv)
@@ -114,11 +154,14 @@ def test_decode_page_numbers(workspace, placement, tensor_cores, skip_tiles):
     bad = kv.clone()
     bad[at] = pages + 7
     plan(bad)
+    # the window's key trimming reads no spec tensor (no read-back); the planner does
+    flight = in_flight(placement, reads_back=tensor_cores and skip_tiles)
+    if flight:
+        torch.cuda.synchronize()  # landed: run() refuses before the launch (test_guard_* for the clamp)
     with pytest.raises(LaunchError, match=not_a_page("run()", at, pages + 7, pages)):
         w.run(b.q, (b.k_cache, b.v_cache), **args)
     bad[at] = -1
-    with pytest.raises(LaunchError, match=negative(at, -1)):
-        plan(bad)
+    refused(lambda: plan(bad), lambda: w.run(b.q, (b.k_cache, b.v_cache), **args), at, -1, pages, flight)
 
 
 def test_host_page_lists_add_no_sync_to_plan(workspace):
@@ -142,6 +185,127 @@ def test_host_page_lists_add_no_sync_to_plan(workspace):
         assert took < 0.2, f"plan() took {took:.3f} s behind a busy GPU: it waited for the device"
     w.run(b.q, (b.k_cache, b.v_cache), **args)
     dec.run(d.q, (d.k_cache, d.v_cache))
+
+
+BUSY_GPU_CYCLES = 2_000_000_000  # torch.cuda._sleep: about a second of GPU time queued before plan()
+
+
+def guarded_wrapper(workspace, kind: str):
+    """(wrapper, batch, plan(page list), run(cache), reference(page list)) with the page list on
+    the GPU and the indptrs on the host, planned so that plan() reads nothing back."""
+    if kind.startswith("decode"):
+        spec = variantgen.load_spec(SPECS / "sliding_window.yaml")
+        w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", kind="decode",
+                                    use_tensor_cores=kind == "decode-tensor_cores")
+        b = random_paged_batch([1] * 4, [300, 17, 1000, 1], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD,
+                               page_size=PAGE, dtype=torch.bfloat16, device="cuda", seed=8)
+        args = {"window": 100}
+        trim = kind == "decode-cuda_cores-trimmed"  # the window's hulls are computed on the host
+        kvp, last = b.kv_indptr.cpu(), b.last_page_len.cpu()
+
+        def plan(kv):
+            w.plan(kvp, kv, last, HQ, HKV, PAGE, skip_tiles=trim, **(args if trim else {}))
+
+        qo = torch.arange(5, dtype=torch.int32, device="cuda")
+    else:
+        spec, w, b, args = mm_prefix_case(workspace, seed=8, backend=kind.partition("-")[0])
+        qo_h, kvp, last = b.qo_indptr.cpu(), b.kv_indptr.cpu(), b.last_page_len.cpu()
+
+        def plan(kv):
+            w.plan(qo_h, kvp, kv, last, HQ, HKV, PAGE, skip_tiles=False)
+
+        qo = b.qo_indptr
+
+    def run(cache=None):
+        return w.run(b.q, cache or (b.k_cache, b.v_cache), **args)
+
+    def reference(kv):
+        return reference_attention(spec, b.q, (b.k_cache, b.v_cache), qo, b.kv_indptr, kv, b.last_page_len, args)
+
+    return w, b, plan, run, reference
+
+
+@pytest.mark.parametrize("kind", ["fa2-direct", "fa3-direct", "decode-cuda_cores", "decode-cuda_cores-trimmed",
+                                  "decode-tensor_cores"])
+def test_guard_plans_without_waiting_and_the_next_call_reports(workspace, kind):
+    """vLLM's decode layout (page list on the GPU, indptrs on the host) behind a busy GPU: plan()
+    and run() return without waiting for it; run() clamped the kernels' copy of the list on the
+    GPU (the output is attention over the clamped list), and the next call raises."""
+    w, b, plan, run, reference = guarded_wrapper(workspace, kind)
+    pages = b.k_cache.shape[0]
+    good = b.kv_indices
+    plan(good)  # plan #1 (and the warm-up: allocations, staging buffers)
+    assert rel_error(run(), reference(good)) < 1e-2  # run #1
+    torch.cuda.synchronize()
+    at = int(b.kv_indptr[2]) - 1  # the second request's last page (inside its window)
+    bad = good.clone()
+    bad[at] = pages + 3
+    torch.cuda._sleep(BUSY_GPU_CYCLES)
+    t0 = time.perf_counter()
+    plan(bad)  # plan #2
+    took_plan = time.perf_counter() - t0
+    out = run()  # run #2: clamped
+    took = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    assert took_plan < 0.2 and took < 0.2, f"plan() {took_plan:.3f} s, plan()+run() {took:.3f} s behind a busy GPU"
+    assert rel_error(out, reference(bad.clamp(0, pages - 1))) < 1e-2
+    with pytest.raises(LaunchError, match=clamped_report("plan()", 2, 2, pages + 3, pages)):
+        plan(good)
+    plan(good)
+    assert rel_error(run(), reference(good)) < 1e-2
+
+
+def test_graph_guard_is_captured(workspace):
+    """A captured run() records the clamp against the captured cache: a replay after a plan()
+    whose bounds were still on their way reads nothing outside it, and the next plan() raises."""
+    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
+    cap = GraphCapacity(max_batch_size=4, max_total_q=1024, max_kv_pages=256)
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", graph=cap)
+    b = random_paged_batch([300, 40], [700, 40], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=PAGE,
+                           dtype=torch.bfloat16, device="cuda", seed=9)
+    args = random_spec_args(spec, b, seed=9)
+    ranges = torch.full((cap.max_total_q, 2), -1, dtype=torch.int32, device="cuda")
+    ranges[:340] = args["ranges"]
+    q = torch.zeros(cap.max_total_q, HQ, HD, dtype=torch.bfloat16, device="cuda")
+    q[:340] = b.q
+    out = torch.empty_like(q)
+    k = torch.zeros(cap.max_kv_pages, PAGE, HKV, HD, dtype=torch.bfloat16, device="cuda")
+    v = torch.zeros_like(k)
+    k[:b.k_cache.shape[0]], v[:b.v_cache.shape[0]] = b.k_cache, b.v_cache
+    host = (b.qo_indptr.cpu(), b.kv_indptr.cpu())
+
+    def plan(kv):  # direct: plan() reads nothing back
+        w.plan(*host, kv, b.last_page_len.cpu(), HQ, HKV, PAGE, skip_tiles=False)
+
+    def reference(kv):
+        return reference_attention(spec, b.q, (k, v), b.qo_indptr, b.kv_indptr, kv, b.last_page_len, args)
+
+    plan(b.kv_indices)
+    w.run(q, (k, v), out=out, ranges=ranges)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        w.run(q, (k, v), out=out, ranges=ranges)
+    torch.cuda.synchronize()
+    bad = b.kv_indices.clone()
+    bad[5] = cap.max_kv_pages + 1000
+    torch.cuda._sleep(BUSY_GPU_CYCLES)
+    t0 = time.perf_counter()
+    plan(bad)  # plan #2: its bounds are behind the busy GPU
+    took = time.perf_counter() - t0
+    graph.replay()
+    torch.cuda.synchronize()
+    assert took < 0.2, f"plan() took {took:.3f} s behind a busy GPU: it waited for the device"
+    assert rel_error(out[:340], reference(bad.clamp(0, cap.max_kv_pages - 1))) < 1e-2
+    pages = cap.max_kv_pages
+    with pytest.raises(LaunchError, match=r"^" + re.escape(
+            f"plan(): plan() #2's paged_kv_indices held page {pages + 1000}, which is not a page of the KV cache the "
+            f"CUDA graph was captured with ({pages} pages: expected 0 <= page < {pages}). Any replay of the captured "
+            "run() after that plan() ran with the list clamped to the cache on the GPU")):
+        plan(b.kv_indices)
+    plan(b.kv_indices)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_error(out[:340], reference(b.kv_indices)) < 1e-2
 
 
 def test_graph_plan_checks_pages_against_the_captured_cache(workspace):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import variantgen
-from variantgen import build
+from variantgen import build, capabilities
 from variantgen.cache import Cache, LockHolder, LockTimeout, ModuleKey
 from variantgen.errors import BuildError
 from variantgen.probing import ProbeResult, probe
@@ -81,7 +81,9 @@ def _no_gpu(monkeypatch):
 @pytest.fixture(autouse=True)
 def clean(vg_env, monkeypatch):
     """Private cache, clean environment, a fake sm90 GPU that loads any module (``clean.loaded``
-    lists what it loaded), a fake toolchain, an empty memo."""
+    lists what it loaded), a fake toolchain, an empty memo; the module backends only (what the
+    resolver does with the flex route installed: test_capabilities.py)."""
+    monkeypatch.setattr(capabilities, "installed_routes", lambda: ())
     probe_mod.cache_clear()
     _fake_gpu(monkeypatch, (9, 0))
     loaded: list[str] = []
@@ -283,9 +285,17 @@ def test_a_target_arch_does_not_make_a_cpu_box_say_yes(monkeypatch, clean, fake_
 
 
 def test_device_given_but_unusable(monkeypatch):
-    _no_gpu(monkeypatch)
+    def bad_index(device=None):
+        raise RuntimeError("Invalid device id")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", bad_index)
     r = probe(MM, **BASE, device="cuda:3")
-    assert not r and "cannot query CUDA device cuda:3" in r.reason
+    assert not r and r.reason == "cannot query CUDA device cuda:3: RuntimeError: Invalid device id"
+    _no_gpu(monkeypatch)
+    probe_mod.cache_clear()
+    assert probe(MM, **BASE, device="cuda:3").reason == NO_GPU_REASON  # named, on a box without CUDA
+    r = probe(MM, **BASE, device="cpu")
+    assert not r and r.reason == "device='cpu' is not a CUDA device: the compiled modules run on NVIDIA GPUs"
 
 
 @pytest.mark.parametrize("capability, arch", [((9, 0), "9.0a"), ((8, 6), "8.6"), ((8, 0), "8.0"), ((10, 0), "10.0")])

@@ -3,6 +3,10 @@
 * every entry of the planned page list is a page of the KV cache run() is given (run()
   raises; plan() for negative entries, and in CUDA-graph mode against the captured cache);
   the launches read plan()'s copy of the page list;
+* where the list's bounds are still on their way from the GPU (emulated: BoundsOnTheirWay,
+  with every wait for the GPU made to fail), plan() does not wait, run() clamps the kernels'
+  copy of the list (the fake kernels refuse a page outside the cache), the next call reports;
+  a captured run() records the clamp and the next plan() reports;
 * indptrs start at 0; out, q and the KV cache have the layout and alignment the kernels assume;
 * check_plan=True: run() refuses spec tensors changed in place since plan() planned from
   them; a captured run() records the comparison and the next plan() refuses.
@@ -26,10 +30,10 @@ from _fake_kernel import FakeFa3Module, FakeModule
 from conftest import SPECS_DIR
 
 import variantgen
-from variantgen import render
+from variantgen import checks, render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
-from variantgen.checks import PageBoundsReader, used_bounds
+from variantgen.checks import NO_PAGES, PageBounds, PageGuard, used_bounds
 from variantgen.decode import DecodeWrapper
 from variantgen.errors import LaunchError
 from variantgen.graph import GraphCapacity
@@ -356,15 +360,212 @@ def test_used_bounds_ignores_entries_past_the_batch():
 
 
 def test_page_bounds_on_the_host_read_nothing_back():
-    reader = PageBoundsReader()
+    reader = PageGuard()
     kv = torch.tensor([4, 2, 8, -1], dtype=torch.int32)
     assert reader.fold(kv, torch.tensor([0, 3], dtype=torch.int32)) == []  # host tensors: no fold
     reader.begin(kv, 3, [])
-    assert (reader.result().low, reader.result().high, reader.result().entries) == (2, 8, 3)
+    assert reader.bounds == PageBounds(3, 2, 8)
     reader.begin(kv, 0, [])
-    assert reader.result().high == -1
+    assert reader.bounds == NO_PAGES
     reader.begin(kv, 4, [-1, 8])  # values plan() read back with its indptrs
-    assert (reader.result().low, reader.result().high) == (-1, 8)
+    assert reader.bounds == PageBounds(4, -1, 8)
+
+
+# ----------------------------------------------------------------------------- the device guard
+
+
+class InFlight:
+    """The in_flight fixture: land() lands every copy on its way; with ``prompt`` set, new copies
+    land at once (as where plan() reads something back after starting one)."""
+
+    def __init__(self) -> None:
+        self.copies: list[BoundsOnTheirWay] = []
+        self.prompt = False
+
+    def land(self) -> None:
+        for c in self.copies:
+            c.arrived = True
+
+
+class BoundsOnTheirWay:
+    """checks.BoundsCopy behind a busy GPU, emulated on the CPU: every page list counts as a
+    device one, and its bounds land only when the test says so (InFlight). Asking whether they
+    have (landed()) never waits; reading them before they landed fails the test, as does any
+    wait for the GPU (the in_flight fixture makes those fail)."""
+
+    control: InFlight
+
+    @staticmethod
+    def needed(kv_indices: torch.Tensor) -> bool:
+        return True
+
+    def __init__(self, device: torch.device) -> None:
+        self.arrived, self._values = False, (0, -1)
+        self.control.copies.append(self)
+
+    def start(self, kv_indices: torch.Tensor) -> None:
+        low, high = torch.aminmax(kv_indices)
+        self.arrived, self._values = self.control.prompt, (int(low), int(high))
+
+    def landed(self) -> bool:
+        return self.arrived
+
+    def values(self) -> tuple[int, int]:
+        assert self.arrived, "the bounds were read before they landed: a wait for the GPU"
+        return self._values
+
+
+@pytest.fixture
+def in_flight(monkeypatch):
+    """Page-list bounds on their way until the test lands them (InFlight); waiting for the GPU
+    (a device or event synchronize) fails the test."""
+    control = InFlight()
+    monkeypatch.setattr(checks, "BoundsCopy", type("Copy", (BoundsOnTheirWay,), {"control": control}))
+
+    def waited(*args, **kwargs):
+        raise AssertionError("waited for the GPU")
+
+    for owner, name in ((torch.cuda, "synchronize"), (torch.cuda.Event, "synchronize"), (torch.cuda.Event, "wait"),
+                        (torch.cuda.Stream, "synchronize")):
+        monkeypatch.setattr(owner, name, waited, raising=False)
+    return control
+
+
+class GuardCase:
+    """A wrapper over a batch whose page list plan() is given as a device list with host indptrs
+    (the layout in which its bounds may still be on their way in run())."""
+
+    def __init__(self, kind: str):
+        self.decode = kind.startswith("decode")
+        if self.decode:
+            self.spec = spec_named("sliding_window")
+            self.batch = random_paged_batch([1] * 3, [5, 30, 9], num_qo_heads=HQ, num_kv_heads=HKV,
+                                            head_dim=HEAD_DIM, page_size=4, seed=5)
+            self.args = {"window": 6}
+            trim = kind.endswith("trimmed")
+            self.plan_kw = dict(skip_tiles=trim, **(self.args if trim else {}))
+            self.w, self.fake = decoder(self.spec, tensor_cores=kind == "decode-tensor_cores")
+            self.at = int(self.batch.kv_indptr[2]) - 1  # read with trimming too (the query's window)
+        else:
+            self.spec, self.batch, self.args = mm_case()
+            backend, _, path = kind.partition("-")
+            self.w, self.fake = prefill(self.spec, backend)
+            self.planner = path == "planner"
+            self.at = 6
+        self.pages = self.batch.k_cache.shape[0]
+
+    def plan(self, kv_indices: torch.Tensor | None = None) -> None:
+        b = self.batch
+        kv = b.kv_indices if kv_indices is None else kv_indices
+        if self.decode:
+            self.w.plan(b.kv_indptr, kv, b.last_page_len, HQ, HKV, 4, **self.plan_kw)
+        else:
+            plan_prefill(self.w, b, self.args, self.planner, kv)
+
+    def run(self, cache=None) -> torch.Tensor:
+        return self.w.run(self.batch.q, cache or (self.batch.k_cache, self.batch.v_cache), **self.args)
+
+    def check(self, out: torch.Tensor, kv_indices: torch.Tensor | None = None, cache=None) -> None:
+        qo = torch.arange(4, dtype=torch.int32) if self.decode else None
+        assert_reference(self.spec, out, self.batch, self.args, kv_indices, cache, qo_indptr=qo)
+
+    def bad(self, value: int) -> torch.Tensor:
+        kv = self.batch.kv_indices.clone()
+        kv[self.at] = value
+        return kv
+
+
+GUARD_KINDS = ["fa2-direct", "fa3-direct", "fa2-planner", "decode-cuda_cores", "decode-cuda_cores-trimmed",
+               "decode-tensor_cores"]
+
+
+def clamped_report(where: str, which: str, run: int, plan: int, value: int, pages: int) -> str:
+    return exact(
+        f"{where}: {which} (#{run} of this wrapper) read a page list with entries outside its KV cache: plan() "
+        f"#{plan}'s paged_kv_indices held page {value} (the cache had {pages} pages: expected 0 <= page < {pages}). "
+        "That run() ran with the list clamped to the cache on the GPU: it read nothing outside the cache, but its "
+        "output is wrong. plan() had left the list's bounds to arrive from the GPU (a page list there with host "
+        "indptrs, and nothing else read back); pass the page list on the host to have run() refuse such entries "
+        "before the launch")
+
+
+@pytest.mark.parametrize("kind", GUARD_KINDS)
+def test_guard_clamps_where_the_bounds_are_on_their_way(in_flight, kind):
+    """plan() does not wait for the bounds; run() clamps the kernels' copy of the page list on
+    the device, and the next call raises once the bounds have landed."""
+    case = GuardCase(kind)
+    pages = case.pages
+    bad = case.bad(pages)  # one past the last page
+    case.plan(bad)  # no wait, no error: the bounds are on their way
+    out = case.run()  # the fake kernel asserts that every page it reads is in the cache
+    case.check(out, bad.clamp(0, pages - 1))
+    calls = len(case.fake.run_calls)
+    in_flight.land()
+    with pytest.raises(LaunchError, match=clamped_report("run()", "the last run()", 1, 1, pages, pages)):
+        case.run()
+    # the bounds are known now: this plan's runs are refused before the launch ...
+    with pytest.raises(LaunchError, match=exact(
+            f"run(): paged_kv_indices[{case.at}]={pages} is not a page of the KV cache run() was given ({pages} "
+            f"pages: expected 0 <= page < {pages})")):
+        case.run()
+    # ... also over a cache that has the page: the kernels' copy was clamped to the smaller one
+    with pytest.raises(LaunchError, match=exact(
+            f"run(): this plan's page list was clamped to the {pages} pages of run() #1's KV cache (it held page "
+            f"{pages}), as reported; call plan() again")):
+        case.run(with_extra_page(case.batch))
+    assert len(case.fake.run_calls) == calls
+    case.plan()
+    case.check(case.run())
+    in_flight.land()
+    case.check(case.run())  # a good list's landed bounds report nothing
+
+
+@pytest.mark.parametrize("kind", ["fa2-direct", "decode-cuda_cores"])
+def test_guard_reports_at_the_next_call_once_the_bounds_landed(in_flight, kind):
+    """Bounds still on their way at the next call are reported by a later one, which names the run()."""
+    case = GuardCase(kind)
+    pages = case.pages
+    case.plan()
+    case.run()  # run #1
+    case.plan(case.bad(-3))
+    out = case.run()  # run #2: page -3 read as page 0
+    case.check(out, case.bad(0))
+    case.plan()  # nothing has landed: nothing to report, no wait
+    case.check(case.run())  # run #3
+    in_flight.land()
+    with pytest.raises(LaunchError, match=clamped_report("plan()", "the run() 1 before the last", 2, 2, -3, pages)):
+        case.plan()
+    case.plan()  # reported once
+    case.check(case.run())
+    # landed before run(): refused there, before the launch (the cache is known only there)
+    case.plan(case.bad(pages + 5))
+    calls = len(case.fake.run_calls)
+    in_flight.land()
+    with pytest.raises(LaunchError, match=exact(
+            f"run(): paged_kv_indices[{case.at}]={pages + 5} is not a page of the KV cache run() was given ({pages} "
+            f"pages: expected 0 <= page < {pages})")):
+        case.run()
+    assert len(case.fake.run_calls) == calls
+
+
+def test_guard_refuses_a_cache_without_pages(in_flight):
+    case = GuardCase("fa2-direct")
+    case.plan()
+    empty = case.batch.k_cache[:0]
+    with pytest.raises(LaunchError, match=exact(
+            "run(): the KV cache run() was given has no pages, and the planned page list has entries (expected 0 <= "
+            "page < the cache's page count)")):
+        case.run((empty, empty))
+    w, _ = graph_prefill(spec_named("causal"))
+    i32 = dict(dtype=torch.int32)
+    w.plan(torch.zeros(2, **i32), torch.zeros(2, **i32), torch.empty(0, **i32), torch.zeros(1, **i32), HQ, HKV, 4)
+    empty = torch.empty(0, 4, HKV, HEAD_DIM, dtype=torch.bfloat16)
+    q = torch.empty(0, HQ, HEAD_DIM, dtype=torch.bfloat16)
+    w.run(q, (empty, empty))  # eager: nothing to read
+    with pytest.raises(LaunchError, match=exact(
+            "run(): the KV cache run() was given has no pages, and a captured run() reads later plans' page lists "
+            "(expected 0 <= page < the cache's page count)")):
+        capture(lambda: w.run(q, (empty, empty)))
 
 
 # ----------------------------------------------------------------------------- CUDA-graph mode
@@ -376,17 +577,15 @@ def graph_prefill(spec, **kwargs):
     return prefill(spec, graph=CAP, **kwargs)
 
 
-def capture(monkeypatch, w, run):
+def capture(run):
     """run() as under CUDA-graph capture (WrapperBase._capturing): what a captured graph records."""
-    monkeypatch.setattr(WrapperBase, "_capturing", lambda self: True)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(WrapperBase, "_capturing", lambda self: True)
         return run()
-    finally:
-        monkeypatch.undo()
 
 
 @pytest.mark.parametrize("planner", [False, True], ids=["direct", "planner"])
-def test_graph_plan_checks_pages_against_the_captured_cache(monkeypatch, planner):
+def test_graph_plan_checks_pages_against_the_captured_cache(planner):
     spec, batch, args = mm_case()
     w, _ = graph_prefill(spec)
     k = torch.zeros(CAP.max_kv_pages, 4, HKV, HEAD_DIM, dtype=torch.bfloat16)
@@ -403,7 +602,7 @@ def test_graph_plan_checks_pages_against_the_captured_cache(monkeypatch, planner
     w.run(batch.q, (k, v), **args)  # an eager warm-up records nothing
     plan_prefill(w, batch, args, planner, bad)
     plan_prefill(w, batch, args, planner)
-    capture(monkeypatch, w, lambda: w.run(batch.q, (k, v), **args))
+    capture(lambda: w.run(batch.q, (k, v), **args))
     with pytest.raises(LaunchError, match=exact(
             "plan(): paged_kv_indices[4]=16 is not a page of the KV cache the CUDA graph was captured with (16 pages: "
             "expected 0 <= page < 16)")):
@@ -411,7 +610,7 @@ def test_graph_plan_checks_pages_against_the_captured_cache(monkeypatch, planner
     plan_prefill(w, batch, args, planner)  # the good batch plans again
 
 
-def test_graph_decode_on_cuda_cores_checks_pages_against_the_captured_cache(monkeypatch):
+def test_graph_decode_on_cuda_cores_checks_pages_against_the_captured_cache():
     spec = spec_named("causal")
     cap = GraphCapacity(max_batch_size=2, max_total_q=2, max_kv_pages=8)
     w, _ = decoder(spec, tensor_cores=False, graph=cap)
@@ -419,13 +618,104 @@ def test_graph_decode_on_cuda_cores_checks_pages_against_the_captured_cache(monk
     k = torch.zeros(cap.max_kv_pages, 4, HKV, HEAD_DIM, dtype=torch.bfloat16)
     plan = (batch.kv_indptr, batch.kv_indices, batch.last_page_len, HQ, HKV, 4)
     w.plan(*plan)
-    capture(monkeypatch, w, lambda: w.run(batch.q, (k, k)))
+    capture(lambda: w.run(batch.q, (k, k)))
     bad = batch.kv_indices.clone()
     bad[0] = 8
     with pytest.raises(LaunchError, match=exact(
             "plan(): paged_kv_indices[0]=8 is not a page of the KV cache the CUDA graph was captured with (8 pages: "
             "expected 0 <= page < 8)")):
         w.plan(batch.kv_indptr, bad, *plan[2:])
+
+
+class GraphGuardCase:
+    """A graph-mode wrapper, its static cache (the capacity's pages) and a batch in it."""
+
+    def __init__(self, kind: str):
+        self.decode = kind == "decode-cuda_cores"
+        if self.decode:
+            self.spec = spec_named("causal")
+            cap = GraphCapacity(max_batch_size=2, max_total_q=2, max_kv_pages=8)
+            self.w, self.fake = decoder(self.spec, tensor_cores=False, graph=cap)
+            self.batch = random_paged_batch([1, 1], [5, 9], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                                            page_size=4)
+            self.args: dict = {}
+            self.at = 0
+        else:
+            self.spec, self.batch, self.args = mm_case()
+            self.w, self.fake = graph_prefill(self.spec)
+            cap, self.planner, self.at = CAP, kind == "planner", 4
+        self.pages = cap.max_kv_pages
+        k = torch.zeros(self.pages, 4, HKV, HEAD_DIM, dtype=torch.bfloat16)
+        v = torch.zeros_like(k)
+        k[:self.batch.k_cache.shape[0]], v[:self.batch.v_cache.shape[0]] = self.batch.k_cache, self.batch.v_cache
+        self.cache = (k, v)
+
+    def plan(self, value: int | None = None) -> None:
+        b = self.batch
+        kv = b.kv_indices.clone()
+        if value is not None:
+            kv[self.at] = value
+        if self.decode:
+            self.w.plan(b.kv_indptr, kv, b.last_page_len, HQ, HKV, 4)
+        else:
+            plan_prefill(self.w, b, self.args, self.planner, kv)
+
+    def replay(self) -> torch.Tensor:
+        """What a replay of the captured run() does (run()'s device work, the clamp included)."""
+        return capture(lambda: self.w.run(self.batch.q, self.cache, **self.args))
+
+    def check(self, out: torch.Tensor) -> None:
+        qo = torch.arange(3, dtype=torch.int32) if self.decode else None
+        assert_reference(self.spec, out, self.batch, self.args, cache=self.cache, qo_indptr=qo)
+
+
+@pytest.mark.parametrize("kind", ["direct", "planner", "decode-cuda_cores"])
+def test_graph_guard_is_captured_and_the_next_plan_reports(in_flight, kind):
+    """Replays read later plans' page lists: the captured run() clamps them to the captured
+    cache, and a plan() whose bounds were still on their way is reported by the next plan()."""
+    case = GraphGuardCase(kind)
+    pages = case.pages
+    case.plan()
+    case.w.run(case.batch.q, case.cache, **case.args)  # eager warm-up
+    case.replay()  # the capture
+    in_flight.land()
+    case.plan(pages)  # outside the captured cache, but the bounds are on their way: no wait, no error
+    case.replay()  # read clamped (the fake kernel asserts every page it reads is in the cache)
+    in_flight.land()
+    with pytest.raises(LaunchError, match=exact(
+            f"plan(): plan() #2's paged_kv_indices held page {pages}, which is not a page of the KV cache the CUDA "
+            f"graph was captured with ({pages} pages: expected 0 <= page < {pages}). Any replay of the captured run() "
+            "after that plan() ran with the list clamped to the cache on the GPU: it read nothing outside the cache, "
+            "but its output was wrong. plan() had left the list's bounds to arrive from the GPU (a page list there "
+            "with host indptrs, and nothing else read back); pass the page list on the host to have run() refuse "
+            "such entries before the launch")):
+        case.plan()
+    case.plan()  # reported once
+    case.check(case.replay())
+    # bounds that land during plan() (where it reads something back) are checked there, as on the host
+    in_flight.prompt = True
+    with pytest.raises(LaunchError, match=exact(
+            f"plan(): paged_kv_indices[{case.at}]={pages} is not a page of the KV cache the CUDA graph was captured "
+            f"with ({pages} pages: expected 0 <= page < {pages})")):
+        case.plan(pages)
+    with pytest.raises(LaunchError, match=exact(
+            f"plan(): paged_kv_indices[{case.at}]=-2 is not a page number (expected 0 <= page < the KV cache's page "
+            "count)")):
+        case.plan(-2)
+
+
+def test_capture_reads_no_page_list_back(in_flight):
+    """Under capture a known bad bound is refused without reading the page list back (a device
+    copy is not allowed while capturing): the message names the bound plan() read."""
+    case = GraphGuardCase("direct")
+    in_flight.prompt = True  # the bounds land during plan()
+    case.plan(case.pages)  # no captured cache yet: run() checks
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(checks, "first_outside", lambda *a: pytest.fail("read the page list back under capture"))
+        with pytest.raises(LaunchError, match=exact(
+                f"run(): paged_kv_indices held page {case.pages} when plan() read it, which is not a page of the KV "
+                f"cache run() was given ({case.pages} pages: expected 0 <= page < {case.pages})")):
+            case.replay()
 
 
 # ----------------------------------------------------------------------------- check_plan
@@ -481,7 +771,7 @@ def test_check_plan_defaults_to_the_environment(vg_env):
         prefill(spec, check_plan="yes")
 
 
-def test_check_plan_in_graph_mode_refuses_at_the_next_plan(monkeypatch):
+def test_check_plan_in_graph_mode_refuses_at_the_next_plan():
     """A replayed run() runs no host code: the captured comparison flags a planned tensor
     changed since the plan it replays, and the next plan() raises (then starts afresh)."""
     spec = spec_named("mm_prefix")
@@ -498,7 +788,7 @@ def test_check_plan_in_graph_mode_refuses_at_the_next_plan(monkeypatch):
     out = torch.empty_like(q)
 
     def replay():  # what the captured graph does on replay: run()'s device work
-        capture(monkeypatch, w, lambda: w.run(q, (k, k), out=out, ranges=static))
+        capture(lambda: w.run(q, (k, k), out=out, ranges=static))
 
     w.plan(*batch.plan_args(), ranges=static)
     replay()  # the capture itself

@@ -285,7 +285,9 @@ class Backend:
                        f"({r.q_dtype}); use backend fa2 for an fp8 KV cache")
         elif not self.kv_as_q and r.kv_dtype not in self.kv_dtypes:
             out.append(other(n.kv_dtype, r.kv_dtype, self.kv_dtypes))
-        if r.o_dtype.startswith("fp8") and r.o_dtype not in self.o_dtypes:
+        if not q_ok and r.o_dtype == r.q_dtype:
+            pass  # o in the query's dtype: its problem is the query's, said once
+        elif r.o_dtype.startswith("fp8") and r.o_dtype not in self.o_dtypes:
             out.append(f"{n.o_dtype}={r.o_dtype}: fp8 output is not supported by {self.name}")
         elif self.o_as_q and q_ok and r.o_dtype != r.q_dtype:
             # Only o in the query's dtype has run on the H200; other outputs go to fa2.

@@ -3,23 +3,47 @@ plan was computed from.
 
 Page bounds. The kernels read ``k_cache[paged_kv_indices[i]]`` unchecked, so an entry outside
 the KV cache is an out-of-bounds read on the GPU. plan() takes the smallest and largest entry
-of the batch's page list, ``paged_kv_indices[:paged_kv_indptr[-1]]``, and run() compares the
-largest with the cache's page count (a host comparison: the cache is only known in run();
-plan() refuses a negative smallest itself).
-plan() reads the two values without a device sync of its own wherever it makes one anyway:
+of the batch's page list, ``paged_kv_indices[:paged_kv_indptr[-1]]``, and run() compares them
+with the cache's page count (the cache is only known in run()). plan() never waits for the GPU
+to read them:
 
 * a page list on the host: a min/max there (a few microseconds for thousands of entries);
 * a page list on the device, indptrs on the device: the reduction is queued before plan()'s
-  copy of the indptrs to the host and travels in that copy (PageBoundsReader.fold);
-* a page list on the device, indptrs on the host: the reduction goes to page-locked memory
-  without waiting; the interval planner's read-back of its launch requests (a sync) brings it
-  over. Only where plan() reads nothing else back (the planner off; decode unless its key
-  trimming reads spec tensors) does result() wait for it: one sync of its own, for the work
-  queued before plan(). Pass the page list on the host to avoid it.
+  copy of the indptrs to the host and travels in that copy (PageGuard.fold);
+* a page list on the device, indptrs on the host (serving engines' decode: vLLM plans every
+  step while the GPU runs the previous one): the reduction goes to page-locked memory without
+  waiting (BoundsCopy). Where plan() reads something back anyway (the interval planner's launch
+  requests; decode key trimming that reads spec tensors) it has landed by plan()'s end; where
+  plan() reads nothing back (the planner off; CUDA-core decode unless its key trimming reads
+  spec tensors) it may still be on its way when run() is called.
+
+Where the bounds are known, bad entries are refused before any launch: negative ones by
+plan(), the rest by run() - and by plan() in CUDA-graph mode, against the cache the graph was
+captured with (replays run no host code). Where they are not known yet, run() guards on the
+device instead of waiting: it clamps the kernels' copy of the page list to the cache's pages
+(``clamp_(0, pages - 1)`` before the launch), so the kernels read nothing outside the cache,
+and notes the run and its cache's page count. The next plan() or run() of the wrapper asks the
+bounds' event (a query, never a wait) and, once they have landed, raises a LaunchError naming
+that run(): it read a clamped list, so its output is wrong. A run() captured into a CUDA graph
+always records the clamp (against the captured cache's page count), since its replays read
+page lists of later plans; the next plan() reports a plan whose bounds landed outside that
+cache. A report comes after the fact - a clamped launch cannot be refused - and on a later call
+only if there is one; pass the page list on the host to have every bad entry refused before
+the launch.
+
+Cost, for the plan benchmark's 4096-entry page list (measured on an H200, torch 2.11, with
+these torch ops queued back to back behind a sleeping kernel; bench/bench_page_guard.py measures
+them through PageGuard): run()'s clamp is one elementwise kernel of 1.7 us (1.1 us inside a
+CUDA graph) - 0.3% of a 0.5 ms decode kernel, 0.02% of a 9 ms prefill kernel - and 10-16 us of
+host time to launch; each poll of an event is ~2 us of host time, the bookkeeping a few us more.
+plan()'s reduction and copy to page-locked memory (for any device page list with host indptrs)
+take 12 us of stream time (the 8-byte copy after the kernel is most of it; 2.5% of a 0.5 ms
+decode kernel, 0.1% of 9 ms) and ~40 us of host time. What the guard replaces is a wait for
+everything queued before plan() - in a decode loop, the rest of the previous step.
 
 Every paged wrapper copies the page list in plan() (gathered per launch request, or copied as
-it is), so the kernel reads exactly the entries that were checked, whatever the caller does to
-its tensor afterwards.
+it is), so the kernel reads exactly the entries that were checked - or clamped - whatever the
+caller does to its tensor afterwards.
 
 Planned tensors (debug mode, ``check_plan=True`` / VARIANTGEN_CHECK_PLAN=1). The interval
 planner reads spec tensors such as ``ranges`` or ``doc_ids`` once, in plan(); the kernel reads
@@ -33,11 +57,14 @@ tensor, where the output alone would only be wrong.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from .errors import LaunchError
+
+INT32_PAGES = 1 << 31  # int32 page numbers: a cache of more pages holds every one of them
 
 
 @dataclass(frozen=True)
@@ -47,6 +74,14 @@ class PageBounds:
     entries: int
     low: int
     high: int  # -1 when entries == 0
+
+    def inside(self, num_pages: int | None) -> bool:
+        """Every entry is a page number (with ``num_pages``: a page of a cache that many pages)."""
+        return self.low >= 0 and (num_pages is None or self.high < num_pages)
+
+    def worst(self) -> int:
+        """The bound to name where ``inside`` is False: the smallest if negative, else the largest."""
+        return self.low if self.low < 0 else self.high
 
 
 NO_PAGES = PageBounds(0, 0, -1)
@@ -61,16 +96,70 @@ def used_bounds(kv_indices: torch.Tensor, entries: torch.Tensor, positions: torc
     return low.view(1), high.view(1)
 
 
-class PageBoundsReader:
-    """plan()'s read of the page list's bounds (see the module doc); one per wrapper, reused."""
+class BoundsCopy:
+    """The (min, max) of a page list on the GPU on their way to page-locked memory: queued
+    without waiting; ``landed()`` asks the event (a query, never a wait). Kept for reuse."""
+
+    @staticmethod
+    def needed(kv_indices: torch.Tensor) -> bool:
+        """Whether the bounds of ``kv_indices`` come over from a device."""
+        return kv_indices.device.type == "cuda"
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = torch.empty(2, dtype=torch.int32, device=device)
+        self._host = torch.empty(2, dtype=torch.int32, pin_memory=True)
+        self._event = torch.cuda.Event()
+
+    def start(self, kv_indices: torch.Tensor) -> None:
+        # into a kept buffer: one reduction kernel (H200: 3 us of device, ~13 us of host time; stacking
+        # aminmax's two results adds a kernel: 5 us, ~28 us)
+        torch.aminmax(kv_indices, out=(self._device[0], self._device[1]))
+        self._host.copy_(self._device, non_blocking=True)
+        self._event.record(torch.cuda.current_stream(kv_indices.device))
+
+    def landed(self) -> bool:
+        return self._event.query()
+
+    def values(self) -> tuple[int, int]:
+        """(min, max), once landed."""
+        low, high = self._host.tolist()
+        return low, high
+
+
+@dataclass
+class InFlight:
+    """One plan()'s page bounds on their way, and who read its page list clamped meanwhile."""
+
+    plan: int  # the wrapper's plan() count
+    entries: int
+    copy: BoundsCopy
+    runs: list[tuple[int, int]] = field(default_factory=list)  # (run() count, its cache's page count)
+    graph_pages: int | None = None  # replays of a run() captured over a cache of this many pages read it
+
+
+class PageGuard:
+    """The page list's bounds from plan() to run(), and the device guard where they are still on
+    their way (see the module doc); one per wrapper. plan() calls poll(), fold() (where it
+    copies device indptrs back), begin() and finish(); run() calls poll() and check_run()."""
 
     def __init__(self) -> None:
-        self._positions: torch.Tensor | None = None  # 0, 1, 2, ... on the device (the masked reduction)
-        self._pinned: torch.Tensor | None = None  # page-locked int32 [2]: the bounds on their way over
-        self._event: torch.cuda.Event | None = None
-        self._entries = 0
-        self._result: PageBounds | None = NO_PAGES
+        self._positions: torch.Tensor | None = None  # 0, 1, 2, ... on the device (fold's masked reduction)
+        self._plans = 0  # plan()s that read a page list
+        self._runs = 0  # run()s checked against a cache
+        self._page_list: torch.Tensor | None = None  # the caller's tensor (for messages)
+        self._bounds: PageBounds | None = NO_PAGES  # the current plan's; None while on their way
+        self._current: InFlight | None = None  # ... on their way
+        self._waiting: list[InFlight] = []  # earlier plans' on their way, whose lists a run() or replay read
+        self._spare: list[BoundsCopy] = []  # landed copies, for reuse
+        self._clamped: tuple[int, int] | None = None  # (run() count, pages): the current list was clamped so
+        self.captured_pages: int | None = None  # the cache of the captured run() (graph replays read it)
 
+    @property
+    def bounds(self) -> PageBounds | None:
+        """The current plan's bounds as far as known (None: still on their way)."""
+        return self._bounds
+
+    # ------------------------------------------------------------------ plan()
     def fold(self, kv_indices: torch.Tensor, kv_indptr: torch.Tensor) -> list[torch.Tensor]:
         """Where plan()'s copy of ``kv_indptr`` to the host is a device-to-host copy anyway and the
         page list is on that device: its (min, max) over the first ``kv_indptr[-1]`` entries as two
@@ -87,30 +176,116 @@ class PageBoundsReader:
     def begin(self, kv_indices: torch.Tensor, entries: int, folded: list[int]) -> None:
         """Start reading the bounds of ``kv_indices[:entries]``: ``folded`` holds fold()'s values as
         plan() read them back (empty if fold() gave none)."""
-        self._entries = entries
+        self._plans += 1
+        previous, self._current = self._current, None
+        if previous is not None and (previous.runs or previous.graph_pages is not None):
+            self._waiting.append(previous)  # read clamped: reported once its bounds land
+        self._page_list, self._clamped = kv_indices, None
         if entries == 0:
-            self._result = NO_PAGES
+            self._bounds = NO_PAGES
         elif folded:
-            self._result = PageBounds(entries, folded[0], folded[1])
-        elif kv_indices.device.type != "cuda":
+            self._bounds = PageBounds(entries, folded[0], folded[1])
+        elif not BoundsCopy.needed(kv_indices):
             low, high = torch.aminmax(kv_indices[:entries].cpu())
-            self._result = PageBounds(entries, int(low), int(high))
-        else:  # over with the next read-back (result() waits only if there is none)
-            if self._pinned is None:
-                self._pinned = torch.empty(2, dtype=torch.int32, pin_memory=True)
-                self._event = torch.cuda.Event()
-            assert self._event is not None
-            self._pinned.copy_(torch.stack(torch.aminmax(kv_indices[:entries])), non_blocking=True)
-            self._event.record(torch.cuda.current_stream(kv_indices.device))
-            self._result = None
+            self._bounds = PageBounds(entries, int(low), int(high))
+        else:  # on their way: landed by finish() where plan() read something back after this
+            copy = self._spare.pop() if self._spare else BoundsCopy(kv_indices.device)
+            copy.start(kv_indices[:entries])
+            self._current = InFlight(self._plans, entries, copy, graph_pages=self.captured_pages)
+            self._bounds = None
 
-    def result(self) -> PageBounds:
-        if self._result is None:
-            assert self._event is not None and self._pinned is not None
-            self._event.synchronize()  # done already where plan() read something back after begin()
-            low, high = self._pinned.tolist()
-            self._result = PageBounds(self._entries, low, high)
-        return self._result
+    def finish(self) -> None:
+        """plan()'s end: the checks the bounds allow if they are here (raises). Negative entries
+        are refused whatever the cache; in CUDA-graph mode the rest too, against the captured cache."""
+        if self._current is not None and self._current.copy.landed():
+            self._land(self._current)
+        bounds = self._bounds
+        if bounds is None:  # still on their way: run() guards
+            return
+        check_pages("plan()", bounds, self._page_list, None, "")
+        if self.captured_pages is not None:
+            check_pages("plan()", bounds, self._page_list, self.captured_pages,
+                        "the KV cache the CUDA graph was captured with")
+
+    # ------------------------------------------------------------------ run()
+    def check_run(self, num_pages: int, capturing: bool, page_lists: Callable[[], list[torch.Tensor]]) -> None:
+        """run(), against a cache of ``num_pages`` pages: refuse a planned page list known to hold
+        an entry outside it; clamp the kernels' lists (``page_lists()``, the wrapper's copies) where
+        the bounds are still on their way, and under CUDA-graph capture (replays read later plans)."""
+        self._runs += 1
+        bounds = self._bounds
+        if bounds is not None:
+            check_pages("run()", bounds, self._page_list, num_pages, "the KV cache run() was given",
+                        read_back=not capturing)
+            if self._clamped is not None and not bounds.inside(self._clamped[1]):
+                run, pages = self._clamped
+                raise LaunchError(f"run(): this plan's page list was clamped to the {pages} pages of run() #{run}'s KV "
+                                  f"cache (it held page {bounds.worst()}), as reported; call plan() again")
+        if num_pages == 0 and (capturing or bounds is None):
+            what = "a captured run() reads later plans' page lists" if capturing else \
+                "the planned page list has entries"
+            raise LaunchError(f"run(): the KV cache run() was given has no pages, and {what} (expected 0 <= page < "
+                              "the cache's page count)")
+        if bounds is not None and not capturing:
+            return
+        top = min(num_pages, INT32_PAGES) - 1
+        for pages in page_lists():
+            pages.clamp_(0, top)  # in place: the wrapper's copy (under capture: recorded in the graph)
+        if capturing:
+            self.captured_pages = num_pages
+            if self._current is not None:
+                self._current.graph_pages = num_pages
+        else:
+            assert self._current is not None
+            self._current.runs.append((self._runs, num_pages))
+            if self._clamped is None or num_pages < self._clamped[1]:
+                self._clamped = (self._runs, num_pages)
+
+    # ------------------------------------------------------------------ reports
+    def poll(self, where: str) -> None:
+        """plan()'s and run()'s start (not under capture: no event queries there): read the bounds
+        that have landed, in the order they were queued; raise for the first plan whose list a
+        run() or replay read clamped to a cache it is not inside."""
+        for rec in [*self._waiting, *([self._current] if self._current is not None else [])]:
+            if not rec.copy.landed():
+                break  # (the later ones were queued after it)
+            bounds = self._land(rec)
+            message = self._clamped_read(rec, bounds)
+            if message:
+                raise LaunchError(f"{where}: {message}")
+
+    def _land(self, rec: InFlight) -> PageBounds:
+        low, high = rec.copy.values()
+        bounds = PageBounds(rec.entries, low, high)
+        if rec is self._current:
+            self._current, self._bounds = None, bounds
+        else:
+            self._waiting.remove(rec)
+        self._spare.append(rec.copy)
+        return bounds
+
+    def _clamped_read(self, rec: InFlight, bounds: PageBounds) -> str | None:
+        """What went wrong where a run() or replay read ``rec``'s list clamped to a cache it is not inside."""
+        for run, pages in rec.runs:
+            if not bounds.inside(pages):
+                ago = self._runs - run
+                which = "the last run()" if ago == 0 else f"the run() {ago} before the last"
+                return (f"{which} (#{run} of this wrapper) read a page list with entries outside its KV cache: "
+                        f"plan() #{rec.plan}'s paged_kv_indices held page "
+                        f"{bounds.worst()} (the cache had {pages} pages: expected 0 <= page < {pages}). "
+                        f"{_CLAMPED.format(what='That run()', was='is')}")
+        pages = rec.graph_pages
+        if pages is not None and not bounds.inside(pages):
+            return (f"plan() #{rec.plan}'s paged_kv_indices held page {bounds.worst()}, which is not a page of "
+                    f"the KV cache the CUDA graph was captured with ({pages} pages: expected 0 <= page < {pages}). "
+                    f"{_CLAMPED.format(what='Any replay of the captured run() after that plan()', was='was')}")
+        return None
+
+
+_CLAMPED = ("{what} ran with the list clamped to the cache on the GPU: it read nothing outside the cache, but its "
+            "output {was} wrong. plan() had left the list's bounds to arrive from the GPU (a page list there with host "
+            "indptrs, and nothing else read back); pass the page list on the host to have run() refuse such entries "
+            "before the launch")
 
 
 def first_outside(kv_indices: torch.Tensor, entries: int, num_pages: int | None) -> tuple[int, int] | None:
@@ -126,26 +301,21 @@ def first_outside(kv_indices: torch.Tensor, entries: int, num_pages: int | None)
     return i, int(used[i])
 
 
-def check_page_low(bounds: PageBounds, kv_indices: torch.Tensor) -> None:
-    """plan(): a negative page number is wrong whatever the cache."""
-    if bounds.low < 0:
-        where = first_outside(kv_indices, bounds.entries, None)
-        entry = f"paged_kv_indices[{where[0]}]={where[1]}" if where else f"paged_kv_indices holds {bounds.low}, which"
-        raise LaunchError(f"plan(): {entry} is not a page number (expected 0 <= page < the KV cache's page count)")
-
-
-def check_page_high(where: str, bounds: PageBounds, kv_indices: torch.Tensor | None, num_pages: int,
-                    cache: str) -> None:
+def check_pages(where: str, bounds: PageBounds, kv_indices: torch.Tensor | None, num_pages: int | None,
+                cache: str, *, read_back: bool = True) -> None:
     """``bounds`` against a KV cache of ``num_pages`` pages (``cache`` says which one, for the
-    message); ``kv_indices``: the tensor they were read from (None only without entries)."""
-    if bounds.high < num_pages:
+    message), or (None) against page numbers alone; ``kv_indices``: the tensor they were read
+    from (None only without entries), read back for the message where ``read_back``."""
+    if bounds.inside(num_pages):
         return
     assert kv_indices is not None
-    hit = first_outside(kv_indices, bounds.entries, num_pages)
+    hit = first_outside(kv_indices, bounds.entries, num_pages) if read_back else None
     if hit is not None:
         entry = f"paged_kv_indices[{hit[0]}]={hit[1]}"
-    else:  # rewritten since plan() read it (the kernel reads plan()'s copy)
-        entry = f"paged_kv_indices held page {bounds.high} when plan() read it, which"
+    else:  # rewritten since plan() read it (the kernel reads plan()'s copy), or not read back
+        entry = f"paged_kv_indices held page {bounds.worst()} when plan() read it, which"
+    if num_pages is None:
+        raise LaunchError(f"{where}: {entry} is not a page number (expected 0 <= page < the KV cache's page count)")
     raise LaunchError(f"{where}: {entry} is not a page of {cache} ({num_pages} pages: expected 0 <= page < "
                       f"{num_pages})")
 

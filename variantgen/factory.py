@@ -20,8 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import build as _build
+from . import capabilities
 from .cache import Cache
-from .capabilities import Request, Site, arch_of_capability, canonical_arch, installed_routes, resolve
+from .capabilities import Request, Site, arch_of_capability, canonical_arch, resolve
 from .env import settings
 from .library import resolve_spec
 from .spec import VariantSpec
@@ -98,7 +99,7 @@ def module_site(arch: str | None, cache: Cache, *, build: bool, no_modules: str 
 
     return Site(arch=arch, arch_source=arch_source, modules=not no_modules, no_modules=no_modules or Site.no_modules,
                 can_build=can_build, no_build=why, lookup=lookup, cache_root=str(cache.root),
-                routes=installed_routes() if routes else ())
+                routes=capabilities.installed_routes() if routes else ())
 
 
 # ----------------------------------------------------------------------------- the factory
@@ -151,11 +152,13 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     if resolution.note:
         log.warning("make_wrapper(%s): %s", spec.name, resolution.note)
     if resolution.route is not None:  # no module: the route's own factory (e.g. flex_wrapper.py)
-        extra = {"check_plan": check_plan} if check_plan is not None else {}
+        if check_plan:
+            raise ValueError(f"check_plan=True: the plan check is the FlashInfer routes' debug mode; the "
+                             f"{resolution.backend} route has none")
         return resolution.route.load(resolution.route.factory)(
             spec, workspace, head_dim_qk=request.head_dim_qk, head_dim_vo=request.head_dim_vo,
             q_dtype=request.q_dtype, kv_dtype=request.kv_dtype, o_dtype=request.o_dtype, kind=kind,
-            kv_layout=kv_layout, use_tensor_cores=use_tensor_cores, graph=graph, **extra)
+            kv_layout=kv_layout, use_tensor_cores=use_tensor_cores, graph=graph)
     config = resolution.config
     assert config is not None
     result = _build.build_module(config, cache, jobs=jobs, allow_build=build)

@@ -58,9 +58,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import build as _build
-from . import env, render
+from . import capabilities, env, render
 from .cache import Cache, LockTimeout
-from .capabilities import BACKENDS, ArgNames, Request, Resolution, Site, canonical_arch, installed_routes, resolve
+from .capabilities import BACKENDS, ArgNames, Request, Resolution, Site, canonical_arch, resolve
 from .errors import BuildError, CacheError, JitDisabledError, SpecError, ToolchainError
 from .factory import device_arch, module_site, target_arch
 from .library import resolve_spec
@@ -252,7 +252,7 @@ def _probe(spec_arg: Any, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, k
         raise _Fail(str(e)) from None
     if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
         raise _Fail(f"page_size={page_size!r}: expected a positive whole number")
-    routes = installed_routes() if runtime else ()
+    routes = capabilities.installed_routes() if runtime else ()
     no_route = "" if runtime else "runtime=False checks the module cache; the flex route has no module"
     # 2. a backend for it at all (the target arch, when given)
     served = resolve(request, Site(arch=explicit_arch, routes=routes, no_route=no_route))
@@ -277,7 +277,7 @@ def _probe(spec_arg: Any, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, k
         details["note"] = resolution.note
     details["not_chosen"] = dict(resolution.rejected)
     if resolution.route is not None:
-        return _probe_route(request, resolution, device, page_size, details)
+        return _probe_route(request, resolution, device, page_size, details, where.no_modules)
     config = resolution.config
     assert config is not None
     details["config"] = config.describe()
@@ -337,6 +337,12 @@ def _module_target(request: Request, explicit: str | None, device: Any, runtime:
             raise _Fail("runtime=False: no target arch (pass arch=, e.g. arch='9.0a', or set VARIANTGEN_ARCH) "
                         "and no CUDA device visible to take it from")
         return _Where(found, "", "", None)
+    if device is not None and not _is_cuda_device(device):  # e.g. "cpu": only a module-less route runs there
+        return unusable(f"device={device!r} is not a CUDA device: the compiled modules run on NVIDIA GPUs")
+    if not _cuda_available():
+        if device is not None:  # "cuda:0" named on a box without CUDA: nothing runs on it, no route either
+            raise _Fail(NO_GPU_REASON)
+        return unusable(NO_GPU_REASON)
     try:
         gpu = device_arch(device)
     except Exception as e:  # noqa: BLE001 - a broken driver, a bad index: the reason
@@ -349,14 +355,30 @@ def _module_target(request: Request, explicit: str | None, device: Any, runtime:
     return _Where(gpu, "", "" if explicit is not None else "the visible GPU's", gpu)
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _is_cuda_device(device: Any) -> bool:
+    import torch
+
+    try:
+        return torch.device(device).type == "cuda"
+    except (RuntimeError, TypeError, ValueError):
+        return False  # not a device at all: no module runs on it either
+
+
 def _query_failure(device: Any, e: Exception) -> str:
     where = f"CUDA device {device}" if device is not None else "the CUDA device"
     return f"cannot query {where}: {type(e).__name__}: {e}"
 
 
 def _probe_route(request: Request, resolution: Resolution, device: Any, page_size: Any,
-                 details: dict[str, Any]) -> ProbeResult:
-    """A module-less route (flex): its own probe runs a small batch where it will run."""
+                 details: dict[str, Any], no_modules: str) -> ProbeResult:
+    """A module-less route (flex): its own probe runs a small batch where it will run. Where
+    backend=None took it because no module can run here (``no_modules``), a failure says both."""
     route = resolution.route
     assert route is not None
     answer = route.load(route.probe)(
@@ -365,7 +387,9 @@ def _probe_route(request: Request, resolution: Resolution, device: Any, page_siz
         cuda_graph=request.graph, page_size=page_size)
     details = {**details, **answer.get("details", {})}
     if not answer["ok"]:
-        raise _Fail(answer["reason"], **details)
+        reason = answer["reason"] if not no_modules or request.backend is not None else (
+            f"{no_modules}; and the {resolution.backend} route cannot run either: {answer['reason']}")
+        raise _Fail(reason, **details)
     return ProbeResult(True, "", None, "torch", None, 0.0, details)
 
 

@@ -35,7 +35,7 @@ import torch
 
 from .build import BuildResult
 from .capabilities import graph_problem
-from .checks import NO_PAGES, PageBounds, PageBoundsReader, PlanCheck, check_page_high, check_page_low
+from .checks import PageGuard, PlanCheck
 from .env import settings
 from .errors import LaunchError
 from .expr import FLOAT32_MAX
@@ -54,6 +54,7 @@ TORCH_DTYPES = {
     "fp16": torch.float16,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "fp32": torch.float32,  # the flex route only (FlashInfer modules take 16-bit queries)
 }
 SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
@@ -111,7 +112,7 @@ class WrapperBase:
     the spec tensors plan() planned from still hold what plan() saw (checks.PlanCheck; a
     device sync per run())."""
 
-    def __init__(self, spec: VariantSpec, config: ModuleConfig, module: Any, build: BuildResult,
+    def __init__(self, spec: VariantSpec, config: ModuleConfig, module: Any, build: BuildResult | None,
                  float_workspace: torch.Tensor, kv_layout: str = "NHD", *, check_plan: bool | None = None):
         if kv_layout not in LAYOUT_CODES:
             raise LaunchError(f"kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
@@ -125,7 +126,7 @@ class WrapperBase:
         self.config = config
         self.module = module
         self.build = build
-        self.uri = build.entry.uri
+        self.uri = build.entry.uri if build is not None else None  # None: no module (the flex route)
         self.kv_layout = kv_layout
         self.device = float_workspace.device
         self._float_workspace = float_workspace
@@ -144,12 +145,8 @@ class WrapperBase:
         self._float_chunk_cache: dict[int, list[torch.Tensor]] = {}
         self.check_plan = settings().check_plan if check_plan is None else check_plan
         self._plan_check = PlanCheck() if self.check_plan else None
-        # The planned page list's bounds (checks.py) and the caller's tensor (for error messages);
-        # the page count of the KV cache a captured run() used (later plan()s check against it).
-        self._page_reader = PageBoundsReader()
-        self._page_bounds: PageBounds = NO_PAGES
-        self._page_list: torch.Tensor | None = None
-        self._captured_pages: int | None = None
+        # The planned page list's bounds, and run()'s guard where they are still on their way (checks.py).
+        self._pages = PageGuard()
 
     def _workspace(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The i-th (int workspace, page-locked host mirror) pair; one per launch."""
@@ -219,6 +216,20 @@ class WrapperBase:
         self.plan_stats.pop("planner_off", None)
         return True
 
+    def _refuse_plan_args(self, spec_args: dict[str, Any], skip_tiles: bool | None, what: str) -> None:
+        """plan() without ``what`` (the interval planner, key trimming) reads no spec argument:
+        a LaunchError if it was given some (they go to run())."""
+        if spec_args:
+            self._check_known(spec_args, "plan()")  # a misspelt name first: it may be why `what` is off
+            why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
+            raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without {what} ({why}) "
+                              "spec arguments go to run() only")
+
+    def _sm_scale(self, q_scale: float | None, k_scale: float | None) -> float:
+        """The softmax scale of the logits: the spec's (default 1/sqrt(head_dim_qk)) times q_scale * k_scale."""
+        base = self.spec.sm_scale if self.spec.sm_scale is not None else 1.0 / math.sqrt(self.config.head_dim_qk)
+        return float(base * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0))
+
     # ------------------------------------------------------------------ argument checks
     @staticmethod
     def _check_plan_sizes(**sizes: Any) -> None:
@@ -253,7 +264,7 @@ class WrapperBase:
                       ) -> tuple[list[list[int]], torch.Tensor, list[int]]:
         """host_indices of ``indptrs`` with, where that is a copy from the page list's device, the
         page list's bounds in the same copy: (lists, flat, folded bounds for begin_pages)."""
-        folded = self._page_reader.fold(kv_indices, kv_indptr)
+        folded = self._pages.fold(kv_indices, kv_indptr)
         lists, flat = host_indices(*indptrs, *folded)
         if not folded:
             return lists, flat, []
@@ -261,20 +272,17 @@ class WrapperBase:
 
     def _begin_pages(self, kv_indices: torch.Tensor, entries: int, folded: list[int]) -> None:
         """plan(): start reading the bounds of the batch's page list ``kv_indices[:entries]``."""
-        self._page_list = kv_indices
-        self._page_reader.begin(kv_indices, entries, folded)
+        self._pages.begin(kv_indices, entries, folded)
 
     def _finish_pages(self) -> None:
-        """plan()'s end: the page list's bounds (after its reads back). Negative entries are
-        refused here; the rest is for run(), which has the cache - and for this plan() where a
-        captured run() fixed the cache replays read."""
-        bounds = self._page_reader.result()
-        assert self._page_list is not None
-        check_page_low(bounds, self._page_list)
-        if self._captured_pages is not None:
-            check_page_high("plan()", bounds, self._page_list, self._captured_pages,
-                            "the KV cache the CUDA graph was captured with")
-        self._page_bounds = bounds
+        """plan()'s end (after its reads back): negative entries are refused here, and in CUDA-graph
+        mode entries outside the captured cache; the rest is for run(), which has the cache. Bounds
+        still on their way are run()'s to guard (checks.py)."""
+        self._pages.finish()
+
+    def _page_lists(self) -> list[torch.Tensor]:
+        """The wrapper's copies of the page list that run()'s kernels read (the guard clamps them)."""
+        return []
 
     def _own_pages(self, kv_indices: torch.Tensor, count: int) -> torch.Tensor:
         """The wrapper's contiguous device copy of ``kv_indices[:count]`` (a launch's page list as
@@ -290,8 +298,10 @@ class WrapperBase:
 
     # ------------------------------------------------------------------ check_plan (debug mode)
     def _check_replays(self) -> None:
-        """plan()'s start, debug mode: refuse if a replayed run() found a planned tensor changed
-        since the plan it replayed (the graph recorded the comparison; this reads it back)."""
+        """plan()'s start: refuse if an earlier run() or replay read a page list clamped by the
+        guard (checks.py), or (debug mode) if a replayed run() found a planned tensor changed since
+        the plan it replayed (the graph recorded the comparison; this reads it back)."""
+        self._pages.poll("plan()")
         if self._plan_check is None:
             return
         self._plan_check.clear()
@@ -436,11 +446,8 @@ class WrapperBase:
                      v_scale: float | None) -> tuple[list[torch.Tensor], list[Any]]:
         """The module's extra run() arguments in ABI order, except vg_meta (which the caller
         inserts after the spec tensors): (spec tensors, scalars incl. sm_scale/v_scale)."""
-        cfg = self.config
-        base = self.spec.sm_scale if self.spec.sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim_qk)
-        sm_scale = base * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0)
         tensors = [args[t] for t in self._tensor_names]
-        scalars = [args[s] for s in self._scalar_names] + [float(sm_scale)]
+        scalars = [args[s] for s in self._scalar_names] + [self._sm_scale(q_scale, k_scale)]
         if self.spec.qkv_scales:
             scalars.append(float(v_scale) if v_scale is not None else 1.0)
         return tensors, scalars
@@ -481,7 +488,10 @@ class WrapperBase:
                          ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         """run()'s checks over a paged KV cache, in order: q, the cache, q/k/v scales, the
         spec's arguments (and that they are what plan() planned with). Returns (k_cache,
-        v_cache, checked spec arguments)."""
+        v_cache, checked spec arguments). First, a report of an earlier run() that read a page
+        list clamped by the guard (checks.py)."""
+        if not self._capturing():  # (no event queries under capture)
+            self._pages.poll("run()")
         self._check_rows("q", q, TORCH_DTYPES[self.config.q_dtype], q_shape)
         k_cache, v_cache = self._check_paged_cache(paged_kv_cache)
         self._check_scales(*scales)
@@ -492,7 +502,8 @@ class WrapperBase:
 
     def _check_paged_cache(self, paged_kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) from a pair or a [pages, 2, ...] tensor, checked against the plan:
-        shapes, strides the kernel can take, and every planned page inside the cache."""
+        shapes, strides the kernel can take, and every planned page inside the cache (or, where
+        plan() left the bounds on their way, the kernels' page lists clamped to it)."""
         b, cfg = self._batch, self.config
         kvdt = TORCH_DTYPES[cfg.kv_dtype]
         if isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
@@ -532,9 +543,7 @@ class WrapperBase:
         if v_cache.shape[0] != num_pages:
             raise LaunchError(f"run(): k_cache has {num_pages} pages and v_cache {v_cache.shape[0]}; expected the "
                               "same page count (a page number addresses both)")
-        check_page_high("run()", self._page_bounds, self._page_list, num_pages, "the KV cache run() was given")
-        if self._capturing():  # replays read this cache: later plan()s check against it
-            self._captured_pages = num_pages
+        self._pages.check_run(num_pages, self._capturing(), self._page_lists)
         return k_cache, v_cache
 
 
@@ -561,6 +570,11 @@ class VariantWrapper(WrapperBase):
         self.segment_read = 64  # launch requests plan() copies back at first (more: a second copy)
         self.row_buffers: dict[str, torch.Tensor] = {}  # the row kernel's outputs, kept across plans
         self._native_desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)  # plan_batch's answer
+
+    def _page_lists(self) -> list[torch.Tensor]:
+        if self._graph is not None:  # every slot's whole buffer (what a captured launch reads)
+            return [self._graph.kv_indices]
+        return [la.kv_indices for la in self._launches]
 
     def _trim_to_batch(self, args: dict[str, Any]) -> dict[str, Any]:
         """Spec tensors given as capacity-sized static buffers, cut to this batch's sizes
@@ -610,8 +624,11 @@ class VariantWrapper(WrapperBase):
         ``paged_kv_indices[:paged_kv_indptr[-1]]``, must be a page of the KV cache run() is
         given: negative entries are refused here, the rest by run(), which has the cache (in
         CUDA-graph mode, where replays run no host code, also here against the cache the graph
-        was captured with). The bounds are read without a sync of their own where plan() reads
-        anything back from the device (see checks.py).
+        was captured with). plan() never waits for the GPU to read the list's bounds: with the
+        page list on the GPU and the indptrs on the host, and nothing else read back, they may
+        still be on their way when run() is called; run() then clamps the kernels' copy of the
+        list to the cache on the GPU, and the next plan() or run() raises once they show entries
+        outside it (checks.py). Pass the page list on the host to have them refused up front.
 
         Contract: the tensors plan() reads must not change until the next plan(). run()
         re-reads q, the KV cache and the spec tensors, but the launches - which rows go to
@@ -622,42 +639,18 @@ class VariantWrapper(WrapperBase):
         # A plan() that fails must not leave the previous plan half-replaced.
         self._batch, self._launches, self._planned_args = None, [], {}
         self._check_replays()
-        self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
-        self._check_index_tensors(qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
-                                  paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
-        batch = qo_indptr.numel() - 1
-        if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
-            raise LaunchError(
-                f"plan(): inconsistent batch: qo_indptr has {qo_indptr.numel()} entries, paged_kv_indptr "
-                f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
-                "(expected batch+1, batch+1, batch)")
+        check_paged_arguments(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                              num_qo_heads, num_kv_heads, page_size)
         self._staging.begin()
         (qo_h, kvp_h, last_h), indices_h, folded = self._read_indptrs(
             paged_kv_indices, paged_kv_indptr, qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
-        self._check_indptr_starts(qo_indptr=qo_h[0], paged_kv_indptr=kvp_h[0])
-        qo_lens, kv_lens = [], []
-        for b in range(batch):
-            ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
-            kl = 0 if npages == 0 else (npages - 1) * page_size + lp
-            if ql < 0 or npages < 0:
-                raise LaunchError(f"plan(): request {b}: indptrs must be non-decreasing")
-            if npages and not 1 <= lp <= page_size:
-                raise LaunchError(f"plan(): paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
-            if ql > kl:
-                raise LaunchError(f"plan(): request {b} has {ql} queries but only {kl} keys; the queries must be "
-                                  "the last qo_len tokens of the request's KV")
-            qo_lens.append(ql)
-            kv_lens.append(kl)
-        if kvp_h[-1] > paged_kv_indices.numel():
-            raise LaunchError(f"plan(): paged_kv_indices has {paged_kv_indices.numel()} entries, "
-                              f"paged_kv_indptr needs {kvp_h[-1]}")
+        batch_of = paged_batch(qo_h, kvp_h, last_h, paged_kv_indices.numel(), num_qo_heads, num_kv_heads, page_size)
         graph = self._graph
         if graph is not None:
-            graph.capacity.check_batch(batch, qo_h[-1], kvp_h[-1])
+            graph.capacity.check_batch(batch_of.batch_size, qo_h[-1], kvp_h[-1])
             disable_split_kv = True  # split-KV changes the schedule from batch to batch
         self._begin_pages(paged_kv_indices, kvp_h[-1], folded)
-        self._batch = Batch(batch, qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
-                            tuple(qo_lens), tuple(kv_lens))
+        self._batch = batch_of
         try:
             self._plan_batch(qo_h, kvp_h, last_h, indices_h, paged_kv_indices, skip_tiles, disable_split_kv,
                              spec_args)
@@ -692,11 +685,7 @@ class VariantWrapper(WrapperBase):
                 return
             launches = plan_launches(self, qo_h, kvp_h, list(b.kv_lens), checked)
         else:
-            if spec_args:
-                self._check_known(spec_args, "plan()")  # a misspelt name first: it may be why the planner is off
-                why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
-                raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without the interval planner "
-                                  f"({why}) spec arguments go to run() only")
+            self._refuse_plan_args(spec_args, skip_tiles, "the interval planner")
             kv_row = list(accumulate(b.kv_lens, initial=0))
             meta = [[qo_h[r], b.kv_lens[r] - b.qo_lens[r], 0, r, kv_row[r], b.qo_lens[r], b.kv_lens[r], -1,
                      b.qo_lens[r]] for r in range(b.batch_size)]
@@ -886,8 +875,12 @@ class VariantWrapper(WrapperBase):
 
         run() reads q, the cache and the spec tensors; the launches are plan()'s (see its
         contract). It checks every argument first, and the planned page list against the
-        cache's page count; under CUDA-graph capture it also remembers that page count, which
-        later plan()s check against (replays run no host code)."""
+        cache's page count - or, where plan() left the list's bounds on their way, clamps the
+        kernels' copy of it to the cache on the GPU before the launch; a later plan() or run()
+        raises if they show that the clamp changed anything (checks.py). It raises first for
+        such an earlier run(). Under CUDA-graph capture it records the clamp in the graph and
+        remembers the cache's page count, which later plan()s check against (replays run no
+        host code)."""
         if self._batch is None or (self._batch.total_q and not self._launches):  # none, or plan() failed
             raise LaunchError("run() called before plan(): call plan(qo_indptr, paged_kv_indptr, ...) first")
         b = self._batch
@@ -944,3 +937,65 @@ def host_indices(*tensors: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]
         out.append(values[at:at + t.numel()])
         at += t.numel()
     return out, flat
+
+
+class PagedBatchLists(NamedTuple):
+    """A paged batch as plan() checked it: the Batch and host copies of its index tensors."""
+
+    batch: Batch
+    qo_indptr: list[int]
+    kv_indptr: list[int]
+    last_page_len: list[int]
+    host: torch.Tensor  # the three back to back on the host (host_indices)
+
+
+def check_paged_arguments(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any,
+                          num_qo_heads: Any, num_kv_heads: Any, page_size: Any) -> None:
+    """plan()'s checks of a paged batch's arguments before their values are read (sizes, index
+    tensor types, entry counts), shared by every paged-prefill route."""
+    WrapperBase._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
+    WrapperBase._check_index_tensors(qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
+                                     paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
+    batch = qo_indptr.numel() - 1
+    if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
+        raise LaunchError(
+            f"plan(): inconsistent batch: qo_indptr has {qo_indptr.numel()} entries, paged_kv_indptr "
+            f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
+            "(expected batch+1, batch+1, batch)")
+
+
+def paged_batch(qo_h: list[int], kvp_h: list[int], last_h: list[int], num_indices: int, num_qo_heads: int,
+                num_kv_heads: int, page_size: int) -> Batch:
+    """The Batch of a paged batch from host copies of its indptrs and last-page lengths (after
+    check_paged_arguments), its per-request lengths checked; ``num_indices``: entries of
+    paged_kv_indices. LaunchError naming the argument and request otherwise."""
+    WrapperBase._check_indptr_starts(qo_indptr=qo_h[0], paged_kv_indptr=kvp_h[0])
+    qo_lens, kv_lens = [], []
+    for b in range(len(qo_h) - 1):
+        ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
+        kl = 0 if npages == 0 else (npages - 1) * page_size + lp
+        if ql < 0 or npages < 0:
+            raise LaunchError(f"plan(): request {b}: indptrs must be non-decreasing")
+        if npages and not 1 <= lp <= page_size:
+            raise LaunchError(f"plan(): paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
+        if ql > kl:
+            raise LaunchError(f"plan(): request {b} has {ql} queries but only {kl} keys; the queries must be "
+                              "the last qo_len tokens of the request's KV")
+        qo_lens.append(ql)
+        kv_lens.append(kl)
+    if kvp_h[-1] > num_indices:
+        raise LaunchError(f"plan(): paged_kv_indices has {num_indices} entries, paged_kv_indptr needs {kvp_h[-1]}")
+    return Batch(len(qo_lens), qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size, tuple(qo_lens),
+                 tuple(kv_lens))
+
+
+def read_paged_batch(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any,
+                     num_qo_heads: Any, num_kv_heads: Any, page_size: Any) -> PagedBatchLists:
+    """check_paged_arguments, the host copies (one device-to-host copy) and paged_batch: a route
+    that reads the batch without VariantWrapper's page-list guard (the flex route checks its pages
+    itself)."""
+    check_paged_arguments(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                          num_kv_heads, page_size)
+    (qo_h, kvp_h, last_h), indices_h = host_indices(qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
+    batch = paged_batch(qo_h, kvp_h, last_h, paged_kv_indices.numel(), num_qo_heads, num_kv_heads, page_size)
+    return PagedBatchLists(batch, qo_h, kvp_h, last_h, indices_h)
