@@ -188,8 +188,9 @@ class Request:
 
 @dataclass(frozen=True)
 class Site:
-    """Where the request would run. The defaults: any target arch (arch checks skipped), a
-    CUDA target, modules may be built, no module-less route."""
+    """Where the request would run (factory.module_site makes the one of this machine). The
+    defaults: any target arch (arch checks skipped), modules can run and may be built, no
+    module-less route."""
 
     arch: str | None = None
     """The target arch of compiled modules ('9.0a'); None: not known (arch checks skipped)."""
@@ -350,11 +351,15 @@ def graph_problem(backend: str, kind: str, arg: str = "graph=") -> str:
     if kind in TABLE[backend].graph_kinds:
         return ""
     if kind not in _GRAPH_KINDS:
-        kinds = " and ".join(repr(k) for k in _GRAPH_KINDS)
-        return (f"{arg}: CUDA-graph mode is for kind {kinds} (got {kind!r}); "
-                f"{NO_GRAPH_KINDS.get(kind, 'no backend captures it')}")
+        return _no_graph_kind(kind, arg)
     having = " or ".join(repr(b.name) for b in TABLE.values() if kind in b.graph_kinds)
     return f"{arg}: CUDA-graph mode needs backend {having} (got {backend!r}): {TABLE[backend].no_graph}"
+
+
+def _no_graph_kind(kind: str, arg: str) -> str:
+    kinds = " and ".join(repr(k) for k in _GRAPH_KINDS)
+    why = NO_GRAPH_KINDS.get(kind, "no backend has one")
+    return f"{arg}: CUDA-graph mode is for kind {kinds} (got {kind!r}); {why}"
 
 
 def installed_routes() -> tuple[str, ...]:
@@ -416,7 +421,7 @@ def resolve(request: Request, site: Site = Site()) -> Resolution:
     only its arguments (the cache through ``site.lookup``, asked only where modules cannot be
     built and backend is None)."""
     if request.graph and request.kind not in _GRAPH_KINDS:
-        return Resolution(request, None, problem=graph_problem(FA2.name, request.kind, request.names.graph))
+        return Resolution(request, None, problem=_no_graph_kind(request.kind, request.names.graph))
     names = (request.backend,) if request.backend is not None else tuple(TABLE)
     why_not = {name: "; ".join(TABLE[name].problems(request, site)) for name in names}
     viable = [name for name in names if not why_not[name]]
