@@ -444,8 +444,9 @@ class FakeRowPlanner:
 
     def plan_rows(self, rec, starts_host, starts_page_locked, starts, scratch, counts, seg, *spec_args_and_page_size):
         from variantgen.intervals import analyze
+        from variantgen.plan_abi import ROW_BLOCK
         from variantgen.planner import classify_rows
-        from variantgen.rowplan import ROW_BLOCK, planner_inputs
+        from variantgen.rowplan import planner_inputs
 
         self.calls += 1
         form = analyze(self.spec)
@@ -467,8 +468,8 @@ class FakeRowPlanner:
 
     def compact_segments(self, rec, counts, seg):
         """What segments_kernel writes: the count, then as many launch requests as fit."""
+        from variantgen.plan_abi import SEG_FIELDS
         from variantgen.planner import _segments
-        from variantgen.rowplan import SEG_FIELDS
 
         self.compactions = getattr(self, "compactions", 0) + 1
         rows = _segments(rec, rec.shape[1]) if rec.shape[1] else torch.empty(0, SEG_FIELDS, dtype=torch.int64)

@@ -30,6 +30,7 @@ from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.decode import DecodeWrapper
 from variantgen.errors import LaunchError
+from variantgen.plan_abi import META_COLUMNS
 from variantgen.reference import reference_attention
 from variantgen.render import ModuleConfig, kernel_args, render_module
 from variantgen.testing import random_paged_batch, random_spec_args
@@ -122,7 +123,8 @@ def meta_defines(text: str) -> list[str]:
 def test_every_shipped_spec_renders_a_decode_module(path):
     spec = variantgen.load_spec(path)
     module = render_module(decode_config(spec))
-    assert set(module.files) == {"variant.cuh", "batch_decode_config.inc", "binding.cu", "decode_kernel.cu"}
+    assert set(module.files) == {"vg_plan_abi.h", "variant.cuh", "batch_decode_config.inc", "binding.cu",
+                                 "decode_kernel.cu"}
     assert module.compile_units == ("binding.cu", "decode_kernel.cu")
     assert module.host_sources == ("batch_decode.cu",)
     text = "\n".join(module.files.values())
@@ -132,9 +134,11 @@ def test_every_shipped_spec_renders_a_decode_module(path):
     assert module.files["variant.cuh"] == prefill.files["variant.cuh"]
     struct = render.struct_name(spec)
     config = module.files["batch_decode_config.inc"]
-    assert meta_defines(config) == meta_defines(prefill.files["batch_prefill_config.inc"])
-    assert len(meta_defines(config)) == wrapper_mod.META_COLUMNS + 1
-    assert f"#define VG_META_STRIDE {wrapper_mod.META_COLUMNS}" in config
+    # vg_meta's columns: the plan ABI's header, which every kind's config includes
+    for text in (config, prefill.files["batch_prefill_config.inc"]):
+        assert '#include "vg_plan_abi.h"' in text
+    assert module.files["vg_plan_abi.h"] == prefill.files["vg_plan_abi.h"]
+    assert len(meta_defines(module.files["vg_plan_abi.h"])) == META_COLUMNS + 1 and not meta_defines(config)
     assert f"using AttentionVariant = {struct};" in config and "struct Params {" in config
     assert config.rstrip().endswith('#include "variant.cuh"')
     # every run() extra argument: in the ABI in order, and a Params member

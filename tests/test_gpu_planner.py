@@ -11,8 +11,9 @@ from _gpu import ALL_SPECS, KV_LENS, QO_LENS, SPECS
 import variantgen
 from variantgen.build import default_cache
 from variantgen.intervals import analyze
+from variantgen.plan_abi import RecField
 from variantgen.planner import _segments, classify_rows
-from variantgen.rowplan import REC_FIELDS, load_planner, plan_rows, read_segments
+from variantgen.rowplan import load_planner, plan_rows, read_segments
 from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
 
 pytestmark = [pytest.mark.gpu,
@@ -45,8 +46,8 @@ def compare(spec, args, qo_lens, kv_lens, page_size, label):
     rows = plan_rows(module, spec, form, args, qo_indptr, kv_lens, page_size, dev)
     got = rows.rec
     want = classify_rows(spec, form, qo_indptr, kv_lens, page_size, args, dev)
-    assert got.shape == want.shape == (len(REC_FIELDS), qo_indptr[-1])
-    for i, field in enumerate(REC_FIELDS):
+    assert got.shape == want.shape == (len(RecField), qo_indptr[-1])
+    for i, field in enumerate(RecField):
         diff = (got[i] != want[i]).nonzero().flatten()
         assert diff.numel() == 0, (f"{label}: {field} differs in {diff.numel()} rows, first {diff[:5].tolist()}: "
                                    f"kernel {got[i][diff[:5]].tolist()} torch {want[i][diff[:5]].tolist()}")

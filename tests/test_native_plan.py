@@ -17,19 +17,31 @@ from conftest import SPECS_DIR
 
 from variantgen import build
 from variantgen.cache import Cache
-from variantgen.native_plan import HEADER, LAUNCH, LAUNCH_FIELDS, MAX_LAUNCHES, MODE_NAMES, fa3_cta_tile_q
+from variantgen.native_plan import fa3_cta_tile_q
+from variantgen.plan_abi import (
+    DESC_FIELDS,
+    FA3_MAX_WINDOW_LAUNCHES,
+    HEADER_FIELDS,
+    LAUNCH_FIELDS,
+    MAX_LAUNCHES,
+    ROW_BLOCK,
+    SEG_FIELDS,
+    HeaderField,
+    LaunchField,
+    MaskMode,
+    RecField,
+)
 from variantgen.planner import (
     CAUSAL,
     CUSTOM,
     DENSE,
-    FA3_MAX_WINDOW_LAUNCHES,
     WINDOW,
     gather_pages,
     launches_from_segments,
     page_gather_table,
     regroup_for_fa3,
 )
-from variantgen.rowplan import SEG_FIELDS, PlannerConfig
+from variantgen.rowplan import PlannerConfig
 from variantgen.spec import load_spec
 from variantgen.testing import random_paged_batch, random_spec_args
 
@@ -89,24 +101,24 @@ def native_launches(module, table, qo_lens, kv_lens, kvp_h, page_size, fa3, min_
     requests = torch.tensor([kvp_h[:-1], kv_row_base, qo_lens, kv_lens], dtype=torch.int64)
     segments = torch.tensor(table, dtype=torch.int64).view(-1, SEG_FIELDS)
     host = torch.zeros(capacity, dtype=torch.uint8)
-    desc = torch.zeros(len(HEADER) + LAUNCH_FIELDS * MAX_LAUNCHES, dtype=torch.int64)
+    desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)
     module.build_launches(segments, requests, host, desc, sum(qo_lens), page_size, fa3, FA3_MAX_WINDOW_LAUNCHES,
                           SMS, fa3_cta_tile_q(128), HQ, HKV, 128, 128, 2, min_tiles)
     return host, desc
 
 
 def decode(host, desc):
-    head = dict(zip(HEADER, desc[:len(HEADER)].tolist()))
+    head = {f.name.lower(): v for f, v in zip(HeaderField, desc[:HEADER_FIELDS].tolist())}
     ints = host.view(torch.int32)
     out = []
     for i in range(head["launches"]):
-        d = desc[len(HEADER) + i * LAUNCH_FIELDS:len(HEADER) + (i + 1) * LAUNCH_FIELDS].tolist()
-        la = dict(zip(LAUNCH, d))
+        d = desc[HEADER_FIELDS + i * LAUNCH_FIELDS:HEADER_FIELDS + (i + 1) * LAUNCH_FIELDS].tolist()
+        la = {f.name.lower(): d[f] for f in LaunchField if f < LaunchField.INFO}
         n, at = la["requests"], la["offset"] // 4
         q_starts, kv_indptr, last, meta, plan_qo = ints[at:at + 13 * n + 3].split([n + 1, n + 1, n, 9 * n, n + 1])
         la.update(q_starts=q_starts.tolist(), kv_indptr=kv_indptr.tolist(), last_page_len=last.tolist(),
                   meta=meta.view(n, 9).tolist(), plan_qo=plan_qo.tolist(),
-                  info=d[len(LAUNCH):len(LAUNCH) + la["info_len"]])
+                  info=d[LaunchField.INFO:LaunchField.INFO + la["info_len"]])
         out.append(la)
     table = ints[head["table_offset"] // 4:head["table_offset"] // 4 + 2 * head["ranges"]].view(2, -1)
     return head, out, table
@@ -152,7 +164,7 @@ def test_build_launches_matches_the_python_path(planner_module, fa3, seed):
     host, desc = native_launches(planner_module, table, qo_lens, kv_lens, kvp_h, page_size, fa3)
     head, got, table_t = decode(host, desc)
     assert [(la["mode"], la["window_left"]) for la in got] == [
-        ([c for c, name in MODE_NAMES.items() if name == w["mask_mode"]][0], w.get("window_left", -1)) for w in want]
+        (MaskMode.of(w["mask_mode"]), w.get("window_left", -1)) for w in want]
     counts = {name: sum(1 for s in table if s[3] == c) for name, c in
               (("dense", DENSE), ("causal", CAUSAL), ("window", WINDOW), ("custom", CUSTOM))}
     assert {k: head[k] for k in counts} == counts
@@ -256,8 +268,6 @@ class NativeRowPlanner(FakeRowPlanner):
     def plan_batch(self, indices, starts_page_locked, starts, rec, counts, seg, seg_host, scratch, kv_indices,
                    workspace, workspace_host, desc, expect, fa3, max_window_launches, num_sm, cta_tile_q, hq, hkv,
                    head_dim_qk, head_dim_vo, kv_dtype_bytes, fa2_min_tiles, *spec_args_and_page_size):
-        from variantgen.rowplan import REC_FIELDS, ROW_BLOCK
-
         self.batches += 1
         assert indices.dtype == torch.int32 and indices.device.type == "cpu" and indices.dim() == 1
         batch = (indices.numel() - 2) // 3
@@ -271,7 +281,7 @@ class NativeRowPlanner(FakeRowPlanner):
         total_q = qo[-1]
         batch_host = torch.tensor([qo, kv_start], dtype=torch.int64)
         assert seg_host.numel() >= seg.numel() and workspace.numel() >= workspace_host.numel()
-        self.plan_rows(rec[:len(REC_FIELDS) * total_q].view(len(REC_FIELDS), total_q), batch_host,
+        self.plan_rows(rec[:len(RecField) * total_q].view(len(RecField), total_q), batch_host,
                        starts_page_locked, starts, scratch, counts[:-(-total_q // ROW_BLOCK)], seg,
                        *spec_args_and_page_size)
         seg_host[:seg.numel()] = seg

@@ -29,9 +29,10 @@ from variantgen import codegen, render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.errors import LaunchError
+from variantgen.plan_abi import META_COLUMNS, MetaColumn
 from variantgen.reference import reference_attention
 from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges, within_range
-from variantgen.wrapper import META_COLUMNS, VariantWrapper
+from variantgen.wrapper import VariantWrapper
 
 HQ, HKV, HEAD_DIM = 4, 2, 64
 PLAN_STATS: dict[str, object] = {}
@@ -240,7 +241,7 @@ def test_fa2_launches_with_a_kernel_window_never_split_kv():
     args = {"ranges": ranges, "causal_window_left": 5, "range_window_left": -1}
     w, fake = check(spec, batch, args, skip_tiles=True, label="issue 14 case 1")
     assert w.plan_stats["launches"] == [("causal", 2)]
-    assert any(row[wrapper_mod.META_KERNEL_WINDOW] == 5 for la in w._launches for row in la.meta.tolist())
+    assert any(row[MetaColumn.KERNEL_WINDOW] == 5 for la in w._launches for row in la.meta.tolist())
     assert fake.plan_calls and all(call.disable_split_kv for call in fake.plan_calls)
     # a launch without a kernel window still lets FlashInfer split where it pays
     w, fake = check(spec, batch, dict(args, causal_window_left=-1), skip_tiles=True, label="no window")

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 
 from .errors import LaunchError
+from .plan_abi import META_COLUMNS, MetaColumn
 
 GRAPH_MODES = ("custom", "causal", "none")  # the launches of a graph-mode plan, in order
-META_COLUMNS = 9  # vg_meta row width (VG_META_STRIDE in templates/fa2/config.inc.jinja)
-META_KERNEL_WINDOW = 7  # vg_meta column: the left window the kernel may prune with (-1: none)
 
 
 def _positive(name: str, value: object) -> int:
@@ -159,7 +158,9 @@ class GraphBuffers:
         views["kv_indptr"][:n + 1] = torch.tensor(launch["kv_indptr"], dtype=i32)
         views["last_page_len"].zero_()
         meta = views["meta"].view(r, META_COLUMNS)
-        meta[:] = torch.tensor([total_q, 0, 0, 0, 0, 0, 0, -1, 0], dtype=i32)
+        pad = [0] * META_COLUMNS
+        pad[MetaColumn.Q_ROW_BASE], pad[MetaColumn.KERNEL_WINDOW] = total_q, -1
+        meta[:] = torch.tensor(pad, dtype=i32)
         if n:
             views["last_page_len"][:n] = torch.tensor(launch["last_page_len"], dtype=i32)
             meta[:n] = torch.tensor(launch["meta"], dtype=i32)

@@ -22,24 +22,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import LaunchError
-from .graph import META_COLUMNS
 from .intervals import usable_form
-from .planner import FA3_MAX_WINDOW_LAUNCHES
-from .render import MASK_MODES
-from .rowplan import SEG_FIELDS, call_layout, kept_buffer, row_buffers
+from .plan_abi import (
+    FA3_MAX_WINDOW_LAUNCHES,
+    HEADER_FIELDS,
+    LAUNCH_FIELDS,
+    META_COLUMNS,
+    SEG_FIELDS,
+    HeaderField,
+    LaunchField,
+    MaskMode,
+    Schedule,
+)
+from .rowplan import call_layout, kept_buffer, row_buffers
 
 if TYPE_CHECKING:
     from .wrapper import Launch, VariantWrapper
 
-HEADER = ("copy_bytes", "table_offset", "ranges", "pages_offset", "total_pages", "launches",
-          "dense", "causal", "window", "custom", "custom_rows")
-LAUNCH = ("mode", "window_left", "requests", "offset", "packed", "schedule", "rows", "page_at", "pages",
-          "info_len")  # then up to 15 plan_info values
-LAUNCH_FIELDS = len(LAUNCH) + 15
-MAX_LAUNCHES = 8  # custom, none, causal split into at most 1 + FA3_MAX_WINDOW_LAUNCHES + custom
-SCHEDULE_NONE, SCHEDULE_FA2, SCHEDULE_FA3 = 0, 1, 2
-MODE_NAMES = {code: name for name, (code, _) in MASK_MODES.items()}
-DESC_FIELDS = len(HEADER) + LAUNCH_FIELDS * MAX_LAUNCHES  # the int64 answer plan_batch writes
 
 
 def fa3_cta_tile_q(head_dim_vo: int) -> int:
@@ -84,9 +83,9 @@ def plan_batch(w: VariantWrapper, indices: torch.Tensor, args: dict[str, Any], k
         if count > (seg.numel() - 1) // SEG_FIELDS:
             continue
         values = desc.tolist()
-        if values[0] >= 0:
+        if values[HeaderField.COPY_BYTES] >= 0:
             break
-        w._grow_schedule_workspace(-values[0])
+        w._grow_schedule_workspace(-values[HeaderField.COPY_BYTES])
     else:
         raise LaunchError("internal: plan_batch still asks for room after the buffers grew")
     w.plan_stats["row_planner"] = "kernel"
@@ -100,42 +99,44 @@ def launches_from_desc(w: VariantWrapper, values: list[int], device_ws: torch.Te
     one split of the workspace (a view op costs microseconds of host time)."""
     from .wrapper import Launch
 
-    head = values[:len(HEADER)]
-    pages_off, total_pages, n_launches = head[3:6]
-    w.plan_stats["segments"] = dict(zip(HEADER[6:], head[6:]))
+    head = values[:HEADER_FIELDS]
+    pages_off, total_pages, n_launches = (head[HeaderField.PAGES_OFFSET], head[HeaderField.TOTAL_PAGES],
+                                          head[HeaderField.LAUNCHES])
+    w.plan_stats["segments"] = {f.name.lower(): head[f] for f in HeaderField if f >= HeaderField.DENSE}
     ints = device_ws.view(torch.int32)
-    rows = [values[len(HEADER) + i * LAUNCH_FIELDS:len(HEADER) + (i + 1) * LAUNCH_FIELDS] for i in range(n_launches)]
+    rows = [values[HEADER_FIELDS + i * LAUNCH_FIELDS:HEADER_FIELDS + (i + 1) * LAUNCH_FIELDS]
+            for i in range(n_launches)]
     # [gap, q_starts, kv_indptr, last_page_len, meta] per launch, a gap, each launch's pages, the rest
     sizes, at = [], 0
     for d in rows:
-        n, offset = d[2], d[3] // 4
+        n, offset = d[LaunchField.REQUESTS], d[LaunchField.OFFSET] // 4
         sizes += [offset - at, n + 1, n + 1, n, META_COLUMNS * n]
         at = offset + 3 * n + 2 + META_COLUMNS * n
     sizes.append(pages_off // 4 - at)
     page_at = 0
     for d in rows:
-        if d[7] != page_at:
-            raise LaunchError(f"internal: launch pages at {d[7]}, expected {page_at} (back to back)")
-        sizes.append(d[8])
-        page_at += d[8]
+        if d[LaunchField.PAGE_AT] != page_at:
+            raise LaunchError(f"internal: launch pages at {d[LaunchField.PAGE_AT]}, expected {page_at} (back to back)")
+        sizes.append(d[LaunchField.PAGES])
+        page_at += d[LaunchField.PAGES]
     sizes.append(ints.numel() - pages_off // 4 - total_pages)
     views = ints.split_with_sizes(sizes)
     float_chunks = w._float_chunks(n_launches)
     launches = []
     for i, d in enumerate(rows):
-        mode, window, n, offset, packed, schedule, nrows, _, _, info_len = d[:len(LAUNCH)]
+        mode, window, n, offset, packed, schedule, nrows, _, _, info_len = d[:LaunchField.INFO]
         _, q_starts, kv_indptr, last_page_len, meta = views[5 * i:5 * i + 5]
         int_ws = device_ws
-        if schedule == SCHEDULE_NONE:  # fa2 where KV may be split: FlashInfer's scheduler
+        if schedule == Schedule.FLASHINFER:  # fa2 where KV may be split: FlashInfer's scheduler
             at = offset // 4
             host_ints = host_ws.view(torch.int32)  # plan_qo and kv_indptr of the launch, on the host
             int_ws, plan_info = w._flashinfer_plan(
                 i, host_ints[at + 12 * n + 2:at + 13 * n + 3], host_ints[at + n + 1:at + 2 * n + 2], nrows,
                 float_chunks[i], disable_split_kv, None if packed else q_starts)
         else:
-            plan_info = d[len(LAUNCH):len(LAUNCH) + info_len]
+            plan_info = d[LaunchField.INFO:LaunchField.INFO + info_len]
         launches.append(Launch(
-            mask_mode=MODE_NAMES[mode], q_starts=q_starts, kv_indptr=kv_indptr,
+            mask_mode=MaskMode(mode).label, q_starts=q_starts, kv_indptr=kv_indptr,
             kv_indices=views[5 * n_launches + 1 + i], last_page_len=last_page_len,
             meta=meta.view(n, META_COLUMNS), window_left=window, plan_info=plan_info, int_workspace=int_ws,
             float_workspace=float_chunks[i], num_requests=n))

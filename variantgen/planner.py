@@ -26,15 +26,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .intervals import IntervalForm, row_intervals, usable_form
+from .plan_abi import CUSTOM_ROWS, FA3_MAX_WINDOW_LAUNCHES, MetaColumn, RowClass
 
 if TYPE_CHECKING:
     from .spec import VariantSpec
     from .staging import HostStaging
     from .wrapper import VariantWrapper
 
-DENSE, CAUSAL, WINDOW, CUSTOM = 0, 1, 2, 3
-CLASS_MODE = {DENSE: "none", CAUSAL: "causal", WINDOW: "causal", CUSTOM: "custom"}
-CUSTOM_ROWS = 128
+DENSE, CAUSAL, WINDOW, CUSTOM = RowClass
+CLASS_MODE = {c: c.mode.label for c in RowClass}
 
 
 def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
@@ -234,9 +234,6 @@ def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], 
 
 
 # ----------------------------------------------------------------------------- fa3
-FA3_MAX_WINDOW_LAUNCHES = 4  # distinct window widths given their own launch; more go custom
-
-
 def regroup_for_fa3(launches: list[dict]) -> list[dict]:
     """Reshape launches for the fa3 kernel, which takes its left window per launch (not per
     launch request): window rows get a causal launch per width (up to
@@ -246,11 +243,11 @@ def regroup_for_fa3(launches: list[dict]) -> list[dict]:
         if launch["mask_mode"] != "causal":
             out.append(dict(launch, window_left=-1))
             continue
-        widths = sorted({row[7] for row in launch["meta"]} - {-1})
+        widths = sorted({row[MetaColumn.KERNEL_WINDOW] for row in launch["meta"]} - {-1})
         kept = set(widths[:FA3_MAX_WINDOW_LAUNCHES])
         groups: dict[tuple[str, int], list[int]] = {}
         for i, row in enumerate(launch["meta"]):
-            w = row[7]
+            w = row[MetaColumn.KERNEL_WINDOW]
             key = ("causal", w) if w == -1 or w in kept else ("custom", -1)
             groups.setdefault(key, []).append(i)
         for (mode, window), idx in groups.items():

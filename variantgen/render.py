@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from . import __version__, codegen
+from . import __version__, codegen, plan_abi
 from .env import TEMPLATES_DIR, settings
 from .errors import VariantgenError
 from .spec import VariantSpec
@@ -52,7 +52,8 @@ HEAD_DIMS: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
     ("fa2", "decode"): _EQUAL_DIMS,
     ("fa3", "prefill"): _EQUAL_DIMS,
 }
-MASK_MODES = {"none": (0, "MaskMode::kNone"), "causal": (1, "MaskMode::kCausal"), "custom": (2, "MaskMode::kCustom")}
+# run()'s mask-mode code and FlashInfer's enumerator, by name (the plan ABI's table)
+MASK_MODES = {m.label: (int(m), m.literal) for m in plan_abi.MaskMode}
 FA2_CTA_TILES_Q = (16, 64, 128)  # what FlashInfer's FA2 planner picks for head_dim_vo < 512
 
 
@@ -489,6 +490,7 @@ def render_module(config: ModuleConfig) -> RenderedModule:
     if renderer is None:
         raise ValueError(f"backend={config.backend!r}, kind={config.kind!r}: not generated yet")
     files, units, host_sources = renderer(config, ctx, environment())
+    files = {plan_abi.HEADER_NAME: plan_abi.header_text(), **files}  # included by every config
     return RenderedModule(
         config=config,
         files=files,

@@ -20,18 +20,17 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import __version__, codegen
+from . import __version__, codegen, plan_abi
 from .cache import Cache
 from .errors import JitDisabledError
 from .intervals import IntervalForm, analyze, args_read
+from .plan_abi import ROW_BLOCK, SEG_FIELDS, RecField
 from .render import KernelArg, RenderedModule, canonical_arch, environment, template_digest
 from .spec import VariantSpec
 from .staging import HostStaging
 
 log = logging.getLogger("variantgen.rowplan")
 
-# What the kernel writes per query row, in this order (rec[field, row], int64).
-REC_FIELDS = ("starts", "request", "cls", "param_a", "lo", "hi", "q_pos")
 SCALAR_TYPES = {"int": ("int64_t", "int32_t"), "float": ("double", "float"), "bool": ("bool", "bool")}
 
 
@@ -82,8 +81,6 @@ def planner_inputs(spec: VariantSpec, form: IntervalForm) -> tuple[list[str], li
 
 
 def render_planner(config: PlannerConfig) -> RenderedModule:
-    from .planner import CUSTOM_ROWS
-
     spec = config.spec
     form = analyze(spec)
     if not form.planner_ready:
@@ -114,9 +111,6 @@ def render_planner(config: PlannerConfig) -> RenderedModule:
         "spec": spec,
         "mask_comment": codegen.describe(spec.mask),
         "terms": terms,
-        "custom_rows": CUSTOM_ROWS,
-        "rec_fields": REC_FIELDS,
-        "seg_fields": SEG_FIELDS,
         "tensors": [{"name": n, "cpp_type": by_name[n].cpp_type, "shape": list(by_name[n].shape),
                      "rows_name": f"vg_rows_{n}"} for n in tensor_names],
         "sorted_tensors": sorted_tensors,
@@ -126,7 +120,7 @@ def render_planner(config: PlannerConfig) -> RenderedModule:
     text = environment().get_template("planner/planner.cu.jinja").render(ctx)
     return RenderedModule(
         config=config,  # type: ignore[arg-type]  # build.py reads uri_prefix, arch, describe(), spec
-        files={"planner.cu": text},
+        files={plan_abi.HEADER_NAME: plan_abi.header_text(), "planner.cu": text},
         compile_units=("planner.cu",),
         tensor_args=tuple(KernelArg(n, by_name[n].cpp_type, "spec tensor") for n in tensor_names),
         scalar_args=tuple(KernelArg(n, SCALAR_TYPES[scalars[n].dtype][0], "spec scalar") for n in scalar_names),
@@ -152,14 +146,10 @@ def load_planner(spec: VariantSpec, arch: str, cache: Cache, *, allow_build: boo
     return load_module(result.entry), ""
 
 
-SEG_FIELDS = 9  # segments_kernel's record per launch request (see planner._segments)
-ROW_BLOCK = 256  # rows per block of the row kernels (kThreads): one launch-request count each
-
-
 class RowPass(NamedTuple):
     """The row kernel's outputs on the device (kept across plans by the caller)."""
 
-    rec: torch.Tensor  # int64 [len(REC_FIELDS), total_q]
+    rec: torch.Tensor  # int64 [len(RecField), total_q]
     counts: torch.Tensor  # int32 [ceil(total_q / ROW_BLOCK)]: launch requests starting per block
     seg: torch.Tensor  # int64 [1 + SEG_FIELDS * capacity]: their count, then the compacted requests
 
@@ -177,7 +167,7 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
     tensor_names, scalar_names, defaults, sorted_count = call_layout(spec, form)
     kept = row_buffers(buffers if buffers is not None else {}, batch, total_q, sorted_count, segment_capacity,
                        device)
-    rows = RowPass(rec=kept.rec[:len(REC_FIELDS) * total_q].view(len(REC_FIELDS), total_q),
+    rows = RowPass(rec=kept.rec[:len(RecField) * total_q].view(len(RecField), total_q),
                    counts=kept.counts[:max(1, -(-total_q // ROW_BLOCK))],
                    seg=kept.seg[:1 + SEG_FIELDS * max(1, segment_capacity)])
     if staging is not None and buffers is not None:
@@ -192,7 +182,7 @@ class RowBuffers(NamedTuple):
 
     starts_page_locked: torch.Tensor  # int64 host, page-locked: the request starts on their way up
     starts: torch.Tensor  # int64 device: qo_indptr, then each request's first key row
-    rec: torch.Tensor  # int64 device, len(REC_FIELDS) * total_q
+    rec: torch.Tensor  # int64 device, len(RecField) * total_q
     counts: torch.Tensor  # int32 device, a count per ROW_BLOCK rows
     scratch: torch.Tensor  # uint8 device: per-request sortedness flags of sorted-id tensors
     seg: torch.Tensor  # int64 device, 1 + SEG_FIELDS * segment_capacity
@@ -205,7 +195,7 @@ def row_buffers(kept: dict[str, torch.Tensor], batch: int, total_q: int, sorted_
     return RowBuffers(
         starts_page_locked=kept_buffer(kept, "starts_page_locked", 2 * (batch + 1), torch.int64, host, device),
         starts=kept_buffer(kept, "starts", 2 * (batch + 1), torch.int64, device),
-        rec=kept_buffer(kept, "rec", len(REC_FIELDS) * total_q, torch.int64, device),
+        rec=kept_buffer(kept, "rec", len(RecField) * total_q, torch.int64, device),
         counts=kept_buffer(kept, "counts", max(1, -(-total_q // ROW_BLOCK)), torch.int32, device),
         scratch=kept_buffer(kept, "scratch", max(1, sorted_count * batch), torch.uint8, device),
         seg=kept_buffer(kept, "seg", 1 + SEG_FIELDS * max(1, segment_capacity), torch.int64, device))

@@ -39,10 +39,11 @@ from .checks import NO_PAGES, PageBounds, PageBoundsReader, PlanCheck, check_pag
 from .env import settings
 from .errors import LaunchError
 from .expr import FLOAT32_MAX
-from .graph import META_COLUMNS, META_KERNEL_WINDOW, GraphBuffers, GraphCapacity
+from .graph import GraphBuffers, GraphCapacity
 from .intervals import IntervalForm, analyze, args_read, tensors_read
 from .library import resolve_spec
-from .native_plan import DESC_FIELDS, has_native_plan, plan_batch
+from .native_plan import has_native_plan, plan_batch
+from .plan_abi import DESC_FIELDS, META_COLUMNS, MetaColumn, PrefillPlanInfo
 from .planner import gather_page_ranges, gather_pages, page_gather_table, plan_launches, regroup_for_fa3
 from .render import MASK_MODES, ModuleConfig, canonical_arch, canonical_dtype
 from .spec import VariantSpec, shown_value, value_fits
@@ -841,9 +842,9 @@ class VariantWrapper(WrapperBase):
             # which the scheduler packed. Point o_indptr at the same rows (split-KV is off for
             # such launches, so o_indptr has exactly one entry per launch request).
             info = list(plan_info)
-            if info[14]:
+            if info[PrefillPlanInfo.SPLIT_KV]:
                 raise LaunchError("internal: a planned launch must not split KV")
-            offset = int(info[8])
+            offset = int(info[PrefillPlanInfo.O_INDPTR_OFFSET])
             int_ws[offset:offset + 4 * (n + 1)].view(torch.int32).copy_(o_rows)
         return int_ws, plan_info
 
@@ -925,7 +926,7 @@ class VariantWrapper(WrapperBase):
 
 def has_kernel_window(meta: list[list[int]]) -> bool:
     """Whether a launch has a launch request that the kernel may prune with a left window."""
-    return any(row[META_KERNEL_WINDOW] >= 0 for row in meta)
+    return any(row[MetaColumn.KERNEL_WINDOW] >= 0 for row in meta)
 
 
 def host_lists(*tensors: torch.Tensor) -> list[list[int]]:
