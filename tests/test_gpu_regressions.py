@@ -1,8 +1,9 @@
 """Wrong outputs found on the GPU, kept as regression tests. Run: pytest -m gpu tests/test_gpu_regressions.py
 
-Each case is compared with the dense float32 reference, on both plan paths (the planner
-module's plan_batch, and the Python path with the torch rules), and where FlashInfer has
-the same mask with FlashInfer's own kernel on the same batch.
+Each case is compared with the dense float32 reference, on two planned paths (the planner
+module's plan_batch, and the reference row rules' segments laid out by the same launch
+builder), and where FlashInfer has the same mask with FlashInfer's own kernel on the same
+batch.
 
 fa2 with a kernel window (issue 14): the planner's causal launch requests of a small window
 carry it in vg_meta, and FlashInfer's fa2 kernel sizes a request's split-KV partial rows
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _fake_kernel import FakeRowPlanner
 from _gpu import SPECS, rel_error
 
 import variantgen
@@ -37,14 +39,14 @@ logits: soft_cap * tanh((logits + slopes[qo_head] * float(kv_pos - q_pos)) / sof
 
 
 def run_both_paths(spec, batch, args, head_dim, dtype, workspace, backend="fa2"):
-    """(outputs of the planner-module path, of the torch-rules path, plan_stats of the first)."""
+    """(outputs of the planner-module path, of the reference rules' path, plan_stats of the first)."""
     w = variantgen.make_wrapper(spec, workspace, head_dim_qk=head_dim, q_dtype=dtype, kv_dtype=dtype,
                                 backend=backend)
     outs = []
     stats = None
     for native in (True, False):
         if not native:
-            w.set_row_planner(None, "test: the torch rules")
+            w.set_row_planner(FakeRowPlanner(spec, builder=w.row_planner))
         w.plan(*batch.plan_args(), **args)
         outs.append(w.run(batch.q, (batch.k_cache, batch.v_cache), **args))
         if native:

@@ -104,17 +104,18 @@ class RecField(IntEnum):
 
 
 class SegField(IntEnum):
-    """A launch request as the row pass compacts it for the host, int64 each."""
+    """A launch request as the row pass compacts it for the host (a *segment*, int64 fields):
+    a run of rows of one request and class, and the keys it reads. The launch builder lays
+    segments out as launches; the planner-off path gives it one custom segment per request."""
 
     FIRST_ROW = 0  # first query row (global)
     END_ROW = 1  # one past its last row
     REQUEST = 2
     CLASS = 3  # RowClass
-    PARAM_A = 4  # as RecField.PARAM_A
-    LO = 5  # the first row's interval; a custom run's hull
-    HI = 6
-    Q_FIRST = 7  # q_pos of the first row
-    Q_LAST = 8  # q_pos of the last row
+    WINDOW = 4  # the kernel window of a window run; -1 for the other classes
+    KV_BEGIN = 5  # first key it reads: page-aligned, request-local
+    KV_END = 6  # one past the last key it reads
+    Q_POS = 7  # q_pos of the first row
 
 
 SEG_FIELDS = len(SegField)
@@ -128,20 +129,57 @@ class Schedule(IntEnum):
     FA3 = 2  # the launch builder's sm90 work list, in the schedule workspace
 
 
+class PlanOption(IntEnum):
+    """The launch builder's options, int64 (one host tensor kept by the planner)."""
+
+    PAGE_SIZE = 0
+    FA3 = 1  # 1: fa3 launches (one window per launch) and sm90 work lists; 0: fa2
+    DIRECT = 2  # 1: planner off, one custom launch request per request (no segments given)
+    NUM_SM = 3
+    FA3_CTA_TILE_Q = 4  # query rows per tile of the sm90 kernel
+    NUM_QO_HEADS = 5
+    NUM_KV_HEADS = 6
+    HEAD_DIM_QK = 7
+    HEAD_DIM_VO = 8
+    KV_DTYPE_BYTES = 9
+    FA2_MIN_TILES = 10  # fa2: launches with fewer query tiles are left to FlashInfer's scheduler (0: none)
+    MAX_WINDOW_LAUNCHES = 11  # fa3: window widths given their own launch; the others run custom
+    READ_EXPECT = 12  # the row pass: launch requests to read back in the first copy
+    GRAPH_REQUESTS = 13  # CUDA-graph mode (> 0): launch requests per launch slot
+    GRAPH_PAGES = 14  # page-list entries per launch slot
+    GRAPH_ROWS = 15  # query rows (max_total_q) the slots' schedules are sized for
+    WINDOW_COUNT = 16  # fa3 graph mode: the pinned window widths (-1: choose them from this batch)
+    WINDOWS = 17  # then FA3_MAX_WINDOW_LAUNCHES widths
+
+
+class Status(IntEnum):
+    """How the launch builder answered (HeaderField.STATUS)."""
+
+    OK = 0
+    WORKSPACE = 1  # the workspace needs NEED bytes (nothing was written)
+    SEGMENTS = 2  # the row pass found NEED launch requests, more than the read-back has room for
+    SLOT_REQUESTS = 3  # CUDA-graph mode: launch slot AT needs NEED launch requests, over the capacity
+    SLOT_PAGES = 4  # CUDA-graph mode: launch slot AT reads NEED page-list entries, over the capacity
+
+
 class HeaderField(IntEnum):
     """The plan descriptor's header (int64), written by the launch builder."""
 
-    COPY_BYTES = 0  # bytes of the workspace's host mirror to copy to the device; < 0: -(bytes needed)
-    TABLE_OFFSET = 1  # the page gather table: int32 [2, RANGES] (first output entry, shift)
-    RANGES = 2
-    PAGES_OFFSET = 3  # the gathered page list (written on the device)
-    TOTAL_PAGES = 4
-    LAUNCHES = 5
-    DENSE = 6  # launch requests per row class
-    CAUSAL = 7
-    WINDOW = 8
-    CUSTOM = 9
-    CUSTOM_ROWS = 10  # query rows in custom launch requests
+    STATUS = 0  # Status
+    NEED = 1
+    AT = 2
+    SEGMENTS = 3  # launch requests
+    COPY_BYTES = 4  # bytes of the workspace's host mirror to copy to the device
+    TABLE_OFFSET = 5  # the page gather table: int32 [3, RANGES] (first output entry, shift, count)
+    RANGES = 6
+    PAGES_OFFSET = 7  # the gathered page lists (written on the device)
+    PAGES_EXTENT = 8  # entries from there that the gather covers
+    LAUNCHES = 9
+    DENSE = 10  # launch requests per row class
+    CAUSAL = 11
+    WINDOW = 12
+    CUSTOM = 13
+    CUSTOM_ROWS = 14  # query rows in custom launch requests
 
 
 class LaunchField(IntEnum):
@@ -150,14 +188,30 @@ class LaunchField(IntEnum):
     MODE = 0  # MaskMode
     WINDOW_LEFT = 1  # the launch's left window (fa3; -1: none)
     REQUESTS = 2  # launch requests
-    OFFSET = 3  # byte offset of its metadata: q_starts, kv_indptr, last_page_len, vg_meta, plan_qo
-    PACKED = 4  # its launch requests' rows are back to back in q / o
-    SCHEDULE = 5  # Schedule
-    ROWS = 6  # query rows
-    PAGE_AT = 7  # its page list in the gathered one
-    PAGES = 8
-    INFO_LEN = 9  # then INFO_LEN plan_info values
-    INFO = 10
+    SLOT = 3  # launch requests laid out (CUDA-graph mode: the capacity, the rest empty)
+    OFFSET = 4  # byte offset of its metadata (LaunchArray order)
+    PACKED = 5  # its launch requests' rows are back to back in q / o
+    SCHEDULE = 6  # Schedule
+    ROWS = 7  # query rows
+    PAGE_AT = 8  # its page list, in entries from PAGES_OFFSET
+    PAGES = 9  # entries its launch requests read
+    SLOT_PAGES = 10  # entries laid out (CUDA-graph mode: the capacity)
+    INFO_LEN = 11  # then INFO_LEN plan_info values
+    INFO = 12
+
+
+class LaunchArray(IntEnum):
+    """A launch's int32 metadata, back to back from its OFFSET, for n = SLOT launch requests."""
+
+    Q_STARTS = 0  # [n + 1] first row of each launch request in q / o (the kernel's q_indptr)
+    KV_INDPTR = 1  # [n + 1] its page list in the launch's
+    LAST_PAGE_LEN = 2  # [n]
+    META = 3  # [n, META_COLUMNS] vg_meta
+    PLAN_QO = 4  # [n + 1] the rows packed (what a scheduler splits into tiles)
+
+    def ints(self, n: int) -> int:
+        """Entries of this array for n launch requests."""
+        return {LaunchArray.LAST_PAGE_LEN: n, LaunchArray.META: META_COLUMNS * n}.get(self, n + 1)
 
 
 class PrefillPlanInfo(IntEnum):
@@ -201,8 +255,9 @@ HEADER_FIELDS = len(HeaderField)
 LAUNCH_FIELDS = LaunchField.INFO + MAX_PLAN_INFO
 CUSTOM_ROWS = 128  # rows per custom launch request (a tight hull beats one long launch request)
 FA3_MAX_WINDOW_LAUNCHES = 4  # distinct window widths given their own fa3 launch; more go custom
-# custom, causal, none; fa3 also a causal launch per window width and a custom one for the other widths
-MAX_LAUNCHES = 4 + FA3_MAX_WINDOW_LAUNCHES
+# custom, causal, none; fa3 also a causal launch per window width (the other widths run custom)
+MAX_LAUNCHES = 3 + FA3_MAX_WINDOW_LAUNCHES
+OPTION_FIELDS = PlanOption.WINDOWS + FA3_MAX_WINDOW_LAUNCHES
 DESC_FIELDS = HEADER_FIELDS + LAUNCH_FIELDS * MAX_LAUNCHES
 ROW_BLOCK = 256  # query rows per block of the row kernels: one launch-request count each
 NO_INTERVAL = 1 << 40  # "no interval" sentinel of the row pass (intervals.py's BIG)
@@ -245,10 +300,14 @@ def header_text() -> str:
         *_enum_lines(SegField, "kSeg", "a compacted launch request (segment, int64 fields)"),
         f"constexpr int kSegFields = {SEG_FIELDS};",
         *_enum_lines(Schedule, "kSchedule", "who scheduled a launch's work list"),
+        *_enum_lines(PlanOption, "kOption", "the launch builder's options (int64)"),
+        f"constexpr int kOptionFields = {OPTION_FIELDS};",
+        *_enum_lines(Status, "kStatus", "how the launch builder answered"),
         *_enum_lines(HeaderField, "kHead", "the plan descriptor's header (int64)"),
         f"constexpr int kHeaderFields = {HEADER_FIELDS};",
         *_enum_lines(LaunchField, "kLaunch", "one launch of the plan descriptor (int64)"),
         f"constexpr int kLaunchFields = {LAUNCH_FIELDS};",
+        *_enum_lines(LaunchArray, "kArray", "a launch's int32 metadata arrays, in this order"),
         *_enum_lines(PrefillPlanInfo, "kFa2Info", "an fa2 launch's plan_info (flashinfer::PrefillPlanInfo)"),
         *_enum_lines(SM90PlanInfo, "kFa3Info", "an fa3 launch's plan_info (flashinfer::PrefillPlanSM90Info)"),
         "// limits",

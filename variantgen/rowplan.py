@@ -1,14 +1,15 @@
 """The interval planner's row pass as a generated CUDA kernel (templates/planner/).
 
-planner.py classifies every query row of a batch (its key interval, then its launch class)
-with a few hundred small torch ops: on the H200 at 64k query rows that is 3-7 ms of
-dispatch, most of plan(). Here the same rules, specialised to one spec's interval terms,
-are rendered into one kernel (plus a sortedness pass for sorted-id terms such as
-documents). It is compiled and cached like any module, under its own URI
-``vg_<spec>_planner_sm<arch>_<hash>``: it depends on the spec's intervals and the arch only,
-so every head dim, dtype and backend of a spec shares one. plan() uses it on CUDA when
-make_wrapper could build or find it, and the torch rules elsewhere (CPU, or JIT disabled
-without a precompiled planner: logged, and named in ``plan_stats["row_planner"]``).
+The interval planner classifies every query row of a batch (its key interval, then its launch
+class: rowrules.py has the rules in torch ops, a few hundred small ops - 3-7 ms of dispatch at
+64k query rows on the H200). Here the same rules, specialised to one spec's interval terms,
+are rendered into one kernel (plus a sortedness pass for sorted-id terms such as documents),
+with the launch builder (templates/plan/) beside it: the planner module's ``plan_batch`` is a
+whole plan() in one call (planner.py). It is compiled and cached like any module, under its
+own URI ``vg_<spec>_planner_sm<arch>_<hash>``: it depends on the spec's intervals and the arch
+only, so every head dim, dtype and backend of a spec shares one. plan() uses it on CUDA when
+make_wrapper could build or find it; without it (CPU, or JIT disabled without a precompiled
+planner: logged) plan() plans planner-off and its Plan says why.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from typing import Any, NamedTuple
 
 import torch
 
-from . import __version__, codegen, plan_abi
+from . import __version__, codegen
 from .cache import Cache
 from .errors import JitDisabledError
 from .intervals import IntervalForm, analyze, args_read
 from .plan_abi import ROW_BLOCK, SEG_FIELDS, RecField
-from .render import KernelArg, RenderedModule, canonical_arch, environment, template_digest
+from .render import KernelArg, RenderedModule, canonical_arch, environment, plan_sources, template_digest
 from .spec import VariantSpec
 from .staging import HostStaging
 
@@ -120,7 +121,7 @@ def render_planner(config: PlannerConfig) -> RenderedModule:
     text = environment().get_template("planner/planner.cu.jinja").render(ctx)
     return RenderedModule(
         config=config,  # type: ignore[arg-type]  # build.py reads uri_prefix, arch, describe(), spec
-        files={plan_abi.HEADER_NAME: plan_abi.header_text(), "planner.cu": text},
+        files={**plan_sources(), "planner.cu": text},
         compile_units=("planner.cu",),
         tensor_args=tuple(KernelArg(n, by_name[n].cpp_type, "spec tensor") for n in tensor_names),
         scalar_args=tuple(KernelArg(n, SCALAR_TYPES[scalars[n].dtype][0], "spec scalar") for n in scalar_names),
@@ -141,7 +142,8 @@ def load_planner(spec: VariantSpec, arch: str, cache: Cache, *, allow_build: boo
     try:
         result = build_module(config, cache, jobs=jobs, allow_build=allow_build)
     except JitDisabledError as e:
-        log.warning("interval planner of `%s` runs its torch rules (slower plan()): %s", spec.name, e)
+        log.warning("plans of `%s` run planner-off (one custom launch per request, the mask on every element; "
+                    "slower kernels): %s", spec.name, e)
         return None, str(e)
     return load_module(result.entry), ""
 
@@ -152,15 +154,16 @@ class RowPass(NamedTuple):
     rec: torch.Tensor  # int64 [len(RecField), total_q]
     counts: torch.Tensor  # int32 [ceil(total_q / ROW_BLOCK)]: launch requests starting per block
     seg: torch.Tensor  # int64 [1 + SEG_FIELDS * capacity]: their count, then the compacted requests
+    page_size: int
 
 
 def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str, Any], qo_indptr: list[int],
               kv_lens: list[int], page_size: int, device: torch.device, staging: HostStaging | None = None,
               segment_capacity: int = 1024, buffers: dict[str, torch.Tensor] | None = None) -> RowPass:
-    """Run the kernel over a batch. rec: what planner.classify_rows gives (``starts`` as 0/1;
-    a custom run's first row holds the run's hull); seg: the launch requests compacted
-    (read_segments). ``buffers``: the caller's dict to keep the outputs and scratch in from
-    one plan to the next."""
+    """Run the row pass over a batch (plan() runs it inside plan_batch; this is its entry for
+    tests and tools). rec: what rowrules.classify_rows gives (``starts`` as 0/1; a custom run's
+    first row holds the run's hull); seg: the launch requests compacted (read_segments).
+    ``buffers``: the caller's dict to keep the outputs and scratch in from one call to the next."""
     batch = len(kv_lens)
     starts_host = torch.tensor([qo_indptr, list(accumulate(kv_lens, initial=0))], dtype=torch.int64)
     total_q = qo_indptr[-1]
@@ -169,7 +172,7 @@ def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str
                        device)
     rows = RowPass(rec=kept.rec[:len(RecField) * total_q].view(len(RecField), total_q),
                    counts=kept.counts[:max(1, -(-total_q // ROW_BLOCK))],
-                   seg=kept.seg[:1 + SEG_FIELDS * max(1, segment_capacity)])
+                   seg=kept.seg[:1 + SEG_FIELDS * max(1, segment_capacity)], page_size=page_size)
     if staging is not None and buffers is not None:
         staging.queued()  # the starts' copy, out of a kept page-locked buffer
     module.plan_rows(rows.rec, starts_host, kept.starts_page_locked, kept.starts, kept.scratch, rows.counts, rows.seg,
@@ -231,7 +234,7 @@ def call_layout(spec: VariantSpec, form: IntervalForm) -> tuple[list[str], list[
 
 def read_segments(module: Any, rows: RowPass, expect: int | None = None) -> torch.Tensor:
     """The launch requests plan_rows compacted, on the host: int64 [count, SEG_FIELDS]
-    (planner._segments' rows). One small device-to-host copy of the first ``expect`` of them
+    (rowrules.segments' rows). One small device-to-host copy of the first ``expect`` of them
     (default: all the buffer holds); a second copy if there are more, and a second pass with
     room for all if ``seg`` was too small."""
     seg = rows.seg
@@ -241,7 +244,7 @@ def read_segments(module: Any, rows: RowPass, expect: int | None = None) -> torc
     count = int(host[0])
     if count > room:
         seg = torch.empty(1 + SEG_FIELDS * count, dtype=torch.int64, device=seg.device)
-        module.compact_segments(rows.rec, rows.counts, seg)
+        module.compact_segments(rows.rec, rows.counts, seg, rows.page_size)
         host = seg.cpu()
     elif count > head:
         host = seg[:1 + SEG_FIELDS * count].cpu()

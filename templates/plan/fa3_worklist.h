@@ -7,6 +7,12 @@
 #include <cstdint>
 #include <vector>
 
+// A check of the plan's inputs: a ValueError with the message alone (no condition text).
+#ifndef VG_REQUIRE
+#define VG_REQUIRE(cond) \
+  if (!(cond)) TVM_FFI_THROW(ValueError)
+#endif
+
 namespace vg_plan {
 
 inline int64_t align16(int64_t x) { return (x + 15) & ~int64_t(15); }
@@ -47,7 +53,7 @@ inline std::vector<int64_t> fa3_work_list(const int32_t* qo, const int32_t* kvp,
   std::vector<Tile> tiles;
   for (int64_t b = 0; b < n; ++b) {
     const int64_t qo_len = qo[b + 1] - qo[b];
-    TVM_FFI_ICHECK(qo_len >= 0 && kv_len[b] >= 0) << "plan: negative length in launch request " << b;
+    VG_REQUIRE(qo_len >= 0 && kv_len[b] >= 0) << "plan: negative length in launch request " << b;
     const int64_t count = (qo_len + cta_tile_q - 1) / cta_tile_q;
     for (int64_t t = 0; t < count; ++t) {
       // causal: the tile sees keys up to its last row's position (rows are the last qo_len keys)
@@ -57,7 +63,7 @@ inline std::vector<int64_t> fa3_work_list(const int32_t* qo, const int32_t* kvp,
     }
   }
   const int64_t works = int64_t(tiles.size());
-  TVM_FFI_ICHECK_LE(works, works_capacity) << "plan: " << works << " query tiles, room for " << works_capacity;
+  VG_REQUIRE(works <= works_capacity) << "plan: " << works << " query tiles, room for " << works_capacity;
   flashinfer::PrefillPlanSM90Info info;
   int64_t at = base;
   for (int64_t* field : {&info.qo_tile_indices_offset, &info.qo_indptr_offset, &info.kv_indptr_offset,
@@ -72,13 +78,13 @@ inline std::vector<int64_t> fa3_work_list(const int32_t* qo, const int32_t* kvp,
 
   // Longest first, ties in request order: one sort of (kMaxCost - cost) << 24 | index.
   constexpr int64_t kMaxCost = int64_t(1) << 36;
-  TVM_FFI_ICHECK_LT(works, int64_t(1) << 24) << "plan: too many query tiles in one launch";
+  VG_REQUIRE(works < int64_t(1) << 24) << "plan: too many query tiles in one launch";
   std::vector<int64_t> order(tiles.size());
   for (size_t i = 0; i < tiles.size(); ++i) order[i] = ((kMaxCost - tiles[i].cost) << 24) | int64_t(i);
   std::sort(order.begin(), order.end());
   // Least loaded list first, ties to the lower index: a binary min-heap of (load << 11 | list);
   // the chosen list's key grows by the tile's cost and sinks (one sift per tile).
-  TVM_FFI_ICHECK(num_sm > 0 && num_sm < 2048) << "plan: " << num_sm << " SMs";
+  VG_REQUIRE(num_sm > 0 && num_sm < 2048) << "plan: " << num_sm << " SMs";
   std::vector<int64_t> heap(num_sm);
   for (int64_t s = 0; s < num_sm; ++s) heap[s] = s;  // all loads 0: ascending, already a heap
   std::vector<int> list_of(tiles.size());
