@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import torch
 
 from . import __version__, codegen
+from .build import build_module, load_module
 from .cache import Cache
 from .errors import JitDisabledError
 from .intervals import IntervalForm, analyze, args_read
@@ -134,8 +135,6 @@ def load_planner(spec: VariantSpec, arch: str, cache: Cache, *, allow_build: boo
                  jobs: int | None = None) -> tuple[Any | None, str]:
     """(module, "") when the spec's planner module is built or cached, else (None, why).
     Only a disabled JIT without a cached planner gives None; build failures raise."""
-    from .build import build_module, load_module
-
     if not analyze(spec).planner_ready:
         return None, "the spec has no usable key intervals"
     config = PlannerConfig(spec, arch)
