@@ -350,8 +350,8 @@ class FakeFa3Module(FakeModule):
         starts, kvp, last, qo = [], [], [], [0]
         kv_end = 0
         for b in range(n):
-            if b not in per:  # an empty launch request: no rows, no keys
-                starts.append(total_rows)
+            if b not in per:  # an empty launch request (no work items): no rows, no keys
+                starts.append(meta[b][MetaColumn.Q_ROW_BASE])
                 kvp.append(kv_end)
                 last.append(0)
                 qo.append(qo[-1])

@@ -77,7 +77,8 @@ def test_targets_cover_every_backend_and_kind():
         for m in modules:
             render.ModuleConfig(fz.shipped_spec(m.spec), m.head_dim_qk, m.head_dim_vo, m.q_dtype, m.kv_dtype,
                                 m.q_dtype, "9.0a", t.backend, kind=t.module_kind)  # raises if invalid
-    assert {t.name for t in TARGETS if t.graph} == {"fa2/prefill-graph", "fa2/decode-graph", "fa2/decode-tc-graph"}
+    assert {t.name for t in TARGETS if t.graph} == {"fa2/prefill-graph", "fa3/prefill-graph", "fa2/decode-graph",
+                                                   "fa2/decode-tc-graph"}
 
 
 def test_list_modules_commands_are_the_matrix(capsys):

@@ -149,10 +149,11 @@ MM_BATCHES = [  # (qo_lens, kv_lens, spans): different request counts, rows, lau
 ]
 
 
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
 @pytest.mark.parametrize("skip_tiles", [True, False])
-def test_replay_after_replanning_matches_each_batch(skip_tiles):
+def test_replay_after_replanning_matches_each_batch(skip_tiles, backend):
     """Capture once, then plan four different batches and replay the captured launches."""
-    w, fake = make("mm_prefix")
+    w, fake = make("mm_prefix", backend=backend)
     engine = Engine(w)
     batch, args = mm_batch(*MM_BATCHES[0], seed=0)
     static = engine.load(batch, args)
@@ -170,6 +171,9 @@ def test_replay_after_replanning_matches_each_batch(skip_tiles):
         check_replayed(w.spec, engine, batch, args, f"replay {i} ({skip_tiles=})")
     # every slot has the launch builder's CUDA-graph work list over the capacity (split-KV off)
     assert not fake.plan_calls
+    if backend == "fa3":  # (the sm90 work lists: sized for the capacity, checked by the fake and the pins)
+        assert all(la.schedule == Schedule.FA3 and la.meta.shape[0] == CAP.launch_requests for la in w._launches)
+        return
     for la in w._launches:
         info = la.plan_info
         assert la.schedule == Schedule.FA2 and info[PrefillPlanInfo.ENABLE_CUDA_GRAPH]
@@ -177,8 +181,9 @@ def test_replay_after_replanning_matches_each_batch(skip_tiles):
         assert info[PrefillPlanInfo.TOTAL_NUM_ROWS] == CAP.max_total_q and la.meta.shape[0] == CAP.launch_requests
 
 
-def test_launch_tensors_keep_their_addresses():
-    w, _ = make("mm_prefix")
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_launch_tensors_keep_their_addresses(backend):
+    w, _ = make("mm_prefix", backend=backend)
     engine = Engine(w)
     seen = None
     for i, spec_batch in enumerate(MM_BATCHES):
@@ -192,10 +197,11 @@ def test_launch_tensors_keep_their_addresses():
     assert [p[0] for p in seen] == list(SLOT_NAMES)
 
 
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
 @pytest.mark.parametrize("spec_name", ["causal", "document", "prefix_lm", "sliding_window", "softcap"])
-def test_other_specs_replay(spec_name):
+def test_other_specs_replay(spec_name, backend):
     """Specs whose tensors are [total_kv] / [batch] sized, or that have none."""
-    w, fake = make(spec_name)
+    w, fake = make(spec_name, backend=backend)
     engine = Engine(w)
     shapes = [([30, 50], [60, 50]), ([100, 3, 7], [120, 3, 300]), ([5], [5])]
     calls = None
@@ -246,10 +252,11 @@ def test_empty_batch_still_plans_the_fixed_launches():
     assert torch.isnan(engine.out.float()).all()  # nothing written: every launch request is padding
 
 
-def test_capacity_errors_name_the_field_and_leave_the_buffers_alone():
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_capacity_errors_name_the_field_and_leave_the_buffers_alone(backend):
     cap = GraphCapacity(max_batch_size=2, max_total_q=96, max_kv_pages=16, max_launch_requests=3,
                         max_launch_pages=20)
-    w, _ = make("mm_prefix", cap)
+    w, _ = make("mm_prefix", cap, backend=backend)
     batch, args = mm_batch([40, 24], [64, 40], [[(8, 30)], []], seed=0)
     w.plan(*batch.plan_args(), **args)
     before = w._graph.workspace[0].clone()
@@ -410,3 +417,88 @@ def test_cuda_core_decode_replays_after_replanning():
     with pytest.raises(LaunchError, match=r"paged_kv_indptr\[-1\] \(page-list entries\) 76 exceeds .* "
                                           r"max_kv_pages=64"):
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)
+
+
+# ----------------------------------------------------------------------------- fa3: window slots
+WIDTHS_SPEC = ("name: widths\ntensors:\n  w: {dtype: int32, shape: [batch]}\n"
+               "mask: kv_pos <= q_pos and q_pos - kv_pos <= w[request]\n")
+
+
+def make_widths(capacity: GraphCapacity) -> tuple[VariantWrapper, FakeModule]:
+    """fa3 graph mode on a spec whose window width is a per-request tensor: each batch brings
+    its own widths, and the captured launches have fixed ones."""
+    spec = variantgen.parse_spec(WIDTHS_SPEC)
+    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa3")
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]], "module_sha256": "x",
+                "module_file": "x.so"}
+    fake = FakeFa3Module(spec)
+    build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
+                        built=False, seconds=0.0)
+    w = VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=capacity)
+    w.set_row_planner(FakeRowPlanner(spec))
+    return w, fake
+
+
+WIDTH_BATCHES = [  # (qo_lens, kv_lens, per-request widths)
+    ([64, 64], [200, 120], [40, 90]),
+    ([30, 50, 20], [100, 150, 40], [90, 7, 40]),
+    ([100], [190], [13]),
+    ([10, 10, 10, 10], [70, 80, 90, 100], [40, 40, 90, 90]),
+]
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named_widths", "first_plan_pins"])
+def test_fa3_window_slots_stay_fixed_and_other_widths_run_custom(named):
+    """The window slots' widths are fixed for the capture (named by the capacity, or the first
+    plan's); a replayed batch whose rows have other widths runs them in the custom slot - exact."""
+    cap = GraphCapacity(max_batch_size=4, max_total_q=192, max_kv_pages=48,
+                        window_widths=(40, 90) if named else None)
+    w, fake = make_widths(cap)
+    engine = Engine(w, cap)
+    calls = None
+    for i, (qo, kv, widths) in enumerate(WIDTH_BATCHES):
+        batch = random_paged_batch(qo, kv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE,
+                                   seed=i)
+        args = {"w": torch.tensor(widths, dtype=torch.int32)}
+        static = engine.load(batch, args)
+        plan = w.plan(*batch.plan_args(), **static)
+        slots = [(la.mask_mode, la.window_left) for la in plan.launches]
+        assert slots == [("custom", -1), ("causal", -1), ("none", -1), ("causal", 40), ("causal", 90)]
+        kept = {40, 90}
+        for r in plan.launch_requests:  # a window run in its width's slot, or (other widths) custom
+            if r.cls.name == "WINDOW":
+                assert (r.mode.label, r.window) == (("causal", widths[r.request]) if widths[r.request] in kept
+                                                   else ("custom", -1)), r
+        if calls is None:
+            calls = capture(w, fake, engine, static)
+        else:
+            replay(fake, engine, calls)
+        check_replayed(w.spec, engine, batch, args, f"widths batch {i}")
+    assert w._graph.windows == (40, 90)
+
+
+def test_fa3_first_plan_without_windows_pins_none():
+    """Pinned at the first plan: a batch without window rows leaves no window slot, and later
+    window rows all run custom (name the widths in GraphCapacity to keep their slots)."""
+    cap = GraphCapacity(max_batch_size=4, max_total_q=192, max_kv_pages=48)
+    w, fake = make_widths(cap)
+    engine = Engine(w, cap)
+    batch = random_paged_batch([20], [20], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
+    args = {"w": torch.tensor([1000], dtype=torch.int32)}  # wider than the request: plain causal rows
+    w.plan(*batch.plan_args(), **engine.load(batch, args))
+    calls = capture(w, fake, engine, engine.static)
+    assert w._graph.windows == () and [la.mask_mode for la in w._launches] == list(SLOT_NAMES)
+    qo, kv, widths = WIDTH_BATCHES[0]
+    batch = random_paged_batch(qo, kv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE, seed=3)
+    args = {"w": torch.tensor(widths, dtype=torch.int32)}
+    plan = w.plan(*batch.plan_args(), **engine.load(batch, args))
+    assert all(r.mode.label == "custom" for r in plan.launch_requests if r.cls.name == "WINDOW")
+    replay(fake, engine, calls)
+    check_replayed(w.spec, engine, batch, args, "windows after a pin to none")
+
+
+@pytest.mark.parametrize("widths", [[40], (40, 40), (-1,), (1, 2, 3, 4, 5), (True,)])
+def test_window_widths_are_checked(widths):
+    with pytest.raises(LaunchError, match=r"GraphCapacity: window_widths=.*: expected a tuple of at most 4 distinct "
+                                          r"ints >= 0"):
+        GraphCapacity(max_batch_size=2, max_total_q=8, max_kv_pages=8, window_widths=widths)

@@ -63,6 +63,7 @@ TARGETS: tuple[Target, ...] = (
     Target("fa2/prefill", "fa2", "prefill", "prefill", plans=_PLANNED),
     Target("fa3/prefill", "fa3", "prefill", "prefill", plans=_PLANNED),
     Target("fa2/prefill-graph", "fa2", "prefill", "prefill", graph=True, plans=_PLANNED),
+    Target("fa3/prefill-graph", "fa3", "prefill", "prefill", graph=True, plans=_PLANNED),
     Target("fa2/decode", "fa2", "decode", "decode", plans=("off", "trim")),
     Target("fa2/decode-graph", "fa2", "decode", "decode", graph=True, plans=("off", "trim")),
     Target("fa2/decode-tc", "fa2", "decode", "prefill", tensor_cores=True, plans=_PLANNED),
