@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from _builder import finish_on_cpu, plan_builder
 
-from variantgen.plan_abi import META_COLUMNS, SEG_FIELDS, MaskMode, MetaColumn, PrefillPlanInfo
+from variantgen.plan_abi import META_COLUMNS, SEG_FIELDS, MaskMode, MetaColumn, PrefillPlanInfo, SM90PlanInfo
 from variantgen.planner import fa3_cta_tile_q
 from variantgen.reference import _Evaluator, softmax_attention
 from variantgen.spec import VariantSpec
@@ -226,7 +226,7 @@ class FakeModule:
         assert layout == 0, "the fake kernel emulates the NHD layout only"
         assert window_left == -1 and isinstance(enable_pdl, bool)
         info = list(plan_info)
-        assert len(info) == 15 and not info[14], info
+        assert len(info) == len(PrefillPlanInfo) and not info[PrefillPlanInfo.SPLIT_KV], info
         planned = self._planned.get(int_ws.data_ptr())
         if planned is None:  # not FlashInfer's scheduler: the planner module's work list
             planned = self._own_schedule(int_ws, info, meta_t.tolist(), kv_indptr, q.shape[1], k_cache.shape[2],
@@ -238,7 +238,7 @@ class FakeModule:
         qs = q_starts.tolist()
         kvp = kv_indptr.tolist()
         last = last_page_len.tolist()
-        o_off = int(info[8])
+        o_off = int(info[PrefillPlanInfo.O_INDPTR_OFFSET])
         o_indptr = int_ws[o_off:o_off + 4 * (n + 1)].view(torch.int32).tolist()
         assert len(qs) >= n and len(last) == n and len(kvp) == n + 1
         total_q, hq, dim = q.shape
@@ -337,9 +337,12 @@ class FakeFa3Module(FakeModule):
         its first row, pages and lengths (launch requests without rows - CUDA-graph padding -
         have no work items)."""
         ints = int_ws.view(torch.int32)
-        assert len(info) == 9 and info[8] == 1, info
-        works = int(ints[info[6] // 4 + 1])  # work_indptr of one SM (the wrapper's count on the CPU)
-        fields = [ints[info[k] // 4:info[k] // 4 + works].tolist() for k in (0, 1, 2, 3, 4, 7)]
+        assert len(info) == len(SM90PlanInfo) and info[SM90PlanInfo.SAME_SCHEDULE_FOR_ALL_HEADS] == 1, info
+        # work_indptr of one SM (the planner's count on the CPU)
+        works = int(ints[info[SM90PlanInfo.WORK_INDPTR_OFFSET] // 4 + 1])
+        fields = [ints[info[k] // 4:info[k] // 4 + works].tolist() for k in (
+            SM90PlanInfo.QO_TILE_INDICES_OFFSET, SM90PlanInfo.QO_INDPTR_OFFSET, SM90PlanInfo.KV_INDPTR_OFFSET,
+            SM90PlanInfo.QO_LEN_OFFSET, SM90PlanInfo.KV_LEN_OFFSET, SM90PlanInfo.BATCH_INDICES_OFFSET)]
         tile, q_first, kv_first, q_len, k_len, batch = fields
         per: dict[int, list] = {}
         for w in range(works):
@@ -412,13 +415,14 @@ class FakeRaggedModule(FakeModule):
         assert mask_mode in MODE_NAMES and layout in (0, 1) and window_left == -1
         assert isinstance(enable_pdl, bool)
         info = list(plan_info)
-        n = int(info[0])
+        n = int(info[PrefillPlanInfo.PADDED_BATCH_SIZE])
         planned = self._planned[int_ws.data_ptr()]
-        assert planned.page_size == 1 and planned.batch_size == n and meta_t.shape == (n, 9)
+        assert planned.page_size == 1 and planned.batch_size == n and meta_t.shape == (n, META_COLUMNS)
         assert qo_indptr.dtype == kv_indptr.dtype == torch.int32 and qo_indptr.device == q.device
         qs, kvp = qo_indptr.tolist(), kv_indptr.tolist()
         assert qs == planned.qo_indptr and kvp == planned.kv_indptr, "indptrs differ from the planned ones"
-        o_indptr = int_ws[int(info[8]):int(info[8]) + 4 * (n + 1)].view(torch.int32).tolist()
+        o_off = int(info[PrefillPlanInfo.O_INDPTR_OFFSET])
+        o_indptr = int_ws[o_off:o_off + 4 * (n + 1)].view(torch.int32).tolist()
         if layout == 1:  # HND -> NHD
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         total_q, hq, _ = q.shape

@@ -92,7 +92,7 @@ def test_mm_prefix_small_causal_window_page_1_chunked(workspace, backend, ranges
     args = {"ranges": r, "causal_window_left": 5, "range_window_left": -1}
     (native, python), stats = run_both_paths(spec, batch, args, 128, "bf16", workspace, backend)
     ref = reference(spec, batch, args)
-    for name, out in (("planner module", native), ("torch rules", python)):
+    for name, out in (("planner module", native), ("reference rules", python)):
         bad = ((out.float() - ref).abs().amax(dim=(1, 2)) > 0.05).sum().item()
         assert bad == 0 and rel_error(out, ref) < 1e-2, f"{backend} {name}: {bad} of {total_q} rows wrong"
     if ranges == "none":
@@ -111,7 +111,7 @@ def test_window_0_softcap_alibi_hd256_fp16(workspace, backend):
     args = {"slopes": slopes, "window": 0, "soft_cap": 5.0}
     (native, python), stats = run_both_paths(spec, batch, args, 256, "fp16", workspace, backend)
     ref = reference(spec, batch, args)
-    for name, out in (("planner module", native), ("torch rules", python)):
+    for name, out in (("planner module", native), ("reference rules", python)):
         assert torch.isfinite(out).all(), f"{backend} {name}: NaN/inf in the output"
         assert rel_error(out, ref) < 1e-2, f"{backend} {name}"
     if backend == "fa2":

@@ -1,6 +1,6 @@
 """The interval planner's generated row kernel (variantgen/rowplan.py) on the CPU: what it
-renders for every shipped spec, its cache identity, the fallback to the torch rules, and a
-real nvcc build. Its results are compared with the torch rules on the GPU
+renders for every shipped spec, its cache identity, planner-off plans without it, and a real
+nvcc build. Its results are compared with the reference rules (rowrules.py) on the GPU
 (tests/test_gpu_planner.py)."""
 
 from __future__ import annotations

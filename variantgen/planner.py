@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .errors import LaunchError
-from .graph import GraphBuffers, GraphCapacity
+from .graph import SLOT_NAMES, GraphBuffers, GraphCapacity
 from .intervals import analyze
 from .plan import Batch, Launch, LaunchLayout, Plan
 from .plan_abi import (
@@ -237,17 +237,17 @@ class Planner:
 
     def _capacity_error(self, status: int, slot: int, need: int) -> LaunchError:
         assert self.graph is not None
-        cap = self.graph.capacity
-        name = "custom causal none".split()[slot] if slot < 3 else f"window {self._window_of(slot)}"
+        cap, widths = self.graph.capacity, self.graph.windows
+        if slot < len(SLOT_NAMES):
+            name = SLOT_NAMES[slot]
+        else:  # a window slot (its width, once pinned)
+            name = f"window {widths[slot - 3]}" if widths else f"window slot {slot - len(SLOT_NAMES)}"
         if status == Status.SLOT_REQUESTS:
             return LaunchError(f"plan(): the {name!r} launch needs {need} launch requests; the wrapper's CUDA-graph "
                                f"capacity max_launch_requests={cap.launch_requests} - make the wrapper with a larger "
                                "one")
         return LaunchError(f"plan(): the {name!r} launch reads {need} page-list entries; the wrapper's CUDA-graph "
                            f"capacity max_launch_pages={cap.launch_pages} - make the wrapper with a larger one")
-
-    def _window_of(self, slot: int) -> int:
-        return int(self._opt[PlanOption.WINDOWS + slot - 3])
 
     def _workspace_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(device workspace, page-locked mirror of the same size) the launches are laid out in."""
