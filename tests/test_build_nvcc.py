@@ -48,6 +48,7 @@ def test_build_find_and_deploy_a_real_module(vg_env, toolchain):
     assert (entry.path / "src" / "variant.cuh").is_file() and (entry.path / "build.ninja").is_file()
     assert (entry.path / "build.log").is_file() and not (entry.path / "obj").exists()
     assert list((vg_env.cache_dir / ".staging").iterdir()) == []
+    assert exported_functions(entry.module_path) == {"plan", "paged_run", "build_launches", "plan_direct", "schedule"}
 
     again = build.build_module(config, cache)
     assert again.built is False and again.entry.uri == entry.uri
@@ -83,9 +84,10 @@ def test_build_an_fa3_module_without_a_gpu(vg_env, toolchain, tmp_path):
     assert entry.manifest["config"]["backend"] == "fa3" and entry.manifest["config"]["mask_modes"] == ["causal"]
     assert (entry.path / "src" / "cutlass_prelude.cuh").is_file()  # stands in for FlashInfer's cutlass_utils.cuh
     # what the fa3 wrapper calls, exported and loadable as a serving host loads it (no GPU needed to load)
-    assert exported_functions(entry.module_path) == {"plan", "paged_run"}
+    # (its work lists come from the launch builder, exported by every paged-prefill module)
+    assert exported_functions(entry.module_path) == {"paged_run", "build_launches", "plan_direct", "schedule"}
     module = build.load_module(entry)
-    assert callable(module.plan) and callable(module.paged_run)
+    assert callable(module.paged_run) and callable(module.plan_direct)
 
     # Served with JIT off from another copy of the spec: the module is the spec's content, not its file.
     copy = tmp_path / "elsewhere" / "my_causal.yaml"

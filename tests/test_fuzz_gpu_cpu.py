@@ -77,7 +77,8 @@ def test_targets_cover_every_backend_and_kind():
         for m in modules:
             render.ModuleConfig(fz.shipped_spec(m.spec), m.head_dim_qk, m.head_dim_vo, m.q_dtype, m.kv_dtype,
                                 m.q_dtype, "9.0a", t.backend, kind=t.module_kind)  # raises if invalid
-    assert {t.name for t in TARGETS if t.graph} == {"fa2/prefill-graph", "fa2/decode-graph", "fa2/decode-tc-graph"}
+    assert {t.name for t in TARGETS if t.graph} == {"fa2/prefill-graph", "fa3/prefill-graph", "fa2/decode-graph",
+                                                   "fa2/decode-tc-graph"}
 
 
 def test_list_modules_commands_are_the_matrix(capsys):
@@ -155,7 +156,7 @@ def test_drawn_cases_cover_the_edges_the_fuzzer_promises():
                 if any(v == k - q and k > q for v, q, k in zip(arg.values, b.qo_lens, b.kv_lens)):
                     flags.add("prefix at the chunk start")
     assert seen["page"] == {1, 5, 16, 64} and seen["group"] == {1, 2, 4, 8, 16}
-    assert seen["window"] == {"none", 0, 1, "small", "large"} and seen["plan"] == {"off", "module", "torch"}
+    assert seen["window"] == {"none", 0, 1, "small", "large"} and seen["plan"] == {"off", "module", "nomodule"}
     assert flags == {"chunked", "span across the chunk start", "empty range", "future-only range",
                      "document of length 1", "unsorted ids", "prefix at the chunk start"}
 
@@ -357,7 +358,7 @@ def test_planted_ignored_window_is_found_and_minimized(target):
     """In graph mode the replayed batch and the capture batch both shrink."""
     f = planted_failure(IgnoringWindow, ("sliding_window",), "mismatch", seed=12, target=target)
     small = check_minimized(f, IgnoringWindow)
-    assert small.plan in ("module", "torch"), "the kernel window exists only in planned causal launches"
+    assert small.plan == "module", "the kernel window exists only in planned causal launches"
     assert 0 <= dict(small.scalars)["window"] < small.batch.kv_lens[0] - 1
     if small.graph is not None:
         original = fz.from_json(f["case"])
@@ -379,7 +380,7 @@ def test_a_lost_cuda_context_stops_the_run():
 
 @pytest.mark.parametrize("change, message", [
     (dict(target="fa4/prefill"), r"target='fa4/prefill': expected one of \['fa2/prefill'"),
-    (dict(plan="trim"), r"plan='trim': target fa2/prefill plans with one of \['off', 'module', 'torch'\]"),
+    (dict(plan="trim"), r"plan='trim': target fa2/prefill plans with one of \['off', 'module', 'nomodule'\]"),
     (dict(num_qo_heads=6, num_kv_heads=4), r"num_qo_heads=6, num_kv_heads=4: expected whole GQA groups"),
     (dict(batch=Batch((3,), (2,), (), 0)), r"batch: qo_lens=\[3\], kv_lens=\[2\]: expected 0 <= qo_len <= kv_len"),
     (dict(target="fa2/decode", plan="off"), r"batch: .*decode has one query per request"),

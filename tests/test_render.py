@@ -47,9 +47,9 @@ def test_every_shipped_spec_renders(path):
     if spec.logits is not None:
         assert codegen.emit_logits(spec).code in variant
     assert f"struct {render.struct_name(spec)}" in variant
-    # one kernel unit per mask mode and CTA tile, plus the binding
-    assert module.compile_units[0] == "binding.cu"
-    assert len(module.compile_units) == 1 + 3 * len(render.FA2_CTA_TILES_Q)
+    # one kernel unit per mask mode and CTA tile, plus the binding and the launch builder
+    assert module.compile_units[:2] == ("binding.cu", "plan.cu")
+    assert len(module.compile_units) == 2 + 3 * len(render.FA2_CTA_TILES_Q)
     assert set(module.compile_units) <= set(module.files)
     assert {"variant.cuh", "batch_prefill_config.inc"} <= set(module.files)
     assert "{{" not in all_text(module) and "{%" not in all_text(module)
@@ -82,8 +82,8 @@ def test_mask_modes_and_dtypes(spec_from):
     spec = spec_from("name: x\nmask: kv_pos <= q_pos\n")
     module = render_module(config(spec, kv_dtype="fp8_e4m3", o_dtype="fp16", mask_modes=("custom",),
                                   head_dim_qk=64, head_dim_vo=64))
-    assert module.compile_units == ("binding.cu", "paged_kernel_custom_cta16.cu", "paged_kernel_custom_cta64.cu",
-                                    "paged_kernel_custom_cta128.cu")
+    assert module.compile_units == ("binding.cu", "plan.cu", "paged_kernel_custom_cta16.cu",
+                                    "paged_kernel_custom_cta64.cu", "paged_kernel_custom_cta128.cu")
     inc = module.files["batch_prefill_config.inc"]
     assert "using DTypeKV = __nv_fp8_e4m3;" in inc and "using DTypeO = half;" in inc
     assert "using DTypeQ = nv_bfloat16;" in inc

@@ -9,7 +9,7 @@ chunked prefill) this shows:
 * the key intervals the planner derives (intervals.analyze: the mask as a union of terms,
   each row's interval [lo, hi] and whether it is exact or a hull);
 * which rows run dense / causal / window / custom, and the launch requests they form
-  (planner.classify_rows and launches_from_segments, the CPU rules plan() runs).
+  (rowrules.py: the row rules the spec's planner module runs on the GPU, in torch ops).
 
 Spec arguments come from ``--arg name=value`` (parse_arg documents the forms); tensors not
 given get the random values the tests use (testing.random_spec_args), scalars their defaults.
@@ -18,7 +18,6 @@ given get the random values the tests use (testing.random_spec_args), scalars th
 from __future__ import annotations
 
 import re
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,7 +31,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: the CLI's help reads AR
 
 MAX_GRID = 256  # queries or keys: a wider grid does not fit a terminal
 VISIBLE, MASKED = "#", "."
-CLASS_NAMES = ("dense", "causal", "window", "custom")  # planner.DENSE .. CUSTOM
+CLASS_NAMES = ("dense", "causal", "window", "custom")  # plan_abi.RowClass
 ARG_FORMS = """\
 --arg NAME=VALUE (repeatable). A scalar: a number (true / false for a bool). A tensor: one number
 (every element), a comma list of all its elements (row-major), runs COUNTxVALUE (e.g.
@@ -209,8 +208,9 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
     import torch
 
     from .intervals import analyze, row_intervals
-    from .planner import _segments, classify_rows, launches_from_segments
+    from .plan import LaunchRequest as Planned
     from .reference import RequestGrid, mask_for_request
+    from .rowrules import classify_rows, segments
 
     check_request(qo_len, kv_len, page_size=page_size, heads=heads, head=head)
     values = {name: a.value for name, a in args.items()}
@@ -237,19 +237,12 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
             cls = int(rec[2, r])
             rows.append(RowInfo(int(q_pos[r]), lo, hi, bool(iv.exact[r]), bool(iv.empty[r]), CLASS_NAMES[cls],
                                 int(rec[3, r]), outside))
-        segments = _segments(rec, qo_len).tolist()
-        batch = types.SimpleNamespace(page_size=page_size, qo_lens=[qo_len], total_q=qo_len)
-        planned = types.SimpleNamespace(_batch=batch, plan_stats={})  # what launches_from_segments reads
-        pages = -(-kv_len // page_size)
-        for launch in launches_from_segments(planned, segments, [0, pages], [kv_len]):
-            for i, meta in enumerate(launch["meta"]):
-                r0, n_rows, base = meta[0], meta[8], meta[2]
-                n_pages = launch["kv_indptr"][i + 1] - launch["kv_indptr"][i]
-                end = base + (n_pages - 1) * page_size + launch["last_page_len"][i]
-                launches.append(LaunchRequest((r0, r0 + n_rows), rows[r0].cls, launch["mask_mode"], (base, end),
-                                              n_pages, meta[7]))
-        launches.sort(key=lambda la: la.rows)
-        counts = dict(planned.plan_stats.get("segments", {}))
+        counts = dict.fromkeys(CLASS_NAMES, 0) | {"custom_rows": 0}
+        for seg in segments(rec, page_size).tolist():  # the launch requests fa2 runs (fa3: a window launch each)
+            la = Planned.from_segment(seg, page_size)
+            launches.append(LaunchRequest(la.rows, la.cls.label, la.mode.label, la.keys, la.pages, la.window))
+            counts[la.cls.label] += 1
+            counts["custom_rows"] += (la.rows[1] - la.rows[0]) if la.cls.label == "custom" else 0
     else:
         rows = [RowInfo(int(p), 0, kv_len - 1, False, False, "", 0, 0) for p in q_pos]
     return Explanation(spec, qo_len, kv_len, page_size, head, args, mask, form, tuple(rows), tuple(launches), counts)

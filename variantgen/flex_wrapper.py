@@ -43,8 +43,8 @@ from .expr import names_used
 from .flex import BLOCK, Blocks, FlexLayout, RowBlocks
 from .intervals import row_intervals, usable_form
 from .library import resolve_spec
-from .planner import row_env
 from .render import DTYPE_ALIASES, KINDS
+from .rowrules import row_env
 from .spec import VariantSpec
 from .wrapper import TORCH_DTYPES, Batch, WrapperBase, read_paged_batch
 
@@ -117,8 +117,15 @@ class FlexWrapperBase(WrapperBase):
     def _reset(self) -> None:
         self._batch, self._plan, self._planned_args, self._run_blocks = None, None, {}, None
 
+    def _note_off(self, reason: str) -> None:
+        """plan_stats["planner_off"]: why the intervals are not used for this plan (none when they are)."""
+        if reason:
+            self.plan_stats["planner_off"] = reason
+        else:
+            self.plan_stats.pop("planner_off", None)
+
     def _row_intervals(self, qo_h: list[int], kv_lens: list[int], args: dict[str, Any]):
-        """(row builtins, the spec's key intervals) of every query row: planner.row_env's rows."""
+        """(row builtins, the spec's key intervals) of every query row: rowrules.row_env's rows."""
         form = usable_form(self.spec, args)
         env = row_env(qo_h, kv_lens, self.device)
         return env, row_intervals(form, self.spec, env, args)
@@ -346,12 +353,11 @@ class FlexPrefillWrapper(FlexWrapperBase):
 
     def _plan_intervals(self, qo_h: list[int], kv_lens: list[int], skip_tiles: bool | None,
                         spec_args: dict[str, Any]):
-        use = bool(skip_tiles) if skip_tiles is not None else self._intervals_default(spec_args, "interval planner")
-        if not use:
-            self._refuse_plan_args(spec_args, skip_tiles, "the interval planner")
+        off = self._off_reason(skip_tiles, spec_args, "interval planner")
+        self._note_off(off)
+        if off:
+            self._refuse_plan_args(spec_args, off, "the interval planner")
             return None
-        if skip_tiles:
-            self.plan_stats.pop("planner_off", None)
         checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
         self._planned_args = {k: v for k, v in checked.items() if k in self._interval_facts.args}
         return self._row_intervals(qo_h, kv_lens, checked)
@@ -466,19 +472,18 @@ class FlexDecodeWrapper(FlexWrapperBase):
         self._batch = Batch(batch, batch, sum(kv_lens), num_qo_heads, num_kv_heads, page_size, (1,) * batch,
                             tuple(kv_lens))
         self._staging.begin()
-        trim = bool(skip_tiles) if skip_tiles is not None else self._intervals_default(spec_args, "key trimming")
+        off = self._off_reason(skip_tiles, spec_args, "key trimming")
+        self._note_off(off)
         qo_h = list(range(batch + 1))
         exact = None
-        if trim:
-            if skip_tiles:
-                self.plan_stats.pop("planner_off", None)
+        if not off:
             checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
             self._planned_args = {k: v for k, v in checked.items() if k in self._interval_facts.args}
             env, iv = self._row_intervals(qo_h, kv_lens, checked)
             base, count = self._key_ranges(env, iv, batch)
             exact = iv.exact & ~iv.empty & (iv.lo <= iv.hi)
         else:
-            self._refuse_plan_args(spec_args, skip_tiles, "key trimming")
+            self._refuse_plan_args(spec_args, off, "key trimming")
             base, count = [0] * batch, list(kv_lens)
         kv_len = -(-max(max(count), 1) // BLOCK) * BLOCK
         kv_row_base = list(accumulate(kv_lens, initial=0))[:-1]

@@ -51,11 +51,11 @@ class Target:
 
 PLAN_PATHS = {
     "off": "interval planner (decode: key trimming) off",
-    "module": "interval planner with the spec's planner module (on the GPU: its row kernel and native plan)",
-    "torch": "interval planner with its torch rules",
+    "module": "interval planner with the spec's planner module (on the GPU: its row pass and launch builder)",
+    "nomodule": "interval planner asked for without a planner module: plan() plans off and says why",
     "trim": "CUDA-core decode with key trimming",
 }
-_PLANNED = ("off", "module", "torch")
+_PLANNED = ("off", "module", "nomodule")
 
 # Every (backend, kind) path the fuzzer covers, in one table. A (backend, kind) pair that
 # render.HEAD_DIMS gains (say fa3 ragged) needs its row here (tests/test_fuzz_gpu_cpu.py checks).
@@ -63,6 +63,7 @@ TARGETS: tuple[Target, ...] = (
     Target("fa2/prefill", "fa2", "prefill", "prefill", plans=_PLANNED),
     Target("fa3/prefill", "fa3", "prefill", "prefill", plans=_PLANNED),
     Target("fa2/prefill-graph", "fa2", "prefill", "prefill", graph=True, plans=_PLANNED),
+    Target("fa3/prefill-graph", "fa3", "prefill", "prefill", graph=True, plans=_PLANNED),
     Target("fa2/decode", "fa2", "decode", "decode", plans=("off", "trim")),
     Target("fa2/decode-graph", "fa2", "decode", "decode", graph=True, plans=("off", "trim")),
     Target("fa2/decode-tc", "fa2", "decode", "prefill", tensor_cores=True, plans=_PLANNED),
@@ -807,14 +808,14 @@ def _row_planner(w: Any) -> Any:
 
 def _plan(w: Any, case: FuzzCase, t: CaseTensors, args: dict[str, Any]) -> None:
     """plan() as ``case.plan`` asks: planner (key trimming) off, with the spec's planner module,
-    or with the planner's torch rules (the module set aside for this plan)."""
+    or asked for without it (the module set aside for this plan: plan() plans off)."""
     target = TARGET_BY_NAME[case.target]
     planned = case.plan != "off"
     plan_kw: dict[str, Any] = dict(args) if planned else {}
     sizes = (case.num_qo_heads, case.num_kv_heads, case.page_size)
     module = _row_planner(w)
-    if case.plan == "torch":
-        w.set_row_planner(None, "fuzz: the torch rules")
+    if case.plan == "nomodule":
+        w.set_row_planner(None, "fuzz: no planner module")
     try:
         if target.kind == "ragged":
             w.plan(t.qo_indptr, t.kv_indptr, *sizes[:2], disable_split_kv=case.disable_split_kv)
@@ -824,7 +825,7 @@ def _plan(w: Any, case: FuzzCase, t: CaseTensors, args: dict[str, Any]) -> None:
             w.plan(t.qo_indptr, t.kv_indptr, t.kv_indices, t.last_page_len, *sizes, skip_tiles=planned,
                    disable_split_kv=case.disable_split_kv, **plan_kw)
     finally:
-        if case.plan == "torch":
+        if case.plan == "nomodule":
             w.set_row_planner(module)
 
 
@@ -855,8 +856,8 @@ class GraphSession:
         dev = runner.modules.device
         cap = GraphCapacity(max_batch_size=g.max_batch_size, max_total_q=g.max_total_q, max_kv_pages=g.max_kv_pages)
         self.w = runner.modules.wrapper(target, m, cap)
-        if case.plan == "torch":
-            self.w.set_row_planner(None, "fuzz: the torch rules")
+        if case.plan == "nomodule":
+            self.w.set_row_planner(None, "fuzz: no planner module")
         hq, hkv, ps = case.num_qo_heads, case.num_kv_heads, case.page_size
         qdt, kvdt = _TORCH_DTYPES[m.q_dtype], _TORCH_DTYPES[m.kv_dtype]
         rows = g.max_total_q

@@ -29,12 +29,13 @@ import torch
 
 from .errors import LaunchError
 from .expr import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
+from .plan_abi import NO_INTERVAL
 from .spec import VariantSpec
 
 KEY_NAMES = {"kv_pos", "kv_row"}
 HEAD_NAMES = {"qo_head", "kv_head"}
 MAX_TERMS = 8
-BIG = 1 << 40
+BIG = NO_INTERVAL  # no interval: lo = BIG, hi = -BIG
 
 
 @dataclass(frozen=True)

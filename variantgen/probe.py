@@ -145,8 +145,8 @@ def probe(
     ``device`` selects the GPU (default: the current one). ``arch``: the GPU's arch is checked
     against it. ``build=False`` only looks in the cache. ``cache_dir`` defaults to
     VARIANTGEN_CACHE_DIR. ``cuda_graph=True``: for a wrapper made with
-    ``graph=GraphCapacity(...)`` (paged prefill on fa2, decode): other kinds and fa3 are demoted
-    with the reason; no backend picks fa2, as make_wrapper does.
+    ``graph=GraphCapacity(...)`` (paged prefill on fa2 or fa3, decode; render.cuda_graph_problem):
+    other kinds are demoted with the reason; the backend is chosen as without it.
 
     ``runtime=False``: whether the cache holds the module a server with JIT disabled would load
     for ``arch`` (or the visible GPU, or VARIANTGEN_ARCH) - no GPU needed, nothing built or
@@ -214,14 +214,8 @@ def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dt
         if not answer["ok"]:
             raise _Fail(answer["reason"], **answer["details"])
         return ProbeResult(True, "", None, "torch", None, time.perf_counter() - t0, answer["details"])
-    if cuda_graph:  # what make_wrapper(graph=...) accepts
-        if kind not in ("prefill", "decode"):
-            raise _Fail(f"cuda_graph=True: CUDA-graph mode is for kind 'prefill' and 'decode' (got {kind!r}); "
-                        "ragged wrappers allocate their metadata per plan()")
-        if backend not in (None, "fa2"):
-            raise _Fail(f"cuda_graph=True: CUDA-graph mode needs backend 'fa2' (got {backend!r}): the fa3 "
-                        "planner's launch set depends on the batch")
-        backend = "fa2"
+    if cuda_graph and render.cuda_graph_problem(kind):  # what make_wrapper(graph=...) accepts
+        raise _Fail(f"cuda_graph=True: {render.cuda_graph_problem(kind)}")
 
     # 2. flashinfer
     problem = flashinfer_problem()
@@ -374,9 +368,10 @@ def _missing_reason(why: str, uri: str, cache: Cache, config: ModuleConfig, dama
 
 
 def _row_planner_status(config: ModuleConfig, cache: Cache, build: bool) -> str:
-    """How plan() will classify rows: the spec's generated row kernel (cached, or built by
-    make_wrapper in ~10 s), or the torch rules and why (a slower plan(), the same results: no
-    reason to demote). Only looks in the cache."""
+    """How plan() will plan: with the spec's planner module (cached, or built by make_wrapper in
+    ~10 s), or planner-off and why - one custom launch per request, the mask on every element
+    (slower kernels, the same results: no reason to demote; the wrapper's Plan says the same).
+    Only looks in the cache."""
     from .intervals import analyze
     from .rowplan import PlannerConfig
 
@@ -394,10 +389,13 @@ def _row_planner_status(config: ModuleConfig, cache: Cache, build: bool) -> str:
             return f"built by make_wrapper on first use: {uri}"
         if s.jit_disabled and _same_inputs_cached(cache, rendered):
             return f"cached (another toolchain's build): {planner.uri_prefix}"
-        return (f"torch rules (slower plan()): {planner.uri_prefix} is not precompiled in {cache.root}; "
+        return (f"{PLANNER_OFF}: {planner.uri_prefix} is not precompiled in {cache.root}; "
                 "`variantgen precompile` on a build box builds it with the prefill modules")
-    except Exception as e:  # noqa: BLE001 - informational: plan() falls back to the torch rules
-        return f"torch rules (slower plan()): {type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - informational: plan() runs planner-off then
+        return f"{PLANNER_OFF}: {type(e).__name__}: {e}"
+
+
+PLANNER_OFF = "planner off (one custom launch per request: the mask on every element, slower kernels)"
 
 
 def _has_toolchain() -> bool:

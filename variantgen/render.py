@@ -18,7 +18,7 @@ from typing import Any
 
 import jinja2
 
-from . import __version__, codegen
+from . import __version__, codegen, plan_abi
 from .env import TEMPLATES_DIR, settings
 from .errors import VariantgenError
 from .spec import VariantSpec
@@ -52,7 +52,8 @@ HEAD_DIMS: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
     ("fa2", "decode"): _EQUAL_DIMS,
     ("fa3", "prefill"): _EQUAL_DIMS,
 }
-MASK_MODES = {"none": (0, "MaskMode::kNone"), "causal": (1, "MaskMode::kCausal"), "custom": (2, "MaskMode::kCustom")}
+# run()'s mask-mode code and FlashInfer's enumerator, by name (the plan ABI's table)
+MASK_MODES = {m.label: (int(m), m.literal) for m in plan_abi.MaskMode}
 FA2_CTA_TILES_Q = (16, 64, 128)  # what FlashInfer's FA2 planner picks for head_dim_vo < 512
 
 
@@ -200,6 +201,17 @@ def choose_backend(spec: VariantSpec, *, kind: str, head_dim_qk: int, head_dim_v
     return "fa2" if fa3_problems else "fa3"
 
 
+def cuda_graph_problem(kind: str) -> str:
+    """Why CUDA-graph mode cannot serve a wrapper of ``kind`` ("": it can) - the one rule
+    make_wrapper(graph=...) and probe(cuda_graph=True) share. Paged prefill (fa2 and fa3: the
+    backend is chosen as without graph mode, choose_backend's) and decode plan fixed launches
+    (graph.py); ragged allocates its metadata per plan()."""
+    if kind in ("prefill", "decode"):
+        return ""
+    return (f"CUDA-graph mode is for kind 'prefill' and 'decode' (got {kind!r}); ragged wrappers allocate their "
+            "metadata per plan()")
+
+
 @dataclass(frozen=True)
 class KernelArg:
     name: str
@@ -254,8 +266,10 @@ def environment() -> jinja2.Environment:
 
 
 # What a backend's modules use ("planner": the interval planner's row kernel, variantgen/rowplan.py).
-# sched/: host-side schedulers included by more than one module kind
-TEMPLATE_DIRS = {"fa2": ("common", "fa2"), "fa3": ("common", "fa3", "sched"), "planner": ("common", "planner", "sched")}
+# plan/: the launch builder, static C++ compiled into the planner module and every paged-prefill module
+TEMPLATE_DIRS = {"fa2": ("common", "fa2", "plan"), "fa3": ("common", "fa3", "plan"),
+                 "planner": ("common", "planner", "plan")}
+PLAN_HEADERS = ("plan_module.h", "launches.h", "fa3_worklist.h", "gather.cuh")  # templates/plan/, as they are
 
 
 def template_files(backend: str = "fa2") -> list[Path]:
@@ -280,6 +294,14 @@ def static_source(name: str) -> str:
 
 def template_digest(backend: str = "fa2") -> str:
     return _template_digest(str(template_root()), backend)
+
+
+def plan_sources() -> dict[str, str]:
+    """The launch builder's sources (templates/plan/) and the plan ABI's header, as a module's
+    files: what the planner module and every paged-prefill module compile their plans with."""
+    files = {plan_abi.HEADER_NAME: plan_abi.header_text()}
+    files.update((name, static_source(f"plan/{name}")) for name in PLAN_HEADERS)
+    return files
 
 
 _LOCAL_DEFS = {
@@ -381,15 +403,19 @@ Renderer = Callable[[ModuleConfig, dict, jinja2.Environment], tuple[dict[str, st
 
 
 def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template: str, binding_template: str,
-                         kernel_template: str, unit_prefix: str, host_source: str):
+                         kernel_template: str, unit_prefix: str, host_source: str, plan: bool = False):
     """The FA2 prefill kinds: variant, config and binding, plus one kernel unit per mask mode
-    and CTA tile (what FlashInfer's FA2 planner may pick), and FlashInfer's host code."""
+    and CTA tile (what FlashInfer's FA2 planner may pick), and FlashInfer's host code; ``plan``:
+    the launch builder's unit too."""
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
         "batch_prefill_config.inc": env.get_template(config_template).render(ctx),
         "binding.cu": env.get_template(binding_template).render(ctx),
     }
     units = ["binding.cu"]
+    if plan:  # the launch builder (paged prefill: plan() builds its launches with it)
+        files.update(plan_sources(), **{"plan.cu": static_source("plan/plan.cu")})
+        units.append("plan.cu")
     kernel = env.get_template(kernel_template)
     for mode in ctx["mask_modes"]:
         for cta in FA2_CTA_TILES_Q:
@@ -402,7 +428,7 @@ def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template:
 def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
     return _render_fa2_per_tile(ctx, env, config_template="fa2/config.inc.jinja",
                                 binding_template="fa2/binding.cu.jinja", kernel_template="fa2/paged_kernel.cu.jinja",
-                                unit_prefix="paged_kernel", host_source="batch_prefill_paged.cu")
+                                unit_prefix="paged_kernel", host_source="batch_prefill_paged.cu", plan=True)
 
 
 def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
@@ -465,8 +491,10 @@ def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
         "cutlass_prelude.cuh": static_source("fa3/cutlass_prelude.cuh"),
         "batch_prefill_sm90_config.inc": env.get_template("fa3/config.inc.jinja").render(ctx),
         "binding.cu": env.get_template("fa3/binding.cu.jinja").render(ctx, launches=launches),
+        **plan_sources(),
+        "plan.cu": static_source("plan/plan.cu"),
     }
-    units = ["binding.cu"]
+    units = ["binding.cu", "plan.cu"]
     kernel = env.get_template("fa3/paged_kernel.cu.jinja")
     for launch in launches:
         name = f"paged_kernel_{launch['name']}.cu"
@@ -489,6 +517,7 @@ def render_module(config: ModuleConfig) -> RenderedModule:
     if renderer is None:
         raise ValueError(f"backend={config.backend!r}, kind={config.kind!r}: not generated yet")
     files, units, host_sources = renderer(config, ctx, environment())
+    files = {plan_abi.HEADER_NAME: plan_abi.header_text(), **files}  # every config includes it
     return RenderedModule(
         config=config,
         files=files,
