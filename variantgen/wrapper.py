@@ -514,8 +514,7 @@ class VariantWrapper(WrapperBase):
         self.planner.set_row_planner(module, reason)
 
     def _page_lists(self) -> list[torch.Tensor]:
-        if self._graph is not None:  # every slot's whole buffer (what a captured launch reads)
-            return [self._graph.kv_indices]
+        # (graph mode: the launch slots' views, whole - the same buffers every plan, what a captured launch reads)
         return [la.kv_indices for la in self._launches]
 
     def _trim_to_batch(self, args: dict[str, Any]) -> dict[str, Any]:
