@@ -138,7 +138,8 @@ def _expr_tree(depth: int):
         st.floats(allow_nan=False, allow_infinity=False, width=64).map(repr),
         st.sampled_from(["t[q_row, 0]", "s[qo_head]", "t[1]", "s[f]", "w[0]", "t(1)", "min(1)", "t[q_row - w, 1]",
                          "t[1 + q_row, 0]", "t[kv_row, 0]", "t[q_idx, 1]", "t[2 * q_row, 0]", "t[q_row + kv_pos, 0]",
-                         "s[kv_pos - 1]", "t[q_row + qo_len, 1]"]),
+                         "s[kv_pos - 1]", "t[q_row + qo_len, 1]", "bit(t[q_row, 1], kv_pos - q_pos)",
+                         "bit(w, kv_pos % 32)", "bit(f, 1)", "bit(w)"]),
     )
     return st.recursive(
         leaf,
@@ -149,7 +150,7 @@ def _expr_tree(depth: int):
             inner.map(lambda e: f"not {e}"),
             inner.map(lambda e: f"-{e}"),
             st.tuples(inner, inner, inner).map(lambda t: f"{t[0]} if {t[1]} else {t[2]}"),
-            st.tuples(st.sampled_from(["min", "max", "abs", "tanh", "float"]), st.lists(inner, min_size=1,
+            st.tuples(st.sampled_from(["min", "max", "abs", "tanh", "float", "bit"]), st.lists(inner, min_size=1,
                       max_size=3)).map(lambda t: f"{t[0]}({', '.join(t[1])})"),
         ),
         max_leaves=depth,

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import SPEC_FILES, SPECS_DIR
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import variantgen
 from variantgen import reference
@@ -508,3 +510,43 @@ def test_logits_transform_sees_scaled_scores():
     torch.testing.assert_close(got, 2.0 * torch.tanh(scores / 2.0))
     # no transform: scores unchanged
     assert transform_logits(shipped("causal"), batch.grid(0), {}, scores) is scores
+
+
+def _py_bit(x: int, i: int) -> bool:
+    """bit(x, i) written out: bit i of x's 32-bit two's complement, false outside 0..31."""
+    return 0 <= i < 32 and (x % (1 << 32)) >> i & 1 == 1
+
+
+BIT_VALUES = [0, 1, -1, 2, 5, -6, 2**31 - 1, -(2**31), 2**30, -(2**30) - 1, 0x55555555, -0x55555556]
+
+
+def test_bit_on_negative_values_and_out_of_range_indices():
+    xs = torch.tensor(BIT_VALUES, dtype=torch.int64).view(-1, 1)
+    idx = torch.arange(-40, 41, dtype=torch.int64).view(1, -1)
+    got = reference.bit(xs, idx)
+    for a, x in enumerate(BIT_VALUES):
+        for b, i in enumerate(range(-40, 41)):
+            assert bool(got[a, b]) == _py_bit(x, i), (x, i)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(st.lists(st.tuples(st.integers(-(2**31), 2**31 - 1), st.integers(-(2**31), 2**31 - 1)), min_size=1,
+                max_size=64))
+def test_bit_fuzzed_against_python(pairs):
+    xs = torch.tensor([x for x, _ in pairs], dtype=torch.int64)
+    idx = torch.tensor([i for _, i in pairs], dtype=torch.int64)
+    assert reference.bit(xs, idx).tolist() == [_py_bit(x, i) for x, i in pairs]
+
+
+def test_bit_in_a_mask(spec_from):
+    """A per-query bitmask ([total_q] words) selects keys by their distance to the query."""
+    spec = spec_from("name: a\ntensors:\n  bits: {dtype: int32, shape: [total_q]}\n"
+                     "mask: bit(bits[q_row], q_pos - kv_pos) or bit(bits[q_row], kv_pos - 40)\n")
+    bits = torch.tensor(BIT_VALUES[:5], dtype=torch.int32)  # one word per query row (3 + 2)
+    batch = make_batch()
+    for b in range(2):
+        got = mask_for_request(spec, batch.grid(b), {"bits": bits})
+        for p in batch.positions():
+            if p.b == b:
+                want = _py_bit(BIT_VALUES[p.q_row], p.q - p.j) or _py_bit(BIT_VALUES[p.q_row], p.j - 40)
+                assert bool(got[p.h, p.i, p.j]) == want

@@ -169,6 +169,15 @@ def test_codegen_of_constants_and_operators(spec_from):
     assert codegen.emit_mask(spec).builtins == {"kv_pos", "q_pos"}
 
 
+def test_codegen_bit(spec_from):
+    spec = spec_from("name: x\ntensors:\n  b: {dtype: int32, shape: [total_q, 2]}\n"
+                     "mask: kv_pos <= q_pos and bit(b[q_row, 1], (q_pos - kv_pos) % 32)\n")
+    code = codegen.emit_mask(spec).code
+    assert "vg_bit(params.b[(q_row) * int32_t(2) + int32_t(1)], vg_mod((q_pos - kv_pos), int32_t(32)))" in code
+    variant = render_module(ModuleConfig(spec, 64, 64, "fp16", "fp16", "fp16", "8.0")).files["variant.cuh"]
+    assert "__device__ __forceinline__ bool vg_bit(int32_t x, int32_t i)" in variant
+
+
 def test_codegen_index_flattening(spec_from):
     spec = spec_from("name: x\ntensors:\n  r: {dtype: int32, shape: [total_q, 2]}\nmask: r[q_row, 1] <= kv_pos\n")
     snippet = codegen.emit_mask(spec)

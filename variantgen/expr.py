@@ -132,7 +132,8 @@ def tokenize(src: SourceText) -> list[Token]:
             shown = repr(ch) if ch.isprintable() else f"U+{ord(ch):04X}"
             hint = None
             if ch in "&|!":
-                hint = "use 'and', 'or' and 'not' for boolean logic"
+                hint = "use 'and', 'or' and 'not' for boolean logic" + (
+                    "; bit(x, i) tests bit i of an int" if ch in "&|" else "")
             elif ch == "=":
                 hint = "use '==' to compare"
             raise src.error(pos, f"unexpected character {shown}", hint)
@@ -504,8 +505,12 @@ FUNCTIONS: dict[str, tuple[int, int]] = {
     "log": (1, 1),
     "sqrt": (1, 1),
     "sigmoid": (1, 1),
+    "bit": (2, 2),
 }
 FLOAT_FUNCS = ("tanh", "exp", "log", "sqrt", "sigmoid")
+# bit(x, i): whether bit i of the int x (32-bit two's complement, bit 0 the lowest) is set;
+# false for i outside 0..31 (never a shift by a negative or too large count).
+BIT_WIDTH = 32
 
 
 # ----------------------------------------------------------------------------- index kinds
@@ -803,6 +808,12 @@ class _Checker:
         for a in args:
             if a.ty is Type.BOOL:
                 raise self.err(a, f"`{node.func}` needs numbers, got bool")
+        if node.func == "bit":
+            for a, what in zip(args, ("x (the int whose bit is tested)", "i (the bit index, 0 the lowest)")):
+                if a.ty is not Type.INT:
+                    raise self.err(a, f"`bit(x, i)` tests a bit of an int: {what} is a {a.ty}",
+                                   "keep bit masks in int32 tensors or int scalars")
+            return replace(node, args=args, ty=Type.BOOL)
         if node.func in ("min", "max"):
             ty = Type.FLOAT if any(a.ty is Type.FLOAT for a in args) else Type.INT
         elif node.func == "abs":
