@@ -190,7 +190,7 @@ def flashinfer_call(case: FuzzCase) -> FiCall | None:
         window, cap = -1, None
     elif m.spec in ("sliding_window", "softcap"):
         window, cap = max(s["window"], -1), (s["soft_cap"] if m.spec == "softcap" else None)
-    elif m.spec == "attention_sink" and s["num_sink"] <= 0 and s["window"] >= 0:
+    elif m.spec == "streaming_sink" and s["num_sink"] <= 0 and s["window"] >= 0:
         window, cap = s["window"], None  # no sinks: a sliding window
     else:
         return None

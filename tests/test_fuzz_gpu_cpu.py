@@ -240,7 +240,7 @@ def test_flashinfer_calls_have_the_cases_mask():
     assert len(fuzz_gpu.FI_BY_KEY) == len(fuzz_gpu.FI_ENTRIES)
     alibi = FuzzCase("fa2/prefill", ModuleKey("alibi"), Batch((4,), (9,), (("slopes", fz.PerHead()),), 0), 4, 2, 16)
     assert fuzz_gpu.flashinfer_call(alibi) is None
-    sink = FuzzCase("fa2/decode", ModuleKey("attention_sink"), Batch((1,), (9,), (), 0), 4, 2, 16,
+    sink = FuzzCase("fa2/decode", ModuleKey("streaming_sink"), Batch((1,), (9,), (), 0), 4, 2, 16,
                     scalars=(("num_sink", 0), ("window", 5)))
     assert fuzz_gpu.flashinfer_call(sink) == fuzz_gpu.FiCall("decode", "fa2", 5, None)
 

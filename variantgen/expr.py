@@ -493,6 +493,9 @@ BUILTINS: dict[str, Builtin] = {
     )
 }
 LOGITS = Builtin("logits", Type.FLOAT, "the scaled score sm_scale * (q . k), in logits transforms only")
+# What a learned attention sink may read: it joins the softmax of every query row of one head
+# as one more logit (with no value), so it cannot depend on the query's or the key's token.
+SINK_BUILTINS = frozenset({"qo_head", "kv_head", "request", "qo_len", "kv_len"})
 
 # name -> (min args, max args)
 FUNCTIONS: dict[str, tuple[int, int]] = {
@@ -606,9 +609,11 @@ class TypeEnv:
     allow_logits: bool = False
     # Names whose declaration was refused: their uses raise FollowOnError (already reported).
     failed: frozenset[str] = frozenset()
+    # Checking a `sink`: only the builtins of SINK_BUILTINS (one value per query head and request).
+    sink: bool = False
 
     def known_names(self) -> list[str]:
-        names = list(BUILTINS) + list(self.scalars) + list(self.tensors)
+        names = [b for b in BUILTINS if not self.sink or b in SINK_BUILTINS] + list(self.scalars) + list(self.tensors)
         if self.allow_logits:
             names.append(LOGITS.name)
         return names
@@ -657,13 +662,19 @@ class _Checker:
 
     def _name(self, node: Name) -> Node:
         if node.id in BUILTINS:
+            if self.env.sink and node.id not in SINK_BUILTINS:
+                raise self.err(node, f"`{node.id}` is not available in a sink: the sink is one logit per query head "
+                               "(and request), shared by all its query rows and keys",
+                               f"a sink may read {', '.join(sorted(SINK_BUILTINS))}, scalars and tensors indexed by "
+                               "them, e.g. sinks[qo_head]")
             return replace(node, ty=BUILTINS[node.id].ty)
         if node.id in self.env.scalars:
             return replace(node, ty=self.env.scalars[node.id])
         if node.id == LOGITS.name:
             if self.env.allow_logits:
                 return replace(node, ty=Type.FLOAT)
-            raise self.err(node, "`logits` is only available in the `logits` transform, not in a mask")
+            where = "a sink (a logit of its own)" if self.env.sink else "a mask"
+            raise self.err(node, f"`logits` is only available in the `logits` transform, not in {where}")
         if node.id in self.env.tensors:
             sig = self.env.tensors[node.id]
             idx = ", ".join(["i"] * sig.ndim)
@@ -843,6 +854,8 @@ def typecheck(node: Node, env: TypeEnv, src: SourceText | None = None, expect: T
             hint = None
             if expect is Type.BOOL:
                 hint = "a mask must be true where the key is visible, e.g. `kv_pos <= q_pos`"
+            elif env.sink:
+                hint = "a sink is a logit (a float), e.g. sinks[qo_head]"
             raise src.error(0, f"expression must be a {expect}, got {typed.ty}", hint)
     return typed
 
