@@ -31,6 +31,7 @@ CPU_KV_LENS = [37, 90, 61, 9, 200, 0, 5, 1]
 CPU_SMALL_SCALARS = {
     "streaming_sink": {"num_sink": 3, "window": 7},
     "attention_sink_learned": {"window": 11},
+    "gemma4_sliding": {"window": 9},
     "chunked_local": {"chunk_size": 13},
     "mm_prefix": {"causal_window_left": 6, "range_window_left": 5},
     "sliding_window": {"window": 9},

@@ -77,6 +77,9 @@ ARGS = {
     "attention_sink_learned": {"sinks": torch.tensor([0.5, -1.0, 2.0, -30.0]), "window": 3},
 }
 SINKS = {"attention_sink_learned": lambda args, b, h: float(args["sinks"][h])}
+# tree_verify: request 0 verifies a root with two children, request 1 two roots (a forest)
+TREE_PARENTS = [[-1, 0, 0], [-1, -1]]
+ARGS["tree_verify"] = {"tree_bits": torch.tensor([[1, 0], [3, 0], [5, 0], [1, 0], [2, 0]], dtype=torch.int32)}
 
 
 def _scalar(args, name, spec):
@@ -110,6 +113,13 @@ def expected_visible(name: str, spec, args, p: Pos) -> bool:
     if name == "prefix_lm":
         prefix = [6, 0][p.b]
         return p.j < prefix or causal
+    if name == "tree_verify":  # the cached context, then the node itself and its ancestors
+        ctx = p.kv_len - p.qo_len
+        ancestors, node = {p.i}, p.i
+        while TREE_PARENTS[p.b][node] >= 0:
+            node = TREE_PARENTS[p.b][node]
+            ancestors.add(node)
+        return p.j < ctx or p.j - ctx in ancestors
     raise AssertionError(f"no meaning written for {name}")
 
 
