@@ -335,15 +335,15 @@ def test_gemma4_chunked_prefill_through_the_kernels(backend, page_size):
     block's keys that are in the KV (its later ones included) and earlier keys within the window,
     through the planned kernels; the output is attention under transformers' mask."""
     spec = shipped("gemma4_sliding")
-    layouts = [(200, [(30, 149)]), (90, [(0, 40), (60, 89)]), (70, [])]
-    chunks = [(120, 200), (50, 90), (0, 70)]  # (first query position, keys in the KV)
+    layouts = [(200, [(30, 149)]), (90, [(0, 40), (60, 89)]), (70, []), (300, [(10, 250)])]
+    chunks = [(120, 200), (50, 90), (0, 70), (100, 160)]  # (first query position, keys in the KV)
     window = 48
     qo_lens = [kv - q0 for q0, kv in chunks]
     kv_lens = [kv for _, kv in chunks]
     batch = unshuffled_batch(qo_lens, kv_lens, page_size, seed=page_size)
-    spans = [[(s, e) for s, e in images] for _, images in layouts]
-    ranges = torch.cat([variantgen.spans_to_ranges([kv - q0], [length], [sp])[: kv - q0]
-                        for (q0, kv), (length, _), sp in zip(chunks, layouts, spans)])
+    # each query's block as the whole request's spans give it: the last chunk's block runs past its keys
+    ranges = torch.cat([variantgen.spans_to_ranges([length], [length], [images])[q0:kv]
+                        for (q0, kv), (length, images) in zip(chunks, layouts)])
     args = {"ranges": ranges, "window": window}
     for skip_tiles in (False, True):
         prefill_check(spec, batch, args, skip_tiles=skip_tiles, backend=backend,
