@@ -383,3 +383,23 @@ def test_shipped_masks_get_meaningful_random_arguments():
         assert (int(bits[i, node // 32]) >> (node % 32)) & 1, i
     ranges = random_spec_args(shipped("gemma4_sliding"), batch, seed=1)["ranges"]
     assert ranges.shape == (70, 2) and bool(((ranges[:, 0] <= ranges[:, 1])).all())
+
+
+def test_bench_masks_modules_are_valid_precompile_commands(capsys):
+    """bench/bench_masks.py --list-modules prints commands that expand (dry run) to real modules."""
+    import sys
+
+    from click.testing import CliRunner
+
+    from variantgen.cli import main as cli_main
+
+    sys.path.insert(0, str(SPECS_DIR.parent / "bench"))
+    import bench_masks
+
+    assert bench_masks.main(["--list-modules"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 7
+    for line in lines:
+        res = CliRunner().invoke(cli_main, line.split()[3:] + ["--dry-run"])
+        assert res.exit_code == 0, (line, res.output)
+        assert any(u.startswith("vg_") for u in res.output.splitlines()), res.output
