@@ -313,7 +313,8 @@ def expand_matrix(spec_paths: list[str], head_dims: list[int] | list[tuple[int, 
 @click.option("--arch", "archs", multiple=True, help="Target archs, e.g. 8.0,9.0a "
               "(default: VARIANTGEN_ARCH or the visible GPU).")
 @click.option("--backend", "backends", multiple=True,
-              help="Backends: fa2, fa3, or auto (default: what make_wrapper picks for each arch and kind).")
+              help="Backends: fa2, fa3, or auto (default: what make_wrapper picks for each arch and kind); flex "
+                   "builds nothing.")
 @click.option("--kind", "kinds", multiple=True,
               help="Kernel kinds, e.g. prefill,decode,ragged (default prefill).")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
@@ -337,6 +338,13 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
 
     if dry_run and check:
         raise click.UsageError("--dry-run and --check: pick one")
+    backend_list = _choices(backends, (*BACKENDS, "auto", "flex"), "--backend", ["auto"])
+    if "flex" in backend_list:
+        click.echo("flex: nothing to precompile (the flex route runs torch's FlexAttention; it builds no module)")
+        backend_list.remove("flex")
+        if not backend_list:
+            click.echo("nothing to build")
+            return
     shard_i, shard_n = _parse_shard(shard)
     arch_list = _csv(archs)
     if not arch_list:
@@ -346,8 +354,7 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
                                    "pass e.g. --arch 8.0,9.0a")
         arch_list = [default]
     configs, skipped = expand_matrix(list(specs), _head_dims(head_dims, "--head-dim"), _csv(dtypes),
-                                     _csv(kv_dtypes) or None, _csv(o_dtypes) or None, arch_list,
-                                     _choices(backends, (*BACKENDS, "auto"), "--backend", ["auto"]),
+                                     _csv(kv_dtypes) or None, _csv(o_dtypes) or None, arch_list, backend_list,
                                      _choices(kinds, list(KINDS), "--kind", ["prefill"]))
     for label, reason in skipped:
         click.echo(f"skip  {label}: {reason}")
@@ -450,8 +457,8 @@ def _check_matrix(configs: list, cache: Cache) -> None:
 @click.option("--kv-dtype", default=None, help="KV dtype (default: --dtype).")
 @click.option("--o-dtype", default=None)
 @click.option("--backend", "backends", default="auto", show_default=True,
-              help="Backend(s): auto (what make_wrapper picks here), fa2, fa3, or a list such as fa2,fa3: "
-                   "one answer per backend and kind.")
+              help="Backend(s): auto (what make_wrapper picks here), fa2, fa3, flex (torch's FlexAttention), or "
+                   "a list such as fa2,fa3,flex: one answer per backend and kind.")
 @click.option("--kind", "kinds", default="prefill", show_default=True,
               help="Kernel kind(s): prefill, ragged, decode (comma list).")
 @click.option("--arch", default=None, help="The arch the GPU must have (the probe answers for this machine: to "
@@ -473,8 +480,8 @@ def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_
 
     results = probe_backends(
         spec, kinds=tuple(_choices(kinds, list(KINDS), "--kind", ["prefill"])),
-        backends=tuple(None if b == "auto" else b for b in _choices(backends, (*BACKENDS, "auto"), "--backend",
-                                                                   ["auto"])), head_dim_qk=head_dim,
+        backends=tuple(None if b == "auto" else b for b in _choices(backends, (*BACKENDS, "auto", "flex"),
+                                                                   "--backend", ["auto"])), head_dim_qk=head_dim,
         head_dim_vo=head_dim_vo, q_dtype=dtype, kv_dtype=kv_dtype or dtype, o_dtype=o_dtype, page_size=page_size,
         device=device, build=not no_build, cache_dir=cache_dir, arch=arch, cuda_graph=cuda_graph)
     if as_json:

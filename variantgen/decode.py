@@ -124,33 +124,14 @@ class DecodeWrapper(WrapperBase):
             raise LaunchError(f"plan(): GQA group size {group} (num_qo_heads={num_qo_heads} / num_kv_heads="
                               f"{num_kv_heads}) is not one FlashInfer's CUDA-core decode kernel supports "
                               f"{list(DECODE_GROUP_SIZES)}; build the wrapper with use_tensor_cores=True")
-        self._check_index_tensors(paged_kv_indptr=paged_kv_indptr, paged_kv_indices=paged_kv_indices,
-                                  paged_kv_last_page_len=paged_kv_last_page_len)
-        batch = paged_kv_indptr.numel() - 1
-        if batch < 1 or paged_kv_last_page_len.numel() != batch:
-            raise LaunchError(
-                f"plan(): inconsistent batch: paged_kv_indptr has {paged_kv_indptr.numel()} entries, "
-                f"paged_kv_last_page_len {paged_kv_last_page_len.numel()} (expected batch+1 and batch, batch >= 1)")
+        check_decode_arguments(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
         if self._prefill is not None:  # its plan() reads the page list
             (kvp_h, last_h), folded = host_lists(paged_kv_indptr, paged_kv_last_page_len), []
         else:
             (kvp_h, last_h), _, folded = self._read_indptrs(paged_kv_indices, paged_kv_indptr, paged_kv_indptr,
                                                              paged_kv_last_page_len)
-        self._check_indptr_starts(paged_kv_indptr=kvp_h[0])
-        kv_lens = []
-        for b in range(batch):
-            npages, lp = kvp_h[b + 1] - kvp_h[b], last_h[b]
-            if npages < 0:
-                raise LaunchError(f"plan(): request {b}: paged_kv_indptr must be non-decreasing")
-            if npages == 0:
-                raise LaunchError(f"plan(): request {b} has no pages; a decode query is its request's last "
-                                  "token, so every request needs kv_len >= 1")
-            if not 1 <= lp <= page_size:
-                raise LaunchError(f"plan(): paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
-            kv_lens.append((npages - 1) * page_size + lp)
-        if kvp_h[-1] > paged_kv_indices.numel():
-            raise LaunchError(f"plan(): paged_kv_indices has {paged_kv_indices.numel()} entries, "
-                              f"paged_kv_indptr needs {kvp_h[-1]}")
+        kv_lens = decode_kv_lens(kvp_h, last_h, paged_kv_indices.numel(), page_size)
+        batch = len(kv_lens)
         graph = self._graph
         if graph is not None and not self.use_tensor_cores:
             if batch != graph.max_batch_size:
@@ -205,11 +186,8 @@ class DecodeWrapper(WrapperBase):
                 trimmed = True
                 kvp_h = list(accumulate(counts, initial=0))
                 last_h = [hi[i] + 1 - kv_pos_base[i] - (counts[i] - 1) * ps for i in range(batch)]
-        elif spec_args:
-            self._check_known(spec_args, "plan()")  # a misspelt name first: it may be why trimming is off
-            why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
-            raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without key trimming ({why}) "
-                              "spec arguments go to run() only")
+        else:
+            self._refuse_plan_args(spec_args, skip_tiles, "key trimming")
         kv_row = list(accumulate(kv_lens, initial=0))
         meta = [[i, kv_lens[i] - 1, kv_pos_base[i], i, kv_row[i], 1, kv_lens[i], -1, 1] for i in range(batch)]
         int_ws, pinned = self._workspace(0)
@@ -299,3 +277,45 @@ class DecodeWrapper(WrapperBase):
                         la.kv_indices, la.last_page_len, out, lse, LAYOUT_CODES[self.kv_layout], -1,
                         bool(enable_pdl), *tensors, la.meta, *scalars)
         return (out, lse) if return_lse else out
+
+
+def check_decode_arguments(paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any) -> None:
+    """plan()'s checks of a decode batch's index tensors before their values are read (after its
+    sizes were checked), shared by every decode route."""
+    WrapperBase._check_index_tensors(paged_kv_indptr=paged_kv_indptr, paged_kv_indices=paged_kv_indices,
+                                     paged_kv_last_page_len=paged_kv_last_page_len)
+    batch = paged_kv_indptr.numel() - 1
+    if batch < 1 or paged_kv_last_page_len.numel() != batch:
+        raise LaunchError(
+            f"plan(): inconsistent batch: paged_kv_indptr has {paged_kv_indptr.numel()} entries, "
+            f"paged_kv_last_page_len {paged_kv_last_page_len.numel()} (expected batch+1 and batch, batch >= 1)")
+
+
+def decode_kv_lens(kvp_h: list[int], last_h: list[int], num_indices: int, page_size: int) -> list[int]:
+    """The requests' kv lengths from host copies of paged_kv_indptr and paged_kv_last_page_len,
+    checked (``num_indices``: entries of paged_kv_indices); LaunchError naming the argument."""
+    WrapperBase._check_indptr_starts(paged_kv_indptr=kvp_h[0])
+    kv_lens = []
+    for b in range(len(last_h)):
+        npages, lp = kvp_h[b + 1] - kvp_h[b], last_h[b]
+        if npages < 0:
+            raise LaunchError(f"plan(): request {b}: paged_kv_indptr must be non-decreasing")
+        if npages == 0:
+            raise LaunchError(f"plan(): request {b} has no pages; a decode query is its request's last "
+                              "token, so every request needs kv_len >= 1")
+        if not 1 <= lp <= page_size:
+            raise LaunchError(f"plan(): paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
+        kv_lens.append((npages - 1) * page_size + lp)
+    if kvp_h[-1] > num_indices:
+        raise LaunchError(f"plan(): paged_kv_indices has {num_indices} entries, paged_kv_indptr needs {kvp_h[-1]}")
+    return kv_lens
+
+
+def read_decode_batch(paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any, page_size: int,
+                      ) -> tuple[list[int], list[int], list[int]]:
+    """check_decode_arguments, host copies and decode_kv_lens, for a route without
+    DecodeWrapper's page-list guard (the flex route checks its pages itself): (paged_kv_indptr,
+    paged_kv_last_page_len, kv lengths)."""
+    check_decode_arguments(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+    kvp_h, last_h = host_lists(paged_kv_indptr, paged_kv_last_page_len)
+    return kvp_h, last_h, decode_kv_lens(kvp_h, last_h, paged_kv_indices.numel(), page_size)

@@ -162,6 +162,10 @@ class JitDisabledError(VariantgenError):
         self.damaged = list(damaged or ())
 
 
+class BackendError(VariantgenError):
+    """A backend cannot run here (e.g. the flex route on a torch without FlexAttention)."""
+
+
 class LaunchError(VariantgenError, ValueError):
     """A wrapper call was given arguments the kernel cannot take (raised before launch)."""
 

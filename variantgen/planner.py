@@ -37,6 +37,24 @@ CLASS_MODE = {DENSE: "none", CAUSAL: "causal", WINDOW: "causal", CUSTOM: "custom
 CUSTOM_ROWS = 128
 
 
+def row_env(qo_indptr: list[int], kv_lens: list[int], device: torch.device) -> dict[str, torch.Tensor]:
+    """The builtins of every query row of a batch (int64 [total_q] each; rows from qo_indptr[0]),
+    as intervals.row_intervals reads them, plus ``vg_kv_lens`` (the requests' kv lengths)."""
+    dev, i64 = device, torch.int64
+    batch = len(kv_lens)
+    qo_lens = torch.tensor([qo_indptr[i + 1] - qo_indptr[i] for i in range(batch)], dtype=i64, device=dev)
+    kv_len_req = torch.tensor(kv_lens, dtype=i64, device=dev)
+    q_start = torch.tensor(qo_indptr[:-1], dtype=i64, device=dev)
+    request = torch.repeat_interleave(torch.arange(batch, device=dev), qo_lens)
+    rows = torch.arange(qo_indptr[0], qo_indptr[-1], device=dev, dtype=i64)
+    q_idx = rows - q_start[request]
+    kv_len = kv_len_req[request]
+    q_pos = kv_len - qo_lens[request] + q_idx
+    kv_row_base = torch.cumsum(kv_len_req, 0) - kv_len_req
+    return {"q_pos": q_pos, "q_idx": q_idx, "q_row": rows, "q_kv_row": kv_row_base[request] + q_pos,
+            "request": request, "qo_len": qo_lens[request], "kv_len": kv_len, "vg_kv_lens": kv_len_req}
+
+
 def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
                   args: dict[str, Any], device: torch.device) -> torch.Tensor:
     """The row pass in torch ops (any device): int64 [7, total_q], per query row (fields in
@@ -44,18 +62,9 @@ def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], k
     parameter, interval [lo, hi] (on a custom run's first row: the run's hull) and q_pos.
     rowplan's generated kernel computes the same."""
     dev, ps, i64 = device, page_size, torch.int64
-    batch, total_q = len(kv_lens), qo_indptr[-1]
-    qo_lens = torch.tensor([qo_indptr[i + 1] - qo_indptr[i] for i in range(batch)], dtype=i64, device=dev)
-    kv_len_req = torch.tensor(kv_lens, dtype=i64, device=dev)
-    q_start = torch.tensor(qo_indptr[:-1], dtype=i64, device=dev)
-    request = torch.repeat_interleave(torch.arange(batch, device=dev), qo_lens)
-    rows = torch.arange(total_q, device=dev, dtype=i64)
-    q_idx = rows - q_start[request]
-    kv_len = kv_len_req[request]
-    q_pos = kv_len - qo_lens[request] + q_idx
-    kv_row_base = torch.cumsum(kv_len_req, 0) - kv_len_req
-    env = {"q_pos": q_pos, "q_idx": q_idx, "q_row": rows, "q_kv_row": kv_row_base[request] + q_pos,
-           "request": request, "qo_len": qo_lens[request], "kv_len": kv_len, "vg_kv_lens": kv_len_req}
+    total_q = qo_indptr[-1]
+    env = row_env(qo_indptr, kv_lens, dev)
+    request, q_idx, q_pos = env["request"], env["q_idx"], env["q_pos"]
     iv = row_intervals(form, spec, env, args)
     lo, hi = iv.lo, iv.hi
 

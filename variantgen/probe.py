@@ -71,7 +71,7 @@ class ProbeResult:
     uri: str | None = None
     """The module's cache URI, once the configuration is known."""
     source: str = "not built"
-    """'cache' (found), 'built' (built by this call) or 'not built'."""
+    """'cache' (found), 'built' (built by this call), 'not built', or 'torch' (the flex route: no module)."""
     module_path: str | None = None
     seconds: float = 0.0
     details: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
@@ -136,7 +136,10 @@ def probe(
     prefill module); ``backend`` "fa2" or "fa3", or None for the one make_wrapper(backend=None)
     picks here (build.select_backend: fa3 where valid; fa2 on a server that cannot build whose
     cache has the fa2 module but not the fa3 one, with ``details["note"]`` saying so);
-    ``details["backend"]`` says which. See :func:`probe_backends` for every backend at once.
+    ``details["backend"]`` says which; "flex" asks whether torch's FlexAttention runs the spec on
+    ``device`` (default: the current GPU, else the CPU) by running a small batch through it
+    (flex_wrapper.probe_flex; no module, uri None). See :func:`probe_backends` for every backend
+    at once.
 
     ``spec`` is a VariantSpec, a path to a spec file, or a shipped spec's name ("mm_prefix").
     ``device`` selects the GPU (default: the current one). ``arch``: the GPU's arch is checked
@@ -202,6 +205,15 @@ def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dt
            arch: Any, kind: Any, cuda_graph: Any = False, runtime: Any = True) -> ProbeResult:
     # 1. spec
     spec = _load(spec_arg)
+    if backend == "flex":  # torch's FlexAttention: no flashinfer, module or nvcc (flex_wrapper.py)
+        from .flex_wrapper import probe_flex
+
+        answer = probe_flex(spec, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
+                            kv_dtype=kv_dtype, o_dtype=o_dtype, kind=kind, device=device, cuda_graph=cuda_graph,
+                            page_size=page_size)
+        if not answer["ok"]:
+            raise _Fail(answer["reason"], **answer["details"])
+        return ProbeResult(True, "", None, "torch", None, time.perf_counter() - t0, answer["details"])
     if cuda_graph:  # what make_wrapper(graph=...) accepts
         if kind not in ("prefill", "decode"):
             raise _Fail(f"cuda_graph=True: CUDA-graph mode is for kind 'prefill' and 'decode' (got {kind!r}); "

@@ -95,32 +95,8 @@ class RaggedWrapper(WrapperBase):
         but not used: the ragged kernel reads them in run(), where they are required.
         """
         self._batch, self._launch = None, None
-        self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
-        if not isinstance(disable_split_kv, bool):
-            raise LaunchError(f"plan(): disable_split_kv={disable_split_kv!r}: expected a bool")
-        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
-                got = f"{t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise LaunchError(f"plan(): `{name}`: expected a 1-D torch.int32 tensor [batch + 1], got {got}")
-        batch = qo_indptr.numel() - 1
-        if batch < 1 or kv_indptr.numel() != batch + 1:
-            raise LaunchError(f"plan(): inconsistent batch: `qo_indptr` has {qo_indptr.numel()} entries and "
-                              f"`kv_indptr` {kv_indptr.numel()} (expected batch + 1 each, batch >= 1)")
-        qo_h, kv_h = host_lists(qo_indptr, kv_indptr)
-        self._check_indptr_starts(qo_indptr=qo_h[0], kv_indptr=kv_h[0])
-        qo_lens, kv_lens = [], []
-        for b in range(batch):
-            ql, kl = qo_h[b + 1] - qo_h[b], kv_h[b + 1] - kv_h[b]
-            if ql < 0 or kl < 0:
-                name = "qo_indptr" if ql < 0 else "kv_indptr"
-                raise LaunchError(f"plan(): `{name}` decreases at request {b}: indptrs must be non-decreasing")
-            if ql > kl:
-                raise LaunchError(f"plan(): request {b} has {ql} queries but only {kl} keys; the queries must be "
-                                  "the last qo_len tokens of the request's KV (qo_len <= kv_len)")
-            qo_lens.append(ql)
-            kv_lens.append(kl)
-        self._batch = Batch(batch, qo_h[-1], kv_h[-1], num_qo_heads, num_kv_heads, 1, tuple(qo_lens),
-                            tuple(kv_lens))
+        self._batch, qo_h, kv_h = read_ragged_batch(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, disable_split_kv)
+        batch, qo_lens, kv_lens = self._batch.batch_size, self._batch.qo_lens, self._batch.kv_lens
         if spec_args:
             self._check_args(spec_args, where="plan()", require_tensors_from="plan")
         if self._batch.total_q == 0:  # nothing to compute; run() returns empty outputs
@@ -164,21 +140,8 @@ class RaggedWrapper(WrapperBase):
         if self._batch is None or (self._batch.total_q and self._launch is None):
             raise LaunchError("run() called before plan(): call plan(qo_indptr, kv_indptr, num_qo_heads, "
                               "num_kv_heads) first")
-        b, cfg = self._batch, self.config
-        self._check_rows("q", q, TORCH_DTYPES[cfg.q_dtype], (b.total_q, b.num_qo_heads, cfg.head_dim_qk),
-                         "[total_q, num_qo_heads, head_dim_qk]")
-        kvdt = TORCH_DTYPES[cfg.kv_dtype]
-        for name, t, hd, hd_name in (("k", k, cfg.head_dim_qk, "head_dim_qk"),
-                                     ("v", v, cfg.head_dim_vo, "head_dim_vo")):
-            if self.kv_layout == "NHD":
-                shape, text = (b.total_kv, b.num_kv_heads, hd), f"[total_kv, num_kv_heads, {hd_name}]"
-            else:
-                shape, text = (b.num_kv_heads, b.total_kv, hd), f"[num_kv_heads, total_kv, {hd_name}] (HND)"
-            self._check_rows(name, t, kvdt, shape, text)
-        if not isinstance(return_lse, bool):
-            raise LaunchError(f"run(): return_lse={return_lse!r}: expected a bool")
-        self._check_scales(q_scale, k_scale, v_scale)
-        args = self._check_args(spec_args, where="run()")
+        b = self._batch
+        args = check_ragged_run(self, q, k, v, (q_scale, k_scale, v_scale), out, return_lse, spec_args)
         out, lse = self._outputs(out, return_lse)
         if b.total_q == 0:
             return (out, lse) if return_lse else out
@@ -192,6 +155,59 @@ class RaggedWrapper(WrapperBase):
             MASK_MODES[la.mask_mode][0], LAYOUT_CODES[self.kv_layout], -1, bool(enable_pdl), *tensors, la.meta,
             *scalars)
         return (out, lse) if return_lse else out
+
+
+def read_ragged_batch(qo_indptr: Any, kv_indptr: Any, num_qo_heads: Any, num_kv_heads: Any, disable_split_kv: Any,
+                      ) -> tuple[Batch, list[int], list[int]]:
+    """plan()'s checks of a ragged batch, shared by every ragged route: the Batch and host copies
+    of qo_indptr and kv_indptr; LaunchError naming the argument otherwise."""
+    WrapperBase._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
+    if not isinstance(disable_split_kv, bool):
+        raise LaunchError(f"plan(): disable_split_kv={disable_split_kv!r}: expected a bool")
+    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+            got = f"{t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise LaunchError(f"plan(): `{name}`: expected a 1-D torch.int32 tensor [batch + 1], got {got}")
+    batch = qo_indptr.numel() - 1
+    if batch < 1 or kv_indptr.numel() != batch + 1:
+        raise LaunchError(f"plan(): inconsistent batch: `qo_indptr` has {qo_indptr.numel()} entries and "
+                          f"`kv_indptr` {kv_indptr.numel()} (expected batch + 1 each, batch >= 1)")
+    qo_h, kv_h = host_lists(qo_indptr, kv_indptr)
+    WrapperBase._check_indptr_starts(qo_indptr=qo_h[0], kv_indptr=kv_h[0])
+    qo_lens, kv_lens = [], []
+    for b in range(batch):
+        ql, kl = qo_h[b + 1] - qo_h[b], kv_h[b + 1] - kv_h[b]
+        if ql < 0 or kl < 0:
+            name = "qo_indptr" if ql < 0 else "kv_indptr"
+            raise LaunchError(f"plan(): `{name}` decreases at request {b}: indptrs must be non-decreasing")
+        if ql > kl:
+            raise LaunchError(f"plan(): request {b} has {ql} queries but only {kl} keys; the queries must be "
+                              "the last qo_len tokens of the request's KV (qo_len <= kv_len)")
+        qo_lens.append(ql)
+        kv_lens.append(kl)
+    return (Batch(batch, qo_h[-1], kv_h[-1], num_qo_heads, num_kv_heads, 1, tuple(qo_lens), tuple(kv_lens)),
+            qo_h, kv_h)
+
+
+def check_ragged_run(w: WrapperBase, q: Any, k: Any, v: Any, scales: tuple[Any, Any, Any], out: Any,
+                     return_lse: Any, spec_args: dict[str, Any]) -> dict[str, Any]:
+    """run()'s checks of a ragged batch (q, k, v in the wrapper's layout, return_lse, scales, the
+    spec's arguments, out), shared by every ragged route: the checked spec arguments."""
+    b, cfg = w._batch, w.config
+    w._check_rows("q", q, TORCH_DTYPES[cfg.q_dtype], (b.total_q, b.num_qo_heads, cfg.head_dim_qk),
+               "[total_q, num_qo_heads, head_dim_qk]")
+    kvdt = TORCH_DTYPES[cfg.kv_dtype]
+    for name, t, hd, hd_name in (("k", k, cfg.head_dim_qk, "head_dim_qk"),
+                                 ("v", v, cfg.head_dim_vo, "head_dim_vo")):
+        if w.kv_layout == "NHD":
+            shape, text = (b.total_kv, b.num_kv_heads, hd), f"[total_kv, num_kv_heads, {hd_name}]"
+        else:
+            shape, text = (b.num_kv_heads, b.total_kv, hd), f"[num_kv_heads, total_kv, {hd_name}] (HND)"
+        w._check_rows(name, t, kvdt, shape, text)
+    if not isinstance(return_lse, bool):
+        raise LaunchError(f"run(): return_lse={return_lse!r}: expected a bool")
+    w._check_scales(*scales)
+    return w._check_args(spec_args, where="run()")  # `out` is checked by _outputs
 
 
 # ----------------------------------------------------------------------------- testing helpers

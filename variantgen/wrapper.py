@@ -55,6 +55,7 @@ TORCH_DTYPES = {
     "fp16": torch.float16,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "fp32": torch.float32,  # the flex route only (FlashInfer modules take 16-bit queries)
 }
 SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
@@ -113,7 +114,7 @@ class WrapperBase:
     the spec tensors plan() planned from still hold what plan() saw (checks.PlanCheck; a
     device sync per run())."""
 
-    def __init__(self, spec: VariantSpec, config: ModuleConfig, module: Any, build: BuildResult,
+    def __init__(self, spec: VariantSpec, config: ModuleConfig, module: Any, build: BuildResult | None,
                  float_workspace: torch.Tensor, kv_layout: str = "NHD", *, check_plan: bool | None = None):
         if kv_layout not in LAYOUT_CODES:
             raise LaunchError(f"kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
@@ -127,7 +128,7 @@ class WrapperBase:
         self.config = config
         self.module = module
         self.build = build
-        self.uri = build.entry.uri
+        self.uri = build.entry.uri if build is not None else None  # None: no module (the flex route)
         self.kv_layout = kv_layout
         self.device = float_workspace.device
         self._float_workspace = float_workspace
@@ -216,6 +217,20 @@ class WrapperBase:
             return False
         self.plan_stats.pop("planner_off", None)
         return True
+
+    def _refuse_plan_args(self, spec_args: dict[str, Any], skip_tiles: bool | None, what: str) -> None:
+        """plan() without ``what`` (the interval planner, key trimming) reads no spec argument:
+        a LaunchError if it was given some (they go to run())."""
+        if spec_args:
+            self._check_known(spec_args, "plan()")  # a misspelt name first: it may be why `what` is off
+            why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
+            raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without {what} ({why}) "
+                              "spec arguments go to run() only")
+
+    def _sm_scale(self, q_scale: float | None, k_scale: float | None) -> float:
+        """The softmax scale of the logits: the spec's (default 1/sqrt(head_dim_qk)) times q_scale * k_scale."""
+        base = self.spec.sm_scale if self.spec.sm_scale is not None else 1.0 / math.sqrt(self.config.head_dim_qk)
+        return float(base * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0))
 
     # ------------------------------------------------------------------ argument checks
     @staticmethod
@@ -433,11 +448,8 @@ class WrapperBase:
                      v_scale: float | None) -> tuple[list[torch.Tensor], list[Any]]:
         """The module's extra run() arguments in ABI order, except vg_meta (which the caller
         inserts after the spec tensors): (spec tensors, scalars incl. sm_scale/v_scale)."""
-        cfg = self.config
-        base = self.spec.sm_scale if self.spec.sm_scale is not None else 1.0 / math.sqrt(cfg.head_dim_qk)
-        sm_scale = base * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0)
         tensors = [args[t] for t in self._tensor_names]
-        scalars = [args[s] for s in self._scalar_names] + [float(sm_scale)]
+        scalars = [args[s] for s in self._scalar_names] + [self._sm_scale(q_scale, k_scale)]
         if self.spec.qkv_scales:
             scalars.append(float(v_scale) if v_scale is not None else 1.0)
         return tensors, scalars
@@ -630,42 +642,18 @@ class VariantWrapper(WrapperBase):
         # A plan() that fails must not leave the previous plan half-replaced.
         self._batch, self._launches, self._planned_args = None, [], {}
         self._check_replays()
-        self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
-        self._check_index_tensors(qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
-                                  paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
-        batch = qo_indptr.numel() - 1
-        if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
-            raise LaunchError(
-                f"plan(): inconsistent batch: qo_indptr has {qo_indptr.numel()} entries, paged_kv_indptr "
-                f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
-                "(expected batch+1, batch+1, batch)")
+        check_paged_arguments(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                              num_qo_heads, num_kv_heads, page_size)
         self._staging.begin()
         (qo_h, kvp_h, last_h), indices_h, folded = self._read_indptrs(
             paged_kv_indices, paged_kv_indptr, qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
-        self._check_indptr_starts(qo_indptr=qo_h[0], paged_kv_indptr=kvp_h[0])
-        qo_lens, kv_lens = [], []
-        for b in range(batch):
-            ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
-            kl = 0 if npages == 0 else (npages - 1) * page_size + lp
-            if ql < 0 or npages < 0:
-                raise LaunchError(f"plan(): request {b}: indptrs must be non-decreasing")
-            if npages and not 1 <= lp <= page_size:
-                raise LaunchError(f"plan(): paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
-            if ql > kl:
-                raise LaunchError(f"plan(): request {b} has {ql} queries but only {kl} keys; the queries must be "
-                                  "the last qo_len tokens of the request's KV")
-            qo_lens.append(ql)
-            kv_lens.append(kl)
-        if kvp_h[-1] > paged_kv_indices.numel():
-            raise LaunchError(f"plan(): paged_kv_indices has {paged_kv_indices.numel()} entries, "
-                              f"paged_kv_indptr needs {kvp_h[-1]}")
+        batch_of = paged_batch(qo_h, kvp_h, last_h, paged_kv_indices.numel(), num_qo_heads, num_kv_heads, page_size)
         graph = self._graph
         if graph is not None:
-            graph.capacity.check_batch(batch, qo_h[-1], kvp_h[-1])
+            graph.capacity.check_batch(batch_of.batch_size, qo_h[-1], kvp_h[-1])
             disable_split_kv = True  # split-KV changes the schedule from batch to batch
         self._begin_pages(paged_kv_indices, kvp_h[-1], folded)
-        self._batch = Batch(batch, qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
-                            tuple(qo_lens), tuple(kv_lens))
+        self._batch = batch_of
         try:
             self._plan_batch(qo_h, kvp_h, last_h, indices_h, paged_kv_indices, skip_tiles, disable_split_kv,
                              spec_args)
@@ -700,11 +688,7 @@ class VariantWrapper(WrapperBase):
                 return
             launches = plan_launches(self, qo_h, kvp_h, list(b.kv_lens), checked)
         else:
-            if spec_args:
-                self._check_known(spec_args, "plan()")  # a misspelt name first: it may be why the planner is off
-                why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
-                raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without the interval planner "
-                                  f"({why}) spec arguments go to run() only")
+            self._refuse_plan_args(spec_args, skip_tiles, "the interval planner")
             kv_row = list(accumulate(b.kv_lens, initial=0))
             meta = [[qo_h[r], b.kv_lens[r] - b.qo_lens[r], 0, r, kv_row[r], b.qo_lens[r], b.kv_lens[r], -1,
                      b.qo_lens[r]] for r in range(b.batch_size)]
@@ -958,6 +942,68 @@ def host_indices(*tensors: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]
     return out, flat
 
 
+class PagedBatchLists(NamedTuple):
+    """A paged batch as plan() checked it: the Batch and host copies of its index tensors."""
+
+    batch: Batch
+    qo_indptr: list[int]
+    kv_indptr: list[int]
+    last_page_len: list[int]
+    host: torch.Tensor  # the three back to back on the host (host_indices)
+
+
+def check_paged_arguments(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any,
+                          num_qo_heads: Any, num_kv_heads: Any, page_size: Any) -> None:
+    """plan()'s checks of a paged batch's arguments before their values are read (sizes, index
+    tensor types, entry counts), shared by every paged-prefill route."""
+    WrapperBase._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
+    WrapperBase._check_index_tensors(qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
+                                     paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
+    batch = qo_indptr.numel() - 1
+    if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
+        raise LaunchError(
+            f"plan(): inconsistent batch: qo_indptr has {qo_indptr.numel()} entries, paged_kv_indptr "
+            f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
+            "(expected batch+1, batch+1, batch)")
+
+
+def paged_batch(qo_h: list[int], kvp_h: list[int], last_h: list[int], num_indices: int, num_qo_heads: int,
+                num_kv_heads: int, page_size: int) -> Batch:
+    """The Batch of a paged batch from host copies of its indptrs and last-page lengths (after
+    check_paged_arguments), its per-request lengths checked; ``num_indices``: entries of
+    paged_kv_indices. LaunchError naming the argument and request otherwise."""
+    WrapperBase._check_indptr_starts(qo_indptr=qo_h[0], paged_kv_indptr=kvp_h[0])
+    qo_lens, kv_lens = [], []
+    for b in range(len(qo_h) - 1):
+        ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
+        kl = 0 if npages == 0 else (npages - 1) * page_size + lp
+        if ql < 0 or npages < 0:
+            raise LaunchError(f"plan(): request {b}: indptrs must be non-decreasing")
+        if npages and not 1 <= lp <= page_size:
+            raise LaunchError(f"plan(): paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
+        if ql > kl:
+            raise LaunchError(f"plan(): request {b} has {ql} queries but only {kl} keys; the queries must be "
+                              "the last qo_len tokens of the request's KV")
+        qo_lens.append(ql)
+        kv_lens.append(kl)
+    if kvp_h[-1] > num_indices:
+        raise LaunchError(f"plan(): paged_kv_indices has {num_indices} entries, paged_kv_indptr needs {kvp_h[-1]}")
+    return Batch(len(qo_lens), qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size, tuple(qo_lens),
+                 tuple(kv_lens))
+
+
+def read_paged_batch(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any,
+                     num_qo_heads: Any, num_kv_heads: Any, page_size: Any) -> PagedBatchLists:
+    """check_paged_arguments, the host copies (one device-to-host copy) and paged_batch: a route
+    that reads the batch without VariantWrapper's page-list guard (the flex route checks its pages
+    itself)."""
+    check_paged_arguments(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                          num_kv_heads, page_size)
+    (qo_h, kvp_h, last_h), indices_h = host_indices(qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
+    batch = paged_batch(qo_h, kvp_h, last_h, paged_kv_indices.numel(), num_qo_heads, num_kv_heads, page_size)
+    return PagedBatchLists(batch, qo_h, kvp_h, last_h, indices_h)
+
+
 def device_arch(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     return canonical_arch(f"{major}.{minor}{'a' if major == 9 else ''}")
@@ -994,10 +1040,11 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     per request). ``backend``: "fa2", "fa3", or None to let variantgen choose from the
     spec, dtypes, kind and GPU (build.select_backend: choose_backend's pick, except that with
     JIT disabled or ``build=False`` a precompiled fa2 module is used, with a warning, when
-    the fa3 one is not in the cache - the choice probe() reports). ``workspace`` is the float workspace
-    (uint8, on the target GPU; 128 MiB is plenty). ``use_tensor_cores`` (decode only): run
-    decode through the spec's prefill module (one query per request) instead of the
-    CUDA-core decode kernel - FlashInfer's advice for large GQA groups. ``graph``
+    the fa3 one is not in the cache - the choice probe() reports); "flex" runs the spec through
+    torch's FlexAttention on any CUDA or CPU device, with no module (flex_wrapper.py).
+    ``workspace`` is the float workspace (uint8, on the target GPU; 128 MiB is plenty).
+    ``use_tensor_cores`` (decode only): run decode through the spec's prefill module (one
+    query per request) instead of the CUDA-core decode kernel - FlashInfer's advice for large GQA groups. ``graph``
     (kind "prefill"): CUDA-graph mode with fixed buffers for at most that batch, so a
     captured run() can be replayed after each plan() (graph.py; fa2, chosen when backend
     is None); also kind "decode" (tensor cores: any batch up to the capacity; CUDA cores:
@@ -1010,6 +1057,12 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     call variantgen.probe() first to get a reason instead of an exception.
     """
     spec = resolve_spec(spec)
+    if backend == "flex":  # torch's FlexAttention: no module, no nvcc (flex_wrapper.py)
+        from .flex_wrapper import make_flex_wrapper
+
+        return make_flex_wrapper(spec, workspace, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
+                                 kv_dtype=kv_dtype, o_dtype=o_dtype, kind=kind, kv_layout=kv_layout,
+                                 use_tensor_cores=use_tensor_cores, graph=graph)
     q = canonical_dtype(q_dtype, "q_dtype")
     kv = canonical_dtype(kv_dtype, "kv_dtype")
     o = canonical_dtype(o_dtype, "o_dtype") if o_dtype is not None else q

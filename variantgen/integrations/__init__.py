@@ -1,0 +1,1 @@
+"""Integrations of variantgen into other libraries' extension points (transformers)."""
