@@ -146,6 +146,37 @@ def test_learned_sink_ragged_and_decode():
             decode_check(spec, batch, args, tensor_cores=tensor_cores, label=f"decode sinks w{window}")
 
 
+def test_learned_sink_on_the_flex_route():
+    """The flex route applies the sink from Flex's LSE (o *= sigmoid(lse - s), lse = logaddexp(lse, s)):
+    the reference's output and LSE, with v_scale applied after it, for sinks large, small and -inf
+    (no sink) and windows down to one key; torch's compiled CPU kernel (no LSE) is refused by name."""
+    from variantgen.errors import LaunchError
+    from variantgen.flex_wrapper import make_flex_wrapper
+
+    spec = shipped("attention_sink_learned")
+    batch = random_paged_batch([9, 1, 30, 0, 5], [9, 40, 77, 3, 5], num_qo_heads=HQ, num_kv_heads=HKV,
+                               head_dim=32, page_size=4, dtype=torch.float32, seed=2)
+    ws = torch.empty(0, dtype=torch.uint8)
+    w = variantgen.make_wrapper(spec, ws, head_dim_qk=32, q_dtype="fp32", kv_dtype="fp32", backend="flex")
+    for sinks in (torch.tensor([0.5, -3.0, 25.0, -math.inf]), torch.full((HQ,), -math.inf)):
+        for window in (-1, 11, 1):
+            args = {"sinks": sinks, "window": window}
+            w.plan(*batch.plan_args(), **args)
+            out, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), v_scale=0.5, return_lse=True, **args)
+            ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
+                                               batch.kv_indptr, batch.kv_indices, batch.last_page_len, args,
+                                               v_scale=0.5, return_lse=True)
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-4)
+            assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+            fin = torch.isfinite(ref_lse)
+            torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
+    compiled = make_flex_wrapper(spec, ws, head_dim_qk=32, q_dtype="fp32", kv_dtype="fp32", compile=True)
+    compiled.plan(*batch.plan_args(), sinks=sinks, window=-1)
+    with pytest.raises(LaunchError, match="spec `attention_sink_learned` has a sink, which the flex route applies "
+                                          "from the LSE: torch's compiled CPU FlexAttention returns no LSE"):
+        compiled.run(batch.q, (batch.k_cache, batch.v_cache), sinks=sinks, window=-1)
+
+
 # ----------------------------------------------------------------------------- tree verification
 
 
