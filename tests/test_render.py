@@ -56,6 +56,35 @@ def test_every_shipped_spec_renders(path):
     assert len(module.source_digest()) == 64 and len(module.template_digest) == 64
 
 
+def test_learned_sink_in_every_kernel_kind(spec_from):
+    """fa2 prefill / ragged: an m/d update (first KV chunk only) and an output transform with its
+    scale; fa2 decode: the output transform joins the sink once per thread (first chunk only);
+    fa3: the constructor computes the head's sink and the updater joins it. Specs without a sink
+    render none of it."""
+    spec = spec_from("name: s\ntensors:\n  b: {dtype: float32, shape: [batch, num_kv_heads]}\nmask: kv_pos <= q_pos\n"
+                     "sink: b[request, kv_head] + float(qo_len)\n")
+    for kind in ("prefill", "ragged"):
+        variant = render_module(config(spec, kind=kind)).files["variant.cuh"]
+        assert "REGISTER_M_D_UPDATE(params, kv_tile_idx, qo_head_idx, m, d, scale, {" in variant
+        assert "if (kv_tile_idx == 0) {" in variant
+        assert "return output * scale * d_rcp * get_v_scale(params);" in variant
+        heads = "int32_t(params.num_kv_heads)" if kind == "ragged" else "int32_t(params.paged_kv.num_heads)"
+        assert f"const int32_t kv_head = int32_t(qo_head_idx) / (int32_t(params.num_qo_heads) / {heads});" in variant
+        assert "log2_sink = float((params.b[(request) * " in variant
+        assert "+ float(req_qo_len))) * math::log2e;" in variant
+    decode = render_module(config(spec, kind="decode")).files["variant.cuh"]
+    assert "REGISTER_M_D_UPDATE" not in decode
+    assert "if (!params.partition_kv || params.kv_tile_indices[batch_idx] == 0) {" in decode
+    assert "bool vg_sink_joined;" in decode and "vg_sink_joined = false;" in decode
+    fa3 = render_module(config(spec, backend="fa3")).files["variant.cuh"]
+    assert "struct VgSinkSoftmax : flashinfer::OnlineSoftmax<NUM_ROWS_PER_THREAD, /*WITH_SCALE=*/true>" in fa3
+    assert fa3.count("return VgSinkSoftmax<NUM_ROWS_PER_THREAD>(sm_scale_log2, log2_sink);") == 2  # plain, masked
+    assert "const int32_t kv_head = int32_t(kv_head_idx);" in fa3
+    for kind, backend in (("prefill", "fa2"), ("decode", "fa2"), ("prefill", "fa3")):
+        plain = render_module(config(shipped("causal"), kind=kind, backend=backend)).files["variant.cuh"]
+        assert "sink" not in plain.lower(), (kind, backend)
+
+
 def test_query_clamp_guards_padding_lanes():
     variant = render_module(config(shipped("causal"))).files["variant.cuh"]
     assert "qo_idx < qo_len ? qo_idx : qo_len - 1" in variant

@@ -206,6 +206,16 @@ def emit_logits(spec: VariantSpec, logits_local: str = "score", target: Target =
     return Snippet(code, frozenset(e.builtins))
 
 
+def emit_sink(spec: VariantSpec, target: Target = FA2_PAGED) -> Snippet | None:
+    """The spec's learned sink logit as a float C++ expression (None: no sink). It reads only
+    expr.SINK_BUILTINS (the type checker saw to it): per query head and request."""
+    if spec.sink is None:
+        return None
+    e = _Emitter(spec, target)
+    code = e.as_float(spec.sink)
+    return Snippet(code, frozenset(e.builtins))
+
+
 def emit_row_expr(spec: VariantSpec, node: Node, target: Target = PLANNER) -> Snippet:
     """A row-only sub-expression of the mask (an interval bound or condition) as C++."""
     e = _Emitter(spec, target)
