@@ -268,6 +268,9 @@ def render(e: Explanation) -> str:
            f"{e.kv_len} keys (kv_pos 0..{e.kv_len - 1}); page size {e.page_size}" +
            (f"; query head {e.head}" if e.head else "")]
     out.append(f"mask: {' '.join(e.spec.mask_text.split())}")
+    if e.spec.sink_text is not None:  # a logit per head in every row's denominator: not in the grid
+        out.append(f"sink: {' '.join(e.spec.sink_text.split())} (a learned logit per head in each row's softmax; "
+                   "the grid shows the mask only)")
     if e.args:
         out.append("arguments:")
         for a in e.args.values():
