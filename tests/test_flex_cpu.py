@@ -376,7 +376,7 @@ def test_argument_checks_are_the_wrappers():
         w.run(batch.q, kv, ranges=args["ranges"].clone())
     with pytest.raises(LaunchError, match="expected dtype torch.float16"):
         w.run(batch.q.to(torch.bfloat16), kv, **args)
-    with pytest.raises(LaunchError, match="`causal_window_left`: expected a int"):
+    with pytest.raises(LaunchError, match="`causal_window_left`: expected an int"):
         w.run(batch.q, kv, **dict(args, causal_window_left=1.5))
     with pytest.raises(LaunchError, match="`q_scale`: expected a finite float"):
         w.run(batch.q, kv, q_scale=math.inf, **args)

@@ -46,25 +46,23 @@ import sys
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from ..library import resolve_spec
 
 log = logging.getLogger("variantgen.transformers")
 
 IMPLEMENTATION = "variantgen"
 SESSION_ATTR = "_variantgen_session"
-SPECS_DIR = Path(__file__).resolve().parents[2] / "specs"
 _tokens = itertools.count()
 
 
 @functools.cache
 def _shipped(name: str):
-    """A shipped spec (specs/<name>.yaml) by name."""
-    from ..spec import load_spec
-
-    return load_spec(SPECS_DIR / f"{name}.yaml")
+    """A shipped spec by name (library.py: the package's specs, in a checkout or a wheel)."""
+    return resolve_spec(name)
 
 
 # ----------------------------------------------------------------------------- registration
