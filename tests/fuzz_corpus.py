@@ -3,7 +3,7 @@
 from variantgen.expr import TensorSig, Type, TypeEnv
 
 YAML_TOKENS = [
-    "name:", "mask:", "logits:", "tensors:", "scalars:", "scales:", "backends:", "description:", "dtype:",
+    "name:", "mask:", "logits:", "sink:", "tensors:", "scalars:", "scales:", "backends:", "description:", "dtype:",
     "shape:", "default:", "doc:", "sm_scale:", "qkv_scales:", "min:", "max:", "positive:", "int", "float", "bool",
     "int32", "float32", "total_q", "total_kv", "batch", "num_qo_heads", "[", "]", "{", "}", ",", ":", "- ", "? ",
     " ", "  ", "\n", "\n  ", "\n    ", "\t", "#", "'", '"', "\\", "|", ">-", "|+", "&a ", "*a",

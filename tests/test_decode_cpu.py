@@ -127,9 +127,9 @@ def test_every_shipped_spec_renders_a_decode_module(path):
     assert module.host_sources == ("batch_decode.cu",)
     text = "\n".join(module.files.values())
     assert "{{" not in text and "{%" not in text and "{#" not in text
-    # the variant struct is the prefill module's, unchanged
+    # the variant struct is the prefill module's, unchanged (a sink's hook differs: decode has no m/d update)
     prefill = render_module(decode_config(spec, kind="prefill"))
-    assert module.files["variant.cuh"] == prefill.files["variant.cuh"]
+    assert (module.files["variant.cuh"] == prefill.files["variant.cuh"]) == (spec.sink is None)
     struct = render.struct_name(spec)
     config = module.files["batch_decode_config.inc"]
     assert meta_defines(config) == meta_defines(prefill.files["batch_prefill_config.inc"])

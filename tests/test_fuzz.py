@@ -89,8 +89,9 @@ def exercise(spec) -> None:
     assert spec.mask.ty is Type.BOOL
     codegen.emit_mask(spec)
     codegen.emit_logits(spec)
+    codegen.emit_sink(spec)
     kernel_args(spec)
-    if shallow(spec.mask) and (spec.logits is None or shallow(spec.logits)):
+    if all(node is None or shallow(node) for node in (spec.mask, spec.logits, spec.sink)):
         assert variantgen.parse_spec(_canonical_yaml(spec), PATH).digest == spec.digest
     if "fa2" in spec.backends:
         module = render_module(ModuleConfig(spec, 64, 64, "fp16", "fp16", "fp16", "8.0"))
@@ -107,6 +108,8 @@ def _canonical_yaml(spec) -> str:
     doc: dict = {"name": c["name"], "mask": c["mask"]}
     if c["logits"] is not None:
         doc["logits"] = c["logits"]
+    if "sink" in c:
+        doc["sink"] = c["sink"]
     if c["tensors"]:
         doc["tensors"] = {n: {"dtype": d, "shape": s} for n, d, s in c["tensors"]}
     if c["scalars"]:
@@ -212,6 +215,9 @@ def structured_specs(draw):
         ))
     if draw(st.booleans()):
         doc["logits"] = draw(st.one_of(expressions.map(lambda e: f"logits + {e}"), expressions, scalar_values))
+    if draw(st.integers(0, 3)) == 0:
+        doc["sink"] = draw(st.one_of(expressions, st.sampled_from(["s[qo_head]", "s[q_row]", "0", "-1.5e3"]),
+                                     scalar_values))
     if draw(st.booleans()):
         doc["scales"] = draw(st.one_of(
             st.fixed_dictionaries({}, optional={"sm_scale": scalar_values, "qkv_scales": scalar_values,

@@ -80,6 +80,10 @@ SINKS = {"attention_sink_learned": lambda args, b, h: float(args["sinks"][h])}
 # tree_verify: request 0 verifies a root with two children, request 1 two roots (a forest)
 TREE_PARENTS = [[-1, 0, 0], [-1, -1]]
 ARGS["tree_verify"] = {"tree_bits": torch.tensor([[1, 0], [3, 0], [5, 0], [1, 0], [2, 0]], dtype=torch.int32)}
+# gemma4_sliding: request 0's queries at positions 4 and 5 end the image block [2, 5]; its third
+# (position 6) and request 1's are text; window 3
+GEMMA4_BLOCKS = [[2, 5], [2, 5], [-1, -1], [-1, -1], [-1, -1]]
+ARGS["gemma4_sliding"] = {"ranges": torch.tensor(GEMMA4_BLOCKS, dtype=torch.int32), "window": 3}
 
 
 def _scalar(args, name, spec):
@@ -113,6 +117,9 @@ def expected_visible(name: str, spec, args, p: Pos) -> bool:
     if name == "prefix_lm":
         prefix = [6, 0][p.b]
         return p.j < prefix or causal
+    if name == "gemma4_sliding":  # transformers: kv > q - window and (kv <= q or the query's own block)
+        lo, hi = GEMMA4_BLOCKS[p.q_row]
+        return p.j > p.q - _scalar(args, "window", spec) and (causal or lo <= p.j <= hi)
     if name == "tree_verify":  # the cached context, then the node itself and its ancestors
         ctx = p.kv_len - p.qo_len
         ancestors, node = {p.i}, p.i

@@ -977,5 +977,5 @@ def test_shipped_scalar_ranges():
         ("mm_prefix", "causal_window_left"): ">= -1", ("mm_prefix", "range_window_left"): ">= -1",
         ("sliding_window", "window"): ">= -1",
         ("softcap", "soft_cap"): "> 0", ("softcap", "window"): ">= -1",
-        ("attention_sink_learned", "window"): ">= -1",
+        ("attention_sink_learned", "window"): ">= -1", ("gemma4_sliding", "window"): "> 0",
     }
