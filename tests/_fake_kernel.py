@@ -23,8 +23,9 @@ against the dense reference without a GPU:
   launch request. The real kernel evaluates the mask only on boundary tiles in modes 0
   and 1, so the planner may only send rows there whose visible set is exactly that; a
   strict emulation catches any row for which it is not.
-* the spec's logits transform is applied in every mode to the scaled score; fully masked
-  rows give 0 (lse -inf); the output is multiplied by v_scale and cast to ``out.dtype``.
+* the spec's logits transform is applied in every mode to the scaled score; its sink (if
+  any) joins each row's denominator once; fully masked rows give 0 (lse -inf, or the sink);
+  the output is multiplied by v_scale and cast to ``out.dtype``.
 
 ``FakeFa3Module`` takes the fa3 module's paged_run (its work list from the launch builder),
 ``FakeRaggedModule`` the ragged module's ``ragged_run`` (keys from a ragged k / v); both are
@@ -85,6 +86,14 @@ def scores_with_logits(spec: VariantSpec, env: dict, args: dict, scores: torch.T
 
 def spec_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...]) -> torch.Tensor:
     return _Evaluator.from_env(spec, env, args).ev(spec.mask).expand(shape)
+
+
+def spec_sink(spec: VariantSpec, env: dict, args: dict, heads: int) -> torch.Tensor | None:
+    """The spec's sink logit per query head, [heads, 1], as the variant computes it from the
+    launch request's vg_meta row (None without a sink): every launch request of a row adds it."""
+    if spec.sink is None:
+        return None
+    return _Evaluator.from_env(spec, env, args)._as_float(spec.sink).expand(heads, 1, 1).reshape(heads, 1)
 
 
 def assert_lse_matches(lse: torch.Tensor, ref_lse: torch.Tensor, label: str) -> None:
@@ -288,7 +297,8 @@ class FakeModule:
                 visible = visible.expand(hq, qo_len, kv_len)
             else:
                 visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
-            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v)
+            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v,
+                                         spec_sink(self.spec, env, args, hq))
             out[o_row:o_row + qo_len] = (o * v_scale).to(out.dtype)
             if lse is not None:
                 lse[o_row:o_row + qo_len] = lse_b
@@ -452,7 +462,8 @@ class FakeRaggedModule(FakeModule):
                 visible = (j <= kv_len - qo_len + i).expand(hq, qo_len, kv_len)
             else:
                 visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
-            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), vb)
+            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), vb,
+                                         spec_sink(self.spec, env, args, hq))
             o_row = o_indptr[b]
             out[o_row:o_row + qo_len] = (o * v_scale).to(out.dtype)
             if lse is not None:

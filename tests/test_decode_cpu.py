@@ -134,9 +134,9 @@ def test_every_shipped_spec_renders_a_decode_module(path):
     assert module.host_sources == ("batch_decode.cu",)
     text = "\n".join(module.files.values())
     assert "{{" not in text and "{%" not in text and "{#" not in text
-    # the variant struct is the prefill module's, unchanged
+    # the variant struct is the prefill module's, unchanged (a sink's hook differs: decode has no m/d update)
     prefill = render_module(decode_config(spec, kind="prefill"))
-    assert module.files["variant.cuh"] == prefill.files["variant.cuh"]
+    assert (module.files["variant.cuh"] == prefill.files["variant.cuh"]) == (spec.sink is None)
     struct = render.struct_name(spec)
     config = module.files["batch_decode_config.inc"]
     # vg_meta's columns: the plan ABI's header, which every kind's config includes

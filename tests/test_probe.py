@@ -615,6 +615,20 @@ def test_probe_backends_answers_per_backend_and_kind(fake_build):
     assert not out["fa3", "ragged"] and "backend 'fa3' generates only ['prefill']" in out["fa3", "ragged"].reason
 
 
+@pytest.mark.parametrize("spec_name", ["attention_sink_learned", "tree_verify", "gemma4_sliding"])
+def test_probe_backends_answer_for_the_new_masks(fake_build, spec_name):
+    """The sinks, tree and Gemma 4 specs: every (backend, kind) gets an answer (the fake build
+    renders each module, so one whose templates broke would be a reason, not ok); fa3 generates
+    paged prefill only, and Gemma 4's global head dim 512 is refused with the supported list."""
+    out = variantgen.probe_backends(spec_name, kinds=("prefill", "ragged", "decode"), head_dim_qk=256,
+                                    q_dtype="bf16", kv_dtype="bf16", arch="9.0a")
+    assert {key for key, r in out.items() if r.ok} == {("fa2", "prefill"), ("fa3", "prefill"), ("fa2", "ragged"),
+                                                       ("fa2", "decode")}, {k: r.reason for k, r in out.items()}
+    assert "backend 'fa3' generates only ['prefill']" in out["fa3", "decode"].reason
+    wide = variantgen.probe(spec_name, head_dim_qk=512, q_dtype="bf16", kv_dtype="bf16", arch="9.0a")
+    assert not wide and "support head dims 64, 128, 256" in wide.reason
+
+
 def test_negative_results_are_memoized(monkeypatch):
     _no_gpu(monkeypatch)
     r1 = probe(MM, **BASE)

@@ -56,6 +56,35 @@ def test_every_shipped_spec_renders(path):
     assert len(module.source_digest()) == 64 and len(module.template_digest) == 64
 
 
+def test_learned_sink_in_every_kernel_kind(spec_from):
+    """fa2 prefill / ragged: an m/d update (first KV chunk only) and an output transform with its
+    scale; fa2 decode: the output transform joins the sink once per thread (first chunk only);
+    fa3: the constructor computes the head's sink and the updater joins it. Specs without a sink
+    render none of it."""
+    spec = spec_from("name: s\ntensors:\n  b: {dtype: float32, shape: [batch, num_kv_heads]}\nmask: kv_pos <= q_pos\n"
+                     "sink: b[request, kv_head] + float(qo_len)\n")
+    for kind in ("prefill", "ragged"):
+        variant = render_module(config(spec, kind=kind)).files["variant.cuh"]
+        assert "REGISTER_M_D_UPDATE(params, kv_tile_idx, qo_head_idx, m, d, scale, {" in variant
+        assert "if (kv_tile_idx == 0) {" in variant
+        assert "return output * scale * d_rcp * get_v_scale(params);" in variant
+        heads = "int32_t(params.num_kv_heads)" if kind == "ragged" else "int32_t(params.paged_kv.num_heads)"
+        assert f"const int32_t kv_head = int32_t(qo_head_idx) / (int32_t(params.num_qo_heads) / {heads});" in variant
+        assert "log2_sink = float((params.b[(request) * " in variant
+        assert "+ float(req_qo_len))) * math::log2e;" in variant
+    decode = render_module(config(spec, kind="decode")).files["variant.cuh"]
+    assert "REGISTER_M_D_UPDATE" not in decode
+    assert "if (!params.partition_kv || params.kv_tile_indices[batch_idx] == 0) {" in decode
+    assert "bool vg_sink_joined;" in decode and "vg_sink_joined = false;" in decode
+    fa3 = render_module(config(spec, backend="fa3")).files["variant.cuh"]
+    assert "struct VgSinkSoftmax : flashinfer::OnlineSoftmax<NUM_ROWS_PER_THREAD, /*WITH_SCALE=*/true>" in fa3
+    assert fa3.count("return VgSinkSoftmax<NUM_ROWS_PER_THREAD>(sm_scale_log2, log2_sink);") == 2  # plain, masked
+    assert "const int32_t kv_head = int32_t(kv_head_idx);" in fa3
+    for kind, backend in (("prefill", "fa2"), ("decode", "fa2"), ("prefill", "fa3")):
+        plain = render_module(config(shipped("causal"), kind=kind, backend=backend)).files["variant.cuh"]
+        assert "sink" not in plain.lower(), (kind, backend)
+
+
 def test_query_clamp_guards_padding_lanes():
     variant = render_module(config(shipped("causal"))).files["variant.cuh"]
     assert "qo_idx < qo_len ? qo_idx : qo_len - 1" in variant
@@ -167,6 +196,15 @@ def test_codegen_of_constants_and_operators(spec_from):
     assert "vg_div(float(kv_pos), float(int32_t(2)))" in code
     assert "1.5e-07f" in code and "(!" in code and "vg_abs((-kv_pos))" in code
     assert codegen.emit_mask(spec).builtins == {"kv_pos", "q_pos"}
+
+
+def test_codegen_bit(spec_from):
+    spec = spec_from("name: x\ntensors:\n  b: {dtype: int32, shape: [total_q, 2]}\n"
+                     "mask: kv_pos <= q_pos and bit(b[q_row, 1], (q_pos - kv_pos) % 32)\n")
+    code = codegen.emit_mask(spec).code
+    assert "vg_bit(params.b[(q_row) * int32_t(2) + int32_t(1)], vg_mod((q_pos - kv_pos), int32_t(32)))" in code
+    variant = render_module(ModuleConfig(spec, 64, 64, "fp16", "fp16", "fp16", "8.0")).files["variant.cuh"]
+    assert "__device__ __forceinline__ bool vg_bit(int32_t x, int32_t i)" in variant
 
 
 def test_codegen_index_flattening(spec_from):

@@ -304,8 +304,8 @@ def test_prefix_lm_prefix_lengths(page_size):
         check(spec, batch, {"prefix_len": prefix}, skip_tiles=skip, label=f"prefix ps{page_size}")
 
 
-def test_attention_sink_sinks_past_the_window():
-    spec = shipped("attention_sink")
+def test_streaming_sink_sinks_past_the_window():
+    spec = shipped("streaming_sink")
     batch = batch_of([40, 1, 64], [40, 120, 64], 4, seed=9)
     for num_sink, window in ((0, 3), (5, 0), (100, 2), (6, 200), (1, 1)):
         for skip in (False, True):
@@ -560,7 +560,7 @@ def test_run_bad_float_scalar(value, shown):
     ("softcap", "soft_cap", 1e-50, "1e-50 (as a 32-bit float it is 0.0) is out of range: the spec allows > 0"),
     ("softcap", "window", -2, "-2 is out of range: the spec allows >= -1"),
     ("chunked_local", "chunk_size", 0, "0 is out of range: the spec allows > 0"),
-    ("attention_sink", "window", -1, "-1 is out of range: the spec allows >= 0"),
+    ("streaming_sink", "window", -1, "-1 is out of range: the spec allows >= 0"),
     ("mm_prefix", "range_window_left", -5, "-5 is out of range: the spec allows >= -1"),
 ])
 @pytest.mark.parametrize("where", ["plan()", "run()"])

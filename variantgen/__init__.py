@@ -2,10 +2,10 @@
 
 Public API: load_spec / parse_spec, shipped_specs / resolve_spec (specs by name: wherever a
 spec is accepted, "mm_prefix" names the shipped one), probe / probe_backends (ProbeResult),
-make_wrapper, GraphCapacity (CUDA-graph mode), choose_backend, spans_to_ranges, and the error
-classes. ``import variantgen`` does not import torch: make_wrapper, GraphCapacity and
-spans_to_ranges are imported on first access (they need torch; the spec, probe and cache paths
-do not).
+make_wrapper, GraphCapacity (CUDA-graph mode), choose_backend, spans_to_ranges, tree_bits, and
+the error classes. ``import variantgen`` does not import torch: make_wrapper, GraphCapacity,
+spans_to_ranges and tree_bits are imported on first access (they need torch; the spec, probe and
+cache paths do not).
 """
 
 __version__ = "0.1.0"
@@ -20,7 +20,8 @@ from .render import choose_backend  # noqa: E402
 from .spec import VariantSpec, load_spec, parse_spec  # noqa: E402
 
 # name -> submodule that defines it; these import torch, so only when first asked for
-_TORCH_NAMES = {"make_wrapper": "wrapper", "GraphCapacity": "graph", "spans_to_ranges": "spans"}
+_TORCH_NAMES = {"make_wrapper": "wrapper", "GraphCapacity": "graph", "spans_to_ranges": "spans",
+                "tree_bits": "trees"}
 
 
 def __getattr__(name):
@@ -56,4 +57,5 @@ __all__ = [
     "resolve_spec",
     "shipped_specs",
     "spans_to_ranges",
+    "tree_bits",
 ]

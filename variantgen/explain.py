@@ -60,6 +60,8 @@ class RowInfo:
     cls: str  # dense / causal / window / custom, or "" with the planner off
     param: int  # the window width for window rows, the fixed first key for causal rows
     outside: int  # visible keys outside [lo, hi]: nonzero means the intervals are wrong
+    dense_hi: int = -1  # [lo, dense_hi] all visible (a hull row's dense start; lo - 1: none)
+    hidden: int = 0  # keys of [lo, dense_hi] the mask hides: nonzero means the intervals are wrong
 
 
 @dataclass(frozen=True)
@@ -234,9 +236,11 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
             lo, hi = int(iv.lo[r]), int(iv.hi[r])
             visible = mask[r].nonzero().flatten().tolist()
             outside = sum(1 for k in visible if not lo <= k <= hi) if not bool(iv.empty[r]) else len(visible)
+            dense_hi = int(iv.dense_hi[r])
+            hidden = int((~mask[r, lo:dense_hi + 1]).sum()) if dense_hi >= lo else 0
             cls = int(rec[2, r])
             rows.append(RowInfo(int(q_pos[r]), lo, hi, bool(iv.exact[r]), bool(iv.empty[r]), CLASS_NAMES[cls],
-                                int(rec[3, r]), outside))
+                                int(rec[3, r]), outside, dense_hi, hidden))
         counts = dict.fromkeys(CLASS_NAMES, 0) | {"custom_rows": 0}
         for seg in segments(rec, page_size).tolist():  # the launch requests fa2 runs (fa3: a window launch each)
             la = Planned.from_segment(seg, page_size)
@@ -257,6 +261,9 @@ def render(e: Explanation) -> str:
            f"{e.kv_len} keys (kv_pos 0..{e.kv_len - 1}); page size {e.page_size}" +
            (f"; query head {e.head}" if e.head else "")]
     out.append(f"mask: {' '.join(e.spec.mask_text.split())}")
+    if e.spec.sink_text is not None:  # a logit per head in every row's denominator: not in the grid
+        out.append(f"sink: {' '.join(e.spec.sink_text.split())} (a learned logit per head in each row's softmax; "
+                   "the grid shows the mask only)")
     if e.args:
         out.append("arguments:")
         for a in e.args.values():
@@ -279,7 +286,7 @@ def render(e: Explanation) -> str:
     out.append("key intervals (the mask as a union of terms; per row the planner keeps their hull):")
     for i, term in enumerate(e.form.terms):
         out.append(f"  term {i + 1}: {term.describe() or 'every key'}")
-    wrong = [info for info in e.rows if info.outside]
+    wrong = [info for info in e.rows if info.outside or info.hidden]
     if wrong:
         out.append(f"  WARNING: {len(wrong)} row(s) see keys outside their interval (an intervals bug: please report)")
     out.append("")
@@ -303,10 +310,13 @@ def _row_text(e: Explanation, info: RowInfo) -> str:
         return ""
     if info.empty:
         interval = "no key (empty)"
+    elif not info.exact and info.dense_hi >= info.lo:  # a dense start, then the hull
+        interval = f"[{info.lo}, {info.dense_hi}] dense + [{info.dense_hi + 1}, {info.hi}] hull"
     else:
         interval = f"[{info.lo}, {info.hi}] {'exact' if info.exact else 'hull'}"
     cls = info.cls + (f" w={info.param}" if info.cls == "window" else "")
     flag = f"  ! {info.outside} visible key(s) outside" if info.outside else ""
+    flag += f"  ! {info.hidden} masked key(s) in the dense part" if info.hidden else ""
     return f"{interval:18} {cls}{flag}"
 
 

@@ -43,6 +43,7 @@ from .expr import names_used
 from .flex import BLOCK, Blocks, FlexLayout, RowBlocks
 from .intervals import row_intervals, usable_form
 from .library import resolve_spec
+from .reference import _Evaluator
 from .render import DTYPE_ALIASES, KINDS
 from .rowrules import row_env
 from .spec import VariantSpec
@@ -309,17 +310,41 @@ class FlexWrapperBase(WrapperBase):
         """Flex over the laid-out tensors: (o, natural-log lse or an empty tensor)."""
         mods = flex.make_mods(self.spec, plan.layout, flex.capture_args(self.spec, args, self.device))
         block_mask = self._blocks(plan, mods, args).block_mask(mods.mask_mod, plan.layout)
+        want_lse = want_lse or self.spec.sink is not None  # the sink is applied from the LSE (_finish)
         if want_lse and self.compiled and self.device.type == "cpu":
-            raise LaunchError("run(return_lse=True): torch's compiled CPU FlexAttention returns no LSE; make the "
-                              "wrapper with compile=False on the CPU (the default)")
+            why = (f"spec `{self.spec.name}` has a sink, which the flex route applies from the LSE"
+                   if self.spec.sink is not None else "run(return_lse=True)")
+            raise LaunchError(f"{why}: torch's compiled CPU FlexAttention returns no LSE; make the wrapper with "
+                              "compile=False on the CPU (the default)")
         return flex.flex_call(q4, k4, v4, mods, block_mask, self._sm_scale(q_scale, k_scale), self.compiled,
                               want_lse, (self.spec.digest, plan.layout.packed))
 
+    def _sink_logits(self, args: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """The spec's sink logit for each output row and query head, float32 [rows, heads]: the
+        builtins a sink may read (expr.SINK_BUILTINS) per row's request and per head."""
+        b = self._batch
+        assert b is not None and self.spec.sink is not None
+        i64 = torch.int64
+        qo_lens = torch.tensor(b.qo_lens, dtype=i64, device=device)
+        kv_lens = torch.tensor(b.kv_lens, dtype=i64, device=device)
+        request = torch.repeat_interleave(torch.arange(len(b.qo_lens), device=device), qo_lens).view(-1, 1)
+        qo_head = torch.arange(b.num_qo_heads, dtype=i64, device=device).view(1, -1)
+        env = {"request": request, "qo_len": qo_lens[request], "kv_len": kv_lens[request], "qo_head": qo_head,
+               "kv_head": qo_head // (b.num_qo_heads // b.num_kv_heads)}
+        value = _Evaluator.from_env(self.spec, env, args)._as_float(self.spec.sink)
+        return value.expand(request.shape[0], b.num_qo_heads)
+
     def _finish(self, o: torch.Tensor, lse_n: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-                v_scale: float | None, return_lse: bool):
+                v_scale: float | None, return_lse: bool, args: dict[str, Any]):
         """o / lse into the caller's outputs: o times v_scale in the output dtype, the LSE in base 2.
-        (Learned sinks, once specs have them, apply here: o *= sigmoid(lse - sink[head]),
-        lse = logaddexp(lse, sink[head]).)"""
+        A learned sink s (a logit with no value) joins each row's softmax here, from the LSE Flex
+        returns: o *= sigmoid(lse - s) = sum / (sum + e^s), lse = logaddexp(lse, s)."""
+        if self.spec.sink is not None:
+            sink = self._sink_logits(args, o.device)
+            # a -inf sink (no sink) keeps o, also on a row with no key (whose lse is -inf too)
+            keep = torch.where(torch.isneginf(sink), torch.ones_like(sink), torch.sigmoid(lse_n.float() - sink))
+            o = o * keep.unsqueeze(-1)  # (in float32: keep is)
+            lse_n = torch.logaddexp(lse_n.float(), sink)
         out.copy_(o if v_scale is None else o * v_scale)
         if lse is not None:
             lse.copy_(lse_n / math.log(2.0))
@@ -390,8 +415,8 @@ def _run_packed(w: FlexWrapperBase, plan: FlexPlan, q: torch.Tensor, k: torch.Te
     o, lse_n = w._attend(plan, qbuf.transpose(0, 1)[None], kbuf.transpose(0, 1)[None], vbuf.transpose(0, 1)[None],
                          args, q_scale, k_scale, lse is not None)
     o_rows = o[0].transpose(0, 1)[:b.total_q]
-    lse_rows = lse_n[0].t()[:b.total_q] if lse is not None else lse_n
-    return w._finish(o_rows, lse_rows, out, lse, v_scale, return_lse)
+    lse_rows = lse_n[0].t()[:b.total_q] if lse_n.numel() else lse_n
+    return w._finish(o_rows, lse_rows, out, lse, v_scale, return_lse, args)
 
 
 # ----------------------------------------------------------------------------- ragged
@@ -528,7 +553,8 @@ class FlexDecodeWrapper(FlexWrapperBase):
 
         o, lse_n = self._attend(plan, q.unsqueeze(2), per_request(kbuf), per_request(vbuf), args, q_scale, k_scale,
                                 lse is not None)
-        return self._finish(o[:, :, 0], lse_n[:, :, 0] if lse is not None else lse_n, out, lse, v_scale, return_lse)
+        return self._finish(o[:, :, 0], lse_n[:, :, 0] if lse_n.numel() else lse_n, out, lse, v_scale, return_lse,
+                            args)
 
 
 # ----------------------------------------------------------------------------- factory and probe

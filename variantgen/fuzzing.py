@@ -137,13 +137,22 @@ class PerHead:
 
 
 @dataclass(frozen=True)
+class Trees:
+    """An int32 [total_q, W] ancestor bitmask (tree_verify's ``tree_bits``): per request the
+    parent of each draft node (-1: a root; variantgen.trees). A request's first qo_len nodes are
+    used (a prefix of a parent list is a tree); rows past 32 * W nodes, or past the list, are 0."""
+
+    parents: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
 class Seeded:
     """Any other spec tensor: random values from ``seed`` (ints in [-2, max kv_len], floats N(0, 1))."""
 
     seed: int
 
 
-TensorArg = Ranges | DocRuns | PerRequest | PerHead | Seeded
+TensorArg = Ranges | DocRuns | PerRequest | PerHead | Trees | Seeded
 Scalar = int | float | bool
 
 
@@ -166,6 +175,8 @@ class Batch:
                 return DocRuns(_without(t.runs, i))
             if isinstance(t, PerRequest):
                 return PerRequest(_without(t.values, i))
+            if isinstance(t, Trees):
+                return Trees(_without(t.parents, i))
             return t
 
         return Batch(_without(self.qo_lens, i), _without(self.kv_lens, i),
@@ -182,7 +193,8 @@ class Batch:
             return f"qo_lens={list(self.qo_lens)}, kv_lens={list(self.kv_lens)}: decode has one query per request " \
                    "and kv_len >= 1"
         for name, t in self.tensors:
-            per = {Ranges: ("spans", "rows"), DocRuns: ("runs",), PerRequest: ("values",)}.get(type(t), ())
+            per = {Ranges: ("spans", "rows"), DocRuns: ("runs",), PerRequest: ("values",),
+                   Trees: ("parents",)}.get(type(t), ())
             for f in per:
                 if len(getattr(t, f)) != n:
                     return f"tensor {name}: {type(t).__name__}.{f} has {len(getattr(t, f))} entries for {n} requests"
@@ -257,8 +269,8 @@ class FuzzCase:
 
 # ----------------------------------------------------------------------------- JSON and Python literals
 
-_CLASSES = {c.__name__: c for c in (ModuleKey, Ranges, DocRuns, PerRequest, PerHead, Seeded, Batch, GraphSetup,
-                                    FuzzCase)}
+_CLASSES = {c.__name__: c for c in (ModuleKey, Ranges, DocRuns, PerRequest, PerHead, Trees, Seeded, Batch,
+                                    GraphSetup, FuzzCase)}
 
 
 def to_json(obj: Any) -> Any:
@@ -432,8 +444,22 @@ def _draw_doc_runs(r: random.Random, qo_lens: list[int], kv_lens: list[int]) -> 
     return DocRuns(tuple(runs))
 
 
+def _draw_trees(r: random.Random, qo_lens: list[int], words: int) -> Trees:
+    from .trees import random_tree_parents
+
+    g = torch.Generator().manual_seed(r.getrandbits(31))
+    shapes = ("chain", "star", "random", "forest")
+    return Trees(tuple(tuple(random_tree_parents(min(q, 32 * words), g, r.choice(shapes))) for q in qo_lens))
+
+
 def _draw_tensor(r: random.Random, t: Any, qo_lens: list[int], kv_lens: list[int]) -> TensorArg:
     shape = tuple(t.shape)
+    if t.name == "tree_bits" and t.dtype == "int32" and len(shape) == 2 and shape[0] == "total_q":
+        return _draw_trees(r, qo_lens, shape[1])
+    if t.name == "sinks" and t.dtype == "float32" and shape == ("num_qo_heads",):
+        # learned sink logits: a few units either way (gpt-oss), and ones that take all or no weight
+        return PerHead(tuple(r.choice([round(r.uniform(-6.0, 6.0), 3), 40.0, -40.0, 0.0])
+                             for _ in range(r.randint(1, 8))))
     if t.dtype == "int32" and shape == ("total_q", 2):
         return _draw_ranges(r, qo_lens, kv_lens)
     if t.dtype == "int32" and shape == ("total_kv",):
@@ -571,6 +597,18 @@ def spec_tensor(t: Any, arg: TensorArg, batch: Batch, num_qo_heads: int, num_kv_
         if not arg.values:
             return alibi_slopes(num_qo_heads)
         return torch.tensor([arg.values[h % len(arg.values)] for h in range(num_qo_heads)], dtype=torch.float32)
+    if isinstance(arg, Trees):
+        from .trees import tree_bits
+
+        words = t.shape[1]
+        out = torch.zeros(sum(batch.qo_lens), words, dtype=torch.int32)
+        base = 0
+        for q, parents in zip(batch.qo_lens, arg.parents):
+            nodes = list(parents[:min(q, 32 * words)])
+            if nodes:
+                out[base:base + len(nodes)] = tree_bits([nodes], words=words)
+            base += q
+        return out
     dims = {"total_q": sum(batch.qo_lens), "total_kv": sum(batch.kv_lens), "batch": len(batch.qo_lens),
             "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads}
     shape = tuple(dims[d] if isinstance(d, str) else d for d in t.shape)
@@ -1033,6 +1071,11 @@ def _tensor_shrinks(arg: TensorArg) -> Iterator[TensorArg]:
                 yield PerRequest(arg.values[:i] + (0,) + arg.values[i + 1:])
     elif isinstance(arg, PerHead) and arg.values:
         yield PerHead()
+    elif isinstance(arg, Trees):
+        for i, parents in enumerate(arg.parents):
+            chain = tuple(range(-1, len(parents) - 1))
+            if parents != chain:  # the simplest tree of its size
+                yield Trees(arg.parents[:i] + (chain,) + arg.parents[i + 1:])
 
 
 def shrink_candidates(case: FuzzCase) -> Iterator[FuzzCase]:

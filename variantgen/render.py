@@ -338,6 +338,20 @@ def _locals(builtins: frozenset[str], indent: str = "    ") -> str:
     return "\n".join(indent + _LOCAL_DEFS[n][0] for n in need)
 
 
+def _sink_locals(builtins: frozenset[str], target: codegen.Target, indent: str, *, kv_head_idx: bool) -> str:
+    """The locals a sink hook needs: its query head from ``qo_head_idx``, and its key/value head
+    from ``kv_head_idx`` where the hook has one (fa3's constructor) or from the group size (fa2's
+    m/d update and output transform get only the query head)."""
+    lines = []
+    if "qo_head" in builtins:
+        lines.append(_LOCAL_DEFS["qo_head"][0])
+    if "kv_head" in builtins:
+        lines.append(_LOCAL_DEFS["kv_head"][0] if kv_head_idx else
+                     f"const int32_t kv_head = int32_t(qo_head_idx) / ({target.num_qo_heads} / "
+                     f"{target.num_kv_heads});")
+    return "\n".join(indent + line for line in lines)
+
+
 def struct_name(spec: VariantSpec) -> str:
     return "VG_" + "".join(part.capitalize() for part in spec.name.split("_"))
 
@@ -365,6 +379,7 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
     target = CODEGEN_TARGETS[(config.backend, config.kind)]
     mask = codegen.emit_mask(spec, target)
     logits = codegen.emit_logits(spec, target=target)
+    sink = codegen.emit_sink(spec, target)
     tensor_args, scalar_args = kernel_args(spec)
     scalar_local = {"int": "int32_t", "float": "float", "bool": "bool"}
     ctx = {
@@ -383,6 +398,13 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
         "logits_locals": _locals(logits.builtins) if logits else "",
         # a hook that evaluates both (fa3's masked transform)
         "masked_locals": _locals(mask.builtins | (logits.builtins if logits else frozenset())),
+        # the learned sink: a float per query head and request (fa2: in its m/d update or, for
+        # decode, its output transform; fa3: in the constructor, one head per work tile)
+        "sink": sink is not None,
+        "sink_comment": codegen.describe(spec.sink) if spec.sink is not None else "",
+        "sink_code": sink.code if sink else "",
+        "sink_locals": (_sink_locals(sink.builtins, target, " " * (8 if config.kind == "decode" else 6),
+                                     kv_head_idx=config.backend == "fa3") if sink else ""),
         "scalars": [
             {"name": s.name, "dtype": s.dtype, "local_type": scalar_local[s.dtype]} for s in spec.scalars
         ],
