@@ -1,12 +1,12 @@
 """Steady-state plan() time of the interval planner vs the kernel it plans, on the GPU.
 
 Workload of bench_prefill.py (8 x 8192 tokens, 32/8 heads, hd 128, page 16, three 1024-token
-spans per request). Per backend and spec: plan() with the planner off (one FlashInfer plan),
-on without the planner module (row pass and page gather in torch ops, FlashInfer's
-scheduler), and on with the spec's generated planner module (rowplan.py, the default on
-CUDA: row kernel, compacted read-back, launches built in one C++ call), also with the index
-tensors on the host as serving engines pass them; then run() of the planned and unplanned
-launches; for fa2 also CUDA-graph mode (plan, eager run, replay). Each plan() is timed from
+spans per request). Per backend and spec: plan() with the planner off (the launch builder's
+one custom launch per request, in one C++ call of the kernel module), and on with the spec's
+generated planner module (rowplan.py, the default on CUDA: row kernel, compacted read-back,
+launches built in one C++ call), also with the index tensors on the host as serving engines
+pass them; then run() of the planned and unplanned launches; CUDA-graph mode (plan, eager
+run, replay). Each plan() is timed from
 the host (it ends with a device sync: the segment boundaries are read back); median of
 --iters after two warm-up plans (and, for the default path, the fastest and the 90th
 percentile). Writes bench/results/plan-<date>-<gpu>.json (or --out; also
@@ -72,7 +72,7 @@ class FlashInferPlan:
         self.wrapper.plan(*plan_args[:6], D, PREFILL_BENCH_SHAPE[5], **self.kw)
 
 
-def graph_mode(out: dict, tag: str, batch, ws, name: str, planned: dict, iters: int) -> None:
+def graph_mode(out: dict, tag: str, batch, ws, name: str, planned: dict, iters: int, backend: str) -> None:
     """CUDA-graph mode (graph.py) at the workload's own size: plan() time, and the replay of a
     run() captured once (padded launches, split-KV off) against the eager run of that plan."""
     from variantgen.graph import GraphCapacity
@@ -80,7 +80,7 @@ def graph_mode(out: dict, tag: str, batch, ws, name: str, planned: dict, iters: 
     cap = GraphCapacity(max_batch_size=len(batch.qo_lens), max_total_q=batch.q.shape[0],
                         max_kv_pages=batch.kv_indices.numel())
     w = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
-                                kv_dtype="bf16", graph=cap)
+                                kv_dtype="bf16", graph=cap, backend=backend)
     out["plan_ms"][f"{tag}_graph_mode"] = plan_ms(w, batch, planned, iters)
     args = {k: v for k, v in planned.items() if k != "skip_tiles"}
     o = torch.empty_like(batch.q)
@@ -121,15 +121,11 @@ def main() -> None:
         for name, spec_args in (("causal", {}), ("mm_prefix", {"ranges": ranges})):
             w = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
                                         kv_dtype="bf16", backend=backend)
-            kernel = w.row_planner
             tag = f"{backend}_{name}"
             out["plan_ms"][f"{tag}_direct"] = plan_ms(w, batch, {"skip_tiles": False}, args.iters)
             direct = cuda_median_ms(lambda w=w, a=spec_args: w.run(batch.q, kv, **a), 10)
             out["run_ms"][f"{tag}_direct"] = round(direct, 3)
             planned = {"skip_tiles": True, **spec_args}
-            w.row_planner = None
-            out["plan_ms"][f"{tag}_planned_torch_rows"] = plan_ms(w, batch, planned, args.iters)
-            w.row_planner = kernel
             for impl, host_indptrs in (("row_kernel", False), ("row_kernel_host_indptrs", True)):
                 spread = out["plan_ms_spread"][f"{tag}_planned_{impl}"] = {}
                 out["plan_ms"][f"{tag}_planned_{impl}"] = plan_ms(w, batch, planned, args.iters, host_indptrs, spread)
@@ -137,10 +133,9 @@ def main() -> None:
                                     "launches": w.plan_stats.get("launches")}
             run = cuda_median_ms(lambda w=w, a=spec_args: w.run(batch.q, kv, **a), 10)
             out["run_ms"][f"{tag}_planned"] = round(run, 3)
-            for impl in ("torch_rows", "row_kernel", "row_kernel_host_indptrs"):
+            for impl in ("row_kernel", "row_kernel_host_indptrs"):
                 out["plan_fraction_of_run"][f"{tag}_{impl}"] = round(out["plan_ms"][f"{tag}_planned_{impl}"] / run, 4)
-            if backend == "fa2":
-                graph_mode(out, tag, batch, ws, name, planned, args.iters)
+            graph_mode(out, tag, batch, ws, name, planned, args.iters, backend)
             print(tag, {k: v for k, v in out["plan_ms"].items() if k.startswith(tag)}, f"run {run:.3f} ms",
                   out["launches"][tag], flush=True)
     print(json.dumps(out, indent=1))

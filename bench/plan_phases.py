@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen import native_plan, planner, rowplan, staging, wrapper  # noqa: E402
+from variantgen import planner, staging, wrapper  # noqa: E402
 from variantgen.testing import PREFILL_BENCH_SHAPE, prefill_bench_batch  # noqa: E402
 
 SECONDS: dict[str, float] = collections.defaultdict(float)
@@ -59,12 +59,9 @@ def main() -> None:
     ap.add_argument("--backends", default="fa3,fa2")
     ap.add_argument("--iters", type=int, default=40)
     args = ap.parse_args()
-    wrap(wrapper, ["host_lists"], "wrapper")
-    wrap(planner, ["plan_launches", "row_segments", "regroup_for_fa3"], "planner")
-    wrap(rowplan, ["plan_rows", "read_segments"], "rowplan")
-    wrap(native_plan, ["plan_batch", "launches_from_desc"], "native_plan")
-    wrap(wrapper.VariantWrapper, ["_make_launches", "_make_launch", "_plan_fa3", "_schedule_fa2", "_check_args",
-                                  "_intervals_default"], "wrapper")
+    wrap(wrapper, ["host_indices"], "wrapper")
+    wrap(planner.Planner, ["plan", "_build", "_launches", "_flashinfer_plan"], "planner")
+    wrap(wrapper.VariantWrapper, ["_planner_args", "_check_args", "_intervals_off", "_read_indptrs"], "wrapper")
     wrap(staging.HostStaging, ["to_device", "record", "begin"], "staging")
     batch, ranges = prefill_bench_batch("cuda")
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
@@ -72,8 +69,8 @@ def main() -> None:
         for name, spec_args in (("causal", {}), ("mm_prefix", {"ranges": ranges})):
             w = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=PREFILL_BENCH_SHAPE[4],
                                         q_dtype="bf16", kv_dtype="bf16", backend=backend)
-            w.module = TimedModule(w.module, "kernel_module")
-            w.row_planner = TimedModule(w.row_planner, "planner_module")
+            w.planner.module = TimedModule(w.module, "kernel_module")
+            w.set_row_planner(TimedModule(w.row_planner, "planner_module"))
             for _ in range(5):
                 w.plan(*batch.plan_args(), **spec_args)
             torch.cuda.synchronize()

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Precompile every module the GPU test files use, several at a time, before `pytest -m gpu`
 # (one cold fa2 module is ~20-75 s on 16 cores, an fa3 module 60-110 s). Usage, on the GPU box:
-#   bash scripts/precompile_gpu_tests.sh [fa2|fa3|decode|ragged|fuzz ...]   (default: the first four groups)
+#   bash scripts/precompile_gpu_tests.sh [fa2|fa3|decode|ragged|masks|fuzz ...]   (default: all but fuzz)
 # Modules go to VARIANTGEN_CACHE_DIR (default cache/). Extra arguments to precompile via PRECOMPILE_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VG=(python3 -m variantgen.cli precompile --arch 9.0a -j "${VG_PARALLEL:-4}" --jobs-per-module "${VG_JOBS:-4}" ${PRECOMPILE_ARGS:-})
-groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(fa2 fa3 decode ragged)
+groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(fa2 fa3 decode ragged masks)
 for g in "${groups[@]}"; do
   case $g in
     fa2)     # tests/test_gpu_specs.py
@@ -30,8 +30,11 @@ for g in "${groups[@]}"; do
       "${VG[@]}" specs/*.yaml --head-dim 128 --dtype bf16 --backend fa2 --kind ragged
       "${VG[@]}" specs/mm_prefix.yaml specs/causal.yaml specs/softcap.yaml --head-dim 192/128 --dtype bf16,fp16 --backend fa2 --kind ragged
       "${VG[@]}" specs/softcap.yaml --head-dim 64,256 --dtype bf16 --backend fa2 --kind ragged ;;
+    masks)   # tests/test_gpu_masks.py beyond the groups above: Gemma 4's sliding layers at head dim 256
+      "${VG[@]}" specs/gemma4_sliding.yaml --head-dim 256 --dtype bf16 --backend fa2
+      "${VG[@]}" specs/gemma4_sliding.yaml --head-dim 256 --dtype bf16 --backend fa3 ;;
     fuzz)    # bench/fuzz_gpu.py's module matrix (not in the default groups)
       python3 bench/fuzz_gpu.py --list-modules args | while read -r args; do "${VG[@]}" $args; done ;;
-    *) echo "unknown group $g (expected fa2, fa3, decode, ragged, fuzz)" >&2; exit 2 ;;
+    *) echo "unknown group $g (expected fa2, fa3, decode, ragged, masks, fuzz)" >&2; exit 2 ;;
   esac
 done

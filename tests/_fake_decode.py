@@ -8,8 +8,9 @@ in render.kernel_args order) and emulates the kernel in float32 torch:
 * ``run``: request b is row b of q, out, lse and vg_meta; its keys are its page list
   (``kv_len_b`` keys, key j at absolute position ``vg_meta[b][2] + j``); the query sits at
   ``q_pos = vg_meta[b][1]``. The spec's mask is evaluated on every key (decode has no mask
-  modes), the logits transform on the scaled score; fully masked requests give 0 and
-  lse -inf; the output is multiplied by v_scale. NHD and HND caches are both accepted.
+  modes), the logits transform on the scaled score, the sink (if any) in the denominator;
+  fully masked requests give 0 and lse -inf (or the sink); the output is multiplied by
+  v_scale. NHD and HND caches are both accepted.
 
 Calls are recorded in ``plan_calls`` / ``run_calls``.
 """
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _fake_kernel import META_COLUMNS, FakeModule, launch_env, scores_with_logits, spec_mask
+from _fake_kernel import META_COLUMNS, FakeModule, launch_env, scores_with_logits, spec_mask, spec_sink
 
 from variantgen.reference import softmax_attention
 from variantgen.spec import VariantSpec
@@ -120,7 +121,8 @@ class FakeDecodeModule:
             env, _, _ = launch_env(meta[b], 1, kv_len, hq, group)
             scores = scores_with_logits(self.spec, env, args, scores)
             visible = spec_mask(self.spec, env, args, (hq, 1, kv_len))
-            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v)
+            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v,
+                                         spec_sink(self.spec, env, args, hq))
             out[b] = (o[0] * v_scale).to(out.dtype)
             if lse is not None:
                 lse[b] = lse_b[0]

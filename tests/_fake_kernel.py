@@ -4,11 +4,16 @@
 float32 torch on the CPU, closely enough that the interval planner can be checked
 against the dense reference without a GPU:
 
+* ``plan_direct`` (plan()'s planner-off path) calls the real launch builder's host part
+  (tests/_builder.py: one nvcc-built module) and does its device part in torch ops, so the
+  launches the fakes run are the ones the real modules would lay out.
 * ``plan`` returns FlashInfer's PrefillPlanInfo layout (15 ints, split-KV off) and, like
   FlashInfer's scheduler, writes the packed ``o_indptr`` into the int workspace at
   ``o_indptr_offset`` (0 here). ``paged_run`` writes each launch request's output rows at
   ``o_indptr[b]`` read back from that workspace, so a wrapper that forgets to point
-  o_indptr at unpacked rows writes the wrong rows (as the real kernel would).
+  o_indptr at unpacked rows writes the wrong rows (as the real kernel would). Launches the
+  builder scheduled are read from its work list (fa2: one CTA per query tile; CUDA-graph
+  mode's padding CTAs switched off by the valid mask).
 * each launch request b reads q rows ``q_starts[b] ...`` (``vg_meta[b][8]`` of them) and
   keys j = 0 .. kv_len_b - 1 from its own page list; key j sits at absolute position
   ``vg_meta[b][2] + j``.
@@ -18,11 +23,15 @@ against the dense reference without a GPU:
   launch request. The real kernel evaluates the mask only on boundary tiles in modes 0
   and 1, so the planner may only send rows there whose visible set is exactly that; a
   strict emulation catches any row for which it is not.
-* the spec's logits transform is applied in every mode to the scaled score; fully masked
-  rows give 0 (lse -inf); the output is multiplied by v_scale and cast to ``out.dtype``.
+* the spec's logits transform is applied in every mode to the scaled score; its sink (if
+  any) joins each row's denominator once; fully masked rows give 0 (lse -inf, or the sink);
+  the output is multiplied by v_scale and cast to ``out.dtype``.
 
-``FakeFa3Module`` takes the fa3 module's plan / paged_run, ``FakeRaggedModule`` the ragged
-module's ``ragged_run`` (keys from a ragged k / v); both are emulated through FakeModule.
+``FakeFa3Module`` takes the fa3 module's paged_run (its work list from the launch builder),
+``FakeRaggedModule`` the ragged module's ``ragged_run`` (keys from a ragged k / v); both are
+emulated through FakeModule. ``FakeRowPlanner`` stands in for a spec's planner module: its
+``plan_batch`` runs the row rules in torch ops (rowrules.py, the reference the GPU row
+kernel is tested against) and the real builder.
 
 Every call is checked against the ABI (argument order and types from
 render.kernel_args) and recorded; ``row_writes`` counts, per output row, how many launch
@@ -36,14 +45,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from _builder import finish_on_cpu, plan_builder
 
 from variantgen.evaluate import Evaluator
-from variantgen.native_plan import fa3_cta_tile_q
+from variantgen.plan_abi import META_COLUMNS, SEG_FIELDS, MaskMode, MetaColumn, PrefillPlanInfo, SM90PlanInfo
+from variantgen.planner import fa3_cta_tile_q
 from variantgen.reference import softmax_attention
 from variantgen.spec import VariantSpec
 
-META_COLUMNS = 9
-MODE_NAMES = {0: "none", 1: "causal", 2: "custom"}
+MODE_NAMES = {int(m): m.label for m in MaskMode}
 
 
 def launch_env(meta_row: list[int], qo_len: int, kv_len: int, hq: int, group: int, *,
@@ -75,6 +85,14 @@ def scores_with_logits(spec: VariantSpec, env: dict, args: dict, scores: torch.T
 
 def spec_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...]) -> torch.Tensor:
     return Evaluator(spec, env, args).ev(spec.mask).expand(shape)
+
+
+def spec_sink(spec: VariantSpec, env: dict, args: dict, heads: int) -> torch.Tensor | None:
+    """The spec's sink logit per query head, [heads, 1], as the variant computes it from the
+    launch request's vg_meta row (None without a sink): every launch request of a row adds it."""
+    if spec.sink is None:
+        return None
+    return Evaluator(spec, env, args).as_float(spec.sink).expand(heads, 1, 1).reshape(heads, 1)
 
 
 def assert_lse_matches(lse: torch.Tensor, ref_lse: torch.Tensor, label: str) -> None:
@@ -135,8 +153,21 @@ class FakeModule:
         self.codegen_q_idx = codegen_q_idx
         self.plan_calls: list[PlanCall] = []
         self.run_calls: list[RunCall] = []
+        self.direct_calls = 0
         self.row_writes: torch.Tensor | None = None
         self._planned: dict[int, PlanCall] = {}  # int workspace data_ptr -> plan of that launch
+
+    # ------------------------------------------------------------------ the launch builder
+    @property
+    def build_launches(self):
+        """The real builder's host part (every paged-prefill module exports it)."""
+        return plan_builder().build_launches
+
+    def plan_direct(self, indices, options, kv_indices, workspace, workspace_host, desc):
+        """plan()'s planner-off launches: the real builder, then its device part on the CPU."""
+        self.direct_calls += 1
+        self.build_launches(indices, torch.empty(0, SEG_FIELDS, dtype=torch.int64), options, workspace_host, desc)
+        finish_on_cpu(desc, workspace_host, workspace, kv_indices)
 
     # ------------------------------------------------------------------ plan
     def plan(self, float_ws, int_ws, pinned, qo_indptr, kv_indptr, total_rows, batch_size, num_qo_heads,
@@ -203,7 +234,7 @@ class FakeModule:
         assert layout == 0, "the fake kernel emulates the NHD layout only"
         assert window_left == -1 and isinstance(enable_pdl, bool)
         info = list(plan_info)
-        assert len(info) == 15 and not info[14], info
+        assert len(info) == len(PrefillPlanInfo) and not info[PrefillPlanInfo.SPLIT_KV], info
         planned = self._planned.get(int_ws.data_ptr())
         if planned is None:  # not FlashInfer's scheduler: the planner module's work list
             planned = self._own_schedule(int_ws, info, meta_t.tolist(), kv_indptr, q.shape[1], k_cache.shape[2],
@@ -215,7 +246,7 @@ class FakeModule:
         qs = q_starts.tolist()
         kvp = kv_indptr.tolist()
         last = last_page_len.tolist()
-        o_off = int(info[8])
+        o_off = int(info[PrefillPlanInfo.O_INDPTR_OFFSET])
         o_indptr = int_ws[o_off:o_off + 4 * (n + 1)].view(torch.int32).tolist()
         assert len(qs) >= n and len(last) == n and len(kvp) == n + 1
         total_q, hq, dim = q.shape
@@ -265,7 +296,8 @@ class FakeModule:
                 visible = visible.expand(hq, qo_len, kv_len)
             else:
                 visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
-            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v)
+            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v,
+                                         spec_sink(self.spec, env, args, hq))
             out[o_row:o_row + qo_len] = (o * v_scale).to(out.dtype)
             if lse is not None:
                 lse[o_row:o_row + qo_len] = lse_b
@@ -275,102 +307,104 @@ class FakeModule:
 
     @staticmethod
     def _own_schedule(int_ws, info, meta, kv_indptr, hq, hkv, page_size) -> PlanCall:
-        """A launch the planner module scheduled (fa2_schedule): one CTA per (launch request,
-        query tile) in order; the plan it stands for (o_indptr is read from int_ws as always)."""
-        tiles, cta = int(info[0]), int(info[3])
+        """A launch the launch builder scheduled (its fa2 work list): one CTA per (launch request,
+        query tile) in order, then (CUDA-graph mode) padding CTAs the valid mask switches off;
+        the plan it stands for (o_indptr is read from int_ws as always)."""
+        grid, cta = int(info[PrefillPlanInfo.PADDED_BATCH_SIZE]), int(info[PrefillPlanInfo.CTA_TILE_Q])
         ints = int_ws.view(torch.int32)
-        request = ints[info[4] // 4:info[4] // 4 + tiles].tolist()
-        q_tile = ints[info[5] // 4:info[5] // 4 + tiles].tolist()
+        request = ints[info[PrefillPlanInfo.REQUEST_INDICES_OFFSET] // 4:][:grid].tolist()
+        q_tile = ints[info[PrefillPlanInfo.QO_TILE_INDICES_OFFSET] // 4:][:grid].tolist()
+        valid = [True] * grid
+        if info[PrefillPlanInfo.ENABLE_CUDA_GRAPH]:
+            at = int(info[PrefillPlanInfo.BLOCK_VALID_MASK_OFFSET])
+            valid = [bool(x) for x in int_ws[at:at + grid].tolist()]
+            rows = int(ints[info[PrefillPlanInfo.TOTAL_NUM_ROWS_OFFSET] // 4])
+            assert rows == sum(row[MetaColumn.LAUNCH_QO_LEN] for row in meta), "total_num_rows: this batch's rows"
         group = hq // hkv
-        want = [(b, t) for b, row in enumerate(meta) for t in range(-(-row[8] * group // cta))]
-        assert list(zip(request, q_tile)) == want, "work list: one CTA per (launch request, query tile)"
+        want = [(b, t) for b, row in enumerate(meta) for t in range(-(-row[MetaColumn.LAUNCH_QO_LEN] * group // cta))]
+        got = [(b, t) for (b, t), ok in zip(zip(request, q_tile), valid) if ok]
+        assert got == want and valid == sorted(valid, reverse=True), "work list: one CTA per (launch request, tile)"
         qo = [0]
         for row in meta:
-            qo.append(qo[-1] + row[8])
-        return PlanCall(qo, kv_indptr.tolist(), qo[-1], len(meta), hq, hkv, page_size, False, -1, -1, True)
+            qo.append(qo[-1] + row[MetaColumn.LAUNCH_QO_LEN])
+        return PlanCall(qo, kv_indptr.tolist(), qo[-1], len(meta), hq, hkv, page_size,
+                        bool(info[PrefillPlanInfo.ENABLE_CUDA_GRAPH]), -1, -1, True)
 
 
 class FakeFa3Module(FakeModule):
-    """Emulates a generated fa3 module: ``plan`` gets packed lengths, the kv lengths and each
-    launch request's first row (q_starts); ``paged_run`` takes the left window per launch
-    (mode 1) and applies the spec's mask only in mode 2. Emulated through FakeModule."""
+    """Emulates a generated fa3 module: ``paged_run`` takes the left window per launch (mode 1),
+    applies the spec's mask only in mode 2, and reads each launch request's rows, pages and
+    lengths from the sm90 work list the launch builder wrote (PrefillPlanSM90Info offsets).
+    Emulated through FakeModule."""
 
-    def plan(self, float_ws, int_ws, pinned, plan_qo, kv_indptr, kv_lens, q_starts, total_rows, batch_size,
-             num_qo_heads, num_kv_heads, page_size, causal):
-        for name, t in (("plan_qo", plan_qo), ("kv_indptr", kv_indptr), ("kv_lens", kv_lens), ("q_starts", q_starts)):
-            assert isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device.type == "cpu", name
-            assert t.is_contiguous(), name
-        assert plan_qo.numel() == kv_indptr.numel() == batch_size + 1
-        assert kv_lens.numel() == q_starts.numel() == batch_size
-        assert isinstance(causal, bool)
-        kvp, lens = kv_indptr.tolist(), kv_lens.tolist()
-        for b in range(batch_size):
-            pages = kvp[b + 1] - kvp[b]
-            assert (pages - 1) * page_size < lens[b] <= pages * page_size or (pages == 0 and lens[b] == 0), (b, pages)
-        last = [(k - 1) % page_size + 1 if k else 0 for k in lens]
-        super().plan(float_ws, int_ws, pinned, plan_qo, kv_indptr, total_rows, batch_size, num_qo_heads,
-                     num_kv_heads, page_size, False, -1, -1, True)
-        starts = q_starts.tolist()
-        # What the patched work list does: each launch request is read and written at its own rows.
-        int_ws[:4 * (batch_size + 1)].view(torch.int32).copy_(torch.tensor(starts + [total_rows], dtype=torch.int32))
-        self._fa3 = getattr(self, "_fa3", {})
-        self._fa3[int_ws.data_ptr()] = dict(causal=causal, kv_indptr=kv_indptr.clone(), last=last,
-                                             starts=starts + [total_rows], n=batch_size)
-        return ["fa3-plan", batch_size]
+    def plan(self, *args):  # the fa3 module exports no FlashInfer scheduler: the builder schedules fa3
+        raise AssertionError("an fa3 launch was left to FlashInfer's fa2 scheduler")
 
     @staticmethod
-    def _fa3_work_list(int_ws, info, n, page_size, cta) -> dict:
-        """A launch's sm90 work list (PrefillPlanSM90Info offsets): every (launch request, query
-        tile) once; per launch request its first row, pages and lengths, as the fake plan keeps them."""
+    def _fa3_work_list(int_ws, info, meta, page_size, cta, total_rows) -> dict:
+        """A launch's sm90 work list: every (launch request, query tile) once; per launch request
+        its first row, pages and lengths (launch requests without rows - CUDA-graph padding -
+        have no work items)."""
         ints = int_ws.view(torch.int32)
-        assert len(info) == 9 and info[8] == 1, info
-        works = int(ints[info[6] // 4 + 1])  # work_indptr of one SM (the wrapper's count on the CPU)
-        fields = [ints[info[k] // 4:info[k] // 4 + works].tolist() for k in (0, 1, 2, 3, 4, 7)]
+        assert len(info) == len(SM90PlanInfo) and info[SM90PlanInfo.SAME_SCHEDULE_FOR_ALL_HEADS] == 1, info
+        # work_indptr of one SM (the planner's count on the CPU)
+        works = int(ints[info[SM90PlanInfo.WORK_INDPTR_OFFSET] // 4 + 1])
+        fields = [ints[info[k] // 4:info[k] // 4 + works].tolist() for k in (
+            SM90PlanInfo.QO_TILE_INDICES_OFFSET, SM90PlanInfo.QO_INDPTR_OFFSET, SM90PlanInfo.KV_INDPTR_OFFSET,
+            SM90PlanInfo.QO_LEN_OFFSET, SM90PlanInfo.KV_LEN_OFFSET, SM90PlanInfo.BATCH_INDICES_OFFSET)]
         tile, q_first, kv_first, q_len, k_len, batch = fields
-        per = {}
+        per: dict[int, list] = {}
         for w in range(works):
             per.setdefault(batch[w], []).append((tile[w], q_first[w], kv_first[w], q_len[w], k_len[w]))
-        assert sorted(per) == list(range(n)), "work list: every launch request has its tiles"
+        n = len(meta)
+        real = [b for b in range(n) if meta[b][MetaColumn.LAUNCH_QO_LEN] > 0]
+        assert sorted(per) == real, "work list: every launch request with rows has its tiles, the others none"
         starts, kvp, last, qo = [], [], [], [0]
+        kv_end = 0
         for b in range(n):
+            if b not in per:  # an empty launch request (no work items): no rows, no keys
+                starts.append(meta[b][MetaColumn.Q_ROW_BASE])
+                kvp.append(kv_end)
+                last.append(0)
+                qo.append(qo[-1])
+                continue
             items = per[b]
             assert sorted(t for t, *_ in items) == list(range(-(-items[0][3] // cta))), (b, items)
             assert len({tuple(x[1:]) for x in items}) == 1, "a launch request's tiles disagree"
             _, first, kv0, qlen, klen = items[0]
+            assert kv0 >= kv_end, "launch requests' pages overlap in the launch's page list"
             starts.append(first)
             kvp.append(kv0)
             last.append((klen - 1) % page_size + 1 if klen else 0)
             qo.append(qo[-1] + qlen)
-        pages_last = -(-per[n - 1][0][4] // page_size)
-        kv_indptr = torch.tensor(kvp + [kvp[-1] + pages_last], dtype=torch.int32)
-        return dict(kv_indptr=kv_indptr, last=last, starts=starts + [qo[-1]], n=n, qo=qo)
+            kv_end = kv0 + -(-klen // page_size)
+        kv_indptr = torch.tensor(kvp + [kv_end], dtype=torch.int32)
+        return dict(kv_indptr=kv_indptr, last=last, starts=starts + [total_rows], n=n, qo=qo)
 
     def paged_run(self, float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indices, out, lse, mask_mode, layout,
                   window_left, enable_pdl, *extra):
-        p = getattr(self, "_fa3", {}).get(int_ws.data_ptr())
-        if p is None:  # not this module's plan: the planner module's work list (build_launches)
-            n_t = len(self.spec.tensors)
-            p = self._fa3_work_list(int_ws, list(plan_info), extra[n_t].shape[0], k_cache.shape[1],
-                                    fa3_cta_tile_q(out.shape[2]))
-            p["causal"] = mask_mode == 1
-        else:
-            assert plan_info == ["fa3-plan", p["n"]]
-        assert (mask_mode == 1) == p["causal"], "plan(causal=...) must match the launch's mask mode"
-        assert window_left == -1 or mask_mode == 1, "a left window only exists in causal launches"
         n_t = len(self.spec.tensors)
-        meta = extra[n_t].clone()
-        meta[:, 7] = window_left if mask_mode == 1 else -1  # fa3 ignores vg_meta's kernel window
+        meta_t = extra[n_t]
+        p = self._fa3_work_list(int_ws, list(plan_info), meta_t.tolist(), k_cache.shape[1],
+                                fa3_cta_tile_q(out.shape[2]), q.shape[0])
+        assert window_left == -1 or mask_mode == 1, "a left window only exists in causal launches"
+        meta = meta_t.clone()
+        meta[:, MetaColumn.KERNEL_WINDOW] = window_left if mask_mode == 1 else -1  # fa3 ignores vg_meta's window
         extra = (*extra[:n_t], meta, *extra[n_t + 1:])
         info = [p["n"], 0, 0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
-        if "qo" in p:  # the work list's first rows, where FakeModule reads o_indptr
-            int_ws = torch.zeros(4 * (p["n"] + 1), dtype=torch.uint8)  # (a stand-in workspace)
-            int_ws[:4 * (p["n"] + 1)].view(torch.int32).copy_(torch.tensor(p["starts"], dtype=torch.int32))
-            self._planned[int_ws.data_ptr()] = PlanCall(
-                p["qo"], p["kv_indptr"].tolist(), p["qo"][-1], p["n"], q.shape[1], k_cache.shape[2],
-                k_cache.shape[1], False, -1, -1, True)
-        super().paged_run(float_ws, int_ws, info, q, k_cache, v_cache, torch.tensor(p["starts"], dtype=torch.int32),
-                          p["kv_indptr"], kv_indices, torch.tensor(p["last"], dtype=torch.int32), out, lse,
-                          mask_mode, layout, -1, enable_pdl, *extra)
+        # the work list's first rows, where FakeModule reads o_indptr (a stand-in workspace)
+        stand_in = torch.zeros(4 * (p["n"] + 1), dtype=torch.uint8)
+        stand_in.view(torch.int32).copy_(torch.tensor(p["starts"], dtype=torch.int32))
+        self._planned[stand_in.data_ptr()] = PlanCall(
+            p["qo"], p["kv_indptr"].tolist(), p["qo"][-1], p["n"], q.shape[1], k_cache.shape[2], k_cache.shape[1],
+            False, -1, -1, True)
+        try:
+            super().paged_run(float_ws, stand_in, info, q, k_cache, v_cache,
+                              torch.tensor(p["starts"], dtype=torch.int32), p["kv_indptr"], kv_indices,
+                              torch.tensor(p["last"], dtype=torch.int32), out, lse, mask_mode, layout, -1, enable_pdl,
+                              *extra)
+        finally:
+            del self._planned[stand_in.data_ptr()]
 
 
 class FakeRaggedModule(FakeModule):
@@ -390,13 +424,14 @@ class FakeRaggedModule(FakeModule):
         assert mask_mode in MODE_NAMES and layout in (0, 1) and window_left == -1
         assert isinstance(enable_pdl, bool)
         info = list(plan_info)
-        n = int(info[0])
+        n = int(info[PrefillPlanInfo.PADDED_BATCH_SIZE])
         planned = self._planned[int_ws.data_ptr()]
-        assert planned.page_size == 1 and planned.batch_size == n and meta_t.shape == (n, 9)
+        assert planned.page_size == 1 and planned.batch_size == n and meta_t.shape == (n, META_COLUMNS)
         assert qo_indptr.dtype == kv_indptr.dtype == torch.int32 and qo_indptr.device == q.device
         qs, kvp = qo_indptr.tolist(), kv_indptr.tolist()
         assert qs == planned.qo_indptr and kvp == planned.kv_indptr, "indptrs differ from the planned ones"
-        o_indptr = int_ws[int(info[8]):int(info[8]) + 4 * (n + 1)].view(torch.int32).tolist()
+        o_off = int(info[PrefillPlanInfo.O_INDPTR_OFFSET])
+        o_indptr = int_ws[o_off:o_off + 4 * (n + 1)].view(torch.int32).tolist()
         if layout == 1:  # HND -> NHD
             k, v = k.transpose(0, 1), v.transpose(0, 1)
         total_q, hq, _ = q.shape
@@ -426,7 +461,8 @@ class FakeRaggedModule(FakeModule):
                 visible = (j <= kv_len - qo_len + i).expand(hq, qo_len, kv_len)
             else:
                 visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
-            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), vb)
+            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), vb,
+                                         spec_sink(self.spec, env, args, hq))
             o_row = o_indptr[b]
             out[o_row:o_row + qo_len] = (o * v_scale).to(out.dtype)
             if lse is not None:
@@ -434,46 +470,53 @@ class FakeRaggedModule(FakeModule):
 
 
 class FakeRowPlanner:
-    """A CPU stand-in for a spec's generated row kernel (rowplan.py): ``plan_rows`` fills
-    ``rec`` with what the torch rules give, so wrappers take their kernel path on the CPU."""
+    """A CPU stand-in for a spec's planner module (rowplan.py): ``plan_batch`` runs the row pass
+    with the reference rules in torch ops (rowrules.py: what the generated row kernel computes,
+    tests/test_gpu_planner.py compares them), then the real launch builder and its device part
+    in torch ops - so that plan() takes its planned path on the CPU. ``room``: how many launch
+    requests the read-back had room for, per call (the growth tests read it)."""
 
-    def __init__(self, spec: VariantSpec):
+    def __init__(self, spec: VariantSpec, builder: Any = None):
         self.spec = spec
+        self.builder = builder  # a module whose build_launches to call (default: tests/_builder.py's)
         self.calls = 0
+        self.room: list[int] = []
 
-    def plan_rows(self, rec, starts_host, starts_page_locked, starts, scratch, counts, seg, *spec_args_and_page_size):
+    def plan_batch(self, indices, options, starts_page_locked, starts, rec, counts, seg, seg_host, scratch, kv_indices,
+                   workspace, workspace_host, desc, *spec_values):
         from variantgen.intervals import analyze
-        from variantgen.planner import classify_rows
-        from variantgen.rowplan import ROW_BLOCK, planner_inputs
+        from variantgen.plan_abi import ROW_BLOCK, HeaderField, PlanOption, RecField, Status
+        from variantgen.rowplan import planner_inputs
+        from variantgen.rowrules import classify_rows, segments
 
         self.calls += 1
         form = analyze(self.spec)
         tensors, scalars = planner_inputs(self.spec, form)
-        *values, page_size = spec_args_and_page_size
-        args = dict(zip(tensors + scalars, values))
-        assert starts_host.device.type == "cpu" and starts_host.dtype == torch.int64 and starts_host.dim() == 2
-        count = starts_host.numel()
-        assert starts_page_locked.numel() >= count and starts.numel() >= count
-        starts[:count].copy_(starts_host.flatten())  # what the module's upload does
-        qo_indptr, kv_start = starts_host.tolist()
-        kv_lens = [b - a for a, b in zip(kv_start, kv_start[1:])]
-        rec.copy_(classify_rows(self.spec, form, qo_indptr, kv_lens, page_size, args, rec.device))
-        total_q = rec.shape[1]
-        padded = torch.zeros(counts.numel() * ROW_BLOCK, dtype=torch.int64)
-        padded[:total_q] = rec[0]
-        counts.copy_(padded.view(-1, ROW_BLOCK).sum(1))
-        self.compact_segments(rec, counts, seg)
-
-    def compact_segments(self, rec, counts, seg):
-        """What segments_kernel writes: the count, then as many launch requests as fit."""
-        from variantgen.planner import _segments
-        from variantgen.rowplan import SEG_FIELDS
-
-        self.compactions = getattr(self, "compactions", 0) + 1
-        rows = _segments(rec, rec.shape[1]) if rec.shape[1] else torch.empty(0, SEG_FIELDS, dtype=torch.int64)
-        assert int(counts.sum()) == rows.shape[0], "counts: the launch requests starting per block of rows"
+        assert len(spec_values) == len(tensors) + len(scalars), "plan_batch: the spec arguments the intervals read"
+        args = dict(zip(tensors + scalars, spec_values))
+        assert indices.dtype == torch.int32 and indices.device.type == "cpu" and indices.dim() == 1
+        assert options.dtype == torch.int64 and not options[PlanOption.DIRECT]
+        page_size = int(options[PlanOption.PAGE_SIZE])
+        batch = (indices.numel() - 2) // 3
+        qo, page_indptr, last = indices.split([batch + 1, batch + 1, batch])
+        qo, page_indptr, last = qo.tolist(), page_indptr.tolist(), last.tolist()
+        kv_lens = [(p1 - p0 - 1) * page_size + lp if p1 > p0 else 0
+                   for p0, p1, lp in zip(page_indptr, page_indptr[1:], last)]
+        total_q = qo[-1]
+        assert starts_page_locked.numel() >= 2 * (batch + 1) and starts.numel() >= 2 * (batch + 1)
+        assert rec.numel() >= len(RecField) * total_q and counts.numel() >= -(-total_q // ROW_BLOCK)
+        assert seg_host.numel() >= seg.numel() and workspace.numel() >= workspace_host.numel()
+        rows = segments(classify_rows(self.spec, form, qo, kv_lens, page_size, args, rec.device), page_size)
         room = (seg.numel() - 1) // SEG_FIELDS
-        seg[0] = rows.shape[0]
-        kept = rows[:room]
-        if kept.numel():
-            seg[1:1 + kept.numel()] = kept.flatten()
+        self.room.append(room)
+        if rows.shape[0] > room:  # what plan_batch answers when the read-back is too small
+            desc.zero_()
+            desc[HeaderField.STATUS] = Status.SEGMENTS
+            desc[HeaderField.NEED] = desc[HeaderField.SEGMENTS] = rows.shape[0]
+            return
+        self.build_launches(indices, rows, options, workspace_host, desc)
+        finish_on_cpu(desc, workspace_host, workspace, kv_indices)  # (also on CUDA tensors: torch copies)
+
+    @property
+    def build_launches(self):
+        return (self.builder or plan_builder()).build_launches

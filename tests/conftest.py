@@ -29,7 +29,9 @@ CPU_QO_LENS = [37, 1, 20, 0, 64, 0, 5, 1]
 CPU_KV_LENS = [37, 90, 61, 9, 200, 0, 5, 1]
 # Scalars that make the masks bite at those lengths (the defaults are mostly larger).
 CPU_SMALL_SCALARS = {
-    "attention_sink": {"num_sink": 3, "window": 7},
+    "streaming_sink": {"num_sink": 3, "window": 7},
+    "attention_sink_learned": {"window": 11},
+    "gemma4_sliding": {"window": 9},
     "chunked_local": {"chunk_size": 13},
     "mm_prefix": {"causal_window_left": 6, "range_window_left": 5},
     "sliding_window": {"window": 9},

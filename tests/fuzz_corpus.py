@@ -3,7 +3,7 @@
 from variantgen.expr import TensorSig, Type, TypeEnv
 
 YAML_TOKENS = [
-    "name:", "mask:", "logits:", "tensors:", "scalars:", "scales:", "backends:", "description:", "dtype:",
+    "name:", "mask:", "logits:", "sink:", "tensors:", "scalars:", "scales:", "backends:", "description:", "dtype:",
     "shape:", "default:", "doc:", "sm_scale:", "qkv_scales:", "min:", "max:", "positive:", "int", "float", "bool",
     "int32", "float32", "total_q", "total_kv", "batch", "num_qo_heads", "[", "]", "{", "}", ",", ":", "- ", "? ",
     " ", "  ", "\n", "\n  ", "\n    ", "\t", "#", "'", '"', "\\", "|", ">-", "|+", "&a ", "*a",
@@ -16,8 +16,8 @@ YAML_TOKENS = [
 EXPR_TOKENS = [
     "kv_pos", "q_pos", "q_idx", "q_row", "kv_row", "q_kv_row", "request", "qo_head", "kv_head", "qo_len", "kv_len",
     "w", "f", "flag", "t", "s", "logits", "min", "max", "abs", "float", "tanh", "exp", "log", "sqrt", "sigmoid",
-    "and", "or", "not", "if", "else", "true", "false", "(", ")", "[", "]", ",", "+", "-", "*", "/", "//", "%", "<",
-    "<=", ">", ">=", "==", "!=", "=", "&&", "||", "!", "0", "1", "-1", "2147483647", "2147483648", "1.5", "1e39",
+    "bit", "and", "or", "not", "if", "else", "true", "false", "(", ")", "[", "]", ",", "+", "-", "*", "/", "//", "%",
+    "<", "<=", ">", ">=", "==", "!=", "=", "&&", "||", "!", "0", "1", "-1", "2147483647", "2147483648", "1.5", "1e39",
     "1e-45", ".5", "9" * 30, " ", "\n", "\t", "é", "٣", "\x00", "$", ";", "#", '"', "asm", "params", "x);", "@",
 ]
 # t: [total_q, 2] int, s: [4] float (the tensors test_fuzz's generated specs declare).

@@ -33,6 +33,7 @@ def test_import_does_not_import_torch():
     ("make_wrapper", ["spec", "workspace", "head_dim_qk", "q_dtype", "kv_dtype", "backend", "graph"]),
     ("choose_backend", ["spec", "kind", "arch"]),
     ("spans_to_ranges", ["qo_lens", "kv_lens", "spans", "device"]),
+    ("tree_bits", ["parents", "words", "device"]),
 ])
 def test_help_shows_the_real_signature_and_docstring(name, params):
     fn = getattr(variantgen, name)
@@ -54,7 +55,7 @@ def test_probe_is_only_the_function():
 
 
 def test_dir_and_all_name_the_lazy_functions():
-    for name in ("GraphCapacity", "spans_to_ranges"):
+    for name in ("GraphCapacity", "spans_to_ranges", "tree_bits"):
         assert name in dir(variantgen) and name in variantgen.__all__
     assert all(hasattr(variantgen, name) for name in variantgen.__all__)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
@@ -105,3 +106,36 @@ def test_spans_to_ranges_names_bad_input(args, message):
     with pytest.raises(ValueError, match="^spans_to_ranges: ") as e:
         variantgen.spans_to_ranges(*args)
     assert message in str(e.value)
+
+
+# ----------------------------------------------------------------------------- tree_bits
+
+
+def test_tree_bits_sets_each_node_and_its_ancestors():
+    bits = variantgen.tree_bits([[-1, 0, 0, 1, -1], [-1]])
+    assert bits.dtype == torch.int32 and bits.shape == (6, 2)
+    assert bits[:, 0].tolist() == [0b1, 0b11, 0b101, 0b1011, 0b10000, 0b1] and not bits[:, 1].any()
+    chain = variantgen.tree_bits([list(range(-1, 63))])  # node k: bits 0..k, the last word's bit 31 negative
+    assert chain[31].tolist() == [-1, 0] and chain[32].tolist() == [-1, 1] and chain[63].tolist() == [-1, -1]
+    assert variantgen.tree_bits([[], []]).shape == (0, 2)
+    assert variantgen.tree_bits([[-1, 0]], words=1, device="cpu").tolist() == [[1], [3]]
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (([[0]],), "tree_bits: parents[0][0]=0: expected -1 (a root) or an earlier node 0..-1 (nodes are in "
+               "topological order)"),
+    (([[-1, 1]],), "tree_bits: parents[0][1]=1: expected -1 (a root) or an earlier node 0..0"),
+    (([[-1], [-1, -2]],), "tree_bits: parents[1][1]=-2: expected -1 (a root)"),
+    (([[-1, True]],), "tree_bits: parents[0][1]=True"),
+    (([list(range(-1, 64))],), "tree_bits: request 0 has 65 draft nodes; 2 word(s) per row hold at most 64"),
+    (([[-1]] * 2, ), None),
+    (([["a"]],), "tree_bits: parents[0][0]='a'"),
+    (("x",), "tree_bits: parents[0]: expected a list of parent indices, got str"),
+])
+def test_tree_bits_names_bad_input(args, message):
+    if message is None:
+        assert variantgen.tree_bits(*args).shape == (2, 2)
+        return
+    with pytest.raises(ValueError) as info:
+        variantgen.tree_bits(*args)
+    assert str(info.value).startswith(message)

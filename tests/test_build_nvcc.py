@@ -19,9 +19,9 @@ from conftest import SPECS_DIR
 import variantgen
 from variantgen import build
 from variantgen.cache import Cache
-from variantgen.capabilities import choose_backend
 from variantgen.errors import BuildError
 from variantgen.render import ModuleConfig
+from variantgen.resolver import choose_backend
 
 pytestmark = pytest.mark.nvcc
 
@@ -49,6 +49,7 @@ def test_build_find_and_deploy_a_real_module(vg_env, toolchain):
     assert (entry.path / "src" / "variant.cuh").is_file() and (entry.path / "build.ninja").is_file()
     assert (entry.path / "build.log").is_file() and not (entry.path / "obj").exists()
     assert list((vg_env.cache_dir / ".staging").iterdir()) == []
+    assert exported_functions(entry.module_path) == {"plan", "paged_run", "build_launches", "plan_direct", "schedule"}
 
     again = build.build_module(config, cache)
     assert again.built is False and again.entry.uri == entry.uri
@@ -84,9 +85,10 @@ def test_build_an_fa3_module_without_a_gpu(vg_env, toolchain, tmp_path):
     assert entry.manifest["config"]["backend"] == "fa3" and entry.manifest["config"]["mask_modes"] == ["causal"]
     assert (entry.path / "src" / "cutlass_prelude.cuh").is_file()  # stands in for FlashInfer's cutlass_utils.cuh
     # what the fa3 wrapper calls, exported and loadable as a serving host loads it (no GPU needed to load)
-    assert exported_functions(entry.module_path) == {"plan", "paged_run"}
+    # (its work lists come from the launch builder, exported by every paged-prefill module)
+    assert exported_functions(entry.module_path) == {"paged_run", "build_launches", "plan_direct", "schedule"}
     module = build.load_module(entry)
-    assert callable(module.plan) and callable(module.paged_run)
+    assert callable(module.paged_run) and callable(module.plan_direct)
 
     # Served with JIT off from another copy of the spec: the module is the spec's content, not its file.
     copy = tmp_path / "elsewhere" / "my_causal.yaml"
@@ -114,3 +116,38 @@ def test_broken_template_gives_a_build_error(vg_env, toolchain, template_copy):
     failed = list((vg_env.cache_dir / ".failed").iterdir())
     assert len(failed) == 1 and (failed[0] / "src" / "variant.cuh").is_file()
     assert [uri for uri, _ in cache.entries()] == []
+
+
+# A spec with what issue 18 added to the generated C++: a learned sink (fa2's m/d update and
+# output transform, fa2 decode's output transform, fa3's softmax updater) and bit().
+SINK_AND_BITS = """\
+name: sink_and_bits
+tensors:
+  sinks: {dtype: float32, shape: [num_qo_heads]}
+  bits: {dtype: int32, shape: [total_q, 2]}
+mask: kv_pos <= q_pos and (kv_pos < q_pos - 8 or bit(bits[q_row, (q_pos - kv_pos) // 32], (q_pos - kv_pos) % 32))
+sink: sinks[qo_head] + float(kv_head)
+"""
+
+
+@pytest.mark.parametrize(("backend", "kind", "unit"), [
+    ("fa2", "prefill", "paged_kernel_custom_cta16.cu"), ("fa2", "decode", "decode_kernel.cu"),
+    ("fa3", "prefill", "paged_kernel_custom.cu")])
+def test_sink_and_bit_kernels_compile(vg_env, toolchain, tmp_path, backend, kind, unit):
+    """One kernel unit per way a sink is generated, compiled by nvcc against FlashInfer's headers
+    with the module's own flags (a whole module is minutes more of the same)."""
+    spec = variantgen.parse_spec(SINK_AND_BITS, "sink_and_bits.yaml")
+    config = ModuleConfig(spec, 64, 64, "bf16", "bf16", "bf16", "9.0a", backend, kind=kind)
+    module = config.render()
+    for name, text in module.files.items():
+        (tmp_path / name).write_text(text)
+    fi = build.flashinfer_info()
+    includes = [f"-I{tmp_path}"] + [f"-I{p}" for p in fi.include_dirs]
+    for p in (*fi.system_include_dirs, toolchain.cuda_home / "include"):
+        includes += ["-isystem", str(p)]
+    assert unit in module.compile_units
+    cmd = [str(toolchain.nvcc), *build.semantic_flags(config)["cuda"], *includes, "-c", str(tmp_path / unit),
+           "-o", str(tmp_path / "unit.o")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert (tmp_path / "unit.o").stat().st_size > 0

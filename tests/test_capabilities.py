@@ -27,12 +27,11 @@ from variantgen.capabilities import (
     Site,
     canonical_arch,
     canonical_dtype,
-    choose_backend,
     graph_problem,
-    resolve,
 )
 from variantgen.cli import main
 from variantgen.probing import probe
+from variantgen.resolver import choose_backend, resolve
 
 FAKE_TC = build.Toolchain(Path("/opt/fake-cuda"), Path("/opt/fake-cuda/bin/nvcc"), "V13.0.88", "/usr/bin/c++",
                           "c++ (fake) 12.2.0")
@@ -135,16 +134,17 @@ def test_the_table_is_the_one_description_of_the_backends():
         ("fa3", "prefill"): ((64, 64), (128, 128), (256, 256)),
     }
     assert [b.module for b in TABLE.values()] == [True, True, False] and TABLE["flex"].route is not None
-    # CUDA-graph mode is one field per backend: fa2 paged prefill and decode
-    assert {name: b.graph_kinds for name, b in TABLE.items()} == {"fa3": (), "fa2": ("prefill", "decode"), "flex": ()}
+    # CUDA-graph mode is one field per backend: fa2 paged prefill and decode, fa3 paged prefill
+    assert {name: b.graph_kinds for name, b in TABLE.items()} == {"fa3": ("prefill",), "fa2": ("prefill", "decode"),
+                                                                 "flex": ()}
     assert variantgen.spec.BACKENDS is capabilities.BACKENDS  # spec files name the same backends
 
 
 def test_graph_problems():
     assert graph_problem("fa2", "prefill") == "" and graph_problem("fa2", "decode") == ""
-    assert graph_problem("fa3", "prefill", "cuda_graph=True") == (
-        "cuda_graph=True: CUDA-graph mode needs backend 'fa2' (got 'fa3'): the fa3 planner's launch set depends on "
-        "the batch")
+    assert graph_problem("fa3", "prefill", "cuda_graph=True") == ""  # a fixed launch set for a capacity
+    assert graph_problem("flex", "prefill") == ("graph=: CUDA-graph mode needs backend 'fa3' or 'fa2' (got 'flex'): "
+                                                "its plan() and run() read the batch on the host")
     assert graph_problem("flex", "decode") == ("graph=: CUDA-graph mode needs backend 'fa2' (got 'flex'): its plan() "
                                                "and run() read the batch on the host")
     assert graph_problem("fa2", "ragged") == ("graph=: CUDA-graph mode is for kind 'prefill' and 'decode' (got "
@@ -168,8 +168,7 @@ def plain_rules(backend: str, kind: str, dims: tuple[int, int], dtypes: tuple[st
     sixteen = ("bf16", "fp16")
     equal = dims in ((64, 64), (128, 128), (256, 256))
     if backend == "fa3":
-        return (kind == "prefill" and equal and q in sixteen and kv == q and o == q and arch == "9.0a"
-                and not graph)
+        return kind == "prefill" and equal and q in sixteen and kv == q and o == q and arch == "9.0a"
     if backend == "fa2":
         dims_ok = equal or (kind == "ragged" and dims == (192, 128))
         arch_ok = arch is not None and int(arch.split(".")[0]) >= 8
@@ -389,7 +388,7 @@ def test_flex_serves_where_no_module_can(flex_route, machine):
     # and CUDA-graph mode is no flex feature
     r = probe("mm_prefix", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", cuda_graph=True)
     assert not r and r.reason.startswith("no CUDA device visible")
-    with pytest.raises(ValueError, match="graph=: CUDA-graph mode needs backend 'fa2' \\(got 'flex'\\)"):
+    with pytest.raises(ValueError, match="graph=: CUDA-graph mode needs backend 'fa3' or 'fa2' \\(got 'flex'\\)"):
         variantgen.make_wrapper("mm_prefix", torch.empty(0, dtype=torch.uint8), head_dim_qk=128, q_dtype="bf16",
                                 kv_dtype="bf16", graph=object(), backend="flex")
 

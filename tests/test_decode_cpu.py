@@ -19,7 +19,7 @@ import jinja2
 import pytest
 import torch
 from _fake_decode import FakeDecodeModule
-from _fake_kernel import FakeModule, assert_matches_reference
+from _fake_kernel import FakeModule, FakeRowPlanner, assert_matches_reference
 from conftest import ALL_SPECS, SPEC_FILES, SPECS_DIR
 from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
@@ -31,6 +31,8 @@ from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.decode import DecodeWrapper
 from variantgen.errors import LaunchError
+from variantgen.intervals import analyze
+from variantgen.plan_abi import META_COLUMNS
 from variantgen.reference import reference_attention
 from variantgen.render import ModuleConfig, kernel_args, render_module
 from variantgen.testing import random_paged_batch, random_spec_args
@@ -56,7 +58,8 @@ def shipped(name: str) -> variantgen.VariantSpec:
 
 def make(spec, *, tensor_cores: bool = False, kv_layout: str = "NHD", kv_dtype: str = "bf16",
          hq: int = HQ, hkv: int = HKV):
-    """A DecodeWrapper on a fake module: decode (CUDA cores) or prefill (tensor cores)."""
+    """A DecodeWrapper on a fake module: decode (CUDA cores) or prefill (tensor cores, with the
+    fake planner module, as make_wrapper sets the spec's on CUDA)."""
     config = ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", kv_dtype, "bf16", "9.0a",
                           kind="prefill" if tensor_cores else "decode")
     manifest = {"scalar_args": [a.name for a in kernel_args(spec)[1]],
@@ -64,7 +67,10 @@ def make(spec, *, tensor_cores: bool = False, kv_layout: str = "NHD", kv_dtype: 
     fake = FakeModule(spec) if tensor_cores else FakeDecodeModule(spec)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
-    return DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), kv_layout), fake
+    w = DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), kv_layout)
+    if tensor_cores and analyze(spec).planner_ready:
+        w.set_row_planner(FakeRowPlanner(spec))
+    return w, fake
 
 
 def decode_batch(kv_lens, page_size, seed=0, kv_dtype=None, hq=HQ, hkv=HKV):
@@ -123,21 +129,23 @@ def meta_defines(text: str) -> list[str]:
 def test_every_shipped_spec_renders_a_decode_module(path):
     spec = variantgen.load_spec(path)
     module = render_module(decode_config(spec))
-    assert set(module.files) == {"variant.cuh", "batch_decode_config.inc", "binding.cu", "decode_kernel.cu",
-                                 "vg_helpers.cuh", "config_prelude.cuh", "kernel_params.cuh"}
+    assert set(module.files) == {"vg_plan_abi.h", "variant.cuh", "batch_decode_config.inc", "binding.cu",
+                                 "decode_kernel.cu", "vg_helpers.cuh", "config_prelude.cuh", "kernel_params.cuh"}
     assert module.files["binding.cu"] == render.static_source("fa2/decode_binding.cu")  # no Jinja in it
     assert module.compile_units == ("binding.cu", "decode_kernel.cu")
     assert module.host_sources == ("batch_decode.cu",)
     text = "\n".join(module.files.values())
     assert "{{" not in text and "{%" not in text and "{#" not in text
-    # the variant struct is the prefill module's, unchanged
+    # the variant struct is the prefill module's, unchanged (a sink's hook differs: decode has no m/d update)
     prefill = render_module(decode_config(spec, kind="prefill"))
-    assert module.files["variant.cuh"] == prefill.files["variant.cuh"]
+    assert (module.files["variant.cuh"] == prefill.files["variant.cuh"]) == (spec.sink is None)
     struct = render.struct_name(spec)
     config = module.files["batch_decode_config.inc"]
-    assert meta_defines(config) == meta_defines(prefill.files["batch_prefill_config.inc"])
-    assert len(meta_defines(config)) == wrapper_mod.META_COLUMNS + 1
-    assert f"#define VG_META_STRIDE {wrapper_mod.META_COLUMNS}" in config
+    # vg_meta's columns: the plan ABI's header, which every kind's config includes
+    for text in (config, prefill.files["batch_prefill_config.inc"]):
+        assert '#include "vg_plan_abi.h"' in text
+    assert module.files["vg_plan_abi.h"] == prefill.files["vg_plan_abi.h"]
+    assert len(meta_defines(module.files["vg_plan_abi.h"])) == META_COLUMNS + 1 and not meta_defines(config)
     assert f"using AttentionVariant = {struct};" in config
     assert "struct Params : vg::DecodeFields<DTypeQ, DTypeKV, DTypeO, IdType> {" in config
     assert config.rstrip().endswith('#include "variant.cuh"')
@@ -242,10 +250,11 @@ def test_tensor_core_path_matches_reference(spec_name):
         w, fake, _, _ = check(spec, batch, args, skip_tiles=skip, tensor_cores=True, label=spec_name)
         assert w.use_tensor_cores and isinstance(fake, FakeModule)
         # one query per request: the prefill plan sees qo_indptr = arange(batch + 1)
-        assert sum(c.total_rows for c in fake.plan_calls) == len(KV_LENS)
+        plan = w.last_plan
+        assert plan is not None and plan.batch.qo_lens == (1,) * len(KV_LENS)
+        assert [la.rows for la in plan.launch_requests] == [(r, r + 1) for r in range(len(KV_LENS))]
         if skip is False:
-            assert fake.plan_calls[0].qo_indptr == list(range(len(KV_LENS) + 1))
-            assert [c.mask_mode for c in fake.run_calls] == ["custom"]
+            assert plan.planner == "off" and [c.mask_mode for c in fake.run_calls] == ["custom"]
         assert sum(c.rows for c in fake.run_calls) == len(KV_LENS)
 
 
@@ -590,19 +599,18 @@ def test_build_a_real_decode_module(vg_env, toolchain):
 
 
 def test_tensor_core_decode_plans_with_the_row_kernel_it_is_given():
-    """make_wrapper hands the spec's row kernel to the prefill wrapper behind tensor-core decode."""
-    from _fake_kernel import FakeRowPlanner
-
+    """make_wrapper hands the spec's planner module to the prefill wrapper behind tensor-core decode."""
     spec = variantgen.load_spec(SPECS_DIR / "sliding_window.yaml")
     w, _ = make(spec, tensor_cores=True)
     planner = FakeRowPlanner(spec)
     w.set_row_planner(planner)
     batch = decode_batch([1, 7, 16, 17, 90], 4)
     w.plan(*plan_args(batch), window=9)
-    assert planner.calls == 1 and w.plan_stats["row_planner"] == "kernel"
-    plain, _ = make(spec, tensor_cores=True)  # the torch rules
+    assert planner.calls == 1 and w.plan_stats["row_planner"] == "kernel" and w.last_plan.planner == "module"
+    plain, _ = make(spec, tensor_cores=True)
+    plain.set_row_planner(None, "test: none")  # planner-off, and why
     plain.plan(*plan_args(batch), window=9)
-    assert plain.plan_stats["row_planner"] == "torch"
+    assert plain.plan_stats["planner_off"] == "no planner module (test: none): one custom launch per request"
     kv = cache_of(batch, "NHD")
     assert torch.equal(w.run(batch.q, kv, window=9), plain.run(batch.q, kv, window=9))
     cuda_cores, _ = make(spec)

@@ -124,3 +124,14 @@ def test_bool_scalars_and_the_help_text(spec_text):
     assert "expected true or false" in run(path, "--qo", 2, "--arg", "full=maybe").stderr
     help_text = CliRunner().invoke(main, ["explain", "--help"]).output
     assert "COUNTxVALUE" in help_text and "ranges=2-5,8-9" in help_text
+
+
+def test_tree_verify_shows_a_dense_context_and_a_draft_hull():
+    spec = variantgen.load_spec(SPECS_DIR / "tree_verify.yaml")
+    bits = variantgen.tree_bits([[-1, 0, 0, 1]])
+    e = ex.explain(spec, 4, 10, {"tree_bits": ex.ArgValue("tree_bits", bits, "given")})
+    assert [(r.lo, r.dense_hi, r.hi, r.exact, r.hidden, r.outside) for r in e.rows] == [
+        (0, 5, 6, False, 0, 0), (0, 5, 7, False, 0, 0), (0, 5, 8, False, 0, 0), (0, 5, 9, False, 0, 0)]
+    text = ex.render(e)
+    assert "q_pos    9  ########.#  [0, 5] dense + [6, 9] hull custom" in text, text
+    assert "WARNING" not in text

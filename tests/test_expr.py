@@ -316,7 +316,8 @@ def test_calling_a_tensor():
 
 def test_unknown_function():
     err = error("mn(1, 2) > 0")
-    assert err.message == "unknown function `mn`; functions: abs, exp, float, log, max, min, sigmoid, sqrt, tanh"
+    assert err.message == ("unknown function `mn`; functions: abs, bit, exp, float, log, max, min, sigmoid, sqrt, "
+                           "tanh")
     assert err.hint == "did you mean `min`?"
 
 
@@ -332,6 +333,7 @@ def test_function_used_as_a_name():
         ("abs(1, 2) > 0", "`abs` takes 1 argument(s), got 2"),
         ("tanh() > 0", "`tanh` takes 1 argument(s), got 0"),
         ("float(1, 2) > 0", "`float` takes 1 argument(s), got 2"),
+        ("bit(w)", "`bit` takes 2 argument(s), got 1"),
     ],
 )
 def test_wrong_function_arity(text, message):
@@ -363,6 +365,34 @@ def test_division_by_a_variable_is_allowed():
 def test_floordiv_needs_ints():
     assert error("f // 2 > 0").message == "'//' needs int operands, got float"
     assert error("1.5 % 2 > 0").message == "'%' needs int operands, got float"
+
+
+def test_bit_is_a_bool_of_two_ints():
+    node = typed("bit(t[q_row, 1], kv_pos - q_pos) and not bit(w, 3)", expect=Type.BOOL)
+    assert node.ty is Type.BOOL and node.left.ty is Type.BOOL
+    assert to_source(node) == "(bit(t[q_row, 1], (kv_pos - q_pos)) and (not bit(w, 3)))"
+    assert typed("bit(w, 0) == flag").ty is Type.BOOL  # a bool: compared with bools only
+
+
+@pytest.mark.parametrize(
+    ("text", "message", "offset"),
+    [
+        ("bit(f, 1)", "`bit(x, i)` tests a bit of an int: x (the int whose bit is tested) is a float", 4),
+        ("bit(w, 1.5)", "`bit(x, i)` tests a bit of an int: i (the bit index, 0 the lowest) is a float", 7),
+        ("bit(w, flag)", "`bit` needs numbers, got bool", 7),
+        ("bit(w, 1) + 1 > 0", "'+' needs numbers, got bool", 0),
+        ("bit(w, 1) > 0", "'>' compares numbers, got a bool operand", 0),
+    ],
+)
+def test_bit_type_errors(text, message, offset):
+    err = error(text)
+    assert err.message == message
+    assert where(err) == at(offset)
+
+
+def test_bit_cannot_be_declared():
+    assert "bit" in expr.FUNCTIONS
+    assert error("bit > 0").message == "`bit` is a function: call it, e.g. bit(...)"
 
 
 def test_logits_only_in_transforms():
@@ -447,8 +477,9 @@ def test_over_long_expression():
 @pytest.mark.parametrize(
     ("text", "char", "offset", "hint"),
     [
-        ("kv_pos <= q_pos && flag", "'&'", 16, "use 'and', 'or' and 'not' for boolean logic"),
-        ("flag || flag", "'|'", 5, "use 'and', 'or' and 'not' for boolean logic"),
+        ("kv_pos <= q_pos && flag", "'&'", 16,
+         "use 'and', 'or' and 'not' for boolean logic; bit(x, i) tests bit i of an int"),
+        ("flag || flag", "'|'", 5, "use 'and', 'or' and 'not' for boolean logic; bit(x, i) tests bit i of an int"),
         ("!flag", "'!'", 0, "use 'and', 'or' and 'not' for boolean logic"),
         ("kv_pos = q_pos", "'='", 7, "use '==' to compare"),
         ("kv_pos $ 1", "'$'", 7, None),

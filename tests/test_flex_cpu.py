@@ -430,8 +430,8 @@ def test_batch_without_queries_returns_empty_outputs():
 def test_factory_settings():
     spec = shipped("causal")
     # make_wrapper asks the capability table (capabilities.FLEX) before the route's factory
-    with pytest.raises(ValueError, match=exact("graph=: CUDA-graph mode needs backend 'fa2' (got 'flex'): its plan() "
-                                               "and run() read the batch on the host")):
+    with pytest.raises(ValueError, match=exact("graph=: CUDA-graph mode needs backend 'fa3' or 'fa2' (got 'flex'): "
+                                               "its plan() and run() read the batch on the host")):
         variantgen.make_wrapper(spec, WS, head_dim_qk=64, q_dtype="bf16", kv_dtype="bf16", backend="flex",
                                 graph=object())
     with pytest.raises(ValueError, match=exact("q_dtype=fp8_e4m3: the flex route takes bf16, fp16, fp32")):
@@ -482,8 +482,8 @@ def test_probe_flex_runs_a_batch_here():
 def test_probe_flex_reasons():
     r = variantgen.probe(SPECS_DIR / "causal.yaml", head_dim_qk=64, q_dtype="bf16", kv_dtype="bf16",
                          backend="flex", cuda_graph=True)
-    assert not r.ok and r.reason == ("cuda_graph=True: CUDA-graph mode needs backend 'fa2' (got 'flex'): its plan() "
-                                     "and run() read the batch on the host")
+    assert not r.ok and r.reason == ("cuda_graph=True: CUDA-graph mode needs backend 'fa3' or 'fa2' (got 'flex'): "
+                                     "its plan() and run() read the batch on the host")
     r = variantgen.probe(SPECS_DIR / "causal.yaml", head_dim_qk=64, q_dtype="fp8", kv_dtype="bf16", backend="flex")
     assert not r.ok and r.reason == "q_dtype=fp8_e4m3: the flex route takes bf16, fp16, fp32"
     r = variantgen.probe(SPECS_DIR / "causal.yaml", head_dim_qk=64, q_dtype="bf16", kv_dtype="bf16", backend="flex",

@@ -89,8 +89,9 @@ def exercise(spec) -> None:
     assert spec.mask.ty is Type.BOOL
     codegen.emit_mask(spec)
     codegen.emit_logits(spec)
+    codegen.emit_sink(spec)
     kernel_args(spec)
-    if shallow(spec.mask) and (spec.logits is None or shallow(spec.logits)):
+    if all(node is None or shallow(node) for node in (spec.mask, spec.logits, spec.sink)):
         assert variantgen.parse_spec(_canonical_yaml(spec), PATH).digest == spec.digest
     if "fa2" in spec.backends:
         module = render_module(ModuleConfig(spec, 64, 64, "fp16", "fp16", "fp16", "8.0"))
@@ -107,6 +108,8 @@ def _canonical_yaml(spec) -> str:
     doc: dict = {"name": c["name"], "mask": c["mask"]}
     if c["logits"] is not None:
         doc["logits"] = c["logits"]
+    if "sink" in c:
+        doc["sink"] = c["sink"]
     if c["tensors"]:
         doc["tensors"] = {n: {"dtype": d, "shape": s} for n, d, s in c["tensors"]}
     if c["scalars"]:
@@ -138,7 +141,8 @@ def _expr_tree(depth: int):
         st.floats(allow_nan=False, allow_infinity=False, width=64).map(repr),
         st.sampled_from(["t[q_row, 0]", "s[qo_head]", "t[1]", "s[f]", "w[0]", "t(1)", "min(1)", "t[q_row - w, 1]",
                          "t[1 + q_row, 0]", "t[kv_row, 0]", "t[q_idx, 1]", "t[2 * q_row, 0]", "t[q_row + kv_pos, 0]",
-                         "s[kv_pos - 1]", "t[q_row + qo_len, 1]"]),
+                         "s[kv_pos - 1]", "t[q_row + qo_len, 1]", "bit(t[q_row, 1], kv_pos - q_pos)",
+                         "bit(w, kv_pos % 32)", "bit(f, 1)", "bit(w)"]),
     )
     return st.recursive(
         leaf,
@@ -149,7 +153,7 @@ def _expr_tree(depth: int):
             inner.map(lambda e: f"not {e}"),
             inner.map(lambda e: f"-{e}"),
             st.tuples(inner, inner, inner).map(lambda t: f"{t[0]} if {t[1]} else {t[2]}"),
-            st.tuples(st.sampled_from(["min", "max", "abs", "tanh", "float"]), st.lists(inner, min_size=1,
+            st.tuples(st.sampled_from(["min", "max", "abs", "tanh", "float", "bit"]), st.lists(inner, min_size=1,
                       max_size=3)).map(lambda t: f"{t[0]}({', '.join(t[1])})"),
         ),
         max_leaves=depth,
@@ -211,6 +215,9 @@ def structured_specs(draw):
         ))
     if draw(st.booleans()):
         doc["logits"] = draw(st.one_of(expressions.map(lambda e: f"logits + {e}"), expressions, scalar_values))
+    if draw(st.integers(0, 3)) == 0:
+        doc["sink"] = draw(st.one_of(expressions, st.sampled_from(["s[qo_head]", "s[q_row]", "0", "-1.5e3"]),
+                                     scalar_values))
     if draw(st.booleans()):
         doc["scales"] = draw(st.one_of(
             st.fixed_dictionaries({}, optional={"sm_scale": scalar_values, "qkv_scales": scalar_values,

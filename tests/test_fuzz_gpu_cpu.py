@@ -73,16 +73,19 @@ def test_targets_cover_every_backend_and_kind():
     for t in TARGETS:
         assert t.kind in capabilities.KINDS and set(t.plans) <= set(fz.PLAN_PATHS), t
         modules = fuzz_gpu.modules_of(t)
-        assert {m.spec for m in modules} == set(fuzz_gpu.SPECS), f"{t.name}: every shipped spec"
+        want = {s for s in fuzz_gpu.SPECS if (t.backend, t.module_kind) in fuzz_gpu.SOME_KINDS.get(
+            s, {(t.backend, t.module_kind)})}
+        assert {m.spec for m in modules} == want, f"{t.name}: every shipped spec (SOME_KINDS: where listed)"
         for m in modules:
             render.ModuleConfig(fz.shipped_spec(m.spec), m.head_dim_qk, m.head_dim_vo, m.q_dtype, m.kv_dtype,
                                 m.q_dtype, "9.0a", t.backend, kind=t.module_kind)  # raises if invalid
-    assert {t.name for t in TARGETS if t.graph} == {"fa2/prefill-graph", "fa2/decode-graph", "fa2/decode-tc-graph"}
+    assert {t.name for t in TARGETS if t.graph} == {"fa2/prefill-graph", "fa3/prefill-graph", "fa2/decode-graph",
+                                                   "fa2/decode-tc-graph"}
 
 
 def test_list_modules_commands_are_the_matrix(capsys):
     """The printed precompile commands expand (dry run) to exactly the matrix plus the planner
-    modules, under the ~60 modules a build box precompiles for the fuzzer; every kind gets head
+    modules, under the ~64 modules a build box precompiles for the fuzzer; every kind gets head
     dims 64, 128 and 256."""
     assert fuzz_gpu.main(["--list-modules"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python -m variantgen.cli")]
@@ -95,9 +98,10 @@ def test_list_modules_commands_are_the_matrix(capsys):
     matrix = {(b, k, m) for (b, k), ms in fuzz_gpu.MODULES.items() for m in ms}
     kernels = [u for u in uris if not u.endswith("_planner_sm90a")]
     planners = set(uris) - set(kernels)  # each command adds its specs' planner modules (built once)
-    assert len(kernels) == len(set(kernels)) == len(matrix) == 49
-    assert planners == {f"vg_{s}_planner_sm90a" for s in fuzz_gpu.SPECS}
-    assert len(set(uris)) <= 60
+    assert len(kernels) == len(set(kernels)) == len(matrix) == 53
+    assert planners == {f"vg_{m.spec}_planner_sm90a" for (_, kind), ms in fuzz_gpu.MODULES.items() for m in ms
+                        if kind == "prefill"}
+    assert len(set(uris)) <= 64
     for (backend, kind), ms in fuzz_gpu.MODULES.items():
         assert {64, 128, 256} <= {m.head_dim_qk for m in ms}, (backend, kind)
     assert fuzz_gpu.main(["--list-modules", "table"]) == 0
@@ -155,7 +159,7 @@ def test_drawn_cases_cover_the_edges_the_fuzzer_promises():
                 if any(v == k - q and k > q for v, q, k in zip(arg.values, b.qo_lens, b.kv_lens)):
                     flags.add("prefix at the chunk start")
     assert seen["page"] == {1, 5, 16, 64} and seen["group"] == {1, 2, 4, 8, 16}
-    assert seen["window"] == {"none", 0, 1, "small", "large"} and seen["plan"] == {"off", "module", "torch"}
+    assert seen["window"] == {"none", 0, 1, "small", "large"} and seen["plan"] == {"off", "module", "nomodule"}
     assert flags == {"chunked", "span across the chunk start", "empty range", "future-only range",
                      "document of length 1", "unsorted ids", "prefix at the chunk start"}
 
@@ -240,7 +244,7 @@ def test_flashinfer_calls_have_the_cases_mask():
     assert len(fuzz_gpu.FI_BY_KEY) == len(fuzz_gpu.FI_ENTRIES)
     alibi = FuzzCase("fa2/prefill", ModuleKey("alibi"), Batch((4,), (9,), (("slopes", fz.PerHead()),), 0), 4, 2, 16)
     assert fuzz_gpu.flashinfer_call(alibi) is None
-    sink = FuzzCase("fa2/decode", ModuleKey("attention_sink"), Batch((1,), (9,), (), 0), 4, 2, 16,
+    sink = FuzzCase("fa2/decode", ModuleKey("streaming_sink"), Batch((1,), (9,), (), 0), 4, 2, 16,
                     scalars=(("num_sink", 0), ("window", 5)))
     assert fuzz_gpu.flashinfer_call(sink) == fuzz_gpu.FiCall("decode", "fa2", 5, None)
 
@@ -357,7 +361,7 @@ def test_planted_ignored_window_is_found_and_minimized(target):
     """In graph mode the replayed batch and the capture batch both shrink."""
     f = planted_failure(IgnoringWindow, ("sliding_window",), "mismatch", seed=12, target=target)
     small = check_minimized(f, IgnoringWindow)
-    assert small.plan in ("module", "torch"), "the kernel window exists only in planned causal launches"
+    assert small.plan == "module", "the kernel window exists only in planned causal launches"
     assert 0 <= dict(small.scalars)["window"] < small.batch.kv_lens[0] - 1
     if small.graph is not None:
         original = fz.from_json(f["case"])
@@ -379,7 +383,7 @@ def test_a_lost_cuda_context_stops_the_run():
 
 @pytest.mark.parametrize("change, message", [
     (dict(target="fa4/prefill"), r"target='fa4/prefill': expected one of \['fa2/prefill'"),
-    (dict(plan="trim"), r"plan='trim': target fa2/prefill plans with one of \['off', 'module', 'torch'\]"),
+    (dict(plan="trim"), r"plan='trim': target fa2/prefill plans with one of \['off', 'module', 'nomodule'\]"),
     (dict(num_qo_heads=6, num_kv_heads=4), r"num_qo_heads=6, num_kv_heads=4: expected whole GQA groups"),
     (dict(batch=Batch((3,), (2,), (), 0)), r"batch: qo_lens=\[3\], kv_lens=\[2\]: expected 0 <= qo_len <= kv_len"),
     (dict(target="fa2/decode", plan="off"), r"batch: .*decode has one query per request"),

@@ -25,7 +25,7 @@ TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8
 KV_LENS = [1, 7, 16, 17, 300, 1000, 2500, 129]
 # Scalars that make the masks bite at these lengths (the defaults mostly exceed them).
 SMALL_SCALARS = {
-    "attention_sink": {"num_sink": 4, "window": 100},
+    "streaming_sink": {"num_sink": 4, "window": 100},
     "chunked_local": {"chunk_size": 256},
     "mm_prefix": {"causal_window_left": 50, "range_window_left": 40},
     "sliding_window": {"window": 127},

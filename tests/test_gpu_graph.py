@@ -1,10 +1,13 @@
 """CUDA-graph mode on the GPU: capture run() once, re-plan other batches, replay.
 
 Each replayed batch must match the reference, and the replay must write exactly what an
-eager run() of the same plan writes; rows past the batch stay untouched.
+eager run() of the same plan writes; rows past the batch stay untouched. fa2 and fa3 (whose
+launch slots include a causal launch per pinned window width).
 """
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -61,14 +64,15 @@ class Engine:
         return b, args
 
 
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
 @pytest.mark.parametrize("spec_name, skip_tiles, planner_module", [
     ("mm_prefix", True, True), ("mm_prefix", False, True), ("document", True, True),
-    ("mm_prefix", True, False),  # torch rules + FlashInfer's CUDA-graph scheduling
+    ("mm_prefix", True, False),  # no planner module: planner-off plans (the same builder, one launch slot used)
 ])
-def test_replay_after_replanning(spec_name, skip_tiles, planner_module, workspace):
+def test_replay_after_replanning(spec_name, skip_tiles, planner_module, backend, workspace):
     spec = variantgen.load_spec(SPECS / f"{spec_name}.yaml")
-    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", graph=CAP)
-    assert w.config.backend == "fa2"
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", graph=CAP,
+                                backend=backend)
     if not planner_module:
         w.set_row_planner(None, "test: without the planner module")
     engine = Engine(spec)
@@ -76,7 +80,7 @@ def test_replay_after_replanning(spec_name, skip_tiles, planner_module, workspac
     for seed, (qo_lens, kv_lens) in enumerate(BATCHES):
         b, args = engine.load(seed, qo_lens, kv_lens)
         w.plan(*b.plan_args(), skip_tiles=skip_tiles, **(engine.static if skip_tiles else {}))
-        assert w.plan_stats.get("row_planner", "kernel").startswith("kernel" if planner_module else "torch")
+        assert w.last_plan.planner == ("module" if planner_module and skip_tiles else "off")
         run = lambda: w.run(engine.q, (engine.k, engine.v), out=engine.out, **engine.static)  # noqa: E731
         if graph is None:
             run()  # warm up outside the capture
@@ -96,6 +100,77 @@ def test_replay_after_replanning(spec_name, skip_tiles, planner_module, workspac
         engine.out.fill_(float("nan"))
         run()
         assert torch.equal(engine.out[:tq], replayed[:tq]), f"batch {seed}: eager run differs from the replay"
+
+
+def test_make_wrapper_picks_fa3_for_graph_mode_on_sm90(workspace):
+    """graph= takes the backend make_wrapper takes without it (render.cuda_graph_problem): fa3 on sm90."""
+    spec = variantgen.load_spec(SPECS / "causal.yaml")
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", graph=CAP)
+    major, _ = torch.cuda.get_device_capability()
+    assert w.config.backend == ("fa3" if major == 9 else "fa2")
+    probed = variantgen.probe(spec, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", cuda_graph=True)
+    assert probed and probed.details["backend"] == w.config.backend
+
+
+def random_batch(rng: random.Random, cap: GraphCapacity) -> tuple[list[int], list[int]]:
+    """A batch that fits the capacity: 1-6 requests, chunked prefill, single-token requests."""
+    n = rng.randint(1, cap.max_batch_size)
+    qo = [rng.choice([1, rng.randint(1, 64), rng.randint(64, 600)]) for _ in range(n)]
+    while sum(qo) > cap.max_total_q:
+        qo[rng.randrange(n)] //= 2
+    qo = [max(q, 1) for q in qo]
+    kv = [q + rng.choice([0, rng.randint(1, 700)]) for q in qo]
+    while sum(-(-k // PAGE) for k in kv) > cap.max_kv_pages:
+        i = rng.randrange(n)
+        kv[i] = max(qo[i], kv[i] // 2)
+    return qo, kv
+
+
+@pytest.mark.parametrize("spec_name, scalars, widths", [
+    ("mm_prefix", {"causal_window_left": 64, "range_window_left": 5}, (64,)),  # spans + a window slot
+    ("document", {}, None),  # [total_kv] ids, the planner's sorted-id terms
+    ("prefix_lm", {}, None),  # [batch] prefix lengths
+])
+def test_fa3_replays_50_replanned_batches_under_one_capture(spec_name, scalars, widths, workspace):
+    """fa3 CUDA-graph mode: one capture, then 50 batches of other sizes, their spec tensors
+    rewritten in the static buffers and planned again before each replay - every replay against
+    the reference. The launch slots (custom, causal, none, a causal slot per window width) and
+    their plan_info stay those of the capture."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 runs on sm90")
+    spec = variantgen.load_spec(SPECS / f"{spec_name}.yaml")
+    cap = GraphCapacity(max_batch_size=6, max_total_q=2048, max_kv_pages=512, window_widths=widths)
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", graph=cap,
+                                backend="fa3")
+    assert w.row_planner is not None, w.planner.row_planner_reason
+    engine = Engine(spec)
+    rng = random.Random(17)
+    graph, pinned = None, None
+    for seed in range(51):
+        qo_lens, kv_lens = (QO_LENS, KV_LENS) if seed == 0 else random_batch(rng, cap)
+        b, args = engine.load(seed, qo_lens, kv_lens)
+        plan = w.plan(*b.plan_args(), **engine.static, **scalars)
+        assert plan.planner == "module"
+        slots = [(la.mask_mode, la.window_left, la.plan_info) for la in plan.launches]
+        run = lambda: w.run(engine.q, (engine.k, engine.v), out=engine.out, **engine.static, **scalars)  # noqa: E731
+        if graph is None:
+            run()  # warm up outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            pinned = slots
+            want = [("custom", -1), ("causal", -1), ("none", -1)] + [("causal", x) for x in widths or ()]
+            assert [s[:2] for s in slots] == want
+        assert slots == pinned, f"batch {seed}: the launch slots changed"
+        tq = b.q.shape[0]
+        engine.out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.isnan(engine.out[tq:].float()).all(), f"batch {seed}: rows past total_q written"
+        ref = reference_attention(spec, b.q, (b.k_cache, b.v_cache), b.qo_indptr, b.kv_indptr, b.kv_indices,
+                                  b.last_page_len, {**args, **scalars})
+        err = rel_error(engine.out[:tq], ref)
+        assert err < 1e-2, f"{spec_name} batch {seed} ({qo_lens}, {kv_lens}): replay rel. error {err:.2e}"
 
 
 def replay_decode(w, spec, cap: GraphCapacity, batches: list[list[int]]) -> None:

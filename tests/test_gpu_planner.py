@@ -1,18 +1,22 @@
 """The interval planner's generated row kernel (variantgen/rowplan.py) on the GPU: it must
-give exactly what the torch rules (planner.classify_rows) give, row for row, for every
-shipped spec with intervals, and plan() must use it. Run: pytest -m gpu tests/test_gpu_planner.py"""
+give exactly what the reference rules (rowrules.classify_rows, rowrules.segments) give, row
+for row and segment for segment, for every shipped spec with intervals; plan() must use it,
+and its launches must be the ones the launch builder lays out from the reference's segments.
+Run: pytest -m gpu tests/test_gpu_planner.py"""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from _fake_kernel import FakeRowPlanner
 from _gpu import ALL_SPECS, KV_LENS, QO_LENS, SPECS
 
 import variantgen
 from variantgen.build import default_cache
 from variantgen.intervals import analyze
-from variantgen.planner import _segments, classify_rows
-from variantgen.rowplan import REC_FIELDS, load_planner, plan_rows, read_segments
+from variantgen.plan_abi import RecField
+from variantgen.rowplan import load_planner, plan_rows, read_segments
+from variantgen.rowrules import classify_rows, segments
 from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
 
 pytestmark = [pytest.mark.gpu,
@@ -45,15 +49,15 @@ def compare(spec, args, qo_lens, kv_lens, page_size, label):
     rows = plan_rows(module, spec, form, args, qo_indptr, kv_lens, page_size, dev)
     got = rows.rec
     want = classify_rows(spec, form, qo_indptr, kv_lens, page_size, args, dev)
-    assert got.shape == want.shape == (len(REC_FIELDS), qo_indptr[-1])
-    for i, field in enumerate(REC_FIELDS):
+    assert got.shape == want.shape == (len(RecField), qo_indptr[-1])
+    for i, field in enumerate(RecField):
         diff = (got[i] != want[i]).nonzero().flatten()
         assert diff.numel() == 0, (f"{label}: {field} differs in {diff.numel()} rows, first {diff[:5].tolist()}: "
                                    f"kernel {got[i][diff[:5]].tolist()} torch {want[i][diff[:5]].tolist()}")
     if qo_indptr[-1]:
         # the kernel's compacted launch requests, with room for all and with room for one
         # (then read back again at full size)
-        want_segments = _segments(want, qo_indptr[-1]).tolist()
+        want_segments = segments(want, page_size).tolist()
         assert read_segments(module, rows).tolist() == want_segments, f"{label}: compacted launch requests differ"
         small = plan_rows(module, spec, form, args, qo_indptr, kv_lens, page_size, dev, segment_capacity=1)
         assert read_segments(module, small).tolist() == want_segments, f"{label}: re-read launch requests differ"
@@ -88,21 +92,28 @@ def test_row_kernel_adversarial_mm_prefix_and_documents():
     compare(doc, {"doc_ids": ids}, qo, kv, 16, "document, request 0 unsorted")
 
 
-def test_plan_uses_the_row_kernel(workspace):
+def launches_of(w) -> list:
+    return [(la.mask_mode, la.window_left, la.num_requests, la.meta.tolist(), la.kv_indptr.tolist(),
+             la.kv_indices[:la.kv_indptr[-1]].tolist()) for la in w._launches]
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_plan_uses_the_row_kernel_and_the_builder_lays_out_its_segments(backend, workspace):
+    """plan()'s launches (the row kernel, then the builder, in one call) == the launches the same
+    module's builder lays out from the reference rules' segments (the CPU tests' stand-in)."""
     spec = load_spec("mm_prefix")
-    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", backend="fa2")
-    assert w.row_planner is not None, w.row_planner_reason
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", backend=backend)
+    module = w.row_planner
+    assert module is not None, w.planner.row_planner_reason
     b = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=16,
                            dtype=torch.bfloat16, device="cuda", seed=3)
     args = random_spec_args(spec, b, seed=3)
-    w.plan(*b.plan_args(), **args)
-    assert w.plan_stats["row_planner"] == "kernel"
-    launches = [(la.mask_mode, la.num_requests, la.meta.tolist(), la.kv_indices.tolist()) for la in w._launches]
-    w.row_planner = None
-    w.plan(*b.plan_args(), **args)
-    assert w.plan_stats["row_planner"] == "torch"
-    assert launches == [(la.mask_mode, la.num_requests, la.meta.tolist(), la.kv_indices.tolist())
-                        for la in w._launches]
+    plan = w.plan(*b.plan_args(), **args)
+    assert plan.planner == "module" and w.plan_stats["row_planner"] == "kernel"
+    launches, requests = launches_of(w), plan.launch_requests
+    w.set_row_planner(FakeRowPlanner(spec, builder=module))
+    reference = w.plan(*b.plan_args(), **args)
+    assert launches == launches_of(w) and requests == reference.launch_requests
 
 
 @pytest.mark.parametrize("heads", [(32, 8), (8, 8), (4, 1)])
@@ -151,24 +162,19 @@ def test_plan_batch_retries_give_the_same_plan(backend, workspace):
     def planned(setup):
         w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
                                     backend=backend)
-        assert w.row_planner is not None, w.row_planner_reason
-        setup(w)
+        assert w.row_planner is not None, w.planner.row_planner_reason
+        setup(w.planner)
         w.plan(*b.plan_args(), **args)
-        launches = [(la.mask_mode, la.num_requests, la.meta.tolist(), la.kv_indices.tolist()) for la in w._launches]
-        return w, launches, w.run(b.q, (b.k_cache, b.v_cache), **args)
+        return w, launches_of(w), w.run(b.q, (b.k_cache, b.v_cache), **args)
 
-    def tiny_workspace(w):
-        w._sched_ws = (torch.empty(256, dtype=torch.uint8, device="cuda"),
-                       torch.empty(256, dtype=torch.uint8, pin_memory=True))
-
-    _, want_launches, want = planned(lambda w: None)
-    assert sum(n for _, n, _, _ in want_launches) > 4, want_launches
-    setups = {"second copy": lambda w: setattr(w, "segment_read", 1),
-              "room for one": lambda w: setattr(w, "segment_capacity", 1),
-              "tiny workspace": tiny_workspace}
+    _, want_launches, want = planned(lambda p: None)
+    assert sum(la[2] for la in want_launches) > 4, want_launches
+    setups = {"second copy": lambda p: setattr(p, "segment_read", 1),
+              "room for one": lambda p: setattr(p, "segment_capacity", 1),
+              "tiny workspace": lambda p: setattr(p, "workspace_bytes", 256)}
     for label, setup in setups.items():
         w, launches, out = planned(setup)
         assert w.plan_stats["row_planner"] == "kernel", label
         assert launches == want_launches, label
         assert torch.equal(out, want), label
-    assert w._schedule_workspace()[0].numel() > 256
+    assert w.planner._workspace_pair()[0].numel() > 256

@@ -1,8 +1,9 @@
 """Wrong outputs found on the GPU, kept as regression tests. Run: pytest -m gpu tests/test_gpu_regressions.py
 
-Each case is compared with the dense float32 reference, on both plan paths (the planner
-module's plan_batch, and the Python path with the torch rules), and where FlashInfer has
-the same mask with FlashInfer's own kernel on the same batch.
+Each case is compared with the dense float32 reference, on two planned paths (the planner
+module's plan_batch, and the reference row rules' segments laid out by the same launch
+builder), and where FlashInfer has the same mask with FlashInfer's own kernel on the same
+batch.
 
 fa2 with a kernel window (issue 14): the planner's causal launch requests of a small window
 carry it in vg_meta, and FlashInfer's fa2 kernel sizes a request's split-KV partial rows
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _fake_kernel import FakeRowPlanner
 from _gpu import SPECS, rel_error
 
 import variantgen
@@ -37,14 +39,14 @@ logits: soft_cap * tanh((logits + slopes[qo_head] * float(kv_pos - q_pos)) / sof
 
 
 def run_both_paths(spec, batch, args, head_dim, dtype, workspace, backend="fa2"):
-    """(outputs of the planner-module path, of the torch-rules path, plan_stats of the first)."""
+    """(outputs of the planner-module path, of the reference rules' path, plan_stats of the first)."""
     w = variantgen.make_wrapper(spec, workspace, head_dim_qk=head_dim, q_dtype=dtype, kv_dtype=dtype,
                                 backend=backend)
     outs = []
     stats = None
     for native in (True, False):
         if not native:
-            w.set_row_planner(None, "test: the torch rules")
+            w.set_row_planner(FakeRowPlanner(spec, builder=w.row_planner))
         w.plan(*batch.plan_args(), **args)
         outs.append(w.run(batch.q, (batch.k_cache, batch.v_cache), **args))
         if native:
@@ -90,7 +92,7 @@ def test_mm_prefix_small_causal_window_page_1_chunked(workspace, backend, ranges
     args = {"ranges": r, "causal_window_left": 5, "range_window_left": -1}
     (native, python), stats = run_both_paths(spec, batch, args, 128, "bf16", workspace, backend)
     ref = reference(spec, batch, args)
-    for name, out in (("planner module", native), ("torch rules", python)):
+    for name, out in (("planner module", native), ("reference rules", python)):
         bad = ((out.float() - ref).abs().amax(dim=(1, 2)) > 0.05).sum().item()
         assert bad == 0 and rel_error(out, ref) < 1e-2, f"{backend} {name}: {bad} of {total_q} rows wrong"
     if ranges == "none":
@@ -109,7 +111,7 @@ def test_window_0_softcap_alibi_hd256_fp16(workspace, backend):
     args = {"slopes": slopes, "window": 0, "soft_cap": 5.0}
     (native, python), stats = run_both_paths(spec, batch, args, 256, "fp16", workspace, backend)
     ref = reference(spec, batch, args)
-    for name, out in (("planner module", native), ("torch rules", python)):
+    for name, out in (("planner module", native), ("reference rules", python)):
         assert torch.isfinite(out).all(), f"{backend} {name}: NaN/inf in the output"
         assert rel_error(out, ref) < 1e-2, f"{backend} {name}"
     if backend == "fa2":

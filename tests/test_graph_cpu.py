@@ -10,11 +10,12 @@ only holds if plan() rewrote the same buffers in place and kept the schedule fix
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
-from _fake_kernel import FakeModule
+from _fake_kernel import FakeFa3Module, FakeModule, FakeRowPlanner
 from conftest import SPECS_DIR
 
 import variantgen
@@ -22,7 +23,9 @@ from variantgen import render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.errors import LaunchError
-from variantgen.graph import GRAPH_MODES, GraphCapacity
+from variantgen.graph import SLOT_NAMES, GraphCapacity
+from variantgen.intervals import analyze
+from variantgen.plan_abi import PlanOption, PrefillPlanInfo, Schedule
 from variantgen.reference import reference_attention
 from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
 from variantgen.wrapper import VariantWrapper
@@ -36,15 +39,19 @@ def _clean_env(vg_env):
     """Render from the checkout's templates with a private cache dir."""
 
 
-def make(spec_name: str, capacity: GraphCapacity = CAP, backend: str = "fa2") -> tuple[VariantWrapper, FakeModule]:
+def make(spec_name: str, capacity: GraphCapacity = CAP, backend: str = "fa2", planner_module: bool = True,
+         ) -> tuple[VariantWrapper, FakeModule]:
+    """A graph-mode wrapper on a fake module, with the fake planner module (or planner-off)."""
     spec = variantgen.load_spec(SPECS_DIR / f"{spec_name}.yaml")
     config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", backend)
     manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]],
                 "module_sha256": "x", "module_file": "x.so"}
-    fake = FakeModule(spec)
+    fake = (FakeFa3Module if backend == "fa3" else FakeModule)(spec)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
     w = VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=capacity)
+    if planner_module and analyze(spec).planner_ready:
+        w.set_row_planner(FakeRowPlanner(spec))
     return w, fake
 
 
@@ -142,16 +149,17 @@ MM_BATCHES = [  # (qo_lens, kv_lens, spans): different request counts, rows, lau
 ]
 
 
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
 @pytest.mark.parametrize("skip_tiles", [True, False])
-def test_replay_after_replanning_matches_each_batch(skip_tiles):
+def test_replay_after_replanning_matches_each_batch(skip_tiles, backend):
     """Capture once, then plan four different batches and replay the captured launches."""
-    w, fake = make("mm_prefix")
+    w, fake = make("mm_prefix", backend=backend)
     engine = Engine(w)
     batch, args = mm_batch(*MM_BATCHES[0], seed=0)
     static = engine.load(batch, args)
     w.plan(*batch.plan_args(), skip_tiles=skip_tiles, **(static if skip_tiles else {}))
     calls = capture(w, fake, engine, static)
-    assert [c.mask_mode for c in fake.run_calls[-3:]] == list(GRAPH_MODES)
+    assert [c.mask_mode for c in fake.run_calls[-3:]] == list(SLOT_NAMES)
     check_replayed(w.spec, engine, batch, args, "captured batch")
     plan_info = [list(c[2]) for c in calls]
     for i, spec_batch in enumerate(MM_BATCHES[1:] + MM_BATCHES[:1]):
@@ -161,14 +169,21 @@ def test_replay_after_replanning_matches_each_batch(skip_tiles):
         assert [la.plan_info for la in w._launches] == plan_info
         replay(fake, engine, calls)
         check_replayed(w.spec, engine, batch, args, f"replay {i} ({skip_tiles=})")
-    # every FlashInfer plan was a CUDA-graph one over the capacity, split-KV off
-    for call in fake.plan_calls:
-        assert call.enable_cuda_graph and call.disable_split_kv
-        assert call.total_rows == CAP.max_total_q and call.batch_size == CAP.launch_requests
+    # every slot has the launch builder's CUDA-graph work list over the capacity (split-KV off)
+    assert not fake.plan_calls
+    if backend == "fa3":  # (the sm90 work lists: sized for the capacity, checked by the fake and the pins)
+        assert all(la.schedule == Schedule.FA3 and la.meta.shape[0] == CAP.launch_requests for la in w._launches)
+        return
+    for la in w._launches:
+        info = la.plan_info
+        assert la.schedule == Schedule.FA2 and info[PrefillPlanInfo.ENABLE_CUDA_GRAPH]
+        assert not info[PrefillPlanInfo.SPLIT_KV]
+        assert info[PrefillPlanInfo.TOTAL_NUM_ROWS] == CAP.max_total_q and la.meta.shape[0] == CAP.launch_requests
 
 
-def test_launch_tensors_keep_their_addresses():
-    w, _ = make("mm_prefix")
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_launch_tensors_keep_their_addresses(backend):
+    w, _ = make("mm_prefix", backend=backend)
     engine = Engine(w)
     seen = None
     for i, spec_batch in enumerate(MM_BATCHES):
@@ -176,16 +191,17 @@ def test_launch_tensors_keep_their_addresses():
         w.plan(*batch.plan_args(), **engine.load(batch, args))
         ptrs = [(la.mask_mode, la.q_starts.data_ptr(), la.kv_indptr.data_ptr(), la.kv_indices.data_ptr(),
                  la.last_page_len.data_ptr(), la.meta.data_ptr(), la.int_workspace.data_ptr(),
-                 la.float_workspace.data_ptr(), la.num_requests) for la in w._launches]
+                 la.float_workspace.data_ptr(), la.meta.shape[0]) for la in w._launches]
         assert seen is None or ptrs == seen
         seen = ptrs
-    assert [p[0] for p in seen] == list(GRAPH_MODES)
+    assert [p[0] for p in seen] == list(SLOT_NAMES)
 
 
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
 @pytest.mark.parametrize("spec_name", ["causal", "document", "prefix_lm", "sliding_window", "softcap"])
-def test_other_specs_replay(spec_name):
+def test_other_specs_replay(spec_name, backend):
     """Specs whose tensors are [total_kv] / [batch] sized, or that have none."""
-    w, fake = make(spec_name)
+    w, fake = make(spec_name, backend=backend)
     engine = Engine(w)
     shapes = [([30, 50], [60, 50]), ([100, 3, 7], [120, 3, 300]), ([5], [5])]
     calls = None
@@ -213,7 +229,7 @@ def test_capacity_sized_spec_tensors_are_accepted_and_trimmed_for_the_planner():
     engine = Engine(w)
     engine.load(batch, args)
     w.plan(*batch.plan_args(), doc_ids=static_ids)
-    assert w.plan_stats["row_planner"].startswith("torch")  # planned from the first 70 ids only
+    assert w.plan_stats["row_planner"] == "kernel"  # planned from the first 70 ids only
     capture(w, fake, engine, {"doc_ids": static_ids})
     check_replayed(w.spec, engine, batch, args, "static doc_ids")
     too_long = torch.zeros(CAP.max_kv_pages * PAGE + 1, dtype=torch.int32)
@@ -229,20 +245,21 @@ def test_empty_batch_still_plans_the_fixed_launches():
     calls = capture(w, fake, engine, engine.load(batch, args))
     empty = random_paged_batch([0], [20], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
     w.plan(*empty.plan_args(), ranges=engine.static["ranges"])
-    assert [la.mask_mode for la in w._launches] == list(GRAPH_MODES)
+    assert [la.mask_mode for la in w._launches] == list(SLOT_NAMES)
     assert all(la.q_starts[0].item() == 0 for la in w._launches)
     assert w.plan_stats["launches"] == []
     replay(fake, engine, calls)
     assert torch.isnan(engine.out.float()).all()  # nothing written: every launch request is padding
 
 
-def test_capacity_errors_name_the_field_and_leave_the_buffers_alone():
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_capacity_errors_name_the_field_and_leave_the_buffers_alone(backend):
     cap = GraphCapacity(max_batch_size=2, max_total_q=96, max_kv_pages=16, max_launch_requests=3,
                         max_launch_pages=20)
-    w, _ = make("mm_prefix", cap)
+    w, _ = make("mm_prefix", cap, backend=backend)
     batch, args = mm_batch([40, 24], [64, 40], [[(8, 30)], []], seed=0)
     w.plan(*batch.plan_args(), **args)
-    before = (w._graph.metadata.clone(), w._graph.kv_indices.clone())
+    before = w._graph.workspace[0].clone()
     cases = [
         (([10, 10, 10], [10, 10, 10], [[], [], []]), r"batch size 3 exceeds .* max_batch_size=2"),
         (([90, 10], [90, 10], [[], []]), r"total query rows 100 exceeds .* max_total_q=96"),
@@ -257,17 +274,29 @@ def test_capacity_errors_name_the_field_and_leave_the_buffers_alone():
         b, a = mm_batch(ql, kl, spans, seed=1)
         with pytest.raises(LaunchError, match=pattern):
             w.plan(*b.plan_args(), **a)
-        assert torch.equal(w._graph.metadata, before[0]) and torch.equal(w._graph.kv_indices, before[1])
+        assert torch.equal(w._graph.workspace[0], before)
 
 
-def test_plan_info_change_is_refused(monkeypatch):
+def test_plan_info_change_is_refused():
+    """A schedule that would differ from the captured one (here: sized for other rows) raises."""
     w, fake = make("causal")
     batch = random_paged_batch([30], [40], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
     w.plan(*batch.plan_args())
-    real = fake.plan
-    monkeypatch.setattr(fake, "plan", lambda *a: [x + 1 for x in real(*a)])
-    with pytest.raises(LaunchError, match=r"schedule for the 'custom' launch changed .* variantgen bug"):
+    w.planner.options[PlanOption.GRAPH_ROWS] -= 1
+    with pytest.raises(LaunchError, match=r"schedule for the 'custom' launch slot changed .* variantgen bug"):
         w.plan(*batch.plan_args())
+    assert w.last_plan is None
+
+
+def test_heads_and_page_size_stay_those_of_the_first_plan():
+    w, _ = make("causal")
+    batch = random_paged_batch([30], [40], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
+    w.plan(*batch.plan_args())
+    other = random_paged_batch([30], [40], num_qo_heads=2 * HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
+    with pytest.raises(LaunchError, match=re.escape(
+            "plan(): num_qo_heads, num_kv_heads, page_size = (8, 2, 16), but this CUDA-graph wrapper planned "
+            "(4, 2, 16) first")):
+        w.plan(*other.plan_args())
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
@@ -292,9 +321,6 @@ def test_capacity_defaults():
 
 
 def test_graph_mode_refusals():
-    with pytest.raises(LaunchError, match=r"^graph=: CUDA-graph mode needs backend 'fa2' \(got 'fa3'\): the fa3 "
-                                          r"planner's launch set depends on the batch$"):
-        make("causal", backend="fa3")
     w, _ = make("causal")
     with pytest.raises(LaunchError, match=r"graph=\{'max_batch_size': 4\}: expected a variantgen.GraphCapacity"):
         VariantWrapper(w.spec, w.config, w.module, w.build, torch.empty(8, dtype=torch.uint8),
@@ -304,9 +330,6 @@ def test_graph_mode_refusals():
                                          r"\(got 'ragged'\); ragged wrappers allocate their metadata per plan\(\)$"):
         variantgen.make_wrapper(SPECS_DIR / "causal.yaml", ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
                                 arch="9.0a", kind="ragged", graph=CAP)
-    with pytest.raises(ValueError, match=r"^graph=: CUDA-graph mode needs backend 'fa2' \(got 'fa3'\): "):
-        variantgen.make_wrapper(SPECS_DIR / "causal.yaml", ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
-                                arch="9.0a", backend="fa3", graph=CAP)
 
 
 def test_static_q_larger_than_capacity_is_refused():
@@ -331,7 +354,10 @@ def fake_decode_wrapper(spec, cap: GraphCapacity, *, tensor_cores: bool):
     fake = FakeModule(spec) if tensor_cores else FakeDecodeModule(spec)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
-    return DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=cap), fake
+    w = DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=cap)
+    if tensor_cores:
+        w.set_row_planner(FakeRowPlanner(spec))
+    return w, fake
 
 
 def replay_fake_decode(w, fake, spec, cap: GraphCapacity, batches: list[list[int]], launch: str) -> None:
@@ -391,3 +417,88 @@ def test_cuda_core_decode_replays_after_replanning():
     with pytest.raises(LaunchError, match=r"paged_kv_indptr\[-1\] \(page-list entries\) 76 exceeds .* "
                                           r"max_kv_pages=64"):
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)
+
+
+# ----------------------------------------------------------------------------- fa3: window slots
+WIDTHS_SPEC = ("name: widths\ntensors:\n  w: {dtype: int32, shape: [batch]}\n"
+               "mask: kv_pos <= q_pos and q_pos - kv_pos <= w[request]\n")
+
+
+def make_widths(capacity: GraphCapacity) -> tuple[VariantWrapper, FakeModule]:
+    """fa3 graph mode on a spec whose window width is a per-request tensor: each batch brings
+    its own widths, and the captured launches have fixed ones."""
+    spec = variantgen.parse_spec(WIDTHS_SPEC)
+    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa3")
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]], "module_sha256": "x",
+                "module_file": "x.so"}
+    fake = FakeFa3Module(spec)
+    build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
+                        built=False, seconds=0.0)
+    w = VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=capacity)
+    w.set_row_planner(FakeRowPlanner(spec))
+    return w, fake
+
+
+WIDTH_BATCHES = [  # (qo_lens, kv_lens, per-request widths)
+    ([64, 64], [200, 120], [40, 90]),
+    ([30, 50, 20], [100, 150, 40], [90, 7, 40]),
+    ([100], [190], [13]),
+    ([10, 10, 10, 10], [70, 80, 90, 100], [40, 40, 90, 90]),
+]
+
+
+@pytest.mark.parametrize("named", [True, False], ids=["named_widths", "first_plan_pins"])
+def test_fa3_window_slots_stay_fixed_and_other_widths_run_custom(named):
+    """The window slots' widths are fixed for the capture (named by the capacity, or the first
+    plan's); a replayed batch whose rows have other widths runs them in the custom slot - exact."""
+    cap = GraphCapacity(max_batch_size=4, max_total_q=192, max_kv_pages=48,
+                        window_widths=(40, 90) if named else None)
+    w, fake = make_widths(cap)
+    engine = Engine(w, cap)
+    calls = None
+    for i, (qo, kv, widths) in enumerate(WIDTH_BATCHES):
+        batch = random_paged_batch(qo, kv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE,
+                                   seed=i)
+        args = {"w": torch.tensor(widths, dtype=torch.int32)}
+        static = engine.load(batch, args)
+        plan = w.plan(*batch.plan_args(), **static)
+        slots = [(la.mask_mode, la.window_left) for la in plan.launches]
+        assert slots == [("custom", -1), ("causal", -1), ("none", -1), ("causal", 40), ("causal", 90)]
+        kept = {40, 90}
+        for r in plan.launch_requests:  # a window run in its width's slot, or (other widths) custom
+            if r.cls.name == "WINDOW":
+                assert (r.mode.label, r.window) == (("causal", widths[r.request]) if widths[r.request] in kept
+                                                   else ("custom", -1)), r
+        if calls is None:
+            calls = capture(w, fake, engine, static)
+        else:
+            replay(fake, engine, calls)
+        check_replayed(w.spec, engine, batch, args, f"widths batch {i}")
+    assert w._graph.windows == (40, 90)
+
+
+def test_fa3_first_plan_without_windows_pins_none():
+    """Pinned at the first plan: a batch without window rows leaves no window slot, and later
+    window rows all run custom (name the widths in GraphCapacity to keep their slots)."""
+    cap = GraphCapacity(max_batch_size=4, max_total_q=192, max_kv_pages=48)
+    w, fake = make_widths(cap)
+    engine = Engine(w, cap)
+    batch = random_paged_batch([20], [20], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
+    args = {"w": torch.tensor([1000], dtype=torch.int32)}  # wider than the request: plain causal rows
+    w.plan(*batch.plan_args(), **engine.load(batch, args))
+    calls = capture(w, fake, engine, engine.static)
+    assert w._graph.windows == () and [la.mask_mode for la in w._launches] == list(SLOT_NAMES)
+    qo, kv, widths = WIDTH_BATCHES[0]
+    batch = random_paged_batch(qo, kv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE, seed=3)
+    args = {"w": torch.tensor(widths, dtype=torch.int32)}
+    plan = w.plan(*batch.plan_args(), **engine.load(batch, args))
+    assert all(r.mode.label == "custom" for r in plan.launch_requests if r.cls.name == "WINDOW")
+    replay(fake, engine, calls)
+    check_replayed(w.spec, engine, batch, args, "windows after a pin to none")
+
+
+@pytest.mark.parametrize("widths", [[40], (40, 40), (-1,), (1, 2, 3, 4, 5), (True,)])
+def test_window_widths_are_checked(widths):
+    with pytest.raises(LaunchError, match=r"GraphCapacity: window_widths=.*: expected a tuple of at most 4 distinct "
+                                          r"ints >= 0"):
+        GraphCapacity(max_batch_size=2, max_total_q=8, max_kv_pages=8, window_widths=widths)

@@ -50,6 +50,9 @@ def check_sound(spec, qo_lens, kv_lens, args):
             if bool(iv.exact[row]):
                 exact_rows += 1
                 assert visible.tolist() == list(range(lo, hi + 1)), (spec.name, b, i, lo, hi)
+                assert int(iv.dense_hi[row]) == hi
+            dense_hi = int(iv.dense_hi[row])
+            assert lo - 1 <= dense_hi <= hi and bool(mask[i, lo:dense_hi + 1].all()), (spec.name, b, i, dense_hi)
             if bool(iv.empty[row]):
                 assert visible.numel() == 0
             row += 1
@@ -137,3 +140,66 @@ def test_offset_rows_in_bounds_are_sound():
     check_sound(spec, qo_lens, kv_lens, args)
     iv = row_intervals(form, spec, row_env(qo_lens, kv_lens), args)
     assert bool((iv.exact | iv.empty).all())  # one interval per row, each exact (or provably empty)
+
+
+# ----------------------------------------------------------------------------- tree verification
+
+
+def _tree_case(sizes, shapes, context, seed=0):
+    """A batch of tree-verify requests: per request a draft tree of sizes[i] nodes after
+    `context` cached keys; (qo_lens, kv_lens, args, parents)."""
+    from variantgen.trees import random_tree_parents, tree_bits
+
+    g = torch.Generator().manual_seed(seed)
+    parents = [random_tree_parents(n, g, s) for n, s in zip(sizes, shapes)]
+    return list(sizes), [c + n for c, n in zip(context, sizes)], {"tree_bits": tree_bits(parents)}, parents
+
+
+def test_tree_verify_context_is_dense_and_the_drafts_a_small_hull():
+    """The planner sees each draft node's row as the context [0, ctx) exactly (dense) plus a
+    hull over the drafts up to the node itself: at most qo_len keys need the per-key mask."""
+    spec = load_spec(Path(SPECS[0]).parent / "tree_verify.yaml")
+    form = analyze(spec)
+    assert form.planner_ready and [t.exact for t in form.terms] == [True, False]
+    assert tensors_read(form, spec) == set()  # plan() needs no tensor to plan it
+    sizes, shapes = [1, 7, 16, 64, 33, 2], ["chain", "random", "star", "random", "forest", "chain"]
+    qo, kv, args, _ = _tree_case(sizes, shapes, [0, 100, 37, 8192, 5, 64])
+    iv = row_intervals(form, spec, row_env(qo, kv), args)
+    row = 0
+    for n, k in zip(qo, kv):
+        ctx = k - n
+        for i in range(n):
+            assert (int(iv.lo[row]), int(iv.dense_hi[row]), int(iv.hi[row])) == (0, ctx - 1, ctx + i)
+            assert not bool(iv.exact[row])  # the drafts' bits are the mask's business
+            row += 1
+    check_sound(spec, qo, kv, args)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_verify_mask_is_context_plus_ancestors(seed):
+    """Random trees of 1-64 nodes (chains, stars, random parents, forests): a node sees every
+    cached key, itself and its ancestors, nothing else; a chain is causal attention."""
+    from variantgen.reference import RequestGrid, mask_for_request
+
+    spec = load_spec(Path(SPECS[0]).parent / "tree_verify.yaml")
+    g = torch.Generator().manual_seed(100 + seed)
+    sizes = [int(torch.randint(1, 65, (1,), generator=g)) for _ in range(4)] + [64, 1]
+    shapes = ["chain", "star", "random", "forest", "random", "star"]
+    qo, kv, args, parents = _tree_case(sizes, shapes, [int(torch.randint(0, 50, (1,), generator=g)) for _ in sizes],
+                                       seed)
+    q_base = kv_base = 0
+    for b, (n, k, par) in enumerate(zip(qo, kv, parents)):
+        mask = mask_for_request(spec, RequestGrid(b, n, k, q_base, kv_base, 1, 1, torch.device("cpu")), args)[0]
+        ctx = k - n
+        for i in range(n):
+            seen, node = {i}, i
+            while par[node] >= 0:
+                node = par[node]
+                seen.add(node)
+            want = list(range(ctx)) + sorted(ctx + j for j in seen)
+            assert mask[i].nonzero().flatten().tolist() == want, (b, i)
+        if shapes[b] == "chain":
+            causal = torch.arange(k).view(1, -1) <= torch.arange(ctx, k).view(-1, 1)
+            assert torch.equal(mask, causal)
+        q_base += n
+        kv_base += k

@@ -54,6 +54,17 @@ def test_a_name_resolves_to_the_shipped_file(name):
     assert spec == variantgen.load_spec(SPECS_DIR / f"{name}.yaml") and spec.path == str(SPECS_DIR / f"{name}.yaml")
 
 
+def test_a_renamed_spec_still_resolves(caplog):
+    """`attention_sink` (StreamingLLM's kept first tokens) is `streaming_sink` now, apart from the
+    learned sinks of `attention_sink_learned`; the old name still works, with a warning."""
+    with caplog.at_level("WARNING", logger="variantgen.library"):
+        spec = variantgen.resolve_spec("attention_sink")
+    assert spec.name == "streaming_sink" and spec == variantgen.load_spec(SPECS_DIR / "streaming_sink.yaml")
+    assert "`attention_sink` is now called `streaming_sink`" in caplog.text
+    assert "attention_sink" not in variantgen.shipped_specs()
+    assert variantgen.resolve_spec("attention_sink_learned").sink is not None
+
+
 def test_specs_and_paths_resolve_as_given(spec_text):
     path = spec_text("name: strict\nmask: kv_pos < q_pos\n", name="strict.yaml")
     spec = variantgen.resolve_spec(path)

@@ -148,7 +148,7 @@ def test_a_broken_installation_names_its_template_folder(installed, tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     missing = broken / "variantgen" / "templates"
     assert proc.stderr == (f"error: template folder {missing} (this variantgen installation lacks its templates: "
-                           "reinstall the package): expected the subfolders common, fa2, fa3, planner, sched\n")
+                           "reinstall the package): expected the subfolders common, fa2, fa3, plan, planner\n")
 
 
 def test_a_template_dir_setting_that_is_no_template_tree(vg_env, tmp_path):
@@ -158,4 +158,4 @@ def test_a_template_dir_setting_that_is_no_template_tree(vg_env, tmp_path):
     with pytest.raises(variantgen.VariantgenError) as e:
         render_module(ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a"))
     assert str(e.value) == (f"template folder VARIANTGEN_TEMPLATE_DIR={tmp_path / 'tpl'}: expected the subfolders "
-                            "common, fa3, planner, sched")
+                            "common, fa3, plan, planner")

@@ -628,6 +628,20 @@ def test_probe_backends_answers_per_backend_and_kind(fake_build):
     assert not out["fa3", "ragged"] and "backend 'fa3' generates only ['prefill']" in out["fa3", "ragged"].reason
 
 
+@pytest.mark.parametrize("spec_name", ["attention_sink_learned", "tree_verify", "gemma4_sliding"])
+def test_probe_backends_answer_for_the_new_masks(fake_build, spec_name):
+    """The sinks, tree and Gemma 4 specs: every (backend, kind) gets an answer (the fake build
+    renders each module, so one whose templates broke would be a reason, not ok); fa3 generates
+    paged prefill only, and Gemma 4's global head dim 512 is refused with the supported list."""
+    out = variantgen.probe_backends(spec_name, kinds=("prefill", "ragged", "decode"), head_dim_qk=256,
+                                    q_dtype="bf16", kv_dtype="bf16", arch="9.0a")
+    assert {key for key, r in out.items() if r.ok} == {("fa2", "prefill"), ("fa3", "prefill"), ("fa2", "ragged"),
+                                                       ("fa2", "decode")}, {k: r.reason for k, r in out.items()}
+    assert "backend 'fa3' generates only ['prefill']" in out["fa3", "decode"].reason
+    wide = variantgen.probe(spec_name, head_dim_qk=512, q_dtype="bf16", kv_dtype="bf16", arch="9.0a")
+    assert not wide and "support head dims 64, 128, 256" in wide.reason
+
+
 def test_negative_results_are_memoized(monkeypatch):
     _no_gpu(monkeypatch)
     r1 = probe(MM, **BASE)
@@ -701,8 +715,8 @@ def test_precompiled_cache_is_relocatable(clean, tmp_path, monkeypatch):
 
 
 def test_row_planner_status_is_reported_never_a_failure(clean, fake_build):
-    """plan()'s row kernel: built by make_wrapper, cached, or (JIT disabled, not precompiled)
-    the torch rules - a slower plan(), so the probe still says yes."""
+    """plan()'s planner module: built by make_wrapper, cached, or (JIT disabled, not precompiled)
+    none - plans run planner-off, slower kernels, so the probe still says yes (and says why)."""
     from variantgen.rowplan import PlannerConfig
 
     r = probe(MM, **BASE, arch="9.0a")
@@ -711,28 +725,30 @@ def test_row_planner_status_is_reported_never_a_failure(clean, fake_build):
     probe_mod.cache_clear()
     clean.set(VARIANTGEN_DISABLE_JIT="1")
     r = probe(MM, **BASE, arch="9.0a")
-    assert r and r.details["row_planner"].startswith("torch rules (slower plan()): vg_mm_prefix_planner_sm90a is "
-                                                     "not precompiled")
+    assert r and r.details["row_planner"].startswith(
+        "planner off (one custom launch per request: the mask on every element, slower kernels): "
+        "vg_mm_prefix_planner_sm90a is not precompiled")
     publish_fake(Cache(clean.cache_dir), PlannerConfig(variantgen.load_spec(MM), "9.0a"))
     probe_mod.cache_clear()
     r = probe(MM, **BASE, arch="9.0a")
     assert r and r.details["row_planner"].startswith("cached: vg_mm_prefix_planner_sm90a_")
     publish_fake(Cache(clean.cache_dir), mm_config(kind="decode"))
     r = probe(MM, **BASE, arch="9.0a", kind="decode")
-    assert r and "row_planner" not in r.details  # decode trims keys with the torch rules only
+    assert r and "row_planner" not in r.details  # CUDA-core decode trims keys on the host, no planner module
 
 
 def test_cuda_graph_probe_follows_what_graph_mode_supports():
-    """cuda_graph=True answers for make_wrapper(graph=...): fa2 paged prefill and decode."""
+    """cuda_graph=True answers for make_wrapper(graph=...): paged prefill (fa3 on sm90, as without
+    it) and decode."""
     base = dict(BASE, backend=None)  # what make_wrapper picks
     auto = probe(MM, **base, arch="9.0a", build=False)
     assert auto.details["backend"] == "fa3" and not auto.details["cuda_graph"]
     r = probe(MM, **base, arch="9.0a", build=False, cuda_graph=True)
-    assert r.details["backend"] == "fa2" and r.details["cuda_graph"]  # as make_wrapper picks with graph=
-    assert r.reason.startswith("building disabled (build=False) and module vg_mm_prefix_fa2_prefill")
-    r = probe(MM, **dict(base, backend="fa3"), arch="9.0a", build=False, cuda_graph=True)
-    assert not r.ok and r.reason == ("cuda_graph=True: CUDA-graph mode needs backend 'fa2' (got 'fa3'): the fa3 "
-                                     "planner's launch set depends on the batch")
+    assert r.details["backend"] == "fa3" and r.details["cuda_graph"]  # as make_wrapper picks with graph=
+    assert r.reason.startswith("building disabled (build=False) and module vg_mm_prefix_fa3_prefill")
+    r = probe(MM, **dict(base, backend="fa2"), arch="9.0a", build=False, cuda_graph=True)
+    assert r.details["backend"] == "fa2" and r.reason.startswith("building disabled (build=False) and module "
+                                                                 "vg_mm_prefix_fa2_prefill")
     r = probe(MM, **base, arch="9.0a", build=False, cuda_graph=True, kind="ragged")
     assert not r.ok and r.reason.startswith("cuda_graph=True: CUDA-graph mode is for kind 'prefill' and "
                                             "'decode' (got 'ragged')")

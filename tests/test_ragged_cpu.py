@@ -27,11 +27,11 @@ from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
 import variantgen.build as build_mod
-import variantgen.wrapper as wrapper_mod
 from variantgen import render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.errors import LaunchError
+from variantgen.plan_abi import META_COLUMNS
 from variantgen.ragged import RaggedWrapper, launch_mask_mode, random_ragged_batch, reference_ragged
 from variantgen.testing import random_spec_args
 
@@ -73,8 +73,8 @@ def test_every_shipped_spec_renders_ragged(spec_name, dims):
     assert module.compile_units[0] == "binding.cu"
     kernels = [f"ragged_kernel_{m}_cta{c}.cu" for m in ("none", "causal", "custom") for c in (16, 64, 128)]
     assert list(module.compile_units[1:]) == kernels
-    assert set(module.files) == {"variant.cuh", "batch_prefill_config.inc", "binding.cu", *kernels, "vg_helpers.cuh",
-                                 "config_prelude.cuh", "kernel_params.cuh", "prefill_plan.cuh"}
+    assert set(module.files) == {"vg_plan_abi.h", "variant.cuh", "batch_prefill_config.inc", "binding.cu", *kernels,
+                                 "vg_helpers.cuh", "config_prelude.cuh", "kernel_params.cuh", "prefill_plan.cuh"}
     text = "\n".join(module.files.values())
     assert "{{" not in text and "{%" not in text
     config = module.files["batch_prefill_config.inc"]
@@ -97,14 +97,16 @@ def test_every_shipped_spec_renders_ragged(spec_name, dims):
 
 
 def test_vg_meta_layout_matches_the_prefill_module():
-    """variant.cuh reads vg_meta through VG_META_*: every FA2 kind must define the same columns."""
+    """variant.cuh reads vg_meta through VG_META_*: every FA2 kind includes the same columns
+    (the plan ABI's header)."""
     spec = shipped("mm_prefix")
-    ragged = render.render_module(ragged_config(spec)).files["batch_prefill_config.inc"]
+    ragged = render.render_module(ragged_config(spec))
     prefill = render.render_module(render.ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a"))
-    mine = define_lines(ragged, "#define VG_META_")
-    assert len(mine) == wrapper_mod.META_COLUMNS + 1
-    assert mine == define_lines(prefill.files["batch_prefill_config.inc"], "#define VG_META_")
-    assert f"#define VG_META_STRIDE {wrapper_mod.META_COLUMNS}" in mine
+    assert '#include "vg_plan_abi.h"' in ragged.files["batch_prefill_config.inc"]
+    mine = define_lines(ragged.files["vg_plan_abi.h"], "#define VG_META_")
+    assert len(mine) == META_COLUMNS + 1
+    assert mine == define_lines(prefill.files["vg_plan_abi.h"], "#define VG_META_")
+    assert f"#define VG_META_STRIDE {META_COLUMNS}" in mine
 
 
 def test_every_dispatched_kernel_is_defined():

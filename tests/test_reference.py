@@ -10,9 +10,11 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import SPEC_FILES, SPECS_DIR
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import variantgen
-from variantgen import reference
+from variantgen import evaluate, reference
 from variantgen.reference import RequestGrid, mask_for_request, reference_attention, transform_logits
 
 H_QO, H_KV, D, PAGE = 4, 2, 8, 4
@@ -64,7 +66,7 @@ RANGES = [[0, 5], [-1, -1], [2, 6], [3, 8], [0, 0]]  # [total_q] = 3 + 2 rows, i
 ARGS = {
     "causal": {},
     "sliding_window": {"window": 2},
-    "attention_sink": {"num_sink": 2, "window": 1},
+    "streaming_sink": {"num_sink": 2, "window": 1},
     "chunked_local": {"chunk_size": 4},
     "document": {"doc_ids": torch.tensor(DOC_IDS, dtype=torch.int32)},
     "mm_prefix": {"ranges": torch.tensor(RANGES, dtype=torch.int32), "causal_window_left": 1,
@@ -72,7 +74,16 @@ ARGS = {
     "prefix_lm": {"prefix_len": torch.tensor([6, 0], dtype=torch.int32)},
     "softcap": {"soft_cap": 0.5, "window": 3},
     "alibi": {"slopes": torch.tensor([0.5, 0.25, 0.125, 0.0625])},
+    "attention_sink_learned": {"sinks": torch.tensor([0.5, -1.0, 2.0, -30.0]), "window": 3},
 }
+SINKS = {"attention_sink_learned": lambda args, b, h: float(args["sinks"][h])}
+# tree_verify: request 0 verifies a root with two children, request 1 two roots (a forest)
+TREE_PARENTS = [[-1, 0, 0], [-1, -1]]
+ARGS["tree_verify"] = {"tree_bits": torch.tensor([[1, 0], [3, 0], [5, 0], [1, 0], [2, 0]], dtype=torch.int32)}
+# gemma4_sliding: request 0's queries at positions 4 and 5 end the image block [2, 5]; its third
+# (position 6) and request 1's are text; window 3
+GEMMA4_BLOCKS = [[2, 5], [2, 5], [-1, -1], [-1, -1], [-1, -1]]
+ARGS["gemma4_sliding"] = {"ranges": torch.tensor(GEMMA4_BLOCKS, dtype=torch.int32), "window": 3}
 
 
 def _scalar(args, name, spec):
@@ -84,10 +95,13 @@ def expected_visible(name: str, spec, args, p: Pos) -> bool:
     causal = p.j <= p.q
     if name in ("causal", "alibi"):
         return causal
+    if name == "attention_sink_learned":  # gpt-oss: the window counts keys (q_pos - kv_pos < window)
+        w = _scalar(args, "window", spec)
+        return causal and (w <= 0 or p.q - p.j < w)
     if name in ("sliding_window", "softcap"):
         w = _scalar(args, "window", spec)
         return causal and (w < 0 or p.q - p.j <= w)
-    if name == "attention_sink":
+    if name == "streaming_sink":
         return causal and (p.j < _scalar(args, "num_sink", spec) or p.q - p.j <= _scalar(args, "window", spec))
     if name == "chunked_local":
         c = _scalar(args, "chunk_size", spec)
@@ -103,6 +117,16 @@ def expected_visible(name: str, spec, args, p: Pos) -> bool:
     if name == "prefix_lm":
         prefix = [6, 0][p.b]
         return p.j < prefix or causal
+    if name == "gemma4_sliding":  # transformers: kv > q - window and (kv <= q or the query's own block)
+        lo, hi = GEMMA4_BLOCKS[p.q_row]
+        return p.j > p.q - _scalar(args, "window", spec) and (causal or lo <= p.j <= hi)
+    if name == "tree_verify":  # the cached context, then the node itself and its ancestors
+        ctx = p.kv_len - p.qo_len
+        ancestors, node = {p.i}, p.i
+        while TREE_PARENTS[p.b][node] >= 0:
+            node = TREE_PARENTS[p.b][node]
+            ancestors.add(node)
+        return p.j < ctx or p.j - ctx in ancestors
     raise AssertionError(f"no meaning written for {name}")
 
 
@@ -177,8 +201,9 @@ def make_batch(qo_lens=QO_LENS, kv_lens=KV_LENS, seed=0) -> Batch:
                  tuple(qo_lens), tuple(kv_lens))
 
 
-def naive_attention(batch: Batch, visible, logit, sm_scale: float):
-    """Per (token, head) softmax in float64 with Python loops. Returns (out, lse base 2)."""
+def naive_attention(batch: Batch, visible, logit, sm_scale: float, sink=None):
+    """Per (token, head) softmax in float64 with Python loops. Returns (out, lse base 2).
+    ``sink(b, h)``: a logit in every row's denominator that has no value (learned sinks)."""
     total_q = batch.q.shape[0]
     out = torch.zeros(total_q, H_QO, D, dtype=torch.float64)
     lse = torch.full((total_q, H_QO), -math.inf, dtype=torch.float64)
@@ -195,11 +220,14 @@ def naive_attention(batch: Batch, visible, logit, sm_scale: float):
             s = logit(p, s)
             if visible(p):
                 scores.append((s, p.j))
+        s_h = sink(b, h) if sink is not None else None
         if not scores:
+            if s_h is not None:  # only the sink: no value, all its weight
+                lse[t, h] = s_h / math.log(2.0)
             continue
-        m = max(s for s, _ in scores)
+        m = max([s for s, _ in scores] + ([s_h] if s_h is not None else []))
         weights = [(math.exp(s - m), j) for s, j in scores]
-        total = sum(w for w, _ in weights)
+        total = sum(w for w, _ in weights) + (math.exp(s_h - m) if s_h is not None else 0.0)
         acc = torch.zeros(D, dtype=torch.float64)
         for w, j in weights:
             acc += (w / total) * batch.v[b][j, row[0].kv_head].double()
@@ -239,8 +267,10 @@ def test_attention_of_every_shipped_spec(name):
     batch = make_batch(seed=1)
     sm_scale = 1 / math.sqrt(D)
     out, lse = run_reference(spec, batch, args, return_lse=True)
+    sink = (lambda b, h: SINKS[name](args, b, h)) if name in SINKS else None
+    assert (sink is None) == (spec.sink is None)
     want, want_lse = naive_attention(batch, lambda p: expected_visible(name, spec, args, p),
-                                     lambda p, s: expected_logit(name, spec, args, p, s), sm_scale)
+                                     lambda p, s: expected_logit(name, spec, args, p, s), sm_scale, sink)
     assert out.dtype == torch.float32 and out.shape == (sum(QO_LENS), H_QO, D)
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(lse.double(), want_lse, atol=2e-5, rtol=1e-5)
@@ -282,6 +312,32 @@ def test_spec_sm_scale_is_the_default(spec_from):
     # an explicit sm_scale wins over the spec's
     want2, _ = naive_attention(batch, lambda p: p.j <= p.q, lambda p, s: s, 0.7)
     torch.testing.assert_close(run_reference(spec, batch, {}, sm_scale=0.7).double(), want2, atol=1e-5, rtol=1e-5)
+
+
+def test_sink_joins_the_denominator(spec_from):
+    """o = sum_j exp(l_j - m) v_j / (exp(s_h - m) + sum_j exp(l_j - m)), the LSE with the sink in it;
+    a row with no visible key gives 0 and lse = s_h (in base 2). Sinks large and small, per head and
+    per request, with a logits transform (the sink is in the transformed logits' domain)."""
+    spec = spec_from("name: x\ntensors:\n  s: {dtype: float32, shape: [batch, num_qo_heads]}\n"
+                     "mask: kv_pos <= q_pos and q_idx != 1\nlogits: 2.0 * tanh(logits / 2.0)\n"
+                     "sink: s[request, qo_head]\n")
+    sinks = torch.tensor([[0.0, 3.0, -2.0, 40.0], [-50.0, 1.0, 0.5, -1.0]])
+    batch = make_batch(seed=5)
+    out, lse = run_reference(spec, batch, {"s": sinks}, sm_scale=0.4, return_lse=True)
+    want, want_lse = naive_attention(batch, lambda p: p.j <= p.q and p.i != 1,
+                                     lambda p, x: 2.0 * math.tanh(x / 2.0), 0.4, lambda b, h: float(sinks[b, h]))
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=1e-5)
+    rows_q_idx_1 = [1, 3 + 1]
+    assert torch.equal(out[rows_q_idx_1], torch.zeros_like(out[rows_q_idx_1]))
+    torch.testing.assert_close(lse[1], sinks[0] / math.log(2.0))
+    # a -inf sink is no sink
+    no_sink, no_lse = run_reference(spec, batch, {"s": torch.full_like(sinks, -math.inf)}, sm_scale=0.4,
+                                    return_lse=True)
+    plain, plain_lse = naive_attention(batch, lambda p: p.j <= p.q and p.i != 1,
+                                       lambda p, x: 2.0 * math.tanh(x / 2.0), 0.4)
+    torch.testing.assert_close(no_sink.double(), plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(no_lse.double(), plain_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_fully_masked_rows_give_zeros(spec_from):
@@ -534,3 +590,41 @@ def test_the_evaluator_needs_an_environment():
 
     with pytest.raises(ValueError, match="^Evaluator: env must hold the builtin tensors"):
         Evaluator(shipped("causal"), {}, {})
+def _py_bit(x: int, i: int) -> bool:
+    """bit(x, i) written out: bit i of x's 32-bit two's complement, false outside 0..31."""
+    return 0 <= i < 32 and (x % (1 << 32)) >> i & 1 == 1
+
+
+BIT_VALUES = [0, 1, -1, 2, 5, -6, 2**31 - 1, -(2**31), 2**30, -(2**30) - 1, 0x55555555, -0x55555556]
+
+
+def test_bit_on_negative_values_and_out_of_range_indices():
+    xs = torch.tensor(BIT_VALUES, dtype=torch.int64).view(-1, 1)
+    idx = torch.arange(-40, 41, dtype=torch.int64).view(1, -1)
+    got = evaluate.bit(xs, idx)
+    for a, x in enumerate(BIT_VALUES):
+        for b, i in enumerate(range(-40, 41)):
+            assert bool(got[a, b]) == _py_bit(x, i), (x, i)
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(st.lists(st.tuples(st.integers(-(2**31), 2**31 - 1), st.integers(-(2**31), 2**31 - 1)), min_size=1,
+                max_size=64))
+def test_bit_fuzzed_against_python(pairs):
+    xs = torch.tensor([x for x, _ in pairs], dtype=torch.int64)
+    idx = torch.tensor([i for _, i in pairs], dtype=torch.int64)
+    assert evaluate.bit(xs, idx).tolist() == [_py_bit(x, i) for x, i in pairs]
+
+
+def test_bit_in_a_mask(spec_from):
+    """A per-query bitmask ([total_q] words) selects keys by their distance to the query."""
+    spec = spec_from("name: a\ntensors:\n  bits: {dtype: int32, shape: [total_q]}\n"
+                     "mask: bit(bits[q_row], q_pos - kv_pos) or bit(bits[q_row], kv_pos - 40)\n")
+    bits = torch.tensor(BIT_VALUES[:5], dtype=torch.int32)  # one word per query row (3 + 2)
+    batch = make_batch()
+    for b in range(2):
+        got = mask_for_request(spec, batch.grid(b), {"bits": bits})
+        for p in batch.positions():
+            if p.b == b:
+                want = _py_bit(BIT_VALUES[p.q_row], p.q - p.j) or _py_bit(BIT_VALUES[p.q_row], p.j - 40)
+                assert bool(got[p.h, p.i, p.j]) == want

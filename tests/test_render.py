@@ -47,13 +47,43 @@ def test_every_shipped_spec_renders(path):
     if spec.logits is not None:
         assert codegen.emit_logits(spec).code in variant
     assert f"struct {render.struct_name(spec)}" in variant
-    # one kernel unit per mask mode and CTA tile, plus the binding
-    assert module.compile_units[0] == "binding.cu"
-    assert len(module.compile_units) == 1 + 3 * len(render.FA2_CTA_TILES_Q)
+    # one kernel unit per mask mode and CTA tile, plus the binding and the launch builder
+    assert module.compile_units[:2] == ("binding.cu", "plan.cu")
+    assert len(module.compile_units) == 2 + 3 * len(render.FA2_CTA_TILES_Q)
     assert set(module.compile_units) <= set(module.files)
     assert {"variant.cuh", "batch_prefill_config.inc"} <= set(module.files)
     assert "{{" not in all_text(module) and "{%" not in all_text(module)
     assert len(module.source_digest()) == 64 and len(module.template_digest) == 64
+
+
+def test_learned_sink_in_every_kernel_kind(spec_from):
+    """fa2 prefill / ragged: an m/d update (first KV chunk only) and an output transform with its
+    scale; fa2 decode: the output transform joins the sink once per thread (first chunk only);
+    fa3: the constructor computes the head's sink and the updater joins it. Specs without a sink
+    render none of it."""
+    spec = spec_from("name: s\ntensors:\n  b: {dtype: float32, shape: [batch, num_kv_heads]}\nmask: kv_pos <= q_pos\n"
+                     "sink: b[request, kv_head] + float(qo_len)\n")
+    for kind in ("prefill", "ragged"):
+        variant = render_module(config(spec, kind=kind)).files["variant.cuh"]
+        assert "REGISTER_M_D_UPDATE(params, kv_tile_idx, qo_head_idx, m, d, scale, {" in variant
+        assert "if (kv_tile_idx == 0) {" in variant
+        assert "return output * scale * d_rcp * get_v_scale(params);" in variant
+        heads = "int32_t(params.num_kv_heads)" if kind == "ragged" else "int32_t(params.paged_kv.num_heads)"
+        assert f"const int32_t kv_head = int32_t(qo_head_idx) / (int32_t(params.num_qo_heads) / {heads});" in variant
+        assert "log2_sink = float((params.b[(request) * " in variant
+        assert "+ float(req_qo_len))) * math::log2e;" in variant
+    decode = render_module(config(spec, kind="decode")).files["variant.cuh"]
+    assert "REGISTER_M_D_UPDATE" not in decode
+    assert "if (!params.partition_kv || params.kv_tile_indices[batch_idx] == 0) {" in decode
+    assert "bool vg_sink_joined;" in decode and "vg_sink_joined = false;" in decode
+    fa3 = render_module(config(spec, backend="fa3")).files["variant.cuh"]
+    assert "struct VgSinkSoftmax : flashinfer::OnlineSoftmax<NUM_ROWS_PER_THREAD, /*WITH_SCALE=*/true>" in fa3
+    # one variant template serves the plain and the masked launches
+    assert fa3.count("return VgSinkSoftmax<NUM_ROWS_PER_THREAD>(sm_scale_log2, log2_sink);") == 1
+    assert "const int32_t kv_head = int32_t(kv_head_idx);" in fa3
+    for kind, backend in (("prefill", "fa2"), ("decode", "fa2"), ("prefill", "fa3")):
+        plain = render_module(config(shipped("causal"), kind=kind, backend=backend)).files["variant.cuh"]
+        assert "sink" not in plain.lower(), (kind, backend)
 
 
 def test_query_clamp_guards_padding_lanes():
@@ -82,8 +112,8 @@ def test_mask_modes_and_dtypes(spec_from):
     spec = spec_from("name: x\nmask: kv_pos <= q_pos\n")
     module = render_module(config(spec, kv_dtype="fp8_e4m3", o_dtype="fp16", mask_modes=("custom",),
                                   head_dim_qk=64, head_dim_vo=64))
-    assert module.compile_units == ("binding.cu", "paged_kernel_custom_cta16.cu", "paged_kernel_custom_cta64.cu",
-                                    "paged_kernel_custom_cta128.cu")
+    assert module.compile_units == ("binding.cu", "plan.cu", "paged_kernel_custom_cta16.cu",
+                                    "paged_kernel_custom_cta64.cu", "paged_kernel_custom_cta128.cu")
     inc = module.files["batch_prefill_config.inc"]
     assert "using DTypeKV = __nv_fp8_e4m3;" in inc and "using DTypeO = half;" in inc
     assert "using DTypeQ = nv_bfloat16;" in inc
@@ -167,6 +197,17 @@ def test_codegen_of_constants_and_operators(spec_from):
     assert "vg_div(float(kv_pos), float(int32_t(2)))" in code
     assert "1.5e-07f" in code and "(!" in code and "vg_abs((-kv_pos))" in code
     assert codegen.emit_mask(spec).builtins == {"kv_pos", "q_pos"}
+
+
+def test_codegen_bit(spec_from):
+    spec = spec_from("name: x\ntensors:\n  b: {dtype: int32, shape: [total_q, 2]}\n"
+                     "mask: kv_pos <= q_pos and bit(b[q_row, 1], (q_pos - kv_pos) % 32)\n")
+    code = codegen.emit_mask(spec).code
+    assert "vg_bit(params.b[(q_row) * int32_t(2) + int32_t(1)], vg_mod((q_pos - kv_pos), int32_t(32)))" in code
+    variant = render_module(ModuleConfig(spec, 64, 64, "fp16", "fp16", "fp16", "8.0")).files["variant.cuh"]
+    helpers = render.static_source("common/vg_helpers.cuh")
+    assert "__device__ __forceinline__ bool vg_bit(int32_t x, int32_t i)" in helpers
+    assert '#include "vg_helpers.cuh"' in variant
 
 
 def test_codegen_index_flattening(spec_from):
@@ -421,16 +462,18 @@ def test_every_local_include_is_a_file_of_the_module(backend, kind):
             assert header in module.files or "/" in header or header in EXTERNAL_LOCAL_INCLUDES, (name, header)
 
 
+# the launch builder (templates/plan/), in every paged-prefill module
+PLAN_FILES = {name: f"plan/{name}" for name in (*render.PLAN_HEADERS, "plan.cu")}
 STATIC_FILES = {
     ("fa2", "prefill"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "config_prelude.cuh": "fa2/config_prelude.cuh",
                          "kernel_params.cuh": "fa2/kernel_params.cuh", "prefill_plan.cuh": "fa2/prefill_plan.cuh",
-                         "binding.cu": "fa2/paged_binding.cu"},
+                         "binding.cu": "fa2/paged_binding.cu", **PLAN_FILES},
     ("fa2", "ragged"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "config_prelude.cuh": "fa2/config_prelude.cuh",
                         "kernel_params.cuh": "fa2/kernel_params.cuh", "prefill_plan.cuh": "fa2/prefill_plan.cuh"},
     ("fa2", "decode"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "config_prelude.cuh": "fa2/config_prelude.cuh",
                         "kernel_params.cuh": "fa2/kernel_params.cuh", "binding.cu": "fa2/decode_binding.cu"},
     ("fa3", "prefill"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
-                         "kernel_params.cuh": "fa3/kernel_params.cuh", "run.cuh": "fa3/run.cuh"},
+                         "kernel_params.cuh": "fa3/kernel_params.cuh", "run.cuh": "fa3/run.cuh", **PLAN_FILES},
 }
 
 
@@ -443,7 +486,9 @@ def test_static_sources_are_copied_as_they_are(backend, kind):
         assert module.files[name] == render.static_source(source), name
         assert "{{" not in module.files[name] and "{%" not in module.files[name]
     rendered = set(module.files) - set(STATIC_FILES[backend, kind])
-    assert all(name in ("variant.cuh", "binding.cu") or name.endswith((".inc", ".cu")) for name in rendered), rendered
+    # rendered: the variant, the config, the instantiations, and the plan ABI's generated header
+    generated = ("variant.cuh", "binding.cu", "vg_plan_abi.h")
+    assert all(name in generated or name.endswith((".inc", ".cu")) for name in rendered), rendered
 
 
 def test_no_template_without_jinja():

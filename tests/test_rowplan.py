@@ -1,6 +1,6 @@
 """The interval planner's generated row kernel (variantgen/rowplan.py) on the CPU: what it
-renders for every shipped spec, its cache identity, the fallback to the torch rules, and a
-real nvcc build. Its results are compared with the torch rules on the GPU
+renders for every shipped spec, its cache identity, planner-off plans without it, and a real
+nvcc build. Its results are compared with the reference rules (rowrules.py) on the GPU
 (tests/test_gpu_planner.py)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import variantgen
 from variantgen import build, codegen, render
 from variantgen.cache import Cache
 from variantgen.intervals import analyze
-from variantgen.rowplan import REC_FIELDS, PlannerConfig, load_planner, planner_configs, render_planner
+from variantgen.rowplan import PlannerConfig, load_planner, planner_configs, render_planner
 
 
 @pytest.fixture(autouse=True)
@@ -85,17 +85,22 @@ def test_jit_disabled_without_a_cached_planner_falls_back_with_a_reason(vg_env, 
     vg_env.set(VARIANTGEN_DISABLE_JIT="1")
     module, why = load_planner(spec("mm_prefix"), "9.0a", Cache(vg_env.cache_dir))
     assert module is None and "not precompiled" in why and "vg_mm_prefix_planner_sm90a" in why
-    assert "torch rules" in caplog.text
+    assert "run planner-off" in caplog.text
 
 
-def test_cpu_plan_uses_the_torch_rules_and_says_so():
+def test_without_a_planner_module_plan_runs_planner_off_and_says_why():
+    from test_run_checks_cpu import assert_reference
     from test_wrapper_cpu import batch_of, make
 
-    w, _ = make(spec("mm_prefix"))
+    w, _ = make(spec("mm_prefix"), planner_module=False)
     b = batch_of([5, 40], [5, 60], 4)
-    w.plan(*b.plan_args(), ranges=torch.full((45, 2), -1, dtype=torch.int32))
-    assert w.row_planner is None and w.plan_stats["row_planner"] == "torch"
-    assert REC_FIELDS[0] == "starts"
+    args = {"ranges": torch.full((45, 2), -1, dtype=torch.int32)}
+    plan = w.plan(*b.plan_args(), **args)
+    assert w.row_planner is None and plan.planner == "off" and plan is w.last_plan
+    assert w.plan_stats == {"launches": [("custom", 2)],
+                            "planner_off": "no planner module (a CPU wrapper): one custom launch per request"}
+    assert "planner off: no planner module (a CPU wrapper)" in str(plan)
+    assert_reference(w.spec, w.run(b.q, (b.k_cache, b.v_cache), **args), b, args)
 
 
 @pytest.mark.nvcc

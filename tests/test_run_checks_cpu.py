@@ -11,10 +11,9 @@
 * check_plan=True: run() refuses spec tensors changed in place since plan() planned from
   them; a captured run() records the comparison and the next plan() refuses.
 
-Each over the paths that build launches: prefill direct and interval-planned (torch rules),
-fa2 and fa3 fakes, decode on CUDA cores (key trimming on and off) and tensor cores, graph
-mode. The native planner path is covered in tests/test_native_plan.py (it needs the planner
-module built with nvcc).
+Each over the paths that build launches: prefill planner-off and interval-planned (the fake
+planner module: the reference row rules, and the real launch builder), fa2 and fa3 fakes,
+decode on CUDA cores (key trimming on and off) and tensor cores, graph mode.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 from _fake_decode import FakeDecodeModule
-from _fake_kernel import FakeFa3Module, FakeModule
+from _fake_kernel import FakeFa3Module, FakeModule, FakeRowPlanner
 from conftest import SPECS_DIR
 
 import variantgen
@@ -71,6 +70,7 @@ def prefill(spec, backend="fa2", **kwargs) -> tuple[VariantWrapper, FakeModule]:
     fake = (FakeFa3Module if backend == "fa3" else FakeModule)(spec)
     w = VariantWrapper(spec, config, fake, fake_build(spec, config), torch.empty(1 << 20, dtype=torch.uint8),
                        **kwargs)
+    w.set_row_planner(FakeRowPlanner(spec))
     return w, fake
 
 
@@ -80,6 +80,8 @@ def decoder(spec, *, tensor_cores: bool, **kwargs) -> tuple[DecodeWrapper, objec
     fake = FakeModule(spec) if tensor_cores else FakeDecodeModule(spec)
     w = DecodeWrapper(spec, config, fake, fake_build(spec, config), torch.empty(1 << 20, dtype=torch.uint8),
                       **kwargs)
+    if tensor_cores:
+        w.set_row_planner(FakeRowPlanner(spec))
     return w, fake
 
 

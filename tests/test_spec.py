@@ -40,7 +40,7 @@ def one(text: str) -> SpecError:
 
 def test_specs_are_shipped():
     assert {p.stem for p in SPEC_FILES} >= {
-        "alibi", "attention_sink", "causal", "chunked_local", "document", "mm_prefix", "prefix_lm",
+        "alibi", "streaming_sink", "causal", "chunked_local", "document", "mm_prefix", "prefix_lm",
         "sliding_window", "softcap",
     }
 
@@ -122,6 +122,71 @@ def test_sm_scale_default_and_null_logits(spec_from):
     assert spec.logits is None and spec.sm_scale is None and spec.qkv_scales is True
 
 
+# ----------------------------------------------------------------------------- learned sinks
+
+SINKS = "name: x\ntensors:\n  sinks: {dtype: float32, shape: [num_qo_heads]}\nmask: kv_pos <= q_pos\n"
+
+
+def test_sink_is_a_float_expression_per_head(spec_from):
+    spec = spec_from(SINKS + "scalars:\n  bias: {dtype: float, default: 0.5}\nsink: sinks[qo_head] + bias\n")
+    assert spec.sink.ty is Type.FLOAT and spec.sink_text == "sinks[qo_head] + bias"
+    assert expr.to_source(spec.sink) == "(sinks[qo_head] + bias)"
+    assert spec.uses("sinks") and spec.uses("bias") and "sink" in spec.locations
+    assert spec.canonical()["sink"] == "(sinks[qo_head] + bias)"
+    # an int sink is a float logit; `request`, the lengths and kv_head are the same for a head's rows
+    spec = spec_from("name: x\ntensors:\n  s: {dtype: float32, shape: [batch, num_kv_heads]}\nmask: kv_pos <= q_pos\n"
+                     "sink: s[request, kv_head] * float(qo_len) - float(kv_len) if qo_head > 0 else 0\n")
+    assert spec.sink.ty is Type.FLOAT
+
+
+def test_a_spec_without_a_sink_keeps_its_digest():
+    """canonical() gains `sink` only when there is one: modules built before sinks keep their keys."""
+    plain = variantgen.parse_spec(CAUSAL)
+    assert "sink" not in plain.canonical() and plain.sink is None
+    assert variantgen.parse_spec(CAUSAL + "sink: null\n").digest == plain.digest
+    assert variantgen.parse_spec(CAUSAL + "sink: 0.0\n").digest != plain.digest
+
+
+def test_a_plain_number_is_a_constant_sink():
+    """`sink: 0` is the "softmax + 1" denominator (a sink logit fixed at 0); numbers read as expressions."""
+    assert expr.to_source(variantgen.parse_spec(CAUSAL + "sink: 0\n").sink) == "0"
+    assert expr.to_source(variantgen.parse_spec(CAUSAL + "sink: -1.5e2\n").sink) == "-150.0"
+    err = one(CAUSAL + "sink: 0x1F\n")
+    assert err.field == "sink" and str(err.location) == "spec.yaml:3:8"
+    assert one(CAUSAL + "sink: [1]\n").message == "expected an expression (text), got a list"
+
+
+@pytest.mark.parametrize(
+    ("sink", "col", "message"),
+    [
+        ("sinks[qo_head] + float(q_pos)", 30, "`q_pos` is not available in a sink: the sink is one logit per query "
+                                             "head (and request), shared by all its query rows and keys"),
+        ("float(kv_pos)", 13, "`kv_pos` is not available in a sink: the sink is one logit per query head (and "
+                              "request), shared by all its query rows and keys"),
+        ("sinks[q_row]", 13, "`q_row` is not available in a sink: the sink is one logit per query head (and "
+                             "request), shared by all its query rows and keys"),
+        ("logits", 7, "`logits` is only available in the `logits` transform, not in a sink (a logit of its own)"),
+        ("qo_head > 0", 7, "expression must be a float, got bool"),
+        ("sinks[kv_head]", 13, "`sinks` has num_qo_heads rows (one row per query head), but `kv_head` indexes "
+                               "num_kv_heads rows (one row per key/value head)"),
+        ("sinks", 7, "tensor `sinks` must be indexed, e.g. sinks[i]"),
+    ],
+)
+def test_sink_errors(sink, col, message):
+    err = one(SINKS + f"sink: {sink}\n")
+    assert err.field == "sink" and err.message == message
+    assert str(err.location) == f"spec.yaml:5:{col}"
+
+
+def test_sink_error_hints():
+    assert one(SINKS + "sink: float(q_idx)\n").hint == ("a sink may read kv_head, kv_len, qo_head, qo_len, request, "
+                                                         "scalars and tensors indexed by them, e.g. sinks[qo_head]")
+    assert one(SINKS + "sink: qo_head > 0\n").hint == "a sink is a logit (a float), e.g. sinks[qo_head]"
+    # only the names a sink may read are suggested
+    err = one(SINKS + "sink: float(qo_hed)\n")
+    assert err.hint == "did you mean `qo_head`?" and "q_pos" not in err.message
+
+
 # ----------------------------------------------------------------------------- required / unknown fields
 
 
@@ -142,7 +207,7 @@ def test_unknown_top_level_field_with_suggestion():
     assert str(err.location) == "spec.yaml:3:1"
     assert err.field == "maks"
     assert err.message == ("unknown field; expected one of: name, description, tensors, scalars, mask, logits, "
-                           "scales, backends")
+                           "sink, scales, backends")
     assert err.hint == "did you mean `mask`?"
     assert str(err).endswith("\n    maks: kv_pos < 3\n    ^\n  hint: did you mean `mask`?")
 
@@ -907,9 +972,10 @@ def test_shipped_scalar_ranges():
     ranges = {(spec.name, s.name): s.range_text() for spec in map(variantgen.load_spec, SPEC_FILES)
               for s in spec.scalars}
     assert ranges == {
-        ("attention_sink", "num_sink"): ">= 0", ("attention_sink", "window"): ">= 0",
+        ("streaming_sink", "num_sink"): ">= 0", ("streaming_sink", "window"): ">= 0",
         ("chunked_local", "chunk_size"): "> 0",
         ("mm_prefix", "causal_window_left"): ">= -1", ("mm_prefix", "range_window_left"): ">= -1",
         ("sliding_window", "window"): ">= -1",
         ("softcap", "soft_cap"): "> 0", ("softcap", "window"): ">= -1",
+        ("attention_sink_learned", "window"): ">= -1", ("gemma4_sliding", "window"): "> 0",
     }

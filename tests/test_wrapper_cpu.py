@@ -1,10 +1,12 @@
-"""VariantWrapper and the interval planner on the CPU, against a fake FA2 module.
+"""VariantWrapper and the interval planner on the CPU, against fake fa2 / fa3 modules.
 
 tests/_fake_kernel.py emulates what the generated kernel does with each launch (mask
 mode, vg_meta, page lists, in-place o rows); its modes 0/1 are strictly geometric, so a
 planner that sends a row to kNone/kCausal whose visible keys are not exactly what those
-modes show gives a wrong result here. Every case is compared with the dense reference
-(variantgen.reference), with the planner off (one custom launch) and on.
+modes show gives a wrong result here. The launches are the real launch builder's (an
+nvcc-built module, tests/_builder.py), the row pass the reference rules' (FakeRowPlanner).
+Every case is compared with the dense reference (variantgen.reference), with the planner
+off (one custom launch) and on.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _fake_kernel import FakeFa3Module, FakeModule, assert_matches_reference
+from _fake_kernel import FakeFa3Module, FakeModule, FakeRowPlanner, assert_matches_reference
 from conftest import ALL_SPECS, SPECS_DIR
 from conftest import CPU_KV_LENS as KV_LENS
 from conftest import CPU_QO_LENS as QO_LENS
@@ -25,14 +27,15 @@ from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
 import variantgen.build as build_mod
-import variantgen.wrapper as wrapper_mod
 from variantgen import codegen, render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.errors import LaunchError
+from variantgen.intervals import analyze
+from variantgen.plan_abi import META_COLUMNS, MetaColumn, PrefillPlanInfo, Schedule
 from variantgen.reference import reference_attention
 from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges, within_range
-from variantgen.wrapper import META_COLUMNS, VariantWrapper
+from variantgen.wrapper import VariantWrapper
 
 HQ, HKV, HEAD_DIM = 4, 2, 64
 PLAN_STATS: dict[str, object] = {}
@@ -49,7 +52,10 @@ def shipped(name: str) -> variantgen.VariantSpec:
 
 
 def make(spec: variantgen.VariantSpec, *, codegen_q_idx: bool = False, backend: str = "fa2",
-         ) -> tuple[VariantWrapper, FakeModule]:
+         planner_module: bool = True, num_sms: int | None = None) -> tuple[VariantWrapper, FakeModule]:
+    """A wrapper on a fake module, with the fake planner module (``planner_module``: as make_wrapper
+    sets one on CUDA) or without (planner-off plans); ``num_sms``: the GPU's SMs it plans for
+    (default: the CPU's 1)."""
     config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", backend)
     manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]],
                 "module_sha256": "x", "module_file": "x.so"}
@@ -57,7 +63,12 @@ def make(spec: variantgen.VariantSpec, *, codegen_q_idx: bool = False, backend: 
     fake = fake_class(spec, codegen_q_idx=codegen_q_idx)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
-    return VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8)), fake
+    w = VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8))
+    if planner_module and analyze(spec).planner_ready:
+        w.set_row_planner(FakeRowPlanner(spec))
+    if num_sms is not None:
+        w.planner.num_sms = num_sms
+    return w, fake
 
 
 def batch_of(qo_lens, kv_lens, page_size, seed=0):
@@ -66,12 +77,15 @@ def batch_of(qo_lens, kv_lens, page_size, seed=0):
 
 
 def check(spec, batch, args, *, skip_tiles, scales=None, label="", codegen_q_idx=False, backend="fa2",
-          row_planner=None):
+          row_planner=None, num_sms=None, setup=None):
     """Plan + run through the fake kernel and compare with the reference; returns (wrapper, fake).
-    ``row_planner``: the wrapper's planner module (default: none, the torch rules)."""
-    w, fake = make(spec, codegen_q_idx=codegen_q_idx, backend=backend)
+    ``row_planner``: the wrapper's planner module (default: the fake one, FakeRowPlanner);
+    ``setup``: called with the wrapper before plan()."""
+    w, fake = make(spec, codegen_q_idx=codegen_q_idx, backend=backend, num_sms=num_sms)
     if row_planner is not None:
         w.set_row_planner(row_planner)
+    if setup is not None:
+        setup(w)
     plan_kw = dict(skip_tiles=skip_tiles)
     if skip_tiles:
         plan_kw.update(args)
@@ -87,7 +101,8 @@ def check(spec, batch, args, *, skip_tiles, scales=None, label="", codegen_q_idx
     if backend == "fa2":  # fa3 may split a mode over launches (one per window width, or by size)
         assert len(modes) == len(set(modes)), modes
     if not skip_tiles:
-        assert set(modes) == {"custom"} and sum(c.num_requests for c in fake.run_calls) == len(batch.qo_lens)
+        # planner off: one custom launch request per request with queries
+        assert set(modes) == {"custom"} and sum(c.num_requests for c in fake.run_calls) == sum(map(bool, batch.qo_lens))
         assert backend == "fa3" or len(modes) == 1
     if total_q:
         assert fake.row_writes is not None
@@ -239,13 +254,15 @@ def test_fa2_launches_with_a_kernel_window_never_split_kv():
     batch = batch_of(qo_lens, kv_lens, 1, seed=14)
     ranges = torch.full((sum(qo_lens), 2), -1, dtype=torch.int32)
     args = {"ranges": ranges, "causal_window_left": 5, "range_window_left": -1}
-    w, fake = check(spec, batch, args, skip_tiles=True, label="issue 14 case 1")
+    # an H200's SMs: FlashInfer's split-KV bar (2 x 132 / 2 KV heads = 132 tiles) is above both launches'
+    w, fake = check(spec, batch, args, skip_tiles=True, label="issue 14 case 1", num_sms=132)
     assert w.plan_stats["launches"] == [("causal", 2)]
-    assert any(row[wrapper_mod.META_KERNEL_WINDOW] == 5 for la in w._launches for row in la.meta.tolist())
-    assert fake.plan_calls and all(call.disable_split_kv for call in fake.plan_calls)
+    assert any(row[MetaColumn.KERNEL_WINDOW] == 5 for la in w._launches for row in la.meta.tolist())
+    assert not fake.plan_calls and all(la.schedule == Schedule.FA2 for la in w._launches)
     # a launch without a kernel window still lets FlashInfer split where it pays
-    w, fake = check(spec, batch, dict(args, causal_window_left=-1), skip_tiles=True, label="no window")
+    w, fake = check(spec, batch, dict(args, causal_window_left=-1), skip_tiles=True, label="no window", num_sms=132)
     assert fake.plan_calls and not any(call.disable_split_kv for call in fake.plan_calls)
+    assert [la.schedule for la in w._launches] == [Schedule.FLASHINFER]
 
 
 # ----------------------------------------------------------------------------- other masks' edges
@@ -287,8 +304,8 @@ def test_prefix_lm_prefix_lengths(page_size):
         check(spec, batch, {"prefix_len": prefix}, skip_tiles=skip, label=f"prefix ps{page_size}")
 
 
-def test_attention_sink_sinks_past_the_window():
-    spec = shipped("attention_sink")
+def test_streaming_sink_sinks_past_the_window():
+    spec = shipped("streaming_sink")
     batch = batch_of([40, 1, 64], [40, 120, 64], 4, seed=9)
     for num_sink, window in ((0, 3), (5, 0), (100, 2), (6, 200), (1, 1)):
         for skip in (False, True):
@@ -322,7 +339,8 @@ def test_planned_launches_are_not_packed_and_o_indptr_points_at_their_rows():
     assert len(w._launches) >= 2
     for la in w._launches:
         n = la.num_requests
-        o_indptr = la.int_workspace[:4 * (n + 1)].view(torch.int32)
+        at = la.plan_info[PrefillPlanInfo.O_INDPTR_OFFSET]
+        o_indptr = la.int_workspace[at:at + 4 * (n + 1)].view(torch.int32)
         assert torch.equal(o_indptr, la.q_starts), la.mask_mode
         assert la.meta.shape == (n, META_COLUMNS)
         assert torch.equal(la.meta[:, 0], la.q_starts[:n])
@@ -542,7 +560,7 @@ def test_run_bad_float_scalar(value, shown):
     ("softcap", "soft_cap", 1e-50, "1e-50 (as a 32-bit float it is 0.0) is out of range: the spec allows > 0"),
     ("softcap", "window", -2, "-2 is out of range: the spec allows >= -1"),
     ("chunked_local", "chunk_size", 0, "0 is out of range: the spec allows > 0"),
-    ("attention_sink", "window", -1, "-1 is out of range: the spec allows >= 0"),
+    ("streaming_sink", "window", -1, "-1 is out of range: the spec allows >= 0"),
     ("mm_prefix", "range_window_left", -5, "-5 is out of range: the spec allows >= -1"),
 ])
 @pytest.mark.parametrize("where", ["plan()", "run()"])
@@ -782,16 +800,14 @@ def test_fa3_window_rows_get_one_causal_launch_per_width():
     assert 100 in windows, [(la.mask_mode, la.window_left) for la in w._launches]
 
 
-def test_fa3_too_many_window_widths_go_custom(monkeypatch):
+def test_fa3_too_many_window_widths_go_custom():
     """Each distinct width needs its own launch; past the cap the rest run masked."""
-    from variantgen import planner
-
-    monkeypatch.setattr(planner, "FA3_MAX_WINDOW_LAUNCHES", 1)
     spec = variantgen.parse_spec("name: win\ntensors:\n  w: {dtype: int32, shape: [batch]}\n"
                                  "mask: kv_pos <= q_pos and q_pos - kv_pos <= w[request]\n")
     batch = batch_of([200, 200, 200], [400, 400, 400], 16, seed=5)
     args = {"w": torch.tensor([40, 90, 40], dtype=torch.int32)}
-    w, fake = check(spec, batch, args, skip_tiles=True, backend="fa3", label="fa3 widths")
+    w, fake = check(spec, batch, args, skip_tiles=True, backend="fa3", label="fa3 widths",
+                    setup=lambda w: setattr(w.planner, "max_window_launches", 1))
     causal_windows = {la.window_left for la in w._launches if la.mask_mode == "causal"}
     assert causal_windows <= {-1, 40} and 90 not in causal_windows
     assert any(la.mask_mode == "custom" for la in w._launches)
@@ -822,28 +838,27 @@ def test_host_lists_and_staging_on_the_cpu():
 
 
 def test_row_kernel_segment_read_back_grows_when_too_small():
-    """The row kernel's compacted launch requests: a too-small read-back buffer is refilled
-    once with room for all, and the next plan() starts with room for twice as many."""
-    from _fake_kernel import FakeRowPlanner
-
+    """The row pass's compacted launch requests: a read-back with too little room is answered
+    with the count (nothing built), plan() calls plan_batch again with room for all, and the
+    next plan() starts with room for twice as many (one call)."""
     spec = shipped("mm_prefix")
     qo_lens = kv_lens = [64, 48]
     batch = batch_of(qo_lens, kv_lens, 16, seed=2)
     args = {"ranges": spans_to_ranges(qo_lens, kv_lens, [[(10, 20), (30, 40)], [(3, 40)]])}
     w, fake = make(spec)
-    torch_plan = make(spec)[0]
-    torch_plan.plan(*batch.plan_args(), **args)
+    roomy = make(spec)[0]
+    roomy.plan(*batch.plan_args(), **args)
     rows = FakeRowPlanner(spec)
     w.set_row_planner(rows)
-    w.segment_capacity = 1
+    w.planner.segment_capacity = 1
     w.plan(*batch.plan_args(), **args)
-    assert w.plan_stats["row_planner"] == "kernel" and rows.compactions == 2
     n = sum(count for _, count in w.plan_stats["launches"])
-    assert n > 1 and w.segment_capacity >= 2 * n
-    assert w.plan_stats["launches"] == torch_plan.plan_stats["launches"]
+    assert w.plan_stats["row_planner"] == "kernel" and rows.calls == 2 and rows.room[0] == 1 and rows.room[1] >= n
+    assert n > 1 and w.planner.segment_capacity >= 2 * n
+    assert w.plan_stats["launches"] == roomy.plan_stats["launches"]
     out = w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
     ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
                               batch.kv_indices, batch.last_page_len, args)
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
     w.plan(*batch.plan_args(), **args)
-    assert rows.compactions == 3  # one per plan now
+    assert rows.calls == 3  # one per plan now

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from . import ninja as _ninja_run
 from ._version import __version__
@@ -35,12 +35,26 @@ from .cache import Cache, Entry, LockHolder, ModuleKey, path_error
 from .env import settings
 from .errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error
 from .progress import BuildProgress
-from .render import ModuleConfig, RenderedModule, canonical_arch
-
-if TYPE_CHECKING:
-    from .rowplan import PlannerConfig
+from .render import RenderedModule, canonical_arch
+from .spec import VariantSpec
 
 log = logging.getLogger("variantgen.build")
+
+
+class Buildable(Protocol):
+    """What build_module builds: a kernel module's render.ModuleConfig, or a spec's planner module
+    (rowplan.PlannerConfig) - anything that renders its sources and names its module."""
+
+    spec: VariantSpec
+    arch: str
+    kind: str
+
+    @property
+    def uri_prefix(self) -> str: ...
+
+    def render(self) -> RenderedModule: ...
+
+    def describe(self) -> dict[str, object]: ...
 
 
 # ----------------------------------------------------------------------------- toolchain
@@ -164,7 +178,7 @@ def gencode_flags(arch: str) -> list[str]:
     return [f"-gencode=arch=compute_{tag},code=sm_{tag}"]
 
 
-def semantic_flags(config: ModuleConfig | PlannerConfig) -> dict[str, list[str]]:
+def semantic_flags(config: Buildable) -> dict[str, list[str]]:
     """Flags that change the machine code (hashed into the key); paths are added at build."""
     return {
         "cuda": [
@@ -262,7 +276,7 @@ def _ninja() -> str:
     raise ToolchainError("ninja not found on PATH (pip install ninja)")
 
 
-def lookup_module(config: ModuleConfig | PlannerConfig, cache: Cache, *,
+def lookup_module(config: Buildable, cache: Cache, *,
                   rendered: RenderedModule | None = None) -> tuple[BuildResult | None, ModuleKey, list[str]]:
     """What a server with JIT disabled loads for ``config``, without building: the exact key
     (with this machine's toolchain, when it has one), else a build of the same inputs by any
@@ -286,7 +300,7 @@ def lookup_module(config: ModuleConfig | PlannerConfig, cache: Cache, *,
     return None, key, damaged
 
 
-def build_module(config: ModuleConfig | PlannerConfig, cache: Cache, *, jobs: int | None = None,
+def build_module(config: Buildable, cache: Cache, *, jobs: int | None = None,
                  rendered: RenderedModule | None = None, allow_build: bool = True,
                  lock_timeout: float | None = None, progress: ProgressFactory | None = None) -> BuildResult:
     """Find ``config``'s module (a kernel module, or a spec's planner module) in the cache, or

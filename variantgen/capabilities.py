@@ -1,16 +1,15 @@
-"""What can run where: every backend's capabilities in one table, and the one resolver.
+"""What can run where: every backend's capabilities in one table (resolver.py decides with it).
 
 Each backend declares what it serves as fields (tinygrad's habit: a renderer's fields, not
 if-chains spread over the callers): kernel kinds, (head_dim_qk, head_dim_vo) pairs per kind,
 query / KV / output dtypes, target archs, the kinds it has a CUDA-graph mode for, and whether
-it needs a compiled module. ``resolve`` reads the table for one ``Request`` (spec, kind, head
-dims, dtypes, backend or None, CUDA-graph mode) at one ``Site`` (the target arch, whether
-modules may be built, which are precompiled, which module-less routes are installed) and
-returns a ``Resolution``: the backend chosen (with its ModuleConfig for a module backend), a
-note where that is not the preferred one, and why each other backend was not chosen.
+it needs a compiled module. A ``Request`` (spec, kind, head
+dims, dtypes, backend or None, CUDA-graph mode) is checked against a backend at a ``Site``
+(the target arch, whether modules may be built, which are precompiled, which module-less routes
+are installed) by ``Backend.problems``; resolver.resolve chooses with it.
 
-make_wrapper (factory.py), probe (probing.py), ModuleConfig's validation (render.py) and the
-command line (precompile's auto backend, probe, render, check) ask here; none re-decides.
+ModuleConfig's validation (render.py), the resolver (and through it make_wrapper, probe and
+the command line) ask this table; none re-decides.
 
 ``backend=None`` prefers fa3 where an fa3 module can run (paged prefill on sm90, 16-bit KV
 and output in the query's dtype: on the H200 it measured faster than fa2 for both plan
@@ -31,8 +30,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from .spec import BACKENDS
+
 if TYPE_CHECKING:
-    from .render import ModuleConfig
     from .spec import VariantSpec
 
 KINDS = {
@@ -52,7 +52,7 @@ DTYPE_ALIASES = {
 }
 MIN_ARCH = 8  # the oldest major arch FlashInfer's FA2 kernels run on (sm80)
 # Why a kind has no CUDA-graph mode on any backend.
-NO_GRAPH_KINDS = {"ragged": "ragged wrappers allocate their metadata per plan()"}
+NOGRAPH_KINDS = {"ragged": "ragged wrappers allocate their metadata per plan()"}
 
 
 def canonical_dtype(value: object, arg: str) -> str:
@@ -204,8 +204,9 @@ class Site:
     """Whether a missing module may be built (JIT on and building allowed)."""
     no_build: str = "building is disabled"
     """Why not, in the caller's words (for the note of a cache-aware choice)."""
-    lookup: Callable[[ModuleConfig], str | None] | None = None
-    """The URI of ``config``'s precompiled module, or None: asked only where modules cannot be built."""
+    lookup: Callable[[Any], str | None] | None = None
+    """The URI of a render.ModuleConfig's precompiled module, or None: asked only where modules
+    cannot be built."""
     cache_root: str = "the cache"
     routes: tuple[str, ...] = ()
     """The module-less backends (flex) that may be chosen here: installed_routes(), or () where only
@@ -248,7 +249,7 @@ class Backend:
         elif r.kind not in self.kinds:
             out.append(f"kind={r.kind!r}: backend {self.name!r} " + (
                 f"generates only {sorted(self.kinds)} modules" if self.module else f"serves only {list(self.kinds)}"))
-        if r.graph and r.kind in _GRAPH_KINDS and r.kind not in self.graph_kinds:
+        if r.graph and r.kind in GRAPH_KINDS and r.kind not in self.graph_kinds:
             out.append(graph_problem(self.name, r.kind, n.graph))
         if self.name not in r.spec.backends:
             out.append(f"backend={self.name!r}: spec `{r.spec.name}` allows only {list(r.spec.backends)}")
@@ -329,7 +330,8 @@ FA3 = Backend(
     "fa3", "FlashInfer's sm90 (FA3) kernel, compiled per spec", kinds=("prefill",), head_dims={"prefill": _EQUAL_DIMS},
     q_dtypes=("bf16", "fp16"), kv_dtypes=("bf16", "fp16"), o_dtypes=("bf16", "fp16"), kv_as_q=True, o_as_q=True,
     archs=("9.0a",), arch_text="sm90 (Hopper)",
-    graph_kinds=(), no_graph="the fa3 planner's launch set depends on the batch")
+    # graph mode: a fixed launch set for a capacity (graph.py, GraphCapacity(window_widths=...))
+    graph_kinds=("prefill",))
 FLEX = Backend(
     "flex", "torch's FlexAttention, no compiled module", kinds=tuple(KINDS), head_dims=None,
     q_dtypes=("bf16", "fp16", "fp32"), kv_dtypes=DTYPE_NAMES, o_dtypes=("bf16", "fp16", "fp32"),
@@ -337,12 +339,12 @@ FLEX = Backend(
     route=Route("variantgen.flex_wrapper", factory="make_flex_wrapper", probe="probe_flex"))
 
 TABLE: dict[str, Backend] = {b.name: b for b in (FA3, FA2, FLEX)}  # in the order backend=None prefers them
-BACKENDS = ("fa2", "fa3", "flex")  # names, as options and spec files list them
+assert tuple(sorted(TABLE)) == tuple(sorted(BACKENDS)), "spec.BACKENDS names the table's backends"
 MODULE_BACKENDS = tuple(b for b in BACKENDS if TABLE[b].module)
 HEAD_DIMS: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
     (b.name, kind): dims for b in (FA2, FA3) for kind, dims in (b.head_dims or {}).items()}
 _MODULE_HEAD_DIMS = sorted({d for pairs in HEAD_DIMS.values() for pair in pairs for d in pair})
-_GRAPH_KINDS = tuple(k for k in KINDS if any(k in b.graph_kinds for b in TABLE.values()))
+GRAPH_KINDS = tuple(k for k in KINDS if any(k in b.graph_kinds for b in TABLE.values()))
 
 
 def graph_problem(backend: str, kind: str, arg: str = "graph=") -> str:
@@ -350,126 +352,18 @@ def graph_problem(backend: str, kind: str, arg: str = "graph=") -> str:
     graph_kinds, which make_wrapper, probe and the wrappers' own constructors all read."""
     if kind in TABLE[backend].graph_kinds:
         return ""
-    if kind not in _GRAPH_KINDS:
-        return _no_graph_kind(kind, arg)
+    if kind not in GRAPH_KINDS:
+        return no_graph_kind(kind, arg)
     having = " or ".join(repr(b.name) for b in TABLE.values() if kind in b.graph_kinds)
     return f"{arg}: CUDA-graph mode needs backend {having} (got {backend!r}): {TABLE[backend].no_graph}"
 
 
-def _no_graph_kind(kind: str, arg: str) -> str:
-    kinds = " and ".join(repr(k) for k in _GRAPH_KINDS)
-    why = NO_GRAPH_KINDS.get(kind, "no backend has one")
+def no_graph_kind(kind: str, arg: str) -> str:
+    kinds = " and ".join(repr(k) for k in GRAPH_KINDS)
+    why = NOGRAPH_KINDS.get(kind, "no backend has one")
     return f"{arg}: CUDA-graph mode is for kind {kinds} (got {kind!r}); {why}"
 
 
 def installed_routes() -> tuple[str, ...]:
     """The module-less backends whose code is installed here."""
     return tuple(b.name for b in TABLE.values() if b.route is not None and b.route.installed())
-
-
-@dataclass(frozen=True)
-class Resolution:
-    """resolve()'s answer; truthy when a backend was chosen."""
-
-    request: Request
-    backend: str | None
-    config: ModuleConfig | None = None
-    """The module to build or load (a module backend at a known arch), else None."""
-    note: str = ""
-    """Why the chosen backend is not the preferred one (a cache-aware choice), else ""."""
-    rejected: tuple[tuple[str, str], ...] = ()
-    """(backend, why it was not chosen), in the order backend=None prefers them."""
-    problem: str = ""
-    """What no backend could fix (e.g. CUDA-graph mode for a kind none captures), else ""."""
-
-    def __bool__(self) -> bool:
-        return self.backend is not None
-
-    @property
-    def route(self) -> Route | None:
-        """The module-less route chosen (flex), or None."""
-        return TABLE[self.backend].route if self.backend is not None else None
-
-    @property
-    def reason(self) -> str:
-        """Why nothing was chosen ("" when something was): one line for one backend, else one
-        line per backend."""
-        return self.why()
-
-    def why(self, *, lines: bool = True) -> str:
-        """``reason``; with ``lines=False`` on one line (a table row, a skip message)."""
-        if self.backend is not None:
-            return ""
-        if self.problem:
-            return self.problem
-        if len(self.rejected) == 1:
-            return self.rejected[0][1]
-        head, sep = ("no backend can run it here:\n  ", "\n  ") if lines else ("no backend can run it here: ", " | ")
-        return head + sep.join(f"{b}: {why}" for b, why in self.rejected)
-
-
-def module_config(request: Request, backend: str, arch: str) -> ModuleConfig:
-    """The module ``backend`` runs for ``request`` on ``arch`` (every mask mode the wrapper launches)."""
-    from .render import DEFAULT_MASK_MODES, ModuleConfig  # render validates configs with this table
-
-    return ModuleConfig(request.spec, request.head_dim_qk, request.head_dim_vo, request.q_dtype, request.kv_dtype,
-                        request.o_dtype, arch, backend, DEFAULT_MASK_MODES, request.module_kind)
-
-
-def resolve(request: Request, site: Site = Site()) -> Resolution:
-    """Which backend serves ``request`` at ``site``, and why the others do not. Pure: it reads
-    only its arguments (the cache through ``site.lookup``, asked only where modules cannot be
-    built and backend is None)."""
-    if request.graph and request.kind not in _GRAPH_KINDS:
-        return Resolution(request, None, problem=_no_graph_kind(request.kind, request.names.graph))
-    names = (request.backend,) if request.backend is not None else tuple(TABLE)
-    why_not = {name: "; ".join(TABLE[name].problems(request, site)) for name in names}
-    viable = [name for name in names if not why_not[name]]
-    if not viable:
-        return Resolution(request, None, rejected=tuple(why_not.items()))
-    chosen, note = viable[0], ""
-    if request.backend is None and not site.can_build and len(viable) > 1:
-        chosen, note, passed = _cache_aware(request, site, viable)
-        why_not.update(passed)
-    for name in viable:
-        if name != chosen and not why_not[name]:
-            why_not[name] = f"{chosen} comes first" + (" (the module to precompile)" if not site.can_build else "")
-    config = module_config(request, chosen, site.arch) if TABLE[chosen].module and site.arch is not None else None
-    rejected = tuple((name, why) for name, why in why_not.items() if name != chosen)
-    return Resolution(request, chosen, config, note, rejected)
-
-
-def _cache_aware(request: Request, site: Site, viable: list[str]) -> tuple[str, str, dict[str, str]]:
-    """Where modules cannot be built: the first viable backend whose module is precompiled (or
-    that needs none), else the preferred one. (chosen, note, why the ones before it were passed over)."""
-    preferred, passed = viable[0], {}
-    for name in viable:
-        backend = TABLE[name]
-        if not backend.module:
-            return name, (f"no precompiled {'/'.join(passed)} module in {site.cache_root} and {site.no_build}: "
-                          f"serving through {backend.about}"), passed
-        config = module_config(request, name, site.arch) if site.arch is not None else None
-        uri = site.lookup(config) if config is not None and site.lookup is not None else None
-        if uri is not None:
-            note = "" if name == preferred else (
-                f"the {preferred} module {module_config(request, preferred, site.arch).uri_prefix}_* is not "
-                f"precompiled in {site.cache_root}; using the precompiled {name} module {uri} (correct, slower; "
-                f"precompile the {preferred} module to serve {preferred})")
-            return name, note, passed
-        passed[name] = f"not precompiled in {site.cache_root} and {site.no_build}"
-    passed.pop(preferred)  # nothing usable: the preferred module is the one to precompile
-    return preferred, "", passed
-
-
-def choose_backend(spec: VariantSpec, *, kind: str, head_dim_qk: int, head_dim_vo: int, q_dtype: Any,
-                   kv_dtype: Any, o_dtype: Any, arch: str) -> str:
-    """The module backend make_wrapper(backend=None) uses on a GPU of ``arch`` where modules can
-    be built: fa3 where an fa3 module can run, else fa2. Pure: depends only on its arguments.
-    ValueError with every backend's reason when neither can."""
-    request = Request.of(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
-                         kv_dtype=kv_dtype, o_dtype=o_dtype)
-    resolution = resolve(request, Site(arch=arch, no_route="choose_backend() picks among the module backends"))
-    if not resolution:
-        raise ValueError(resolution.reason)
-    assert resolution.backend is not None
-    return resolution.backend

@@ -25,11 +25,12 @@ import click
 from . import env
 from ._version import __version__
 from .cache import Cache, LockTimeout, age_seconds, spec_of_uri
-from .capabilities import BACKENDS, CLI_NAMES, KINDS, MODULE_BACKENDS, Request, Site, canonical_arch, resolve
+from .capabilities import BACKENDS, CLI_NAMES, KINDS, MODULE_BACKENDS, Request, Site, canonical_arch
 from .errors import SpecError, VariantgenError, printable
 from .explain import ARG_FORMS
 from .library import resolve_spec, shipped_specs
 from .render import ModuleConfig
+from .resolver import resolve
 from .spec import VariantSpec
 
 log = logging.getLogger("variantgen.cli")
@@ -150,7 +151,7 @@ _MODULES_ONLY = "the flex route has no module to render or build (it runs throug
 def _module_config(spec: str | VariantSpec, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
                    o_dtype: str | None, backend: str, arch: str, kind: str = "prefill") -> ModuleConfig:
     """The module the options name: ``backend`` "auto" is what make_wrapper picks on a GPU of
-    ``arch`` (capabilities.resolve); ValueError with the reasons when no module backend serves it."""
+    ``arch`` (resolver.resolve); ValueError with the reasons when no module backend serves it."""
     request = Request.of(resolve_spec(spec), kind=kind,
                          head_dim_qk=head_dim, head_dim_vo=head_dim_vo, q_dtype=dtype, kv_dtype=kv_dtype,
                          o_dtype=o_dtype, backend=None if backend == "auto" else backend, names=CLI_NAMES)
@@ -287,7 +288,7 @@ def expand_matrix(spec_paths: list[str], head_dims: list[int] | list[tuple[int, 
                   ) -> tuple[list[ModuleConfig], list[tuple[str, str]]]:
     """Every valid ModuleConfig of the matrix (unique, sorted by URI prefix) and the skipped
     combinations with their reason. Backend "auto": what make_wrapper picks on a GPU of that
-    arch (capabilities.resolve)."""
+    arch (resolver.resolve)."""
     specs = [resolve_spec(p) for p in spec_paths]
     arch_list = [canonical_arch(a) for a in archs]
     configs: dict[str, ModuleConfig] = {}

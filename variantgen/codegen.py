@@ -9,6 +9,7 @@ from parsed values. The spec text reaches the sources only inside comments, made
 
 Semantics shared with reference.py (the torch reference must agree bit for bit on ints):
   * ints are 32-bit; ``//`` and ``%`` follow Python (floor) and give 0 for a zero divisor;
+  * ``bit(x, i)`` is bit i of x's 32-bit two's complement, false for i outside 0..31;
   * ``/`` is float division; mixed int/float arithmetic is float;
   * a symbolic dimension is indexed by its row builtin (the type checker saw to it), in range
     by construction; an offset row (``kv_row - 1``) is clamped to the rows of its request, an
@@ -234,6 +235,8 @@ class _Emitter:
             return f"vg_abs({self.emit(node.args[0])})"
         if f == "float":
             return self.as_float(node.args[0])
+        if f == "bit":
+            return f"vg_bit({self.emit(node.args[0])}, {self.emit(node.args[1])})"
         return f"vg_{f}({self.as_float(node.args[0])})"
 
     def _cond(self, node: Cond) -> str:
@@ -266,6 +269,16 @@ def emit_logits(spec: VariantSpec, logits_local: str = "score", target: Target =
         return None
     e = _Emitter(spec, target, logits_local)
     code = e.as_float(spec.logits)
+    return Snippet(code, frozenset(e.builtins))
+
+
+def emit_sink(spec: VariantSpec, target: Target = FA2_PAGED) -> Snippet | None:
+    """The spec's learned sink logit as a float C++ expression (None: no sink). It reads only
+    expr.SINK_BUILTINS (the type checker saw to it): per query head and request."""
+    if spec.sink is None:
+        return None
+    e = _Emitter(spec, target)
+    code = e.as_float(spec.sink)
     return Snippet(code, frozenset(e.builtins))
 
 

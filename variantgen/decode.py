@@ -37,8 +37,11 @@ import torch
 
 from .errors import LaunchError
 from .graph import GraphCapacity, pin_plan_info
-from .planner import gather_page_ranges
-from .wrapper import LAYOUT_CODES, META_COLUMNS, Batch, VariantWrapper, WrapperBase, host_lists
+from .intervals import analyze, args_read, row_intervals, tensors_read, usable_form
+from .plan import Batch, Plan
+from .plan_abi import META_COLUMNS, meta_rows
+from .staging import HostStaging
+from .wrapper import LAYOUT_CODES, VariantWrapper, WrapperBase, host_lists
 
 log = logging.getLogger("variantgen.decode")
 
@@ -91,8 +94,16 @@ class DecodeWrapper(WrapperBase):
             self._prefill = VariantWrapper(self.spec, self.config, self.module, self.build,
                                            self._float_workspace, self.kv_layout, graph=graph,
                                            check_plan=self.check_plan)
-            self.plan_stats = self._prefill.plan_stats
         self._launch: DecodeLaunch | None = None
+
+    @property
+    def plan_stats(self) -> dict[str, Any]:
+        return self._prefill.plan_stats if self._prefill is not None else self._plan_stats
+
+    @property
+    def last_plan(self) -> Plan | None:
+        """Tensor cores: the prefill wrapper's Plan of the last plan() (CUDA cores: None, one launch)."""
+        return self._prefill.last_plan if self._prefill is not None else None
 
     def set_row_planner(self, module: Any, reason: str = "") -> None:
         """Tensor cores: the prefill wrapper's interval planner uses the spec's row kernel."""
@@ -164,14 +175,11 @@ class DecodeWrapper(WrapperBase):
         b = self._batch
         assert b is not None
         batch, ps = b.batch_size, b.page_size
-        trim = bool(skip_tiles) if skip_tiles is not None else self._intervals_default(spec_args, "key trimming")
+        off = self._off_reason(skip_tiles, spec_args, "key trimming")
+        self._plan_stats = {"planner_off": off} if off else {}
         kv_pos_base = [0] * batch
         trimmed = False
-        if trim:
-            from .intervals import analyze, args_read
-
-            if skip_tiles:
-                self.plan_stats.pop("planner_off", None)
+        if not off:
             checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
             self._planned_args = {k: v for k, v in checked.items() if k in args_read(analyze(self.spec), self.spec)}
             lo, hi = self._visible_hulls(kv_lens, checked)
@@ -187,9 +195,11 @@ class DecodeWrapper(WrapperBase):
                 kvp_h = list(accumulate(counts, initial=0))
                 last_h = [hi[i] + 1 - kv_pos_base[i] - (counts[i] - 1) * ps for i in range(batch)]
         else:
-            self._refuse_plan_args(spec_args, skip_tiles, "key trimming")
+            self._refuse_plan_args(spec_args, off, "key trimming")
         kv_row = list(accumulate(kv_lens, initial=0))
-        meta = [[i, kv_lens[i] - 1, kv_pos_base[i], i, kv_row[i], 1, kv_lens[i], -1, 1] for i in range(batch)]
+        meta = meta_rows(q_row_base=list(range(batch)), q_pos_base=[k - 1 for k in kv_lens], kv_pos_base=kv_pos_base,
+                         request=list(range(batch)), kv_row_base=kv_row[:-1], req_qo_len=[1] * batch,
+                         req_kv_len=kv_lens, kernel_window=[-1] * batch, launch_qo_len=[1] * batch)
         int_ws, pinned = self._workspace(0)
         fixed = self._graph_buffers
         plan_info = self.module.plan(self._float_workspace, int_ws, pinned, torch.tensor(kvp_h, dtype=torch.int32),
@@ -197,7 +207,7 @@ class DecodeWrapper(WrapperBase):
         if fixed is not None:  # the captured launch's parameters must not change
             self._graph_plan_info = pin_plan_info(self._graph_plan_info, plan_info, "the decode launch")
         # kv_indptr, last_page_len and vg_meta in one staged copy (no sync)
-        staged = self._staging.to_device(kvp_h + last_h + [x for row in meta for x in row], torch.int32)
+        staged = self._staging.to_device(kvp_h + last_h + meta, torch.int32)
         count = kvp_h[-1]
         if fixed is not None:  # graph mode: into the buffers the captured launch reads
             fixed[0].copy_(staged)
@@ -225,8 +235,6 @@ class DecodeWrapper(WrapperBase):
     def _visible_hulls(self, kv_lens: list[int], args: dict[str, Any]) -> tuple[list[int], list[int]]:
         """Per request, [lo, hi]: a key range holding every key its (last-token) query sees.
         Evaluated on the host unless the intervals read spec tensors (then one device sync)."""
-        from .intervals import row_intervals, tensors_read, usable_form
-
         form = usable_form(self.spec, args, "key intervals")
         dev = self.device if tensors_read(form, self.spec) else torch.device("cpu")
         i64 = torch.int64
@@ -319,3 +327,23 @@ def read_decode_batch(paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last
     check_decode_arguments(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
     kvp_h, last_h = host_lists(paged_kv_indptr, paged_kv_last_page_len)
     return kvp_h, last_h, decode_kv_lens(kvp_h, last_h, paged_kv_indices.numel(), page_size)
+
+
+def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], staging: HostStaging) -> torch.Tensor:
+    """int32 page list on the staging device: for each (first, count) of ``ranges``,
+    kv_indices[first : first + count], back to back. The ranges' starts go over in one staged
+    copy; a search + index in torch ops gathers (no repeat_interleave, which syncs here)."""
+    starts, shifts, total = [], [], 0
+    for first, count in ranges:
+        if count:
+            starts.append(total)
+            shifts.append(first - total)
+            total += count
+    out = torch.empty(total, dtype=torch.int32, device=staging.device)
+    if total == 0:
+        return out
+    table = staging.to_device(starts + shifts, torch.int64).view(2, -1)
+    # output entry k lies in range i = the last range starting at or before k
+    k = torch.arange(total, device=staging.device)
+    i = torch.searchsorted(table[0], k, right=True) - 1
+    return out.copy_(kv_indices.to(staging.device)[k + table[1][i]])

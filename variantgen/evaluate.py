@@ -5,7 +5,8 @@
 reference builds them over a request's [heads, qo_len, kv_len] grid (reference.py), the
 interval planner over one entry per query row (intervals.row_intervals), the CPU fake
 kernels over a launch request. Its semantics are the ones codegen.py promises the kernels
-have: Python-style ``//`` and ``%`` (0 for a zero divisor), float ``/``, offset row indices
+have: Python-style ``//`` and ``%`` (0 for a zero divisor), float ``/``, ``bit(x, i)`` on the
+32-bit two's complement (false for i outside 0..31), offset row indices
 (``kv_row - 1``) clamped to the rows of their request, other indices clamped to the
 tensor's extent. Integers are evaluated in int64; expressions whose values leave the int32
 range are outside the language's contract.
@@ -140,6 +141,8 @@ class Evaluator:
             return out
         if f == "abs":
             return self.ev(node.args[0]).abs()
+        if f == "bit":
+            return bit(self.ev(node.args[0]), self.ev(node.args[1]))
         x = self.as_float(node.args[0])
         if f == "float":
             return x
@@ -150,3 +153,11 @@ class Evaluator:
         if node.ty is Type.FLOAT:
             return torch.where(test, self.as_float(node.then), self.as_float(node.orelse))
         return torch.where(test, self.ev(node.then), self.ev(node.orelse))
+
+
+def bit(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+    """The language's ``bit(x, i)`` on int64 tensors: bit i of x's low 32 bits (its int32 two's
+    complement, as the kernel holds it), false for i outside 0..31."""
+    in_range = (i >= 0) & (i < 32)
+    word = torch.bitwise_and(x, 0xFFFFFFFF)
+    return in_range & (torch.bitwise_and(torch.bitwise_right_shift(word, i.clamp(0, 31)), 1) == 1)

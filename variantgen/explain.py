@@ -9,7 +9,7 @@ chunked prefill) this shows:
 * the key intervals the planner derives (intervals.analyze: the mask as a union of terms,
   each row's interval [lo, hi] and whether it is exact or a hull);
 * which rows run dense / causal / window / custom, and the launch requests they form
-  (planner.classify_rows and launches_from_segments, the CPU rules plan() runs).
+  (rowrules.py: the row rules the spec's planner module runs on the GPU, in torch ops).
 
 Spec arguments come from ``--arg name=value`` (parse_arg documents the forms); tensors not
 given get the random values the tests use (testing.random_spec_args), scalars their defaults.
@@ -18,7 +18,6 @@ given get the random values the tests use (testing.random_spec_args), scalars th
 from __future__ import annotations
 
 import re
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -32,7 +31,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: the CLI's help reads AR
 
 MAX_GRID = 256  # queries or keys: a wider grid does not fit a terminal
 VISIBLE, MASKED = "#", "."
-CLASS_NAMES = ("dense", "causal", "window", "custom")  # planner.DENSE .. CUSTOM
+CLASS_NAMES = ("dense", "causal", "window", "custom")  # plan_abi.RowClass
 ARG_FORMS = """\
 --arg NAME=VALUE (repeatable). A scalar: a number (true / false for a bool). A tensor: one number
 (every element), a comma list of all its elements (row-major), runs COUNTxVALUE (e.g.
@@ -61,6 +60,8 @@ class RowInfo:
     cls: str  # dense / causal / window / custom, or "" with the planner off
     param: int  # the window width for window rows, the fixed first key for causal rows
     outside: int  # visible keys outside [lo, hi]: nonzero means the intervals are wrong
+    dense_hi: int = -1  # [lo, dense_hi] all visible (a hull row's dense start; lo - 1: none)
+    hidden: int = 0  # keys of [lo, dense_hi] the mask hides: nonzero means the intervals are wrong
 
 
 @dataclass(frozen=True)
@@ -209,8 +210,9 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
     import torch
 
     from .intervals import analyze, row_intervals
-    from .planner import _segments, classify_rows, launches_from_segments
+    from .plan import LaunchRequest as Planned
     from .reference import RequestGrid, mask_for_request
+    from .rowrules import classify_rows, segments
 
     check_request(qo_len, kv_len, page_size=page_size, heads=heads, head=head)
     values = {name: a.value for name, a in args.items()}
@@ -234,22 +236,17 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
             lo, hi = int(iv.lo[r]), int(iv.hi[r])
             visible = mask[r].nonzero().flatten().tolist()
             outside = sum(1 for k in visible if not lo <= k <= hi) if not bool(iv.empty[r]) else len(visible)
+            dense_hi = int(iv.dense_hi[r])
+            hidden = int((~mask[r, lo:dense_hi + 1]).sum()) if dense_hi >= lo else 0
             cls = int(rec[2, r])
             rows.append(RowInfo(int(q_pos[r]), lo, hi, bool(iv.exact[r]), bool(iv.empty[r]), CLASS_NAMES[cls],
-                                int(rec[3, r]), outside))
-        segments = _segments(rec, qo_len).tolist()
-        batch = types.SimpleNamespace(page_size=page_size, qo_lens=[qo_len], total_q=qo_len)
-        planned = types.SimpleNamespace(_batch=batch, plan_stats={})  # what launches_from_segments reads
-        pages = -(-kv_len // page_size)
-        for launch in launches_from_segments(planned, segments, [0, pages], [kv_len]):
-            for i, meta in enumerate(launch["meta"]):
-                r0, n_rows, base = meta[0], meta[8], meta[2]
-                n_pages = launch["kv_indptr"][i + 1] - launch["kv_indptr"][i]
-                end = base + (n_pages - 1) * page_size + launch["last_page_len"][i]
-                launches.append(LaunchRequest((r0, r0 + n_rows), rows[r0].cls, launch["mask_mode"], (base, end),
-                                              n_pages, meta[7]))
-        launches.sort(key=lambda la: la.rows)
-        counts = dict(planned.plan_stats.get("segments", {}))
+                                int(rec[3, r]), outside, dense_hi, hidden))
+        counts = dict.fromkeys(CLASS_NAMES, 0) | {"custom_rows": 0}
+        for seg in segments(rec, page_size).tolist():  # the launch requests fa2 runs (fa3: a window launch each)
+            la = Planned.from_segment(seg, page_size)
+            launches.append(LaunchRequest(la.rows, la.cls.label, la.mode.label, la.keys, la.pages, la.window))
+            counts[la.cls.label] += 1
+            counts["custom_rows"] += (la.rows[1] - la.rows[0]) if la.cls.label == "custom" else 0
     else:
         rows = [RowInfo(int(p), 0, kv_len - 1, False, False, "", 0, 0) for p in q_pos]
     return Explanation(spec, qo_len, kv_len, page_size, head, args, mask, form, tuple(rows), tuple(launches), counts)
@@ -264,6 +261,9 @@ def render(e: Explanation) -> str:
            f"{e.kv_len} keys (kv_pos 0..{e.kv_len - 1}); page size {e.page_size}" +
            (f"; query head {e.head}" if e.head else "")]
     out.append(f"mask: {' '.join(e.spec.mask_text.split())}")
+    if e.spec.sink_text is not None:  # a logit per head in every row's denominator: not in the grid
+        out.append(f"sink: {' '.join(e.spec.sink_text.split())} (a learned logit per head in each row's softmax; "
+                   "the grid shows the mask only)")
     if e.args:
         out.append("arguments:")
         for a in e.args.values():
@@ -286,7 +286,7 @@ def render(e: Explanation) -> str:
     out.append("key intervals (the mask as a union of terms; per row the planner keeps their hull):")
     for i, term in enumerate(e.form.terms):
         out.append(f"  term {i + 1}: {term.describe() or 'every key'}")
-    wrong = [info for info in e.rows if info.outside]
+    wrong = [info for info in e.rows if info.outside or info.hidden]
     if wrong:
         out.append(f"  WARNING: {len(wrong)} row(s) see keys outside their interval (an intervals bug: please report)")
     out.append("")
@@ -310,10 +310,13 @@ def _row_text(e: Explanation, info: RowInfo) -> str:
         return ""
     if info.empty:
         interval = "no key (empty)"
+    elif not info.exact and info.dense_hi >= info.lo:  # a dense start, then the hull
+        interval = f"[{info.lo}, {info.dense_hi}] dense + [{info.dense_hi + 1}, {info.hi}] hull"
     else:
         interval = f"[{info.lo}, {info.hi}] {'exact' if info.exact else 'hull'}"
     cls = info.cls + (f" w={info.param}" if info.cls == "window" else "")
     flag = f"  ! {info.outside} visible key(s) outside" if info.outside else ""
+    flag += f"  ! {info.hidden} masked key(s) in the dense part" if info.hidden else ""
     return f"{interval:18} {cls}{flag}"
 
 

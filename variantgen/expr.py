@@ -132,7 +132,8 @@ def tokenize(src: SourceText) -> list[Token]:
             shown = repr(ch) if ch.isprintable() else f"U+{ord(ch):04X}"
             hint = None
             if ch in "&|!":
-                hint = "use 'and', 'or' and 'not' for boolean logic"
+                hint = "use 'and', 'or' and 'not' for boolean logic" + (
+                    "; bit(x, i) tests bit i of an int" if ch in "&|" else "")
             elif ch == "=":
                 hint = "use '==' to compare"
             raise src.error(pos, f"unexpected character {shown}", hint)
@@ -492,6 +493,9 @@ BUILTINS: dict[str, Builtin] = {
     )
 }
 LOGITS = Builtin("logits", Type.FLOAT, "the scaled score sm_scale * (q . k), in logits transforms only")
+# What a learned attention sink may read: it joins the softmax of every query row of one head
+# as one more logit (with no value), so it cannot depend on the query's or the key's token.
+SINK_BUILTINS = frozenset({"qo_head", "kv_head", "request", "qo_len", "kv_len"})
 
 # name -> (min args, max args)
 FUNCTIONS: dict[str, tuple[int, int]] = {
@@ -504,8 +508,12 @@ FUNCTIONS: dict[str, tuple[int, int]] = {
     "log": (1, 1),
     "sqrt": (1, 1),
     "sigmoid": (1, 1),
+    "bit": (2, 2),
 }
 FLOAT_FUNCS = ("tanh", "exp", "log", "sqrt", "sigmoid")
+# bit(x, i): whether bit i of the int x (32-bit two's complement, bit 0 the lowest) is set;
+# false for i outside 0..31 (never a shift by a negative or too large count).
+BIT_WIDTH = 32
 
 
 # ----------------------------------------------------------------------------- index kinds
@@ -601,9 +609,11 @@ class TypeEnv:
     allow_logits: bool = False
     # Names whose declaration was refused: their uses raise FollowOnError (already reported).
     failed: frozenset[str] = frozenset()
+    # Checking a `sink`: only the builtins of SINK_BUILTINS (one value per query head and request).
+    sink: bool = False
 
     def known_names(self) -> list[str]:
-        names = list(BUILTINS) + list(self.scalars) + list(self.tensors)
+        names = [b for b in BUILTINS if not self.sink or b in SINK_BUILTINS] + list(self.scalars) + list(self.tensors)
         if self.allow_logits:
             names.append(LOGITS.name)
         return names
@@ -652,13 +662,19 @@ class _Checker:
 
     def _name(self, node: Name) -> Node:
         if node.id in BUILTINS:
+            if self.env.sink and node.id not in SINK_BUILTINS:
+                raise self.err(node, f"`{node.id}` is not available in a sink: the sink is one logit per query head "
+                               "(and request), shared by all its query rows and keys",
+                               f"a sink may read {', '.join(sorted(SINK_BUILTINS))}, scalars and tensors indexed by "
+                               "them, e.g. sinks[qo_head]")
             return replace(node, ty=BUILTINS[node.id].ty)
         if node.id in self.env.scalars:
             return replace(node, ty=self.env.scalars[node.id])
         if node.id == LOGITS.name:
             if self.env.allow_logits:
                 return replace(node, ty=Type.FLOAT)
-            raise self.err(node, "`logits` is only available in the `logits` transform, not in a mask")
+            where = "a sink (a logit of its own)" if self.env.sink else "a mask"
+            raise self.err(node, f"`logits` is only available in the `logits` transform, not in {where}")
         if node.id in self.env.tensors:
             sig = self.env.tensors[node.id]
             idx = ", ".join(["i"] * sig.ndim)
@@ -803,6 +819,12 @@ class _Checker:
         for a in args:
             if a.ty is Type.BOOL:
                 raise self.err(a, f"`{node.func}` needs numbers, got bool")
+        if node.func == "bit":
+            for a, what in zip(args, ("x (the int whose bit is tested)", "i (the bit index, 0 the lowest)")):
+                if a.ty is not Type.INT:
+                    raise self.err(a, f"`bit(x, i)` tests a bit of an int: {what} is a {a.ty}",
+                                   "keep bit masks in int32 tensors or int scalars")
+            return replace(node, args=args, ty=Type.BOOL)
         if node.func in ("min", "max"):
             ty = Type.FLOAT if any(a.ty is Type.FLOAT for a in args) else Type.INT
         elif node.func == "abs":
@@ -832,6 +854,8 @@ def typecheck(node: Node, env: TypeEnv, src: SourceText | None = None, expect: T
             hint = None
             if expect is Type.BOOL:
                 hint = "a mask must be true where the key is visible, e.g. `kv_pos <= q_pos`"
+            elif env.sink:
+                hint = "a sink is a logit (a float), e.g. sinks[qo_head]"
             raise src.error(0, f"expression must be a {expect}, got {typed.ty}", hint)
     return typed
 

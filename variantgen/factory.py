@@ -5,7 +5,7 @@ registry (kernel kind -> wrapper class; the wrappers live in wrapper.py, ragged.
 decode.py), the GPU's arch (``device_arch``, the one device -> arch mapping; ``target_arch``
 for build boxes and cache checks) and the site a choice is made for (``module_site``: the
 target arch, whether modules may be built, what the cache holds, which module-less routes
-are installed). Which backend serves a request is capabilities.resolve's answer; probing.py
+are installed). Which backend serves a request is resolver.resolve's answer; probing.py
 asks the same questions of the same functions, so ``probe(...)`` says yes exactly when this
 would succeed without building.
 
@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 from . import build as _build
 from . import capabilities
 from .cache import Cache
-from .capabilities import Request, Site, arch_of_capability, canonical_arch, resolve
+from .capabilities import Request, Site, arch_of_capability, canonical_arch
 from .env import settings
 from .library import resolve_spec
+from .resolver import resolve
 from .spec import VariantSpec
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     variantgen.shipped_specs() lists them).
     ``kind``: "prefill" (paged KV), "ragged" (ragged KV) or "decode" (paged KV, one query
     per request). ``backend``: "fa2", "fa3", "flex", or None for the resolver's choice
-    (capabilities.resolve: fa3 where an fa3 module runs, else fa2, else the flex route; with
+    (resolver.resolve: fa3 where an fa3 module runs, else fa2, else the flex route; with
     JIT disabled or ``build=False`` a precompiled fa2 module rather than a missing fa3 one,
     with a warning - the choice probe() reports). ``workspace`` is the float workspace
     (uint8, on the target GPU; 128 MiB is plenty); ``arch`` (default: the workspace's GPU)
@@ -126,8 +127,8 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     CUDA-core decode kernel - FlashInfer's advice for large GQA groups. ``graph``
     (kind "prefill"): CUDA-graph mode with fixed buffers for at most that batch, so a
     captured run() can be replayed after each plan() (graph.py; the backends whose table
-    entry has it: fa2); also kind "decode" (tensor cores: any batch up to the capacity; CUDA
-    cores: exactly max_batch_size requests per plan, as FlashInfer's CUDA-graph decode).
+    entry has it: fa2 and fa3, chosen as without it); also kind "decode" (tensor cores: any
+    batch up to the capacity; CUDA cores: exactly max_batch_size requests per plan, as FlashInfer's CUDA-graph decode).
     ``check_plan`` (default: the VARIANTGEN_CHECK_PLAN variable): debug mode, in which run()
     verifies that the spec tensors plan() planned from (e.g. ``ranges``) were not changed
     since, and raises naming the tensor (a device sync per run(); under CUDA-graph capture the

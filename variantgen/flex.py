@@ -20,9 +20,9 @@ This module holds what is specific to Flex:
 * :func:`flex_call`: flex_attention compiled with dynamic shapes (inductor on CUDA, dynamo
   with the eager backend on CPU), under no_grad, LSE through ``return_aux``.
 
-Learned sinks (a per-head logit in the softmax denominator) are not a spec field yet; when they
-are, they apply after the call from the LSE this module already returns:
-``o *= sigmoid(lse - sink[h])`` and ``lse = logaddexp(lse, sink[h])`` (see flex_wrapper.finish).
+A spec's learned sink (a per-head logit in the softmax denominator) applies after the call, from
+the LSE this module returns: ``o *= sigmoid(lse - sink[h])``, ``lse = logaddexp(lse, sink[h])``
+(flex_wrapper's _finish).
 """
 
 from __future__ import annotations

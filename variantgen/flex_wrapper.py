@@ -40,11 +40,12 @@ import torch
 from . import flex
 from .capabilities import FLEX, KINDS, canonical_dtype, graph_problem
 from .errors import BackendError, LaunchError
+from .evaluate import Evaluator
 from .expr import names_used
 from .flex import BLOCK, Blocks, FlexLayout, RowBlocks
 from .intervals import row_intervals, usable_form
 from .library import resolve_spec
-from .planner import row_env
+from .rowrules import row_env
 from .spec import VariantSpec
 from .wrapper import TORCH_DTYPES, Batch, WrapperBase, read_paged_batch
 
@@ -119,8 +120,15 @@ class FlexWrapperBase(WrapperBase):
     def _reset(self) -> None:
         self._batch, self._plan, self._planned_args, self._run_blocks = None, None, {}, None
 
+    def _note_off(self, reason: str) -> None:
+        """plan_stats["planner_off"]: why the intervals are not used for this plan (none when they are)."""
+        if reason:
+            self.plan_stats["planner_off"] = reason
+        else:
+            self.plan_stats.pop("planner_off", None)
+
     def _row_intervals(self, qo_h: list[int], kv_lens: list[int], args: dict[str, Any]):
-        """(row builtins, the spec's key intervals) of every query row: planner.row_env's rows."""
+        """(row builtins, the spec's key intervals) of every query row: rowrules.row_env's rows."""
         form = usable_form(self.spec, args)
         env = row_env(qo_h, kv_lens, self.device)
         return env, row_intervals(form, self.spec, env, args)
@@ -304,17 +312,41 @@ class FlexWrapperBase(WrapperBase):
         """Flex over the laid-out tensors: (o, natural-log lse or an empty tensor)."""
         mods = flex.make_mods(self.spec, plan.layout, flex.capture_args(self.spec, args, self.device))
         block_mask = self._blocks(plan, mods, args).block_mask(mods.mask_mod, plan.layout)
+        want_lse = want_lse or self.spec.sink is not None  # the sink is applied from the LSE (_finish)
         if want_lse and self.compiled and self.device.type == "cpu":
-            raise LaunchError("run(return_lse=True): torch's compiled CPU FlexAttention returns no LSE; make the "
-                              "wrapper with compile=False on the CPU (the default)")
+            why = (f"spec `{self.spec.name}` has a sink, which the flex route applies from the LSE"
+                   if self.spec.sink is not None else "run(return_lse=True)")
+            raise LaunchError(f"{why}: torch's compiled CPU FlexAttention returns no LSE; make the wrapper with "
+                              "compile=False on the CPU (the default)")
         return flex.flex_call(q4, k4, v4, mods, block_mask, self._sm_scale(q_scale, k_scale), self.compiled,
                               want_lse, (self.spec.digest, plan.layout.packed))
 
+    def _sink_logits(self, args: dict[str, Any], device: torch.device) -> torch.Tensor:
+        """The spec's sink logit for each output row and query head, float32 [rows, heads]: the
+        builtins a sink may read (expr.SINK_BUILTINS) per row's request and per head."""
+        b = self._batch
+        assert b is not None and self.spec.sink is not None
+        i64 = torch.int64
+        qo_lens = torch.tensor(b.qo_lens, dtype=i64, device=device)
+        kv_lens = torch.tensor(b.kv_lens, dtype=i64, device=device)
+        request = torch.repeat_interleave(torch.arange(len(b.qo_lens), device=device), qo_lens).view(-1, 1)
+        qo_head = torch.arange(b.num_qo_heads, dtype=i64, device=device).view(1, -1)
+        env = {"request": request, "qo_len": qo_lens[request], "kv_len": kv_lens[request], "qo_head": qo_head,
+               "kv_head": qo_head // (b.num_qo_heads // b.num_kv_heads)}
+        value = Evaluator(self.spec, env, args).as_float(self.spec.sink)
+        return value.expand(request.shape[0], b.num_qo_heads)
+
     def _finish(self, o: torch.Tensor, lse_n: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
-                v_scale: float | None, return_lse: bool):
+                v_scale: float | None, return_lse: bool, args: dict[str, Any]):
         """o / lse into the caller's outputs: o times v_scale in the output dtype, the LSE in base 2.
-        (Learned sinks, once specs have them, apply here: o *= sigmoid(lse - sink[head]),
-        lse = logaddexp(lse, sink[head]).)"""
+        A learned sink s (a logit with no value) joins each row's softmax here, from the LSE Flex
+        returns: o *= sigmoid(lse - s) = sum / (sum + e^s), lse = logaddexp(lse, s)."""
+        if self.spec.sink is not None:
+            sink = self._sink_logits(args, o.device)
+            # a -inf sink (no sink) keeps o, also on a row with no key (whose lse is -inf too)
+            keep = torch.where(torch.isneginf(sink), torch.ones_like(sink), torch.sigmoid(lse_n.float() - sink))
+            o = o * keep.unsqueeze(-1)  # (in float32: keep is)
+            lse_n = torch.logaddexp(lse_n.float(), sink)
         out.copy_(o if v_scale is None else o * v_scale)
         if lse is not None:
             lse.copy_(lse_n / math.log(2.0))
@@ -348,12 +380,11 @@ class FlexPrefillWrapper(FlexWrapperBase):
 
     def _plan_intervals(self, qo_h: list[int], kv_lens: list[int], skip_tiles: bool | None,
                         spec_args: dict[str, Any]):
-        use = bool(skip_tiles) if skip_tiles is not None else self._intervals_default(spec_args, "interval planner")
-        if not use:
-            self._refuse_plan_args(spec_args, skip_tiles, "the interval planner")
+        off = self._off_reason(skip_tiles, spec_args, "interval planner")
+        self._note_off(off)
+        if off:
+            self._refuse_plan_args(spec_args, off, "the interval planner")
             return None
-        if skip_tiles:
-            self.plan_stats.pop("planner_off", None)
         checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
         self._planned_args = {k: v for k, v in checked.items() if k in self._interval_facts.args}
         return self._row_intervals(qo_h, kv_lens, checked)
@@ -386,8 +417,8 @@ def _run_packed(w: FlexWrapperBase, plan: FlexPlan, q: torch.Tensor, k: torch.Te
     o, lse_n = w._attend(plan, qbuf.transpose(0, 1)[None], kbuf.transpose(0, 1)[None], vbuf.transpose(0, 1)[None],
                          args, q_scale, k_scale, lse is not None)
     o_rows = o[0].transpose(0, 1)[:b.total_q]
-    lse_rows = lse_n[0].t()[:b.total_q] if lse is not None else lse_n
-    return w._finish(o_rows, lse_rows, out, lse, v_scale, return_lse)
+    lse_rows = lse_n[0].t()[:b.total_q] if lse_n.numel() else lse_n
+    return w._finish(o_rows, lse_rows, out, lse, v_scale, return_lse, args)
 
 
 # ----------------------------------------------------------------------------- ragged
@@ -468,19 +499,18 @@ class FlexDecodeWrapper(FlexWrapperBase):
         self._batch = Batch(batch, batch, sum(kv_lens), num_qo_heads, num_kv_heads, page_size, (1,) * batch,
                             tuple(kv_lens))
         self._staging.begin()
-        trim = bool(skip_tiles) if skip_tiles is not None else self._intervals_default(spec_args, "key trimming")
+        off = self._off_reason(skip_tiles, spec_args, "key trimming")
+        self._note_off(off)
         qo_h = list(range(batch + 1))
         exact = None
-        if trim:
-            if skip_tiles:
-                self.plan_stats.pop("planner_off", None)
+        if not off:
             checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
             self._planned_args = {k: v for k, v in checked.items() if k in self._interval_facts.args}
             env, iv = self._row_intervals(qo_h, kv_lens, checked)
             base, count = self._key_ranges(env, iv, batch)
             exact = iv.exact & ~iv.empty & (iv.lo <= iv.hi)
         else:
-            self._refuse_plan_args(spec_args, skip_tiles, "key trimming")
+            self._refuse_plan_args(spec_args, off, "key trimming")
             base, count = [0] * batch, list(kv_lens)
         kv_len = -(-max(max(count), 1) // BLOCK) * BLOCK
         kv_row_base = list(accumulate(kv_lens, initial=0))[:-1]
@@ -525,7 +555,8 @@ class FlexDecodeWrapper(FlexWrapperBase):
 
         o, lse_n = self._attend(plan, q.unsqueeze(2), per_request(kbuf), per_request(vbuf), args, q_scale, k_scale,
                                 lse is not None)
-        return self._finish(o[:, :, 0], lse_n[:, :, 0] if lse is not None else lse_n, out, lse, v_scale, return_lse)
+        return self._finish(o[:, :, 0], lse_n[:, :, 0] if lse_n.numel() else lse_n, out, lse, v_scale, return_lse,
+                            args)
 
 
 # ----------------------------------------------------------------------------- factory and probe

@@ -51,11 +51,11 @@ class Target:
 
 PLAN_PATHS = {
     "off": "interval planner (decode: key trimming) off",
-    "module": "interval planner with the spec's planner module (on the GPU: its row kernel and native plan)",
-    "torch": "interval planner with its torch rules",
+    "module": "interval planner with the spec's planner module (on the GPU: its row pass and launch builder)",
+    "nomodule": "interval planner asked for without a planner module: plan() plans off and says why",
     "trim": "CUDA-core decode with key trimming",
 }
-_PLANNED = ("off", "module", "torch")
+_PLANNED = ("off", "module", "nomodule")
 
 # Every (backend, kind) path the fuzzer covers, in one table. A (backend, kind) pair that
 # capabilities.HEAD_DIMS gains (say fa3 ragged) needs its row here (tests/test_fuzz_gpu_cpu.py checks).
@@ -63,6 +63,7 @@ TARGETS: tuple[Target, ...] = (
     Target("fa2/prefill", "fa2", "prefill", "prefill", plans=_PLANNED),
     Target("fa3/prefill", "fa3", "prefill", "prefill", plans=_PLANNED),
     Target("fa2/prefill-graph", "fa2", "prefill", "prefill", graph=True, plans=_PLANNED),
+    Target("fa3/prefill-graph", "fa3", "prefill", "prefill", graph=True, plans=_PLANNED),
     Target("fa2/decode", "fa2", "decode", "decode", plans=("off", "trim")),
     Target("fa2/decode-graph", "fa2", "decode", "decode", graph=True, plans=("off", "trim")),
     Target("fa2/decode-tc", "fa2", "decode", "prefill", tensor_cores=True, plans=_PLANNED),
@@ -136,13 +137,22 @@ class PerHead:
 
 
 @dataclass(frozen=True)
+class Trees:
+    """An int32 [total_q, W] ancestor bitmask (tree_verify's ``tree_bits``): per request the
+    parent of each draft node (-1: a root; variantgen.trees). A request's first qo_len nodes are
+    used (a prefix of a parent list is a tree); rows past 32 * W nodes, or past the list, are 0."""
+
+    parents: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
 class Seeded:
     """Any other spec tensor: random values from ``seed`` (ints in [-2, max kv_len], floats N(0, 1))."""
 
     seed: int
 
 
-TensorArg = Ranges | DocRuns | PerRequest | PerHead | Seeded
+TensorArg = Ranges | DocRuns | PerRequest | PerHead | Trees | Seeded
 Scalar = int | float | bool
 
 
@@ -165,6 +175,8 @@ class Batch:
                 return DocRuns(_without(t.runs, i))
             if isinstance(t, PerRequest):
                 return PerRequest(_without(t.values, i))
+            if isinstance(t, Trees):
+                return Trees(_without(t.parents, i))
             return t
 
         return Batch(_without(self.qo_lens, i), _without(self.kv_lens, i),
@@ -181,7 +193,8 @@ class Batch:
             return f"qo_lens={list(self.qo_lens)}, kv_lens={list(self.kv_lens)}: decode has one query per request " \
                    "and kv_len >= 1"
         for name, t in self.tensors:
-            per = {Ranges: ("spans", "rows"), DocRuns: ("runs",), PerRequest: ("values",)}.get(type(t), ())
+            per = {Ranges: ("spans", "rows"), DocRuns: ("runs",), PerRequest: ("values",),
+                   Trees: ("parents",)}.get(type(t), ())
             for f in per:
                 if len(getattr(t, f)) != n:
                     return f"tensor {name}: {type(t).__name__}.{f} has {len(getattr(t, f))} entries for {n} requests"
@@ -256,8 +269,8 @@ class FuzzCase:
 
 # ----------------------------------------------------------------------------- JSON and Python literals
 
-_CLASSES = {c.__name__: c for c in (ModuleKey, Ranges, DocRuns, PerRequest, PerHead, Seeded, Batch, GraphSetup,
-                                    FuzzCase)}
+_CLASSES = {c.__name__: c for c in (ModuleKey, Ranges, DocRuns, PerRequest, PerHead, Trees, Seeded, Batch,
+                                    GraphSetup, FuzzCase)}
 
 
 def to_json(obj: Any) -> Any:
@@ -431,8 +444,22 @@ def _draw_doc_runs(r: random.Random, qo_lens: list[int], kv_lens: list[int]) -> 
     return DocRuns(tuple(runs))
 
 
+def _draw_trees(r: random.Random, qo_lens: list[int], words: int) -> Trees:
+    from .trees import random_tree_parents
+
+    g = torch.Generator().manual_seed(r.getrandbits(31))
+    shapes = ("chain", "star", "random", "forest")
+    return Trees(tuple(tuple(random_tree_parents(min(q, 32 * words), g, r.choice(shapes))) for q in qo_lens))
+
+
 def _draw_tensor(r: random.Random, t: Any, qo_lens: list[int], kv_lens: list[int]) -> TensorArg:
     shape = tuple(t.shape)
+    if t.name == "tree_bits" and t.dtype == "int32" and len(shape) == 2 and shape[0] == "total_q":
+        return _draw_trees(r, qo_lens, shape[1])
+    if t.name == "sinks" and t.dtype == "float32" and shape == ("num_qo_heads",):
+        # learned sink logits: a few units either way (gpt-oss), and ones that take all or no weight
+        return PerHead(tuple(r.choice([round(r.uniform(-6.0, 6.0), 3), 40.0, -40.0, 0.0])
+                             for _ in range(r.randint(1, 8))))
     if t.dtype == "int32" and shape == ("total_q", 2):
         return _draw_ranges(r, qo_lens, kv_lens)
     if t.dtype == "int32" and shape == ("total_kv",):
@@ -570,6 +597,18 @@ def spec_tensor(t: Any, arg: TensorArg, batch: Batch, num_qo_heads: int, num_kv_
         if not arg.values:
             return alibi_slopes(num_qo_heads)
         return torch.tensor([arg.values[h % len(arg.values)] for h in range(num_qo_heads)], dtype=torch.float32)
+    if isinstance(arg, Trees):
+        from .trees import tree_bits
+
+        words = t.shape[1]
+        out = torch.zeros(sum(batch.qo_lens), words, dtype=torch.int32)
+        base = 0
+        for q, parents in zip(batch.qo_lens, arg.parents):
+            nodes = list(parents[:min(q, 32 * words)])
+            if nodes:
+                out[base:base + len(nodes)] = tree_bits([nodes], words=words)
+            base += q
+        return out
     dims = {"total_q": sum(batch.qo_lens), "total_kv": sum(batch.kv_lens), "batch": len(batch.qo_lens),
             "num_qo_heads": num_qo_heads, "num_kv_heads": num_kv_heads}
     shape = tuple(dims[d] if isinstance(d, str) else d for d in t.shape)
@@ -807,14 +846,14 @@ def _row_planner(w: Any) -> Any:
 
 def _plan(w: Any, case: FuzzCase, t: CaseTensors, args: dict[str, Any]) -> None:
     """plan() as ``case.plan`` asks: planner (key trimming) off, with the spec's planner module,
-    or with the planner's torch rules (the module set aside for this plan)."""
+    or asked for without it (the module set aside for this plan: plan() plans off)."""
     target = TARGET_BY_NAME[case.target]
     planned = case.plan != "off"
     plan_kw: dict[str, Any] = dict(args) if planned else {}
     sizes = (case.num_qo_heads, case.num_kv_heads, case.page_size)
     module = _row_planner(w)
-    if case.plan == "torch":
-        w.set_row_planner(None, "fuzz: the torch rules")
+    if case.plan == "nomodule":
+        w.set_row_planner(None, "fuzz: no planner module")
     try:
         if target.kind == "ragged":
             w.plan(t.qo_indptr, t.kv_indptr, *sizes[:2], disable_split_kv=case.disable_split_kv)
@@ -824,7 +863,7 @@ def _plan(w: Any, case: FuzzCase, t: CaseTensors, args: dict[str, Any]) -> None:
             w.plan(t.qo_indptr, t.kv_indptr, t.kv_indices, t.last_page_len, *sizes, skip_tiles=planned,
                    disable_split_kv=case.disable_split_kv, **plan_kw)
     finally:
-        if case.plan == "torch":
+        if case.plan == "nomodule":
             w.set_row_planner(module)
 
 
@@ -855,8 +894,8 @@ class GraphSession:
         dev = runner.modules.device
         cap = GraphCapacity(max_batch_size=g.max_batch_size, max_total_q=g.max_total_q, max_kv_pages=g.max_kv_pages)
         self.w = runner.modules.wrapper(target, m, cap)
-        if case.plan == "torch":
-            self.w.set_row_planner(None, "fuzz: the torch rules")
+        if case.plan == "nomodule":
+            self.w.set_row_planner(None, "fuzz: no planner module")
         hq, hkv, ps = case.num_qo_heads, case.num_kv_heads, case.page_size
         qdt, kvdt = _TORCH_DTYPES[m.q_dtype], _TORCH_DTYPES[m.kv_dtype]
         rows = g.max_total_q
@@ -1032,6 +1071,11 @@ def _tensor_shrinks(arg: TensorArg) -> Iterator[TensorArg]:
                 yield PerRequest(arg.values[:i] + (0,) + arg.values[i + 1:])
     elif isinstance(arg, PerHead) and arg.values:
         yield PerHead()
+    elif isinstance(arg, Trees):
+        for i, parents in enumerate(arg.parents):
+            chain = tuple(range(-1, len(parents) - 1))
+            if parents != chain:  # the simplest tree of its size
+                yield Trees(arg.parents[:i] + (chain,) + arg.parents[i + 1:])
 
 
 def shrink_candidates(case: FuzzCase) -> Iterator[FuzzCase]:

@@ -1,23 +1,30 @@
-"""CUDA-graph mode for the paged prefill wrapper: fixed launches, fixed-capacity buffers.
+"""CUDA-graph mode for the paged prefill wrapper: fixed launch slots, fixed-capacity buffers.
 
 A captured graph replays the kernel launches ``run()`` made during capture with the same
-arguments: the same device pointers, the same grid, the same FlashInfer plan_info. The
-interval planner's output changes with every batch (how many launch requests each mask
-mode gets, how many pages they read), so in graph mode the wrapper
+arguments: the same device pointers, the same grid, the same plan_info, the same scalars
+(fa3's left window among them). The interval planner's output changes with every batch (how
+many launch requests each mask mode gets, how many pages they read), so in graph mode the
+launch builder (templates/plan/launches.h, with the capacity in its options)
 
-* always makes the same launches, one per mask mode in GRAPH_MODES (a mode with no
-  launch requests in this batch still launches; its CTAs find nothing to do),
-* writes each launch's metadata (q_starts, kv_indptr, last_page_len, vg_meta) and page
-  list *in place* into device buffers allocated once at the capacities below, padded
-  with empty launch requests (no rows, no pages),
-* schedules every launch for ``max_launch_requests`` requests and ``max_total_q`` rows
-  with split-KV off (the planner module's scheduler with graph_rows, or FlashInfer's
-  CUDA-graph scheduling), which makes plan_info (tile size, grid size, workspace offsets)
-  the same for every batch that fits, and checks that it is: a plan() that would change it
-  raises instead of leaving a captured graph to replay stale launch parameters.
+* always makes the same launches - *slots*: custom, causal, none, and on fa3 (which takes its
+  left window per launch) a causal slot per window width. The widths are fixed for the
+  wrapper's life: ``GraphCapacity.window_widths`` names them, or the first plan() pins the
+  ones its batch has (up to FA3_MAX_WINDOW_LAUNCHES); window rows of any other width run in
+  the custom slot, with the mask (exact, slower). A slot with no launch requests in a batch
+  still launches; its CTAs find nothing to do;
+* lays every slot out at offsets that depend on the capacity only, in one device workspace
+  allocated at the first plan(): metadata (q_starts, kv_indptr, last_page_len, vg_meta) for
+  ``max_launch_requests`` launch requests padded with empty ones (no rows, no pages), a page
+  list of ``max_launch_pages`` entries, and a schedule sized for ``max_total_q`` rows with
+  split-KV off - so plan_info (tile size, grid size, workspace offsets) is the same for every
+  batch that fits.
 
-So: plan() (outside the graph) before each replay, run() once under capture. fa2 only (the
-fa3 planner's launch set depends on the batch: one launch per window width); decode uses it
+This module keeps the capacity, that workspace and what must not change once a run() was
+captured: each slot's plan_info, the window widths, the heads and page size. A plan() that
+would change one raises instead of leaving a captured graph to replay stale launch
+parameters; one that does not fit the capacity names the field to raise.
+
+So: plan() (outside the graph) before each replay, run() once under capture. Decode uses it
 on the tensor-core path (decode.py), whose kernel is the paged prefill one.
 """
 
@@ -29,10 +36,7 @@ from typing import Any
 import torch
 
 from .errors import LaunchError
-
-GRAPH_MODES = ("custom", "causal", "none")  # the launches of a graph-mode plan, in order
-META_COLUMNS = 9  # vg_meta row width (VG_META_STRIDE in templates/fa2/config.inc.jinja)
-META_KERNEL_WINDOW = 7  # vg_meta column: the left window the kernel may prune with (-1: none)
+from .plan_abi import FA3_MAX_WINDOW_LAUNCHES
 
 
 def _positive(name: str, value: object) -> int:
@@ -47,12 +51,16 @@ class GraphCapacity:
 
     max_batch_size / max_total_q / max_kv_pages: caller requests, query rows (sum of
     qo lengths) and entries of paged_kv_indices (paged_kv_indptr[-1]) per plan().
-    max_launch_requests: launch requests per mask mode (the planner splits a request where
-    its rows' key intervals change shape, custom runs every 128 rows); default
-    16 per request + one per 64 rows, at most max_total_q.
-    max_launch_pages: page-list entries per mask mode after the planner trimmed each launch
+    max_launch_requests: launch requests per launch slot (the planner splits a request where
+    its rows' key intervals change shape, custom runs every 128 rows); default 16 per request
+    + one per 64 rows, at most max_total_q.
+    max_launch_pages: page-list entries per launch slot after the planner trimmed each launch
     request's pages (requests split in several read overlapping pages); default 8 x
     max_kv_pages. plan() names the field to raise when a batch needs more.
+    window_widths (fa3): the left-window widths that get their own causal launch slot (at most
+    FA3_MAX_WINDOW_LAUNCHES, e.g. the spec's sliding window); default: the widths of the
+    first plan()'s batch. Window rows of other widths run in the custom slot (exact, slower).
+    fa2 takes the window per launch request and ignores this.
     """
 
     max_batch_size: int
@@ -60,6 +68,7 @@ class GraphCapacity:
     max_kv_pages: int
     max_launch_requests: int | None = None
     max_launch_pages: int | None = None
+    window_widths: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_total_q", "max_kv_pages"):
@@ -78,6 +87,13 @@ class GraphCapacity:
             if n < self.max_kv_pages:
                 raise LaunchError(f"GraphCapacity: max_launch_pages={n} is below max_kv_pages={self.max_kv_pages} "
                                   "(the direct path passes the caller's whole page list)")
+        if self.window_widths is not None:
+            widths = self.window_widths
+            ints = isinstance(widths, tuple) and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0
+                                                     for w in widths)
+            if not ints or len(widths) > FA3_MAX_WINDOW_LAUNCHES or len(set(widths)) != len(widths):
+                raise LaunchError(f"GraphCapacity: window_widths={widths!r}: expected a tuple of at most "
+                                  f"{FA3_MAX_WINDOW_LAUNCHES} distinct ints >= 0 (left-window widths)")
 
     def check_batch(self, batch_size: int, total_q: int, kv_pages: int) -> None:
         """plan()'s batch against the capacity; the error names the field to raise."""
@@ -100,89 +116,52 @@ class GraphCapacity:
         return self.max_launch_pages if self.max_launch_pages is not None else 8 * self.max_kv_pages
 
 
+SLOT_NAMES = ("custom", "causal", "none")  # the first launch slots, in order; fa3 then one per window width
+
+
 class GraphBuffers:
-    """The device buffers of one graph-mode wrapper: per launch slot, metadata laid out as
-    [q_starts R+1, kv_indptr R+1, last_page_len R, vg_meta 9R] int32 in one tensor (with a
-    page-locked host mirror, copied over in one go), and a page list of launch_pages entries.
-    Views of them are what run() passes to the kernel, so their addresses never change."""
+    """What one graph-mode wrapper keeps from plan to plan: its capacity, the device workspace
+    the launch slots live in (with its page-locked host mirror; allocated at the first plan, at
+    the size the launch builder asks for, never again: captured launches hold its addresses),
+    and the pins - each slot's plan_info, the window widths, the heads and page size."""
 
     def __init__(self, capacity: GraphCapacity, device: torch.device):
         self.capacity = capacity
-        self.requests = r = capacity.launch_requests
-        self.pages = capacity.launch_pages
-        self.slot_ints = (r + 1) * 2 + r + META_COLUMNS * r
-        n = len(GRAPH_MODES)
-        self.metadata = torch.zeros(n * self.slot_ints, dtype=torch.int32, device=device)
-        self.host = torch.zeros(n * self.slot_ints, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.kv_indices = torch.zeros(n * self.pages, dtype=torch.int32, device=device)
-        self.plan_info: list[list[int] | None] = [None] * n  # the scheduler's, from the first plan()
+        self.device = device
+        self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.plan_info: dict[int, list[int]] = {}
+        self.windows: tuple[int, ...] | None = capacity.window_widths
+        self.shape: tuple[int, int, int] | None = None  # (num_qo_heads, num_kv_heads, page_size) of the first plan
 
-    def slot_launches(self, launches: list[dict]) -> list[dict]:
-        """``launches`` (at most one per mask mode) as the fixed GRAPH_MODES slots (an empty
-        launch where a mode has none); raises if a launch needs more requests or pages than
-        the capacity. Nothing is written here, so a refused plan leaves the buffers as they were."""
-        by_mode: dict[str, dict] = {}
-        for launch in launches:
-            mode = launch["mask_mode"]
-            if mode in by_mode or mode not in GRAPH_MODES:
-                raise LaunchError(f"internal: graph mode got a second or unknown {mode!r} launch")
-            by_mode[mode] = launch
-        out = []
-        for mode in GRAPH_MODES:
-            launch = by_mode.get(mode) or dict(mask_mode=mode, q_starts=[0], plan_qo=[0], kv_indptr=[0],
-                                               page_ranges=[], last_page_len=[], meta=[])
-            n = len(launch["meta"])
-            if n > self.requests:
-                raise LaunchError(f"plan(): the {mode!r} launch needs {n} launch requests; the wrapper's CUDA-graph "
-                                  f"capacity max_launch_requests={self.requests} - make the wrapper with a larger "
-                                  "one")
-            if launch["kv_indptr"][-1] > self.pages:
-                raise LaunchError(f"plan(): the {mode!r} launch reads {launch['kv_indptr'][-1]} page-list entries; "
-                                  f"the wrapper's CUDA-graph capacity max_launch_pages={self.pages} - make the "
-                                  "wrapper with a larger one")
-            out.append(dict(launch, packed=False))
-        return out
+    def allocate(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots' workspace, made at the first plan (``nbytes``: the builder's answer); a later
+        plan that needs more is a bug in the fixed layout."""
+        if self.workspace is not None:
+            raise LaunchError(f"internal: the CUDA-graph layout grew to {nbytes} bytes after the first plan "
+                              f"({self.workspace[0].numel()}); please report it with the batch")
+        self.workspace = (torch.empty(nbytes, dtype=torch.uint8, device=self.device),
+                          torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda"))
+        return self.workspace
 
-    def write_slot(self, i: int, launch: dict) -> dict[str, torch.Tensor]:
-        """Launch slot i's metadata into the host mirror, padded to capacity with launch
-        requests that have no rows (they start at the batch's end), no keys and no window.
-        Returns the padded host tensors the scheduler takes: plan_qo, kv_indptr, q_starts."""
-        r, n = self.requests, len(launch["meta"])
-        total_q, pages = launch["q_starts"][-1], launch["kv_indptr"][-1]
-        views = self._split(self.host[i * self.slot_ints:(i + 1) * self.slot_ints])
-        i32 = torch.int32
-        plan_qo = torch.full((r + 1,), launch["plan_qo"][-1], dtype=i32)
-        plan_qo[:n + 1] = torch.tensor(launch["plan_qo"], dtype=i32)
-        views["q_starts"].fill_(total_q)
-        views["q_starts"][:n + 1] = torch.tensor(launch["q_starts"], dtype=i32)
-        views["kv_indptr"].fill_(pages)
-        views["kv_indptr"][:n + 1] = torch.tensor(launch["kv_indptr"], dtype=i32)
-        views["last_page_len"].zero_()
-        meta = views["meta"].view(r, META_COLUMNS)
-        meta[:] = torch.tensor([total_q, 0, 0, 0, 0, 0, 0, -1, 0], dtype=i32)
-        if n:
-            views["last_page_len"][:n] = torch.tensor(launch["last_page_len"], dtype=i32)
-            meta[:n] = torch.tensor(launch["meta"], dtype=i32)
-        return {"plan_qo": plan_qo, "kv_indptr": views["kv_indptr"].clone(), "q_starts": views["q_starts"].clone()}
+    def check_shape(self, num_qo_heads: int, num_kv_heads: int, page_size: int) -> None:
+        """Heads and page size are part of every captured launch: the first plan's stay."""
+        shape = (num_qo_heads, num_kv_heads, page_size)
+        if self.shape is None:
+            self.shape = shape
+        elif shape != self.shape:
+            raise LaunchError(f"plan(): num_qo_heads, num_kv_heads, page_size = {shape}, but this CUDA-graph wrapper "
+                              f"planned {self.shape} first (a captured graph replays launches for those); make another "
+                              "wrapper for these")
 
-    def _split(self, slot: torch.Tensor) -> dict[str, torch.Tensor]:
-        r = self.requests
-        views, at = {}, 0
-        for name, size in (("q_starts", r + 1), ("kv_indptr", r + 1), ("last_page_len", r),
-                           ("meta", r * META_COLUMNS)):
-            views[name] = slot[at:at + size]
-            at += size
-        return views
+    def pin_windows(self, widths: tuple[int, ...]) -> None:
+        """fa3: the window widths of the first plan, when GraphCapacity named none."""
+        if self.windows is None:
+            self.windows = widths
 
-    def slot_views(self, i: int) -> dict[str, torch.Tensor]:
-        """Launch slot i's device buffers (what run() passes to the kernel)."""
-        views = self._split(self.metadata[i * self.slot_ints:(i + 1) * self.slot_ints])
-        views["kv_indices"] = self.kv_indices[i * self.pages:(i + 1) * self.pages]
-        return views
-
-    def check_plan_info(self, i: int, plan_info: list[int]) -> None:
-        """The scheduler's plan_info for slot i must be the one the graph was captured with."""
-        self.plan_info[i] = pin_plan_info(self.plan_info[i], plan_info, f"the {GRAPH_MODES[i]!r} launch")
+    def check_plan_info(self, slot: int, plan_info: list[int]) -> None:
+        """The schedule of launch slot ``slot`` must be the one the graph was captured with."""
+        name = SLOT_NAMES[slot] if slot < len(SLOT_NAMES) else f"window {slot - len(SLOT_NAMES)}"
+        self.plan_info[slot] = pin_plan_info(self.plan_info.get(slot), plan_info, f"the {name!r} launch slot")
 
 
 def pin_plan_info(known: list[int] | None, plan_info: Any, what: str) -> list[int]:

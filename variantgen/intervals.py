@@ -30,12 +30,13 @@ import torch
 from .errors import LaunchError
 from .evaluate import Evaluator
 from .expr import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
+from .plan_abi import NO_INTERVAL
 from .spec import VariantSpec
 
 KEY_NAMES = {"kv_pos", "kv_row"}
 HEAD_NAMES = {"qo_head", "kv_head"}
 MAX_TERMS = 8
-BIG = 1 << 40
+BIG = NO_INTERVAL  # no interval: lo = BIG, hi = -BIG
 
 
 @dataclass(frozen=True)
@@ -300,6 +301,10 @@ class RowIntervals:
     hi: torch.Tensor  # int64 [rows]: last key of the hull
     exact: torch.Tensor  # bool [rows]: visible keys are exactly [lo, hi]
     empty: torch.Tensor  # bool [rows]: provably no visible key
+    # int64 [rows]: every key of [lo, dense_hi] is visible (lo - 1: none known). dense_hi == hi on
+    # exact rows; a hull row may still start with a dense run, e.g. tree_verify's context before
+    # the draft block: only the keys after it need the mask.
+    dense_hi: torch.Tensor | None = None
 
 
 def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch.Tensor],
@@ -341,9 +346,11 @@ def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch
         exacts.append(exact | ~nonempty)  # an empty exact term contributes nothing
     if len(los) == 1:  # one term: its interval is the answer (no union to check)
         any_ok, all_exact = oks[0], exacts[0]
-        return RowIntervals(lo=torch.where(any_ok, los[0], torch.zeros_like(los[0])),
-                            hi=torch.where(any_ok, his[0], kv_len - 1),
-                            exact=any_ok & all_exact, empty=~any_ok & all_exact)
+        lo = torch.where(any_ok, los[0], torch.zeros_like(los[0]))
+        hi = torch.where(any_ok, his[0], kv_len - 1)
+        exact = any_ok & all_exact
+        return RowIntervals(lo=lo, hi=hi, exact=exact, empty=~any_ok & all_exact,
+                            dense_hi=torch.where(exact, hi, lo - 1))
     lo = torch.stack(los, 1)
     hi = torch.stack(his, 1)
     any_ok = torch.stack(oks, 1).any(1)
@@ -359,9 +366,15 @@ def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch
     hull_lo = lo_s[:, 0]
     hull_hi = reach[:, -1]
     empty = ~any_ok & all_exact
-    return RowIntervals(
-        lo=torch.where(any_ok, hull_lo, torch.zeros_like(hull_lo)),
-        hi=torch.where(any_ok, hull_hi, kv_len - 1),
-        exact=any_ok & all_exact & contiguous,
-        empty=empty,
-    )
+    out_lo = torch.where(any_ok, hull_lo, torch.zeros_like(hull_lo))
+    out_hi = torch.where(any_ok, hull_hi, kv_len - 1)
+    exact = any_ok & all_exact & contiguous
+    # The dense run from the hull's start: exact terms, by their first key, as long as each
+    # starts at most one past the run so far (a hull term neither extends nor breaks it).
+    dense_s = (torch.stack(exacts, 1) & torch.stack(oks, 1)).gather(1, order)
+    dense = out_lo - 1
+    for t in range(lo_s.shape[1]):
+        joins = dense_s[:, t] & (lo_s[:, t] <= dense + 1)
+        dense = torch.where(joins, torch.maximum(dense, hi_s[:, t]), dense)
+    dense = torch.where(exact, out_hi, torch.where(any_ok, dense, out_lo - 1))
+    return RowIntervals(lo=out_lo, hi=out_hi, exact=exact, empty=empty, dense_hi=dense)

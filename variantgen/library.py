@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import logging
 import os
 from pathlib import Path
 
@@ -17,8 +18,13 @@ from .env import SPECS_DIR
 from .errors import Location, SpecError
 from .spec import VariantSpec, load_spec
 
+log = logging.getLogger("variantgen.library")
+
 SpecLike = VariantSpec | str | os.PathLike
 """What a spec argument may be: a parsed spec, a spec file's path, or a shipped spec's name."""
+
+# Former names of shipped specs -> their names now (still resolved, with a warning).
+RENAMED = {"attention_sink": "streaming_sink"}  # StreamingLLM's sinks, apart from learned sinks
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,6 +68,10 @@ def resolve_spec(spec: SpecLike) -> VariantSpec:
     shipped = dict(_shipped())
     if spec in shipped:
         return load_spec(shipped[spec])
+    if spec in RENAMED and RENAMED[spec] in shipped:
+        log.warning("spec `%s` is now called `%s` (StreamingLLM sinks, the first tokens kept visible; learned "
+                    "sink logits are `attention_sink_learned`): resolving it to that spec", spec, RENAMED[spec])
+        return load_spec(shipped[RENAMED[spec]])
     looks_like_path = os.sep in spec or (os.altsep or os.sep) in spec or path.suffix in (".yaml", ".yml")
     if not looks_like_path and not _exists(path, Path.exists):
         raise _unknown_name(spec, list(shipped))

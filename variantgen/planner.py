@@ -1,282 +1,367 @@
-"""The interval planner: split query rows into launch requests by the shape of their key
-interval, so the kernel evaluates the mask only where the answer is not known.
+"""plan()'s planner: a batch, the checked spec arguments and its page list in, a Plan out.
 
-Per row (intervals.row_intervals, computed on the device from the same tensors the mask
-reads) each row is classified:
+Every launch of every path is built by one implementation, the launch builder
+(templates/plan/launches.h), compiled into the spec's planner module and into every paged
+prefill module; this module calls it and turns its answer into a plan.Plan:
 
-  dense   every key of [lo, hi] is visible, lo page-aligned      -> MaskMode::kNone
-  causal  keys [lo, q_pos], lo fixed and page-aligned           -> MaskMode::kCausal
-  window  keys [q_pos - w, q_pos], w fixed                       -> kCausal + kernel window w
-  custom  anything else (not exact, several intervals, unaligned) -> kCustom over the hull
+* planned (the interval planner on, and the spec's planner module at hand): the planner
+  module's ``plan_batch`` runs the row pass (rowplan.py), reads the launch requests back,
+  builds the launches, copies them to the device and gathers their page lists - one host
+  call (README: plan() time);
+* planner off (asked for, the spec has no usable intervals, plan() was not given the tensors
+  they read, or no planner module: JIT disabled and not precompiled, or a CPU wrapper): the
+  kernel module's ``plan_direct`` lays out one custom launch request per request (the mask on
+  every element) with the same builder; the Plan says why;
+* CUDA-graph mode (graph.py): the same calls with the capacity in the builder's options, into
+  the graph's fixed workspace; launch slots, window widths and plan_info pinned.
 
-Consecutive rows of a request with the same class and parameters form one launch
-request (custom ones capped at CUSTOM_ROWS rows, to keep hulls tight), with its own page
-list trimmed to the interval. In kNone/kCausal launches the kernel still calls the
-generated mask on its boundary tiles (diagonal, window edge), so partial tiles stay exact;
-interior tiles are known to be fully visible. Rows are partitioned: every output row is
-written by exactly one launch, in place, so nothing is gathered, scattered or merged.
-Metadata is O(segments); the only host sync is reading the segment boundaries back.
+What is left in Python is reading the descriptor (plan_abi's layout) into device views, and
+FlashInfer's own scheduler for the fa2 launches the builder leaves to it (below FlashInfer's
+split-KV bar, where splitting KV may pay). The planner knows nothing of the wrapper: the
+wrapper validates plan()'s arguments, asks its Planner, and runs the Plan.
 """
 
 from __future__ import annotations
 
-from itertools import accumulate
-from typing import TYPE_CHECKING, Any
+import weakref
+from typing import Any
 
+import numpy as np
 import torch
 
-from .intervals import IntervalForm, row_intervals, usable_form
+from .errors import LaunchError
+from .graph import SLOT_NAMES, GraphBuffers, GraphCapacity
+from .intervals import analyze
+from .plan import Batch, Launch, LaunchLayout, Plan
+from .plan_abi import (
+    DESC_FIELDS,
+    FA3_MAX_WINDOW_LAUNCHES,
+    HEADER_FIELDS,
+    LAUNCH_FIELDS,
+    OPTION_FIELDS,
+    HeaderField,
+    LaunchArray,
+    LaunchField,
+    MaskMode,
+    PlanOption,
+    PrefillPlanInfo,
+    Schedule,
+    Status,
+)
+from .rowplan import call_layout, kept_buffer, row_buffers
+from .spec import VariantSpec
+from .staging import INT_WORKSPACE_BYTES, HostStaging, IntWorkspaces
 
-if TYPE_CHECKING:
-    from .spec import VariantSpec
-    from .staging import HostStaging
-    from .wrapper import VariantWrapper
-
-DENSE, CAUSAL, WINDOW, CUSTOM = 0, 1, 2, 3
-CLASS_MODE = {DENSE: "none", CAUSAL: "causal", WINDOW: "causal", CUSTOM: "custom"}
-CUSTOM_ROWS = 128
-
-
-def row_env(qo_indptr: list[int], kv_lens: list[int], device: torch.device) -> dict[str, torch.Tensor]:
-    """The builtins of every query row of a batch (int64 [total_q] each; rows from qo_indptr[0]),
-    as intervals.row_intervals reads them, plus ``vg_kv_lens`` (the requests' kv lengths)."""
-    dev, i64 = device, torch.int64
-    batch = len(kv_lens)
-    qo_lens = torch.tensor([qo_indptr[i + 1] - qo_indptr[i] for i in range(batch)], dtype=i64, device=dev)
-    kv_len_req = torch.tensor(kv_lens, dtype=i64, device=dev)
-    q_start = torch.tensor(qo_indptr[:-1], dtype=i64, device=dev)
-    request = torch.repeat_interleave(torch.arange(batch, device=dev), qo_lens)
-    rows = torch.arange(qo_indptr[0], qo_indptr[-1], device=dev, dtype=i64)
-    q_idx = rows - q_start[request]
-    kv_len = kv_len_req[request]
-    q_pos = kv_len - qo_lens[request] + q_idx
-    kv_row_base = torch.cumsum(kv_len_req, 0) - kv_len_req
-    return {"q_pos": q_pos, "q_idx": q_idx, "q_row": rows, "q_kv_row": kv_row_base[request] + q_pos,
-            "request": request, "qo_len": qo_lens[request], "kv_len": kv_len, "vg_kv_lens": kv_len_req}
-
-
-def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
-                  args: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """The row pass in torch ops (any device): int64 [7, total_q], per query row (fields in
-    rowplan.REC_FIELDS order) whether it starts a launch request, its request, class, class
-    parameter, interval [lo, hi] (on a custom run's first row: the run's hull) and q_pos.
-    rowplan's generated kernel computes the same."""
-    dev, ps, i64 = device, page_size, torch.int64
-    total_q = qo_indptr[-1]
-    env = row_env(qo_indptr, kv_lens, dev)
-    request, q_idx, q_pos = env["request"], env["q_idx"], env["q_pos"]
-    iv = row_intervals(form, spec, env, args)
-    lo, hi = iv.lo, iv.hi
-
-    # Classify each row.
-    causal_end = iv.exact & (hi == q_pos)
-    aligned = lo % ps == 0
-    prev_lo = torch.cat([lo[:1] - 1, lo[:-1]])
-    next_lo = torch.cat([lo[1:], lo[-1:] - 1])
-    same_req_prev = torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), request[1:] == request[:-1]])
-    same_req_next = torch.cat([request[1:] == request[:-1], torch.zeros(1, dtype=torch.bool, device=dev)])
-    fixed_lo = ((lo == prev_lo) & same_req_prev) | ((lo == next_lo) & same_req_next)
-    # A window class needs the same width on neighbouring rows; otherwise every row would be
-    # its own launch request (e.g. a fixed but unaligned start: those go to custom chunks).
-    width = q_pos - lo
-    fixed_width = (((width == torch.cat([width[:1] - 1, width[:-1]])) & same_req_prev)
-                   | ((width == torch.cat([width[1:], width[-1:] - 1])) & same_req_next))
-    cls = torch.full_like(lo, CUSTOM)
-    cls = torch.where(causal_end & fixed_width, torch.full_like(lo, WINDOW), cls)
-    cls = torch.where(causal_end & aligned & (fixed_lo | (lo == 0)), torch.full_like(lo, CAUSAL), cls)
-    # Dense rows must share [lo, hi] with a neighbour for the same reason (e.g. `kv_pos < q_pos`
-    # moves hi every row: custom chunks, not one launch request per row).
-    prev_hi = torch.cat([hi[:1] - 1, hi[:-1]])
-    next_hi = torch.cat([hi[1:], hi[-1:] - 1])
-    fixed_span = (((lo == prev_lo) & (hi == prev_hi) & same_req_prev)
-                  | ((lo == next_lo) & (hi == next_hi) & same_req_next))
-    cls = torch.where(iv.exact & ~causal_end & aligned & fixed_span, torch.full_like(lo, DENSE), cls)
-    # Parameters that must stay fixed within a launch request.
-    param_a = torch.where(cls == WINDOW, q_pos - lo, lo)
-    param_b = torch.where(cls == DENSE, hi, torch.zeros_like(hi))
-    chunk = torch.where(cls == CUSTOM, q_idx // CUSTOM_ROWS, torch.zeros_like(q_idx))
-    param_a = torch.where(cls == CUSTOM, chunk, param_a)
-    key = torch.stack([request, cls, param_a, param_b], 1)
-    starts = torch.ones(total_q, dtype=i64, device=dev)
-    starts[1:] = (key[1:] != key[:-1]).any(1)
-    # A custom launch request reads the hull of its rows: put it on the run's first row.
-    seg_id = torch.cumsum(starts, 0) - 1
-    nseg = int(seg_id[-1]) + 1 if total_q else 0
-    seg_lo = torch.full((nseg,), 1 << 40, dtype=i64, device=dev).scatter_reduce(0, seg_id, lo, "amin")
-    seg_hi = torch.full((nseg,), -1, dtype=i64, device=dev).scatter_reduce(0, seg_id, hi, "amax")
-    custom_start = (starts == 1) & (cls == CUSTOM)
-    lo = torch.where(custom_start, seg_lo[seg_id], lo)
-    hi = torch.where(custom_start, seg_hi[seg_id], hi)
-    return torch.stack([starts, request, cls, param_a, lo, hi, q_pos])
+H, L = HEADER_FIELDS, LAUNCH_FIELDS
+# The table as plain values for plan()'s hot path (an enum lookup or call costs host time each plan).
+_COUNTS = tuple((f.name.lower(), int(f)) for f in HeaderField if f >= HeaderField.DENSE)
+_ARRAYS = tuple((a.ints(1) - a.ints(0), a.ints(0)) for a in LaunchArray)  # entries = k n + c, in order
+_MODES, _SCHEDULES = tuple(MaskMode), tuple(Schedule)
 
 
-def _segments(rec: torch.Tensor, total_q: int) -> torch.Tensor:
-    """The launch requests of the row pass, on the host: int64 [n, 9], per run of rows with one
-    key [first row, end row, request, class, param_a, lo, hi, first q_pos, last q_pos] (lo/hi:
-    the first row's interval, the hull for custom runs). The planner's one device-to-host sync."""
-    seg_start = rec[0].nonzero().squeeze(1)
-    seg_end = torch.cat([seg_start[1:], seg_start.new_full((1,), total_q)])
-    table = torch.cat([seg_start[None], seg_end[None], rec[1:, seg_start], rec[6:, seg_end - 1]])
-    return table.t().contiguous().cpu()
+def fa3_cta_tile_q(head_dim_vo: int) -> int:
+    """Query rows per tile of FlashInfer's sm90 prefill kernel (its dispatch by head dim)."""
+    return 192 if head_dim_vo == 64 else 128
 
 
-def row_segments(w: VariantWrapper, qo_h: list[int], kv_lens: list[int], args: dict[str, Any]) -> torch.Tensor:
-    """The row pass over a batch, compacted on the host (_segments' table): by the spec's
-    generated row kernel where the wrapper has one, else by the torch rules."""
-    spec, b, dev = w.spec, w._batch, w.device
-    assert b is not None
-    form = usable_form(spec, args)
-    kernel = w.row_planner
-    if kernel is None:
-        w.plan_stats["row_planner"] = "torch" + (f" ({w.row_planner_reason})" if w.row_planner_reason else "")
-        return _segments(classify_rows(spec, form, qo_h, kv_lens, b.page_size, args, dev), b.total_q)
-    from .rowplan import plan_rows, read_segments
-
-    rows = plan_rows(kernel, spec, form, args, qo_h, kv_lens, b.page_size, dev, w._staging,
-                     segment_capacity=w.segment_capacity, buffers=w.row_buffers)
-    host = read_segments(kernel, rows, expect=w.segment_read)
-    # room for twice this batch's launch requests next time (one pass, not two), and a first
-    # read-back of that many (not the whole buffer)
-    w.segment_capacity = max(w.segment_capacity, 1 << (2 * len(host)).bit_length())
-    w.segment_read = max(64, 2 * len(host))
-    w.plan_stats["row_planner"] = "kernel"
-    return host
+def _metadata_sizes(n: int) -> list[int]:
+    """Entries of a launch's metadata arrays (LaunchArray order) for n launch requests."""
+    return [k * n + c for k, c in _ARRAYS]
 
 
-def plan_launches(w: VariantWrapper, qo_h: list[int], kvp_h: list[int], kv_lens: list[int],
-                  args: dict[str, Any]) -> list[dict]:
-    """The interval plan of a batch as launches (host lists; pages as ranges of the caller's
-    page list). ``qo_h``/``kvp_h``: host copies of qo_indptr and paged_kv_indptr."""
-    return launches_from_segments(w, row_segments(w, qo_h, kv_lens, args).tolist(), kvp_h, kv_lens)
+class Planner:
+    """Plans the batches of one paged-prefill wrapper. ``module``: the wrapper's kernel module
+    (its ``plan_direct``; fa2: FlashInfer's ``plan`` too); ``graph``: CUDA-graph mode's
+    capacity. It owns what plans need from one to the next: the row pass's buffers, how many
+    launch requests to read back, the workspace the launches live in and its page-locked
+    mirror, FlashInfer's int workspaces, and the staging of its host-to-device copies."""
 
+    def __init__(self, module: Any, spec: VariantSpec, *, backend: str, head_dim_qk: int, head_dim_vo: int,
+                 kv_dtype_bytes: int, device: torch.device, float_workspace: torch.Tensor,
+                 graph: GraphCapacity | None = None):
+        self.module = module
+        self.spec = spec
+        self.form = analyze(spec)
+        self.fa3 = backend == "fa3"
+        self.backend = backend
+        self.device = device
+        self.float_workspace = float_workspace
+        self.staging = HostStaging(device)
+        self.graph = GraphBuffers(graph, device) if graph is not None else None
+        # The spec's planner module (rowplan.py); None: plans run planner-off, ``row_planner_reason`` says why.
+        self.row_planner: Any = None
+        self.row_planner_reason = ""
+        self.segment_capacity = 1024  # launch requests the row pass's read-back has room for
+        self.segment_read = 64  # launch requests plan_batch copies back at first (more: a second copy)
+        self.row_buffers: dict[str, torch.Tensor] = {}  # the row pass's buffers, kept across plans
+        self.workspace_bytes = INT_WORKSPACE_BYTES  # the launches' workspace, grown when the builder asks
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._flashinfer = IntWorkspaces(device)
+        self._float_chunk_cache: dict[int, list[torch.Tensor]] = {}
+        self.desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)
+        self.options = torch.zeros(OPTION_FIELDS, dtype=torch.int64)
+        self._opt = self.options.numpy()  # written in place: no torch op per field
+        o = self._opt
+        o[PlanOption.FA3] = int(self.fa3)
+        o[PlanOption.NUM_SM] = (torch.cuda.get_device_properties(device).multi_processor_count
+                                if device.type == "cuda" else 1)
+        o[PlanOption.FA3_CTA_TILE_Q] = fa3_cta_tile_q(head_dim_vo)
+        o[PlanOption.HEAD_DIM_QK] = head_dim_qk
+        o[PlanOption.HEAD_DIM_VO] = head_dim_vo
+        o[PlanOption.KV_DTYPE_BYTES] = kv_dtype_bytes
+        o[PlanOption.MAX_WINDOW_LAUNCHES] = FA3_MAX_WINDOW_LAUNCHES
+        o[PlanOption.WINDOW_COUNT] = -1
+        if self.graph is not None:
+            cap = self.graph.capacity
+            o[PlanOption.GRAPH_REQUESTS] = cap.launch_requests
+            o[PlanOption.GRAPH_PAGES] = cap.launch_pages
+            o[PlanOption.GRAPH_ROWS] = cap.max_total_q
+            if self.graph.windows is not None:
+                self._pin_windows(self.graph.windows)
+        self._last: weakref.ref[Plan] | None = None
 
-def launches_from_segments(w: VariantWrapper, host: list[list[int]], kvp_h: list[int], kv_lens: list[int],
-                           ) -> list[dict]:
-    """The launches of row_segments' table (as lists): launch requests grouped by mask mode.
-    The planner module does the same in C++ (plan_batch, native_plan.py)."""
-    b = w._batch
-    assert b is not None
-    ps = b.page_size
-    kv_row_base_h = list(accumulate(kv_lens, initial=0))
-    by_mode: dict[str, dict[str, list]] = {}
-    stats = {"dense": 0, "causal": 0, "window": 0, "custom": 0, "custom_rows": 0}
-    for r0, r1, req, c, pa, slo, shi, q_first, q_last in host:
-        if c == DENSE:
-            page0, kv_end, window = slo // ps, shi + 1, -1
-        elif c == CAUSAL:
-            page0, kv_end, window = pa // ps, q_last + 1, -1
-        elif c == WINDOW:
-            page0, kv_end, window = max(q_first - pa, 0) // ps, q_last + 1, pa
-        else:
-            page0, kv_end, window = slo // ps, shi + 1, -1
-            stats["custom_rows"] += r1 - r0
-        stats[["dense", "causal", "window", "custom"][c]] += 1
-        kv_pos_base = page0 * ps
-        n_pages = -(-(kv_end - kv_pos_base) // ps)
-        launch_kv_len = kv_end - kv_pos_base
-        mode = CLASS_MODE[c]
-        d = by_mode.setdefault(mode, {"q_starts": [], "plan_qo": [0], "kv_indptr": [0], "page_ranges": [],
-                                      "last_page_len": [], "meta": []})
-        d["q_starts"].append(r0)
-        d["plan_qo"].append(d["plan_qo"][-1] + (r1 - r0))
-        d["kv_indptr"].append(d["kv_indptr"][-1] + n_pages)
-        d["page_ranges"].append((kvp_h[req] + page0, n_pages))
-        d["last_page_len"].append(launch_kv_len - (n_pages - 1) * ps)
-        d["meta"].append([r0, q_first, kv_pos_base, req, kv_row_base_h[req], b.qo_lens[req], kv_lens[req],
-                          window, r1 - r0])
-    w.plan_stats["segments"] = stats
-    launches = []
-    for mode in ("custom", "causal", "none"):
-        if mode not in by_mode:
-            continue
-        d = by_mode[mode]
-        d["q_starts"].append(b.total_q)
-        # page_ranges: (first, count) in the caller's page list per launch request; the wrapper
-        # gathers every launch's pages in one go.
-        launches.append(dict(mask_mode=mode, q_starts=d["q_starts"], plan_qo=d["plan_qo"],
-                             kv_indptr=d["kv_indptr"], page_ranges=d["page_ranges"],
-                             last_page_len=d["last_page_len"], meta=d["meta"],
-                             packed=d["q_starts"] == d["plan_qo"]))
-    return launches
+    @property
+    def num_sms(self) -> int:
+        """SMs the fa3 work lists are balanced over (and fa2's split-KV bar counts)."""
+        return int(self._opt[PlanOption.NUM_SM])
 
+    @num_sms.setter
+    def num_sms(self, value: int) -> None:
+        self._opt[PlanOption.NUM_SM] = value
 
-def page_gather_table(ranges: list[tuple[int, int]]) -> tuple[list[int], int]:
-    """For gather_pages: per non-empty (first, count) range its first entry in the output,
-    then per range its shift into kv_indices ([starts..., shifts...]); and the total entries."""
-    starts, shifts, total = [], [], 0
-    for first, count in ranges:
-        if count:
-            starts.append(total)
-            shifts.append(first - total)
-            total += count
-    return starts + shifts, total
+    @property
+    def max_window_launches(self) -> int:
+        """fa3: window widths given their own launch (the others run custom)."""
+        return int(self._opt[PlanOption.MAX_WINDOW_LAUNCHES])
 
+    @max_window_launches.setter
+    def max_window_launches(self, value: int) -> None:
+        self._opt[PlanOption.MAX_WINDOW_LAUNCHES] = value
 
-def gather_pages(kv_indices: torch.Tensor, table: torch.Tensor, total: int, device: torch.device,
-                 kernel: Any = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """int32 page list on ``device``: the ranges of ``table`` (page_gather_table's, int32
-    [2, ranges] on the device) back to back - with the planner module's gather kernel
-    (``kernel``), or a search + index in torch ops (no repeat_interleave, which syncs here).
-    ``out``: int32 [total] on ``device`` to write it to (default: a new tensor)."""
-    if out is None:
-        out = torch.empty(total, dtype=torch.int32, device=device)
-    if total == 0:
-        return out
-    if kernel is not None and device.type == "cuda":
-        kernel.gather_pages(kv_indices.to(device).contiguous(), table, out)
-        return out
-    # output entry k lies in range i = the last range starting at or before k
-    table = table.to(torch.int64)
-    k = torch.arange(total, device=device)
-    i = torch.searchsorted(table[0], k, right=True) - 1
-    return out.copy_(kv_indices.to(device)[k + table[1][i]])
+    def set_row_planner(self, module: Any, reason: str = "") -> None:
+        """The spec's planner module (None: planner-off plans, ``reason`` says why)."""
+        self.row_planner, self.row_planner_reason = module, reason
 
+    def no_module_reason(self) -> str:
+        why = self.row_planner_reason or (
+            "a CPU wrapper" if self.device.type != "cuda" else "make_wrapper set none")
+        return f"no planner module ({why}): one custom launch per request"
 
-def gather_page_ranges(kv_indices: torch.Tensor, ranges: list[tuple[int, int]], staging: HostStaging,
-                       kernel: Any = None) -> torch.Tensor:
-    """int32 page list on the staging device: for each (first, count) of ``ranges``,
-    kv_indices[first : first + count], back to back; the table goes over in one staged copy
-    (no sync)."""
-    flat, total = page_gather_table(ranges)
-    table = staging.to_device(flat, torch.int32).view(2, -1) if total else None
-    return gather_pages(kv_indices, table, total, staging.device, kernel)
+    def fa2_min_tiles(self, num_kv_heads: int, disable_split_kv: bool) -> int:
+        """Query tiles from which an fa2 launch gets the builder's work list (no split-KV)
+        rather than FlashInfer's scheduler. FlashInfer splits KV only when the tiles cannot fill
+        its grid (2 CTAs per SM over the KV heads); with at least that many it would not split,
+        and the builder's work list is its. 0: always (split-KV off, or CUDA-graph mode)."""
+        if disable_split_kv or self.graph is not None:
+            return 0
+        return 2 * self.num_sms // num_kv_heads
 
+    # ------------------------------------------------------------------ plan
+    def plan(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor, args: dict[str, Any] | None, *,
+             disable_split_kv: bool = False, reason: str = "", pages_given: int = 0) -> Plan:
+        """The Plan of a checked batch. ``indices``: plan()'s qo_indptr, paged_kv_indptr and
+        last_page_len back to back on the host (int32); ``kv_indices``: its page list (at least
+        paged_kv_indptr[-1] entries, any device); ``args``: the checked spec arguments the
+        interval planner reads (None: planner off, ``reason`` says why); ``pages_given``:
+        paged_kv_indptr[-1] (for the Plan's summary)."""
+        previous = self._last() if self._last is not None else None
+        if previous is not None:  # still referenced: it keeps a copy of what the next lines rewrite
+            previous.keep()
+        self.staging.begin()
+        if self.graph is not None:
+            self.graph.check_shape(batch.num_qo_heads, batch.num_kv_heads, batch.page_size)
+        if args is not None and self.row_planner is None:
+            args, reason = None, self.no_module_reason()
+        planned = args is not None
+        if batch.total_q == 0 and self.graph is None:  # nothing to compute; run() returns empty outputs
+            plan = Plan(batch, [], backend=self.backend, planner="module" if planned else "off", reason=reason,
+                        counts={}, pages_given=pages_given)
+            self._last = weakref.ref(plan)
+            return plan
+        o = self._opt
+        o[PlanOption.PAGE_SIZE] = batch.page_size
+        o[PlanOption.NUM_QO_HEADS] = batch.num_qo_heads
+        o[PlanOption.NUM_KV_HEADS] = batch.num_kv_heads
+        o[PlanOption.FA2_MIN_TILES] = self.fa2_min_tiles(batch.num_kv_heads, disable_split_kv)
+        row_pass = planned and batch.total_q > 0  # (an empty graph-mode batch: plan_direct lays out its slots)
+        o[PlanOption.DIRECT] = int(not row_pass)
+        kv_indices = kv_indices.to(self.device).contiguous()
+        values = self._build(batch, indices, kv_indices, args if row_pass else None)
+        device_ws, host_ws = self._workspace_pair()
+        launches, layouts = self._launches(values, device_ws, host_ws, batch, disable_split_kv)
+        self.staging.record()  # the copies out of page-locked memory run before the next plan rewrites it
+        counts = {name: values[i] for name, i in _COUNTS} if planned else {}
+        plan = Plan(batch, launches, backend=self.backend, planner="module" if planned else "off", reason=reason,
+                    counts=counts, host=host_ws, layouts=tuple(layouts),
+                    pages_given=pages_given, graph=self.graph is not None)
+        self._last = weakref.ref(plan)
+        return plan
 
-# ----------------------------------------------------------------------------- fa3
-FA3_MAX_WINDOW_LAUNCHES = 4  # distinct window widths given their own launch; more go custom
+    def _build(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor,
+               args: dict[str, Any] | None) -> list[int]:
+        """One builder call (planned: plan_batch, else plan_direct), again while it asks for room:
+        the descriptor's values."""
+        if args is not None:
+            tensor_names, scalar_names, defaults, sorted_count = call_layout(self.spec, self.form)
+            spec_values = [args[n] for n in tensor_names] + [args.get(n, defaults[n]) for n in scalar_names]
+        for _ in range(4):  # a too-small buffer is answered with the size it needs: one retry each
+            device_ws, host_ws = self._workspace_pair()
+            if args is not None:
+                self._opt[PlanOption.READ_EXPECT] = self.segment_read
+                bufs = row_buffers(self.row_buffers, batch.batch_size, batch.total_q, sorted_count,
+                                   self.segment_capacity, self.device)
+                seg_host = kept_buffer(self.row_buffers, "seg_host", bufs.seg.numel(), torch.int64,
+                                       torch.device("cpu"), self.device)
+                self.row_planner.plan_batch(indices, self.options, bufs.starts_page_locked, bufs.starts, bufs.rec,
+                                            bufs.counts, bufs.seg, seg_host, bufs.scratch, kv_indices, device_ws,
+                                            host_ws, self.desc, *spec_values)
+            else:
+                self.module.plan_direct(indices, self.options, kv_indices, device_ws, host_ws, self.desc)
+            self.staging.queued()  # the starts and the workspace go over from kept page-locked buffers
+            values = self.desc.tolist()
+            status = values[HeaderField.STATUS]
+            if args is not None:
+                # room for twice this batch's launch requests next time, and a first read-back of that many
+                count = values[HeaderField.SEGMENTS]
+                self.segment_capacity = max(self.segment_capacity, 1 << (2 * count).bit_length())
+                self.segment_read = max(64, 2 * count)
+            if status == Status.OK:
+                return values
+            if status == Status.WORKSPACE:
+                self._grow(values[HeaderField.NEED])
+            elif status in (Status.SLOT_REQUESTS, Status.SLOT_PAGES):
+                raise self._capacity_error(status, values[HeaderField.AT], values[HeaderField.NEED])
+            elif status != Status.SEGMENTS:
+                raise LaunchError(f"internal: the launch builder answered status {status}")
+        raise LaunchError("internal: the launch builder still asks for room after the buffers grew")
 
+    def _capacity_error(self, status: int, slot: int, need: int) -> LaunchError:
+        assert self.graph is not None
+        cap, widths = self.graph.capacity, self.graph.windows
+        if slot < len(SLOT_NAMES):
+            name = SLOT_NAMES[slot]
+        else:  # a window slot (its width, once pinned)
+            name = f"window {widths[slot - 3]}" if widths else f"window slot {slot - len(SLOT_NAMES)}"
+        if status == Status.SLOT_REQUESTS:
+            return LaunchError(f"plan(): the {name!r} launch needs {need} launch requests; the wrapper's CUDA-graph "
+                               f"capacity max_launch_requests={cap.launch_requests} - make the wrapper with a larger "
+                               "one")
+        return LaunchError(f"plan(): the {name!r} launch reads {need} page-list entries; the wrapper's CUDA-graph "
+                           f"capacity max_launch_pages={cap.launch_pages} - make the wrapper with a larger one")
 
-def regroup_for_fa3(launches: list[dict]) -> list[dict]:
-    """Reshape launches for the fa3 kernel, which takes its left window per launch (not per
-    launch request): window rows get a causal launch per width (up to
-    FA3_MAX_WINDOW_LAUNCHES widths; rows of other widths go to a custom launch)."""
-    out: list[dict] = []
-    for launch in launches:
-        if launch["mask_mode"] != "causal":
-            out.append(dict(launch, window_left=-1))
-            continue
-        widths = sorted({row[7] for row in launch["meta"]} - {-1})
-        kept = set(widths[:FA3_MAX_WINDOW_LAUNCHES])
-        groups: dict[tuple[str, int], list[int]] = {}
-        for i, row in enumerate(launch["meta"]):
-            w = row[7]
-            key = ("causal", w) if w == -1 or w in kept else ("custom", -1)
-            groups.setdefault(key, []).append(i)
-        for (mode, window), idx in groups.items():
-            out.append(dict(_select(launch, idx), mask_mode=mode, window_left=window))
-    return out
+    def _workspace_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device workspace, page-locked mirror of the same size) the launches are laid out in."""
+        if self.graph is not None:
+            if self.graph.workspace is None:  # the first plan asks the builder for the layout's size
+                return (torch.empty(16, dtype=torch.uint8, device=self.device), torch.empty(16, dtype=torch.uint8))
+            return self.graph.workspace
+        if self._workspace is None:
+            self._grow(self.workspace_bytes)
+        assert self._workspace is not None
+        return self._workspace
 
+    def _grow(self, nbytes: int) -> None:
+        """A workspace of at least ``nbytes`` (staging.begin() waited for the copies out of the old
+        mirror; the old device buffer is freed in stream order)."""
+        if self.graph is not None:
+            self.graph.allocate(nbytes)
+            return
+        size = max(nbytes, self.workspace_bytes)
+        self._workspace = (torch.empty(size, dtype=torch.uint8, device=self.device),
+                           torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda"))
 
-def _select(launch: dict, idx: list[int]) -> dict:
-    """The launch restricted to launch requests ``idx`` (in order), re-packed."""
-    q_starts, plan_qo, kv_indptr = launch["q_starts"], launch["plan_qo"], launch["kv_indptr"]
-    new_qo = list(accumulate((plan_qo[i + 1] - plan_qo[i] for i in idx), initial=0))
-    new_kv = list(accumulate((kv_indptr[i + 1] - kv_indptr[i] for i in idx), initial=0))
-    if "page_ranges" in launch:
-        pages = {"page_ranges": [launch["page_ranges"][i] for i in idx]}
-    else:  # the caller's page list (planner off): its ranges, by kv_indptr
-        pages = {"page_ranges": [(kv_indptr[i], kv_indptr[i + 1] - kv_indptr[i]) for i in idx]}
-    launch = {k: v for k, v in launch.items() if k != "kv_indices"}
-    return dict(launch, **pages, q_starts=[q_starts[i] for i in idx] + [q_starts[-1]], plan_qo=new_qo,
-                kv_indptr=new_kv, last_page_len=[launch["last_page_len"][i] for i in idx],
-                meta=[launch["meta"][i] for i in idx], packed=False)
+    def _pin_windows(self, widths: tuple[int, ...]) -> None:
+        o = self._opt
+        o[PlanOption.WINDOW_COUNT] = len(widths)
+        o[PlanOption.WINDOWS:PlanOption.WINDOWS + len(widths)] = np.asarray(widths, dtype=np.int64)
+
+    def _float_chunks(self, n_launches: int) -> list[torch.Tensor]:
+        """The float workspace cut into ``n_launches`` equal slices (split-KV scratch: one per
+        launch); kept per count (views cost host time every plan)."""
+        chunks = self._float_chunk_cache.get(n_launches)
+        if chunks is None:
+            ws = self.float_workspace
+            chunk = ws.numel() // max(n_launches, 1)
+            chunks = self._float_chunk_cache[n_launches] = [ws[i * chunk:(i + 1) * chunk] for i in range(n_launches)]
+        return chunks
+
+    # ------------------------------------------------------------------ the descriptor, as launches
+    def _launches(self, values: list[int], device_ws: torch.Tensor, host_ws: torch.Tensor, batch: Batch,
+                  disable_split_kv: bool) -> tuple[list[Launch], list[LaunchLayout]]:
+        """The Launch views of a written plan. Every view comes from one split of the workspace
+        (a view op costs microseconds of host time)."""
+        n_launches = values[HeaderField.LAUNCHES]
+        pages_off = values[HeaderField.PAGES_OFFSET] // 4
+        rows = [values[H + i * L:H + (i + 1) * L] for i in range(n_launches)]
+        ints = device_ws.view(torch.int32)
+        # [gap, q_starts, kv_indptr, last_page_len, meta, plan_qo] per launch, a gap, then [gap, pages] per launch
+        sizes, at = [], 0
+        for d in rows:
+            n, offset = d[LaunchField.SLOT], d[LaunchField.OFFSET] // 4
+            sizes.append(offset - at)
+            sizes += _metadata_sizes(n)
+            at = offset + sum(sizes[-len(_ARRAYS):])
+        sizes.append(pages_off - at)
+        at = 0
+        for d in rows:
+            sizes += [d[LaunchField.PAGE_AT] - at, d[LaunchField.SLOT_PAGES]]
+            at = d[LaunchField.PAGE_AT] + d[LaunchField.SLOT_PAGES]
+        sizes.append(ints.numel() - pages_off - at)
+        if min(sizes) < 0:
+            raise LaunchError(f"internal: the launch builder's layout overlaps ({sizes})")
+        views = ints.split_with_sizes(sizes)
+        chunks = self._float_chunks(n_launches)
+        graph, stride = self.graph, 1 + len(_ARRAYS)
+        if graph is not None and self.fa3 and graph.windows is None:
+            widths = tuple(d[LaunchField.WINDOW_LEFT] for d in rows[3:])
+            graph.pin_windows(widths)
+            self._pin_windows(widths)
+        launches, layouts = [], []
+        for i, d in enumerate(rows):
+            n, info_len = d[LaunchField.SLOT], d[LaunchField.INFO_LEN]
+            q_starts, kv_indptr, last_page_len, meta, _ = views[stride * i + 1:stride * (i + 1)]
+            schedule = _SCHEDULES[d[LaunchField.SCHEDULE]]
+            int_ws = device_ws
+            if schedule == Schedule.FLASHINFER:  # fa2 where KV may be split: FlashInfer's scheduler
+                int_ws, plan_info = self._flashinfer_plan(i, host_ws, d, batch, chunks[i], q_starts, disable_split_kv)
+            else:
+                plan_info = d[LaunchField.INFO:LaunchField.INFO + info_len]
+            mode = _MODES[d[LaunchField.MODE]]
+            if graph is not None:
+                graph.check_plan_info(i, [int(mode), d[LaunchField.WINDOW_LEFT], *plan_info])
+            launches.append(Launch(
+                mode=mode, window_left=d[LaunchField.WINDOW_LEFT], num_requests=d[LaunchField.REQUESTS],
+                num_rows=d[LaunchField.ROWS], q_starts=q_starts, kv_indptr=kv_indptr,
+                kv_indices=views[stride * n_launches + 2 + 2 * i], last_page_len=last_page_len,
+                meta=meta.view(n, -1), plan_info=plan_info, int_workspace=int_ws, float_workspace=chunks[i],
+                schedule=schedule))
+            layouts.append(LaunchLayout(d[LaunchField.OFFSET], n, d[LaunchField.REQUESTS]))
+        return launches, layouts
+
+    def _flashinfer_plan(self, i: int, host_ws: torch.Tensor, d: list[int], batch: Batch, float_ws: torch.Tensor,
+                         q_starts: torch.Tensor, disable_split_kv: bool) -> tuple[torch.Tensor, Any]:
+        """FlashInfer's fa2 scheduler for launch ``i`` (its host plan_qo / kv_indptr, in the
+        mirror) in the i-th int workspace: (that workspace, plan_info)."""
+        n, at = d[LaunchField.REQUESTS], d[LaunchField.OFFSET] // 4
+        sizes = _metadata_sizes(n)
+        host_ints = host_ws.view(torch.int32)
+        kv_at = at + sizes[LaunchArray.Q_STARTS]
+        qo_at = at + sum(sizes[:LaunchArray.PLAN_QO])
+        packed = bool(d[LaunchField.PACKED])
+        int_ws, pinned = self._flashinfer.get(i)
+        plan_info = self.module.plan(
+            float_ws, int_ws, pinned, host_ints[qo_at:qo_at + n + 1], host_ints[kv_at:kv_at + n + 1],
+            d[LaunchField.ROWS], n, batch.num_qo_heads, batch.num_kv_heads, batch.page_size, False, -1, -1,
+            bool(disable_split_kv or not packed))
+        if not packed:
+            # Launch requests are not back to back in q/o: the kernel takes each one's first
+            # row from q_indptr (our q_starts) but writes o (and lse) at the plan's o_indptr,
+            # which the scheduler packed. Point o_indptr at the same rows (split-KV is off for
+            # such launches, so o_indptr has exactly one entry per launch request).
+            info = list(plan_info)
+            if info[PrefillPlanInfo.SPLIT_KV]:
+                raise LaunchError("internal: a launch whose rows are not back to back must not split KV")
+            offset = int(info[PrefillPlanInfo.O_INDPTR_OFFSET])
+            int_ws[offset:offset + 4 * (n + 1)].view(torch.int32).copy_(q_starts)
+        return int_ws, plan_info
+

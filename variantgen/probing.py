@@ -8,7 +8,7 @@ waits long: every failure, expected or not, becomes ``reason``, and a build anot
 holds the lock for is reported after PROBE_LOCK_WAIT_S seconds ("being built by pid N ..."),
 not waited for. A reason never asks a serving box to do something that starts a compile there.
 
-Which backend answers is capabilities.resolve's choice, made for this machine with the same
+Which backend answers is resolver.resolve's choice, made for this machine with the same
 inputs make_wrapper gives it (factory.module_site): probe says yes exactly when make_wrapper
 with the same settings succeeds without building.
 
@@ -60,11 +60,12 @@ from typing import Any, NamedTuple
 from . import build as _build
 from . import capabilities, env, render
 from .cache import Cache, LockTimeout
-from .capabilities import BACKENDS, ArgNames, Request, Resolution, Site, canonical_arch, resolve
+from .capabilities import BACKENDS, ArgNames, Request, Site, canonical_arch
 from .errors import BuildError, CacheError, JitDisabledError, SpecError, ToolchainError
 from .factory import device_arch, module_site, target_arch
 from .library import resolve_spec
 from .render import ModuleConfig
+from .resolver import Resolution, resolve
 from .spec import VariantSpec
 
 log = logging.getLogger("variantgen.probe")
@@ -182,7 +183,7 @@ def probe(
 
     ``kind`` is the kernel ("prefill", "ragged", "decode"; tensor-core decode runs the
     prefill module); ``backend`` "fa2", "fa3", "flex", or None for the one make_wrapper(backend=None)
-    picks here (capabilities.resolve: fa3 where an fa3 module runs; on a server that cannot
+    picks here (resolver.resolve: fa3 where an fa3 module runs; on a server that cannot
     build, fa2 where only its module is precompiled and the flex route where neither is, with
     ``details["note"]`` saying so); ``details["backend"]`` says which and
     ``details["not_chosen"]`` why each other backend was not. See :func:`probe_backends` for
@@ -193,7 +194,7 @@ def probe(
     against it. ``build=False`` only looks in the cache. ``cache_dir`` defaults to
     VARIANTGEN_CACHE_DIR. ``cuda_graph=True``: for a wrapper made with
     ``graph=GraphCapacity(...)`` (the backends and kinds whose table entry has a CUDA-graph mode:
-    fa2 paged prefill and decode): other kinds and backends are demoted with the reason;
+    fa2 paged prefill and decode, fa3 paged prefill): other kinds and backends are demoted with the reason;
     backend=None picks one that has it, as make_wrapper does.
 
     ``runtime=False``: whether the cache holds the module a server with JIT disabled would load
@@ -452,9 +453,10 @@ def _missing_reason(why: str, uri: str, cache: Cache, config: ModuleConfig, dama
 
 
 def _row_planner_status(config: ModuleConfig, cache: Cache, build: bool) -> str:
-    """How plan() will classify rows: the spec's generated row kernel (cached, or built by
-    make_wrapper in ~10 s), or the torch rules and why (a slower plan(), the same results: no
-    reason to demote). Only looks in the cache."""
+    """How plan() will plan: with the spec's planner module (cached, or built by make_wrapper in
+    ~10 s), or planner-off and why - one custom launch per request, the mask on every element
+    (slower kernels, the same results: no reason to demote; the wrapper's Plan says the same).
+    Only looks in the cache."""
     from .intervals import analyze
     from .rowplan import PlannerConfig
 
@@ -472,10 +474,13 @@ def _row_planner_status(config: ModuleConfig, cache: Cache, build: bool) -> str:
             return f"built by make_wrapper on first use: {uri}"
         if s.jit_disabled and _same_inputs_cached(cache, rendered):
             return f"cached (another toolchain's build): {planner.uri_prefix}"
-        return (f"torch rules (slower plan()): {planner.uri_prefix} is not precompiled in {cache.root}; "
+        return (f"{PLANNER_OFF}: {planner.uri_prefix} is not precompiled in {cache.root}; "
                 "`variantgen precompile` on a build box builds it with the prefill modules")
-    except Exception as e:  # noqa: BLE001 - informational: plan() falls back to the torch rules
-        return f"torch rules (slower plan()): {type(e).__name__}: {e}"
+    except Exception as e:  # noqa: BLE001 - informational: plan() runs planner-off then
+        return f"{PLANNER_OFF}: {type(e).__name__}: {e}"
+
+
+PLANNER_OFF = "planner off (one custom launch per request: the mask on every element, slower kernels)"
 
 
 def _has_toolchain() -> bool:

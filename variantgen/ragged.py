@@ -29,7 +29,10 @@ import torch
 
 from .errors import LaunchError
 from .expr import Const
-from .wrapper import LAYOUT_CODES, MASK_MODES, META_COLUMNS, TORCH_DTYPES, Batch, WrapperBase, host_lists
+from .plan import Batch
+from .plan_abi import META_COLUMNS, meta_rows
+from .render import MASK_MODES
+from .wrapper import LAYOUT_CODES, TORCH_DTYPES, WrapperBase, host_lists
 
 
 def launch_mask_mode(spec: Any, compiled: tuple[str, ...]) -> str:
@@ -106,8 +109,9 @@ class RaggedWrapper(WrapperBase):
         if mode not in self.config.mask_modes:
             raise LaunchError(f"the module was compiled with mask modes {list(self.config.mask_modes)}; "
                               f"a ragged launch needs '{mode}'")
-        meta = [[qo_h[b], kv_lens[b] - qo_lens[b], 0, b, kv_h[b], qo_lens[b], kv_lens[b], -1, qo_lens[b]]
-                for b in range(batch)]
+        meta = meta_rows(q_row_base=qo_h[:-1], q_pos_base=[k - q for k, q in zip(kv_lens, qo_lens)],
+                         kv_pos_base=[0] * batch, request=list(range(batch)), kv_row_base=kv_h[:-1], req_qo_len=qo_lens,
+                         req_kv_len=kv_lens, kernel_window=[-1] * batch, launch_qo_len=qo_lens)
         int_ws, pinned = self._workspace(0)
         plan_info = self.module.plan(
             self._float_workspace, int_ws, pinned, torch.tensor(qo_h, dtype=torch.int32),
@@ -115,7 +119,7 @@ class RaggedWrapper(WrapperBase):
             1, False, -1, -1, bool(disable_split_kv))
         # qo_indptr, kv_indptr and vg_meta in one staged copy (no sync)
         self._staging.begin()
-        staged = self._staging.to_device(qo_h + kv_h + [x for row in meta for x in row], torch.int32)
+        staged = self._staging.to_device(qo_h + kv_h + meta, torch.int32)
         self._staging.record()
         self._launch = RaggedLaunch(
             mask_mode=mode,

@@ -1,7 +1,7 @@
 """A dense float32 torch reference derived from the same expression trees as the kernel.
 
-Every GPU test compares against this. It evaluates the mask (and logits transform) for
-each request over a [heads, qo_len, kv_len] grid with evaluate.Evaluator, whose semantics
+Every GPU test compares against this. It evaluates the mask (the logits transform, the sink
+logit of each head) for each request over a [heads, qo_len, kv_len] grid with evaluate.Evaluator, whose semantics
 are the ones codegen.py promises the kernels have.
 
 It runs on whatever device the inputs are on (CPU in CI, the GPU in GPU tests).
@@ -62,6 +62,15 @@ def mask_for_request(spec: VariantSpec, grid: RequestGrid, args: Mapping[str, An
     return m.expand(grid.num_qo_heads, grid.qo_len, grid.kv_len)
 
 
+def sink_for_request(spec: VariantSpec, grid: RequestGrid, args: Mapping[str, Any]) -> torch.Tensor | None:
+    """The spec's sink logit of each query head of one request, float32 [num_qo_heads, 1]
+    (broadcast over the request's rows); None for a spec without a sink."""
+    if spec.sink is None:
+        return None
+    value = Evaluator(spec, grid_env(grid), args).as_float(spec.sink)
+    return value.expand(grid.num_qo_heads, 1, 1).reshape(grid.num_qo_heads, 1)
+
+
 def transform_logits(spec: VariantSpec, grid: RequestGrid, args: Mapping[str, Any],
                      scores: torch.Tensor) -> torch.Tensor:
     if spec.logits is None:
@@ -87,11 +96,19 @@ def kv_lengths(paged_kv_indptr: torch.Tensor, last_page_len: torch.Tensor, page_
     return [0 if n == 0 else (n - 1) * page_size + lp for n, lp in zip(pages, last)]
 
 
-def softmax_attention(scores: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def softmax_attention(scores: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None = None,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over the keys of ``scores`` [heads, q, kv] (-inf where masked) applied to ``v``
-    [kv, heads, d]: (out [q, heads, d], lse [q, heads]). A row with no visible key (or no keys)
-    gives 0 and lse -inf, as the kernels do; the LSE is base 2, FlashInfer's convention."""
+    [kv, heads, d]: (out [q, heads, d], lse [q, heads]). ``sink`` (broadcastable to [heads, q]):
+    one more logit per row that joins the denominator and has no value. A row with no visible
+    key (or no keys) gives 0 and lse -inf (with a sink: lse = the sink), as the kernels do; the
+    LSE is base 2, FlashInfer's convention, and includes the sink."""
     heads, rows, _ = scores.shape
+    if sink is not None:
+        # the sink as a key whose value is 0: the same softmax, one column wider
+        column = sink.to(scores.dtype).expand(heads, rows).unsqueeze(-1)
+        scores = torch.cat([scores, column], dim=-1)
+        v = torch.cat([v, v.new_zeros(1, *v.shape[1:])], dim=0)
     if scores.shape[-1] == 0:
         return (scores.new_zeros(rows, heads, v.shape[-1]), scores.new_full((rows, heads), -math.inf))
     row_max = scores.amax(dim=-1, keepdim=True)
@@ -151,7 +168,8 @@ def reference_attention(
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
         scores = transform_logits(spec, grid, args, scores)
         mask = mask_for_request(spec, grid, args)
-        out[qo[b]:qo[b + 1]], lse[qo[b]:qo[b + 1]] = softmax_attention(scores.masked_fill(~mask, -math.inf), v)
+        out[qo[b]:qo[b + 1]], lse[qo[b]:qo[b + 1]] = softmax_attention(scores.masked_fill(~mask, -math.inf), v,
+                                                                       sink_for_request(spec, grid, args))
         kv_row_base += kv_len
     if v_scale is not None:
         out = out * v_scale

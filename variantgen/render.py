@@ -24,7 +24,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import codegen, expr
+from . import codegen, expr, plan_abi
 from ._version import __version__
 from .capabilities import KINDS, MODULE_BACKENDS, TABLE, Request, Site, canonical_arch
 from .env import TEMPLATES_DIR, settings
@@ -38,7 +38,8 @@ DTYPES = {
     "fp8_e4m3": ("__nv_fp8_e4m3", 1),
     "fp8_e5m2": ("__nv_fp8_e5m2", 1),
 }
-MASK_MODES = {"none": (0, "MaskMode::kNone"), "causal": (1, "MaskMode::kCausal"), "custom": (2, "MaskMode::kCustom")}
+# run()'s mask-mode code and FlashInfer's enumerator, by name (the plan ABI's table)
+MASK_MODES = {m.label: (int(m), m.literal) for m in plan_abi.MaskMode}
 DEFAULT_MASK_MODES = tuple(MASK_MODES)  # what the wrappers launch: every mode
 FA2_CTA_TILES_Q = (16, 64, 128)  # what FlashInfer's FA2 planner picks for head_dim_vo < 512
 
@@ -165,8 +166,10 @@ def environment() -> jinja2.Environment:
 
 
 # What a backend's modules use ("planner": the interval planner's row kernel, variantgen/rowplan.py).
-# sched/: host-side schedulers included by more than one module kind
-TEMPLATE_DIRS = {"fa2": ("common", "fa2"), "fa3": ("common", "fa3", "sched"), "planner": ("common", "planner", "sched")}
+# plan/: the launch builder, static C++ compiled into the planner module and every paged-prefill module
+TEMPLATE_DIRS = {"fa2": ("common", "fa2", "plan"), "fa3": ("common", "fa3", "plan"),
+                 "planner": ("common", "planner", "plan")}
+PLAN_HEADERS = ("plan_module.h", "launches.h", "fa3_worklist.h", "gather.cuh")  # templates/plan/, as they are
 
 
 def template_files(backend: str = "fa2") -> list[Path]:
@@ -201,6 +204,28 @@ def template_digest(backend: str = "fa2") -> str:
     return _template_digest(str(template_root()), backend)
 
 
+def plan_sources() -> dict[str, str]:
+    """The launch builder's sources (templates/plan/) and the plan ABI's header, as a module's
+    files: what the planner module and every paged-prefill module compile their plans with."""
+    files = {plan_abi.HEADER_NAME: plan_abi.header_text()}
+    files.update((name, static_source(f"plan/{name}")) for name in PLAN_HEADERS)
+    return files
+
+
+def _sink_locals(builtins: frozenset[str], target: codegen.Target, indent: str, *, kv_head_idx: bool) -> str:
+    """The locals a sink hook needs: its query head from ``qo_head_idx``, and its key/value head
+    from ``kv_head_idx`` where the hook has one (fa3's constructor) or from the group size (fa2's
+    m/d update and output transform get only the query head)."""
+    lines = []
+    if "qo_head" in builtins:
+        lines.append(codegen.LOCAL_DEFS["qo_head"][0])
+    if "kv_head" in builtins:
+        lines.append(codegen.LOCAL_DEFS["kv_head"][0] if kv_head_idx else
+                     f"const int32_t kv_head = int32_t(qo_head_idx) / ({target.num_qo_heads} / "
+                     f"{target.num_kv_heads});")
+    return "\n".join(indent + line for line in lines)
+
+
 def struct_name(spec: VariantSpec) -> str:
     return "VG_" + "".join(part.capitalize() for part in spec.name.split("_"))
 
@@ -228,6 +253,7 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
     target = CODEGEN_TARGETS[(config.backend, config.kind)]
     mask = codegen.emit_mask(spec, target)
     logits = codegen.emit_logits(spec, target=target)
+    sink = codegen.emit_sink(spec, target)
     tensor_args, scalar_args = kernel_args(spec)
     scalar_local = {"int": "int32_t", "float": "float", "bool": "bool"}
     ctx = {
@@ -250,6 +276,13 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
         # fa3's masked transform: the mask's locals the logits transform did not define already
         "mask_only_locals": codegen.hook_locals(mask.builtins, "      ", frozenset(
             codegen.local_names(logits.builtins) if logits else ())),
+        # the learned sink: a float per query head and request (fa2: in its m/d update or, for
+        # decode, its output transform; fa3: in the constructor, one head per work tile)
+        "sink": sink is not None,
+        "sink_comment": codegen.describe(spec.sink) if spec.sink is not None else "",
+        "sink_code": sink.code if sink else "",
+        "sink_locals": (_sink_locals(sink.builtins, target, " " * (8 if config.kind == "decode" else 6),
+                                     kv_head_idx=config.backend == "fa3") if sink else ""),
         "scalars": [
             {"name": s.name, "dtype": s.dtype, "local_type": scalar_local[s.dtype]} for s in spec.scalars
         ],
@@ -274,10 +307,10 @@ FA2_STATIC = ("common/vg_helpers.cuh", "fa2/config_prelude.cuh", "fa2/kernel_par
 
 
 def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template: str, binding: dict[str, str],
-                         kernel_template: str, unit_prefix: str, host_source: str):
+                         kernel_template: str, unit_prefix: str, host_source: str, plan: bool = False):
     """The FA2 prefill kinds: variant and config rendered, the static sources and the binding
     (``binding``: its file), plus one kernel unit per mask mode and CTA tile (what FlashInfer's
-    FA2 planner may pick), and FlashInfer's host code."""
+    FA2 planner may pick), and FlashInfer's host code; ``plan``: the launch builder's unit too."""
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
         "batch_prefill_config.inc": env.get_template(config_template).render(ctx),
@@ -285,6 +318,9 @@ def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template:
         **binding,
     }
     units = ["binding.cu"]
+    if plan:  # the launch builder (paged prefill: plan() builds its launches with it)
+        files.update(plan_sources(), **{"plan.cu": static_source("plan/plan.cu")})
+        units.append("plan.cu")
     kernel = env.get_template(kernel_template)
     for mode in ctx["mask_modes"]:
         for cta in FA2_CTA_TILES_Q:
@@ -298,7 +334,7 @@ def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
     return _render_fa2_per_tile(ctx, env, config_template="fa2/config.inc.jinja",
                                 binding=_static(binding_cu="fa2/paged_binding.cu"),
                                 kernel_template="fa2/paged_kernel.cu.jinja", unit_prefix="paged_kernel",
-                                host_source="batch_prefill_paged.cu")
+                                host_source="batch_prefill_paged.cu", plan=True)
 
 
 def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
@@ -361,8 +397,10 @@ def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
         "batch_prefill_sm90_config.inc": env.get_template("fa3/config.inc.jinja").render(ctx),
         **_static("common/vg_helpers.cuh", "fa3/cutlass_prelude.cuh", "fa3/kernel_params.cuh", "fa3/run.cuh"),
         "binding.cu": env.get_template("fa3/binding.cu.jinja").render(ctx, launches=launches),
+        **plan_sources(),
+        "plan.cu": static_source("plan/plan.cu"),
     }
-    units = ["binding.cu"]
+    units = ["binding.cu", "plan.cu"]
     kernel = env.get_template("fa3/paged_kernel.cu.jinja")
     for launch in launches:
         name = f"paged_kernel_{launch['name']}.cu"
@@ -385,6 +423,7 @@ def render_module(config: ModuleConfig) -> RenderedModule:
     if renderer is None:
         raise ValueError(f"backend={config.backend!r}, kind={config.kind!r}: not generated yet")
     files, units, host_sources = renderer(config, ctx, environment())
+    files = {plan_abi.HEADER_NAME: plan_abi.header_text(), **files}  # every config includes it
     return RenderedModule(
         config=config,
         files=files,

@@ -1,14 +1,15 @@
 """The interval planner's row pass as a generated CUDA kernel (templates/planner/).
 
-planner.py classifies every query row of a batch (its key interval, then its launch class)
-with a few hundred small torch ops: on the H200 at 64k query rows that is 3-7 ms of
-dispatch, most of plan(). Here the same rules, specialised to one spec's interval terms,
-are rendered into one kernel (plus a sortedness pass for sorted-id terms such as
-documents). It is compiled and cached like any module, under its own URI
-``vg_<spec>_planner_sm<arch>_<hash>``: it depends on the spec's intervals and the arch only,
-so every head dim, dtype and backend of a spec shares one. plan() uses it on CUDA when
-make_wrapper could build or find it, and the torch rules elsewhere (CPU, or JIT disabled
-without a precompiled planner: logged, and named in ``plan_stats["row_planner"]``).
+The interval planner classifies every query row of a batch (its key interval, then its launch
+class: rowrules.py has the rules in torch ops, a few hundred small ops - 3-7 ms of dispatch at
+64k query rows on the H200). Here the same rules, specialised to one spec's interval terms,
+are rendered into one kernel (plus a sortedness pass for sorted-id terms such as documents),
+with the launch builder (templates/plan/) beside it: the planner module's ``plan_batch`` is a
+whole plan() in one call (planner.py). It is compiled and cached like any module, under its
+own URI ``vg_<spec>_planner_sm<arch>_<hash>``: it depends on the spec's intervals and the arch
+only, so every head dim, dtype and backend of a spec shares one. plan() uses it on CUDA when
+make_wrapper could build or find it; without it (CPU, or JIT disabled without a precompiled
+planner: logged) plan() plans planner-off and its Plan says why.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ from typing import Any, NamedTuple
 import torch
 
 from . import __version__, codegen
+from .build import build_module, load_module
 from .cache import Cache
 from .errors import JitDisabledError
 from .intervals import IntervalForm, analyze, args_read
-from .render import KernelArg, RenderedModule, canonical_arch, environment, template_digest
+from .plan_abi import ROW_BLOCK, SEG_FIELDS, RecField
+from .render import KernelArg, RenderedModule, canonical_arch, environment, plan_sources, template_digest
 from .spec import VariantSpec
 from .staging import HostStaging
 
 log = logging.getLogger("variantgen.rowplan")
 
-# What the kernel writes per query row, in this order (rec[field, row], int64).
-REC_FIELDS = ("starts", "request", "cls", "param_a", "lo", "hi", "q_pos")
 SCALAR_TYPES = {"int": ("int64_t", "int32_t"), "float": ("double", "float"), "bool": ("bool", "bool")}
 
 
@@ -82,8 +83,6 @@ def planner_inputs(spec: VariantSpec, form: IntervalForm) -> tuple[list[str], li
 
 
 def render_planner(config: PlannerConfig) -> RenderedModule:
-    from .planner import CUSTOM_ROWS
-
     spec = config.spec
     form = analyze(spec)
     if not form.planner_ready:
@@ -114,9 +113,6 @@ def render_planner(config: PlannerConfig) -> RenderedModule:
         "spec": spec,
         "mask_comment": codegen.describe(spec.mask),
         "terms": terms,
-        "custom_rows": CUSTOM_ROWS,
-        "rec_fields": REC_FIELDS,
-        "seg_fields": SEG_FIELDS,
         "tensors": [{"name": n, "cpp_type": by_name[n].cpp_type, "shape": list(by_name[n].shape),
                      "rows_name": f"vg_rows_{n}"} for n in tensor_names],
         "sorted_tensors": sorted_tensors,
@@ -126,7 +122,7 @@ def render_planner(config: PlannerConfig) -> RenderedModule:
     text = environment().get_template("planner/planner.cu.jinja").render(ctx)
     return RenderedModule(
         config=config,  # type: ignore[arg-type]  # build.py reads uri_prefix, arch, describe(), spec
-        files={"planner.cu": text},
+        files={**plan_sources(), "planner.cu": text},
         compile_units=("planner.cu",),
         tensor_args=tuple(KernelArg(n, by_name[n].cpp_type, "spec tensor") for n in tensor_names),
         scalar_args=tuple(KernelArg(n, SCALAR_TYPES[scalars[n].dtype][0], "spec scalar") for n in scalar_names),
@@ -139,47 +135,43 @@ def load_planner(spec: VariantSpec, arch: str, cache: Cache, *, allow_build: boo
                  jobs: int | None = None) -> tuple[Any | None, str]:
     """(module, "") when the spec's planner module is built or cached, else (None, why).
     Only a disabled JIT without a cached planner gives None; build failures raise."""
-    from .build import build_module, load_module
-
     if not analyze(spec).planner_ready:
         return None, "the spec has no usable key intervals"
     config = PlannerConfig(spec, arch)
     try:
         result = build_module(config, cache, jobs=jobs, allow_build=allow_build)
     except JitDisabledError as e:
-        log.warning("interval planner of `%s` runs its torch rules (slower plan()): %s", spec.name, e)
+        log.warning("plans of `%s` run planner-off (one custom launch per request, the mask on every element; "
+                    "slower kernels): %s", spec.name, e)
         return None, str(e)
     return load_module(result.entry), ""
-
-
-SEG_FIELDS = 9  # segments_kernel's record per launch request (see planner._segments)
-ROW_BLOCK = 256  # rows per block of the row kernels (kThreads): one launch-request count each
 
 
 class RowPass(NamedTuple):
     """The row kernel's outputs on the device (kept across plans by the caller)."""
 
-    rec: torch.Tensor  # int64 [len(REC_FIELDS), total_q]
+    rec: torch.Tensor  # int64 [len(RecField), total_q]
     counts: torch.Tensor  # int32 [ceil(total_q / ROW_BLOCK)]: launch requests starting per block
     seg: torch.Tensor  # int64 [1 + SEG_FIELDS * capacity]: their count, then the compacted requests
+    page_size: int
 
 
 def plan_rows(module: Any, spec: VariantSpec, form: IntervalForm, args: dict[str, Any], qo_indptr: list[int],
               kv_lens: list[int], page_size: int, device: torch.device, staging: HostStaging | None = None,
               segment_capacity: int = 1024, buffers: dict[str, torch.Tensor] | None = None) -> RowPass:
-    """Run the kernel over a batch. rec: what planner.classify_rows gives (``starts`` as 0/1;
-    a custom run's first row holds the run's hull); seg: the launch requests compacted
-    (read_segments). ``buffers``: the caller's dict to keep the outputs and scratch in from
-    one plan to the next."""
+    """Run the row pass over a batch (plan() runs it inside plan_batch; this is its entry for
+    tests and tools). rec: what rowrules.classify_rows gives (``starts`` as 0/1; a custom run's
+    first row holds the run's hull); seg: the launch requests compacted (read_segments).
+    ``buffers``: the caller's dict to keep the outputs and scratch in from one call to the next."""
     batch = len(kv_lens)
     starts_host = torch.tensor([qo_indptr, list(accumulate(kv_lens, initial=0))], dtype=torch.int64)
     total_q = qo_indptr[-1]
     tensor_names, scalar_names, defaults, sorted_count = call_layout(spec, form)
     kept = row_buffers(buffers if buffers is not None else {}, batch, total_q, sorted_count, segment_capacity,
                        device)
-    rows = RowPass(rec=kept.rec[:len(REC_FIELDS) * total_q].view(len(REC_FIELDS), total_q),
+    rows = RowPass(rec=kept.rec[:len(RecField) * total_q].view(len(RecField), total_q),
                    counts=kept.counts[:max(1, -(-total_q // ROW_BLOCK))],
-                   seg=kept.seg[:1 + SEG_FIELDS * max(1, segment_capacity)])
+                   seg=kept.seg[:1 + SEG_FIELDS * max(1, segment_capacity)], page_size=page_size)
     if staging is not None and buffers is not None:
         staging.queued()  # the starts' copy, out of a kept page-locked buffer
     module.plan_rows(rows.rec, starts_host, kept.starts_page_locked, kept.starts, kept.scratch, rows.counts, rows.seg,
@@ -192,7 +184,7 @@ class RowBuffers(NamedTuple):
 
     starts_page_locked: torch.Tensor  # int64 host, page-locked: the request starts on their way up
     starts: torch.Tensor  # int64 device: qo_indptr, then each request's first key row
-    rec: torch.Tensor  # int64 device, len(REC_FIELDS) * total_q
+    rec: torch.Tensor  # int64 device, len(RecField) * total_q
     counts: torch.Tensor  # int32 device, a count per ROW_BLOCK rows
     scratch: torch.Tensor  # uint8 device: per-request sortedness flags of sorted-id tensors
     seg: torch.Tensor  # int64 device, 1 + SEG_FIELDS * segment_capacity
@@ -205,7 +197,7 @@ def row_buffers(kept: dict[str, torch.Tensor], batch: int, total_q: int, sorted_
     return RowBuffers(
         starts_page_locked=kept_buffer(kept, "starts_page_locked", 2 * (batch + 1), torch.int64, host, device),
         starts=kept_buffer(kept, "starts", 2 * (batch + 1), torch.int64, device),
-        rec=kept_buffer(kept, "rec", len(REC_FIELDS) * total_q, torch.int64, device),
+        rec=kept_buffer(kept, "rec", len(RecField) * total_q, torch.int64, device),
         counts=kept_buffer(kept, "counts", max(1, -(-total_q // ROW_BLOCK)), torch.int32, device),
         scratch=kept_buffer(kept, "scratch", max(1, sorted_count * batch), torch.uint8, device),
         seg=kept_buffer(kept, "seg", 1 + SEG_FIELDS * max(1, segment_capacity), torch.int64, device))
@@ -241,7 +233,7 @@ def call_layout(spec: VariantSpec, form: IntervalForm) -> tuple[list[str], list[
 
 def read_segments(module: Any, rows: RowPass, expect: int | None = None) -> torch.Tensor:
     """The launch requests plan_rows compacted, on the host: int64 [count, SEG_FIELDS]
-    (planner._segments' rows). One small device-to-host copy of the first ``expect`` of them
+    (rowrules.segments' rows). One small device-to-host copy of the first ``expect`` of them
     (default: all the buffer holds); a second copy if there are more, and a second pass with
     room for all if ``seg`` was too small."""
     seg = rows.seg
@@ -251,7 +243,7 @@ def read_segments(module: Any, rows: RowPass, expect: int | None = None) -> torc
     count = int(host[0])
     if count > room:
         seg = torch.empty(1 + SEG_FIELDS * count, dtype=torch.int64, device=seg.device)
-        module.compact_segments(rows.rec, rows.counts, seg)
+        module.compact_segments(rows.rec, rows.counts, seg, rows.page_size)
         host = seg.cpu()
     elif count > head:
         host = seg[:1 + SEG_FIELDS * count].cpu()

@@ -18,7 +18,6 @@ from typing import Any
 import yaml
 
 from . import expr
-from .capabilities import BACKENDS
 from .errors import MAX_SPEC_ERRORS, Location, SpecError, SpecErrors
 from .expr import BUILTINS, DIMS, FLOAT32_MAX, FUNCTIONS, SourceText, TensorSig, Type, TypeEnv
 
@@ -33,7 +32,9 @@ MAX_NUMBER_CHARS = 64  # a YAML number literal longer than this is refused befor
 TENSOR_DTYPES = {"int32": Type.INT, "float32": Type.FLOAT}
 SCALAR_DTYPES = {"int": Type.INT, "float": Type.FLOAT, "bool": Type.BOOL}
 SYMBOLIC_DIMS = {d.name: f"{d.rows} (index with {' / '.join(d.builtins)})" for d in DIMS.values()}
-TOP_LEVEL_KEYS = ("name", "description", "tensors", "scalars", "mask", "logits", "scales", "backends")
+# The backends a spec may name in `backends:` (capabilities.TABLE describes each).
+BACKENDS = ("fa2", "fa3", "flex")
+TOP_LEVEL_KEYS = ("name", "description", "tensors", "scalars", "mask", "logits", "sink", "scales", "backends")
 
 # Names an argument may not take: C++ keywords and identifiers that would shadow or
 # collide with FlashInfer's params fields, the kernel's locals or our own internals.
@@ -129,6 +130,10 @@ class VariantSpec:
     mask_text: str
     logits: expr.Node | None = None
     logits_text: str | None = None
+    # A learned attention sink (gpt-oss): a logit per query head that joins every row's softmax
+    # denominator and has no value; float, in the domain of the (transformed) logits.
+    sink: expr.Node | None = None
+    sink_text: str | None = None
     sm_scale: float | None = None  # None: 1/sqrt(head_dim_qk)
     qkv_scales: bool = True
     backends: tuple[str, ...] = BACKENDS
@@ -160,8 +165,9 @@ class VariantSpec:
         )
 
     def canonical(self) -> dict[str, Any]:
-        """Everything that changes the generated code, in a stable form."""
-        return {
+        """Everything that changes the generated code, in a stable form (a spec without a sink
+        keeps the form, and so the digest, it had before sinks existed)."""
+        out = {
             "name": self.name,
             "tensors": [[t.name, t.dtype, list(t.shape)] for t in self.tensors],
             "scalars": [[s.name, s.dtype, s.default] for s in self.scalars],
@@ -170,6 +176,9 @@ class VariantSpec:
             "sm_scale": self.sm_scale,
             "qkv_scales": self.qkv_scales,
         }
+        if self.sink is not None:
+            out["sink"] = expr.to_source(self.sink)
+        return out
 
     @property
     def digest(self) -> str:
@@ -178,8 +187,9 @@ class VariantSpec:
 
     def uses(self, name: str) -> bool:
         used = expr.names_used(self.mask)
-        if self.logits is not None:
-            used |= expr.names_used(self.logits)
+        for extra in (self.logits, self.sink):
+            if extra is not None:
+                used |= expr.names_used(extra)
         return name in used
 
 
@@ -636,6 +646,10 @@ def _build(r: _Reader, root: yaml.Node) -> VariantSpec | None:
                     "it would replace every score with a constant")
             logits = None
 
+    sink = sink_text = None
+    if "sink" in fields and not _is_null(fields["sink"][1]):
+        sink, sink_text = _expression(r, fields["sink"][1], "sink", replace(env, sink=True), Type.FLOAT)
+
     sm_scale, qkv_scales = _scales(r, fields.get("scales"))
     backends = _backends(r, fields.get("backends"))
     if r.errors or name is None or mask is None:
@@ -650,6 +664,8 @@ def _build(r: _Reader, root: yaml.Node) -> VariantSpec | None:
         mask_text=mask_text or "",
         logits=logits,
         logits_text=logits_text,
+        sink=sink,
+        sink_text=sink_text,
         sm_scale=sm_scale,
         qkv_scales=qkv_scales,
         backends=backends,
@@ -844,8 +860,13 @@ def _article(dtype: str) -> str:
     return "an" if dtype == "int" else "a"
 
 
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+
+
 def _expression(r: _Reader, node: yaml.Node, field_name: str, env: TypeEnv, expect: Type):
-    if not isinstance(node, yaml.ScalarNode) or node.tag not in ("tag:yaml.org,2002:str",):
+    # A sink may be a plain number (`sink: 0.0`, a fixed sink logit): parsed as the expression it reads as.
+    number = field_name == "sink" and isinstance(node, yaml.ScalarNode) and node.tag in _NUMBER_TAGS
+    if not number and (not isinstance(node, yaml.ScalarNode) or node.tag not in ("tag:yaml.org,2002:str",)):
         if isinstance(node, yaml.ScalarNode):
             value = r.scalar(node, field_name)
             if isinstance(value, bool) and field_name == "mask":

@@ -66,3 +66,22 @@ class HostStaging:
         region.copy_(host)
         self.queued()
         return region.to(self.device, non_blocking=True)
+
+
+INT_WORKSPACE_BYTES = 8 << 20  # FlashInfer's int workspace size (its wrappers' default)
+
+
+class IntWorkspaces:
+    """Int workspaces for FlashInfer's schedulers, one per launch: (device buffer, page-locked
+    host mirror of the same size), made on first use and kept."""
+
+    def __init__(self, device: torch.device, nbytes: int = INT_WORKSPACE_BYTES):
+        self.device = device
+        self.nbytes = nbytes
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        while len(self._pairs) <= i:
+            self._pairs.append((torch.empty(self.nbytes, dtype=torch.uint8, device=self.device),
+                                torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=self.device.type == "cuda")))
+        return self._pairs[i]

@@ -1,7 +1,7 @@
 """Random paged batches and spec arguments, timing and run metadata, for tests, `variantgen check` and bench/.
 
 Arguments of the shipped specs get meaningful values (spans that contain their query,
-increasing document ids, ALiBi slopes); tensors of other specs get random values in a
+increasing document ids, ALiBi slopes, draft trees); tensors of other specs get random values in a
 range that exercises the mask (ints in [-2, max kv_len], floats ~ N(0, 1)).
 """
 
@@ -17,6 +17,7 @@ import torch
 
 from .spans import spans_to_ranges  # also importable from here, where tests and bench/ take it
 from .spec import ScalarArg, VariantSpec
+from .trees import random_tree_parents, tree_bits
 
 
 @dataclass
@@ -108,6 +109,14 @@ def random_spec_args(spec: VariantSpec, batch: PagedBatch, *, seed: int = 0,
             value = torch.cat(ids) if ids else torch.empty(0, dtype=torch.int32)
         elif t.name == "slopes" and len(shape) == 1:
             value = alibi_slopes(shape[0])
+        elif t.name == "tree_bits" and len(shape) == 2 and t.dtype == "int32":
+            # a random draft tree per request (chains, stars, random parents, forests)
+            shapes = ("random", "chain", "star", "forest")
+            parents = [random_tree_parents(min(n, 32 * shape[1]), g, shapes[i % 4]) for i, n in enumerate(ql)]
+            bits = tree_bits(parents, words=shape[1])
+            value = torch.zeros(shape, dtype=torch.int32)
+            rows = torch.cat([torch.arange(sum(ql[:i]), sum(ql[:i]) + len(p)) for i, p in enumerate(parents)])
+            value[rows] = bits
         elif t.dtype == "int32":
             value = torch.randint(-2, max(kl) + 1, shape, generator=g, dtype=torch.int32)
         else:

@@ -9,15 +9,13 @@ carries a row of ``vg_meta`` telling the variant where it sits in the caller's b
 the generated mask always sees true positions and rows; q and o are read and written in
 place (launch requests need not be packed), so nothing is gathered or scattered.
 
-The same wrapper drives fa2 and fa3 (sm90) prefill modules. With the spec's planner module
-(the default on CUDA), plan() runs the row pass and builds every launch, its metadata and
-its schedule in one C++ call (native_plan.py) with one copy. Otherwise the launches are
-built here in Python: for fa3 reshaped by planner.regroup_for_fa3 and each planned by the
-module's own all-heads work list (whose items carry their requests' first rows); fa2
-launches without split-KV scheduled by the planner module when there is one (O(tiles) on
-the host), else by FlashInfer's scheduler. Graph mode (graph.py) fixes the launches and
-their buffers at a capacity. Decode and ragged KV have their own wrappers (decode.py,
-ragged.py) on the shared checks of WrapperBase.
+The same wrapper drives fa2 and fa3 (sm90) prefill modules. plan() checks its arguments and
+asks its planner.Planner for the batch's plan.Plan (kept as ``wrapper.last_plan``): the
+launches, each built by the one launch builder (templates/plan/) - with the spec's planner
+module (the default on CUDA) after its row pass, in one C++ call; otherwise planner-off, one
+custom launch per request, and the Plan says why. run() runs the plan's launches. Graph mode
+(graph.py) fixes the launches and their buffers at a capacity. Decode and ragged KV have
+their own wrappers (decode.py, ragged.py) on the shared checks of WrapperBase.
 """
 
 from __future__ import annotations
@@ -27,25 +25,22 @@ import functools
 import inspect
 import logging
 import math
-from dataclasses import dataclass
-from itertools import accumulate
 from typing import Any, NamedTuple
 
 import torch
 
 from .build import BuildResult
-from .capabilities import graph_problem
 from .checks import PageGuard, PlanCheck
 from .env import settings
 from .errors import LaunchError
 from .expr import FLOAT32_MAX
-from .graph import META_COLUMNS, META_KERNEL_WINDOW, GraphBuffers, GraphCapacity
-from .intervals import IntervalForm, analyze, args_read, tensors_read
-from .native_plan import DESC_FIELDS, has_native_plan, plan_batch
-from .planner import gather_page_ranges, gather_pages, page_gather_table, plan_launches, regroup_for_fa3
-from .render import MASK_MODES, ModuleConfig
+from .graph import GraphCapacity
+from .intervals import IntervalForm, analyze, args_read, tensors_read, usable_form
+from .plan import Batch, Launch, Plan
+from .planner import Planner
+from .render import ModuleConfig
 from .spec import VariantSpec, shown_value, value_fits
-from .staging import HostStaging
+from .staging import HostStaging, IntWorkspaces
 
 log = logging.getLogger("variantgen.wrapper")
 
@@ -58,45 +53,13 @@ TORCH_DTYPES = {
 }
 SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
-INT_WORKSPACE_BYTES = 8 << 20
 ALIGN_BYTES = 16  # the kernels move q/k/v/o rows in 16-byte vectors (cp.async, TMA)
-
-
-@dataclass
-class Launch:
-    """One kernel launch: a batch of launch requests that share a mask mode."""
-
-    mask_mode: str
-    q_starts: torch.Tensor  # kernel q_indptr: first row of each launch request in q / o
-    kv_indptr: torch.Tensor
-    kv_indices: torch.Tensor
-    last_page_len: torch.Tensor
-    meta: torch.Tensor  # [n, META_COLUMNS] int32
-    window_left: int  # fa3: the launch's left window (-1: none); fa2 takes it per request from meta
-    plan_info: Any
-    int_workspace: torch.Tensor
-    float_workspace: torch.Tensor
-    num_requests: int
 
 
 class IntervalFacts(NamedTuple):
     form: IntervalForm  # intervals.analyze(spec)
     args: frozenset[str]  # spec arguments the intervals read
     tensors: frozenset[str]  # ... of them the tensors (plan() needs them)
-
-
-@dataclass(frozen=True)
-class Batch:
-    """The caller's batch as plan() saw it (host copies), to check run() against."""
-
-    batch_size: int
-    total_q: int
-    total_kv: int
-    num_qo_heads: int
-    num_kv_heads: int
-    page_size: int
-    qo_lens: tuple[int, ...]
-    kv_lens: tuple[int, ...]
 
 
 def _is_int(value: Any) -> bool:
@@ -130,62 +93,29 @@ class WrapperBase:
         self.kv_layout = kv_layout
         self.device = float_workspace.device
         self._float_workspace = float_workspace
-        self._int_workspaces: list[torch.Tensor] = []
-        self._pinned: list[torch.Tensor] = []
+        self._int_workspaces = IntWorkspaces(self.device)  # FlashInfer's schedulers' (decode, ragged)
         self._tensor_names = [t.name for t in spec.tensors]
         self._scalar_names = [s.name for s in spec.scalars]
         self._batch: Any = None
         self._pdl: bool | None = None
-        self._sms: int | None = None
-        self._sched_ws: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._sched_end = 0
         self._planned_args: dict[str, Any] = {}
-        self.plan_stats: dict[str, Any] = {}
+        self._plan_stats: dict[str, Any] = {}
+        self._off_logged = ""  # the last reason logged for the planner being off
         self._staging = HostStaging(self.device)  # plan()'s host-to-device copies
-        self._float_chunk_cache: dict[int, list[torch.Tensor]] = {}
         self.check_plan = settings().check_plan if check_plan is None else check_plan
         self._plan_check = PlanCheck() if self.check_plan else None
         # The planned page list's bounds, and run()'s guard where they are still on their way (checks.py).
         self._pages = PageGuard()
 
     def _workspace(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The i-th (int workspace, page-locked host mirror) pair; one per launch."""
-        while len(self._int_workspaces) <= i:
-            self._int_workspaces.append(torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=self.device))
-            self._pinned.append(torch.empty(INT_WORKSPACE_BYTES, dtype=torch.uint8,
-                                            pin_memory=self.device.type == "cuda"))
-        return self._int_workspaces[i], self._pinned[i]
+        """The i-th (int workspace, page-locked host mirror) pair for FlashInfer's scheduler."""
+        return self._int_workspaces.get(i)
 
-    def _float_chunks(self, n_launches: int) -> list[torch.Tensor]:
-        """The caller's float workspace cut into ``n_launches`` equal slices (split-KV scratch:
-        one per launch); kept per count (views cost host time every plan)."""
-        chunks = self._float_chunk_cache.get(n_launches)
-        if chunks is None:
-            chunk = self._float_workspace.numel() // max(n_launches, 1)
-            chunks = self._float_chunk_cache[n_launches] = [
-                self._float_workspace[i * chunk:(i + 1) * chunk] for i in range(n_launches)]
-        return chunks
-
-    def _schedule_workspace(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (int workspace, page-locked mirror) that launches scheduled by the planner
-        module share (each at its own offset)."""
-        if self._sched_ws is None:
-            self._grow_schedule_workspace(INT_WORKSPACE_BYTES)
-        assert self._sched_ws is not None
-        return self._sched_ws
-
-    def _grow_schedule_workspace(self, nbytes: int) -> None:
-        """A schedule workspace of at least ``nbytes`` (plan() waited for the copies out of the
-        old mirror in staging.begin(); the old device buffer is freed in stream order)."""
-        size = max(nbytes, INT_WORKSPACE_BYTES)
-        self._sched_ws = (torch.empty(size, dtype=torch.uint8, device=self.device),
-                          torch.empty(size, dtype=torch.uint8, pin_memory=self.device.type == "cuda"))
-
-    def _num_sms(self) -> int:
-        if self._sms is None:
-            self._sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-                         if self.device.type == "cuda" else 1)
-        return self._sms
+    @property
+    def plan_stats(self) -> dict[str, Any]:
+        """What the last plan() did, as a dict: "launches" [(mask mode, launch requests)], and
+        "planner_off" (why) or the planner's figures."""
+        return self._plan_stats
 
     def _pdl_default(self) -> bool:
         if self._pdl is None:
@@ -198,31 +128,34 @@ class WrapperBase:
         form = analyze(self.spec)
         return IntervalFacts(form, frozenset(args_read(form, self.spec)), frozenset(tensors_read(form, self.spec)))
 
-    def _intervals_default(self, spec_args: dict[str, Any], what: str) -> bool:
-        """Whether ``what`` (the interval planner, decode's key trimming) is on by default: the
-        mask's key intervals are known and plan() was given the spec tensors they read.
-        Otherwise ``plan_stats["planner_off"]`` says why."""
+    def _intervals_off(self, spec_args: dict[str, Any], what: str) -> str:
+        """Why ``what`` (the interval planner, decode's key trimming) is off by default ("": it is
+        on): the mask's key intervals are not known, or plan() was not given the spec tensors
+        they read (logged when the reason changes)."""
         form, _, tensors = self._interval_facts
         if not form.planner_ready:
-            self.plan_stats["planner_off"] = form.reason
-            return False
+            return form.reason
         missing = sorted(tensors - set(spec_args))
-        if missing:
-            reason = f"plan() was not given {', '.join(missing)}, which the key intervals read"
-            if reason != self.plan_stats.get("planner_off"):
-                log.info("%s off for %s %s: %s", what, self.spec.name, self.config.kind, reason)
-            self.plan_stats["planner_off"] = reason
-            return False
-        self.plan_stats.pop("planner_off", None)
-        return True
+        if not missing:
+            self._off_logged = ""
+            return ""
+        reason = f"plan() was not given {', '.join(missing)}, which the key intervals read"
+        if reason != self._off_logged:
+            log.info("%s off for %s %s: %s", what, self.spec.name, self.config.kind, reason)
+            self._off_logged = reason
+        return reason
 
-    def _refuse_plan_args(self, spec_args: dict[str, Any], skip_tiles: bool | None, what: str) -> None:
-        """plan() without ``what`` (the interval planner, key trimming) reads no spec argument:
-        a LaunchError if it was given some (they go to run())."""
+    def _off_reason(self, skip_tiles: bool | None, spec_args: dict[str, Any], what: str) -> str:
+        """Why ``what`` (the interval planner, decode's key trimming) is off for this plan() ("":
+        it is on): skip_tiles=False, or its default (_intervals_off)."""
+        return "skip_tiles=False" if skip_tiles is False else "" if skip_tiles else self._intervals_off(spec_args, what)
+
+    def _refuse_plan_args(self, spec_args: dict[str, Any], reason: str, what: str) -> None:
+        """plan() without ``what`` (off for ``reason``) reads no spec argument: a LaunchError if
+        it was given some (they go to run()) - a misspelt name first, as it may be why."""
         if spec_args:
-            self._check_known(spec_args, "plan()")  # a misspelt name first: it may be why `what` is off
-            why = self.plan_stats.get("planner_off") if skip_tiles is None else "skip_tiles=False"
-            raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without {what} ({why}) "
+            self._check_known(spec_args, "plan()")
+            raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without {what} ({reason}) "
                               "spec arguments go to run() only")
 
     def _sm_scale(self, q_scale: float | None, k_scale: float | None) -> float:
@@ -554,26 +487,30 @@ class VariantWrapper(WrapperBase):
     def __init__(self, *args: Any, graph: GraphCapacity | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._launches: list[Launch] = []
-        self._graph: GraphBuffers | None = None
-        if graph is not None:
-            if not isinstance(graph, GraphCapacity):
-                raise LaunchError(f"graph={graph!r}: expected a variantgen.GraphCapacity (or None)")
-            no_graph = graph_problem(self.config.backend, "prefill")
-            if no_graph:
-                raise LaunchError(no_graph)
-            self._graph = GraphBuffers(graph, self.device)
-        # The spec's generated row kernel for the interval planner (rowplan.py), set by
-        # make_wrapper on CUDA; None: plan() classifies rows with torch ops (and says why).
-        self.row_planner: Any = None
-        self.row_planner_reason = ""
-        self.segment_capacity = 1024  # launch requests the row kernel's read-back has room for
-        self.segment_read = 64  # launch requests plan() copies back at first (more: a second copy)
-        self.row_buffers: dict[str, torch.Tensor] = {}  # the row kernel's outputs, kept across plans
-        self._native_desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)  # plan_batch's answer
+        self.last_plan: Plan | None = None  # what the last plan() decided (None: no plan, or it failed)
+        if graph is not None and not isinstance(graph, GraphCapacity):
+            raise LaunchError(f"graph={graph!r}: expected a variantgen.GraphCapacity (or None)")
+        cfg = self.config
+        self.planner = Planner(self.module, self.spec, backend=cfg.backend, head_dim_qk=cfg.head_dim_qk,
+                               head_dim_vo=cfg.head_dim_vo, kv_dtype_bytes=1 if cfg.kv_dtype.startswith("fp8") else 2,
+                               device=self.device, float_workspace=self._float_workspace, graph=graph)
+        self._graph = self.planner.graph
+
+    @property
+    def plan_stats(self) -> dict[str, Any]:
+        return self.last_plan.stats() if self.last_plan is not None else {}
+
+    @property
+    def row_planner(self) -> Any:
+        """The spec's planner module plan() uses (None: planner-off plans)."""
+        return self.planner.row_planner
+
+    def set_row_planner(self, module: Any, reason: str = "") -> None:
+        """Use the spec's planner module in plan() (None: planner-off plans, ``reason`` says why)."""
+        self.planner.set_row_planner(module, reason)
 
     def _page_lists(self) -> list[torch.Tensor]:
-        if self._graph is not None:  # every slot's whole buffer (what a captured launch reads)
-            return [self._graph.kv_indices]
+        # (graph mode: the launch slots' views, whole - the same buffers every plan, what a captured launch reads)
         return [la.kv_indices for la in self._launches]
 
     def _trim_to_batch(self, args: dict[str, Any]) -> dict[str, Any]:
@@ -593,30 +530,15 @@ class VariantWrapper(WrapperBase):
         return {"total_q": cap.max_total_q, "batch": cap.max_batch_size,
                 "total_kv": cap.max_kv_pages * self._batch.page_size}
 
-    def _kv_dtype_bytes(self) -> int:
-        return 1 if self.config.kv_dtype.startswith("fp8") else 2
-
-    def _own_schedule_min_tiles(self, disable_split_kv: bool) -> int:
-        """Query tiles from which a launch gets the planner module's fa2 work list (no split-KV)
-        rather than FlashInfer's scheduler. FlashInfer splits KV only when the tiles cannot fill
-        its grid (2 CTAs per SM over the KV heads); with at least that many it would not split,
-        and the planner module's work list is its. 0: always (split-KV off, or graph mode)."""
-        if disable_split_kv or self._graph is not None:
-            return 0
-        assert self._batch is not None
-        return 2 * self._num_sms() // self._batch.num_kv_heads
-
-    def set_row_planner(self, module: Any, reason: str = "") -> None:
-        """Use the spec's row kernel in plan() (None: the torch rules, ``reason`` says why)."""
-        self.row_planner, self.row_planner_reason = module, reason
-
     # ------------------------------------------------------------------ plan
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,
-             *, skip_tiles: bool | None = None, disable_split_kv: bool = False, **spec_args: Any) -> None:
-        """Plan a batch. ``skip_tiles`` turns the interval planner on/off (default: on where
-        the spec's intervals are known). With the planner on, spec tensors the intervals
-        read must be passed here by name as well.
+             *, skip_tiles: bool | None = None, disable_split_kv: bool = False, **spec_args: Any) -> Plan:
+        """Plan a batch; returns its Plan (also kept as ``last_plan``: print it for a summary).
+        ``skip_tiles`` turns the interval planner on/off (default: on where the spec's
+        intervals are known). With the planner on, spec tensors the intervals read must be
+        passed here by name as well. Without the spec's planner module (JIT disabled and it is
+        not precompiled, or a CPU wrapper) the plan is planner-off, and the Plan says why.
 
         The index tensors (int32, any device; indptrs starting at 0) are read here, once:
         the launches get their own copies of the indptrs, lengths and page list, so changing
@@ -637,11 +559,10 @@ class VariantWrapper(WrapperBase):
         without planning again gives a wrong output. ``check_plan=True`` detects it.
         """
         # A plan() that fails must not leave the previous plan half-replaced.
-        self._batch, self._launches, self._planned_args = None, [], {}
+        self._batch, self._launches, self._planned_args, self.last_plan = None, [], {}, None
         self._check_replays()
         check_paged_arguments(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                               num_qo_heads, num_kv_heads, page_size)
-        self._staging.begin()
         (qo_h, kvp_h, last_h), indices_h, folded = self._read_indptrs(
             paged_kv_indices, paged_kv_indptr, qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
         batch_of = paged_batch(qo_h, kvp_h, last_h, paged_kv_indices.numel(), num_qo_heads, num_kv_heads, page_size)
@@ -652,217 +573,31 @@ class VariantWrapper(WrapperBase):
         self._begin_pages(paged_kv_indices, kvp_h[-1], folded)
         self._batch = batch_of
         try:
-            self._plan_batch(qo_h, kvp_h, last_h, indices_h, paged_kv_indices, skip_tiles, disable_split_kv,
-                             spec_args)
+            args, reason = self._planner_args(skip_tiles, spec_args)
+            plan = self.planner.plan(self._batch, indices_h, paged_kv_indices, args, disable_split_kv=disable_split_kv,
+                                     reason=reason, pages_given=kvp_h[-1])
+            if plan.planner != "module":
+                self._planned_args = {}  # (nothing of the spec arguments shaped this plan)
             self._finish_pages()
             self._snapshot_planned()
         except BaseException:
             self._batch, self._launches, self._planned_args = None, [], {}
             raise
+        self.last_plan, self._launches = plan, plan.launches
+        return plan
 
-    def _plan_batch(self, qo_h: list[int], kvp_h: list[int], last_h: list[int], indices_h: torch.Tensor,
-                    kv_indices: torch.Tensor, skip_tiles: bool | None, disable_split_kv: bool,
-                    spec_args: dict[str, Any]) -> None:
-        """plan() once the batch is checked: the launches, by the interval planner or direct."""
-        b, graph = self._batch, self._graph
-        assert b is not None
-        if b.total_q == 0:  # nothing to compute; run() returns empty outputs
-            self.plan_stats["launches"] = []
-            if graph is not None:  # ... but a captured graph still replays: plan empty launches
-                self._launches = self._make_launches(graph.slot_launches([]), kv_indices, True)
-            return
-        use_planner = (bool(skip_tiles) if skip_tiles is not None
-                       else self._intervals_default(spec_args, "interval planner"))
-        if use_planner:
-            checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
-            read = self._interval_facts.args
-            self._planned_args = {k: v for k, v in checked.items() if k in read}
-            if graph is not None:
-                checked = self._trim_to_batch(checked)
-            if graph is None and has_native_plan(self.row_planner):  # the whole plan in one C++ call
-                self._launches = plan_batch(self, indices_h, checked, kv_indices, disable_split_kv)
-                self._staging.record()
-                return
-            launches = plan_launches(self, qo_h, kvp_h, list(b.kv_lens), checked)
-        else:
-            self._refuse_plan_args(spec_args, skip_tiles, "the interval planner")
-            kv_row = list(accumulate(b.kv_lens, initial=0))
-            meta = [[qo_h[r], b.kv_lens[r] - b.qo_lens[r], 0, r, kv_row[r], b.qo_lens[r], b.kv_lens[r], -1,
-                     b.qo_lens[r]] for r in range(b.batch_size)]
-            launches = [dict(mask_mode="custom", q_starts=qo_h, plan_qo=qo_h, kv_indptr=kvp_h,
-                             kv_indices=kv_indices, last_page_len=last_h, meta=meta)]
-        if self.config.backend == "fa3":
-            launches = regroup_for_fa3(launches)
-        if graph is not None:
-            launches = graph.slot_launches(launches)
-        self._launches = self._make_launches(launches, kv_indices, disable_split_kv)
-        self.plan_stats["launches"] = [(la["mask_mode"], len(la["meta"])) for la in launches if la["meta"]]
-
-    def _make_launches(self, launches: list[dict], kv_indices: torch.Tensor, disable_split_kv: bool) -> list[Launch]:
-        """Device metadata and a schedule per launch. Planned launches name ranges of the
-        caller's page list (gathered here, all at once); the direct launch takes the list as it
-        is. Everything the device needs goes over in two staged copies, not one per tensor.
-        In graph mode both land in the wrapper's fixed buffers (the launches are its slots)."""
-        dev = self.device
-        staging = self._staging
-        graph = self._graph
-        ranges = [r for launch in launches for r in launch.get("page_ranges", ())]
-        kernel = self.row_planner if hasattr(self.row_planner, "gather_pages") else None  # the planner module
-        table, total = page_gather_table(ranges)
-        self._sched_end = 0  # bytes of the shared schedule workspace used so far
-        if graph is None:
-            flat, sizes = list(table), [len(table)]  # the page gather's table and the launch metadata: one copy
-            for launch in launches:
-                n = len(launch["meta"])
-                flat += launch["q_starts"]
-                flat += launch["kv_indptr"]
-                flat += launch["last_page_len"]
-                for row in launch["meta"]:
-                    flat += row
-                sizes += [n + 1, n + 1, n, n * META_COLUMNS]
-            parts = staging.to_device(flat, torch.int32).split(sizes)  # every view in one op
-            pages = gather_pages(kv_indices, parts[0].view(2, -1), total, dev, kernel)
-            padded: list[dict | None] = [None] * len(launches)
-        else:
-            pages = gather_page_ranges(kv_indices, ranges, staging, kernel)
-            padded = [graph.write_slot(i, launch) for i, launch in enumerate(launches)]
-            graph.metadata.copy_(graph.host, non_blocking=True)
-        out, page_at = [], 0
-        for i, launch in enumerate(launches):
-            views = ({} if graph is not None else
-                     dict(zip(("q_starts", "kv_indptr", "last_page_len", "meta"), parts[1 + 4 * i:5 + 4 * i])))
-            count = launch["kv_indptr"][-1]
-            if "page_ranges" in launch:
-                views["kv_indices"] = pages[page_at:page_at + count]
-                page_at += count
-            elif graph is None:
-                views["kv_indices"] = self._own_pages(launch["kv_indices"], count)
-            else:  # into the graph's page list below
-                views["kv_indices"] = launch["kv_indices"][:count]
-            if graph is not None:
-                fixed = graph.slot_views(i)
-                fixed["kv_indices"][:count].copy_(views["kv_indices"])
-                views = fixed
-            # Split-KV writes partial rows packed and merges them into packed rows, so it is only
-            # allowed where a launch's requests are back to back in q/o. Nor where a launch request
-            # has a kernel window: FlashInfer's fa2 kernel sizes each request's split-KV partial rows
-            # from the window it is run with (min(kv_len, window_left + CTA_TILE_Q)), its scheduler
-            # from the window it is planned with - one per launch, while fa2 takes the window per
-            # launch request (vg_meta). Planned with -1, a windowed request's partial rows land at
-            # the wrong offsets: wrong rows, or NaN (tests/test_gpu_regressions.py).
-            split_off = disable_split_kv or not launch.get("packed", True) or has_kernel_window(launch["meta"])
-            out.append(self._make_launch(i, len(launches), launch, split_off, views, padded[i]))
-        if self._sched_end:
-            sched_ws, sched_pinned = self._schedule_workspace()
-            sched_ws[:self._sched_end].copy_(sched_pinned[:self._sched_end], non_blocking=True)
-        # Copies from page-locked memory (int workspace mirrors, graph metadata) are queued: the
-        # next plan() rewrites that memory only after they ran.
-        staging.record()
-        return out
-
-    def _make_launch(self, i: int, n_launches: int, launch: dict, disable_split_kv: bool,
-                     views: dict[str, torch.Tensor], padded: dict[str, torch.Tensor] | None) -> Launch:
-        """One launch's schedule: the planner module's where it has one and KV is not split
-        (O(tiles) on the host), else FlashInfer's. ``padded``: graph mode's capacity-padded
-        host indptrs (graph.write_slot)."""
-        b, cfg, graph = self._batch, self.config, self._graph
-        assert b is not None
-        int_ws, pinned = self._workspace(i)
-        if padded is not None:
-            plan_qo, kv_indptr_h, q_starts_h = padded["plan_qo"], padded["kv_indptr"], padded["q_starts"]
-        else:  # both host indptrs from one list (one tensor op)
-            n = len(launch["meta"])
-            both = torch.tensor(launch["plan_qo"] + launch["q_starts"], dtype=torch.int32)
-            plan_qo, q_starts_h, kv_indptr_h = both[:n + 1], both[n + 1:], None
-        n = plan_qo.numel() - 1
-        float_ws = self._float_chunks(n_launches)[i]
-        if cfg.backend == "fa3":
-            plan_info = self._plan_fa3(launch, plan_qo, q_starts_h[:n], float_ws, int_ws, pinned)
-        else:
-            plan_info = self._schedule_fa2(plan_qo, q_starts_h, disable_split_kv)
-            if plan_info is not None:  # in the shared schedule workspace, with o_indptr = q_starts
-                int_ws = self._schedule_workspace()[0]
-                if graph is not None:
-                    graph.check_plan_info(i, plan_info)
-            else:  # FlashInfer's scheduler; in graph mode its CUDA-graph scheduling over the capacity
-                if kv_indptr_h is None:
-                    kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
-                total_rows = graph.capacity.max_total_q if graph else int(plan_qo[-1])
-                unpacked = not launch.get("packed", True)
-                int_ws, plan_info = self._flashinfer_plan(i, plan_qo, kv_indptr_h, total_rows, float_ws,
-                                                          disable_split_kv, views["q_starts"] if unpacked else None)
-        q_starts = views["q_starts"]
-        return Launch(
-            mask_mode=launch["mask_mode"],
-            q_starts=q_starts,
-            kv_indptr=views["kv_indptr"],
-            kv_indices=views["kv_indices"],
-            last_page_len=views["last_page_len"],
-            meta=views["meta"].view(n, META_COLUMNS),
-            window_left=int(launch.get("window_left", -1)),
-            plan_info=plan_info,
-            int_workspace=int_ws,
-            float_workspace=float_ws,
-            num_requests=n,
-        )
-
-    def _flashinfer_plan(self, i: int, plan_qo: torch.Tensor, kv_indptr_h: torch.Tensor, total_rows: int,
-                         float_ws: torch.Tensor, disable_split_kv: bool, o_rows: torch.Tensor | None,
-                         ) -> tuple[torch.Tensor, Any]:
-        """FlashInfer's fa2 scheduler for launch ``i`` (host plan_qo / kv_indptr) in the i-th
-        int workspace: (that workspace, plan_info). ``o_rows`` (device, one entry per launch
-        request + 1): where the launch requests' rows start in o when they are not back to back."""
-        b = self._batch
-        assert b is not None
-        int_ws, pinned = self._workspace(i)
-        n = plan_qo.numel() - 1
-        plan_info = self.module.plan(
-            float_ws, int_ws, pinned, plan_qo, kv_indptr_h, total_rows, n, b.num_qo_heads, b.num_kv_heads,
-            b.page_size, self._graph is not None, -1, -1, bool(disable_split_kv or o_rows is not None))
-        if self._graph is not None:
-            self._graph.check_plan_info(i, plan_info)
-        if o_rows is not None:
-            # Launch requests are not back to back in q/o: the kernel takes each one's first
-            # row from q_indptr (our q_starts) but writes o (and lse) at the plan's o_indptr,
-            # which the scheduler packed. Point o_indptr at the same rows (split-KV is off for
-            # such launches, so o_indptr has exactly one entry per launch request).
-            info = list(plan_info)
-            if info[14]:
-                raise LaunchError("internal: a planned launch must not split KV")
-            offset = int(info[8])
-            int_ws[offset:offset + 4 * (n + 1)].view(torch.int32).copy_(o_rows)
-        return int_ws, plan_info
-
-    def _plan_fa3(self, launch: dict, plan_qo: torch.Tensor, q_starts_h: torch.Tensor, float_ws: torch.Tensor,
-                  int_ws: torch.Tensor, pinned: torch.Tensor) -> Any:
-        """The fa3 module's work list: it takes kv lengths, and each item's first row from
-        ``q_starts_h`` (one per launch request)."""
-        b = self._batch
-        n = plan_qo.numel() - 1
-        kv_indptr_h = torch.tensor(launch["kv_indptr"], dtype=torch.int32)
-        pages = kv_indptr_h[1:] - kv_indptr_h[:-1]
-        last = torch.tensor(launch["last_page_len"], dtype=torch.int32)
-        kv_lens_h = torch.where(pages > 0, (pages - 1) * b.page_size + last, torch.zeros_like(pages))
-        return self.module.plan(float_ws, int_ws, pinned, plan_qo, kv_indptr_h, kv_lens_h, q_starts_h,
-                                int(plan_qo[-1]), n, b.num_qo_heads, b.num_kv_heads, b.page_size,
-                                launch["mask_mode"] == "causal")
-
-    def _schedule_fa2(self, plan_qo: torch.Tensor, q_starts_h: torch.Tensor, disable_split_kv: bool,
-                      ) -> list[int] | None:
-        """The planner module's work list for an fa2 launch (no split-KV, O(tiles) on the host),
-        written at the next offset of the shared schedule workspace; None where there is no
-        planner module, or where split-KV is allowed and could pay (then FlashInfer schedules)."""
-        if not hasattr(self.row_planner, "schedule"):
-            return None
-        b, cfg, graph = self._batch, self.config, self._graph
-        info = list(self.row_planner.schedule(
-            self._schedule_workspace()[1], self._sched_end, plan_qo, q_starts_h, b.num_qo_heads, b.num_kv_heads,
-            cfg.head_dim_qk, cfg.head_dim_vo, self._kv_dtype_bytes(), graph.capacity.max_total_q if graph else 0))
-        end = info.pop()
-        if info[0] < self._own_schedule_min_tiles(disable_split_kv):
-            return None
-        self._sched_end = -(-end // 16) * 16
-        return info
+    def _planner_args(self, skip_tiles: bool | None, spec_args: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+        """(the checked spec arguments the interval planner reads, or None with the reason it is off)."""
+        reason = self._off_reason(skip_tiles, spec_args, "interval planner")
+        if reason:
+            self._refuse_plan_args(spec_args, reason, "the interval planner")
+            return None, reason
+        checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
+        form, read, tensors = self._interval_facts
+        if not form.planner_ready or not tensors <= checked.keys():
+            usable_form(self.spec, checked)  # raises: which intervals or tensors are missing
+        self._planned_args = {k: v for k, v in checked.items() if k in read}
+        return (self._trim_to_batch(checked) if self._graph is not None else checked), ""
 
     # ------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
@@ -900,7 +635,7 @@ class VariantWrapper(WrapperBase):
             enable_pdl = self._pdl_default()
         fa3 = self.config.backend == "fa3"
         for la in self._launches:
-            code = MASK_MODES[la.mask_mode][0]
+            code = int(la.mode)
             if fa3:
                 self.module.paged_run(
                     la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.kv_indices, out,
@@ -911,11 +646,6 @@ class VariantWrapper(WrapperBase):
                     la.kv_indptr, la.kv_indices, la.last_page_len, out, lse, code, layout,
                     -1, enable_pdl, *tensors, la.meta, *scalars)
         return (out, lse) if return_lse else out
-
-
-def has_kernel_window(meta: list[list[int]]) -> bool:
-    """Whether a launch has a launch request that the kernel may prune with a left window."""
-    return any(row[META_KERNEL_WINDOW] >= 0 for row in meta)
 
 
 def host_lists(*tensors: torch.Tensor) -> list[list[int]]:
@@ -999,3 +729,4 @@ def read_paged_batch(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices: Any
     (qo_h, kvp_h, last_h), indices_h = host_indices(qo_indptr, paged_kv_indptr, paged_kv_last_page_len)
     batch = paged_batch(qo_h, kvp_h, last_h, paged_kv_indices.numel(), num_qo_heads, num_kv_heads, page_size)
     return PagedBatchLists(batch, qo_h, kvp_h, last_h, indices_h)
+

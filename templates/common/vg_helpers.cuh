@@ -20,11 +20,13 @@ __device__ __forceinline__ int32_t vg_request_row(int32_t first, int64_t local, 
 }
 __device__ __forceinline__ int32_t vg_floordiv(int32_t a, int32_t b) {
   if (b == 0) return 0;  // defined as 0, like the reference, instead of a trap
+  // -a, wrapping at INT32_MIN (whose quotient 2^31 leaves the int range): a / -1 is undefined there
+  if (b == -1) return int32_t(0u - uint32_t(a));
   int32_t q = a / b;
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 __device__ __forceinline__ int32_t vg_mod(int32_t a, int32_t b) {
-  if (b == 0) return 0;
+  if (b == 0 || b == -1) return 0;  // x % -1 is 0; INT32_MIN % -1 is undefined in C++
   int32_t r = a % b;
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
@@ -40,6 +42,11 @@ __device__ __forceinline__ float vg_exp(float x) { return expf(x); }
 __device__ __forceinline__ float vg_log(float x) { return logf(x); }
 __device__ __forceinline__ float vg_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ float vg_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// Bit i of x (two's complement, bit 0 the lowest); false for i outside 0..31, so no shift
+// count is ever negative or too large (both undefined in C++).
+__device__ __forceinline__ bool vg_bit(int32_t x, int32_t i) {
+  return uint32_t(i) < 32u && ((uint32_t(x) >> uint32_t(i)) & 1u) != 0u;
+}
 }  // namespace vg
 using namespace vg;
 

@@ -1,10 +1,9 @@
 // Static source of variantgen's fa3 modules (copied as is into each module's sources).
 //
-// What a module's binding.cu does the same for every spec: `plan` (the work list of
-// FlashInfer's sm90 kernel, one schedule for all heads, each work item pointed at its launch
-// request's rows: vg_sched::fa3_work_list, which the binding defines before including this),
-// and, for `paged_run`, PagedParams filled from the tensors and the plan, and one launch of an
-// instantiated kernel. The binding adds the spec's arguments and the mask-mode switch.
+// What a module's binding.cu does the same for every spec for `paged_run`: PagedParams filled
+// from the tensors and the work list the launch builder wrote (plan.cu, plan/fa3_worklist.h),
+// and one launch of an instantiated kernel. The binding adds the spec's arguments and the
+// mask-mode switch.
 #pragma once
 #include <flashinfer/attention/mask.cuh>
 #include <flashinfer/attention/scheduler.cuh>
@@ -23,43 +22,6 @@ template <uint32_t HEAD_DIM_QK, uint32_t HEAD_DIM_VO, MaskMode MASK_MODE, bool L
 cudaError_t BatchPrefillWithPagedKVCacheDispatched(Params& params, bool enable_pdl,
                                                    cudaStream_t stream);
 }  // namespace flashinfer
-
-// One launch's work list (vg_sched::fa3_work_list) written to the page-locked mirror and copied
-// to the int workspace. All index tensors are host (CPU) int32 tensors: plan_qo_indptr packed,
-// q_starts[b] launch request b's first row in q / o, kv_indptr pages, kv_lens keys. Returns
-// PrefillPlanSM90Info's 9 values.
-tvm::ffi::Array<int64_t> VariantgenPlan(TensorView float_workspace_buffer, TensorView int_workspace_buffer,
-                                        TensorView page_locked_int_workspace_buffer,
-                                        TensorView plan_qo_indptr, TensorView kv_indptr, TensorView kv_lens,
-                                        TensorView q_starts, int64_t total_num_rows, int64_t batch_size,
-                                        int64_t num_qo_heads, int64_t num_kv_heads, int64_t page_size,
-                                        bool causal) {
-  TVM_FFI_ICHECK(num_kv_heads > 0 && num_qo_heads % num_kv_heads == 0) << "heads: whole GQA groups";
-  TVM_FFI_ICHECK(plan_qo_indptr.size(0) == batch_size + 1 && kv_indptr.size(0) == batch_size + 1 &&
-                 kv_lens.size(0) == batch_size && q_starts.size(0) >= batch_size)
-      << "plan: index tensors do not match batch_size=" << batch_size;
-  const IdType* qo = static_cast<const IdType*>(plan_qo_indptr.data_ptr());
-  TVM_FFI_ICHECK_EQ(int64_t(qo[batch_size]), total_num_rows) << "plan: total_num_rows != plan_qo_indptr[-1]";
-  int device = 0, num_sm = 0;
-  TVM_FFI_ICHECK(cudaGetDevice(&device) == cudaSuccess);
-  TVM_FFI_ICHECK(cudaDeviceGetAttribute(&num_sm, cudaDevAttrMultiProcessorCount, device) == cudaSuccess);
-  const size_t int_bytes = int_workspace_buffer.size(0) * get_element_size(int_workspace_buffer);
-  char* host = static_cast<char*>(page_locked_int_workspace_buffer.data_ptr());
-  std::vector<int64_t> info = vg_sched::fa3_work_list(
-      qo, static_cast<const IdType*>(kv_indptr.data_ptr()), static_cast<const IdType*>(kv_lens.data_ptr()),
-      static_cast<const IdType*>(q_starts.data_ptr()), batch_size, causal, HEAD_DIM_VO == 64 ? 192 : 128,
-      num_sm, host, 0, int64_t(int_bytes));
-  TVM_FFI_ICHECK_GE(info.back(), 0) << "plan: int workspace too small (" << -info.back() << " bytes needed)";
-  const int64_t end = info.back();
-  info.pop_back();
-  ffi::CUDADeviceGuard device_guard(int_workspace_buffer.device().device_id);
-  const cudaStream_t stream = get_stream(int_workspace_buffer.device());
-  TVM_FFI_ICHECK(cudaMemcpyAsync(int_workspace_buffer.data_ptr(), host, size_t(end), cudaMemcpyHostToDevice,
-                                 stream) == cudaSuccess);
-  (void)float_workspace_buffer;
-  (void)page_size;
-  return tvm::ffi::Array<int64_t>(info.begin(), info.end());
-}
 
 // PagedParams' FlashInfer fields (kernel_params.cuh) for one launch: the tensors, their layout, and
 // the work list plan() wrote into the int workspace (plan_info).

@@ -1,0 +1,490 @@
+// The launch builder: a batch's launch requests (segments) laid out as kernel launches, each
+// with its metadata and its schedule, in one page-locked buffer that plan() copies to the
+// device in one go. The one implementation of launch assembly: every plan() path uses it
+// (the interval planner's segments from the row pass, the planner-off path's one segment per
+// request, CUDA-graph mode's fixed launch slots). Static C++, copied as it is into the
+// planner module and every fa2/fa3 paged-prefill module (vg_plan_abi.h gives the layouts,
+// variantgen/planner.py reads the descriptor). Needs <flashinfer/attention/scheduler.cuh>
+// and tvm_ffi_utils.h first.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <vector>
+
+#include "fa3_worklist.h"
+#include "vg_plan_abi.h"
+
+namespace vg_plan {
+using namespace vg_abi;
+
+inline int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+inline int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
+
+// The options (PlanOption), read once and checked.
+struct Options {
+  int64_t page_size, num_sm, fa3_cta_tile_q, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, kv_dtype_bytes,
+      fa2_min_tiles, max_window_launches, read_expect, graph_requests, graph_pages, graph_rows, window_count;
+  bool fa3, direct;
+  int64_t windows[kFa3MaxWindowLaunches];
+  bool graph() const { return graph_requests > 0; }
+  // Launch slots laid out in CUDA-graph mode: custom, causal, none, and fa3's window launches.
+  int64_t graph_slots() const { return 3 + (fa3 ? kFa3MaxWindowLaunches : 0); }
+};
+
+inline Options read_options(const int64_t* o, int64_t count) {
+  VG_REQUIRE(count == kOptionFields) << "options: expected " << kOptionFields << " int64 values";
+  Options c;
+  c.page_size = o[kOptionPageSize];
+  c.fa3 = o[kOptionFa3] != 0;
+  c.direct = o[kOptionDirect] != 0;
+  c.num_sm = o[kOptionNumSm];
+  c.fa3_cta_tile_q = o[kOptionFa3CtaTileQ];
+  c.num_qo_heads = o[kOptionNumQoHeads];
+  c.num_kv_heads = o[kOptionNumKvHeads];
+  c.head_dim_qk = o[kOptionHeadDimQk];
+  c.head_dim_vo = o[kOptionHeadDimVo];
+  c.kv_dtype_bytes = o[kOptionKvDtypeBytes];
+  c.fa2_min_tiles = o[kOptionFa2MinTiles];
+  c.max_window_launches = o[kOptionMaxWindowLaunches];
+  c.read_expect = o[kOptionReadExpect];
+  c.graph_requests = o[kOptionGraphRequests];
+  c.graph_pages = o[kOptionGraphPages];
+  c.graph_rows = o[kOptionGraphRows];
+  c.window_count = o[kOptionWindowCount];
+  for (int i = 0; i < kFa3MaxWindowLaunches; ++i) c.windows[i] = o[kOptionWindows + i];
+  VG_REQUIRE(c.page_size > 0 && c.num_sm > 0 && c.fa3_cta_tile_q > 0) << "options: page_size, num_sm, cta tile";
+  VG_REQUIRE(c.num_kv_heads > 0 && c.num_qo_heads > 0 && c.num_qo_heads % c.num_kv_heads == 0)
+      << "options: heads " << c.num_qo_heads << "/" << c.num_kv_heads << " are not whole GQA groups";
+  VG_REQUIRE(c.max_window_launches >= 0 && c.max_window_launches <= kFa3MaxWindowLaunches)
+      << "options: max_window_launches=" << c.max_window_launches;
+  VG_REQUIRE(!c.graph() || (c.graph_pages > 0 && c.graph_rows >= c.graph_requests))
+      << "options: CUDA-graph capacity " << c.graph_requests << " requests, " << c.graph_pages << " pages, "
+      << c.graph_rows << " rows";
+  VG_REQUIRE(c.window_count >= -1 && c.window_count <= c.max_window_launches)
+      << "options: window_count=" << c.window_count;
+  return c;
+}
+
+// plan()'s batch, from its host indices: int32 [3 batch + 2] = qo_indptr, paged_kv_indptr,
+// paged_kv_last_page_len (checked by the wrapper; what a launch request may address is
+// checked again here against them).
+struct Batch {
+  int64_t batch = 0, total_q = 0;
+  std::vector<int64_t> q_start, kv_start, page_start;  // [batch + 1] each: rows, key rows, page-list entries
+  int64_t qo_len(int64_t r) const { return q_start[r + 1] - q_start[r]; }
+  int64_t kv_len(int64_t r) const { return kv_start[r + 1] - kv_start[r]; }
+};
+
+inline Batch read_batch(const int32_t* indices, int64_t count, int64_t page_size) {
+  VG_REQUIRE(count >= 5 && (count - 2) % 3 == 0) << "indices: expected int32 [3 batch + 2] on the host";
+  Batch b;
+  b.batch = (count - 2) / 3;
+  const int32_t* qo = indices;
+  const int32_t* pages = qo + b.batch + 1;
+  const int32_t* last = pages + b.batch + 1;
+  b.q_start.assign(qo, qo + b.batch + 1);
+  b.page_start.assign(pages, pages + b.batch + 1);
+  b.kv_start.resize(b.batch + 1);
+  b.kv_start[0] = 0;
+  for (int64_t r = 0; r < b.batch; ++r) {
+    const int64_t n = pages[r + 1] - pages[r];
+    VG_REQUIRE(qo[r + 1] >= qo[r] && n >= 0 && (n == 0 || (last[r] >= 1 && last[r] <= page_size)))
+        << "indices: request " << r << " is not a paged request (indptrs, last page length)";
+    b.kv_start[r + 1] = b.kv_start[r] + (n > 0 ? (n - 1) * page_size + last[r] : 0);
+  }
+  b.total_q = b.q_start[b.batch];
+  return b;
+}
+
+// One launch request, checked, with its page range.
+struct Request {
+  int64_t first_row, rows, request, cls, window, kv_begin, kv_end, q_pos;
+  int64_t page_first, pages, last_page_len;
+};
+
+// The segments (kSegFields int64 each, in row order) as launch requests; every query row of
+// the batch must be in exactly one, and each must address only its request's keys and pages.
+inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, const Batch& b, int64_t page_size) {
+  std::vector<Request> out(nseg);
+  int64_t row = 0;
+  for (int64_t i = 0; i < nseg; ++i) {
+    const int64_t* g = seg + i * kSegFields;
+    Request& r = out[i];
+    r.first_row = g[kSegFirstRow];
+    r.rows = g[kSegEndRow] - r.first_row;
+    r.request = g[kSegRequest];
+    r.cls = g[kSegClass];
+    r.window = g[kSegWindow];
+    r.kv_begin = g[kSegKvBegin];
+    r.kv_end = g[kSegKvEnd];
+    r.q_pos = g[kSegQPos];
+    const bool in_batch = r.request >= 0 && r.request < b.batch && r.cls >= kDense && r.cls <= kCustom;
+    VG_REQUIRE(in_batch && r.first_row == row && r.rows >= 1 && b.q_start[r.request] <= r.first_row &&
+                   r.first_row + r.rows <= b.q_start[r.request + 1])
+        << "segments: row " << i << " (rows " << r.first_row << "-" << r.first_row + r.rows << ", request "
+        << r.request << ", class " << r.cls << ") is not the next run of rows of one request of this batch";
+    const int64_t kv_len = b.kv_len(r.request);
+    VG_REQUIRE(r.q_pos == kv_len - b.qo_len(r.request) + (r.first_row - b.q_start[r.request]) &&
+                   r.kv_begin >= 0 && r.kv_begin % page_size == 0 && r.kv_begin <= r.kv_end && r.kv_end <= kv_len &&
+                   (r.cls == kWindow ? r.window >= 0 : r.window == -1))
+        << "segments: row " << i << " (keys " << r.kv_begin << "-" << r.kv_end << ", q_pos " << r.q_pos
+        << ", window " << r.window << ") does not fit request " << r.request << " (" << kv_len << " keys, page size "
+        << page_size << ")";
+    row += r.rows;
+    r.pages = ceil_div(r.kv_end - r.kv_begin, page_size);
+    r.page_first = b.page_start[r.request] + r.kv_begin / page_size;
+    r.last_page_len = r.pages > 0 ? r.kv_end - r.kv_begin - (r.pages - 1) * page_size : 0;
+  }
+  VG_REQUIRE(row == b.total_q) << "segments: they cover " << row << " of the batch's " << b.total_q << " rows";
+  return out;
+}
+
+// The planner-off plan: one custom launch request per request with rows, over all its keys.
+inline std::vector<int64_t> direct_segments(const Batch& b) {
+  std::vector<int64_t> seg;
+  seg.reserve(kSegFields * b.batch);
+  for (int64_t r = 0; r < b.batch; ++r) {
+    if (b.qo_len(r) == 0) continue;
+    const int64_t g[kSegFields] = {b.q_start[r], b.q_start[r + 1], r, kCustom, -1, 0, b.kv_len(r),
+                                   b.kv_len(r) - b.qo_len(r)};
+    static_assert(kSegFields == 8 && kSegFirstRow == 0 && kSegEndRow == 1 && kSegRequest == 2 && kSegClass == 3 &&
+                  kSegWindow == 4 && kSegKvBegin == 5 && kSegKvEnd == 6 && kSegQPos == 7, "segment layout");
+    seg.insert(seg.end(), g, g + kSegFields);
+  }
+  return seg;
+}
+
+// ---------------------------------------------------------------------------------------
+// FlashInfer's FA2 prefill work list for one launch whose KV is not split, in the layout its
+// kernel reads (flashinfer::PrefillPlanInfo offsets into the int workspace): one CTA per
+// (launch request, query tile), o_indptr = each launch request's own first row. FlashInfer's
+// scheduler does the same plus split-KV bookkeeping that is O(query rows) on the host;
+// without split-KV this is O(tiles). The tile size is FlashInfer's choice
+// (FA2DetermineCtaTileQ), so the kernel dispatches as it would.
+// graph_rows > 0 (CUDA-graph mode): sized for at most graph_rows rows over these launch
+// requests, like FlashInfer's CUDA-graph scheduling - tile size from the longest request that
+// could be, grid padded to the most tiles there could be, a valid-CTA mask - so that
+// plan_info depends only on (graph_rows, launch requests, heads, head dims).
+struct Fa2Shape {
+  int64_t cta, tiles, padded, bytes;  // bytes from the (16-byte aligned) base
+};
+
+inline Fa2Shape fa2_shape(const int32_t* qo, int64_t n, const Options& c, int64_t graph_rows) {
+  VG_REQUIRE(n >= 1) << "schedule: no launch requests";
+  const bool graph = graph_rows > 0;
+  const int64_t rows = int64_t(qo[n] - qo[0]);
+  VG_REQUIRE(!graph || (graph_rows >= rows && graph_rows >= n))
+      << "graph_rows=" << graph_rows << " is below the rows (" << rows << ") or launch requests (" << n << ")";
+  const int64_t group = c.num_qo_heads / c.num_kv_heads;
+  const int64_t packed_len = graph ? (graph_rows - n + 1) * group : rows * group / n;
+  Fa2Shape s;
+  s.cta = flashinfer::FA2DetermineCtaTileQ(packed_len, uint32_t(c.head_dim_vo), uint32_t(c.head_dim_qk),
+                                           uint32_t(c.kv_dtype_bytes));
+  s.tiles = 0;
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t len = int64_t(qo[b + 1] - qo[b]) * group;
+    VG_REQUIRE(len >= 0) << "qo_indptr must be non-decreasing";
+    s.tiles += (len + s.cta - 1) / s.cta;
+  }
+  // sum of ceil(len_b / cta) <= ceil(sum len_b / cta) + n - 1
+  s.padded = graph ? (graph_rows * group + s.cta - 1) / s.cta + n - 1 : s.tiles;
+  VG_REQUIRE(s.tiles <= s.padded) << "more tiles than the CUDA-graph grid";
+  const int64_t arrays = 3 * align16(4 * s.padded) + align16(4 * (n + 1));
+  s.bytes = graph ? arrays + 2 * 16 + s.padded : arrays + 4;
+  return s;
+}
+
+// Writes the work list of fa2_shape's `s` at byte `base` of `buffer`; returns its plan_info.
+inline std::vector<int64_t> fa2_write(const Fa2Shape& s, char* buffer, int64_t base, const int32_t* qo,
+                                      const int32_t* o, int64_t n, const Options& c, int64_t graph_rows) {
+  VG_REQUIRE(base >= 0 && base % 16 == 0) << "base=" << base << ": expected a 16-byte aligned offset";
+  const bool graph = graph_rows > 0;
+  const int64_t group = c.num_qo_heads / c.num_kv_heads;
+  const int64_t request_off = base;
+  const int64_t q_tile_off = align16(request_off + 4 * s.padded);
+  const int64_t kv_tile_off = align16(q_tile_off + 4 * s.padded);
+  const int64_t o_off = align16(kv_tile_off + 4 * s.padded);
+  const int64_t chunk_off = align16(o_off + 4 * (n + 1));
+  const int64_t rows_off = graph ? align16(chunk_off + 4) : 0;
+  const int64_t mask_off = graph ? align16(rows_off + 4) : 0;
+  VG_REQUIRE((graph ? mask_off + s.padded : chunk_off + 4) - base == s.bytes) << "fa2 work list layout";
+  int32_t* request = reinterpret_cast<int32_t*>(buffer + request_off);
+  int32_t* q_tile = reinterpret_cast<int32_t*>(buffer + q_tile_off);
+  int32_t* kv_tile = reinterpret_cast<int32_t*>(buffer + kv_tile_off);
+  int64_t k = 0;
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t num_tiles = (int64_t(qo[b + 1] - qo[b]) * group + s.cta - 1) / s.cta;
+    for (int64_t t = 0; t < num_tiles; ++t, ++k) {
+      request[k] = int32_t(b);
+      q_tile[k] = int32_t(t);
+      kv_tile[k] = 0;
+    }
+  }
+  std::fill(request + s.tiles, request + s.padded, 0);  // padding CTAs: masked off below
+  std::fill(q_tile + s.tiles, q_tile + s.padded, 0);
+  std::fill(kv_tile + s.tiles, kv_tile + s.padded, 0);
+  std::copy(o, o + n + 1, reinterpret_cast<int32_t*>(buffer + o_off));
+  *reinterpret_cast<int32_t*>(buffer + chunk_off) = INT32_MAX;  // read only with split-KV
+  if (graph) {
+    *reinterpret_cast<uint32_t*>(buffer + rows_off) = uint32_t(qo[n]);
+    bool* valid = reinterpret_cast<bool*>(buffer + mask_off);
+    std::fill(valid, valid + s.tiles, true);
+    std::fill(valid + s.tiles, valid + s.padded, false);
+  }
+  std::vector<int64_t> info(kMaxPlanInfo, 0);
+  info[kFa2InfoPaddedBatchSize] = s.padded;
+  info[kFa2InfoTotalNumRows] = graph ? graph_rows : int64_t(qo[n]);
+  info[kFa2InfoTotalNumRowsOffset] = rows_off;
+  info[kFa2InfoCtaTileQ] = s.cta;
+  info[kFa2InfoRequestIndicesOffset] = request_off;
+  info[kFa2InfoQoTileIndicesOffset] = q_tile_off;
+  info[kFa2InfoKvTileIndicesOffset] = kv_tile_off;
+  info[kFa2InfoOIndptrOffset] = o_off;
+  info[kFa2InfoKvChunkSizePtrOffset] = chunk_off;
+  info[kFa2InfoBlockValidMaskOffset] = mask_off;
+  info[kFa2InfoEnableCudaGraph] = graph;
+  return info;
+}
+
+// ---------------------------------------------------------------------------------------
+// The launches: launch requests grouped by mask mode - custom, causal, none, and for fa3
+// (which takes its left window per launch, not per launch request) a causal launch per
+// window width: the smallest max_window_launches widths of the batch, or in CUDA-graph mode
+// the pinned ones; window rows of other widths run in the custom launch (exact: the mask).
+struct LaunchSet {
+  int32_t mode, window;
+  std::vector<int32_t> members;
+};
+
+inline std::vector<int64_t> window_widths(const std::vector<Request>& reqs, const Options& c) {
+  std::vector<int64_t> widths;
+  if (!c.fa3) return widths;
+  if (c.graph() && c.window_count >= 0) return std::vector<int64_t>(c.windows, c.windows + c.window_count);
+  for (const Request& r : reqs)
+    if (r.cls == kWindow) widths.push_back(r.window);
+  std::sort(widths.begin(), widths.end());
+  widths.erase(std::unique(widths.begin(), widths.end()), widths.end());
+  if (int64_t(widths.size()) > c.max_window_launches) widths.resize(c.max_window_launches);
+  return widths;
+}
+
+inline std::vector<LaunchSet> group_launches(const std::vector<Request>& reqs, const Options& c) {
+  const std::vector<int64_t> widths = window_widths(reqs, c);
+  std::vector<LaunchSet> slots = {LaunchSet{kModeCustom, -1, {}}, LaunchSet{kModeCausal, -1, {}},
+                                  LaunchSet{kModeNone, -1, {}}};
+  for (const int64_t w : widths) slots.push_back(LaunchSet{kModeCausal, int32_t(w), {}});
+  for (int32_t i = 0; i < int32_t(reqs.size()); ++i) {
+    const Request& r = reqs[i];
+    size_t slot = r.cls == kCustom ? 0 : r.cls == kDense ? 2 : 1;
+    if (c.fa3 && r.cls == kWindow) {
+      const auto at = std::find(widths.begin(), widths.end(), r.window);
+      slot = at == widths.end() ? 0 : 3 + size_t(at - widths.begin());
+    }
+    slots[slot].members.push_back(i);
+  }
+  if (c.graph()) return slots;  // fixed slots, empty or not
+  std::vector<LaunchSet> out;
+  for (LaunchSet& s : slots)
+    if (!s.members.empty()) out.push_back(std::move(s));
+  return out;
+}
+
+// A launch's int32 metadata (kArray* order) for n launch requests, in ints.
+inline int64_t metadata_ints(int64_t n) { return (n + 1) + (n + 1) + n + kMetaColumns * n + (n + 1); }
+
+// ---------------------------------------------------------------------------------------
+// The whole plan into `host` (`capacity` bytes; the device workspace is as large): from
+// offset 0 the page gather table, each launch's metadata, each launch's schedule, then room
+// for the gathered page lists (written on the device). `desc` (kHeaderFields + kLaunchFields
+// * kMaxLaunches int64) says where. Nothing is written to `host` unless the status is OK:
+// kStatusWorkspace asks for a larger buffer; in CUDA-graph mode kStatusSlotRequests /
+// kStatusSlotPages name the launch slot that does not fit the capacity. In CUDA-graph mode
+// every offset depends on the capacity only: the launches keep their device addresses and
+// plan_info from batch to batch.
+inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const Options& c, char* host,
+                       int64_t capacity, int64_t* desc, int64_t desc_count) {
+  VG_REQUIRE(desc_count == kHeaderFields + kLaunchFields * kMaxLaunches) << "desc: wrong size";
+  std::fill(desc, desc + desc_count, 0);
+  desc[kHeadSegments] = int64_t(reqs.size());
+  const std::vector<LaunchSet> launches = group_launches(reqs, c);
+  const bool graph = c.graph();
+  const int64_t slots = graph ? c.graph_slots() : int64_t(launches.size());
+  VG_REQUIRE(int64_t(launches.size()) <= kMaxLaunches) << "internal: too many launches";
+  int64_t total_pages = 0;
+  std::vector<int64_t> pages(launches.size(), 0);
+  for (size_t l = 0; l < launches.size(); ++l) {
+    for (const int32_t i : launches[l].members) pages[l] += reqs[i].pages;
+    total_pages += pages[l];
+  }
+  if (graph) {  // the capacity, before anything is written
+    for (size_t l = 0; l < launches.size(); ++l) {
+      const int64_t n = int64_t(launches[l].members.size());
+      const int status = n > c.graph_requests ? kStatusSlotRequests : pages[l] > c.graph_pages ? kStatusSlotPages : 0;
+      if (status) {
+        desc[kHeadStatus] = status;
+        desc[kHeadAt] = int64_t(l);
+        desc[kHeadNeed] = status == kStatusSlotRequests ? n : pages[l];
+        return;
+      }
+    }
+  }
+
+  // Layout (sizes only): the table, each slot's metadata, each slot's schedule, the pages.
+  int64_t table_ranges = 0;  // room for (first entry, shift, count) per non-empty launch request
+  for (const Request& r : reqs) table_ranges += r.pages > 0;
+  if (graph) table_ranges = std::max(table_ranges, slots * c.graph_requests);
+  int64_t at = align16(12 * table_ranges);
+  std::vector<int64_t> region(slots), slot_n(slots), kind(slots, kScheduleFlashInfer), sched_at(slots, 0);
+  std::vector<Fa2Shape> fa2(slots);
+  std::vector<int64_t> fa3_room(slots, 0);
+  for (int64_t l = 0; l < slots; ++l) {
+    slot_n[l] = graph ? c.graph_requests : int64_t(launches[l].members.size());
+    region[l] = at;
+    at = align16(at + 4 * metadata_ints(slot_n[l]));
+  }
+  std::vector<std::vector<int32_t>> plan_qo(slots);  // per slot, the rows packed (the schedules need them first)
+  for (int64_t l = 0; l < slots; ++l) {
+    std::vector<int32_t>& qo = plan_qo[l];
+    qo.assign(slot_n[l] + 1, 0);
+    const std::vector<int32_t> none;
+    const std::vector<int32_t>& members = l < int64_t(launches.size()) ? launches[l].members : none;
+    for (size_t k = 0; k < members.size(); ++k) qo[k + 1] = qo[k] + int32_t(reqs[members[k]].rows);
+    for (int64_t k = int64_t(members.size()); k < slot_n[l]; ++k) qo[k + 1] = qo[k];
+    sched_at[l] = at;
+    if (c.fa3) {
+      kind[l] = kScheduleFa3;
+      fa3_room[l] = graph ? ceil_div(c.graph_rows, c.fa3_cta_tile_q) + c.graph_requests - 1
+                          : fa3_tiles(qo.data(), slot_n[l], c.fa3_cta_tile_q);
+      at = align16(at + fa3_work_list_bytes(fa3_room[l], c.num_sm));
+    } else {
+      fa2[l] = fa2_shape(qo.data(), slot_n[l], c, graph ? c.graph_rows : 0);
+      // Below fa2_min_tiles FlashInfer's scheduler may split KV - but not for a launch with a
+      // kernel window: its fa2 kernel sizes a request's split-KV partial rows from the window it
+      // runs with (ours, per launch request), its scheduler from the one it is planned with (one
+      // per launch); those disagree, and the merge would read the wrong rows.
+      bool windowed = false;
+      for (const int32_t i : members) windowed = windowed || reqs[i].window >= 0;
+      kind[l] = !graph && fa2[l].tiles < c.fa2_min_tiles && !windowed ? kScheduleFlashInfer : kScheduleFa2;
+      if (kind[l] == kScheduleFa2) at = align16(at + fa2[l].bytes);
+    }
+  }
+  const int64_t pages_offset = at;
+  const int64_t extent = graph ? slots * c.graph_pages : total_pages;
+  if (pages_offset + 4 * extent > capacity) {
+    desc[kHeadStatus] = kStatusWorkspace;
+    desc[kHeadNeed] = pages_offset + 4 * extent;
+    return;
+  }
+
+  // Write: each launch's metadata and page ranges, then its schedule (in CUDA-graph mode the
+  // launches are the slots in use: fa3 pins fewer window widths than it lays out).
+  int32_t* table = reinterpret_cast<int32_t*>(host);
+  std::vector<int32_t> first_entry, shift, count;
+  first_entry.reserve(table_ranges);
+  shift.reserve(table_ranges);
+  count.reserve(table_ranges);
+  int64_t stats[kCustom + 1] = {0, 0, 0, 0}, custom_rows = 0;
+  int64_t page_at = 0;
+  for (int64_t l = 0; l < int64_t(launches.size()); ++l) {
+    const std::vector<int32_t>& members = launches[l].members;
+    const int64_t n = slot_n[l], m = int64_t(members.size());
+    int32_t* q_starts = reinterpret_cast<int32_t*>(host + region[l]);
+    int32_t* kv_indptr = q_starts + n + 1;
+    int32_t* last_page_len = kv_indptr + n + 1;
+    int32_t* meta = last_page_len + n;
+    int32_t* qo = meta + kMetaColumns * n;
+    if (graph) page_at = l * c.graph_pages;
+    bool packed = !graph;
+    kv_indptr[0] = 0;
+    for (int64_t k = 0; k < n; ++k) {
+      int32_t* row = meta + kMetaColumns * k;
+      if (k >= m) {  // an empty launch request (CUDA-graph padding): no rows, no keys, no window
+        q_starts[k] = int32_t(b.total_q);
+        kv_indptr[k + 1] = kv_indptr[k];
+        last_page_len[k] = 0;
+        std::fill(row, row + kMetaColumns, 0);
+        row[VG_META_Q_ROW_BASE] = int32_t(b.total_q);
+        row[VG_META_KERNEL_WINDOW] = -1;
+        continue;
+      }
+      const Request& r = reqs[members[k]];
+      ++stats[r.cls];
+      if (r.cls == kCustom) custom_rows += r.rows;
+      q_starts[k] = int32_t(r.first_row);
+      kv_indptr[k + 1] = kv_indptr[k] + int32_t(r.pages);
+      last_page_len[k] = int32_t(r.last_page_len);
+      row[VG_META_Q_ROW_BASE] = int32_t(r.first_row);
+      row[VG_META_Q_POS_BASE] = int32_t(r.q_pos);
+      row[VG_META_KV_POS_BASE] = int32_t(r.kv_begin);
+      row[VG_META_REQUEST] = int32_t(r.request);
+      row[VG_META_KV_ROW_BASE] = int32_t(b.kv_start[r.request]);
+      row[VG_META_REQ_QO_LEN] = int32_t(b.qo_len(r.request));
+      row[VG_META_REQ_KV_LEN] = int32_t(b.kv_len(r.request));
+      row[VG_META_KERNEL_WINDOW] = int32_t(r.window);
+      row[VG_META_LAUNCH_QO_LEN] = int32_t(r.rows);
+      packed = packed && q_starts[k] == plan_qo[l][k];
+      if (r.pages > 0) {  // its pages in the gathered list: one range, merged with the last where contiguous
+        const int32_t out = int32_t(page_at + kv_indptr[k]);
+        const int32_t d = int32_t(r.page_first) - out;
+        if (!count.empty() && first_entry.back() + count.back() == out && shift.back() == d) {
+          count.back() += int32_t(r.pages);
+        } else {
+          first_entry.push_back(out);
+          shift.push_back(d);
+          count.push_back(int32_t(r.pages));
+        }
+      }
+    }
+    q_starts[n] = int32_t(b.total_q);
+    std::copy(plan_qo[l].begin(), plan_qo[l].end(), qo);
+    packed = packed && int64_t(qo[n]) == b.total_q;
+
+    std::vector<int64_t> info;
+    if (kind[l] == kScheduleFa3) {
+      std::vector<int32_t> keys(n);
+      for (int64_t k = 0; k < n; ++k)
+        keys[k] = kv_indptr[k + 1] > kv_indptr[k] ? (kv_indptr[k + 1] - kv_indptr[k] - 1) * int32_t(c.page_size) +
+                                                        last_page_len[k] : 0;
+      info = fa3_work_list(qo, kv_indptr, keys.data(), q_starts, n, launches[l].mode == kModeCausal,
+                           c.fa3_cta_tile_q, c.num_sm, fa3_room[l], host, sched_at[l]);
+      info.pop_back();
+    } else if (kind[l] == kScheduleFa2) {
+      info = fa2_write(fa2[l], host, sched_at[l], qo, q_starts, n, c, graph ? c.graph_rows : 0);
+    }
+    int64_t* d = desc + kHeaderFields + kLaunchFields * l;
+    d[kLaunchMode] = launches[l].mode;
+    d[kLaunchWindowLeft] = launches[l].window;
+    d[kLaunchRequests] = m;
+    d[kLaunchSlot] = n;
+    d[kLaunchOffset] = region[l];
+    d[kLaunchPacked] = packed;
+    d[kLaunchSchedule] = kind[l];
+    d[kLaunchRows] = qo[n];
+    d[kLaunchPageAt] = page_at;
+    d[kLaunchPages] = pages[l];
+    d[kLaunchSlotPages] = graph ? c.graph_pages : d[kLaunchPages];
+    d[kLaunchInfoLen] = int64_t(info.size());
+    std::copy(info.begin(), info.end(), d + kLaunchInfo);
+    if (!graph) page_at += pages[l];
+  }
+  const int64_t ranges = int64_t(count.size());
+  std::copy(first_entry.begin(), first_entry.end(), table);
+  std::copy(shift.begin(), shift.end(), table + ranges);
+  std::copy(count.begin(), count.end(), table + 2 * ranges);
+  desc[kHeadStatus] = kStatusOk;
+  desc[kHeadCopyBytes] = pages_offset;
+  desc[kHeadTableOffset] = 0;
+  desc[kHeadRanges] = ranges;
+  desc[kHeadPagesOffset] = pages_offset;
+  desc[kHeadPagesExtent] = extent;
+  desc[kHeadLaunches] = int64_t(launches.size());
+  desc[kHeadDense] = stats[kDense];
+  desc[kHeadCausal] = stats[kCausal];
+  desc[kHeadWindow] = stats[kWindow];
+  desc[kHeadCustom] = stats[kCustom];
+  desc[kHeadCustomRows] = custom_rows;
+}
+
+}  // namespace vg_plan

@@ -1,0 +1,110 @@
+"""The Plan value (variantgen/plan.py) on the CPU: what plan() returns and keeps as
+``last_plan``, its summary, its launch requests and ``to_dense()`` - checked against the
+reference mask: an element a launch shows as VISIBLE (no mask evaluated) must be visible, and
+no visible element may be left unvisited."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ALL_SPECS, SPECS_DIR
+from test_wrapper_cpu import batch_of, make
+
+import variantgen
+from variantgen.plan import MASKED, NOT_VISITED, VISIBLE, LaunchRequest
+from variantgen.plan_abi import MaskMode, RowClass
+from variantgen.reference import RequestGrid, mask_for_request
+from variantgen.testing import random_spec_args, spans_to_ranges
+
+
+def reference_masks(spec, batch, args) -> list[torch.Tensor]:
+    """Per request, bool [qo_len, kv_len]: the mask (head 0; the shipped specs' masks are per head
+    only where the planner is off anyway)."""
+    out, row = [], 0
+    kv_row = 0
+    for r, (q, k) in enumerate(zip(batch.qo_lens, batch.kv_lens)):
+        grid = RequestGrid(r, q, k, row, kv_row, 1, 1, torch.device("cpu"))
+        out.append(mask_for_request(spec, grid, args)[0].clone())
+        row, kv_row = row + q, kv_row + k
+    return out
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("skip_tiles", [True, False], ids=["planned", "planner_off"])
+@pytest.mark.parametrize("spec_name", ALL_SPECS)
+def test_to_dense_covers_the_mask_and_shows_visible_only_what_is_visible(spec_name, skip_tiles, backend):
+    spec = variantgen.load_spec(SPECS_DIR / f"{spec_name}.yaml")
+    batch = batch_of([37, 1, 20, 0, 64], [37, 90, 61, 9, 200], 4, seed=3)
+    args = random_spec_args(spec, batch, seed=3)
+    w, _ = make(spec, backend=backend)
+    plan = w.plan(*batch.plan_args(), skip_tiles=skip_tiles, **(args if skip_tiles else {}))
+    assert plan is w.last_plan and plan.planner == ("module" if skip_tiles else "off")
+    for r, (grid, mask) in enumerate(zip(plan.to_dense(), reference_masks(spec, batch, args))):
+        assert grid.shape == mask.shape
+        assert not (mask & (grid == NOT_VISITED)).any(), f"request {r}: a visible element is not visited"
+        assert mask[grid == VISIBLE].all(), f"request {r}: an element shown visible without the mask is masked"
+    rows = [r.rows for r in plan.launch_requests]
+    assert rows == sorted(rows) and all(a[1] == b[0] for a, b in zip(rows, rows[1:]))  # a partition of the rows
+    assert sum(la.num_requests for la in plan.launches) == len(plan.launch_requests)
+    assert sum(la.num_rows for la in plan.launches) == batch.q.shape[0]
+    if not skip_tiles:
+        assert {r.cls for r in plan.launch_requests} == {RowClass.CUSTOM}
+        assert all(grid[grid != NOT_VISITED].eq(MASKED).all() for grid in plan.to_dense())
+
+
+def test_the_summary_says_what_the_plan_does():
+    spec = variantgen.load_spec(SPECS_DIR / "mm_prefix.yaml")
+    qo_lens = kv_lens = [512, 512]
+    batch = batch_of(qo_lens, kv_lens, 16, seed=11)
+    args = {"ranges": spans_to_ranges(qo_lens, kv_lens, [[(37, 100)], [(0, 63), (480, 511)]])}
+    w, _ = make(spec)
+    plan = w.plan(*batch.plan_args(), **args)
+    text = str(plan)
+    assert text.startswith("Plan(2 requests, 1024 query rows, 4/2 heads, page size 16; fa2; interval planner "
+                           "(planner module))")
+    for la in plan.launches:
+        assert f"{la.mask_mode:6} {la.num_requests:5} launch requests, {la.num_rows} rows" in text
+    work = plan.work()
+    assert work["full"] == 2 * 512 * 512 and 0 < work["visited"] < work["full"] and work["masked"] < work["visited"]
+    assert work["pages_given"] == 2 * 32 and work["pages_read"] >= 2 * 32  # runs split at spans re-read pages
+    assert f"(query, key) pairs visited {work['visited']} of {work['full']}" in text
+    assert "launch requests by class: dense" in text
+    off = w.plan(*batch.plan_args(), skip_tiles=False)
+    assert "planner off: skip_tiles=False" in str(off) and off.work()["masked"] == off.work()["visited"]
+
+
+def test_a_kept_plan_stays_readable_after_the_next_plan():
+    """The launch requests are read from the workspace's host mirror, which the next plan()
+    rewrites: a Plan still referenced then keeps a copy."""
+    spec = variantgen.load_spec(SPECS_DIR / "sliding_window.yaml")
+    w, _ = make(spec)
+    first = batch_of([40, 90], [40, 300], 16, seed=1)
+    plan = w.plan(*first.plan_args(), window=20)
+    before = list(plan.launch_requests)
+    plan._requests = None  # read again from the mirror, after the next plan
+    second = batch_of([7, 300, 5], [7, 300, 900], 16, seed=2)
+    w.plan(*second.plan_args(), window=5)
+    assert plan.launch_requests == before and w.last_plan is not plan
+    assert [r.window for r in before if r.cls == RowClass.WINDOW] and all(
+        r.window == 20 for r in before if r.cls == RowClass.WINDOW)
+
+
+def test_to_dense_refuses_a_large_batch():
+    spec = variantgen.load_spec(SPECS_DIR / "causal.yaml")
+    w, _ = make(spec)
+    batch = batch_of([4096], [4097], 16)
+    plan = w.plan(*batch.plan_args())
+    with pytest.raises(ValueError, match=r"Plan.to_dense\(\): 16781312 query-key pairs; it draws at most 16777216"):
+        plan.to_dense()
+
+
+def test_launch_request_from_a_segment_and_what_it_visits():
+    # rows 10..13 of request 2, window 3, keys 16..40 (page 8), first query at position 30
+    r = LaunchRequest.from_segment([10, 14, 2, int(RowClass.WINDOW), 3, 16, 34, 30], 8)
+    assert (r.rows, r.request, r.cls, r.mode, r.window, r.keys, r.pages, r.q_pos) == (
+        (10, 14), 2, RowClass.WINDOW, MaskMode.CAUSAL, 3, (16, 34), 3, 30)
+    assert r.visited() == 4 * 4  # each row sees itself and 3 keys back
+    causal = LaunchRequest.from_segment([0, 3, 0, int(RowClass.CAUSAL), -1, 0, 8, 5], 8)
+    assert causal.visited() == 6 + 7 + 8
+    dense = LaunchRequest.from_segment([0, 3, 0, int(RowClass.DENSE), -1, 8, 20, 30], 8)
+    assert dense.visited() == 3 * 12 and dense.pages == 2
