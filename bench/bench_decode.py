@@ -94,8 +94,8 @@ def main() -> None:
     import flashinfer
 
     from variantgen.build import build_module, default_cache
-    from variantgen.render import ModuleConfig
-    from variantgen.wrapper import DEFAULT_MASK_MODES, device_arch
+    from variantgen.factory import device_arch
+    from variantgen.render import DEFAULT_MASK_MODES, ModuleConfig
 
     dev = "cuda"
     res: dict = {

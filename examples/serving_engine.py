@@ -31,9 +31,11 @@ class Engine:
     def __init__(self, groups: list[LayerGroup]):
         self.wrappers = {}  # group name -> variantgen wrapper, only for groups that passed the probe
         for g in groups:
-            r = variantgen.probe(SPEC, head_dim_qk=g.head_size, q_dtype=g.q_dtype, kv_dtype=g.kv_dtype)
-            if r:  # truthy only when the module is built or found and loaded on this GPU
-                backend = r.details["backend"]  # fa3 on sm90 where valid, else fa2 (variantgen.choose_backend)
+            # on the GPU it serves from: truthy only when the spec runs there now
+            r = variantgen.probe(SPEC, head_dim_qk=g.head_size, q_dtype=g.q_dtype, kv_dtype=g.kv_dtype, device="cuda")
+            if r:
+                # fa3 on sm90 where valid, else fa2; flex where JIT is off and neither module is precompiled
+                backend = r.details["backend"]
                 log.info("group %s: advertising mm_prefix backend (%s %s, from %s)", g.name, backend, r.uri,
                          r.source)
                 ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")

@@ -47,9 +47,10 @@ from typing import Any
 import torch
 from _builder import finish_on_cpu, plan_builder
 
+from variantgen.evaluate import Evaluator
 from variantgen.plan_abi import META_COLUMNS, SEG_FIELDS, MaskMode, MetaColumn, PrefillPlanInfo, SM90PlanInfo
 from variantgen.planner import fa3_cta_tile_q
-from variantgen.reference import _Evaluator, softmax_attention
+from variantgen.reference import softmax_attention
 from variantgen.spec import VariantSpec
 
 MODE_NAMES = {int(m): m.label for m in MaskMode}
@@ -79,13 +80,11 @@ def scores_with_logits(spec: VariantSpec, env: dict, args: dict, scores: torch.T
     """The spec's logits transform applied to the scaled scores (unchanged without one)."""
     if spec.logits is None:
         return scores
-    ev = _Evaluator.from_env(spec, env, args)
-    ev.logits = scores
-    return ev._as_float(spec.logits).expand_as(scores)
+    return Evaluator(spec, env, args, logits=scores).as_float(spec.logits).expand_as(scores)
 
 
 def spec_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...]) -> torch.Tensor:
-    return _Evaluator.from_env(spec, env, args).ev(spec.mask).expand(shape)
+    return Evaluator(spec, env, args).ev(spec.mask).expand(shape)
 
 
 def spec_sink(spec: VariantSpec, env: dict, args: dict, heads: int) -> torch.Tensor | None:
@@ -93,7 +92,7 @@ def spec_sink(spec: VariantSpec, env: dict, args: dict, heads: int) -> torch.Ten
     launch request's vg_meta row (None without a sink): every launch request of a row adds it."""
     if spec.sink is None:
         return None
-    return _Evaluator.from_env(spec, env, args)._as_float(spec.sink).expand(heads, 1, 1).reshape(heads, 1)
+    return Evaluator(spec, env, args).as_float(spec.sink).expand(heads, 1, 1).reshape(heads, 1)
 
 
 def assert_lse_matches(lse: torch.Tensor, ref_lse: torch.Tensor, label: str) -> None:

@@ -19,11 +19,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def test_import_does_not_import_torch():
-    code = ("import sys, variantgen, variantgen.probe; print('torch' in sys.modules, "
-            "callable(variantgen.probe), variantgen.probe.__module__)")
+    code = ("import sys, variantgen, variantgen.probing, variantgen.factory, variantgen.capabilities; "
+            "print('torch' in sys.modules, callable(variantgen.probe), variantgen.probe.__module__, "
+            "variantgen.make_wrapper.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}).stdout.split()
-    assert out == ["False", "True", "variantgen.probe"]
+    assert out == ["False", "True", "variantgen.probing", "variantgen.factory"]
 
 
 @pytest.mark.parametrize("name, params", [
@@ -44,14 +45,17 @@ def test_help_shows_the_real_signature_and_docstring(name, params):
     assert fn.__doc__ and fn.__doc__.split("\n")[0].strip() in text
 
 
-def test_probe_stays_the_function_after_importing_the_submodule():
-    module = importlib.import_module("variantgen.probe")
-    assert variantgen.probe is module.probe and variantgen.probe is not module
-    assert variantgen.probe.cache_clear is module.cache_clear
+def test_probe_is_only_the_function():
+    """The module is variantgen.probing: no import can rebind `variantgen.probe` to a module of
+    the same name, and nothing patches the package to keep it the function."""
+    module = importlib.import_module("variantgen.probing")
+    assert variantgen.probe is module.probe and variantgen.probe.cache_clear is module.cache_clear
+    package = Path(variantgen.__file__).parent
+    assert not (package / "probe.py").exists() and not (package / "probe").exists()
 
 
 def test_dir_and_all_name_the_lazy_functions():
-    for name in ("make_wrapper", "GraphCapacity", "spans_to_ranges", "tree_bits"):
+    for name in ("GraphCapacity", "spans_to_ranges", "tree_bits"):
         assert name in dir(variantgen) and name in variantgen.__all__
     assert all(hasattr(variantgen, name) for name in variantgen.__all__)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):

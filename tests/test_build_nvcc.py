@@ -20,7 +20,8 @@ import variantgen
 from variantgen import build
 from variantgen.cache import Cache
 from variantgen.errors import BuildError
-from variantgen.render import ModuleConfig, choose_backend
+from variantgen.render import ModuleConfig
+from variantgen.resolver import choose_backend
 
 pytestmark = pytest.mark.nvcc
 

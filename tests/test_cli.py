@@ -23,7 +23,7 @@ from variantgen.errors import BuildError
 from variantgen.render import ModuleConfig, render_module
 from variantgen.rowplan import PlannerConfig
 
-probe_mod = importlib.import_module("variantgen.probe")
+probe_mod = importlib.import_module("variantgen.probing")
 REPO = Path(__file__).resolve().parents[1]
 SPECS = REPO / "specs"
 MM = SPECS / "mm_prefix.yaml"
@@ -74,10 +74,10 @@ def test_help_and_version():
 
 
 def test_errors_are_one_line_without_traceback():
-    r = run("render", MM, "--head-dim", "128", "--dtype", "fp32")
+    r = run("render", MM, "--head-dim", "128", "--dtype", "fp64")
     assert r.exit_code == 1
-    assert r.stderr.strip() == ("error: --dtype='fp32': unsupported dtype; expected one of "
-                                "['bf16', 'fp16', 'fp8_e4m3', 'fp8_e5m2']")
+    assert r.stderr.strip() == ("error: --dtype='fp64': unsupported dtype; expected one of "
+                                "['bf16', 'fp16', 'fp32', 'fp8_e4m3', 'fp8_e5m2']")
     assert "Traceback" not in r.output
     r = run("render", SPECS / "nope.yaml", "--head-dim", "128", "--dtype", "bf16")
     assert r.exit_code == 1 and r.stderr.startswith("error: ") and "spec file not found" in r.stderr
@@ -122,10 +122,25 @@ def test_validate_missing_file(tmp_path):
 
 
 def test_render_prints_the_variant_struct():
+    """--backend auto (the default): the module make_wrapper builds on a GPU of --arch (9.0a by
+    default here: fa3); a backend by name, or an arch where fa3 cannot run, gives fa2's."""
     r = run("render", MM, "--head-dim", "128", "--dtype", "bf16")
     assert r.exit_code == 0, r.output
-    assert "struct VG_MmPrefix : AttentionVariantBase" in r.stdout
-    assert "ranges" in r.stdout
+    assert "from spec `mm_prefix` (fa3)" in r.stdout and "ranges" in r.stdout
+    for args in (("--backend", "fa2"), ("--arch", "8.0"), ("--kv-dtype", "fp8_e4m3")):
+        r = run("render", MM, "--head-dim", "128", "--dtype", "bf16", *args)
+        assert r.exit_code == 0 and "struct VG_MmPrefix : AttentionVariantBase" in r.stdout, args
+
+
+def test_render_without_a_module_backend_names_every_reason():
+    r = run("render", MM, "--head-dim", "128", "--dtype", "fp32")
+    assert r.exit_code == 1 and r.stderr.splitlines() == [
+        "error: no backend can run it here:",
+        "  fa3: --dtype=fp32: fa3 modules take bf16, fp16",
+        "  fa2: --dtype=fp32: fa2 modules take bf16, fp16; --kv-dtype=fp32: fa2 modules take bf16, fp16, fp8_e4m3, "
+        "fp8_e5m2",
+        "  flex: the flex route has no module to render or build (it runs through torch; probe it with --backend "
+        "flex)"]
 
 
 def test_render_one_file_or_all(tmp_path):
@@ -149,8 +164,9 @@ def test_render_writes_all_files(tmp_path):
 
 
 def test_render_unsupported_combination():
-    r = run("render", MM, "--head-dim", "96", "--dtype", "bf16")
-    assert r.exit_code == 1 and "head_dim_qk=96" in r.stderr
+    r = run("render", MM, "--head-dim", "96", "--dtype", "bf16", "--backend", "fa2")
+    assert r.exit_code == 1 and r.stderr == ("error: --head-dim=96, --head-dim-vo=96: fa2 prefill modules support head "
+                                             "dims 64, 128, 256 (qk/vo where they differ)\n")
 
 
 # ----------------------------------------------------------------------------- precompile
@@ -315,8 +331,12 @@ def test_precompile_arch_defaults(fake_builds, clean):
 def test_precompile_bad_inputs(fake_builds, tmp_path):
     r = run("precompile", CAUSAL, "--head-dim", "128,big", "--dtype", "bf16", "--arch", "9.0a")
     assert r.exit_code == 2 and "'big': expected a whole number or QK/VO" in r.output
-    r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "float32", "--arch", "9.0a")
-    assert r.exit_code == 1 and r.stderr.startswith("error: --dtype='float32'")
+    r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "float64", "--arch", "9.0a")
+    assert r.exit_code == 1 and r.stderr.startswith("error: --dtype='float64': unsupported dtype")
+    r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "float32", "--arch", "9.0a", "--dry-run")
+    assert r.exit_code == 0 and r.stdout.startswith(
+        "skip  causal hd=128 q=fp32 kv=fp32 o=fp32 arch=9.0a backend=auto kind=prefill: no backend can run it here: "
+        "fa3: --dtype=fp32: fa3 modules take bf16, fp16 | fa2: ")
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\n")
     r = run("precompile", bad, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a")
@@ -342,12 +362,22 @@ def gpu(monkeypatch):
 
 @pytest.mark.parametrize("arch", [[], ["--arch", "9.0a"]])
 def test_probe_without_gpu_exits_1(arch):
-    """`probe --arch 9.0a` on a CPU box: no (nothing can run here), whatever the arch."""
-    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", *arch)
+    """`probe --backend fa2 --arch 9.0a` on a CPU box: no module runs here, whatever the arch."""
+    r = run("probe", MM, "--head-dim", "128", "--dtype", "bf16", "--backend", "fa2,fa3", *arch)
     assert r.exit_code == 1
-    assert "ok:      no" in r.stdout
-    assert "reason:  no CUDA device visible: probe() answers whether the module runs here" in r.stdout
+    assert r.stdout.count("ok:      no") == 2
+    assert r.stdout.count("reason:  no CUDA device visible: probe() answers whether the module runs here") == 2
     assert "precompile ... --check" in r.stdout
+
+
+def test_probe_auto_on_a_cpu_box_is_the_flex_route():
+    """backend auto: where no module can run, the resolver's last choice, torch's FlexAttention
+    on the CPU (it ran a small batch there)."""
+    r = run("probe", MM, "--head-dim", "64", "--dtype", "bf16", "--json")
+    data = json.loads(r.stdout)
+    assert r.exit_code == 0, r.output
+    assert data["ok"] and data["backend"] == "flex" and data["source"] == "torch" and data["uri"] is None
+    assert data["details"]["not_chosen"]["fa2"].startswith("no CUDA device visible")
 
 
 def test_probe_finds_a_cached_module(clean, gpu):
@@ -365,7 +395,7 @@ def test_probe_finds_a_cached_module(clean, gpu):
 def test_probe_no_build_prints_the_precompile_command(tmp_path, gpu):
     gpu((8, 0))
     r = run("probe", CAUSAL, "--head-dim", "64", "--dtype", "fp16", "--arch", "8.0", "--no-build",
-            "--cache-dir", tmp_path / "c")
+            "--cache-dir", tmp_path / "c", "--backend", "fa2")
     assert r.exit_code == 1
     assert (f"copy the cache folder here: variantgen precompile {CAUSAL} --head-dim 64 --dtype fp16 --kv-dtype fp16 "
             "--backend fa2 --arch 8.0 "

@@ -24,8 +24,9 @@ from conftest import ALL_SPECS, SPEC_FILES, SPECS_DIR
 from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
+import variantgen.build as build_mod
 import variantgen.wrapper as wrapper_mod
-from variantgen import render
+from variantgen import capabilities, render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.decode import DecodeWrapper
@@ -129,7 +130,8 @@ def test_every_shipped_spec_renders_a_decode_module(path):
     spec = variantgen.load_spec(path)
     module = render_module(decode_config(spec))
     assert set(module.files) == {"vg_plan_abi.h", "variant.cuh", "batch_decode_config.inc", "binding.cu",
-                                 "decode_kernel.cu"}
+                                 "decode_kernel.cu", "vg_helpers.cuh", "config_prelude.cuh", "kernel_params.cuh"}
+    assert module.files["binding.cu"] == render.static_source("fa2/decode_binding.cu")  # no Jinja in it
     assert module.compile_units == ("binding.cu", "decode_kernel.cu")
     assert module.host_sources == ("batch_decode.cu",)
     text = "\n".join(module.files.values())
@@ -144,7 +146,8 @@ def test_every_shipped_spec_renders_a_decode_module(path):
         assert '#include "vg_plan_abi.h"' in text
     assert module.files["vg_plan_abi.h"] == prefill.files["vg_plan_abi.h"]
     assert len(meta_defines(module.files["vg_plan_abi.h"])) == META_COLUMNS + 1 and not meta_defines(config)
-    assert f"using AttentionVariant = {struct};" in config and "struct Params {" in config
+    assert f"using AttentionVariant = {struct};" in config
+    assert "struct Params : vg::DecodeFields<DTypeQ, DTypeKV, DTypeO, IdType> {" in config
     assert config.rstrip().endswith('#include "variant.cuh"')
     # every run() extra argument: in the ABI in order, and a Params member
     abi = [f"ffi::Tensor {a.name}" for a in module.tensor_args] + [f"{a.cpp_type} {a.name}"
@@ -155,18 +158,19 @@ def test_every_shipped_spec_renders_a_decode_module(path):
         star = "*" if a in module.tensor_args else ""
         assert f"  {a.cpp_type}{star} {a.name};" in config, a.name
         assert f"params.{a.name} = " in config
-    assert "get_qo_len(uint32_t batch_idx) const { return 1; }" in config
+    assert "get_qo_len(uint32_t batch_idx) const { return 1; }" in module.files["kernel_params.cuh"]
+    assert f"using VariantgenVariant = {struct};" in module.files["variant.cuh"]  # the name binding.cu uses
     kernel = module.files["decode_kernel.cu"]
     assert f"BatchDecodeWithPagedKVCacheDispatched<\n    128, PosEncodingMode::kNone, {struct}, Params>" in kernel
     binding = module.files["binding.cu"]
     assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, VariantgenDecodePlan);" in binding
     assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, BatchDecodeWithPagedKVCacheRun);" in binding
-    assert f"BatchDecodeWithPagedKVCacheWorkEstimationDispatched<\n        GROUP_SIZE, HEAD_DIM_QK, " \
-           f"POS_ENCODING_MODE, {struct}, Params>" in binding
+    assert "BatchDecodeWithPagedKVCacheWorkEstimationDispatched<\n        GROUP_SIZE, HEAD_DIM_QK, " \
+           "POS_ENCODING_MODE, VariantgenVariant, Params>" in binding
     assert module.config.uri_prefix.startswith(f"vg_{spec.name}_fa2_decode_")
 
 
-@pytest.mark.parametrize("head_dim", render.FA2_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", [qk for qk, _ in capabilities.HEAD_DIMS["fa2", "decode"]])
 @pytest.mark.parametrize("q_dtype, kv_dtype", [("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp8_e4m3"),
                                                ("fp16", "fp8_e5m2")])
 def test_decode_dtypes_and_head_dims(head_dim, q_dtype, kv_dtype):
@@ -188,8 +192,7 @@ def test_decode_rendering_is_deterministic_and_keyed_apart_from_prefill():
     assert decode_config(spec).uri_prefix != decode_config(spec, kind="prefill").uri_prefix
 
 
-@pytest.mark.parametrize("template", ["fa2/decode_config.inc.jinja", "fa2/decode_binding.cu.jinja",
-                                      "fa2/decode_kernel.cu.jinja"])
+@pytest.mark.parametrize("template", ["fa2/decode_config.inc.jinja", "fa2/decode_kernel.cu.jinja"])
 def test_decode_templates_are_strict(template):
     env = render.environment()
     assert env.undefined is jinja2.StrictUndefined
@@ -202,7 +205,7 @@ def test_decode_templates_are_strict(template):
 
 def test_decode_templates_are_part_of_the_fa2_digest():
     names = [f"{p.parent.name}/{p.name}" for p in render.template_files("fa2")]
-    assert {"fa2/decode_config.inc.jinja", "fa2/decode_binding.cu.jinja", "fa2/decode_kernel.cu.jinja"} <= set(names)
+    assert {"fa2/decode_config.inc.jinja", "fa2/decode_binding.cu", "fa2/decode_kernel.cu.jinja"} <= set(names)
 
 
 def test_decode_config_validation():
@@ -425,8 +428,8 @@ def test_make_wrapper_builds_the_right_module(monkeypatch):
         manifest = {"scalar_args": [a.name for a in kernel_args(config.spec)[1]], "module_sha256": "x"}
         return BuildResult(Entry(Path("/nonexistent"), config.uri_prefix + "_x", manifest), None, False, 0.0)
 
-    monkeypatch.setattr(wrapper_mod, "build_module", fake_build)
-    monkeypatch.setattr(wrapper_mod, "load_module", lambda entry: object())
+    monkeypatch.setattr(build_mod, "build_module", fake_build)
+    monkeypatch.setattr(build_mod, "load_module", lambda entry: object())
     ws = torch.empty(16, dtype=torch.uint8)
     w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="fp8_e4m3",
                                 kind="decode", arch="9.0a", kv_layout="HND")

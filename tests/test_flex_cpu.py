@@ -429,11 +429,19 @@ def test_batch_without_queries_returns_empty_outputs():
 
 def test_factory_settings():
     spec = shipped("causal")
-    with pytest.raises(ValueError, match="graph=: CUDA-graph mode is for the FlashInfer routes"):
+    # make_wrapper asks the capability table (capabilities.FLEX) before the route's factory
+    with pytest.raises(ValueError, match=exact("graph=: CUDA-graph mode needs backend 'fa3' or 'fa2' (got 'flex'): "
+                                               "its plan() and run() read the batch on the host")):
         variantgen.make_wrapper(spec, WS, head_dim_qk=64, q_dtype="bf16", kv_dtype="bf16", backend="flex",
                                 graph=object())
-    with pytest.raises(ValueError, match=exact("q_dtype='fp8_e4m3': the flex route takes ['bf16', 'fp16', 'fp32']")):
+    with pytest.raises(ValueError, match=exact("q_dtype=fp8_e4m3: the flex route takes bf16, fp16, fp32")):
         variantgen.make_wrapper(spec, WS, head_dim_qk=64, q_dtype="fp8_e4m3", kv_dtype="bf16", backend="flex")
+    with pytest.raises(ValueError, match=exact("q_dtype='fp8_e4m3': the flex route takes ['bf16', 'fp16', 'fp32']")):
+        make_flex_wrapper(spec, WS, head_dim_qk=64, q_dtype="fp8_e4m3", kv_dtype="bf16")  # its own check, too
+    with pytest.raises(ValueError, match=exact("check_plan=True: the plan check is the FlashInfer routes' debug "
+                                               "mode; the flex route has none")):
+        variantgen.make_wrapper(spec, WS, head_dim_qk=64, q_dtype="bf16", kv_dtype="bf16", backend="flex",
+                                check_plan=True)
     with pytest.raises(ValueError, match="kind='paged': expected one of"):
         variantgen.make_wrapper(spec, WS, head_dim_qk=64, q_dtype="bf16", kv_dtype="bf16", backend="flex",
                                 kind="paged")
@@ -474,9 +482,10 @@ def test_probe_flex_runs_a_batch_here():
 def test_probe_flex_reasons():
     r = variantgen.probe(SPECS_DIR / "causal.yaml", head_dim_qk=64, q_dtype="bf16", kv_dtype="bf16",
                          backend="flex", cuda_graph=True)
-    assert not r.ok and "no CUDA-graph mode" in r.reason
+    assert not r.ok and r.reason == ("cuda_graph=True: CUDA-graph mode needs backend 'fa3' or 'fa2' (got 'flex'): "
+                                     "its plan() and run() read the batch on the host")
     r = variantgen.probe(SPECS_DIR / "causal.yaml", head_dim_qk=64, q_dtype="fp8", kv_dtype="bf16", backend="flex")
-    assert not r.ok and r.reason == "q_dtype='fp8': the flex route takes ['bf16', 'fp16', 'fp32']"
+    assert not r.ok and r.reason == "q_dtype=fp8_e4m3: the flex route takes bf16, fp16, fp32"
     r = variantgen.probe(SPECS_DIR / "causal.yaml", head_dim_qk=64, q_dtype="bf16", kv_dtype="bf16", backend="flex",
                          device="meta")
     assert not r.ok and "runs on CUDA and CPU devices" in r.reason

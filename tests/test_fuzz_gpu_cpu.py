@@ -21,8 +21,8 @@ from _fake_kernel import FakeModule
 from _fake_modules import FakeModules
 from click.testing import CliRunner
 
+from variantgen import capabilities, render
 from variantgen import fuzzing as fz
-from variantgen import render
 from variantgen.cli import main as cli_main
 from variantgen.fuzzing import TARGETS, Batch, FuzzCase, ModuleKey, Ranges
 
@@ -66,12 +66,12 @@ def drawn(n_per_target: int, seed: int = 0, specs=fuzz_gpu.SPECS) -> list[FuzzCa
 
 
 def test_targets_cover_every_backend_and_kind():
-    """One table of (backend, kind): every pair render.HEAD_DIMS compiles has a target, and every
+    """One table of (backend, kind): every pair capabilities.HEAD_DIMS compiles has a target, and every
     target's modules are valid configurations of its kind."""
     pairs = {(t.backend, t.module_kind) for t in TARGETS}
-    assert pairs == set(render.HEAD_DIMS)
+    assert pairs == set(capabilities.HEAD_DIMS)
     for t in TARGETS:
-        assert t.kind in render.KINDS and set(t.plans) <= set(fz.PLAN_PATHS), t
+        assert t.kind in capabilities.KINDS and set(t.plans) <= set(fz.PLAN_PATHS), t
         modules = fuzz_gpu.modules_of(t)
         want = {s for s in fuzz_gpu.SPECS if (t.backend, t.module_kind) in fuzz_gpu.SOME_KINDS.get(
             s, {(t.backend, t.module_kind)})}

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from variantgen import expr, render
-from variantgen.reference import _Evaluator
+from variantgen.evaluate import Evaluator
 from variantgen.spec import parse_spec
 
 CXX = shutil.which("c++") or shutil.which("g++")
@@ -80,7 +80,7 @@ def run_reference(op: str, pairs: list[tuple[int, int]]) -> list[int]:
     """The reference evaluator on the same tree codegen turns into the helper call."""
     a = torch.tensor([x for x, _ in pairs], dtype=torch.int64)
     b = torch.tensor([y for _, y in pairs], dtype=torch.int64)
-    got = _Evaluator.from_env(SPEC, {"q_pos": a, "kv_pos": b}, {}).ev(TREES[op])
+    got = Evaluator(SPEC, {"q_pos": a, "kv_pos": b}, {}).ev(TREES[op])
     return [int(v) for v in got.to(torch.int64).tolist()]
 
 

@@ -24,7 +24,7 @@ from variantgen.errors import JitDisabledError, ToolchainError
 from variantgen.render import ModuleConfig
 from variantgen.rowplan import PlannerConfig
 
-probe_mod = importlib.import_module("variantgen.probe")
+probe_mod = importlib.import_module("variantgen.probing")
 TEXT = (SPECS_DIR / "mm_prefix.yaml").read_text()
 
 

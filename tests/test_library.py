@@ -11,12 +11,11 @@ from click.testing import CliRunner
 from conftest import SPEC_FILES, SPECS_DIR
 
 import variantgen
-import variantgen.wrapper as wrapper_mod
 from variantgen import build, library
 from variantgen.cli import main
 from variantgen.errors import SpecError
 
-probe_mod = importlib.import_module("variantgen.probe")
+probe_mod = importlib.import_module("variantgen.probing")
 SHIPPED = ", ".join(p.stem for p in SPEC_FILES)
 
 
@@ -144,7 +143,7 @@ def test_make_wrapper_takes_a_name(monkeypatch):
         built.append(config)
         raise Stop
 
-    monkeypatch.setattr(wrapper_mod, "build_module", record)
+    monkeypatch.setattr(build, "build_module", record)
     ws = torch.empty(16, dtype=torch.uint8)
     with pytest.raises(Stop):
         variantgen.make_wrapper("mm_prefix", ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", arch="9.0a",
@@ -204,7 +203,7 @@ def test_cli_validate_and_render_take_names():
     assert f"{unknown('mm_prefx')}\n  hint: did you mean `mm_prefix`?" in r.stdout
     r = run("render", "mm_prefix", "--head-dim", "128", "--dtype", "bf16", "--file", "all")
     by_path = run("render", SPECS_DIR / "mm_prefix.yaml", "--head-dim", "128", "--dtype", "bf16", "--file", "all")
-    assert r.exit_code == 0 and "struct VG_MmPrefix : AttentionVariantBase" in r.stdout and r.stdout == by_path.stdout
+    assert r.exit_code == 0 and "from spec `mm_prefix` (fa3)" in r.stdout and r.stdout == by_path.stdout
     r = run("render", "mm_prefx", "--head-dim", "128", "--dtype", "bf16")
     assert r.exit_code == 1 and r.stderr.startswith(f"error: {unknown('mm_prefx')}")
 
@@ -241,3 +240,14 @@ def test_cli_probe_and_check_take_names(tmp_path):
     r = run("check", "mm_prefix", "--head-dim", "128", "--dtype", "bf16")
     assert r.exit_code == 2 and "check needs a CUDA GPU" in r.stderr
 
+
+
+def test_a_name_too_long_to_be_a_path_is_an_unknown_name():
+    """pathlib raises ENAMETOOLONG instead of answering is_file(): probe() said `internal error:
+    OSError`, the other entry points a bare OSError."""
+    with pytest.raises(variantgen.SpecError, match="not a spec file, nor the name of a shipped spec"):
+        variantgen.resolve_spec("x" * 5000)
+    with pytest.raises(variantgen.SpecError, match="cannot read spec file: File name too long"):
+        variantgen.resolve_spec("specs/" + "x" * 5000 + ".yaml")
+    r = variantgen.probe("y" * 5000, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
+    assert not r and "not a spec file, nor the name of a shipped spec" in r.reason and "internal" not in r.reason

@@ -27,6 +27,7 @@ from test_wrapper_cpu import check as prefill_check
 
 import variantgen
 from variantgen import probe as probe_mod
+from variantgen.capabilities import TABLE, Request, Site
 from variantgen.reference import RequestGrid, mask_for_request, reference_attention, sink_for_request, softmax_attention
 from variantgen.render import ModuleConfig
 from variantgen.testing import random_paged_batch, random_spec_args
@@ -392,9 +393,9 @@ def test_gemma4_head_dims():
     global layers' head dim) is refused with the supported list, as the probe says."""
     spec = shipped("gemma4_sliding")
     for backend, kind in (("fa2", "prefill"), ("fa3", "prefill"), ("fa2", "decode"), ("fa2", "ragged")):
-        assert ModuleConfig.problems_of(spec=spec, head_dim_qk=256, head_dim_vo=256, q_dtype="bf16",
-                                        kv_dtype="bf16", o_dtype="bf16", arch="9.0a", backend=backend,
-                                        kind=kind) == []
+        request = Request.of(spec, kind=kind, head_dim_qk=256, q_dtype="bf16", kv_dtype="bf16", backend=backend)
+        assert TABLE[backend].problems(request, Site(arch="9.0a")) == []
+        ModuleConfig(spec, 256, 256, "bf16", "bf16", "bf16", "9.0a", backend, kind=kind)  # renders
     probe_mod.cache_clear()
     for backend in ("fa2", "fa3"):
         result = variantgen.probe(spec, head_dim_qk=512, q_dtype="bf16", kv_dtype="bf16", backend=backend,

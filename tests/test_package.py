@@ -58,6 +58,8 @@ def wheel(tmp_path_factory) -> Path:
     assert "warning" not in proc.stderr.lower(), proc.stderr  # e.g. setuptools' "package would be ignored"
     wheels = list(dist.glob("variantgen-*.whl"))
     assert len(wheels) == 1, wheels
+    # the metadata's version is variantgen/_version.py's (pyproject.toml reads it)
+    assert wheels[0].name.startswith(f"variantgen-{variantgen.__version__}-"), wheels[0].name
     return wheels[0]
 
 

@@ -20,14 +20,14 @@ import pytest
 import torch
 
 import variantgen
-from variantgen import build
+from variantgen import build, capabilities
 from variantgen.cache import Cache, LockHolder, LockTimeout, ModuleKey
 from variantgen.errors import BuildError
-from variantgen.probe import ProbeResult, probe
+from variantgen.probing import ProbeResult, probe
 from variantgen.render import ModuleConfig, render_module
 
 # `variantgen.probe` is both the package's function and the submodule; take the module.
-probe_mod = importlib.import_module("variantgen.probe")
+probe_mod = importlib.import_module("variantgen.probing")
 
 REPO = Path(__file__).resolve().parents[1]
 MM = REPO / "specs" / "mm_prefix.yaml"
@@ -81,7 +81,9 @@ def _no_gpu(monkeypatch):
 @pytest.fixture(autouse=True)
 def clean(vg_env, monkeypatch):
     """Private cache, clean environment, a fake sm90 GPU that loads any module (``clean.loaded``
-    lists what it loaded), a fake toolchain, an empty memo."""
+    lists what it loaded), a fake toolchain, an empty memo; the module backends only (what the
+    resolver does with the flex route installed: test_capabilities.py)."""
+    monkeypatch.setattr(capabilities, "installed_routes", lambda: ())
     probe_mod.cache_clear()
     _fake_gpu(monkeypatch, (9, 0))
     loaded: list[str] = []
@@ -213,7 +215,8 @@ def test_version_comparison():
     (dict(backend="fa3", kind="decode"), "backend 'fa3' generates only ['prefill'] modules"),
     (dict(kind="append"), "kind='append': expected one of ['prefill', 'ragged', 'decode']"),
     (dict(backend="cudnn"), "backend='cudnn'"),
-    (dict(q_dtype="fp32"), "unsupported dtype"),
+    (dict(q_dtype="fp32"), "q_dtype=fp32: fa2 modules take bf16, fp16"),
+    (dict(q_dtype="fp64"), "q_dtype='fp64': unsupported dtype"),
     (dict(head_dim_qk="128"), "expected a whole number"),
     (dict(page_size=0), "page_size=0: expected a positive whole number"),
     (dict(page_size=-16), "page_size=-16"),
@@ -253,7 +256,7 @@ def test_valid_page_size(fake_build):
 def test_gpu_too_old(monkeypatch):
     _fake_gpu(monkeypatch, (7, 5))
     r = probe(MM, **BASE)
-    assert not r and r.reason == "GPU sm75 is older than sm80, which fa2 needs"
+    assert not r and r.reason == "arch=7.5 (the visible GPU's): fa2 needs sm80 or newer"
 
 
 NO_GPU_REASON = ("no CUDA device visible: probe() answers whether the module runs here, and nothing can run "
@@ -282,9 +285,17 @@ def test_a_target_arch_does_not_make_a_cpu_box_say_yes(monkeypatch, clean, fake_
 
 
 def test_device_given_but_unusable(monkeypatch):
-    _no_gpu(monkeypatch)
+    def bad_index(device=None):
+        raise RuntimeError("Invalid device id")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", bad_index)
     r = probe(MM, **BASE, device="cuda:3")
-    assert not r and "cannot query CUDA device cuda:3" in r.reason
+    assert not r and r.reason == "cannot query CUDA device cuda:3: RuntimeError: Invalid device id"
+    _no_gpu(monkeypatch)
+    probe_mod.cache_clear()
+    assert probe(MM, **BASE, device="cuda:3").reason == NO_GPU_REASON  # named, on a box without CUDA
+    r = probe(MM, **BASE, device="cpu")
+    assert not r and r.reason == "device='cpu' is not a CUDA device: the compiled modules run on NVIDIA GPUs"
 
 
 @pytest.mark.parametrize("capability, arch", [((9, 0), "9.0a"), ((8, 6), "8.6"), ((8, 0), "8.0"), ((10, 0), "10.0")])
@@ -609,7 +620,9 @@ def test_default_backend_is_what_make_wrapper_picks(fake_build):
 def test_probe_backends_answers_per_backend_and_kind(fake_build):
     out = variantgen.probe_backends(MM, kinds=("prefill", "ragged"), head_dim_qk=192, head_dim_vo=128,
                                     q_dtype="bf16", kv_dtype="bf16", arch="9.0a")
-    assert set(out) == {("fa2", "prefill"), ("fa3", "prefill"), ("fa2", "ragged"), ("fa3", "ragged")}
+    assert set(out) == {(b, k) for b in ("fa2", "fa3", "flex") for k in ("prefill", "ragged")}
+    assert not out["flex", "ragged"] and "the flex route (torch's FlexAttention, no compiled module) is not " \
+        "installed here (variantgen.flex_wrapper is missing)" == out["flex", "ragged"].reason
     assert out["fa2", "ragged"].ok
     assert not out["fa2", "prefill"] and "fa2 prefill modules support head dims" in out["fa2", "prefill"].reason
     assert not out["fa3", "ragged"] and "backend 'fa3' generates only ['prefill']" in out["fa3", "ragged"].reason
@@ -753,7 +766,6 @@ def test_jit_off_serves_a_precompiled_fa2_module_when_fa3_is_missing(clean, monk
     makes the same choice (build.select_backend)."""
     from _fake_kernel import FakeFa3Module, FakeModule
 
-    from variantgen import wrapper as wrapper_mod
 
     cache = Cache(clean.cache_dir)
     for backend in cached:
@@ -778,7 +790,7 @@ def test_jit_off_serves_a_precompiled_fa2_module_when_fa3_is_missing(clean, monk
         backend = entry.manifest["config"]["backend"]
         return (FakeFa3Module if backend == "fa3" else FakeModule)(spec)
 
-    monkeypatch.setattr(wrapper_mod, "load_module", load)
+    monkeypatch.setattr(build, "load_module", load)
     w = variantgen.make_wrapper(MM, torch.empty(1 << 20, dtype=torch.uint8), head_dim_qk=128, q_dtype="bf16",
                                 kv_dtype="bf16", arch="9.0a")
     assert w.config.backend == expected and w.uri == r.uri

@@ -26,7 +26,7 @@ from conftest import CPU_QO_LENS as QO_LENS
 from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
-import variantgen.wrapper as wrapper_mod
+import variantgen.build as build_mod
 from variantgen import render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
@@ -73,16 +73,18 @@ def test_every_shipped_spec_renders_ragged(spec_name, dims):
     assert module.compile_units[0] == "binding.cu"
     kernels = [f"ragged_kernel_{m}_cta{c}.cu" for m in ("none", "causal", "custom") for c in (16, 64, 128)]
     assert list(module.compile_units[1:]) == kernels
-    assert set(module.files) == {"vg_plan_abi.h", "variant.cuh", "batch_prefill_config.inc", "binding.cu", *kernels}
+    assert set(module.files) == {"vg_plan_abi.h", "variant.cuh", "batch_prefill_config.inc", "binding.cu", *kernels,
+                                 "vg_helpers.cuh", "config_prelude.cuh", "kernel_params.cuh", "prefill_plan.cuh"}
     text = "\n".join(module.files.values())
     assert "{{" not in text and "{%" not in text
     config = module.files["batch_prefill_config.inc"]
-    assert "struct RaggedParams" in config and "struct PagedParams" in config
+    assert "struct RaggedParams : vg::RaggedPrefillFields<" in config and "struct PagedParams : " in config
     assert f"constexpr int HEAD_DIM_QK = {dims[0]};" in config and f"constexpr int HEAD_DIM_VO = {dims[1]};" in config
     binding = module.files["binding.cu"]
-    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, VariantgenRaggedPlan);" in binding
+    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, VariantgenPrefillPlan);" in binding
     assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(ragged_run, BatchPrefillWithRaggedKVCacheRun);" in binding
-    assert "HEAD_DIM_QK, HEAD_DIM_VO, page_size" in binding  # PrefillPlan gets both head dims
+    assert '#include "prefill_plan.cuh"' in binding
+    assert "HEAD_DIM_QK, HEAD_DIM_VO, page_size" in module.files["prefill_plan.cuh"]  # both head dims
     unit = module.files["ragged_kernel_custom_cta64.cu"]
     assert (f"BatchPrefillWithRaggedKVCacheDispatched<\n    /*CTA_TILE_Q=*/64, {dims[0]}, {dims[1]}, "
             "PosEncodingMode::kNone") in unit
@@ -317,8 +319,8 @@ def test_make_wrapper_builds_a_ragged_module(monkeypatch):
         return BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix, manifest), key=None, built=True,
                            seconds=0.0)
 
-    monkeypatch.setattr(wrapper_mod, "build_module", fake_build)
-    monkeypatch.setattr(wrapper_mod, "load_module", lambda entry: FakeRaggedModule(shipped("causal")))
+    monkeypatch.setattr(build_mod, "build_module", fake_build)
+    monkeypatch.setattr(build_mod, "load_module", lambda entry: FakeRaggedModule(shipped("causal")))
     w = variantgen.make_wrapper(shipped("causal"), torch.empty(1 << 20, dtype=torch.uint8), head_dim_qk=192,
                                 head_dim_vo=128, q_dtype=torch.bfloat16, kv_dtype="bf16", kind="ragged", arch="9.0a")
     assert isinstance(w, RaggedWrapper)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import variantgen
-from variantgen import reference
+from variantgen import evaluate, reference
 from variantgen.reference import RequestGrid, mask_for_request, reference_attention, transform_logits
 
 H_QO, H_KV, D, PAGE = 4, 2, 8, 4
@@ -566,6 +566,30 @@ def test_logits_transform_sees_scaled_scores():
     assert transform_logits(shipped("causal"), batch.grid(0), {}, scores) is scores
 
 
+def test_the_evaluator_over_query_rows_agrees_with_the_grid():
+    """evaluate.Evaluator is the one evaluator: over one entry per (query, key) pair it gives
+    the mask the reference computes over the request's grid."""
+    from variantgen.evaluate import Evaluator
+
+    spec = shipped("mm_prefix")
+    qo_len, kv_len = 3, 7
+    ranges = torch.tensor([[1, 2], [-1, -1], [0, 6]], dtype=torch.int32)
+    args = {"ranges": ranges, "causal_window_left": 2, "range_window_left": -1}
+    grid = RequestGrid(0, qo_len, kv_len, 0, 0, 1, 1, torch.device("cpu"))
+    dense = mask_for_request(spec, grid, args)[0]
+    i, j = (t.flatten() for t in torch.meshgrid(torch.arange(qo_len), torch.arange(kv_len), indexing="ij"))
+    q_pos = i + (kv_len - qo_len)
+    env = {"q_pos": q_pos, "kv_pos": j, "q_idx": i, "q_row": i, "kv_row": j, "q_kv_row": q_pos,
+           "request": torch.zeros_like(i), "qo_len": torch.full_like(i, qo_len), "kv_len": torch.full_like(i, kv_len)}
+    rows = Evaluator(spec, env, args).ev(spec.mask)
+    assert torch.equal(rows.view(qo_len, kv_len), dense)
+
+
+def test_the_evaluator_needs_an_environment():
+    from variantgen.evaluate import Evaluator
+
+    with pytest.raises(ValueError, match="^Evaluator: env must hold the builtin tensors"):
+        Evaluator(shipped("causal"), {}, {})
 def _py_bit(x: int, i: int) -> bool:
     """bit(x, i) written out: bit i of x's 32-bit two's complement, false outside 0..31."""
     return 0 <= i < 32 and (x % (1 << 32)) >> i & 1 == 1
@@ -577,7 +601,7 @@ BIT_VALUES = [0, 1, -1, 2, 5, -6, 2**31 - 1, -(2**31), 2**30, -(2**30) - 1, 0x55
 def test_bit_on_negative_values_and_out_of_range_indices():
     xs = torch.tensor(BIT_VALUES, dtype=torch.int64).view(-1, 1)
     idx = torch.arange(-40, 41, dtype=torch.int64).view(1, -1)
-    got = reference.bit(xs, idx)
+    got = evaluate.bit(xs, idx)
     for a, x in enumerate(BIT_VALUES):
         for b, i in enumerate(range(-40, 41)):
             assert bool(got[a, b]) == _py_bit(x, i), (x, i)
@@ -589,7 +613,7 @@ def test_bit_on_negative_values_and_out_of_range_indices():
 def test_bit_fuzzed_against_python(pairs):
     xs = torch.tensor([x for x, _ in pairs], dtype=torch.int64)
     idx = torch.tensor([i for _, i in pairs], dtype=torch.int64)
-    assert reference.bit(xs, idx).tolist() == [_py_bit(x, i) for x, i in pairs]
+    assert evaluate.bit(xs, idx).tolist() == [_py_bit(x, i) for x, i in pairs]
 
 
 def test_bit_in_a_mask(spec_from):

@@ -10,7 +10,7 @@ from conftest import SPEC_FILES, SPECS_DIR
 
 import variantgen
 from variantgen import codegen, render
-from variantgen.render import ModuleConfig, canonical_arch, canonical_dtype, kernel_args, render_module
+from variantgen.render import ModuleConfig, kernel_args, render_module
 
 
 def config(spec, **overrides) -> ModuleConfig:
@@ -43,7 +43,7 @@ def test_every_shipped_spec_renders(path):
     assert "REGISTER_LOGITS_MASK" in variant
     assert ("REGISTER_LOGITS_TRANSFORM" in variant) == (spec.logits is not None)
     assert "window_left =" in variant
-    assert codegen.emit_mask(spec).code in variant
+    assert codegen.emit_mask(spec).broken().replace("\n", "\n        ") in variant  # return's continuation lines
     if spec.logits is not None:
         assert codegen.emit_logits(spec).code in variant
     assert f"struct {render.struct_name(spec)}" in variant
@@ -78,7 +78,8 @@ def test_learned_sink_in_every_kernel_kind(spec_from):
     assert "bool vg_sink_joined;" in decode and "vg_sink_joined = false;" in decode
     fa3 = render_module(config(spec, backend="fa3")).files["variant.cuh"]
     assert "struct VgSinkSoftmax : flashinfer::OnlineSoftmax<NUM_ROWS_PER_THREAD, /*WITH_SCALE=*/true>" in fa3
-    assert fa3.count("return VgSinkSoftmax<NUM_ROWS_PER_THREAD>(sm_scale_log2, log2_sink);") == 2  # plain, masked
+    # one variant template serves the plain and the masked launches
+    assert fa3.count("return VgSinkSoftmax<NUM_ROWS_PER_THREAD>(sm_scale_log2, log2_sink);") == 1
     assert "const int32_t kv_head = int32_t(kv_head_idx);" in fa3
     for kind, backend in (("prefill", "fa2"), ("decode", "fa2"), ("prefill", "fa3")):
         plain = render_module(config(shipped("causal"), kind=kind, backend=backend)).files["variant.cuh"]
@@ -204,7 +205,9 @@ def test_codegen_bit(spec_from):
     code = codegen.emit_mask(spec).code
     assert "vg_bit(params.b[(q_row) * int32_t(2) + int32_t(1)], vg_mod((q_pos - kv_pos), int32_t(32)))" in code
     variant = render_module(ModuleConfig(spec, 64, 64, "fp16", "fp16", "fp16", "8.0")).files["variant.cuh"]
-    assert "__device__ __forceinline__ bool vg_bit(int32_t x, int32_t i)" in variant
+    helpers = render.static_source("common/vg_helpers.cuh")
+    assert "__device__ __forceinline__ bool vg_bit(int32_t x, int32_t i)" in helpers
+    assert '#include "vg_helpers.cuh"' in variant
 
 
 def test_codegen_index_flattening(spec_from):
@@ -319,7 +322,7 @@ def test_expression_comments_come_from_the_tree(spec_from):
     spec = spec_from("name: x\nmask: kv_pos <= q_pos   # MARK_TRAILING\n")
     variant = render_module(config(spec)).files["variant.cuh"]
     assert "MARK_TRAILING" not in variant
-    assert "// mask:   (kv_pos <= q_pos)" in variant
+    assert "// mask:   kv_pos <= q_pos\n//   i.e.  (kv_pos <= q_pos)\n" in variant
 
 
 @pytest.mark.parametrize("text", EVIL_TEXTS)
@@ -442,67 +445,165 @@ def test_problems_lists_everything():
         "arch=7.0: fa2 needs sm80 or newer")
 
 
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        ("9.0a", "9.0a"), ("90a", "9.0a"), ("sm_90a", "9.0a"), ("sm90a", "9.0a"), ("SM_90A", "9.0a"),
-        ("compute_90a", "9.0a"), ("8.0", "8.0"), ("80", "8.0"), ("sm_86", "8.6"), ("10.0a", "10.0a"),
-        ("100a", "10.0a"), ("sm_120f", "12.0f"), (" 8.9 ", "8.9"), ("09.0", "9.0"),
-    ],
-)
-def test_canonical_arch(value, expected):
-    assert canonical_arch(value) == expected
+# ----------------------------------------------------------------------------- static sources
+
+MODULE_KINDS = [("fa2", "prefill"), ("fa2", "ragged"), ("fa2", "decode"), ("fa3", "prefill")]
+# Included by name from FlashInfer's csrc folder (the build's include path), not from the module.
+EXTERNAL_LOCAL_INCLUDES = {"tvm_ffi_utils.h"}
 
 
-@pytest.mark.parametrize("value", ["", "9", "sm_9", "9.x", "x.0", "9.0.1", "hopper", "9.0b", "a"])
-def test_canonical_arch_rejects(value):
-    with pytest.raises(ValueError, match=re.escape(f"arch={value!r}: expected a compute capability")):
-        canonical_arch(value)
+@pytest.mark.parametrize(("backend", "kind"), MODULE_KINDS)
+def test_every_local_include_is_a_file_of_the_module(backend, kind):
+    """A module's sources are self-contained: each `#include "x"` names one of its files (the
+    static sources are copied in), or FlashInfer's / TVM-FFI's headers (a folder, or csrc)."""
+    module = render_module(config(shipped("mm_prefix"), backend=backend, kind=kind))
+    for name, text in module.files.items():
+        for header in re.findall(r'#include "([^"]+)"', text):
+            assert header in module.files or "/" in header or header in EXTERNAL_LOCAL_INCLUDES, (name, header)
 
 
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        ("bf16", "bf16"), ("bfloat16", "bf16"), ("torch.bfloat16", "bf16"), ("BF16", "bf16"),
-        ("half", "fp16"), ("float16", "fp16"), ("fp8", "fp8_e4m3"), ("float8_e4m3fn", "fp8_e4m3"),
-        ("e5m2", "fp8_e5m2"), ("torch.float8_e5m2", "fp8_e5m2"),
-    ],
-)
-def test_canonical_dtype(value, expected):
-    assert canonical_dtype(value, "q_dtype") == expected
+# the launch builder (templates/plan/), in every paged-prefill module
+PLAN_FILES = {name: f"plan/{name}" for name in (*render.PLAN_HEADERS, "plan.cu")}
+STATIC_FILES = {
+    ("fa2", "prefill"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "config_prelude.cuh": "fa2/config_prelude.cuh",
+                         "kernel_params.cuh": "fa2/kernel_params.cuh", "prefill_plan.cuh": "fa2/prefill_plan.cuh",
+                         "binding.cu": "fa2/paged_binding.cu", **PLAN_FILES},
+    ("fa2", "ragged"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "config_prelude.cuh": "fa2/config_prelude.cuh",
+                        "kernel_params.cuh": "fa2/kernel_params.cuh", "prefill_plan.cuh": "fa2/prefill_plan.cuh"},
+    ("fa2", "decode"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "config_prelude.cuh": "fa2/config_prelude.cuh",
+                        "kernel_params.cuh": "fa2/kernel_params.cuh", "binding.cu": "fa2/decode_binding.cu"},
+    ("fa3", "prefill"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
+                         "kernel_params.cuh": "fa3/kernel_params.cuh", "run.cuh": "fa3/run.cuh", **PLAN_FILES},
+}
 
 
-def test_canonical_dtype_of_torch_dtypes():
-    import torch
-
-    assert canonical_dtype(torch.bfloat16, "q") == "bf16"
-    assert canonical_dtype(torch.float16, "q") == "fp16"
-    assert canonical_dtype(torch.float8_e4m3fn, "kv") == "fp8_e4m3"
-    with pytest.raises(ValueError) as info:
-        canonical_dtype(torch.float32, "kv_dtype")
-    assert str(info.value) == ("kv_dtype=torch.float32: unsupported dtype; expected one of "
-                               "['bf16', 'fp16', 'fp8_e4m3', 'fp8_e5m2']")
-
-
-@pytest.mark.parametrize(("overrides", "expected"), [
-    ({}, "fa3"),
-    ({"arch": "8.0"}, "fa2"),
-    ({"arch": "10.0a"}, "fa2"),
-    ({"kind": "decode"}, "fa2"),
-    ({"kind": "ragged"}, "fa2"),
-    ({"kv_dtype": "fp8_e4m3"}, "fa2"),
-    ({"head_dim_qk": 192, "head_dim_vo": 128}, "fa2"),
-    ({"o_dtype": "fp16"}, "fa2"),
-    ({"q_dtype": "fp16", "kv_dtype": "fp16", "o_dtype": "fp16", "head_dim_qk": 64, "head_dim_vo": 64}, "fa3"),
-])
-def test_choose_backend(overrides, expected):
-    kw = dict(kind="prefill", head_dim_qk=128, head_dim_vo=128, q_dtype="bf16", kv_dtype="bf16", o_dtype="bf16",
-              arch="9.0a")
-    kw.update(overrides)
-    assert render.choose_backend(shipped("mm_prefix"), **kw) == expected
+@pytest.mark.parametrize(("backend", "kind"), MODULE_KINDS)
+def test_static_sources_are_copied_as_they_are(backend, kind):
+    """FlashInfer's habit: static C++ lives in real files, copied byte for byte; Jinja renders
+    only the config, the variant and the per-mode instantiations."""
+    module = render_module(config(shipped("softcap"), backend=backend, kind=kind))
+    for name, source in STATIC_FILES[backend, kind].items():
+        assert module.files[name] == render.static_source(source), name
+        assert "{{" not in module.files[name] and "{%" not in module.files[name]
+    rendered = set(module.files) - set(STATIC_FILES[backend, kind])
+    # rendered: the variant, the config, the instantiations, and the plan ABI's generated header
+    generated = ("variant.cuh", "binding.cu", "vg_plan_abi.h")
+    assert all(name in generated or name.endswith((".inc", ".cu")) for name in rendered), rendered
 
 
-def test_choose_backend_respects_the_spec(spec_from):
-    spec = spec_from("name: only_fa2\nmask: kv_pos <= q_pos\nbackends: [fa2]\n")
-    assert render.choose_backend(spec, kind="prefill", head_dim_qk=128, head_dim_vo=128, q_dtype="bf16",
-                                 kv_dtype="bf16", o_dtype="bf16", arch="9.0a") == "fa2"
+def test_no_template_without_jinja():
+    """A template of common/, fa2/ or fa3/ that renders nothing is a static file instead (the
+    planner's meta.inc and the fa3 scheduler belong to the planning code)."""
+    root = render.template_root()
+    for folder in ("common", "fa2", "fa3"):
+        for path in sorted((root / folder).glob("*.jinja")):
+            if path.name == "meta.inc.jinja":
+                continue
+            text = re.sub(r"\{#.*?#\}", "", path.read_text(), flags=re.S)
+            assert "{{" in text or "{%" in text, f"{folder}/{path.name} has no Jinja: make it a static file"
+    for path in root.glob("*/*"):
+        if path.suffix in (".cuh", ".cu"):
+            assert "{{" not in path.read_text() and "{%" not in path.read_text(), path
+
+
+def test_the_template_digest_covers_the_static_sources(tmp_path, vg_env):
+    import shutil
+
+    before = render.template_digest("fa2")
+    copy = tmp_path / "templates"
+    shutil.copytree(render.template_root(), copy)
+    (copy / "fa2" / "kernel_params.cuh").write_text((copy / "fa2" / "kernel_params.cuh").read_text() + "// edited\n")
+    vg_env.set(VARIANTGEN_TEMPLATE_DIR=copy)
+    assert render.template_digest("fa2") != before
+    assert render_module(config(shipped("causal"))).files["kernel_params.cuh"].endswith("// edited\n")
+
+
+def test_the_fa3_variants_are_one_template():
+    variant = render_module(config(shipped("mm_prefix"), backend="fa3")).files["variant.cuh"]
+    assert variant.count("struct VG_MmPrefixVariant {") == 1 and "template <bool MASKED>" in variant
+    assert "using VG_MmPrefix = VG_MmPrefixVariant<false>;" in variant
+    assert "using VG_MmPrefixMasked = VG_MmPrefixVariant<true>;" in variant
+    assert variant.count("if constexpr (MASKED) {") == 1 and variant.count("REGISTER_LOGITS_TRANSFORM") == 1
+
+
+def test_the_masked_fa3_transform_defines_each_local_once():
+    """The logits transform's locals come first; the mask's branch adds only the ones it lacks."""
+    spec = variantgen.parse_spec("name: x\nscalars:\n  w: {dtype: int, default: 4}\n"
+                                 "mask: kv_pos <= q_pos and q_row >= 0\nlogits: logits + float(q_pos - kv_pos) * 0.0\n")
+    variant = render_module(config(spec, backend="fa3")).files["variant.cuh"]
+    for local in ("q_local", "q_pos", "kv_local", "kv_pos", "q_row"):
+        assert variant.count(f"const int32_t {local} =") == 1, local
+    body = variant[variant.index("if constexpr (MASKED)"):]
+    assert "const int32_t q_row =" in body and "const int32_t q_pos =" not in body
+
+
+# ----------------------------------------------------------------------------- comments and line breaks
+
+
+def test_the_mask_comment_keeps_the_spec_text_next_to_the_canonical_form():
+    spec = shipped("mm_prefix")
+    for backend in ("fa2", "fa3"):
+        variant = render_module(config(spec, backend=backend)).files["variant.cuh"]
+        header = variant[:variant.index("Do not edit")]
+        text_lines = codegen.comment_lines(spec.mask_text)
+        assert text_lines[0].startswith("(kv_pos <= q_pos and (causal_window_left < 0 or")
+        assert f"// mask:   {text_lines[0]}\n" in header
+        assert all(f"//         {line}\n" in header for line in text_lines[1:])
+        assert f"//   i.e.  {codegen.comment_lines(variantgen.expr.to_source(spec.mask))[0]}\n" in header
+        # and in the hook, above the code
+        hook = variant[variant.index("REGISTER_LOGITS_"):]
+        assert all(f"// {line}\n" in hook for line in text_lines)
+    assert all(len(line) <= 84 for line in codegen.comment_lines(spec.mask_text))
+
+
+def test_the_logits_comment_keeps_the_spec_text():
+    variant = render_module(config(shipped("softcap"))).files["variant.cuh"]
+    assert "// logits: soft_cap * tanh(logits / soft_cap)\n" in variant
+    assert "    // soft_cap * tanh(logits / soft_cap)\n    return T(" in variant
+
+
+def test_long_masks_break_at_their_top_level_operator(spec_from):
+    mm = render_module(config(shipped("mm_prefix"))).files["variant.cuh"]
+    assert "    return ((kv_pos <= q_pos) && ((arg_causal_window_left < int32_t(0)) || " in mm
+    assert "\n        || (((params.ranges[(q_row) * int32_t(2) + int32_t(0)] <= kv_pos)" in mm
+    fa3 = render_module(config(shipped("mm_prefix"), backend="fa3")).files["variant.cuh"]
+    assert "      const bool visible = ((kv_pos <= q_pos) && " in fa3
+    assert "\n          || (((params.additional_params.ranges[" in fa3
+    chunked = render_module(config(shipped("chunked_local"))).files["variant.cuh"]
+    assert "    return (kv_pos <= q_pos)\n        && (vg_floordiv(kv_pos, arg_chunk_size) == " in chunked
+    short = render_module(config(shipped("causal"))).files["variant.cuh"]
+    assert "    return (kv_pos <= q_pos);\n" in short  # short: one line
+    three = spec_from("name: x\nmask: kv_pos < 1000000 or kv_pos == q_pos - 1000000 or kv_pos == q_pos + 1000000 "
+                      "or kv_pos >= q_pos\n")
+    body = render_module(config(three)).files["variant.cuh"]
+    assert body.count("\n        || ") == 3  # one line per operand of the chain, however it nests
+
+
+def test_the_broken_mask_is_the_same_expression():
+    for path in SPEC_FILES:
+        mask = codegen.emit_mask(variantgen.load_spec(path))
+        flat = mask.broken().replace("\n", " ")
+        if mask.terms and len(mask.code) > codegen.BREAK_WIDTH:
+            assert f"({flat})" == mask.code, path.stem
+        else:
+            assert flat == mask.code
+
+
+def test_whitespace_of_the_mask_text_does_not_change_the_module(spec_from):
+    """The spec text reaches only comments, its whitespace normalised: a re-wrapped mask is the
+    same module (a precompiled cache still serves a server's reformatted copy)."""
+    one = spec_from("name: x\nmask: kv_pos <= q_pos and (q_pos - kv_pos < 64)\n")
+    two = spec_from("name: x\nmask: |\n  kv_pos <= q_pos\n      and   (q_pos - kv_pos < 64)\n")
+    for backend in ("fa2", "fa3"):
+        a, b = render_module(config(one, backend=backend)), render_module(config(two, backend=backend))
+        assert a.files == b.files and a.source_digest() == b.source_digest()
+
+
+@pytest.mark.parametrize("text", EVIL_TEXTS + ["x" * 400, "a " * 200])
+def test_comment_lines_are_safe_and_wrapped(text):
+    lines = codegen.comment_lines(text)
+    for line in lines:
+        assert "\n" not in line and "\\" not in line and "*/" not in line and "/*" not in line
+        assert all(32 <= ord(ch) < 127 for ch in line)
+        assert len(line) <= 84 or " " not in line  # a word longer than the width stays whole
+    assert " ".join(lines) == codegen.comment_text(text)

@@ -52,7 +52,7 @@ def test_every_shipped_spec_loads(path):
     assert spec.path == str(path)
     assert spec.mask.ty is Type.BOOL
     assert spec.description and spec.description == spec.description.strip()
-    assert spec.backends == ("fa2", "fa3")
+    assert spec.backends == ("fa2", "fa3", "flex")  # every backend of capabilities.TABLE by default
     if spec.logits is not None:
         assert spec.logits.ty in (Type.FLOAT, Type.INT)
         assert "logits" in expr.names_used(spec.logits)
@@ -445,9 +445,9 @@ def test_scales_and_backends_errors():
     assert [(e.field, e.message) for e in errors] == [
         ("scales.sm_scale", "expected a positive number or `default` (1/sqrt(head_dim_qk)), got -1"),
         ("scales.qkv_scales", "expected true or false, got 2"),
-        ("backends[1]", "unknown backend 'fa4'; expected one of ['fa2', 'fa3']"),
+        ("backends[1]", "unknown backend 'fa4'; expected one of ['fa2', 'fa3', 'flex']"),
     ]
-    assert one(CAUSAL + "backends: []\n").message == "expected a non-empty list drawn from ['fa2', 'fa3']"
+    assert one(CAUSAL + "backends: []\n").message == "expected a non-empty list drawn from ['fa2', 'fa3', 'flex']"
 
 
 def test_huge_sm_scale_is_an_error_not_a_crash():

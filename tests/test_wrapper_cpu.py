@@ -26,7 +26,7 @@ from conftest import CPU_QO_LENS as QO_LENS
 from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
-import variantgen.wrapper as wrapper_mod
+import variantgen.build as build_mod
 from variantgen import codegen, render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
@@ -722,13 +722,21 @@ def test_make_wrapper_refuses_fp8_queries_before_building(monkeypatch):
     def no_build(*a, **k):
         pytest.fail("make_wrapper built a module for an invalid configuration")
 
-    monkeypatch.setattr(wrapper_mod, "build_module", no_build)
-    monkeypatch.setattr(wrapper_mod, "load_module", no_build)
+    monkeypatch.setattr(build_mod, "build_module", no_build)
+    monkeypatch.setattr(build_mod, "load_module", no_build)
     with pytest.raises(ValueError, match=exact(
             "q_dtype=fp8_e4m3: fp8 query is not supported by fa2 (its tensor-core path needs 16-bit queries); "
             "use bf16 or fp16 queries with an fp8 KV cache")):
         variantgen.make_wrapper(shipped("causal"), torch.empty(16, dtype=torch.uint8), head_dim_qk=64,
+                                q_dtype="fp8_e4m3", kv_dtype="bf16", o_dtype="bf16", arch="9.0a", backend="fa2")
+    with pytest.raises(ValueError) as e:  # backend=None: every backend's reason, one line each
+        variantgen.make_wrapper(shipped("causal"), torch.empty(16, dtype=torch.uint8), head_dim_qk=64,
                                 q_dtype="fp8_e4m3", kv_dtype="bf16", o_dtype="bf16", arch="9.0a")
+    lines = str(e.value).splitlines()
+    assert lines[0] == "no backend can run it here:" and [line.split(":")[0] for line in lines[1:]] == [
+        "  fa3", "  fa2", "  flex"]
+    assert lines[2] == ("  fa2: q_dtype=fp8_e4m3: fp8 query is not supported by fa2 (its tensor-core path needs "
+                        "16-bit queries); use bf16 or fp16 queries with an fp8 KV cache")
     with pytest.raises(ValueError, match="fa2"):
         variantgen.make_wrapper(shipped("causal"), torch.empty(16, dtype=torch.uint8), head_dim_qk=64,
                                 q_dtype="fp8_e4m3", kv_dtype="fp8_e4m3", arch="9.0a")

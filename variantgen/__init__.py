@@ -3,25 +3,28 @@
 Public API: load_spec / parse_spec, shipped_specs / resolve_spec (specs by name: wherever a
 spec is accepted, "mm_prefix" names the shipped one), probe / probe_backends (ProbeResult),
 make_wrapper, GraphCapacity (CUDA-graph mode), choose_backend, spans_to_ranges, tree_bits, and
-the error classes. ``import variantgen`` does not import torch: make_wrapper, GraphCapacity,
-spans_to_ranges and tree_bits are imported on first access (they need torch; the spec, probe and
-cache paths do not).
+the error classes. ``import variantgen`` does not import torch: GraphCapacity, spans_to_ranges
+and tree_bits are imported on first access, make_wrapper imports it when called (the spec, probe and cache paths
+need none).
+
+The layout, by job: spec.py / expr.py (the spec language), capabilities.py / resolver.py (what can
+run where: the backend table and the resolver), factory.py (make_wrapper), probing.py (probe),
+render.py / codegen.py and templates/ (the generated sources), build.py / cache.py (compiling
+and the module cache), wrapper.py / ragged.py / decode.py (the wrappers), the planning
+modules (intervals.py, planner.py, plan_abi.py, plan.py, rowplan.py, graph.py), evaluate.py /
+reference.py (the torch evaluator and the dense reference), cli.py (the command).
 """
 
-__version__ = "0.1.0"
-
-from .errors import BuildError, CacheError, LaunchError, SpecError, VariantgenError  # noqa: E402
-from .library import resolve_spec, shipped_specs  # noqa: E402
-
-# Bound after the submodule import, so `variantgen.probe` is the function (not the module of
-# the same name): help(variantgen.probe) shows its signature and docstring.
-from .probe import ProbeResult, probe, probe_backends  # noqa: E402
-from .render import choose_backend  # noqa: E402
-from .spec import VariantSpec, load_spec, parse_spec  # noqa: E402
+from ._version import __version__
+from .errors import BuildError, CacheError, LaunchError, SpecError, VariantgenError
+from .factory import make_wrapper
+from .library import resolve_spec, shipped_specs
+from .probing import ProbeResult, probe, probe_backends
+from .resolver import choose_backend
+from .spec import VariantSpec, load_spec, parse_spec
 
 # name -> submodule that defines it; these import torch, so only when first asked for
-_TORCH_NAMES = {"make_wrapper": "wrapper", "GraphCapacity": "graph", "spans_to_ranges": "spans",
-                "tree_bits": "trees"}
+_TORCH_NAMES = {"GraphCapacity": "graph", "spans_to_ranges": "spans", "tree_bits": "trees"}
 
 
 def __getattr__(name):

@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from . import __version__
 from . import ninja as _ninja_run
+from ._version import __version__
 from .cache import Cache, Entry, LockHolder, ModuleKey, path_error
 from .env import settings
 from .errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error
 from .progress import BuildProgress
-from .render import ModuleConfig, RenderedModule, canonical_arch, choose_backend
+from .render import RenderedModule, canonical_arch
 from .spec import VariantSpec
 
 log = logging.getLogger("variantgen.build")
@@ -445,40 +445,6 @@ def _build_in(staging: Path, rendered: RenderedModule, key: ModuleKey, tc: Toolc
         "host": os.uname().nodename,
     }
     return cache.publish(key.uri, staging, manifest)
-
-
-# ----------------------------------------------------------------------------- backend
-
-
-@dataclass(frozen=True)
-class BackendChoice:
-    backend: str
-    note: str = ""  # why another backend than render.choose_backend's was taken
-
-
-def select_backend(spec: Any, *, kind: str, head_dim_qk: int, head_dim_vo: int, q_dtype: str, kv_dtype: str,
-                   o_dtype: str, arch: str, cache: Cache, allow_build: bool = True) -> BackendChoice:
-    """The backend make_wrapper(backend=None) and probe(backend=None) use: render.choose_backend's
-    (fa3 where valid), except on a server that cannot build (JIT disabled, or
-    ``allow_build=False``) whose cache lacks that fa3 module but holds the fa2 one: then fa2,
-    with a note saying so (a slower correct kernel beats demoting the layer)."""
-    fields = dict(kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                  o_dtype=o_dtype, arch=arch)
-    preferred = choose_backend(spec, **fields)
-    if preferred != "fa3" or (allow_build and not settings().jit_disabled):
-        return BackendChoice(preferred)
-    fa3 = ModuleConfig(spec, head_dim_qk, head_dim_vo, q_dtype, kv_dtype, o_dtype, arch, "fa3", kind=kind)
-    if lookup_module(fa3, cache)[0] is not None:
-        return BackendChoice("fa3")
-    if ModuleConfig.problems_of(spec=spec, **fields, backend="fa2"):
-        return BackendChoice("fa3")
-    fa2 = ModuleConfig(spec, head_dim_qk, head_dim_vo, q_dtype, kv_dtype, o_dtype, arch, "fa2", kind=kind)
-    found = lookup_module(fa2, cache)[0]
-    if found is None:
-        return BackendChoice("fa3")  # neither: the fa3 module is the one to precompile
-    return BackendChoice("fa2", f"the fa3 module {fa3.uri_prefix}_* is not precompiled in {cache.root}; using the "
-                                f"precompiled fa2 module {found.entry.uri} (correct, slower; precompile the fa3 "
-                                "module to serve fa3)")
 
 
 # ----------------------------------------------------------------------------- loading

@@ -22,12 +22,16 @@ from typing import Any
 
 import click
 
-from . import __version__, env
+from . import env
+from ._version import __version__
 from .cache import Cache, LockTimeout, age_seconds, spec_of_uri
+from .capabilities import BACKENDS, CLI_NAMES, KINDS, MODULE_BACKENDS, Request, Site, canonical_arch
 from .errors import SpecError, VariantgenError, printable
 from .explain import ARG_FORMS
 from .library import resolve_spec, shipped_specs
-from .render import BACKENDS, KINDS, ModuleConfig, canonical_arch, canonical_dtype, choose_backend
+from .render import ModuleConfig
+from .resolver import resolve
+from .spec import VariantSpec
 
 log = logging.getLogger("variantgen.cli")
 
@@ -129,19 +133,33 @@ def _dir_size(path: Path) -> int:
 
 
 def _default_arch() -> str | None:
-    """VARIANTGEN_ARCH, else the visible GPU's arch, else None."""
-    s = env.settings()
-    if s.arch:
-        return canonical_arch(s.arch)
-    try:
-        import torch
+    """The visible GPU's arch, else VARIANTGEN_ARCH, else None (factory.target_arch)."""
+    from .factory import target_arch
 
-        if torch.cuda.is_available():
-            major, minor = torch.cuda.get_device_capability()
-            return canonical_arch(f"{major}.{minor}{'a' if major == 9 else ''}")
-    except Exception:  # noqa: BLE001 - no usable GPU is a normal answer here
-        pass
-    return None
+    try:
+        return target_arch()
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a broken driver: say so instead of a traceback
+        raise VariantgenError(f"cannot query the CUDA device ({type(e).__name__}: {e}); pass --arch") from None
+
+
+# The command's generated sources and builds are modules: the flex route has none.
+_MODULES_ONLY = "the flex route has no module to render or build (it runs through torch; probe it with --backend flex)"
+
+
+def _module_config(spec: str | VariantSpec, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
+                   o_dtype: str | None, backend: str, arch: str, kind: str = "prefill") -> ModuleConfig:
+    """The module the options name: ``backend`` "auto" is what make_wrapper picks on a GPU of
+    ``arch`` (resolver.resolve); ValueError with the reasons when no module backend serves it."""
+    request = Request.of(resolve_spec(spec), kind=kind,
+                         head_dim_qk=head_dim, head_dim_vo=head_dim_vo, q_dtype=dtype, kv_dtype=kv_dtype,
+                         o_dtype=o_dtype, backend=None if backend == "auto" else backend, names=CLI_NAMES)
+    resolution = resolve(request, Site(arch=canonical_arch(arch), no_route=_MODULES_ONLY))
+    if not resolution:
+        raise ValueError(resolution.reason)
+    assert resolution.config is not None
+    return resolution.config
 
 
 # ----------------------------------------------------------------------------- group
@@ -202,16 +220,6 @@ def specs_cmd() -> None:
 # ----------------------------------------------------------------------------- render
 
 
-def _config(spec_path: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
-            o_dtype: str | None, backend: str, arch: str, kind: str = "prefill") -> ModuleConfig:
-    spec = resolve_spec(spec_path)
-    q = canonical_dtype(dtype, "--dtype")
-    kv = canonical_dtype(kv_dtype, "--kv-dtype") if kv_dtype else q
-    o = canonical_dtype(o_dtype, "--o-dtype") if o_dtype else q
-    return ModuleConfig(spec, head_dim, head_dim_vo or head_dim, q, kv, o, canonical_arch(arch), backend,
-                        kind=kind)
-
-
 @main.command()
 @click.argument("spec", type=click.Path())
 @click.option("--head-dim", type=int, required=True, help="Head dim of q/k (and v unless --head-dim-vo).")
@@ -219,10 +227,11 @@ def _config(spec_path: str, head_dim: int, head_dim_vo: int | None, dtype: str, 
 @click.option("--dtype", required=True, help="Query dtype: bf16, fp16.")
 @click.option("--kv-dtype", default=None, help="KV cache dtype (default: --dtype).")
 @click.option("--o-dtype", default=None, help="Output dtype (default: --dtype).")
-@click.option("--backend", type=click.Choice(BACKENDS), default="fa2", show_default=True)
+@click.option("--backend", type=click.Choice([*MODULE_BACKENDS, "auto"]), default="auto", show_default=True,
+              help="auto: what make_wrapper picks on a GPU of --arch.")
 @click.option("--kind", type=click.Choice(list(KINDS)), default="prefill", show_default=True,
               help="Kernel kind.")
-@click.option("--arch", default=None, help="Target arch (default: VARIANTGEN_ARCH or 9.0a).")
+@click.option("--arch", default=None, help="Target arch (default: the visible GPU, VARIANTGEN_ARCH, else 9.0a).")
 @click.option("-o", "--output-dir", type=click.Path(file_okay=False), default=None,
               help="Write the rendered files here instead of printing.")
 @click.option("--file", "file_name", default=None,
@@ -230,11 +239,12 @@ def _config(spec_path: str, head_dim: int, head_dim_vo: int | None, dtype: str, 
 def render(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
            o_dtype: str | None, backend: str, kind: str, arch: str | None, output_dir: str | None,
            file_name: str | None) -> None:
-    """Print the generated variant.cuh (or write every generated file to -o DIR)."""
+    """Print the generated variant.cuh (or write every generated file to -o DIR) of the module
+    make_wrapper would build (--backend auto) or of the backend named."""
     from .render import render_module
 
-    config = _config(spec, head_dim, head_dim_vo, dtype, kv_dtype, o_dtype, backend,
-                     arch or env.settings().arch or "9.0a", kind)
+    config = _module_config(spec, head_dim, head_dim_vo, dtype, kv_dtype, o_dtype, backend,
+                            arch or _default_arch() or "9.0a", kind)
     rendered = render_module(config)
     if file_name not in (None, "all") and file_name not in rendered.files:
         raise click.BadParameter(f"{file_name!r}: expected 'all' or one of {', '.join(rendered.files)}",
@@ -277,29 +287,27 @@ def expand_matrix(spec_paths: list[str], head_dims: list[int] | list[tuple[int, 
                   kinds: tuple[str, ...] | list[str] = ("prefill",),
                   ) -> tuple[list[ModuleConfig], list[tuple[str, str]]]:
     """Every valid ModuleConfig of the matrix (unique, sorted by URI prefix) and the skipped
-    combinations with their reason."""
+    combinations with their reason. Backend "auto": what make_wrapper picks on a GPU of that
+    arch (resolver.resolve)."""
     specs = [resolve_spec(p) for p in spec_paths]
-    qs = [canonical_dtype(d, "--dtype") for d in dtypes]
-    kvs = [canonical_dtype(d, "--kv-dtype") for d in kv_dtypes] if kv_dtypes else None
-    os_ = [canonical_dtype(d, "--o-dtype") for d in o_dtypes] if o_dtypes else None
     arch_list = [canonical_arch(a) for a in archs]
     configs: dict[str, ModuleConfig] = {}
     skipped: list[tuple[str, str]] = []
     dims = [d if isinstance(d, tuple) else (d, d) for d in head_dims]
-    combos = itertools.product(specs, dims, qs, kvs or [None], os_ or [None], arch_list, backends, kinds)
+    combos = itertools.product(specs, dims, dtypes, kv_dtypes or [None], o_dtypes or [None], arch_list, backends,
+                               kinds)
     for spec, (hd, hd_vo), q, kv, o, arch, backend, kind in combos:
-        kv, o = kv or q, o or q
-        if backend == "auto":  # what make_wrapper picks on a GPU of this arch
-            backend = choose_backend(spec, kind=kind, head_dim_qk=hd, head_dim_vo=hd_vo, q_dtype=q, kv_dtype=kv,
-                                     o_dtype=o, arch=arch)
+        request = Request.of(spec, kind=kind, head_dim_qk=hd, head_dim_vo=hd_vo, q_dtype=q, kv_dtype=kv, o_dtype=o,
+                             backend=None if backend == "auto" else backend, names=CLI_NAMES)
+        resolution = resolve(request, Site(arch=arch, no_route=_MODULES_ONLY))
         hd_text = str(hd) if hd == hd_vo else f"{hd}/{hd_vo}"
-        label = f"{spec.name} hd={hd_text} q={q} kv={kv} o={o} arch={arch} backend={backend} kind={kind}"
-        try:
-            cfg = ModuleConfig(spec, hd, hd_vo, q, kv, o, arch, backend, kind=kind)
-        except ValueError as e:
-            skipped.append((label, str(e)))
+        label = (f"{spec.name} hd={hd_text} q={request.q_dtype} kv={request.kv_dtype} o={request.o_dtype} "
+                 f"arch={arch} backend={resolution.backend or backend} kind={kind}")
+        if not resolution:
+            skipped.append((label, resolution.why(lines=False)))
             continue
-        configs.setdefault(cfg.uri_prefix, cfg)
+        assert resolution.config is not None
+        configs.setdefault(resolution.config.uri_prefix, resolution.config)
     return [configs[k] for k in sorted(configs)], skipped
 
 
@@ -338,7 +346,7 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
 
     if dry_run and check:
         raise click.UsageError("--dry-run and --check: pick one")
-    backend_list = _choices(backends, (*BACKENDS, "auto", "flex"), "--backend", ["auto"])
+    backend_list = _choices(backends, (*BACKENDS, "auto"), "--backend", ["auto"])
     if "flex" in backend_list:
         click.echo("flex: nothing to precompile (the flex route runs torch's FlexAttention; it builds no module)")
         backend_list.remove("flex")
@@ -476,11 +484,11 @@ def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_
               as_json: bool) -> None:
     """Say whether SPEC can run here, now (exit 0: a GPU is visible and the module was found or
     built, and loaded) or why not (exit 1), per backend and kind."""
-    from .probe import probe_backends
+    from .probing import probe_backends
 
     results = probe_backends(
         spec, kinds=tuple(_choices(kinds, list(KINDS), "--kind", ["prefill"])),
-        backends=tuple(None if b == "auto" else b for b in _choices(backends, (*BACKENDS, "auto", "flex"),
+        backends=tuple(None if b == "auto" else b for b in _choices(backends, (*BACKENDS, "auto"),
                                                                    "--backend", ["auto"])), head_dim_qk=head_dim,
         head_dim_vo=head_dim_vo, q_dtype=dtype, kv_dtype=kv_dtype or dtype, o_dtype=o_dtype, page_size=page_size,
         device=device, build=not no_build, cache_dir=cache_dir, arch=arch, cuda_graph=cuda_graph)
@@ -666,19 +674,20 @@ def check(spec: str, head_dim: int, dtype: str, kv_dtype: str | None, o_dtype: s
     from .testing import random_paged_batch, random_spec_args
     from .wrapper import TORCH_DTYPES
 
-    q_name = canonical_dtype(dtype, "--dtype")
-    kv_name = canonical_dtype(kv_dtype, "--kv-dtype") if kv_dtype else q_name
-    o_name = canonical_dtype(o_dtype, "--o-dtype") if o_dtype else q_name
-    qo_lens, kv_lens = _random_lengths(batch_size, qo_len, max(kv_len, qo_len), seed)
-    batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                               head_dim=head_dim, page_size=page_size, dtype=TORCH_DTYPES[q_name],
-                               kv_dtype=TORCH_DTYPES[kv_name], device="cuda", seed=seed)
-    args = random_spec_args(variant, batch, seed=seed)
+    request = Request.of(variant, head_dim_qk=head_dim, q_dtype=dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
+                         names=CLI_NAMES)
     workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
     t0 = time.perf_counter()
-    wrapper = make_wrapper(variant, workspace, head_dim_qk=head_dim, q_dtype=q_name, kv_dtype=kv_name,
-                           o_dtype=o_name, backend=None if backend == "auto" else backend, cache=_cache(cache_dir))
-    click.echo(f"module {wrapper.uri} ready in {time.perf_counter() - t0:.1f}s")
+    wrapper = make_wrapper(variant, workspace, head_dim_qk=head_dim, q_dtype=request.q_dtype,
+                           kv_dtype=request.kv_dtype, o_dtype=request.o_dtype,
+                           backend=None if backend == "auto" else backend, cache=_cache(cache_dir))
+    label = f"module {wrapper.uri}" if wrapper.uri else f"the {wrapper.config.backend} route"  # flex: no module
+    click.echo(f"{label} ready in {time.perf_counter() - t0:.1f}s")
+    qo_lens, kv_lens = _random_lengths(batch_size, qo_len, max(kv_len, qo_len), seed)
+    batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, page_size=page_size, dtype=TORCH_DTYPES[request.q_dtype],
+                               kv_dtype=TORCH_DTYPES[request.kv_dtype], device="cuda", seed=seed)
+    args = random_spec_args(variant, batch, seed=seed)
     if planner:
         wrapper.plan(*batch.plan_args(), skip_tiles=True, **args)
     else:
@@ -712,9 +721,7 @@ def demo(ctx: click.Context, spec: str, head_dim: int, dtype: str, arch: str | N
     variant = resolve_spec(spec)
     click.echo(f"[1/4] {spec}: valid spec `{variant.name}` ({len(variant.tensors)} tensor(s), "
                f"{len(variant.scalars)} scalar(s))")
-    target = canonical_arch(arch or _default_arch() or "9.0a")
-    q = canonical_dtype(dtype, "--dtype")
-    cfg = ModuleConfig(variant, head_dim, head_dim, q, q, q, target)
+    cfg = _module_config(variant, head_dim, None, dtype, None, None, "fa2", arch or _default_arch() or "9.0a")
     rendered = render_module(cfg)
     body = rendered.files["variant.cuh"]
     start = body.index("struct ")

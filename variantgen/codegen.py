@@ -1,9 +1,11 @@
-"""Typed expression trees -> CUDA C++ expression text for FlashInfer's FA2 variant hooks.
+"""Typed expression trees -> CUDA C++ for the variant hooks of FlashInfer's kernels.
 
-Only this module turns expressions into C++. Every identifier it emits is either a
-fixed local of the variant template (``q_pos``, ``kv_pos`` ...), a checked spec
-argument read through ``params.<name>``, or a helper defined in the template; numbers
-are re-emitted from parsed values. Nothing is copied from the spec text.
+Only this module turns expressions into C++: the expressions (``emit_mask``, ``emit_logits``,
+``emit_row_expr``), the locals a hook defines for the builtins they read (``hook_locals``)
+and the spec text quoted in comments (``comment_text``, ``comment_lines``). Every identifier
+it emits is either one of those locals (``q_pos``, ``kv_pos`` ...), a checked spec argument
+read through ``params.<name>``, or a helper of common/vg_helpers.cuh; numbers are re-emitted
+from parsed values. The spec text reaches the sources only inside comments, made safe.
 
 Semantics shared with reference.py (the torch reference must agree bit for bit on ints):
   * ints are 32-bit; ``//`` and ``%`` follow Python (floor) and give 0 for a zero divisor;
@@ -63,12 +65,65 @@ PLANNER = Target("p.", "int32_t(0)", "int32_t(0)")
 CMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
 
 
+# The hook locals of the builtins (see hook_locals): builtin -> (C++ definition, the builtins
+# it is computed from). The variant's constructor sets the *_base members from vg_meta.
+LOCAL_DEFS = {
+    "q_local": ("const int32_t q_local = int32_t(qo_idx < qo_len ? qo_idx : qo_len - 1);"
+                "  // padding lanes: clamp before any per-token load", ()),
+    "kv_local": ("const int32_t kv_local = int32_t(kv_idx < kv_len ? kv_idx : kv_len - 1);", ()),
+    "q_pos": ("const int32_t q_pos = q_pos_base + q_local;", ("q_local",)),
+    # The request's query index, not the launch request's (the planner splits requests).
+    "q_idx": ("const int32_t q_idx = q_pos - (req_kv_len - req_qo_len);", ("q_pos",)),
+    "kv_pos": ("const int32_t kv_pos = kv_pos_base + kv_local;", ("kv_local",)),
+    "q_row": ("const int32_t q_row = q_row_base + q_local;", ("q_local",)),
+    "kv_row": ("const int32_t kv_row = kv_row_base + kv_pos;", ("kv_pos",)),
+    "q_kv_row": ("const int32_t q_kv_row = kv_row_base + q_pos;", ("q_pos",)),
+    "qo_head": ("const int32_t qo_head = int32_t(qo_head_idx);", ()),
+    "kv_head": ("const int32_t kv_head = int32_t(kv_head_idx);", ()),
+}
+MEMBER_BUILTINS = frozenset({"request", "qo_len", "kv_len"})  # variant members, no local needed
+
+
+def local_names(builtins: frozenset[str]) -> list[str]:
+    """The hook locals ``builtins`` need, each after the ones it is computed from."""
+    need: list[str] = []
+
+    def add(name: str) -> None:
+        if name in need:
+            return
+        for dep in LOCAL_DEFS[name][1]:
+            add(dep)
+        need.append(name)
+
+    for b in sorted(builtins - MEMBER_BUILTINS):
+        add(b)
+    return need
+
+
+def hook_locals(builtins: frozenset[str], indent: str = "    ", defined: frozenset[str] = frozenset()) -> str:
+    """The C++ lines defining the locals that ``builtins`` need, minus those already ``defined``
+    (by an enclosing block of the same hook)."""
+    return "\n".join(indent + LOCAL_DEFS[n][0] for n in local_names(builtins) if n not in defined)
+
+
+BREAK_WIDTH = 88  # a mask longer than this is broken at its top-level || / &&
+
+
 @dataclass(frozen=True)
 class Snippet:
     """A C++ expression plus what the hook must set up before evaluating it."""
 
     code: str
     builtins: frozenset[str]  # expression builtins it reads
+    terms: tuple[str, ...] = ()  # the operands of its top-level || / && chain (more than one)
+    joiner: str = ""  # that operator
+
+    def broken(self) -> str:
+        """``code``, or where it is long and a chain at the top, one operand per line, each
+        continuation line starting with the operator (a template indents them)."""
+        if len(self.code) <= BREAK_WIDTH or len(self.terms) < 2:
+            return self.code
+        return f"\n{self.joiner} ".join(self.terms)
 
 
 class _Emitter:
@@ -192,9 +247,20 @@ class _Emitter:
         return f"({self.emit(node.test)} ? {then} : {orelse})"
 
 
+def _chain(node: Node, op: str) -> list[Node]:
+    """The operands of a chain of ``op`` (left-associated, as the parser builds it)."""
+    if isinstance(node, Binary) and node.op == op:
+        return _chain(node.left, op) + _chain(node.right, op)
+    return [node]
+
+
 def emit_mask(spec: VariantSpec, target: Target = FA2_PAGED) -> Snippet:
     e = _Emitter(spec, target)
     code = e.emit(spec.mask)
+    root = spec.mask
+    if isinstance(root, Binary) and root.op in ("or", "and"):
+        terms = tuple(e.emit(t) for t in _chain(root, root.op))
+        return Snippet(code, frozenset(e.builtins), terms, "||" if root.op == "or" else "&&")
     return Snippet(code, frozenset(e.builtins))
 
 
@@ -230,6 +296,18 @@ def comment_text(text: str) -> str:
     flat = flat.replace("\\", "/").replace("*/", "* /").replace("/*", "/ *")
     flat = "".join(ch if 32 <= ord(ch) < 127 else "?" for ch in flat)
     return flat[:300] + (" ..." if len(flat) > 300 else "")
+
+
+def comment_lines(text: str, width: int = 84) -> list[str]:
+    """``text`` for line comments: made safe (comment_text: one line, whitespace normalised,
+    capped), then wrapped at spaces into lines of at most ``width`` characters where it can."""
+    lines: list[str] = []
+    for word in comment_text(text).split(" "):
+        if lines and len(lines[-1]) + 1 + len(word) <= width:
+            lines[-1] += " " + word
+        else:
+            lines.append(word)
+    return lines or [""]
 
 
 def describe(node: Node) -> str:

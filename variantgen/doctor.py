@@ -18,7 +18,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__, build, env
+from . import build, env
+from ._version import __version__
 from .errors import ToolchainError
 
 OK, WARN, MISSING = "ok", "warn", "missing"
@@ -75,7 +76,7 @@ def run_checks() -> Report:
 
 
 def _flashinfer() -> Check:
-    from .probe import flashinfer_problem
+    from .probing import flashinfer_problem
 
     problem = flashinfer_problem()
     if problem:
@@ -135,7 +136,8 @@ def _headers(backend: str, fi: build.FlashInferInfo | None, tc: build.Toolchain 
     name = f"{backend} headers"
     if fi is None or tc is None:
         return Check(name, MISSING, "not checked: needs flashinfer and nvcc (above)", needed_for=(BUILD,))
-    from .render import HEAD_DIMS, ModuleConfig, render_module
+    from .capabilities import HEAD_DIMS
+    from .render import ModuleConfig, render_module
     from .spec import parse_spec
 
     spec = parse_spec("name: doctor\nmask: kv_pos <= q_pos\n", "<doctor>")
@@ -214,9 +216,9 @@ def _gpu() -> Check:
     except Exception as e:  # noqa: BLE001 - a broken driver is a finding
         return Check("GPU", MISSING, f"cannot query the GPU: {type(e).__name__}: {e}", "check the NVIDIA driver",
                      (RUN,))
-    from .render import canonical_arch
+    from .capabilities import arch_of_capability
 
-    arch = canonical_arch(f"{major}.{minor}{'a' if major == 9 else ''}")
+    arch = arch_of_capability(major, minor)
     detail = f"cuda:{index} {name}, sm{major}{minor} (arch {arch}; {torch.cuda.device_count()} visible)"
     if major < 8:
         return Check("GPU", MISSING, detail, "variantgen modules need sm80 or newer", (RUN,))

@@ -9,7 +9,7 @@ This module holds what is specific to Flex:
   (Flex batch 1, requests back to back, a request check in the mask); decode batches are *one
   Flex batch row per request* (one query, the request's keys from kv index 0), since a packed
   query block of 128 decode rows would visit the keys of 128 requests.
-* :func:`make_mods`: the mask (and logits transform) evaluated by ``reference._Evaluator`` on
+* :func:`make_mods`: the mask (and logits transform) evaluated by ``evaluate.Evaluator`` on
   builtins derived from Flex's ``(b, h, q_idx, kv_idx)``. The evaluator is the reference's
   own, so ints follow exactly the semantics codegen.py promises (floor ``//`` and ``%``, 0 for
   a zero divisor, clamped tensor indices). Spec scalars are captured as 0-d tensors so that a
@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
+from .evaluate import Evaluator
 from .expr import Name, Type, names_used
-from .reference import _Evaluator
 from .spec import VariantSpec
 
 BLOCK = 128  # Flex's block size for queries and keys; lengths are padded to a multiple of it
@@ -133,7 +133,7 @@ class FlexLayout:
         return valid, env
 
 
-class _FlexEvaluator(_Evaluator):
+class _FlexEvaluator(Evaluator):
     """The reference evaluator with spec scalars read from 0-d tensors (captured by the mods,
     so a new value is a new input of the compiled kernel, not a recompile)."""
 
@@ -165,7 +165,7 @@ def make_mods(spec: VariantSpec, layout: FlexLayout, args: Mapping[str, torch.Te
 
     def mask_mod(b, h, q_idx, kv_idx):
         valid, env = layout.builtins(b, h, q_idx, kv_idx)
-        return valid & _FlexEvaluator.from_env(spec, env, args).ev(spec.mask).to(torch.bool)
+        return valid & _FlexEvaluator(spec, env, args).ev(spec.mask).to(torch.bool)
 
     score_mod = None
     if spec.logits is not None:
@@ -175,9 +175,7 @@ def make_mods(spec: VariantSpec, layout: FlexLayout, args: Mapping[str, torch.Te
             # float32 in and out: Flex traces the mod with scores of the query's dtype, and a cast
             # back to it would round the transformed logits to 16 bits inside the kernel.
             _, env = layout.builtins(b, h, q_idx, kv_idx)
-            ev = _FlexEvaluator.from_env(spec, env, args)
-            ev.logits = score.to(torch.float32)
-            return ev._as_float(logits)
+            return _FlexEvaluator(spec, env, args, logits=score.to(torch.float32)).as_float(logits)
 
     return FlexMods(mask_mod, score_mod)
 

@@ -38,27 +38,29 @@ from typing import Any
 import torch
 
 from . import flex
+from .capabilities import FLEX, KINDS, canonical_dtype, graph_problem
 from .errors import BackendError, LaunchError
+from .evaluate import Evaluator
 from .expr import names_used
 from .flex import BLOCK, Blocks, FlexLayout, RowBlocks
 from .intervals import row_intervals, usable_form
 from .library import resolve_spec
-from .reference import _Evaluator
-from .render import DTYPE_ALIASES, KINDS
 from .rowrules import row_env
 from .spec import VariantSpec
 from .wrapper import TORCH_DTYPES, Batch, WrapperBase, read_paged_batch
 
-# The flex route's dtypes: FlashInfer's names plus fp32 (CPU users run float32 models).
-Q_DTYPES = ("bf16", "fp16", "fp32")
-KV_DTYPES = (*Q_DTYPES, "fp8_e4m3", "fp8_e5m2")  # fp8 KV is widened to the query dtype when gathered
-FP32_ALIASES = {"fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32"}
+# The flex route's dtypes (its capability table entry): FlashInfer's names plus fp32 (CPU users
+# run float32 models); an fp8 KV cache is widened to the query dtype when gathered.
+Q_DTYPES = FLEX.q_dtypes
+KV_DTYPES = FLEX.kv_dtypes
 
 
 def flex_dtype(value: Any, arg: str, allowed: tuple[str, ...]) -> str:
     """'bf16' / 'fp16' / 'fp32' / 'fp8_*' for a torch dtype or name; ValueError naming ``arg``."""
-    key = str(value).strip().lower()
-    name = FP32_ALIASES.get(key) or DTYPE_ALIASES.get(key)
+    try:
+        name = canonical_dtype(value, arg)
+    except ValueError:
+        name = None
     if name not in allowed:
         raise ValueError(f"{arg}={value!r}: the flex route takes {list(allowed)}")
     return name
@@ -331,7 +333,7 @@ class FlexWrapperBase(WrapperBase):
         qo_head = torch.arange(b.num_qo_heads, dtype=i64, device=device).view(1, -1)
         env = {"request": request, "qo_len": qo_lens[request], "kv_len": kv_lens[request], "qo_head": qo_head,
                "kv_head": qo_head // (b.num_qo_heads // b.num_kv_heads)}
-        value = _Evaluator.from_env(self.spec, env, args)._as_float(self.spec.sink)
+        value = Evaluator(self.spec, env, args).as_float(self.spec.sink)
         return value.expand(request.shape[0], b.num_qo_heads)
 
     def _finish(self, o: torch.Tensor, lse_n: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
@@ -600,9 +602,8 @@ def make_flex_wrapper(spec: VariantSpec | str, workspace: torch.Tensor, *, head_
     CUDA) or the eager math (default on CPU; torch's compiled CPU kernel has no LSE).
     ``use_tensor_cores`` (decode) changes nothing here. No CUDA-graph mode (``graph``)."""
     spec = resolve_spec(spec)
-    if graph is not None:
-        raise ValueError("graph=: CUDA-graph mode is for the FlashInfer routes; the flex route's plan() and run() "
-                         "read the batch on the host")
+    if graph is not None:  # the capability table's rule (make_wrapper refuses it there first)
+        raise ValueError(graph_problem("flex", kind) or "graph=: the flex route has no CUDA-graph mode")
     if use_tensor_cores and kind != "decode":
         raise ValueError(f"use_tensor_cores=True: only for kind='decode' (got kind={kind!r})")
     if not isinstance(workspace, torch.Tensor):
@@ -621,9 +622,9 @@ def probe_flex(spec: VariantSpec, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype
     from .testing import random_paged_batch, random_spec_args
 
     details: dict[str, Any] = {"backend": "flex", "torch": torch.__version__}
-    if cuda_graph:
-        return {"ok": False, "reason": "cuda_graph=True: the flex route has no CUDA-graph mode (its plan() and run() "
-                                       "read the batch on the host)", "details": details}
+    if cuda_graph:  # the capability table's rule (probe() refuses it there first)
+        return {"ok": False, "reason": graph_problem("flex", kind, "cuda_graph=True") or
+                "cuda_graph=True: the flex route has no CUDA-graph mode", "details": details}
     if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
         return {"ok": False, "reason": f"page_size={page_size!r}: expected a positive whole number",
                 "details": details}

@@ -58,7 +58,7 @@ PLAN_PATHS = {
 _PLANNED = ("off", "module", "nomodule")
 
 # Every (backend, kind) path the fuzzer covers, in one table. A (backend, kind) pair that
-# render.HEAD_DIMS gains (say fa3 ragged) needs its row here (tests/test_fuzz_gpu_cpu.py checks).
+# capabilities.HEAD_DIMS gains (say fa3 ragged) needs its row here (tests/test_fuzz_gpu_cpu.py checks).
 TARGETS: tuple[Target, ...] = (
     Target("fa2/prefill", "fa2", "prefill", "prefill", plans=_PLANNED),
     Target("fa3/prefill", "fa3", "prefill", "prefill", plans=_PLANNED),
@@ -1196,8 +1196,8 @@ class CacheModules:
         self.device = self.workspace.device
 
     def _config(self, target: Target, module: ModuleKey) -> Any:
-        from .render import ModuleConfig
-        from .wrapper import DEFAULT_MASK_MODES, device_arch
+        from .factory import device_arch
+        from .render import DEFAULT_MASK_MODES, ModuleConfig
 
         return ModuleConfig(shipped_spec(module.spec), module.head_dim_qk, module.head_dim_vo, module.q_dtype,
                             module.kv_dtype, module.q_dtype, device_arch(self.device), target.backend,
@@ -1214,7 +1214,7 @@ class CacheModules:
         return None
 
     def wrapper(self, target: Target, module: ModuleKey, graph: Any = None) -> Any:
-        from .wrapper import make_wrapper
+        from .factory import make_wrapper
 
         return make_wrapper(shipped_spec(module.spec), self.workspace, head_dim_qk=module.head_dim_qk,
                             head_dim_vo=module.head_dim_vo, q_dtype=module.q_dtype, kv_dtype=module.kv_dtype,

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from .errors import LaunchError
+from .evaluate import Evaluator
 from .expr import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
 from .plan_abi import NO_INTERVAL
 from .spec import VariantSpec
@@ -310,9 +311,7 @@ def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch
                   args: Mapping[str, Any]) -> RowIntervals:
     """Evaluate ``form`` for rows described by ``env`` (q_pos, q_idx, q_row, q_kv_row,
     request, qo_len, kv_len as int64 tensors of shape [rows])."""
-    from .reference import _Evaluator
-
-    ev = _Evaluator.from_env(spec, env, args)
+    ev = Evaluator(spec, env, args)
     kv_len = env["kv_len"]
     n = kv_len.shape[0]
     dev = kv_len.device

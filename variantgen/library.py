@@ -63,7 +63,7 @@ def resolve_spec(spec: SpecLike) -> VariantSpec:
     if not spec.strip():
         raise SpecError("empty spec argument: expected a spec file path or a shipped spec name", Location("<spec>"))
     path = Path(spec)
-    if path.is_file():
+    if _exists(path, Path.is_file):
         return load_spec(path)
     shipped = dict(_shipped())
     if spec in shipped:
@@ -73,9 +73,18 @@ def resolve_spec(spec: SpecLike) -> VariantSpec:
                     "sink logits are `attention_sink_learned`): resolving it to that spec", spec, RENAMED[spec])
         return load_spec(shipped[RENAMED[spec]])
     looks_like_path = os.sep in spec or (os.altsep or os.sep) in spec or path.suffix in (".yaml", ".yml")
-    if not looks_like_path and not path.exists():
+    if not looks_like_path and not _exists(path, Path.exists):
         raise _unknown_name(spec, list(shipped))
-    if not path.exists() and path.stem in shipped:
+    if not _exists(path, Path.exists) and path.stem in shipped:
         raise SpecError("spec file not found", Location(spec),
                         hint=f"variantgen ships a spec named `{path.stem}`: pass that name to use it")
     return load_spec(path)  # its errors name the path: not found, a folder, unreadable, not UTF-8
+
+
+def _exists(path: Path, test) -> bool:
+    """``test(path)`` (is_file / exists), False where the name cannot be a path here (too long:
+    ENAMETOOLONG, which pathlib raises instead of answering)."""
+    try:
+        return test(path)
+    except (OSError, ValueError):
+        return False

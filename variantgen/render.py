@@ -1,84 +1,47 @@
-"""Jinja templates -> the sources of one module.
+"""templates/ -> the sources of one module.
 
 A ``ModuleConfig`` (spec + head dims + dtypes + backend + arch + mask modes) fully
 determines the rendered files; rendering is pure, so the cache key can hash its output.
-Templates are loaded once per process, with StrictUndefined: a missing variable is an
-error, never an empty string in generated C++.
+
+FlashInfer's habit: static C++ lives in real ``.cuh`` / ``.cu`` files of templates/common,
+fa2 and fa3 (the expression helpers, FlashInfer's kernel parameters, the plan functions,
+the bindings that name no spec), copied into a module's sources as they are; Jinja renders
+only what depends on the spec and the config - the variant, the config (dtypes, head dims,
+the spec's arguments, the mask-mode dispatch) and one instantiation per mask mode and CTA
+tile. The template digest covers every file of a backend's folders. Which combinations a
+backend generates is the capability table's business (capabilities.py); the C++ of the
+spec's expressions is codegen.py's. Templates are loaded once per process, with
+StrictUndefined: a missing variable is an error, never an empty string in generated C++.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import jinja2
 
-from . import __version__, codegen, plan_abi
+from . import codegen, expr, plan_abi
+from ._version import __version__
+from .capabilities import KINDS, MODULE_BACKENDS, TABLE, Request, Site, canonical_arch
 from .env import TEMPLATES_DIR, settings
 from .errors import VariantgenError
 from .spec import VariantSpec
 
-# dtype name -> (C++ type, bytes)
+# FlashInfer's dtypes -> (C++ type, bytes)
 DTYPES = {
     "bf16": ("nv_bfloat16", 2),
     "fp16": ("half", 2),
     "fp8_e4m3": ("__nv_fp8_e4m3", 1),
     "fp8_e5m2": ("__nv_fp8_e5m2", 1),
 }
-DTYPE_ALIASES = {
-    "bfloat16": "bf16", "bf16": "bf16", "torch.bfloat16": "bf16",
-    "float16": "fp16", "fp16": "fp16", "half": "fp16", "torch.float16": "fp16",
-    "float8_e4m3fn": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "e4m3": "fp8_e4m3", "fp8": "fp8_e4m3",
-    "torch.float8_e4m3fn": "fp8_e4m3",
-    "float8_e5m2": "fp8_e5m2", "fp8_e5m2": "fp8_e5m2", "e5m2": "fp8_e5m2", "torch.float8_e5m2": "fp8_e5m2",
-}
-FA2_HEAD_DIMS = (64, 128, 256)
-# What each kernel kind is and which (head_dim_qk, head_dim_vo) pairs its backends compile.
-KINDS = {
-    "prefill": "paged-KV prefill",
-    "ragged": "ragged-KV prefill",
-    "decode": "paged-KV decode (CUDA cores)",
-}
-BACKENDS = ("fa2", "fa3")
-_EQUAL_DIMS = tuple((d, d) for d in FA2_HEAD_DIMS)
-HEAD_DIMS: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
-    ("fa2", "prefill"): _EQUAL_DIMS,
-    ("fa2", "ragged"): _EQUAL_DIMS + ((192, 128),),  # 192/128: MLA-shaped prefill (DeepSeek)
-    ("fa2", "decode"): _EQUAL_DIMS,
-    ("fa3", "prefill"): _EQUAL_DIMS,
-}
 # run()'s mask-mode code and FlashInfer's enumerator, by name (the plan ABI's table)
 MASK_MODES = {m.label: (int(m), m.literal) for m in plan_abi.MaskMode}
+DEFAULT_MASK_MODES = tuple(MASK_MODES)  # what the wrappers launch: every mode
 FA2_CTA_TILES_Q = (16, 64, 128)  # what FlashInfer's FA2 planner picks for head_dim_vo < 512
-
-
-def canonical_dtype(value: object, arg: str) -> str:
-    """'bf16' for torch.bfloat16, 'bfloat16', 'bf16' ...; ValueError naming ``arg`` otherwise."""
-    key = str(value).strip().lower()
-    if key in DTYPE_ALIASES:
-        return DTYPE_ALIASES[key]
-    raise ValueError(f"{arg}={value!r}: unsupported dtype; expected one of {sorted(DTYPES)}")
-
-
-def canonical_arch(value: str) -> str:
-    """'9.0a' / '90a' / 'sm_90a' -> '9.0a'."""
-    raw = str(value).strip().lower().removeprefix("sm_").removeprefix("sm").removeprefix("compute_")
-    suffix = raw[-1] if raw and raw[-1] in "af" else ""
-    digits = raw[:-1] if suffix else raw
-    if "." in digits:
-        major, _, minor = digits.partition(".")
-    elif digits.isdigit() and len(digits) >= 2:
-        major, minor = digits[:-1], digits[-1]
-    else:
-        major, minor = "", ""
-    if not (major.isdigit() and minor.isdigit()):
-        raise ValueError(f"arch={value!r}: expected a compute capability such as 8.0, 9.0a or 10.0a")
-    return f"{int(major)}.{int(minor)}{suffix}"
 
 
 @dataclass(frozen=True)
@@ -93,7 +56,7 @@ class ModuleConfig:
     o_dtype: str
     arch: str
     backend: str = "fa2"
-    mask_modes: tuple[str, ...] = ("none", "causal", "custom")
+    mask_modes: tuple[str, ...] = DEFAULT_MASK_MODES
     kind: str = "prefill"
 
     def __post_init__(self) -> None:
@@ -101,58 +64,21 @@ class ModuleConfig:
         if problems:
             raise ValueError(problems[0])
 
-    @classmethod
-    def problems_of(cls, **fields: Any) -> list[str]:
-        """problems() of the config these fields (defaults for the rest) would make, all of
-        them: construction stops at the first."""
-        config = object.__new__(cls)  # skips __post_init__
-        for f in dataclasses.fields(cls):
-            object.__setattr__(config, f.name, fields.get(f.name, f.default))
-        return config.problems()
-
     def problems(self) -> list[str]:
+        """Why this module cannot be generated (the capability table's reasons, then the mask
+        modes'); [] when it can."""
         out = []
-        if self.kind not in KINDS:
-            out.append(f"kind={self.kind!r}: expected one of {list(KINDS)}")
-        if self.backend not in BACKENDS:
-            out.append(f"backend={self.backend!r}: expected one of {list(BACKENDS)}")
-        elif self.kind in KINDS and (self.backend, self.kind) not in HEAD_DIMS:
-            have = sorted(k for b, k in HEAD_DIMS if b == self.backend)
-            out.append(f"kind={self.kind!r}: backend {self.backend!r} generates only {have} modules")
-        if self.backend in BACKENDS and self.backend not in self.spec.backends:
-            out.append(f"backend={self.backend!r}: spec `{self.spec.name}` allows only {list(self.spec.backends)}")
-        for name in ("q_dtype", "kv_dtype", "o_dtype"):
-            if getattr(self, name) not in DTYPES:
-                out.append(f"{name}={getattr(self, name)!r}: expected one of {sorted(DTYPES)}")
-        if self.q_dtype.startswith("fp8"):
-            out.append(f"q_dtype={self.q_dtype}: fp8 query is not supported by {self.backend} (its tensor-core "
-                       "path needs 16-bit queries); use bf16 or fp16 queries with an fp8 KV cache")
-        if self.o_dtype.startswith("fp8"):
-            out.append(f"o_dtype={self.o_dtype}: fp8 output is not supported by {self.backend}")
-        if self.backend == "fa3" and self.kv_dtype != self.q_dtype:
-            out.append(f"kv_dtype={self.kv_dtype}: fa3 variant modules need kv_dtype == q_dtype "
-                       f"({self.q_dtype}); use backend fa2 for an fp8 KV cache")
-        if self.backend == "fa3" and self.o_dtype != self.q_dtype and not self.o_dtype.startswith("fp8"):
-            # Only o in the query's dtype has run on the H200; other outputs go to fa2.
-            out.append(f"o_dtype={self.o_dtype}: fa3 variant modules write o in the query dtype ({self.q_dtype}); "
-                       "use backend fa2 for another output dtype")
-        dims = HEAD_DIMS.get((self.backend, self.kind))
-        if dims and (self.head_dim_qk, self.head_dim_vo) not in dims:
-            pairs = ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in dims)
-            out.append(f"head_dim_qk={self.head_dim_qk}, head_dim_vo={self.head_dim_vo}: {self.backend} "
-                       f"{self.kind} modules support head dims {pairs} (qk/vo where they differ)")
+        if self.backend not in MODULE_BACKENDS:
+            if self.kind not in KINDS:
+                out.append(f"kind={self.kind!r}: expected one of {list(KINDS)}")
+            out.append(f"backend={self.backend!r}: expected one of {list(MODULE_BACKENDS)}")
+        else:
+            request = Request(self.spec, self.kind, self.head_dim_qk, self.head_dim_vo, self.q_dtype, self.kv_dtype,
+                              self.o_dtype, self.backend)
+            out += TABLE[self.backend].problems(request, Site(arch=self.arch))
         unknown = [m for m in self.mask_modes if m not in MASK_MODES]
         if unknown or not self.mask_modes:
             out.append(f"mask_modes={self.mask_modes!r}: expected a non-empty subset of {list(MASK_MODES)}")
-        try:
-            arch = canonical_arch(self.arch)
-            major = int(arch.split(".")[0])
-            if major < 8:
-                out.append(f"arch={self.arch}: {self.backend} needs sm80 or newer")
-            if self.backend == "fa3" and arch != "9.0a":
-                out.append(f"arch={self.arch}: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a")
-        except ValueError as e:
-            out.append(str(e))
         return out
 
     @property
@@ -184,32 +110,6 @@ class ModuleConfig:
             "arch": canonical_arch(self.arch),
             "mask_modes": list(self.mask_modes),
         }
-
-
-def choose_backend(spec: VariantSpec, *, kind: str, head_dim_qk: int, head_dim_vo: int, q_dtype: str,
-                   kv_dtype: str, o_dtype: str, arch: str) -> str:
-    """The backend make_wrapper uses when none is given. Pure: depends only on its arguments.
-
-    fa3 where an fa3 module is valid: paged prefill on sm90 with 16-bit KV of the query's
-    dtype, head dims 64/128/256, a spec that allows it. On the H200 it measured faster than
-    fa2 for both routes (bench/results/2026-11-29-h200/prefill-fa3-5ec28f3.json, mm_prefix,
-    8 x 8192: planned 9.40 vs 13.39 ms, direct 54.3 vs 81.2 ms). Everything else: fa2 (decode,
-    ragged, fp8 KV caches, 192/128, other GPUs)."""
-    fa3_problems = ModuleConfig.problems_of(spec=spec, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo,
-                                            q_dtype=q_dtype, kv_dtype=kv_dtype, o_dtype=o_dtype, arch=arch,
-                                            backend="fa3", kind=kind)
-    return "fa2" if fa3_problems else "fa3"
-
-
-def cuda_graph_problem(kind: str) -> str:
-    """Why CUDA-graph mode cannot serve a wrapper of ``kind`` ("": it can) - the one rule
-    make_wrapper(graph=...) and probe(cuda_graph=True) share. Paged prefill (fa2 and fa3: the
-    backend is chosen as without graph mode, choose_backend's) and decode plan fixed launches
-    (graph.py); ragged allocates its metadata per plan()."""
-    if kind in ("prefill", "decode"):
-        return ""
-    return (f"CUDA-graph mode is for kind 'prefill' and 'decode' (got {kind!r}); ragged wrappers allocate their "
-            "metadata per plan()")
 
 
 @dataclass(frozen=True)
@@ -292,6 +192,14 @@ def static_source(name: str) -> str:
     return (template_root() / name).read_text()
 
 
+def _static(*names: str, **renamed: str) -> dict[str, str]:
+    """Static sources as module files: under their own file name, or (``renamed``) under
+    another (``binding_cu="fa2/paged_binding.cu"`` is the module's binding.cu)."""
+    files = {name.rsplit("/", 1)[-1]: static_source(name) for name in names}
+    files.update({key.replace("_", "."): static_source(name) for key, name in renamed.items()})
+    return files
+
+
 def template_digest(backend: str = "fa2") -> str:
     return _template_digest(str(template_root()), backend)
 
@@ -304,49 +212,15 @@ def plan_sources() -> dict[str, str]:
     return files
 
 
-_LOCAL_DEFS = {
-    # builtin -> (C++ definition, builtins it depends on)
-    "q_local": ("const int32_t q_local = int32_t(qo_idx < qo_len ? qo_idx : qo_len - 1);"
-                "  // padding lanes: clamp before any per-token load", ()),
-    "kv_local": ("const int32_t kv_local = int32_t(kv_idx < kv_len ? kv_idx : kv_len - 1);", ()),
-    "q_pos": ("const int32_t q_pos = q_pos_base + q_local;", ("q_local",)),
-    # The request's query index, not the launch request's (the planner splits requests).
-    "q_idx": ("const int32_t q_idx = q_pos - (req_kv_len - req_qo_len);", ("q_pos",)),
-    "kv_pos": ("const int32_t kv_pos = kv_pos_base + kv_local;", ("kv_local",)),
-    "q_row": ("const int32_t q_row = q_row_base + q_local;", ("q_local",)),
-    "kv_row": ("const int32_t kv_row = kv_row_base + kv_pos;", ("kv_pos",)),
-    "q_kv_row": ("const int32_t q_kv_row = kv_row_base + q_pos;", ("q_pos",)),
-    "qo_head": ("const int32_t qo_head = int32_t(qo_head_idx);", ()),
-    "kv_head": ("const int32_t kv_head = int32_t(kv_head_idx);", ()),
-}
-_MEMBER_BUILTINS = {"request", "qo_len", "kv_len"}  # read from variant members
-
-
-def _locals(builtins: frozenset[str], indent: str = "    ") -> str:
-    need: list[str] = []
-
-    def add(name: str) -> None:
-        if name in need:
-            return
-        for dep in _LOCAL_DEFS[name][1]:
-            add(dep)
-        need.append(name)
-
-    for b in sorted(builtins):
-        if b not in _MEMBER_BUILTINS:
-            add(b)
-    return "\n".join(indent + _LOCAL_DEFS[n][0] for n in need)
-
-
 def _sink_locals(builtins: frozenset[str], target: codegen.Target, indent: str, *, kv_head_idx: bool) -> str:
     """The locals a sink hook needs: its query head from ``qo_head_idx``, and its key/value head
     from ``kv_head_idx`` where the hook has one (fa3's constructor) or from the group size (fa2's
     m/d update and output transform get only the query head)."""
     lines = []
     if "qo_head" in builtins:
-        lines.append(_LOCAL_DEFS["qo_head"][0])
+        lines.append(codegen.LOCAL_DEFS["qo_head"][0])
     if "kv_head" in builtins:
-        lines.append(_LOCAL_DEFS["kv_head"][0] if kv_head_idx else
+        lines.append(codegen.LOCAL_DEFS["kv_head"][0] if kv_head_idx else
                      f"const int32_t kv_head = int32_t(qo_head_idx) / ({target.num_qo_heads} / "
                      f"{target.num_kv_heads});")
     return "\n".join(indent + line for line in lines)
@@ -389,15 +263,19 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
         "kind": config.kind,
         "kind_text": KINDS[config.kind],
         "struct_name": struct_name(spec),
-        "mask_comment": codegen.describe(spec.mask),
-        "mask_code": mask.code,
-        "mask_locals": _locals(mask.builtins),
+        # The spec's own text and the canonical form, for comments (made safe, wrapped).
+        "mask_text": codegen.comment_lines(spec.mask_text),
+        "mask_canonical": codegen.comment_lines(expr.to_source(spec.mask)),
+        "mask_code": mask.broken(),
+        "mask_locals": codegen.hook_locals(mask.builtins),
         "logits": logits is not None,
-        "logits_comment": codegen.describe(spec.logits) if spec.logits is not None else "",
+        "logits_text": codegen.comment_lines(spec.logits_text or "") if logits else [],
+        "logits_canonical": codegen.comment_lines(expr.to_source(spec.logits)) if logits else [],
         "logits_code": logits.code if logits else "",
-        "logits_locals": _locals(logits.builtins) if logits else "",
-        # a hook that evaluates both (fa3's masked transform)
-        "masked_locals": _locals(mask.builtins | (logits.builtins if logits else frozenset())),
+        "logits_locals": codegen.hook_locals(logits.builtins) if logits else "",
+        # fa3's masked transform: the mask's locals the logits transform did not define already
+        "mask_only_locals": codegen.hook_locals(mask.builtins, "      ", frozenset(
+            codegen.local_names(logits.builtins) if logits else ())),
         # the learned sink: a float per query head and request (fa2: in its m/d update or, for
         # decode, its output transform; fa3: in the constructor, one head per work tile)
         "sink": sink is not None,
@@ -424,15 +302,20 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
 Renderer = Callable[[ModuleConfig, dict, jinja2.Environment], tuple[dict[str, str], list[str], tuple[str, ...]]]
 
 
-def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template: str, binding_template: str,
+# Every fa2 module's static sources (templates/common and templates/fa2).
+FA2_STATIC = ("common/vg_helpers.cuh", "fa2/config_prelude.cuh", "fa2/kernel_params.cuh")
+
+
+def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template: str, binding: dict[str, str],
                          kernel_template: str, unit_prefix: str, host_source: str, plan: bool = False):
-    """The FA2 prefill kinds: variant, config and binding, plus one kernel unit per mask mode
-    and CTA tile (what FlashInfer's FA2 planner may pick), and FlashInfer's host code; ``plan``:
-    the launch builder's unit too."""
+    """The FA2 prefill kinds: variant and config rendered, the static sources and the binding
+    (``binding``: its file), plus one kernel unit per mask mode and CTA tile (what FlashInfer's
+    FA2 planner may pick), and FlashInfer's host code; ``plan``: the launch builder's unit too."""
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
         "batch_prefill_config.inc": env.get_template(config_template).render(ctx),
-        "binding.cu": env.get_template(binding_template).render(ctx),
+        **_static(*FA2_STATIC, "fa2/prefill_plan.cuh"),
+        **binding,
     }
     units = ["binding.cu"]
     if plan:  # the launch builder (paged prefill: plan() builds its launches with it)
@@ -449,8 +332,9 @@ def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template:
 
 def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
     return _render_fa2_per_tile(ctx, env, config_template="fa2/config.inc.jinja",
-                                binding_template="fa2/binding.cu.jinja", kernel_template="fa2/paged_kernel.cu.jinja",
-                                unit_prefix="paged_kernel", host_source="batch_prefill_paged.cu", plan=True)
+                                binding=_static(binding_cu="fa2/paged_binding.cu"),
+                                kernel_template="fa2/paged_kernel.cu.jinja", unit_prefix="paged_kernel",
+                                host_source="batch_prefill_paged.cu", plan=True)
 
 
 def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
@@ -459,7 +343,7 @@ def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
         "batch_decode_config.inc": env.get_template("fa2/decode_config.inc.jinja").render(ctx),
-        "binding.cu": env.get_template("fa2/decode_binding.cu.jinja").render(ctx),
+        **_static(*FA2_STATIC, binding_cu="fa2/decode_binding.cu"),
         "decode_kernel.cu": env.get_template("fa2/decode_kernel.cu.jinja").render(ctx),
     }
     return files, ["binding.cu", "decode_kernel.cu"], ("batch_decode.cu",)
@@ -473,7 +357,7 @@ def _render_fa2_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
     host code (batch_prefill.cu) compiled against our config, our plan + ragged_run binding."""
     ctx = dict(ctx, cta_tiles=list(FA2_CTA_TILES_Q), all_cta_tiles=list(FA2_DISPATCHED_CTA_TILES_Q))
     return _render_fa2_per_tile(ctx, env, config_template="fa2/ragged_config.inc.jinja",
-                                binding_template="fa2/ragged_binding.cu.jinja",
+                                binding={"binding.cu": env.get_template("fa2/ragged_binding.cu.jinja").render(ctx)},
                                 kernel_template="fa2/ragged_kernel.cu.jinja", unit_prefix="ragged_kernel",
                                 host_source="batch_prefill.cu")
 
@@ -510,8 +394,8 @@ def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
                cutlass_o=CUTLASS_TYPES[config.o_dtype])
     files = {
         "variant.cuh": env.get_template("fa3/variant.cuh.jinja").render(ctx),
-        "cutlass_prelude.cuh": static_source("fa3/cutlass_prelude.cuh"),
         "batch_prefill_sm90_config.inc": env.get_template("fa3/config.inc.jinja").render(ctx),
+        **_static("common/vg_helpers.cuh", "fa3/cutlass_prelude.cuh", "fa3/kernel_params.cuh", "fa3/run.cuh"),
         "binding.cu": env.get_template("fa3/binding.cu.jinja").render(ctx, launches=launches),
         **plan_sources(),
         "plan.cu": static_source("plan/plan.cu"),

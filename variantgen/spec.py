@@ -32,7 +32,8 @@ MAX_NUMBER_CHARS = 64  # a YAML number literal longer than this is refused befor
 TENSOR_DTYPES = {"int32": Type.INT, "float32": Type.FLOAT}
 SCALAR_DTYPES = {"int": Type.INT, "float": Type.FLOAT, "bool": Type.BOOL}
 SYMBOLIC_DIMS = {d.name: f"{d.rows} (index with {' / '.join(d.builtins)})" for d in DIMS.values()}
-BACKENDS = ("fa2", "fa3")
+# The backends a spec may name in `backends:` (capabilities.TABLE describes each).
+BACKENDS = ("fa2", "fa3", "flex")
 TOP_LEVEL_KEYS = ("name", "description", "tensors", "scalars", "mask", "logits", "sink", "scales", "backends")
 
 # Names an argument may not take: C++ keywords and identifiers that would shadow or

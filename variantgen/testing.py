@@ -178,7 +178,7 @@ def run_environment() -> dict[str, Any]:
 
     import flashinfer
 
-    from . import __version__
+    from ._version import __version__
 
     try:
         nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.splitlines()[-1]

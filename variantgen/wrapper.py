@@ -1,4 +1,5 @@
-"""The wrapper factory: a spec's module behind ``plan(...)`` / ``run(..., <args by name>)``.
+"""The paged-prefill wrapper, and what every kind's wrapper shares: a spec's module behind
+``plan(...)`` / ``run(..., <args by name>)`` (factory.make_wrapper makes them).
 
 ``run`` checks every argument (dtype, shape, contiguity, device) before any launch and
 names the argument in the error. The kernel sees *launch requests*: in the direct path
@@ -24,24 +25,20 @@ import functools
 import inspect
 import logging
 import math
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from .build import BuildResult, build_module, default_cache, load_module, select_backend
-from .cache import Cache
+from .build import BuildResult
 from .checks import PageGuard, PlanCheck
 from .env import settings
 from .errors import LaunchError
 from .expr import FLOAT32_MAX
 from .graph import GraphCapacity
 from .intervals import IntervalForm, analyze, args_read, tensors_read, usable_form
-from .library import resolve_spec
 from .plan import Batch, Launch, Plan
 from .planner import Planner
-from .render import ModuleConfig, canonical_arch, canonical_dtype, cuda_graph_problem
-from .rowplan import load_planner
+from .render import ModuleConfig
 from .spec import VariantSpec, shown_value, value_fits
 from .staging import HostStaging, IntWorkspaces
 
@@ -56,7 +53,6 @@ TORCH_DTYPES = {
 }
 SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
-DEFAULT_MASK_MODES = ("none", "causal", "custom")
 ALIGN_BYTES = 16  # the kernels move q/k/v/o rows in 16-byte vectors (cp.async, TMA)
 
 
@@ -734,94 +730,3 @@ def read_paged_batch(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices: Any
     batch = paged_batch(qo_h, kvp_h, last_h, paged_kv_indices.numel(), num_qo_heads, num_kv_heads, page_size)
     return PagedBatchLists(batch, qo_h, kvp_h, last_h, indices_h)
 
-
-def device_arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return canonical_arch(f"{major}.{minor}{'a' if major == 9 else ''}")
-
-
-# kind -> "module:class" of its wrapper (imported on first use)
-WRAPPERS = {
-    "prefill": "variantgen.wrapper:VariantWrapper",
-    "ragged": "variantgen.ragged:RaggedWrapper",
-    "decode": "variantgen.decode:DecodeWrapper",
-}
-
-
-def wrapper_class(kind: str) -> type[WrapperBase]:
-    import importlib
-
-    if kind not in WRAPPERS:
-        raise ValueError(f"kind={kind!r}: expected one of {list(WRAPPERS)}")
-    module, _, name = WRAPPERS[kind].partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, head_dim_qk: int,
-                 head_dim_vo: int | None = None, q_dtype: Any, kv_dtype: Any, o_dtype: Any = None,
-                 backend: str | None = None, kind: str = "prefill", kv_layout: str = "NHD",
-                 arch: str | None = None, cache: Cache | None = None, build: bool = True,
-                 jobs: int | None = None, use_tensor_cores: bool = False,
-                 graph: GraphCapacity | None = None, check_plan: bool | None = None) -> WrapperBase:
-    """Build (or load from the cache) the spec's module for one kernel kind and wrap it.
-
-    ``spec``: a VariantSpec, a spec file's path, or a shipped spec's name ("mm_prefix";
-    variantgen.shipped_specs() lists them).
-    ``kind``: "prefill" (paged KV), "ragged" (ragged KV) or "decode" (paged KV, one query
-    per request). ``backend``: "fa2", "fa3", or None to let variantgen choose from the
-    spec, dtypes, kind and GPU (build.select_backend: choose_backend's pick, except that with
-    JIT disabled or ``build=False`` a precompiled fa2 module is used, with a warning, when
-    the fa3 one is not in the cache - the choice probe() reports); "flex" runs the spec through
-    torch's FlexAttention on any CUDA or CPU device, with no module (flex_wrapper.py).
-    ``workspace`` is the float workspace (uint8, on the target GPU; 128 MiB is plenty).
-    ``use_tensor_cores`` (decode only): run decode through the spec's prefill module (one
-    query per request) instead of the CUDA-core decode kernel - FlashInfer's advice for large GQA groups. ``graph``
-    (kind "prefill"): CUDA-graph mode with fixed buffers for at most that batch, so a
-    captured run() can be replayed after each plan() (graph.py; fa2 or fa3, chosen as without
-    it); also kind "decode" (tensor cores: any batch up to the capacity; CUDA cores:
-    exactly max_batch_size requests per plan, as FlashInfer's CUDA-graph decode).
-    ``check_plan`` (default: the VARIANTGEN_CHECK_PLAN variable): debug mode, in which run()
-    verifies that the spec tensors plan() planned from (e.g. ``ranges``) were not changed
-    since, and raises naming the tensor (a device sync per run(); under CUDA-graph capture the
-    comparison is recorded and the next plan() raises if a replay found a change).
-    Raises SpecError / ValueError / BuildError / JitDisabledError with what went wrong;
-    call variantgen.probe() first to get a reason instead of an exception.
-    """
-    spec = resolve_spec(spec)
-    if backend == "flex":  # torch's FlexAttention: no module, no nvcc (flex_wrapper.py)
-        from .flex_wrapper import make_flex_wrapper
-
-        return make_flex_wrapper(spec, workspace, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
-                                 kv_dtype=kv_dtype, o_dtype=o_dtype, kind=kind, kv_layout=kv_layout,
-                                 use_tensor_cores=use_tensor_cores, graph=graph)
-    q = canonical_dtype(q_dtype, "q_dtype")
-    kv = canonical_dtype(kv_dtype, "kv_dtype")
-    o = canonical_dtype(o_dtype, "o_dtype") if o_dtype is not None else q
-    if arch is None:
-        if not isinstance(workspace, torch.Tensor) or workspace.device.type != "cuda":
-            raise ValueError("workspace: expected a CUDA tensor (or pass arch= to build for another GPU)")
-        arch = device_arch(workspace.device)
-    arch = canonical_arch(arch)
-    hd_vo = head_dim_vo or head_dim_qk
-    if graph is not None and cuda_graph_problem(kind):
-        raise ValueError(f"graph=: {cuda_graph_problem(kind)}")
-    cache = cache or default_cache()
-    if backend is None:  # the same choice probe(backend=None) reports
-        choice = select_backend(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=hd_vo, q_dtype=q,
-                                kv_dtype=kv, o_dtype=o, arch=arch, cache=cache, allow_build=build)
-        backend = choice.backend
-        if choice.note:
-            log.warning("make_wrapper(%s): %s", spec.name, choice.note)
-    cls = wrapper_class(kind)
-    if use_tensor_cores and kind != "decode":
-        raise ValueError(f"use_tensor_cores=True: only for kind='decode' (got kind={kind!r})")
-    module_kind = "prefill" if use_tensor_cores else kind  # tensor-core decode = prefill kernel, qo_len 1
-    config = ModuleConfig(spec, head_dim_qk, hd_vo, q, kv, o, arch, backend, DEFAULT_MASK_MODES, module_kind)
-    result = build_module(config, cache, jobs=jobs, allow_build=build)
-    module = load_module(result.entry)
-    extra = {"graph": graph} if graph is not None else {}
-    wrapper = cls(spec, config, module, result, workspace, kv_layout, check_plan=check_plan, **extra)
-    # The paged prefill kernel (also behind tensor-core decode) is planned by the interval planner.
-    if module_kind == "prefill" and wrapper.device.type == "cuda" and analyze(spec).planner_ready:
-        wrapper.set_row_planner(*load_planner(spec, arch, cache, allow_build=build, jobs=jobs))
-    return wrapper

@@ -222,7 +222,7 @@ class Session:
         """Probe the route and make its wrapper (or keep the reason)."""
         import variantgen
 
-        from ..wrapper import make_wrapper
+        from ..factory import make_wrapper
 
         backend = self.kind_backend(kind)
         route = Route(spec_name, kind, backend)

@@ -1,12 +1,16 @@
 """Can this spec run here, now? One call that answers yes, or no with the reason.
 
 ``probe`` is what a serving engine calls at startup before it advertises a variant
-backend. It is truthy only when the module can run on this machine now: a GPU of the
+backend. It is truthy only when the spec can run on this machine now: a GPU of the
 target arch is visible, the module was found in the cache (or built, where JIT is on) and
-it loaded. It never raises and never waits long: every failure, expected or not, becomes
-``reason``, and a build another process holds the lock for is reported after
-PROBE_LOCK_WAIT_S seconds ("being built by pid N ..."), not waited for. A reason never
-asks a serving box to do something that starts a compile there.
+it loaded - or a module-less route (flex) ran a small batch here. It never raises and never
+waits long: every failure, expected or not, becomes ``reason``, and a build another process
+holds the lock for is reported after PROBE_LOCK_WAIT_S seconds ("being built by pid N ..."),
+not waited for. A reason never asks a serving box to do something that starts a compile there.
+
+Which backend answers is resolver.resolve's choice, made for this machine with the same
+inputs make_wrapper gives it (factory.module_site): probe says yes exactly when make_wrapper
+with the same settings succeeds without building.
 
 ``probe(..., runtime=False)`` answers another question, for build boxes and deployment
 checks: is the module a server with JIT disabled would load for ``arch`` in the cache
@@ -15,50 +19,63 @@ for a whole matrix.
 
 Checks run in this order, and the first failing one is reported:
 
-1. the spec (file) is valid;
-2. flashinfer is importable and new enough (>= 0.7.2: ``batch_prefill_paged.cu`` and
-   ``PrefillPlan`` in ``scheduler.cuh``), apache-tvm-ffi is importable;
-3. the combination (dtypes, head dims, backend, kernel kind, page size) is one the
-   backend's modules support (fa3: sm90 only, 16-bit KV; see render.HEAD_DIMS);
-4. a GPU of sm80 or newer is visible (and of ``arch`` when one is given); with
+1. the spec (file) is valid, the arguments well formed;
+2. a backend serves the combination (dtypes, head dims, backend, kernel kind, CUDA-graph
+   mode, page size) at all: the capability table (capabilities.py);
+3. for the module backends: flashinfer is importable and new enough (>= 0.7.2:
+   ``batch_prefill_paged.cu`` and ``PrefillPlan`` in ``scheduler.cuh``), apache-tvm-ffi is
+   importable; a GPU of sm80 or newer is visible (and of ``arch`` when one is given); with
    ``runtime=False``: a target arch is known (``arch=``, the visible GPU, VARIANTGEN_ARCH);
-5. with JIT disabled, ``build=False`` or ``runtime=False``: the module is in the cache, and
+   then the resolver's choice for this machine (where modules cannot be built: among what
+   the cache holds);
+4. with JIT disabled, ``build=False`` or ``runtime=False``: the module is in the cache, and
    intact (a truncated or corrupted entry is named with its path);
-6. nvcc is found (CUDA_HOME);
-7. the cache directory is writable (only when the module is absent);
-8. no other process is building it (or it finishes within PROBE_LOCK_WAIT_S), and the
+5. nvcc is found (CUDA_HOME);
+6. the cache directory is writable (only when the module is absent);
+7. no other process is building it (or it finishes within PROBE_LOCK_WAIT_S), and the
    build succeeds;
-9. the module loads (not with ``runtime=False``).
+8. the module loads (not with ``runtime=False``).
 
 Results are memoized per argument combination (and environment snapshot) for the life
 of the process; ``probe.cache_clear()`` forgets them. A negative result caused by another
-process's build in progress, or by the cache's file system (a full disk), is not memoized.
+process's build in progress, or by the cache's file system (a full disk), is not memoized
+(``ProbeResult.transient``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import inspect
 import logging
 import os
 import shlex
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import build as _build
-from . import env, render
+from . import capabilities, env, render
 from .cache import Cache, LockTimeout
+from .capabilities import BACKENDS, ArgNames, Request, Site, canonical_arch
 from .errors import BuildError, CacheError, JitDisabledError, SpecError, ToolchainError
+from .factory import device_arch, module_site, target_arch
 from .library import resolve_spec
-from .render import HEAD_DIMS, KINDS, ModuleConfig, canonical_arch, canonical_dtype
-from .spec import BACKENDS, VariantSpec
+from .render import ModuleConfig
+from .resolver import Resolution, resolve
+from .spec import VariantSpec
 
 log = logging.getLogger("variantgen.probe")
 
 NEEDED_FLASHINFER = "0.7.2"
 PROBE_LOCK_WAIT_S = 5.0  # how long probe() waits for another process's build of the module
+PROBE_NAMES = ArgNames(graph="cuda_graph=True")
+NO_GPU_REASON = ("no CUDA device visible: probe() answers whether the module runs here, and nothing can run "
+                 "without a GPU (to check a cache for another machine: probe(..., runtime=False, arch=...) or "
+                 "`variantgen precompile ... --check`)")
 
 
 @dataclass(frozen=True)
@@ -71,17 +88,21 @@ class ProbeResult:
     uri: str | None = None
     """The module's cache URI, once the configuration is known."""
     source: str = "not built"
-    """'cache' (found), 'built' (built by this call), 'not built', or 'torch' (the flex route: no module)."""
+    """'cache' (found), 'built' (built by this call), 'not built', or 'torch' (a module-less
+    route: torch runs it)."""
     module_path: str | None = None
     seconds: float = 0.0
     details: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+    transient: bool = False
+    """The answer may change with nothing changed here (another process's build in progress, a
+    full disk, an unexpected failure): not memoized, worth asking again."""
 
     def __bool__(self) -> bool:
         return self.ok
 
     def __str__(self) -> str:
         if self.ok:
-            return f"ok: {self.uri} ({self.source})"
+            return f"ok: {self.uri or self.details.get('backend')} ({self.source})"
         return f"no: {self.reason}"
 
 
@@ -95,19 +116,46 @@ class _Fail(Exception):
         self.details = details
 
 
-_memo: dict[tuple, ProbeResult] = {}
-_memo_lock = threading.Lock()
+def _memoized(fn: Callable[..., ProbeResult]) -> Callable[..., ProbeResult]:
+    """probe()'s memo, per argument combination (defaults bound) and environment snapshot,
+    with ``cache_clear`` as lru_cache has; a transient result is not kept."""
+    memo: dict[tuple, ProbeResult] = {}
+    lock = threading.Lock()
+    signature = inspect.signature(fn)
 
+    @functools.wraps(fn)
+    def probe(*args: Any, **kwargs: Any) -> ProbeResult:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        spec, given = bound.arguments.pop("spec"), bound.arguments
+        try:
+            key = _memo_key(spec, given)
+        except Exception:  # unhashable oddities: just do not memoize
+            key = None
+        if key is not None:
+            with lock:
+                hit = memo.get(key)
+            if hit is not None:
+                return hit
+        result = fn(spec, **given)
+        if key is not None and not result.transient:
+            with lock:
+                memo[key] = result
+        return result
 
-def cache_clear() -> None:
-    """Forget every memoized probe result (tests, or after installing a toolkit)."""
-    with _memo_lock:
-        _memo.clear()
+    def cache_clear() -> None:
+        """Forget every memoized probe result (tests, or after installing a toolkit)."""
+        with lock:
+            memo.clear()
+
+    probe.cache_clear = cache_clear  # type: ignore[attr-defined]
+    return probe
 
 
 # ----------------------------------------------------------------------------- public
 
 
+@_memoized
 def probe(
     spec: VariantSpec | str | Path,
     *,
@@ -129,68 +177,55 @@ def probe(
     """Say whether ``spec`` can run here, now, with these settings; never raises.
 
     Truthy only when a GPU is visible, the module is found in the cache or built (JIT on,
-    ``build=True``) and loaded on it: then ``make_wrapper`` with the same settings succeeds
-    without building. ``reason`` says why not, in words an operator can act on.
+    ``build=True``) and loaded on it - or, for a module-less route (flex), when that route ran
+    a small batch here: then ``make_wrapper`` with the same settings succeeds without building.
+    ``reason`` says why not, in words an operator can act on.
 
     ``kind`` is the kernel ("prefill", "ragged", "decode"; tensor-core decode runs the
-    prefill module); ``backend`` "fa2" or "fa3", or None for the one make_wrapper(backend=None)
-    picks here (build.select_backend: fa3 where valid; fa2 on a server that cannot build whose
-    cache has the fa2 module but not the fa3 one, with ``details["note"]`` saying so);
-    ``details["backend"]`` says which; "flex" asks whether torch's FlexAttention runs the spec on
-    ``device`` (default: the current GPU, else the CPU) by running a small batch through it
-    (flex_wrapper.probe_flex; no module, uri None). See :func:`probe_backends` for every backend
-    at once.
+    prefill module); ``backend`` "fa2", "fa3", "flex", or None for the one make_wrapper(backend=None)
+    picks here (resolver.resolve: fa3 where an fa3 module runs; on a server that cannot
+    build, fa2 where only its module is precompiled and the flex route where neither is, with
+    ``details["note"]`` saying so); ``details["backend"]`` says which and
+    ``details["not_chosen"]`` why each other backend was not. See :func:`probe_backends` for
+    every backend at once.
 
     ``spec`` is a VariantSpec, a path to a spec file, or a shipped spec's name ("mm_prefix").
     ``device`` selects the GPU (default: the current one). ``arch``: the GPU's arch is checked
     against it. ``build=False`` only looks in the cache. ``cache_dir`` defaults to
     VARIANTGEN_CACHE_DIR. ``cuda_graph=True``: for a wrapper made with
-    ``graph=GraphCapacity(...)`` (paged prefill on fa2 or fa3, decode; render.cuda_graph_problem):
-    other kinds are demoted with the reason; the backend is chosen as without it.
+    ``graph=GraphCapacity(...)`` (the backends and kinds whose table entry has a CUDA-graph mode:
+    fa2 paged prefill and decode, fa3 paged prefill): other kinds and backends are demoted with the reason;
+    backend=None picks one that has it, as make_wrapper does.
 
     ``runtime=False``: whether the cache holds the module a server with JIT disabled would load
     for ``arch`` (or the visible GPU, or VARIANTGEN_ARCH) - no GPU needed, nothing built or
-    loaded; ``source`` is "cache" when it does. ``variantgen precompile ... --check`` asks this
-    for a whole matrix.
+    loaded, module-less routes not considered; ``source`` is "cache" when it does.
+    ``variantgen precompile ... --check`` asks this for a whole matrix.
     """
     t0 = time.perf_counter()
-    args = dict(head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype,
-                o_dtype=o_dtype, backend=backend, page_size=page_size, device=device, build=build,
-                cache_dir=cache_dir, arch=arch, kind=kind, cuda_graph=cuda_graph, runtime=runtime)
     try:
-        key = _memo_key(spec, args)
-    except Exception:  # unhashable oddities: just do not memoize
-        key = None
-    if key is not None:
-        with _memo_lock:
-            hit = _memo.get(key)
-        if hit is not None:
-            return hit
-    transient = False
-    try:
-        result = _probe(spec, t0, **args)
+        result = _probe(spec, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype,
+                        o_dtype=o_dtype, backend=backend, page_size=page_size, device=device, build=build,
+                        cache_dir=cache_dir, arch=arch, kind=kind, cuda_graph=cuda_graph, runtime=runtime)
+        result = dataclasses.replace(result, seconds=time.perf_counter() - t0)
     except _Fail as f:
-        transient = f.transient
         result = ProbeResult(False, f.reason, f.details.pop("uri", None), "not built", None,
-                             time.perf_counter() - t0, f.details)
+                             time.perf_counter() - t0, f.details, f.transient)
     except BaseException as e:  # noqa: BLE001 - probe never raises, whatever happens
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         log.debug("probe failed unexpectedly", exc_info=True)
-        transient = True  # an unexpected failure may not repeat; do not pin it
+        # an unexpected failure may not repeat; do not pin it
         result = ProbeResult(False, f"internal error: {type(e).__name__}: {e}", None, "not built", None,
-                             time.perf_counter() - t0, {})
+                             time.perf_counter() - t0, {}, True)
     if result.ok:
         log.info("probe %s: ok (%s, %.2fs)", result.uri, result.source, result.seconds)
     else:
         log.debug("probe %s: %s", _spec_label(spec), result.reason)
-    if key is not None and not transient:
-        with _memo_lock:
-            _memo[key] = result
     return result
 
 
-# ----------------------------------------------------------------------------- the checks
+cache_clear = probe.cache_clear  # type: ignore[attr-defined]
 
 
 def probe_backends(spec: VariantSpec | str | Path, *, kinds: tuple[str, ...] = ("prefill",),
@@ -200,77 +235,64 @@ def probe_backends(spec: VariantSpec | str | Path, *, kinds: tuple[str, ...] = (
     return {(b, k): probe(spec, backend=b, kind=k, **kwargs) for k in kinds for b in backends}
 
 
-def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, kv_dtype: Any,
-           o_dtype: Any, backend: Any, page_size: Any, device: Any, build: bool, cache_dir: Any,
-           arch: Any, kind: Any, cuda_graph: Any = False, runtime: Any = True) -> ProbeResult:
-    # 1. spec
+# ----------------------------------------------------------------------------- the checks
+
+
+def _probe(spec_arg: Any, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, kv_dtype: Any, o_dtype: Any,
+           backend: Any, page_size: Any, device: Any, build: bool, cache_dir: Any, arch: Any, kind: Any,
+           cuda_graph: Any, runtime: Any) -> ProbeResult:
+    runtime, build = bool(runtime), bool(build)
+    # 1. the spec and the arguments
     spec = _load(spec_arg)
-    if backend == "flex":  # torch's FlexAttention: no flashinfer, module or nvcc (flex_wrapper.py)
-        from .flex_wrapper import probe_flex
-
-        answer = probe_flex(spec, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
-                            kv_dtype=kv_dtype, o_dtype=o_dtype, kind=kind, device=device, cuda_graph=cuda_graph,
-                            page_size=page_size)
-        if not answer["ok"]:
-            raise _Fail(answer["reason"], **answer["details"])
-        return ProbeResult(True, "", None, "torch", None, time.perf_counter() - t0, answer["details"])
-    if cuda_graph and render.cuda_graph_problem(kind):  # what make_wrapper(graph=...) accepts
-        raise _Fail(f"cuda_graph=True: {render.cuda_graph_problem(kind)}")
-
-    # 2. flashinfer
-    problem = flashinfer_problem()
-    if problem:
-        raise _Fail(problem)
-
-    # 3. the combination (with a placeholder arch when it is not known yet)
-    config_fields = _config_fields(spec, head_dim_qk, head_dim_vo, q_dtype, kv_dtype, o_dtype, backend, kind)
-    explicit_arch = None
-    if arch is not None:
-        try:
-            explicit_arch = canonical_arch(arch)
-        except ValueError as e:
-            raise _Fail(str(e)) from None
-    placeholder = "9.0a" if backend == "fa3" else "8.0"  # the arch check proper comes in step 4
-    problems = ModuleConfig.problems_of(**dict(config_fields, backend=backend or "fa2"),
-                                        arch=explicit_arch or placeholder)
+    try:
+        request = Request.of(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
+                             kv_dtype=kv_dtype, o_dtype=o_dtype, backend=backend, graph=bool(cuda_graph),
+                             names=PROBE_NAMES)
+        explicit_arch = canonical_arch(arch) if arch is not None else None
+    except ValueError as e:
+        raise _Fail(str(e)) from None
     if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
-        problems.append(f"page_size={page_size!r}: expected a positive whole number")
-    if problems:
-        raise _Fail("; ".join(problems))
-
-    # 4. device / target arch
+        raise _Fail(f"page_size={page_size!r}: expected a positive whole number")
+    routes = capabilities.installed_routes() if runtime else ()
+    no_route = "" if runtime else "runtime=False checks the module cache; the flex route has no module"
+    # 2. a backend for it at all (the target arch, when given)
+    served = resolve(request, Site(arch=explicit_arch, routes=routes, no_route=no_route))
+    if not served:
+        raise _Fail(served.reason)
     try:
         s = env.settings()
     except ValueError as e:  # a malformed environment variable
         raise _Fail(str(e)) from None
-    target, device_arch = _target_arch(explicit_arch, device, s.arch, runtime=bool(runtime))
     cache = Cache(cache_dir) if cache_dir is not None else build_default_cache()
-    allow_build = bool(build) and bool(runtime)
-    note = ""
-    if backend is None:  # what make_wrapper(backend=None) picks here
-        choice = _build.select_backend(spec, **{k: v for k, v in config_fields.items() if k not in ("spec", "backend")},
-                                       arch=target, cache=cache, allow_build=allow_build)
-        config_fields["backend"], note = choice.backend, choice.note
-    try:
-        config = ModuleConfig(**config_fields, arch=target)
-    except ValueError as e:
-        raise _Fail(str(e)) from None
-    details: dict[str, Any] = {"arch": target, "device_arch": device_arch, "backend": config.backend,
-                               "config": config.describe(), "cuda_graph": bool(cuda_graph),
-                               "cache_dir": str(cache.root)}
-    if note:
-        details["note"] = note
 
-    # 5-8. find (or build)
+    # 3. where modules would run, and the resolver's choice for here
+    where = _module_target(request, explicit_arch, device, runtime, routes)
+    site = module_site(where.arch, cache, build=build and runtime, no_modules=where.no_modules, routes=runtime,
+                       arch_source=where.source)
+    resolution = resolve(request, dataclasses.replace(site, no_route=no_route))
+    if not resolution:
+        raise _Fail(resolution.reason)
+    details: dict[str, Any] = {"arch": where.arch, "device_arch": where.gpu, "backend": resolution.backend,
+                               "cuda_graph": request.graph, "cache_dir": str(cache.root)}
+    if resolution.note:
+        details["note"] = resolution.note
+    details["not_chosen"] = dict(resolution.rejected)
+    if resolution.route is not None:
+        return _probe_route(request, resolution, device, page_size, details, where.no_modules)
+    config = resolution.config
+    assert config is not None
+    details["config"] = config.describe()
+
+    # 4-7. find (or build)
     rendered = render.render_module(config)
     details["uri"] = _expected_uri(rendered)
-    result = _find(config, cache, rendered, s, build=bool(build), runtime=bool(runtime), details=details)
+    result = _find(config, cache, rendered, s, build=build, runtime=runtime, details=details)
     entry = result.entry
     details.pop("uri")
     details["built"] = result.built
     details["loaded"] = False
 
-    # 9. load
+    # 8. load
     if runtime:
         try:
             _build.load_module(entry)
@@ -279,34 +301,97 @@ def _probe(spec_arg: Any, t0: float, *, head_dim_qk: Any, head_dim_vo: Any, q_dt
                         uri=entry.uri, **details) from None
         details["loaded"] = True
     if config.kind == "prefill":
-        details["row_planner"] = _row_planner_status(config, cache, allow_build)
-    return ProbeResult(True, "", entry.uri, "built" if result.built else "cache", str(entry.module_path),
-                       time.perf_counter() - t0, details)
+        details["row_planner"] = _row_planner_status(config, cache, build and runtime)
+    return ProbeResult(True, "", entry.uri, "built" if result.built else "cache", str(entry.module_path), 0.0,
+                       details)
 
 
-def _target_arch(explicit: str | None, device: Any, env_arch: str | None, *, runtime: bool) -> tuple[str, str | None]:
-    """(the arch to find the module for, the visible GPU's arch or None)."""
-    if not runtime and explicit is not None:
-        return explicit, None  # a cache check: no GPU query (build boxes have none)
-    device_arch = _device_arch(device)
-    if runtime:
-        if device_arch is None:
-            raise _Fail("no CUDA device visible: probe() answers whether the module runs here, and nothing can "
-                        "run without a GPU (to check a cache for another machine: probe(..., runtime=False, "
-                        "arch=...) or `variantgen precompile ... --check`)")
-        if explicit is not None and explicit != device_arch:
-            raise _Fail(f"arch={explicit} was given, but the visible GPU is {device_arch}: a module for {explicit} "
-                        "does not run here (probe(..., runtime=False) checks a cache for another GPU)")
-        return device_arch, device_arch
-    if device_arch is not None:
-        return device_arch, device_arch
-    if env_arch:
+class _Where(NamedTuple):
+    arch: str | None  # the arch to find modules for
+    no_modules: str  # why no module can run here, or ""
+    source: str  # where ``arch`` came from, when not from arch=
+    gpu: str | None  # the visible GPU's arch (None: none, or not asked)
+
+
+def _module_target(request: Request, explicit: str | None, device: Any, runtime: bool,
+                   routes: tuple[str, ...]) -> _Where:
+    """Where modules would run. A problem of the machine (no flashinfer, no GPU) fails the
+    probe at once, unless a module-less route could still serve the request here."""
+    fallback = bool(routes) and bool(resolve(request, Site(modules=False, routes=routes)))
+
+    def unusable(reason: str, gpu: str | None = None) -> _Where:
+        if not fallback:
+            raise _Fail(reason)
+        return _Where(explicit, reason, "", gpu)
+
+    problem = flashinfer_problem()
+    if problem:
+        return unusable(problem)
+    if not runtime:
         try:
-            return canonical_arch(env_arch), None
+            found = target_arch(explicit, device) if explicit is None else explicit  # no GPU query when named
         except ValueError as e:
-            raise _Fail(f"VARIANTGEN_ARCH: {e}") from None
-    raise _Fail("runtime=False: no target arch (pass arch=, e.g. arch='9.0a', or set VARIANTGEN_ARCH) and no "
-                "CUDA device visible to take it from")
+            raise _Fail(str(e)) from None
+        except Exception as e:  # noqa: BLE001 - a broken driver is a reason
+            raise _Fail(_query_failure(device, e)) from None
+        if found is None:
+            raise _Fail("runtime=False: no target arch (pass arch=, e.g. arch='9.0a', or set VARIANTGEN_ARCH) "
+                        "and no CUDA device visible to take it from")
+        return _Where(found, "", "", None)
+    if device is not None and not _is_cuda_device(device):  # e.g. "cpu": only a module-less route runs there
+        return unusable(f"device={device!r} is not a CUDA device: the compiled modules run on NVIDIA GPUs")
+    if not _cuda_available():
+        if device is not None:  # "cuda:0" named on a box without CUDA: nothing runs on it, no route either
+            raise _Fail(NO_GPU_REASON)
+        return unusable(NO_GPU_REASON)
+    try:
+        gpu = device_arch(device)
+    except Exception as e:  # noqa: BLE001 - a broken driver, a bad index: the reason
+        raise _Fail(_query_failure(device, e)) from None
+    if gpu is None:
+        return unusable(NO_GPU_REASON)
+    if explicit is not None and explicit != gpu:
+        return unusable(f"arch={explicit} was given, but the visible GPU is {gpu}: a module for {explicit} does not "
+                        "run here (probe(..., runtime=False) checks a cache for another GPU)", gpu)
+    return _Where(gpu, "", "" if explicit is not None else "the visible GPU's", gpu)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _is_cuda_device(device: Any) -> bool:
+    import torch
+
+    try:
+        return torch.device(device).type == "cuda"
+    except (RuntimeError, TypeError, ValueError):
+        return False  # not a device at all: no module runs on it either
+
+
+def _query_failure(device: Any, e: Exception) -> str:
+    where = f"CUDA device {device}" if device is not None else "the CUDA device"
+    return f"cannot query {where}: {type(e).__name__}: {e}"
+
+
+def _probe_route(request: Request, resolution: Resolution, device: Any, page_size: Any,
+                 details: dict[str, Any], no_modules: str) -> ProbeResult:
+    """A module-less route (flex): its own probe runs a small batch where it will run. Where
+    backend=None took it because no module can run here (``no_modules``), a failure says both."""
+    route = resolution.route
+    assert route is not None
+    answer = route.load(route.probe)(
+        request.spec, head_dim_qk=request.head_dim_qk, head_dim_vo=request.head_dim_vo, q_dtype=request.q_dtype,
+        kv_dtype=request.kv_dtype, o_dtype=request.o_dtype, kind=request.kind, device=device,
+        cuda_graph=request.graph, page_size=page_size)
+    details = {**details, **answer.get("details", {})}
+    if not answer["ok"]:
+        reason = answer["reason"] if not no_modules or request.backend is not None else (
+            f"{no_modules}; and the {resolution.backend} route cannot run either: {answer['reason']}")
+        raise _Fail(reason, **details)
+    return ProbeResult(True, "", None, "torch", None, 0.0, details)
 
 
 def _find(config: ModuleConfig, cache: Cache, rendered: render.RenderedModule, s: env.Settings, *, build: bool,
@@ -424,60 +509,6 @@ def _load(spec_arg: Any) -> VariantSpec:
             raise _Fail(str(e)) from None
     raise _Fail(f"spec must be a VariantSpec, a path to a spec file or a shipped spec name, "
                 f"got {type(spec_arg).__name__}")
-
-
-def _config_fields(spec: VariantSpec, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, kv_dtype: Any,
-                   o_dtype: Any, backend: Any, kind: Any) -> dict[str, Any]:
-    problems = []
-    known = sorted({d for pairs in HEAD_DIMS.values() for pair in pairs for d in pair})
-    dims = {}
-    for name, value in (("head_dim_qk", head_dim_qk), ("head_dim_vo", head_dim_vo)):
-        if value is None and name == "head_dim_vo":
-            continue
-        if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"{name}={value!r}: expected a whole number, one of {known}")
-        dims[name] = value
-    dtypes = {}
-    for name, value in (("q_dtype", q_dtype), ("kv_dtype", kv_dtype), ("o_dtype", o_dtype)):
-        if value is None and name == "o_dtype":
-            continue
-        try:
-            dtypes[name] = canonical_dtype(value, name)
-        except ValueError as e:
-            problems.append(str(e))
-    if backend is not None and backend not in BACKENDS:
-        problems.append(f"backend={backend!r}: expected one of {list(BACKENDS)}")
-    if kind not in KINDS:
-        problems.append(f"kind={kind!r}: expected one of {list(KINDS)}")
-    if problems:
-        raise _Fail("; ".join(problems))
-    return {
-        "spec": spec,
-        "head_dim_qk": dims["head_dim_qk"],
-        "head_dim_vo": dims.get("head_dim_vo", dims["head_dim_qk"]),
-        "q_dtype": dtypes["q_dtype"],
-        "kv_dtype": dtypes["kv_dtype"],
-        "o_dtype": dtypes.get("o_dtype", dtypes["q_dtype"]),
-        "backend": backend,
-        "kind": kind,
-    }
-
-
-def _device_arch(device: Any) -> str | None:
-    """The visible GPU's arch ('9.0a', '8.6'), None without CUDA; _Fail for GPUs fa2 cannot use."""
-    import torch
-
-    if device is None and not torch.cuda.is_available():
-        return None
-    try:
-        major, minor = torch.cuda.get_device_capability(device)
-    except Exception as e:
-        where = f"CUDA device {device}" if device is not None else "the CUDA device"
-        raise _Fail(f"cannot query {where}: {type(e).__name__}: {e}") from None
-    if major < 8:
-        raise _Fail(f"GPU sm{major}{minor} is older than sm80, which fa2 needs")
-    # Same rule as wrapper.device_arch, so probe finds the module make_wrapper will use.
-    return canonical_arch(f"{major}.{minor}{'a' if major == 9 else ''}")
 
 
 def _expected_uri(rendered: render.RenderedModule) -> str:
@@ -608,5 +639,3 @@ def _memo_key(spec: Any, args: dict[str, Any]) -> tuple:
     arg_key = tuple((k, _token(v)) for k, v in sorted(args.items()))
     return spec_key, arg_key, env.settings()
 
-
-probe.cache_clear = cache_clear  # type: ignore[attr-defined]

@@ -1,0 +1,53 @@
+// Static source of variantgen's modules (copied as is into each module's sources).
+//
+// Device helpers with the expression language's semantics, which the generated hooks call
+// (evaluate.py implements the same in torch): floor division and modulo that give 0 for a
+// zero divisor, clamped indices, the float functions.
+// An include guard, not #pragma once: the planner's row kernel inlines this file.
+#ifndef VG_HELPERS_CUH_
+#define VG_HELPERS_CUH_
+#include <cstdint>
+
+namespace vg {
+// An index clamped to [0, extent) (int64: an offset index must not overflow first).
+__device__ __forceinline__ int32_t vg_clamp(int64_t i, int32_t extent) {
+  return int32_t(i < 0 ? 0 : (i >= extent ? extent - 1 : i));
+}
+// Row `local` of a request whose `count` rows start at row `first`, clamped to those rows:
+// an offset row index (kv_row - 1) never reaches a neighbouring request.
+__device__ __forceinline__ int32_t vg_request_row(int32_t first, int64_t local, int32_t count) {
+  return first + vg_clamp(local, count);
+}
+__device__ __forceinline__ int32_t vg_floordiv(int32_t a, int32_t b) {
+  if (b == 0) return 0;  // defined as 0, like the reference, instead of a trap
+  // -a, wrapping at INT32_MIN (whose quotient 2^31 leaves the int range): a / -1 is undefined there
+  if (b == -1) return int32_t(0u - uint32_t(a));
+  int32_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ int32_t vg_mod(int32_t a, int32_t b) {
+  if (b == 0 || b == -1) return 0;  // x % -1 is 0; INT32_MIN % -1 is undefined in C++
+  int32_t r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+__device__ __forceinline__ float vg_div(float a, float b) { return a / b; }
+__device__ __forceinline__ int32_t vg_min(int32_t a, int32_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int32_t vg_max(int32_t a, int32_t b) { return a > b ? a : b; }
+__device__ __forceinline__ float vg_min(float a, float b) { return fminf(a, b); }
+__device__ __forceinline__ float vg_max(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ int32_t vg_abs(int32_t a) { return a < 0 ? -a : a; }
+__device__ __forceinline__ float vg_abs(float a) { return fabsf(a); }
+__device__ __forceinline__ float vg_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ float vg_exp(float x) { return expf(x); }
+__device__ __forceinline__ float vg_log(float x) { return logf(x); }
+__device__ __forceinline__ float vg_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ float vg_sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// Bit i of x (two's complement, bit 0 the lowest); false for i outside 0..31, so no shift
+// count is ever negative or too large (both undefined in C++).
+__device__ __forceinline__ bool vg_bit(int32_t x, int32_t i) {
+  return uint32_t(i) < 32u && ((uint32_t(x) >> uint32_t(i)) & 1u) != 0u;
+}
+}  // namespace vg
+using namespace vg;
+
+#endif  // VG_HELPERS_CUH_

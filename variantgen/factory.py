@@ -1,0 +1,177 @@
+"""make_wrapper: a spec's attention behind plan() / run(), on the backend the resolver picks.
+
+This module holds the factory and what it needs to know about its surroundings: the kind
+registry (kernel kind -> wrapper class; the wrappers live in wrapper.py, ragged.py,
+decode.py), the GPU's arch (``device_arch``, the one device -> arch mapping; ``target_arch``
+for build boxes and cache checks) and the site a choice is made for (``module_site``: the
+target arch, whether modules may be built, what the cache holds, which module-less routes
+are installed). Which backend serves a request is resolver.resolve's answer; probing.py
+asks the same questions of the same functions, so ``probe(...)`` says yes exactly when this
+would succeed without building.
+
+Importing it does not import torch (make_wrapper does, when called).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from . import build as _build
+from . import capabilities
+from .cache import Cache
+from .capabilities import Request, Site, arch_of_capability, canonical_arch
+from .env import settings
+from .library import resolve_spec
+from .resolver import resolve
+from .spec import VariantSpec
+
+if TYPE_CHECKING:
+    import torch
+
+    from .graph import GraphCapacity
+    from .wrapper import WrapperBase
+
+log = logging.getLogger("variantgen.factory")
+
+# kind -> "module:class" of its wrapper (imported on first use: they import torch)
+WRAPPERS = {
+    "prefill": "variantgen.wrapper:VariantWrapper",
+    "ragged": "variantgen.ragged:RaggedWrapper",
+    "decode": "variantgen.decode:DecodeWrapper",
+}
+
+
+def wrapper_class(kind: str) -> type[WrapperBase]:
+    if kind not in WRAPPERS:
+        raise ValueError(f"kind={kind!r}: expected one of {list(WRAPPERS)}")
+    module, _, name = WRAPPERS[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+# ----------------------------------------------------------------------------- where
+
+
+def device_arch(device: Any = None) -> str | None:
+    """The arch modules are built for on a CUDA device ('9.0a' on sm90, '8.6'): ``device``, or
+    the current one when None, where None is returned if torch sees no CUDA device. A device
+    that cannot be queried (a bad index, a broken driver) raises what torch raises."""
+    import torch
+
+    if device is None and not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return arch_of_capability(major, minor)
+
+
+def target_arch(arch: str | None = None, device: Any = None) -> str | None:
+    """The arch to build or look up modules for: ``arch`` when given, else the visible GPU's
+    (``device``), else VARIANTGEN_ARCH (the target of build boxes and CI, which have no GPU);
+    None when none is known. ValueError for a malformed ``arch`` or VARIANTGEN_ARCH."""
+    if arch is not None:
+        return canonical_arch(arch)
+    found = device_arch(device)
+    if found is not None:
+        return found
+    env_arch = settings().arch
+    if env_arch:
+        try:
+            return canonical_arch(env_arch)
+        except ValueError as e:
+            raise ValueError(f"VARIANTGEN_ARCH: {e}") from None
+    return None
+
+
+def module_site(arch: str | None, cache: Cache, *, build: bool, no_modules: str = "", routes: bool = True,
+                arch_source: str = "") -> Site:
+    """The Site of a choice on this machine: modules for ``arch``, unless ``no_modules`` says why
+    none can run (no CUDA target, no flashinfer), built where JIT is on and ``build``, else looked
+    up in ``cache`` (the way a server with JIT disabled finds them); module-less routes where
+    installed and ``routes``."""
+    s = settings()
+    can_build = bool(build) and not s.jit_disabled
+    why = f"JIT disabled by {s.jit_disabled_by}" if s.jit_disabled else "building disabled (build=False)"
+
+    def lookup(config) -> str | None:
+        found = _build.lookup_module(config, cache)[0]
+        return found.entry.uri if found is not None else None
+
+    return Site(arch=arch, arch_source=arch_source, modules=not no_modules, no_modules=no_modules or Site.no_modules,
+                can_build=can_build, no_build=why, lookup=lookup, cache_root=str(cache.root),
+                routes=capabilities.installed_routes() if routes else ())
+
+
+# ----------------------------------------------------------------------------- the factory
+
+
+def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, head_dim_qk: int,
+                 head_dim_vo: int | None = None, q_dtype: Any, kv_dtype: Any, o_dtype: Any = None,
+                 backend: str | None = None, kind: str = "prefill", kv_layout: str = "NHD",
+                 arch: str | None = None, cache: Cache | None = None, build: bool = True,
+                 jobs: int | None = None, use_tensor_cores: bool = False,
+                 graph: GraphCapacity | None = None, check_plan: bool | None = None) -> WrapperBase:
+    """Build (or load from the cache) the spec's module for one kernel kind and wrap it.
+
+    ``spec``: a VariantSpec, a spec file's path, or a shipped spec's name ("mm_prefix";
+    variantgen.shipped_specs() lists them).
+    ``kind``: "prefill" (paged KV), "ragged" (ragged KV) or "decode" (paged KV, one query
+    per request). ``backend``: "fa2", "fa3", "flex", or None for the resolver's choice
+    (resolver.resolve: fa3 where an fa3 module runs, else fa2, else the flex route; with
+    JIT disabled or ``build=False`` a precompiled fa2 module rather than a missing fa3 one,
+    with a warning - the choice probe() reports). ``workspace`` is the float workspace
+    (uint8, on the target GPU; 128 MiB is plenty); ``arch`` (default: the workspace's GPU)
+    builds for another GPU. ``use_tensor_cores`` (decode only): run
+    decode through the spec's prefill module (one query per request) instead of the
+    CUDA-core decode kernel - FlashInfer's advice for large GQA groups. ``graph``
+    (kind "prefill"): CUDA-graph mode with fixed buffers for at most that batch, so a
+    captured run() can be replayed after each plan() (graph.py; the backends whose table
+    entry has it: fa2 and fa3, chosen as without it); also kind "decode" (tensor cores: any
+    batch up to the capacity; CUDA cores: exactly max_batch_size requests per plan, as FlashInfer's CUDA-graph decode).
+    ``check_plan`` (default: the VARIANTGEN_CHECK_PLAN variable): debug mode, in which run()
+    verifies that the spec tensors plan() planned from (e.g. ``ranges``) were not changed
+    since, and raises naming the tensor (a device sync per run(); under CUDA-graph capture the
+    comparison is recorded and the next plan() raises if a replay found a change).
+    Raises SpecError / ValueError / BuildError / JitDisabledError with what went wrong;
+    call variantgen.probe() first to get a reason instead of an exception.
+    """
+    import torch
+
+    spec = resolve_spec(spec)
+    request = Request.of(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
+                         kv_dtype=kv_dtype, o_dtype=o_dtype, backend=backend, graph=graph is not None,
+                         tensor_cores=use_tensor_cores)
+    on_cuda = isinstance(workspace, torch.Tensor) and workspace.device.type == "cuda"
+    target = canonical_arch(arch) if arch is not None else device_arch(workspace.device) if on_cuda else None
+    cache = cache or _build.default_cache()
+    no_gpu = "workspace: expected a CUDA tensor (or pass arch= to build for another GPU)" if target is None else ""
+    site = module_site(target, cache, build=build, no_modules=no_gpu)
+    resolution = resolve(request, site)
+    if not resolution:
+        raise ValueError(resolution.reason)
+    if resolution.note:
+        log.warning("make_wrapper(%s): %s", spec.name, resolution.note)
+    if resolution.route is not None:  # no module: the route's own factory (e.g. flex_wrapper.py)
+        if check_plan:
+            raise ValueError(f"check_plan=True: the plan check is the FlashInfer routes' debug mode; the "
+                             f"{resolution.backend} route has none")
+        return resolution.route.load(resolution.route.factory)(
+            spec, workspace, head_dim_qk=request.head_dim_qk, head_dim_vo=request.head_dim_vo,
+            q_dtype=request.q_dtype, kv_dtype=request.kv_dtype, o_dtype=request.o_dtype, kind=kind,
+            kv_layout=kv_layout, use_tensor_cores=use_tensor_cores, graph=graph)
+    config = resolution.config
+    assert config is not None
+    result = _build.build_module(config, cache, jobs=jobs, allow_build=build)
+    module = _build.load_module(result.entry)
+    extra = {"graph": graph} if graph is not None else {}
+    wrapper = wrapper_class(kind)(spec, config, module, result, workspace, kv_layout, check_plan=check_plan, **extra)
+    # The paged prefill kernel (also behind tensor-core decode) is planned by the interval planner.
+    if config.kind == "prefill" and wrapper.device.type == "cuda":
+        from .intervals import analyze
+
+        if analyze(spec).planner_ready:
+            from .rowplan import load_planner
+
+            wrapper.set_row_planner(*load_planner(spec, config.arch, cache, allow_build=build, jobs=jobs))
+    return wrapper
