@@ -444,7 +444,7 @@ def has_gpu() -> bool:
 
 def default_arch() -> str:
     """VARIANTGEN_ARCH, else the visible GPU's arch, else 9.0a."""
-    from variantgen.render import canonical_arch
+    from variantgen.capabilities import canonical_arch
 
     s = vg_env.settings()
     if s.arch:
@@ -648,7 +648,7 @@ print("FLASHINFER_RESULT " + json.dumps(out))
 def flashinfer_route(requested: str, arch: str) -> tuple[str | None, str]:
     """(route, note): 'plan' with a visible sm90 GPU, else 'build'; None (with the reason) when
     the requested route cannot run here."""
-    from variantgen.render import canonical_arch
+    from variantgen.capabilities import canonical_arch
 
     if canonical_arch(arch) != "9.0a":
         return None, f"FlashInfer's fa3 prefill module is built for sm90a only (--arch is {arch})"
@@ -677,7 +677,7 @@ def flashinfer_jit(args: argparse.Namespace, arch: str, workdir: Path, cores: in
     route, note = flashinfer_route(args.flashinfer_route, arch)
     if route is None:
         return {"skipped": note}
-    from variantgen.render import canonical_dtype
+    from variantgen.capabilities import canonical_dtype
 
     dtype = canonical_dtype(args.dtype, "--dtype")
     if dtype not in ("bf16", "fp16"):
@@ -883,7 +883,7 @@ def _csv(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
     """The benchmark; (result, error message or None). Builds stop at the first failure."""
-    from variantgen.render import canonical_arch, canonical_dtype
+    from variantgen.capabilities import canonical_arch, canonical_dtype
 
     arch = canonical_arch(args.arch) if args.arch else default_arch()
     cores = usable_cores()

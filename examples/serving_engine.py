@@ -131,26 +131,29 @@ class GroupBackend:
 
 
 def pick_route(spec, g: LayerGroup, kind: str, device: torch.device, allow_jit: bool) -> str:
-    """The backend for (group, kind): the FlashInfer module only when the probe says it runs here."""
+    """The backend for (group, kind): a FlashInfer module only when the probe says it runs here,
+    else the flex route the probe chose instead (its reasons for passing over the modules logged)."""
     cfg = dict(head_dim_qk=g.head_size, q_dtype=g.q_dtype, kv_dtype=g.kv_dtype, page_size=g.page_size, kind=kind)
     what = f"group {g.name} (head {g.head_size}, kv {g.kv_dtype}, page {g.page_size}) {kind}"
-    if device.type == "cpu" and torch.cuda.is_available():
-        reason = "--device cpu: FlashInfer modules run on CUDA devices"
+    if device.type == "cpu" and torch.cuda.is_available():  # a forced CPU run on a GPU box
+        r = variantgen.probe(spec, **cfg, backend="flex", device=device)
+        passed_over = "--device cpu: FlashInfer modules run on CUDA devices"
     else:  # build=False: look in the cache only (as VARIANTGEN_DISABLE_JIT=1 does), never compile here
         r = variantgen.probe(spec, **cfg, build=allow_jit, device=device if device.type == "cuda" else None)
-        if r:
+        if r and r.details["backend"] != "flex":
             log.info("%s: advertising %s on %s (%s, %s)", what, spec.name, r.details["backend"], r.uri, r.source)
             for key in ("note", "row_planner"):  # e.g. fa2 because fa3 is not precompiled; planner off
                 if r.details.get(key):
                     log.info("%s: %s: %s", what, key, r.details[key])
             return r.details["backend"]
-        reason = r.reason
-    log.warning("%s: FlashInfer module demoted: %s", what, reason)
-    f = variantgen.probe(spec, **cfg, backend="flex", device=device)
-    if not f:
-        sys.exit(f"{what}: no backend runs here.\n  module: {reason}\n  flex: {f.reason}")
-    log.info("%s: falling back to the flex route (FlexAttention on %s; %s)", what, f.details["device"],
-             f.details["checked"])
+        # backend=None settles on flex only where no module can run: the probe says why per backend
+        not_chosen = r.details.get("not_chosen", {}) if r else {}
+        passed_over = "; ".join(f"{b}: {why}" for b, why in not_chosen.items() if b != "flex") or r.reason
+    if not r:
+        sys.exit(f"{what}: no backend runs here: {r.reason}")
+    log.warning("%s: FlashInfer module demoted: %s", what, passed_over)
+    log.info("%s: falling back to the flex route (FlexAttention on %s; %s)", what, r.details["device"],
+             r.details["checked"])
     return "flex"
 
 

@@ -612,6 +612,27 @@ def test_graph_plan_checks_pages_against_the_captured_cache(planner):
     plan_prefill(w, batch, args, planner)  # the good batch plans again
 
 
+def test_graph_plan_checks_pages_against_the_smallest_captured_cache():
+    """One graph capturing several run()s (one per layer, each with its own KV cache): a later
+    plan() must fit the smallest of them, whichever was captured last (a regression: only the
+    last captured cache's size was kept, so a page of a smaller layer cache went unchecked)."""
+    spec, batch, args = mm_case()
+    w, _ = graph_prefill(spec)
+    big = torch.zeros(CAP.max_kv_pages, 4, HKV, HEAD_DIM, dtype=torch.bfloat16)
+    small = torch.zeros(12, 4, HKV, HEAD_DIM, dtype=torch.bfloat16)  # still holds every page the batch uses
+    assert int(batch.kv_indices.max()) < 12
+    plan_prefill(w, batch, args, False)
+    capture(lambda: w.run(batch.q, (small, small), **args))  # layer 0
+    capture(lambda: w.run(batch.q, (big, big), **args))  # layer 1, captured last
+    bad = batch.kv_indices.clone()
+    bad[4] = 12  # a page of the big cache, not of the small one
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): paged_kv_indices[4]=12 is not a page of the KV cache the CUDA graph was captured with (12 pages: "
+            "expected 0 <= page < 12)")):
+        plan_prefill(w, batch, args, False, bad)
+    plan_prefill(w, batch, args, False)
+
+
 def test_graph_decode_on_cuda_cores_checks_pages_against_the_captured_cache():
     spec = spec_named("causal")
     cap = GraphCapacity(max_batch_size=2, max_total_q=2, max_kv_pages=8)

@@ -152,7 +152,7 @@ class PageGuard:
         self._waiting: list[InFlight] = []  # earlier plans' on their way, whose lists a run() or replay read
         self._spare: list[BoundsCopy] = []  # landed copies, for reuse
         self._clamped: tuple[int, int] | None = None  # (run() count, pages): the current list was clamped so
-        self.captured_pages: int | None = None  # the cache of the captured run() (graph replays read it)
+        self.captured_pages: int | None = None  # the smallest cache a captured run() read (replays read them)
 
     @property
     def bounds(self) -> PageBounds | None:
@@ -232,9 +232,12 @@ class PageGuard:
         for pages in page_lists():
             pages.clamp_(0, top)  # in place: the wrapper's copy (under capture: recorded in the graph)
         if capturing:
-            self.captured_pages = num_pages
+            # One graph may capture several run()s (one per layer), each over its own cache: later
+            # plans must fit the smallest, or a replay would clamp a page of that one silently.
+            if self.captured_pages is None or num_pages < self.captured_pages:
+                self.captured_pages = num_pages
             if self._current is not None:
-                self._current.graph_pages = num_pages
+                self._current.graph_pages = self.captured_pages
         else:
             assert self._current is not None
             self._current.runs.append((self._runs, num_pages))

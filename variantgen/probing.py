@@ -219,7 +219,9 @@ def probe(
         result = ProbeResult(False, f"internal error: {type(e).__name__}: {e}", None, "not built", None,
                              time.perf_counter() - t0, {}, True)
     if result.ok:
-        log.info("probe %s: ok (%s, %.2fs)", result.uri, result.source, result.seconds)
+        # the module's URI, or the spec and route for a module-less one (flex has no URI)
+        what = result.uri or f"{_spec_label(spec)} ({result.details.get('backend', '?')} route)"
+        log.info("probe %s: ok (%s, %.2fs)", what, result.source, result.seconds)
     else:
         log.debug("probe %s: %s", _spec_label(spec), result.reason)
     return result
