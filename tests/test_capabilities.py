@@ -501,3 +501,19 @@ def test_a_route_is_installed_only_inside_this_package(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(elsewhere))
     assert importlib.util.find_spec("stray_route") is not None
     assert not Route("variantgen.stray_route", "f", "p").installed()
+
+
+def test_probe_takes_tensor_core_decode_as_make_wrapper_does(tmp_path):
+    """probe(kind="decode", use_tensor_cores=True) answers for the module make_wrapper then loads
+    (the fa2 prefill module, one query per request), and refuses the flag for another kind."""
+    spec = variantgen.resolve_spec("mm_prefix")
+    probe.cache_clear()
+    r = probe(spec, kind="decode", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", use_tensor_cores=True,
+              runtime=False, arch="9.0a", cache_dir=tmp_path)
+    assert not r and r.details["backend"] == "fa2"
+    assert "vg_mm_prefix_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a_" in r.reason  # the prefill module
+    plain = probe(spec, kind="decode", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", runtime=False, arch="9.0a",
+                  cache_dir=tmp_path)
+    assert "vg_mm_prefix_fa2_decode_" in plain.reason
+    r = probe(spec, kind="prefill", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", use_tensor_cores=True)
+    assert not r and r.reason == "use_tensor_cores=True: only for kind='decode' (got kind='prefill')"

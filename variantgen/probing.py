@@ -173,6 +173,7 @@ def probe(
     kind: str = "prefill",
     cuda_graph: bool = False,
     runtime: bool = True,
+    use_tensor_cores: bool = False,
 ) -> ProbeResult:
     """Say whether ``spec`` can run here, now, with these settings; never raises.
 
@@ -181,10 +182,11 @@ def probe(
     a small batch here: then ``make_wrapper`` with the same settings succeeds without building.
     ``reason`` says why not, in words an operator can act on.
 
-    ``kind`` is the kernel ("prefill", "ragged", "decode"; tensor-core decode runs the
-    prefill module); ``backend`` "fa2", "fa3", "flex", or None for the one make_wrapper(backend=None)
-    picks here (resolver.resolve: fa3 where an fa3 module runs; on a server that cannot
-    build, fa2 where only its module is precompiled and the flex route where neither is, with
+    ``kind`` is the kernel ("prefill", "ragged", "decode"); ``use_tensor_cores=True`` with
+    kind "decode" asks for tensor-core decode, as make_wrapper takes it (the prefill module).
+    ``backend`` is "fa2", "fa3", "flex", or None for the one make_wrapper(backend=None) picks
+    here (resolver.resolve: fa3 where an fa3 module runs; on a server that cannot build, fa2
+    where only its module is precompiled and the flex route where neither is, with
     ``details["note"]`` saying so); ``details["backend"]`` says which and
     ``details["not_chosen"]`` why each other backend was not. See :func:`probe_backends` for
     every backend at once.
@@ -194,7 +196,8 @@ def probe(
     against it. ``build=False`` only looks in the cache. ``cache_dir`` defaults to
     VARIANTGEN_CACHE_DIR. ``cuda_graph=True``: for a wrapper made with
     ``graph=GraphCapacity(...)`` (the backends and kinds whose table entry has a CUDA-graph mode:
-    fa2 paged prefill and decode, fa3 paged prefill): other kinds and backends are demoted with the reason;
+    fa2 paged prefill and decode, fa3 paged prefill): other kinds and backends are demoted with
+    the reason;
     backend=None picks one that has it, as make_wrapper does.
 
     ``runtime=False``: whether the cache holds the module a server with JIT disabled would load
@@ -206,7 +209,8 @@ def probe(
     try:
         result = _probe(spec, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype, kv_dtype=kv_dtype,
                         o_dtype=o_dtype, backend=backend, page_size=page_size, device=device, build=build,
-                        cache_dir=cache_dir, arch=arch, kind=kind, cuda_graph=cuda_graph, runtime=runtime)
+                        cache_dir=cache_dir, arch=arch, kind=kind, cuda_graph=cuda_graph, runtime=runtime,
+                        use_tensor_cores=use_tensor_cores)
         result = dataclasses.replace(result, seconds=time.perf_counter() - t0)
     except _Fail as f:
         result = ProbeResult(False, f.reason, f.details.pop("uri", None), "not built", None,
@@ -242,14 +246,14 @@ def probe_backends(spec: VariantSpec | str | Path, *, kinds: tuple[str, ...] = (
 
 def _probe(spec_arg: Any, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, kv_dtype: Any, o_dtype: Any,
            backend: Any, page_size: Any, device: Any, build: bool, cache_dir: Any, arch: Any, kind: Any,
-           cuda_graph: Any, runtime: Any) -> ProbeResult:
+           cuda_graph: Any, runtime: Any, use_tensor_cores: Any = False) -> ProbeResult:
     runtime, build = bool(runtime), bool(build)
     # 1. the spec and the arguments
     spec = _load(spec_arg)
     try:
         request = Request.of(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
                              kv_dtype=kv_dtype, o_dtype=o_dtype, backend=backend, graph=bool(cuda_graph),
-                             names=PROBE_NAMES)
+                             tensor_cores=bool(use_tensor_cores), names=PROBE_NAMES)
         explicit_arch = canonical_arch(arch) if arch is not None else None
     except ValueError as e:
         raise _Fail(str(e)) from None
