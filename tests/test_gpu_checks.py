@@ -273,9 +273,10 @@ def test_graph_guard_is_captured(workspace):
     v = torch.zeros_like(k)
     k[:b.k_cache.shape[0]], v[:b.v_cache.shape[0]] = b.k_cache, b.v_cache
     host = (b.qo_indptr.cpu(), b.kv_indptr.cpu())
+    last = b.last_page_len.cpu()  # (read here: a .cpu() inside plan's call would wait for the busy GPU itself)
 
     def plan(kv):  # direct: plan() reads nothing back
-        w.plan(*host, kv, b.last_page_len.cpu(), HQ, HKV, PAGE, skip_tiles=False)
+        w.plan(*host, kv, last, HQ, HKV, PAGE, skip_tiles=False)
 
     def reference(kv):
         return reference_attention(spec, b.q, (k, v), b.qo_indptr, b.kv_indptr, kv, b.last_page_len, args)
