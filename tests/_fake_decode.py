@@ -1,7 +1,7 @@
 """A CPU stand-in for a generated FA2 *decode* module (``plan`` / ``run``), for DecodeWrapper tests.
 
 ``FakeDecodeModule`` checks every call against the module's ABI (templates/fa2/
-decode_binding.cu.jinja and FlashInfer's BatchDecodeWithPagedKVCacheRun, extra arguments
+templates/fa2/decode_binding.cu and FlashInfer's BatchDecodeWithPagedKVCacheRun, extra arguments
 in render.kernel_args order) and emulates the kernel in float32 torch:
 
 * ``plan`` takes the *host* page indptr and returns DecodePlanInfo's 10 ints (no split-KV);

@@ -103,7 +103,7 @@ def test_replay_after_replanning(spec_name, skip_tiles, planner_module, backend,
 
 
 def test_make_wrapper_picks_fa3_for_graph_mode_on_sm90(workspace):
-    """graph= takes the backend make_wrapper takes without it (render.cuda_graph_problem): fa3 on sm90."""
+    """graph= takes the backend make_wrapper takes without it (resolver.resolve): fa3 on sm90."""
     spec = variantgen.load_spec(SPECS / "causal.yaml")
     w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", graph=CAP)
     major, _ = torch.cuda.get_device_capability()
