@@ -714,7 +714,9 @@ def check(spec: str, head_dim: int, dtype: str, kv_dtype: str | None, o_dtype: s
 @click.pass_context
 def demo(ctx: click.Context, spec: str, head_dim: int, dtype: str, arch: str | None) -> None:
     """The main job end to end: validate SPEC, render its CUDA, compile and cache the module
-    (nvcc; no GPU needed), then run it against the derived reference if a GPU is present."""
+    (nvcc; no GPU needed), then run it against the derived reference if a GPU is present. It
+    builds the fa2 module, which runs on every supported GPU (`precompile` builds what
+    make_wrapper picks per arch, fa3 on sm90)."""
     from .build import build_module
     from .render import render_module
 
