@@ -8,7 +8,7 @@ planner on / off) - is compared with the derived float32 reference (variantgen/f
 tolerances by dtype, NaN never passes, outputs poisoned before each run) and, where FlashInfer
 has the same mask, with FlashInfer's own kernel. Cases are spread over the targets by time so
 that each gets its share of ``--seconds``. Every failure is shrunk (fewer, shorter requests)
-while it still fails, and printed as a pytest test for tests/test_gpu_regressions.py. The
+while it still fails, and printed as a pytest test for tests/gpu/test_gpu_regressions.py. The
 results JSON (seed, commit, versions, counts per target and spec, max errors, failures with
 their reproduction) goes to bench/results/.
 
@@ -55,7 +55,7 @@ M = ModuleKey
 # its own way (fa2 prefill's m/d update - also run by the graph and tensor-core decode targets -,
 # fa3's softmax updater, CUDA-core decode's output transform), tree verification on the fa2
 # prefill module (eager, graph and tensor-core decode targets run it). gemma4_sliding (a window
-# with per-query spans: mm_prefix's shape, fuzzed) is left to tests/test_gpu_masks.py.
+# with per-query spans: mm_prefix's shape, fuzzed) is left to tests/gpu/test_gpu_masks.py.
 SOME_KINDS = {"attention_sink_learned": {("fa2", "prefill"), ("fa3", "prefill"), ("fa2", "decode")},
               "tree_verify": {("fa2", "prefill")}, "gemma4_sliding": set()}
 
@@ -709,7 +709,7 @@ def main(argv: list[str] | None = None) -> int:
                                                             "flashinfer")))
     limits = fz.Limits()
     if args.fake:
-        sys.path.insert(0, str(REPO / "tests"))
+        sys.path.insert(0, str(REPO / "tests" / "fakes"))
         from _fake_modules import FakeModules
 
         modules: fz.Modules = FakeModules()

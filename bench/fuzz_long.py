@@ -31,7 +31,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "fakes"))
 
 import variantgen  # noqa: E402
 from variantgen import codegen, expr  # noqa: E402
@@ -141,7 +141,7 @@ def gen_range(r: random.Random, dtype: str) -> dict:
 
 
 def gen_hostile(r: random.Random) -> str:
-    """A file of tests/fuzz_corpus.HOSTILE_SPECS, sometimes mutated."""
+    """A file of HOSTILE_SPECS of tests/fakes/fuzz_corpus.py, sometimes mutated."""
     text = r.choice(list(HOSTILE_SPECS.values()))
     if r.random() < 0.5:
         pos = r.randint(0, len(text))
@@ -256,7 +256,7 @@ def _errors(e: SpecError) -> list[SpecError]:
     return e.errors if isinstance(e, SpecErrors) else [e]
 
 
-ERROR_CHARS = 1800  # what one error may print at most (tests/test_fuzz.py)
+ERROR_CHARS = 1800  # what one error may print at most (tests/cpu/test_fuzz.py)
 
 
 def check_error_text(e: SpecError, path: str) -> None:

@@ -9,15 +9,15 @@ VG=(python3 -m variantgen.cli precompile --arch 9.0a -j "${VG_PARALLEL:-4}" --jo
 groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(fa2 fa3 decode ragged masks)
 for g in "${groups[@]}"; do
   case $g in
-    fa2)     # tests/test_gpu_specs.py
+    fa2)     # tests/gpu/test_gpu_specs.py
       "${VG[@]}" specs/*.yaml --head-dim 128 --dtype bf16 --backend fa2
       "${VG[@]}" specs/mm_prefix.yaml specs/softcap.yaml specs/document.yaml --head-dim 64,128,256 --dtype bf16,fp16 --backend fa2
       "${VG[@]}" specs/mm_prefix.yaml --head-dim 128 --dtype bf16 --kv-dtype fp8_e4m3 --backend fa2 ;;
-    fa3)     # tests/test_gpu_fa3.py
+    fa3)     # tests/gpu/test_gpu_fa3.py
       "${VG[@]}" specs/*.yaml tests/data/strictly_causal.yaml --head-dim 128 --dtype bf16 --backend fa3
       "${VG[@]}" specs/mm_prefix.yaml --head-dim 64,256 --dtype bf16 --backend fa3
       "${VG[@]}" specs/mm_prefix.yaml --head-dim 128 --dtype fp16 --backend fa3 ;;
-    decode)  # tests/test_gpu_decode.py (tensor-core decode runs the fa2 prefill module)
+    decode)  # tests/gpu/test_gpu_decode.py (tensor-core decode runs the fa2 prefill module)
       "${VG[@]}" specs/*.yaml --head-dim 128 --dtype bf16 --backend fa2 --kind decode
       "${VG[@]}" specs/softcap.yaml --head-dim 64 --dtype bf16 --backend fa2 --kind decode
       "${VG[@]}" specs/mm_prefix.yaml --head-dim 256 --dtype bf16 --backend fa2 --kind decode
@@ -26,11 +26,11 @@ for g in "${groups[@]}"; do
       "${VG[@]}" specs/causal.yaml --head-dim 128 --dtype fp16 --backend fa2 --kind decode
       "${VG[@]}" specs/softcap.yaml --head-dim 128 --dtype bf16 --kv-dtype fp8_e4m3 --backend fa2 --kind decode
       "${VG[@]}" specs/causal.yaml specs/mm_prefix.yaml specs/softcap.yaml --head-dim 128 --dtype bf16 --backend fa2 ;;
-    ragged)  # tests/test_gpu_ragged.py (its inline `full` spec builds inside the test)
+    ragged)  # tests/gpu/test_gpu_ragged.py (its inline `full` spec builds inside the test)
       "${VG[@]}" specs/*.yaml --head-dim 128 --dtype bf16 --backend fa2 --kind ragged
       "${VG[@]}" specs/mm_prefix.yaml specs/causal.yaml specs/softcap.yaml --head-dim 192/128 --dtype bf16,fp16 --backend fa2 --kind ragged
       "${VG[@]}" specs/softcap.yaml --head-dim 64,256 --dtype bf16 --backend fa2 --kind ragged ;;
-    masks)   # tests/test_gpu_masks.py beyond the groups above: Gemma 4's sliding layers at head dim 256
+    masks)   # tests/gpu/test_gpu_masks.py beyond the groups above: Gemma 4's sliding layers at head dim 256
       "${VG[@]}" specs/gemma4_sliding.yaml --head-dim 256 --dtype bf16 --backend fa2
       "${VG[@]}" specs/gemma4_sliding.yaml --head-dim 256 --dtype bf16 --backend fa3 ;;
     fuzz)    # bench/fuzz_gpu.py's module matrix (not in the default groups)

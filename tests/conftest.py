@@ -1,4 +1,6 @@
-"""Shared fixtures of the CPU test suite.
+"""Shared fixtures of the test suite: tests/cpu (CI), tests/gpu (`pytest -m gpu` on a GPU) and the
+stand-ins they run against, tests/fakes (fake kernel modules, the real launch builder on the CPU,
+fake toolchains, cache-race processes, the fuzz corpus), importable from every test.
 
 * ``spec_text(text, name=...)`` writes dedented YAML into tmp_path and returns the path;
 * ``spec_from(text)`` parses dedented YAML into a VariantSpec (path ``spec.yaml``);
@@ -12,8 +14,11 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import sys
 import textwrap
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))  # `from _fake_kernel import ...`
 
 import pytest
 

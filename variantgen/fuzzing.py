@@ -3,7 +3,7 @@ through its wrapper, comparing it with the derived float32 reference, and shrink
 
 bench/fuzz_gpu.py drives this on the GPU over a bounded module matrix; every failure it finds
 is printed as a pytest test (a ``FuzzCase`` literal and ``assert_case_passes``) to paste into
-tests/test_gpu_regressions.py. tests/test_fuzz_gpu_cpu.py runs the same code on the CPU through
+tests/gpu/test_gpu_regressions.py. tests/cpu/test_fuzz_gpu_cpu.py runs the same code on the CPU through
 the fake modules: ``Modules`` is the seam (where wrappers come from, how a run is captured).
 
 A FuzzCase holds plain values only (it round-trips through JSON and through its own repr). Spec
@@ -58,7 +58,7 @@ PLAN_PATHS = {
 _PLANNED = ("off", "module", "nomodule")
 
 # Every (backend, kind) path the fuzzer covers, in one table. A (backend, kind) pair that
-# capabilities.HEAD_DIMS gains (say fa3 ragged) needs its row here (tests/test_fuzz_gpu_cpu.py checks).
+# capabilities.HEAD_DIMS gains (say fa3 ragged) needs its row here (tests/cpu/test_fuzz_gpu_cpu.py checks).
 TARGETS: tuple[Target, ...] = (
     Target("fa2/prefill", "fa2", "prefill", "prefill", plans=_PLANNED),
     Target("fa3/prefill", "fa3", "prefill", "prefill", plans=_PLANNED),
@@ -810,7 +810,7 @@ def is_fatal(v: Verdict) -> bool:
 
 class Modules(Protocol):
     """Where a runner's wrappers come from: the module cache on the GPU (CacheModules), fake
-    modules on the CPU (tests/_fake_modules.py)."""
+    modules on the CPU (tests/fakes/_fake_modules.py)."""
 
     device: torch.device
 
@@ -1156,7 +1156,7 @@ def minimize(case: FuzzCase, signature: str, runner: CaseRunner, *, budget_s: fl
 
 
 def regression_test(case: FuzzCase, verdict: Verdict, *, origin: str) -> str:
-    """A pytest test (for tests/test_gpu_regressions.py, which has the ``workspace`` fixture)
+    """A pytest test (for tests/gpu/test_gpu_regressions.py, which has the ``workspace`` fixture)
     that fails while ``case`` still does. ``origin``: where it was found (seed, commit)."""
     import hashlib
     import textwrap

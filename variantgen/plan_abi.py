@@ -8,7 +8,7 @@ the limits. They are declared here once. ``header_text()`` renders them as a C++
 ``vg_plan_abi.h``, which render.py and rowplan.py put among every module's sources (so it
 is hashed into the module's cache key like any source) and which every template includes
 instead of spelling a constant; Python indexes the same arrays with these enums (MagiAttention's
-habit: an enum with explicit int codes shared with C++). tests/test_plan_abi.py checks the
+habit: an enum with explicit int codes shared with C++). tests/cpu/test_plan_abi.py checks the
 two sides agree.
 """
 

@@ -18,7 +18,7 @@ in place, so nothing is gathered, scattered or merged.
 plan() never runs these: the spec's planner module does (its row kernel, rowplan.py, renders
 the same rules for one spec's interval terms, on the GPU), and the launch builder lays its
 segments out (templates/plan/launches.h). They are the reference that kernel is compared with
-(tests/test_gpu_planner.py), what the CPU tests' stand-in planner module runs, and what
+(tests/gpu/test_gpu_planner.py), what the CPU tests' stand-in planner module runs, and what
 `variantgen explain` shows on a machine without a GPU - which is why they live in the package
 rather than beside the tests.
 """

@@ -29,7 +29,7 @@ from variantgen.render import ModuleConfig, render_module
 # `variantgen.probe` is both the package's function and the submodule; take the module.
 probe_mod = importlib.import_module("variantgen.probing")
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 MM = REPO / "specs" / "mm_prefix.yaml"
 CAUSAL = REPO / "specs" / "causal.yaml"
 FAKE_TC = build.Toolchain(Path("/opt/fake-cuda"), Path("/opt/fake-cuda/bin/nvcc"), "V13.0.88", "/usr/bin/c++",

@@ -24,7 +24,7 @@ from variantgen.render import ModuleConfig, render_module
 from variantgen.rowplan import PlannerConfig
 
 probe_mod = importlib.import_module("variantgen.probing")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SPECS = REPO / "specs"
 MM = SPECS / "mm_prefix.yaml"
 CAUSAL = SPECS / "causal.yaml"

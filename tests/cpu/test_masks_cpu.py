@@ -4,7 +4,7 @@ verification for speculative decoding (tree_verify) and Gemma 4's sliding layers
 
 Each spec's meaning is checked against a definition written independently of its expression
 (an ancestor walk, the attention formula with the sink, transformers' own Gemma 4 mask
-functions), then every wrapper kind is run through the fake kernels (tests/_fake_kernel.py,
+functions), then every wrapper kind is run through the fake kernels (tests/fakes/_fake_kernel.py,
 _fake_decode.py) - fa2 and fa3 paged prefill with the planner on and off, chunked prefill,
 ragged, CUDA-core and tensor-core decode, CUDA-graph replays - against the dense reference.
 """

@@ -5,8 +5,8 @@ host - or, with a device page list, host indptrs and nothing read back, still on
 in run(), which then clamps the kernels' copy of the list on the GPU (no wait in plan() or
 run()) and the next call reports. Also: CUDA-graph capture remembers the cache the graph
 reads and records the clamp, and check_plan's captured comparison. The CPU tests
-(tests/test_run_checks_cpu.py) cover the messages on every path.
-Run on the H200 with `pytest -m gpu tests/test_gpu_checks.py`.
+(tests/cpu/test_run_checks_cpu.py) cover the messages on every path.
+Run on the H200 with `pytest -m gpu tests/gpu/test_gpu_checks.py`.
 """
 
 from __future__ import annotations

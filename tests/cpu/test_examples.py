@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "serving_engine.py"
 # Makes the example's reference disagree with its kernels: every image span dropped.
 BROKEN_REFERENCE = f"""

@@ -5,7 +5,7 @@ float32 torch on the CPU, closely enough that the interval planner can be checke
 against the dense reference without a GPU:
 
 * ``plan_direct`` (plan()'s planner-off path) calls the real launch builder's host part
-  (tests/_builder.py: one nvcc-built module) and does its device part in torch ops, so the
+  (tests/fakes/_builder.py: one nvcc-built module) and does its device part in torch ops, so the
   launches the fakes run are the ones the real modules would lay out.
 * ``plan`` returns FlashInfer's PrefillPlanInfo layout (15 ints, split-KV off) and, like
   FlashInfer's scheduler, writes the packed ``o_indptr`` into the int workspace at
@@ -472,13 +472,13 @@ class FakeRaggedModule(FakeModule):
 class FakeRowPlanner:
     """A CPU stand-in for a spec's planner module (rowplan.py): ``plan_batch`` runs the row pass
     with the reference rules in torch ops (rowrules.py: what the generated row kernel computes,
-    tests/test_gpu_planner.py compares them), then the real launch builder and its device part
+    tests/gpu/test_gpu_planner.py compares them), then the real launch builder and its device part
     in torch ops - so that plan() takes its planned path on the CPU. ``room``: how many launch
     requests the read-back had room for, per call (the growth tests read it)."""
 
     def __init__(self, spec: VariantSpec, builder: Any = None):
         self.spec = spec
-        self.builder = builder  # a module whose build_launches to call (default: tests/_builder.py's)
+        self.builder = builder  # a module whose build_launches to call (default: tests/fakes/_builder.py's)
         self.calls = 0
         self.room: list[int] = []
 

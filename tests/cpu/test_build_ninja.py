@@ -1,4 +1,4 @@
-"""Module builds through the real ninja with fake compilers (tests/_fake_toolchain.py):
+"""Module builds through the real ninja with fake compilers (tests/fakes/_fake_toolchain.py):
 paths ninja and the shell must not split, progress and the build log, and what a failed,
 timed-out, interrupted or killed build leaves behind (nothing: no staging folder, no lock
 file, no compiler process).

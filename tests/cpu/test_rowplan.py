@@ -1,7 +1,7 @@
 """The interval planner's generated row kernel (variantgen/rowplan.py) on the CPU: what it
 renders for every shipped spec, its cache identity, planner-off plans without it, and a real
 nvcc build. Its results are compared with the reference rules (rowrules.py) on the GPU
-(tests/test_gpu_planner.py)."""
+(tests/gpu/test_gpu_planner.py)."""
 
 from __future__ import annotations
 

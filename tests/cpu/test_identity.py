@@ -3,7 +3,7 @@
 An operator precompiles from one copy of a spec (a build box's checkout, a shipped name);
 the serving host reads another (its own path, a config store's text) with JIT off. The
 same content must give the same URI, and the precompiled module must be found. Builds are
-faked here (tests/_cache_procs.py); test_build_nvcc.py does the same with a real fa3 module.
+faked here (tests/fakes/_cache_procs.py); test_build_nvcc.py does the same with a real fa3 module.
 """
 
 from __future__ import annotations

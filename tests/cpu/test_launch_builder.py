@@ -1,9 +1,9 @@
 """The launch builder (templates/plan/launches.h) on the CPU: its host entry point
 ``build_launches`` called directly on random segment tables, planner-off batches and CUDA-graph
 capacities, its answers checked against the tables; then its errors. The module is the real
-one (nvcc-built once per session, tests/_builder.py); plan_batch and plan_direct (the same host
+one (nvcc-built once per session, tests/fakes/_builder.py); plan_batch and plan_direct (the same host
 code, then a copy and a page gather on the GPU) run in tests/test_gpu_*.py, and through the
-wrapper on the CPU via the fakes (tests/test_wrapper_cpu.py and others)."""
+wrapper on the CPU via the fakes (tests/cpu/test_wrapper_cpu.py and others)."""
 
 from __future__ import annotations
 
@@ -468,7 +468,7 @@ def test_a_workspace_that_never_fits_is_named(monkeypatch):
 
 def test_planned_launches_check_page_numbers_and_read_their_copy_of_the_page_list():
     """The planned path's launches read the page list gathered in plan(); its bounds are checked
-    as on every path (tests/test_run_checks_cpu.py): negative entries by plan(), entries past the
+    as on every path (tests/cpu/test_run_checks_cpu.py): negative entries by plan(), entries past the
     cache by run()."""
     from test_run_checks_cpu import assert_reference, mm_case, plan_prefill, prefill
 

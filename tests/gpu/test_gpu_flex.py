@@ -1,7 +1,7 @@
 """The flex route on a CUDA GPU: the compiled FlexAttention kernel (which trusts the block lists
 that the CPU tests can only check against the mask) against the derived reference, for every
 shipped spec and kind; fully masked rows; recompiles across batches of new lengths.
-Run on the H200 with `pytest -m gpu tests/test_gpu_flex.py` (no module is built: no nvcc, no
+Run on the H200 with `pytest -m gpu tests/gpu/test_gpu_flex.py` (no module is built: no nvcc, no
 flashinfer; the first call of each spec and kind compiles a kernel, a few seconds).
 """
 

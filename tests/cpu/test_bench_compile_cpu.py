@@ -1,6 +1,6 @@
 """bench/bench_compile.py on the CPU: ninja-log and build.ninja parsing, the unit table and its
 summary from a fake build folder with a synthetic .ninja_log, the JSON and its metadata, and the
-whole benchmark through the real ninja with the fake compilers of tests/_fake_toolchain.py
+whole benchmark through the real ninja with the fake compilers of tests/fakes/_fake_toolchain.py
 (no nvcc): the log capture around variantgen.ninja.run, a failed build, --library, and
 --flashinfer where its route cannot run.
 """
@@ -16,7 +16,7 @@ import pytest
 
 from variantgen import build, ninja
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_compile as bc  # noqa: E402
 
 # ninja appends an edge as it finishes: in the order of the end times.

@@ -1,4 +1,4 @@
-"""Wrong outputs found on the GPU, kept as regression tests. Run: pytest -m gpu tests/test_gpu_regressions.py
+"""Wrong outputs found on the GPU, kept as regression tests. Run: pytest -m gpu tests/gpu/test_gpu_regressions.py
 
 Each case is compared with the dense float32 reference, on two planned paths (the planner
 module's plan_batch, and the reference row rules' segments laid out by the same launch

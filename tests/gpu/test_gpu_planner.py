@@ -2,7 +2,7 @@
 give exactly what the reference rules (rowrules.classify_rows, rowrules.segments) give, row
 for row and segment for segment, for every shipped spec with intervals; plan() must use it,
 and its launches must be the ones the launch builder lays out from the reference's segments.
-Run: pytest -m gpu tests/test_gpu_planner.py"""
+Run: pytest -m gpu tests/gpu/test_gpu_planner.py"""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import variantgen
 from variantgen.reference import reference_attention
 from variantgen.testing import random_paged_batch, random_spec_args
 
-SPECS = Path(__file__).resolve().parents[1] / "specs"
+SPECS = Path(__file__).resolve().parents[2] / "specs"
 ALL_SPECS = sorted(p.stem for p in SPECS.glob("*.yaml"))
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,10 +1,10 @@
 """VariantWrapper and the interval planner on the CPU, against fake fa2 / fa3 modules.
 
-tests/_fake_kernel.py emulates what the generated kernel does with each launch (mask
+tests/fakes/_fake_kernel.py emulates what the generated kernel does with each launch (mask
 mode, vg_meta, page lists, in-place o rows); its modes 0/1 are strictly geometric, so a
 planner that sends a row to kNone/kCausal whose visible keys are not exactly what those
 modes show gives a wrong result here. The launches are the real launch builder's (an
-nvcc-built module, tests/_builder.py), the row pass the reference rules' (FakeRowPlanner).
+nvcc-built module, tests/fakes/_builder.py), the row pass the reference rules' (FakeRowPlanner).
 Every case is compared with the dense reference (variantgen.reference), with the planner
 off (one custom launch) and on.
 """

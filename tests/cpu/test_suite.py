@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_tests_skip_cleanly_without_a_gpu():
-    files = sorted(str(p) for p in (REPO / "tests").glob("test_gpu_*.py"))
+    files = sorted(str(p) for p in (REPO / "tests" / "gpu").glob("test_gpu_*.py"))
     assert files
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *files], cwd=REPO,

@@ -15,7 +15,7 @@ import torch
 
 import variantgen
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_import_does_not_import_torch():

@@ -1,7 +1,7 @@
 """GPU correctness of ragged-KV prefill (kind "ragged"): every shipped spec against its
 derived reference, MLA-shaped head dims 192/128 (DeepSeek, vLLM's MLA prefill), LSE
 (base 2) and the chunked-context merge it exists for, split-KV, strided views, HND.
-Run on the H200 with `pytest -m gpu tests/test_gpu_ragged.py`.
+Run on the H200 with `pytest -m gpu tests/gpu/test_gpu_ragged.py`.
 
 Each module (spec x head dims x dtype) is built once per session (module-scoped cache of
 wrappers; modules land in VARIANTGEN_CACHE_DIR, so a second session only loads them).

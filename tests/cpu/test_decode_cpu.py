@@ -1,7 +1,7 @@
 """Batch decode (kind "decode") on the CPU: rendering, DecodeWrapper checks and plumbing.
 
-The CUDA-core path runs against tests/_fake_decode.py (an emulation of the generated
-decode module's plan/run ABI); the tensor-core path against tests/_fake_kernel.py (the
+The CUDA-core path runs against tests/fakes/_fake_decode.py (an emulation of the generated
+decode module's plan/run ABI); the tensor-core path against tests/fakes/_fake_kernel.py (the
 prefill module's). Results are compared with the dense reference with one query per
 request (``qo_indptr = arange(batch + 1)``): decode is prefill with qo_len 1.
 """

@@ -1,6 +1,6 @@
 """GPU correctness of issue 18's masks: learned attention sinks (gpt-oss), tree verification
 for speculative decoding, Gemma 4's sliding layers with images. Run on the H200 with
-`pytest -m gpu tests/test_gpu_masks.py`.
+`pytest -m gpu tests/gpu/test_gpu_masks.py`.
 
 * attention_sink_learned: fa2 / fa3 paged prefill (planner on and off), ragged, CUDA-core and
   tensor-core decode (split-KV included) against the reference, output and LSE; and against

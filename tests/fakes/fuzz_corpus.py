@@ -1,4 +1,4 @@
-"""Token corpora shared by the fuzz tests (tests/test_fuzz.py) and the long run (bench/fuzz_long.py)."""
+"""Token corpora shared by the fuzz tests (tests/cpu/test_fuzz.py) and the long run (bench/fuzz_long.py)."""
 
 from variantgen.expr import TensorSig, Type, TypeEnv
 

@@ -1,7 +1,7 @@
 """The GPU differential fuzzer's harness on the CPU (bench/fuzz_gpu.py, variantgen/fuzzing.py).
 
-Cases are drawn, run through the fake modules of tests/_fake_kernel.py / _fake_decode.py
-(tests/_fake_modules.py makes the wrappers), compared with the reference, minimized and written
+Cases are drawn, run through the fake modules of tests/fakes/_fake_kernel.py / _fake_decode.py
+(tests/fakes/_fake_modules.py makes the wrappers), compared with the reference, minimized and written
 as JSON exactly as on the GPU. Planted bugs - a kernel that leaves a row unwritten, one that
 ignores the kernel window of its causal launches, one that loses the CUDA context - must be
 found, and the first two minimized into a regression test that names a smaller case.
@@ -26,7 +26,7 @@ from variantgen import fuzzing as fz
 from variantgen.cli import main as cli_main
 from variantgen.fuzzing import TARGETS, Batch, FuzzCase, ModuleKey, Ranges
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import fuzz_gpu  # noqa: E402
 
 LIMITS = fuzz_gpu.FAKE_LIMITS

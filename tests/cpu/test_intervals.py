@@ -15,7 +15,7 @@ from variantgen.reference import RequestGrid, mask_for_request
 from variantgen.spec import load_spec
 from variantgen.testing import random_paged_batch, random_spec_args
 
-SPECS = sorted((Path(__file__).resolve().parents[1] / "specs").glob("*.yaml"))
+SPECS = sorted((Path(__file__).resolve().parents[2] / "specs").glob("*.yaml"))
 
 
 def row_env(qo_lens, kv_lens):
@@ -81,17 +81,17 @@ def test_intervals_sound(path, seed):
 
 
 def test_exactness_of_known_forms():
-    spec = load_spec(Path(__file__).resolve().parents[1] / "specs" / "mm_prefix.yaml")
+    spec = load_spec(Path(__file__).resolve().parents[2] / "specs" / "mm_prefix.yaml")
     form = analyze(spec)
     assert form.planner_ready and form.exact
     assert tensors_read(form, spec) == {"ranges"}
-    doc = load_spec(Path(__file__).resolve().parents[1] / "specs" / "document.yaml")
+    doc = load_spec(Path(__file__).resolve().parents[2] / "specs" / "document.yaml")
     # Equality of a [total_kv] tensor with a row value is exact where the tensor is sorted.
     assert analyze(doc).exact and tensors_read(analyze(doc), doc) == {"doc_ids"}
 
 
 def test_document_ids_sorted_and_unsorted():
-    doc = load_spec(Path(__file__).resolve().parents[1] / "specs" / "document.yaml")
+    doc = load_spec(Path(__file__).resolve().parents[2] / "specs" / "document.yaml")
     qo, kv = [6, 10], [9, 10]
     sorted_ids = torch.tensor([0, 0, 1, 1, 1, 1, 2, 2, 2] + [5, 5, 5, 7, 7, 7, 7, 7, 9, 9], dtype=torch.int32)
     exact, total = check_sound(doc, qo, kv, {"doc_ids": sorted_ids})

@@ -1,7 +1,7 @@
 """GPU correctness of offset row indices (`kv_row - lag`, `q_row - 1`, `q_kv_row + lag`,
 `qo_head + 1`): the kernels clamp each to the rows of its request exactly as the reference
 does, on every kernel kind, both backends and both plan paths (the interval planner reads
-`start[q_row - 1]` in its row kernel). Run: pytest -m gpu tests/test_gpu_index_kinds.py
+`start[q_row - 1]` in its row kernel). Run: pytest -m gpu tests/gpu/test_gpu_index_kinds.py
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``FakeModules`` makes the same wrappers make_wrapper would (VariantWrapper, DecodeWrapper on
 CUDA or tensor cores, RaggedWrapper, graph mode with a GraphCapacity), each on a fake module
-of tests/_fake_kernel.py / _fake_decode.py instead of a compiled one, and the prefill ones with
+of tests/fakes/_fake_kernel.py / _fake_decode.py instead of a compiled one, and the prefill ones with
 the fake row kernel (FakeRowPlanner) as their planner module. ``capture`` returns the run itself:
 "replaying" a graph on the CPU runs it again, on the same static buffers. A test plants a bug by
 passing its own fake class for a module kind, and a missing module by naming it in ``missing``.

@@ -2,7 +2,7 @@
 reference (the prefill reference with one query per request, qo_indptr = arange(batch+1)),
 both paths (CUDA-core decode module, tensor-core = prefill module), return_lse, q/k/v
 scales, an fp8 KV cache, both KV layouts, split-KV, and FlashInfer's own decode kernel.
-Run on the H200 with `pytest -m gpu tests/test_gpu_decode.py`.
+Run on the H200 with `pytest -m gpu tests/gpu/test_gpu_decode.py`.
 
 The modules this file needs (15 decode + 3 prefill modules) are built on first use; build
 them in parallel beforehand with scripts/precompile_gpu_tests.sh (VARIANTGEN_CACHE_DIR).
