@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,6 +34,28 @@ PLACEMENTS = ["host", "device", "device_page_list"]
 
 def exact(text: str) -> str:
     return "^" + re.escape(text) + "$"
+
+
+def graph_case(workspace, seed: int, **make_kwargs):
+    """mm_prefix in CUDA-graph mode (capacity: 4 requests, 1024 query rows, 256 pages) and one
+    batch of two requests (300 + 40 queries) in static buffers of the capacity: q, out, ranges,
+    and a KV cache (k, v) of the capacity's pages whose first pages are the batch's."""
+    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
+    cap = GraphCapacity(max_batch_size=4, max_total_q=1024, max_kv_pages=256)
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", graph=cap,
+                                **make_kwargs)
+    b = random_paged_batch([300, 40], [700, 40], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=PAGE,
+                           dtype=torch.bfloat16, device="cuda", seed=seed)
+    args = random_spec_args(spec, b, seed=seed)
+    ranges = torch.full((cap.max_total_q, 2), -1, dtype=torch.int32, device="cuda")
+    ranges[:340] = args["ranges"]
+    q = torch.zeros(cap.max_total_q, HQ, HD, dtype=torch.bfloat16, device="cuda")
+    q[:340] = b.q
+    k = torch.zeros(cap.max_kv_pages, PAGE, HKV, HD, dtype=torch.bfloat16, device="cuda")
+    v = torch.zeros_like(k)
+    k[:b.k_cache.shape[0]], v[:b.v_cache.shape[0]] = b.k_cache, b.v_cache
+    return SimpleNamespace(spec=spec, cap=cap, w=w, b=b, args=args, ranges=ranges, q=q, out=torch.empty_like(q),
+                           k=k, v=v)
 
 
 def placed(b, placement: str) -> tuple[torch.Tensor, ...]:
@@ -258,20 +281,8 @@ def test_guard_plans_without_waiting_and_the_next_call_reports(workspace, kind):
 def test_graph_guard_is_captured(workspace):
     """A captured run() records the clamp against the captured cache: a replay after a plan()
     whose bounds were still on their way reads nothing outside it, and the next plan() raises."""
-    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
-    cap = GraphCapacity(max_batch_size=4, max_total_q=1024, max_kv_pages=256)
-    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", graph=cap)
-    b = random_paged_batch([300, 40], [700, 40], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=PAGE,
-                           dtype=torch.bfloat16, device="cuda", seed=9)
-    args = random_spec_args(spec, b, seed=9)
-    ranges = torch.full((cap.max_total_q, 2), -1, dtype=torch.int32, device="cuda")
-    ranges[:340] = args["ranges"]
-    q = torch.zeros(cap.max_total_q, HQ, HD, dtype=torch.bfloat16, device="cuda")
-    q[:340] = b.q
-    out = torch.empty_like(q)
-    k = torch.zeros(cap.max_kv_pages, PAGE, HKV, HD, dtype=torch.bfloat16, device="cuda")
-    v = torch.zeros_like(k)
-    k[:b.k_cache.shape[0]], v[:b.v_cache.shape[0]] = b.k_cache, b.v_cache
+    c = graph_case(workspace, seed=9)
+    spec, cap, w, b, args, ranges, q, out, k, v = c.spec, c.cap, c.w, c.b, c.args, c.ranges, c.q, c.out, c.k, c.v
     host = (b.qo_indptr.cpu(), b.kv_indptr.cpu())
     last = b.last_page_len.cpu()  # (read here: a .cpu() inside plan's call would wait for the busy GPU itself)
 
@@ -310,20 +321,8 @@ def test_graph_guard_is_captured(workspace):
 
 
 def test_graph_plan_checks_pages_against_the_captured_cache(workspace):
-    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
-    cap = GraphCapacity(max_batch_size=4, max_total_q=1024, max_kv_pages=256)
-    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", graph=cap)
-    b = random_paged_batch([300, 40], [700, 40], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=PAGE,
-                           dtype=torch.bfloat16, device="cuda", seed=6)
-    args = random_spec_args(spec, b, seed=6)
-    ranges = torch.full((cap.max_total_q, 2), -1, dtype=torch.int32, device="cuda")
-    ranges[:340] = args["ranges"]
-    q = torch.zeros(cap.max_total_q, HQ, HD, dtype=torch.bfloat16, device="cuda")
-    q[:340] = b.q
-    out = torch.empty_like(q)
-    k = torch.zeros(cap.max_kv_pages, PAGE, HKV, HD, dtype=torch.bfloat16, device="cuda")
-    v = torch.zeros_like(k)
-    k[:b.k_cache.shape[0]], v[:b.v_cache.shape[0]] = b.k_cache, b.v_cache
+    c = graph_case(workspace, seed=6)
+    spec, cap, w, b, args, ranges, q, out, k, v = c.spec, c.cap, c.w, c.b, c.args, c.ranges, c.q, c.out, c.k, c.v
     bad = b.kv_indices.clone()
     bad[2] = cap.max_kv_pages
     w.plan(b.qo_indptr, b.kv_indptr, bad, b.last_page_len, HQ, HKV, PAGE, ranges=ranges)  # no capture yet
@@ -346,20 +345,8 @@ def test_graph_plan_checks_pages_against_the_captured_cache(workspace):
 def test_check_plan_catches_a_tensor_changed_between_replays(workspace):
     """The measured failure (max abs error 2.5 on the H200 after rewriting `ranges` between graph
     replays) is reported by the next plan() in debug mode; eager runs are refused on the spot."""
-    spec = variantgen.load_spec(SPECS / "mm_prefix.yaml")
-    cap = GraphCapacity(max_batch_size=4, max_total_q=1024, max_kv_pages=256)
-    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", graph=cap,
-                                check_plan=True)
-    b = random_paged_batch([300, 40], [700, 40], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=PAGE,
-                           dtype=torch.bfloat16, device="cuda", seed=7)
-    args = random_spec_args(spec, b, seed=7)
-    ranges = torch.full((cap.max_total_q, 2), -1, dtype=torch.int32, device="cuda")
-    ranges[:340] = args["ranges"]
-    q = torch.zeros(cap.max_total_q, HQ, HD, dtype=torch.bfloat16, device="cuda")
-    q[:340] = b.q
-    out = torch.empty_like(q)
-    k = torch.zeros(cap.max_kv_pages, PAGE, HKV, HD, dtype=torch.bfloat16, device="cuda")
-    k[:b.k_cache.shape[0]] = b.k_cache
+    c = graph_case(workspace, seed=7, check_plan=True)
+    w, b, ranges, q, out, k = c.w, c.b, c.ranges, c.q, c.out, c.k  # (k for both caches: only the checks matter)
     w.plan(*b.plan_args(), ranges=ranges)
     w.run(q, (k, k), out=out, ranges=ranges)
     graph = torch.cuda.CUDAGraph()
