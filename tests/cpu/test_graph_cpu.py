@@ -120,6 +120,16 @@ def replay(fake: FakeModule, engine: Engine, calls: list[tuple]) -> None:
         fake.paged_run(*args)
 
 
+def capture_or_replay(w: VariantWrapper, fake: FakeModule, engine: Engine, static_args: dict,
+                      calls: list[tuple] | None) -> list[tuple]:
+    """The first batch's run() captured (``calls`` None), a later batch's the captured calls
+    replayed: the captured calls."""
+    if calls is None:
+        return capture(w, fake, engine, static_args)
+    replay(fake, engine, calls)
+    return calls
+
+
 def check_replayed(spec, engine: Engine, batch, args: dict, label: str) -> None:
     """The replayed output rows are the batch's reference (bf16 tolerance); rows past it untouched."""
     tq = batch.q.shape[0]
@@ -211,10 +221,7 @@ def test_other_specs_replay(spec_name, backend):
         args = random_spec_args(w.spec, batch, seed=i)
         static = engine.load(batch, args)
         w.plan(*batch.plan_args(), **static)
-        if calls is None:
-            calls = capture(w, fake, engine, static)
-        else:
-            replay(fake, engine, calls)
+        calls = capture_or_replay(w, fake, engine, static, calls)
         check_replayed(w.spec, engine, batch, args, f"{spec_name} batch {i}")
 
 
@@ -469,10 +476,7 @@ def test_fa3_window_slots_stay_fixed_and_other_widths_run_custom(named):
             if r.cls.name == "WINDOW":
                 assert (r.mode.label, r.window) == (("causal", widths[r.request]) if widths[r.request] in kept
                                                    else ("custom", -1)), r
-        if calls is None:
-            calls = capture(w, fake, engine, static)
-        else:
-            replay(fake, engine, calls)
+        calls = capture_or_replay(w, fake, engine, static, calls)
         check_replayed(w.spec, engine, batch, args, f"widths batch {i}")
     assert w._graph.windows == (40, 90)
 

@@ -18,7 +18,7 @@ import torch
 from conftest import SPECS_DIR
 from test_decode_cpu import check as decode_check
 from test_decode_cpu import decode_batch
-from test_graph_cpu import Engine, capture, check_replayed, replay
+from test_graph_cpu import Engine, capture_or_replay, check_replayed
 from test_graph_cpu import make as graph_make
 from test_ragged_cpu import batch_of as ragged_batch
 from test_ragged_cpu import check as ragged_check
@@ -260,10 +260,7 @@ def test_tree_verify_graph_replays():
         batch, args, _ = tree_case(sizes, shapes, contexts, 16, seed=i)
         static = engine.load(batch, args)
         w.plan(*batch.plan_args(), **static)
-        if calls is None:
-            calls = capture(w, fake, engine, static)
-        else:
-            replay(fake, engine, calls)
+        calls = capture_or_replay(w, fake, engine, static, calls)
         check_replayed(w.spec, engine, batch, args, f"tree graph batch {i}")
 
 
