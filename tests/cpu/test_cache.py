@@ -546,6 +546,17 @@ def _stop(proc) -> None:
     proc.join(30)
 
 
+def _exit_codes(children, timeout: float) -> list[int | None]:
+    """Wait for every child (up to ``timeout`` s each), kill those left; their exit codes."""
+    try:
+        for child in children:
+            child.join(timeout)
+    finally:
+        for child in children:
+            _stop(child)
+    return [c.exitcode for c in children]
+
+
 def test_lock_is_exclusive_across_processes_and_released_by_sigkill(tmp_path):
     root, uri = tmp_path / "cache", key().uri
     ready = tmp_path / "ready"
@@ -618,13 +629,7 @@ def test_lock_is_mutually_exclusive_under_contention(tmp_path):
     barrier = SPAWN.Barrier(n)
     children = [_start(procs.count_under_lock, str(root), key().uri, str(counter), rounds, barrier)
                 for _ in range(n)]
-    try:
-        for child in children:
-            child.join(120)
-    finally:
-        for child in children:
-            _stop(child)
-    assert [c.exitcode for c in children] == [0] * n
+    assert _exit_codes(children, 120) == [0] * n
     assert int(counter.read_text()) == n * rounds
     assert list((root / ".locks").iterdir()) == []
 
@@ -638,13 +643,7 @@ def test_waiters_report_a_build_that_failed_while_they_waited(vg_env, tmp_path, 
     barrier = SPAWN.Barrier(n)
     children = [_start(procs.race_failing_build, str(vg_env.cache_dir), str(record), str(out_dir), barrier, 1.0)
                 for _ in range(n)]
-    try:
-        for child in children:
-            child.join(180)
-    finally:
-        for child in children:
-            _stop(child)
-    assert [c.exitcode for c in children] == [0] * n
+    assert _exit_codes(children, 180) == [0] * n
     assert len(builds(record)) == 1, builds(record)
     builder = int(builds(record)[0].split()[0])
     results = {int(p.stem): p.read_text() for p in out_dir.iterdir()}
@@ -711,13 +710,7 @@ def test_eight_processes_race_to_one_build(vg_env, tmp_path):
     barrier = SPAWN.Barrier(n)
     children = [_start(procs.race_build, str(vg_env.cache_dir), str(record), str(out_dir), barrier, 0.5)
                 for _ in range(n)]
-    try:
-        for child in children:
-            child.join(180)
-    finally:
-        for child in children:
-            _stop(child)
-    assert [c.exitcode for c in children] == [0] * n
+    assert _exit_codes(children, 180) == [0] * n
     results = [json.loads(p.read_text()) for p in sorted(out_dir.iterdir())]
     assert len(results) == n
     assert len(builds(record)) == 1, builds(record)
