@@ -364,21 +364,6 @@ def _round(x: float | None, digits: int = 3) -> float | None:
 # ----------------------------------------------------------------------------- environment
 
 
-def commit() -> str:
-    """VARIANTGEN_COMMIT, else the checkout's HEAD (12 hex digits; '-dirty' with changes to
-    tracked files), else 'unknown'."""
-    if os.environ.get("VARIANTGEN_COMMIT"):
-        return os.environ["VARIANTGEN_COMMIT"]
-    try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head + ("-dirty" if dirty else "")) if head else "unknown"
-
-
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -409,7 +394,9 @@ def environment() -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - a missing package is recorded, not fatal here
         env = {"date": datetime.date.today().isoformat(), "gpu": "unknown", "variantgen": variantgen.__version__,
                "host": platform.node(), "environment_error": f"{type(e).__name__}: {e}"}
-    env = {"commit": commit(), **env,
+    from variantgen.testing import source_commit
+
+    env = {"commit": source_commit(), **env,
            "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "cpu_count": os.cpu_count(), "cpus_usable": usable_cores(), "cpu_model": cpu_model(),
            "python": platform.python_version()}

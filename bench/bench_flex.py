@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ from variantgen.testing import (  # noqa: E402
     prefill_bench_batch,
     random_paged_batch,
     result_file_name,
+    source_commit,
 )
 
 B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
@@ -50,11 +50,7 @@ def environment() -> dict:
         env["flashinfer"] = flashinfer.__version__
     except ImportError:
         env["flashinfer"] = None
-    try:
-        env["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
-                                       text=True).stdout.strip() or None
-    except OSError:
-        env["commit"] = None
+    env["commit"] = source_commit()
     return env
 
 

@@ -27,12 +27,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
-import os
 import random
 import signal
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
@@ -48,6 +45,7 @@ import torch  # noqa: E402
 
 from variantgen import fuzzing as fz  # noqa: E402
 from variantgen.fuzzing import TARGETS, FuzzCase, ModuleKey, Target  # noqa: E402
+from variantgen.testing import source_commit  # noqa: E402
 
 SPECS = tuple(sorted(p.stem for p in (REPO / "specs").glob("*.yaml")))
 M = ModuleKey
@@ -604,7 +602,7 @@ def run_fuzz(cfg: Config, modules: fz.Modules, flashinfer: FlashInferComparer | 
 def _failure_json(case: FuzzCase, v: fz.Verdict, mz: fz.Minimized | None, seed: int) -> dict[str, Any]:
     target = fz.TARGET_BY_NAME[case.target]
     shown, verdict = (mz.case, mz.verdict) if mz is not None and mz.reproduced else (case, v)
-    origin = f"bench/fuzz_gpu.py --seed {seed} ({_commit()})"
+    origin = f"bench/fuzz_gpu.py --seed {seed} ({source_commit()})"
     if mz is not None and mz.reproduced and mz.case != case:
         origin += f", minimized from {fz.case_size(case)[0]} request(s) / {fz.case_size(case)[1]} query rows"
     return {
@@ -622,27 +620,13 @@ def _failure_json(case: FuzzCase, v: fz.Verdict, mz: fz.Minimized | None, seed: 
 # ----------------------------------------------------------------------------- reporting
 
 
-@functools.cache
-def _commit() -> str:
-    if os.environ.get("VARIANTGEN_COMMIT"):
-        return os.environ["VARIANTGEN_COMMIT"]
-    try:
-        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head + ("-dirty" if dirty else "")) if head else "unknown"
-
-
 def environment(fake: bool) -> dict[str, Any]:
     from variantgen.testing import run_environment
 
     env = run_environment()
     if fake:
         env["gpu"] = "none (fake modules on the CPU)"
-    return {"commit": _commit(), **env}
+    return env  # (its commit first: run_environment's)
 
 
 def summary(results: dict[str, Any]) -> str:

@@ -19,7 +19,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import transformers  # noqa: E402
 
 import variantgen  # noqa: E402
 from variantgen.integrations import transformers as vg_hf  # noqa: E402
+from variantgen.testing import source_commit  # noqa: E402
 
 DTYPE = torch.bfloat16
 
@@ -153,8 +153,7 @@ def main() -> None:
         fi = flashinfer.__version__
     except ImportError:
         fi = None
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-    res: dict = {"commit": commit.strip() or None, "date": datetime.date.today().isoformat(),
+    res: dict = {"commit": source_commit(), "date": datetime.date.today().isoformat(),
                  "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__,
                  "transformers": transformers.__version__, "flashinfer": fi, "variantgen": variantgen.__version__,
                  "dtype": "bf16", "seq": args.seq, "layers": args.layers, "cases": {}}

@@ -7,6 +7,7 @@ range that exercises the mask (ints in [-2, max kv_len], floats ~ N(0, 1)).
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Callable
@@ -170,8 +171,34 @@ def prefill_bench_batch(device: str | torch.device = "cuda", seed: int = 2) -> t
     return batch, spans_to_ranges(batch.qo_lens, batch.kv_lens, [PREFILL_BENCH_SPANS] * b).to(device)
 
 
+def source_commit() -> str:
+    """The commit a measurement ran: VARIANTGEN_COMMIT (set it where the checkout's git history
+    did not travel, e.g. on a lent GPU machine), else the checkout's HEAD (12 hex digits,
+    '-dirty' with changes to tracked files), else 'unknown'."""
+    import os
+
+    return os.environ.get("VARIANTGEN_COMMIT") or _checkout_commit()
+
+
+@functools.cache
+def _checkout_commit() -> str:
+    # once per process: a fuzzer names it in every failure it reports
+    import subprocess
+
+    from .env import REPO_DIR
+
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_DIR), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO_DIR), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("-dirty" if dirty else "")) if head else "unknown"
+
+
 def run_environment() -> dict[str, Any]:
-    """What a benchmark's JSON records about where it ran: date, GPU, versions, host, nvcc."""
+    """What a benchmark's JSON records about where it ran: commit, date, GPU, versions, host, nvcc."""
     import datetime
     import platform
     import subprocess
@@ -185,7 +212,7 @@ def run_environment() -> dict[str, Any]:
     except (OSError, IndexError):
         nvcc = None
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return {"date": datetime.date.today().isoformat(), "gpu": gpu,
+    return {"commit": source_commit(), "date": datetime.date.today().isoformat(), "gpu": gpu,
             "torch": torch.__version__, "cuda": torch.version.cuda, "flashinfer": flashinfer.__version__,
             "variantgen": __version__, "host": platform.node(), "nvcc": nvcc}
 

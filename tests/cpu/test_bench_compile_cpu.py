@@ -15,6 +15,7 @@ import _fake_toolchain as fake
 import pytest
 
 from variantgen import build, ninja
+from variantgen.testing import source_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_compile as bc  # noqa: E402
@@ -157,7 +158,7 @@ def test_environment_names_commit_cpus_and_versions(monkeypatch, toolchain):
         assert key in env, key
     assert env["nvcc_version"] == "V12.8.93"  # the toolchain a build uses (here the fake one)
     monkeypatch.delenv("VARIANTGEN_COMMIT")
-    assert bc.commit() != "abc123def456" and bc.commit()
+    assert source_commit() != "abc123def456" and source_commit()
 
 
 def test_write_json_needs_out_without_a_gpu(tmp_path, monkeypatch):
