@@ -211,10 +211,7 @@ class DecodeWrapper(WrapperBase):
         count = kvp_h[-1]
         if fixed is not None:  # graph mode: into the buffers the captured launch reads
             fixed[0].copy_(staged)
-            src = kv_indices[:count]
-            if src.device.type == "cpu" and fixed[1].device.type == "cuda":
-                src = self._staging.to_device(src)  # through page-locked memory: a pageable copy waits for the GPU
-            fixed[1][:count].copy_(src)
+            fixed[1][:count].copy_(self._staging.on_device(kv_indices[:count]))
             staged, kv_indices = fixed
         elif not trimmed:  # (a trimmed list is a gathered copy already)
             kv_indices = self._own_pages(kv_indices, count)

@@ -185,13 +185,7 @@ class Planner:
         o[PlanOption.FA2_MIN_TILES] = self.fa2_min_tiles(batch.num_kv_heads, disable_split_kv)
         row_pass = planned and batch.total_q > 0  # (an empty graph-mode batch: plan_direct lays out its slots)
         o[PlanOption.DIRECT] = int(not row_pass)
-        where = kv_indices.device
-        if where != self.device:
-            # a host page list goes over through page-locked memory: a copy from pageable memory would
-            # wait for the kernels already queued (plan() promises not to wait for the GPU)
-            on_host = where.type == "cpu" and self.device.type == "cuda"
-            kv_indices = self.staging.to_device(kv_indices) if on_host else kv_indices.to(self.device)
-        kv_indices = kv_indices.contiguous()
+        kv_indices = self.staging.on_device(kv_indices).contiguous()  # (plan() never waits for the GPU)
         values = self._build(batch, indices, kv_indices, args if row_pass else None)
         device_ws, host_ws = self._workspace_pair()
         launches, layouts = self._launches(values, device_ws, host_ws, batch, disable_split_kv)

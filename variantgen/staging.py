@@ -50,6 +50,16 @@ class HostStaging:
         (record() at the end of plan() marks it; begin() waits for it)."""
         self._unrecorded = True
 
+    def on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` on the staging's device: itself where it is there already, a host tensor through
+        the page-locked buffer (a copy from pageable memory would wait for the queued kernels)."""
+        where = t.device
+        if where == self.device:
+            return t
+        if where.type == "cpu" and self.device.type == "cuda":
+            return self.to_device(t, t.dtype)
+        return t.to(self.device)
+
     def to_device(self, values: Sequence[int] | torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """``values`` as a 1-D ``dtype`` tensor on the device (a CPU tensor is copied as it is)."""
         host = values.reshape(-1).to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
