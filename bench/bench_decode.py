@@ -4,9 +4,11 @@
 (page 16). FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper`` (plain; window_left=1023;
 logits_soft_cap=50; tensor cores) against variantgen decode for causal, sliding_window
 (window 1023), softcap (cap 50, global layer), document (8 documents of 1024 tokens per
-request) and mm_prefix (three 1024-token image spans; the decoded token is text), on the
-CUDA-core decode module and the tensor-core (prefill module) path, each with key trimming
-(spec arguments given to plan(); the default) and without (plan(skip_tiles=False)).
+request) and mm_prefix (three 1024-token image spans; the decoded token is text), on fa2's
+CUDA-core decode module, fa2's tensor-core (prefill module) path and fa3 (sm90: its prefill
+module, one query per request), each with key trimming (spec arguments given to plan(); the
+default) and without (plan(skip_tiles=False)). FlashInfer's tensor-core decode runs on its fa2
+and (sm90) fa3 prefill kernels.
 
 Every module (ours and FlashInfer's JIT ones) is built first, several at a time; then every
 kernel is timed in the same process with CUDA events (median of --iters runs after warm-up).
@@ -41,6 +43,7 @@ SPECS = ("causal", "sliding_window", "softcap", "document", "mm_prefix")
 FLASHINFER = {
     "flashinfer_plain_cuda_cores": ({}, {}),
     "flashinfer_plain_tensor_cores": ({"use_tensor_cores": True, "backend": "fa2"}, {}),
+    "flashinfer_plain_tensor_cores_fa3": ({"use_tensor_cores": True, "backend": "fa3"}, {}),
     "flashinfer_window1023_cuda_cores": ({}, {"window_left": WINDOW}),
     "flashinfer_softcap50_cuda_cores": ({}, {"logits_soft_cap": SOFT_CAP}),
 }
@@ -83,7 +86,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default=None)
     ap.add_argument("--parallel", type=int, default=None, help="modules built at once (default: cores / 3, <= 8)")
-    ap.add_argument("--skip", default="", help="comma list: flashinfer, tensor_cores, untrimmed")
+    ap.add_argument("--skip", default="", help="comma list: flashinfer, tensor_cores, fa3, untrimmed")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     t_start = time.perf_counter()
@@ -115,15 +118,17 @@ def main() -> None:
 
     # ---------------------------------------------------------------- build everything, several at once
     arch = device_arch(torch.device(dev))
-    paths = ["cuda_cores"] + ([] if "tensor_cores" in skip else ["tensor_cores"])
+    # path -> (backend, module kind): fa2 CUDA cores, fa2 tensor cores, fa3 (sm90 only)
+    routes = {"cuda_cores": ("fa2", "decode"), "tensor_cores": ("fa2", "prefill"), "fa3": ("fa3", "prefill")}
+    paths = [p for p in routes if p not in skip and (p != "fa3" or arch.startswith("9."))]
     configs = [ModuleConfig(variantgen.load_spec(ROOT / "specs" / f"{n}.yaml"), D, D, "bf16", "bf16", "bf16", arch,
-                            "fa2", DEFAULT_MASK_MODES, "decode" if p == "cuda_cores" else "prefill")
+                            routes[p][0], DEFAULT_MASK_MODES, routes[p][1])
                for n in SPECS for p in paths]
     fi_wrappers: dict = {}
 
     def build_vg(cfg):
         r = build_module(cfg, default_cache(), jobs=per_build)
-        return f"{cfg.spec.name}_{cfg.kind}", r.seconds, r.built
+        return f"{cfg.spec.name}_{cfg.backend}_{cfg.kind}", r.seconds, r.built
 
     def build_fi(name):  # FlashInfer compiles its JIT module inside plan()
         wkw, pkw = FLASHINFER[name]
@@ -135,12 +140,13 @@ def main() -> None:
         return name, time.perf_counter() - t, True
 
     fi_names = [] if "flashinfer" in skip else [n for n in FLASHINFER
-                                                 if "tensor_cores" not in n or "tensor_cores" not in skip]
+                                                 if ("tensor_cores" not in n or "tensor_cores" not in skip)
+                                                 and (not n.endswith("_fa3") or "fa3" in paths)]
     t = time.perf_counter()
     builds = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
         futures = {pool.submit(build_fi, n): n for n in fi_names}
-        futures.update({pool.submit(build_vg, c): f"{c.spec.name}_{c.kind}" for c in configs})
+        futures.update({pool.submit(build_vg, c): f"{c.spec.name}_{c.backend}_{c.kind}" for c in configs})
         for fut in concurrent.futures.as_completed(futures):
             try:
                 name, seconds, built = fut.result()
@@ -190,7 +196,7 @@ def main() -> None:
             tag = f"variantgen_{spec_name}_{path}"
             try:
                 w = variantgen.make_wrapper(ROOT / "specs" / f"{spec_name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
-                                            kv_dtype="bf16", kind="decode", backend="fa2",
+                                            kv_dtype="bf16", kind="decode", backend=routes[path][0],
                                             use_tensor_cores=path == "tensor_cores")
             except Exception as e:  # noqa: BLE001
                 errors[tag] = f"{type(e).__name__}: {str(e)[:500]}"
@@ -230,6 +236,11 @@ def main() -> None:
                                                                     "flashinfer_plain_cuda_cores")
         for s in ("document", "mm_prefix") for p in paths
     })
+    fastest = min((n for n in fi_names if n.startswith("flashinfer_plain") and n in ms), key=ms.get, default=None)
+    if fastest is not None:  # issue 17's decode goal: causal on each path vs FlashInfer's fastest plain decode
+        notes["flashinfer_fastest_plain"] = fastest
+        res["ratios"].update({f"variantgen_causal_{p}_vs_flashinfer_fastest_plain": ratio(f"variantgen_causal_{p}",
+                                                                                           fastest) for p in paths})
     res["total_s"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(res["ratios"], indent=1))
     if errors:

@@ -164,13 +164,11 @@ def main() -> None:
         with torch.no_grad():
             record("handwritten_flex_mm_prefix_contiguous", lambda: fc(qd, kd, vd, block_mask=bm, enable_gqa=True))
 
-    # Decode: 64 requests x 8192 keys (causal), flex vs the fa2 decode route.
+    # Decode: 64 requests x 8192 keys (causal), flex vs the module routes (fa3: its prefill module).
     dkv = [8192] * 64
     db = random_paged_batch([1] * len(dkv), dkv, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D, page_size=PS,
                             dtype=torch.bfloat16, device=dev, seed=3)
     for backend in ("flex", *filter(None, args.backends.split(","))):
-        if backend == "fa3":
-            continue  # no fa3 decode
         tag = f"{'flex' if backend == 'flex' else 'variantgen_' + backend}_decode_causal_64x8192"
         try:
             dw = variantgen.make_wrapper(ROOT / "specs" / "causal.yaml", flex_ws if backend == "flex" else ws,

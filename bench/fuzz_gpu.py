@@ -13,7 +13,7 @@ results JSON (seed, commit, versions, counts per target and spec, max errors, fa
 their reproduction) goes to bench/results/.
 
 Modules are only looked up, never built: precompile the matrix first (``--list-modules``
-prints the commands; 53 modules + the specs' planner modules); a missing one is skipped and
+prints the commands: the modules + the specs' planner modules); a missing one is skipped and
 counted. FlashInfer's comparison modules are JIT-built by FlashInfer before the clock starts,
 within ``--flashinfer-setup-seconds`` (point FLASHINFER_WORKSPACE_BASE at a carried folder to
 keep them between machines). Without a git checkout, set VARIANTGEN_COMMIT for the results.
@@ -54,8 +54,14 @@ M = ModuleKey
 # fa3's softmax updater, CUDA-core decode's output transform), tree verification on the fa2
 # prefill module (eager, graph and tensor-core decode targets run it). gemma4_sliding (a window
 # with per-query spans: mm_prefix's shape, fuzzed) is left to tests/gpu/test_gpu_masks.py.
-SOME_KINDS = {"attention_sink_learned": {("fa2", "prefill"), ("fa3", "prefill"), ("fa2", "decode")},
-              "tree_verify": {("fa2", "prefill")}, "gemma4_sliding": set()}
+SOME_KINDS = {"attention_sink_learned": {("fa2", "prefill"), ("fa3", "prefill"), ("fa2", "decode"), ("fa3", "ragged")},
+              "tree_verify": {("fa2", "prefill"), ("fa3", "prefill")}, "gemma4_sliding": set()}
+
+
+# Kinds fuzzed on a sample of the specs: fa3 ragged's variant is the paged fa3 module's (fuzzed on
+# every spec); what ragged adds - the work list over key rows, the launch's mask mode - does not
+# depend on the spec beyond causal / masked, so the sample keeps the fuzzer's module budget.
+SAMPLED = {("fa3", "ragged"): {"causal", "mm_prefix", "document", "attention_sink_learned", "softcap", "alibi"}}
 
 
 def _every(kind: tuple[str, str]) -> tuple[ModuleKey, ...]:
@@ -66,7 +72,7 @@ def _every(kind: tuple[str, str]) -> tuple[ModuleKey, ...]:
 # The modules cases are drawn from, per (backend, module kind): the shipped specs at hd 128 bf16
 # (SOME_KINDS: where), and for a few specs head dims 64 / 256 (ragged: 192/128), fp16 and an fp8
 # KV cache. Tensor-core decode and the graph targets run the prefill / decode modules of their
-# backend. 53 modules and 11 specs' planner modules: what a build box precompiles for one run.
+# backend (fa3 decode: its prefill modules). What a build box precompiles for one run: --list-modules.
 MODULES: dict[tuple[str, str], tuple[ModuleKey, ...]] = {
     ("fa2", "prefill"): (*_every(("fa2", "prefill")), M("mm_prefix", 64, 64, "fp16", "fp16"),
                          M("softcap", 256, 256, "fp16", "fp16"), M("alibi", 256, 256),
@@ -76,6 +82,8 @@ MODULES: dict[tuple[str, str], tuple[ModuleKey, ...]] = {
                         M("sliding_window", kv_dtype="fp8_e4m3")),
     ("fa2", "ragged"): (*_every(("fa2", "ragged")), M("mm_prefix", 192, 128), M("causal", 192, 128, "fp16", "fp16"),
                         M("softcap", 64, 64), M("alibi", 256, 256)),
+    ("fa3", "ragged"): (M("causal"), M("mm_prefix"), M("document"), M("attention_sink_learned"), M("softcap", 64, 64),
+                        M("alibi", 256, 256), M("mm_prefix", 192, 128)),
 }
 ARCH = "9.0a"
 

@@ -18,7 +18,8 @@ What an engine does, in order:
 On a CPU box every group takes the flex route (seconds in all). On an H200 whose cache holds the
 modules (build box: `variantgen precompile mm_prefix --head-dim 64,128 --dtype bf16 --kv-dtype
 bf16,fp8_e4m3 --kind prefill,decode --arch 9.0a`, then copy cache/ over) the "global" group runs
-fa3 prefill and fa2 decode under a CUDA graph, "local" (fp8 KV) fa2, "odd" (head 80) Flex.
+fa3 prefill and decode (its prefill module) under a CUDA graph, "local" (fp8 KV) fa2, "odd" (head 80)
+Flex.
 """
 
 from __future__ import annotations

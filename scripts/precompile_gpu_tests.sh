@@ -17,7 +17,8 @@ for g in "${groups[@]}"; do
       "${VG[@]}" specs/*.yaml tests/data/strictly_causal.yaml --head-dim 128 --dtype bf16 --backend fa3
       "${VG[@]}" specs/mm_prefix.yaml --head-dim 64,256 --dtype bf16 --backend fa3
       "${VG[@]}" specs/mm_prefix.yaml --head-dim 128 --dtype fp16 --backend fa3 ;;
-    decode)  # tests/gpu/test_gpu_decode.py (tensor-core decode runs the fa2 prefill module)
+    decode)  # tests/gpu/test_gpu_decode.py (tensor-core decode runs the fa2 prefill module; fa3 decode,
+             # tests/gpu/test_gpu_fa3_decode.py, the fa3 prefill modules of group fa3)
       "${VG[@]}" specs/*.yaml --head-dim 128 --dtype bf16 --backend fa2 --kind decode
       "${VG[@]}" specs/softcap.yaml --head-dim 64 --dtype bf16 --backend fa2 --kind decode
       "${VG[@]}" specs/mm_prefix.yaml --head-dim 256 --dtype bf16 --backend fa2 --kind decode
@@ -26,8 +27,11 @@ for g in "${groups[@]}"; do
       "${VG[@]}" specs/causal.yaml --head-dim 128 --dtype fp16 --backend fa2 --kind decode
       "${VG[@]}" specs/softcap.yaml --head-dim 128 --dtype bf16 --kv-dtype fp8_e4m3 --backend fa2 --kind decode
       "${VG[@]}" specs/causal.yaml specs/mm_prefix.yaml specs/softcap.yaml --head-dim 128 --dtype bf16 --backend fa2 ;;
-    ragged)  # tests/gpu/test_gpu_ragged.py (its inline `full` spec builds inside the test)
+    ragged)  # tests/gpu/test_gpu_ragged.py (fa2 every spec, fa3 a sample; tests/data/full.yaml: the context chunks)
       "${VG[@]}" specs/*.yaml --head-dim 128 --dtype bf16 --backend fa2 --kind ragged
+      "${VG[@]}" specs/causal.yaml specs/mm_prefix.yaml specs/document.yaml specs/softcap.yaml specs/attention_sink_learned.yaml --head-dim 128 --dtype bf16 --backend fa3 --kind ragged
+      "${VG[@]}" specs/mm_prefix.yaml specs/causal.yaml --head-dim 192/128 --dtype bf16 --backend fa3 --kind ragged
+      "${VG[@]}" tests/data/full.yaml --head-dim 192/128 --dtype bf16 --backend fa2,fa3 --kind ragged
       "${VG[@]}" specs/mm_prefix.yaml specs/causal.yaml specs/softcap.yaml --head-dim 192/128 --dtype bf16,fp16 --backend fa2 --kind ragged
       "${VG[@]}" specs/softcap.yaml --head-dim 64,256 --dtype bf16 --backend fa2 --kind ragged ;;
     masks)   # tests/gpu/test_gpu_masks.py beyond the groups above: Gemma 4's sliding layers at head dim 256

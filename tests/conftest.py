@@ -6,7 +6,10 @@ fake toolchains, cache-race processes, the fuzz corpus), importable from every t
 * ``spec_from(text)`` parses dedented YAML into a VariantSpec (path ``spec.yaml``);
 * ``vg_env`` points VARIANTGEN_CACHE_DIR at a fresh tmp folder (and lets a test set more
   variables), re-reading the settings before and after;
-* tests marked ``gpu`` are skipped (at collection) when torch sees no CUDA device.
+* tests marked ``gpu`` are skipped (at collection) when torch sees no CUDA device;
+* with VARIANTGEN_TEST_SKIP_UNBUILT=1 (GPU runs against a precompiled cache with JIT disabled),
+  a test that stops at a module the cache lacks (JitDisabledError) is reported as skipped, with
+  the module's name, rather than failed.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ CPU_SMALL_SCALARS = {
 # Every variable variantgen.env reads: a test environment starts without them.
 VG_VARIABLES = (
     "VARIANTGEN_CACHE_DIR", "VARIANTGEN_DISABLE_JIT", "FLASHINFER_DISABLE_JIT", "VARIANTGEN_ARCH",
-    "VARIANTGEN_BUILD_JOBS", "MAX_JOBS", "VARIANTGEN_NVCC_THREADS", "VARIANTGEN_TEMPLATE_DIR",
+    "VARIANTGEN_BUILD_JOBS", "MAX_JOBS", "VARIANTGEN_NVCC_THREADS", "VARIANTGEN_SPLIT_COMPILE",
+    "VARIANTGEN_TEMPLATE_DIR",
     "VARIANTGEN_LOCK_TIMEOUT", "VARIANTGEN_CHECK_PLAN", "VARIANTGEN_BUILD_TIMEOUT", "CUDA_HOME", "CUDA_PATH",
 )
 
@@ -70,6 +74,18 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """VARIANTGEN_TEST_SKIP_UNBUILT=1: a JitDisabledError (module not precompiled) is a skip."""
+    outcome = yield
+    report = outcome.get_result()
+    if (call.excinfo is not None and report.failed and os.environ.get("VARIANTGEN_TEST_SKIP_UNBUILT") == "1"
+            and call.excinfo.errisinstance(variantgen.errors.JitDisabledError)):
+        report.outcome = "skipped"
+        message = str(call.excinfo.value).splitlines()[0]
+        report.longrepr = (str(item.path), item.location[1] or 0, f"not precompiled: {message}")
 
 
 @pytest.fixture

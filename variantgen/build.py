@@ -223,14 +223,17 @@ def _ninja_file(rendered: RenderedModule, tc: Toolchain, src_dir: Path, out_name
     includes = [f"-I{src_dir}"] + [f"-I{p}" for p in fi.include_dirs]
     for p in (*fi.system_include_dirs, tc.cuda_home / "include"):
         includes += ["-isystem", str(p)]
-    nvcc_threads = f"--threads={settings().nvcc_threads}"
+    # not semantic (the machine code is the same): not in the key
+    nvcc_threads = [f"--threads={settings().nvcc_threads}"]
+    if settings().split_compile > 1:
+        nvcc_threads.append(f"--split-compile={settings().split_compile}")
     args = _ninja_run.shell_args
     lines = [
         "ninja_required_version = 1.3",
         f"nvcc = {args([tc.nvcc])}",
         f"cxx = {args([tc.cxx])}",
         f"includes = {args(includes)}",
-        f"cuda_flags = {args(flags['cuda'] + [nvcc_threads])}",
+        f"cuda_flags = {args(flags['cuda'] + nvcc_threads)}",
         "ldflags = " + args([*flags["ld"], f"-L{tc.cuda_home / 'lib64'}"]),
         "",
         "rule cuda_compile",

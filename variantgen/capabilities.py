@@ -143,10 +143,13 @@ class Request:
     tensor_cores: bool = False  # decode through the prefill module (use_tensor_cores=True)
     names: ArgNames = PYTHON_NAMES
 
-    @property
-    def module_kind(self) -> str:
-        """The kind of module it runs: tensor-core decode runs the prefill kernel, one query per request."""
-        return "prefill" if self.tensor_cores else self.kind
+    def module_kind(self, backend: str | None = None) -> str:
+        """The kind of module it runs on ``backend`` (None: the request's own): tensor-core decode
+        runs the prefill kernel, one query (or a few) per request - on fa2 where asked for, on a
+        backend whose decode is its prefill kernel (fa3) always."""
+        name = backend if backend is not None else self.backend
+        on_prefill = self.tensor_cores or (name in TABLE and TABLE[name].decode_on_prefill)
+        return "prefill" if self.kind == "decode" and on_prefill else self.kind
 
     @classmethod
     def of(cls, spec: VariantSpec, *, kind: Any = "prefill", head_dim_qk: Any, head_dim_vo: Any = None,
@@ -234,6 +237,7 @@ class Backend:
     graph_kinds: tuple[str, ...] = ()  # kinds with a CUDA-graph mode
     no_graph: str = ""  # why the others have none here
     route: Route | None = None  # module-less: where its wrapper factory and probe live
+    decode_on_prefill: bool = False  # its decode is its prefill module with qo_len 1 (no decode kernel)
     module: bool = field(init=False)
 
     def __post_init__(self) -> None:
@@ -254,11 +258,13 @@ class Backend:
         if self.name not in r.spec.backends:
             out.append(f"backend={self.name!r}: spec `{r.spec.name}` allows only {list(r.spec.backends)}")
         out += self._dtype_problems(r)
-        dims = self.head_dims.get(r.module_kind) if self.head_dims is not None else None
+        module_kind = r.module_kind(self.name)
+        dims = self.head_dims.get(module_kind) if self.head_dims is not None else None
         if dims and (r.head_dim_qk, r.head_dim_vo) not in dims:
             pairs = ", ".join(f"{a}" if a == b else f"{a}/{b}" for a, b in dims)
+            runs = f" (its decode runs the {module_kind} module)" if module_kind != r.kind else ""
             out.append(f"{n.head_dim_qk}={r.head_dim_qk}, {n.head_dim_vo}={r.head_dim_vo}: {self.name} "
-                       f"{r.module_kind} modules support head dims {pairs} (qk/vo where they differ)")
+                       f"{module_kind} modules support head dims {pairs} (qk/vo where they differ){runs}")
         if self.module:
             out += self._arch_problems(site)
         elif self.name not in site.routes:
@@ -327,11 +333,15 @@ FA2 = Backend(
     q_dtypes=("bf16", "fp16"), kv_dtypes=FLASHINFER_DTYPES, o_dtypes=("bf16", "fp16"),
     graph_kinds=("prefill", "decode"))
 FA3 = Backend(
-    "fa3", "FlashInfer's sm90 (FA3) kernel, compiled per spec", kinds=("prefill",), head_dims={"prefill": _EQUAL_DIMS},
+    "fa3", "FlashInfer's sm90 (FA3) kernel, compiled per spec", kinds=("prefill", "ragged", "decode"),
+    # 192/128: MLA-shaped ragged prefill (DeepSeek; FlashInfer's sm90 ragged kernel has that tile, its
+    # paged one does not). Decode runs the paged prefill module (decode_on_prefill).
+    head_dims={"prefill": _EQUAL_DIMS, "ragged": _EQUAL_DIMS + ((192, 128),)},
     q_dtypes=("bf16", "fp16"), kv_dtypes=("bf16", "fp16"), o_dtypes=("bf16", "fp16"), kv_as_q=True, o_as_q=True,
     archs=("9.0a",), arch_text="sm90 (Hopper)",
-    # graph mode: a fixed launch set for a capacity (graph.py, GraphCapacity(window_widths=...))
-    graph_kinds=("prefill",))
+    # graph mode: a fixed launch set for a capacity (graph.py, GraphCapacity(window_widths=...)); decode
+    # captures its prefill module's
+    graph_kinds=("prefill", "decode"), decode_on_prefill=True)
 FLEX = Backend(
     "flex", "torch's FlexAttention, no compiled module", kinds=tuple(KINDS), head_dims=None,
     q_dtypes=("bf16", "fp16", "fp32"), kv_dtypes=DTYPE_NAMES, o_dtypes=("bf16", "fp16", "fp32"),

@@ -12,7 +12,10 @@ Two paths, chosen by ``make_wrapper(..., kind="decode", use_tensor_cores=...)``:
   variant (a "decode" module). It evaluates the mask on every key it visits.
 * tensor cores: the spec's paged *prefill* module with qo_len 1 per request (FlashInfer's
   advice for large GQA groups); the wrapper plans it like ``VariantWrapper`` with
-  ``qo_indptr = arange(batch + 1)``.
+  ``qo_indptr = arange(batch + 1)``. fa2 with ``use_tensor_cores=True``, and fa3 always (its
+  decode is its prefill kernel; the default on sm90). ``plan(..., q_len_per_request=T)``
+  makes it multi-token decode: the last T tokens of each request are queries (speculative
+  verification), q ``[batch * T, num_qo_heads, head_dim]``.
 
 Key trimming (the decode analogue of the prefill interval planner): where the mask's key
 intervals are known (``intervals.analyze``) and plan() has the spec tensors they read,
@@ -73,9 +76,10 @@ class DecodeWrapper(WrapperBase):
             raise ValueError(f"DecodeWrapper: needs a 'decode' module (CUDA cores) or a 'prefill' module "
                              f"(tensor cores), got kind={self.config.kind!r}")
         self.use_tensor_cores = self.config.kind == "prefill"
-        if self.config.backend != "fa2":
+        if self.config.backend not in ("fa2", "fa3"):
             raise ValueError(f"DecodeWrapper: decode runs on fa2 modules (the CUDA-core decode kernel, or the fa2 "
-                             f"prefill module for use_tensor_cores=True), got backend={self.config.backend!r}")
+                             f"prefill module for use_tensor_cores=True) or on the fa3 prefill module, got "
+                             f"backend={self.config.backend!r}")
         # Tensor cores: the prefill wrapper on the same module does the work.
         self._prefill: VariantWrapper | None = None
         self._graph = graph
@@ -114,10 +118,14 @@ class DecodeWrapper(WrapperBase):
     # ------------------------------------------------------------------ plan
     def plan(self, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,
-             *, skip_tiles: bool | None = None, **spec_args: Any) -> None:
+             *, q_len_per_request: int = 1, skip_tiles: bool | None = None, **spec_args: Any) -> None:
         """Plan a decode batch (one query per request). ``skip_tiles`` turns key trimming
         on/off (default: on where the spec's key intervals are known and plan() was given
         the spec tensors they read; pass those by name here and to run()).
+
+        ``q_len_per_request`` > 1: multi-token decode (speculative verification: the last
+        ``q_len_per_request`` tokens of every request are queries, rows ``b * T .. b * T + T - 1``
+        of run()'s q); on the tensor-core path (fa3, or fa2 with use_tensor_cores=True).
 
         As VariantWrapper.plan: the index tensors are read (and the page list copied) here,
         ``paged_kv_indptr`` starts at 0, every entry of ``paged_kv_indices[:paged_kv_indptr[-1]]``
@@ -130,6 +138,7 @@ class DecodeWrapper(WrapperBase):
         self._batch, self._launch, self._planned_args = None, None, {}
         self._check_replays()
         self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
+        per = check_q_len_per_request(q_len_per_request, self.use_tensor_cores)
         group = num_qo_heads // num_kv_heads
         if not self.use_tensor_cores and group not in DECODE_GROUP_SIZES:
             raise LaunchError(f"plan(): GQA group size {group} (num_qo_heads={num_qo_heads} / num_kv_heads="
@@ -151,10 +160,11 @@ class DecodeWrapper(WrapperBase):
                                   f"for one batch size), got {batch}; pad the batch with dummy requests, or make "
                                   "the wrapper with use_tensor_cores=True (any batch up to the capacity)")
             graph.check_batch(batch, batch, kvp_h[-1])
-        new_batch = Batch(batch, batch, sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
-                          (1,) * batch, tuple(kv_lens))
+        check_queries_fit(kv_lens, per)
+        new_batch = Batch(batch, batch * per, sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
+                          (per,) * batch, tuple(kv_lens))
         if self._prefill is not None:
-            qo_indptr = torch.arange(batch + 1, dtype=torch.int32)
+            qo_indptr = torch.arange(0, per * (batch + 1), per, dtype=torch.int32)
             self._prefill.plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                                num_qo_heads, num_kv_heads, page_size, skip_tiles=skip_tiles, **spec_args)
             self._batch = new_batch
@@ -263,13 +273,17 @@ class DecodeWrapper(WrapperBase):
             raise LaunchError("run() called before plan(): call plan(paged_kv_indptr, paged_kv_indices, "
                               "paged_kv_last_page_len, num_qo_heads, num_kv_heads, page_size) first")
         b, cfg = self._batch, self.config
-        want = (b.batch_size, b.num_qo_heads, cfg.head_dim_qk)
+        want = (b.total_q, b.num_qo_heads, cfg.head_dim_qk)
         if (self._graph is not None and isinstance(q, torch.Tensor) and q.dim() == 3
-                and b.batch_size <= q.shape[0] <= self._graph.max_total_q):
+                and b.total_q <= q.shape[0] <= self._graph.max_total_q):
             want = (q.shape[0], *want[1:])  # graph mode: a static buffer of up to capacity rows
         if isinstance(q, torch.Tensor) and tuple(q.shape) != want:
-            raise LaunchError(f"run(): `q`: expected shape [batch={b.batch_size}, num_qo_heads={b.num_qo_heads}, "
-                              f"head_dim={cfg.head_dim_qk}] (one query per request), got {list(q.shape)}")
+            per = b.total_q // b.batch_size
+            rows = (f"batch={b.batch_size}" if per == 1 else
+                    f"batch * q_len_per_request={b.batch_size} * {per}")
+            raise LaunchError(f"run(): `q`: expected shape [{rows}, num_qo_heads={b.num_qo_heads}, "
+                              f"head_dim={cfg.head_dim_qk}] ({'one query' if per == 1 else f'{per} queries'} per "
+                              f"request), got {list(q.shape)}")
         if self._prefill is not None:
             return self._prefill.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
                                      return_lse=return_lse, enable_pdl=enable_pdl, **spec_args)
@@ -285,6 +299,25 @@ class DecodeWrapper(WrapperBase):
                         la.kv_indices, la.last_page_len, out, lse, LAYOUT_CODES[self.kv_layout], -1,
                         bool(enable_pdl), *tensors, la.meta, *scalars)
         return (out, lse) if return_lse else out
+
+
+def check_q_len_per_request(value: Any, tensor_cores: bool) -> int:
+    """plan()'s ``q_len_per_request``, checked: a whole number >= 1, and 1 on CUDA cores."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise LaunchError(f"plan(): q_len_per_request={value!r}: expected a whole number >= 1")
+    if value > 1 and not tensor_cores:
+        raise LaunchError(f"plan(): q_len_per_request={value}: multi-token decode runs on the prefill kernel; make "
+                          "the wrapper with use_tensor_cores=True (or backend='fa3' on sm90)")
+    return value
+
+
+def check_queries_fit(kv_lens: list[int], per: int) -> None:
+    """Every request holds its ``per`` queries (its last ``per`` tokens); LaunchError naming the first
+    that does not."""
+    short = next((b for b, kv in enumerate(kv_lens) if kv < per), None)
+    if short is not None:
+        raise LaunchError(f"plan(): request {short} has kv_len {kv_lens[short]} < q_len_per_request={per} "
+                          "(its queries are its last q_len_per_request tokens)")
 
 
 def check_decode_arguments(paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any) -> None:

@@ -55,6 +55,9 @@ class Settings:
     """VARIANTGEN_BUILD_JOBS (or MAX_JOBS): ninja parallelism within one module."""
     nvcc_threads: int
     """VARIANTGEN_NVCC_THREADS: nvcc --threads per compile (default 1)."""
+    split_compile: int
+    """VARIANTGEN_SPLIT_COMPILE: nvcc --split-compile per compile unit (threads for its optimizer;
+    default 1, off): lets a module's longest unit use cores its other units leave idle."""
     template_dir: Path
     """VARIANTGEN_TEMPLATE_DIR: where the Jinja templates live (default: TEMPLATES_DIR, the package's)."""
     lock_timeout_s: float
@@ -121,6 +124,7 @@ def _read() -> Settings:
         arch=os.environ.get("VARIANTGEN_ARCH") or None,
         build_jobs=_int_or_none("VARIANTGEN_BUILD_JOBS") or _int_or_none("MAX_JOBS"),
         nvcc_threads=_int_or_none("VARIANTGEN_NVCC_THREADS") or 1,
+        split_compile=_int_or_none("VARIANTGEN_SPLIT_COMPILE") or 1,
         template_dir=Path(os.environ["VARIANTGEN_TEMPLATE_DIR"])
         if os.environ.get("VARIANTGEN_TEMPLATE_DIR")
         else TEMPLATES_DIR,

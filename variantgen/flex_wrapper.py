@@ -30,6 +30,7 @@ sync with the host).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from itertools import accumulate
@@ -484,18 +485,34 @@ class FlexDecodeWrapper(FlexWrapperBase):
     """Paged-KV decode on FlexAttention (kind "decode"): DecodeWrapper's plan()/run(), one query
     per request (its last token), one Flex batch row per request."""
 
+    _multi: FlexPrefillWrapper | None = None  # multi-token decode: the prefill route plans and runs it
+
     def plan(self, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,
-             *, skip_tiles: bool | None = None, **spec_args: Any) -> None:
+             *, q_len_per_request: int = 1, skip_tiles: bool | None = None, **spec_args: Any) -> None:
         """Plan a decode batch. ``skip_tiles`` turns key trimming on/off (default: on where the
         spec's key intervals are known and plan() was given the tensors they read): only the
-        keys a query can see are gathered, and the block mask comes from the intervals."""
-        from .decode import read_decode_batch
+        keys a query can see are gathered, and the block mask comes from the intervals.
+        ``q_len_per_request`` > 1: multi-token decode, as DecodeWrapper.plan (through the flex
+        prefill route, with qo_indptr = arange(batch + 1) * q_len_per_request)."""
+        from .decode import check_q_len_per_request, check_queries_fit, read_decode_batch
 
         self._reset()
+        self._multi = None
         self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
+        per = check_q_len_per_request(q_len_per_request, tensor_cores=True)
         kvp_h, _, kv_lens = read_decode_batch(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         batch = len(kv_lens)
+        if per > 1:
+            check_queries_fit(kv_lens, per)
+            multi = FlexPrefillWrapper(self.spec, dataclasses.replace(self.config, kind="prefill"),
+                                       self._float_workspace, self.kv_layout)
+            qo_indptr = torch.arange(0, per * (batch + 1), per, dtype=torch.int32)
+            multi.plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                       num_kv_heads, page_size, skip_tiles=skip_tiles, **spec_args)
+            self._multi = multi
+            self._batch = multi._batch
+            return
         self._batch = Batch(batch, batch, sum(kv_lens), num_qo_heads, num_kv_heads, page_size, (1,) * batch,
                             tuple(kv_lens))
         self._staging.begin()
@@ -533,7 +550,11 @@ class FlexDecodeWrapper(FlexWrapperBase):
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
             k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
             return_lse: bool = False, enable_pdl: bool | None = None, **spec_args: Any):
-        """DecodeWrapper.run's arguments and outputs: ``q`` [batch, num_qo_heads, head_dim]."""
+        """DecodeWrapper.run's arguments and outputs: ``q`` [batch, num_qo_heads, head_dim]
+        ([batch * q_len_per_request, ...] for multi-token decode)."""
+        if self._multi is not None:
+            return self._multi.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                                   return_lse=return_lse, enable_pdl=enable_pdl, **spec_args)
         plan = self._check_planned()
         assert plan is not None  # a decode batch has a query per request
         b, cfg = self._batch, self.config

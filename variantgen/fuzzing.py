@@ -68,7 +68,10 @@ TARGETS: tuple[Target, ...] = (
     Target("fa2/decode-graph", "fa2", "decode", "decode", graph=True, plans=("off", "trim")),
     Target("fa2/decode-tc", "fa2", "decode", "prefill", tensor_cores=True, plans=_PLANNED),
     Target("fa2/decode-tc-graph", "fa2", "decode", "prefill", tensor_cores=True, graph=True, plans=_PLANNED),
+    Target("fa3/decode", "fa3", "decode", "prefill", tensor_cores=True, plans=_PLANNED),
+    Target("fa3/decode-graph", "fa3", "decode", "prefill", tensor_cores=True, graph=True, plans=_PLANNED),
     Target("fa2/ragged", "fa2", "ragged", "ragged"),
+    Target("fa3/ragged", "fa3", "ragged", "ragged"),
 )
 TARGET_BY_NAME = {t.name: t for t in TARGETS}
 
@@ -182,16 +185,17 @@ class Batch:
         return Batch(_without(self.qo_lens, i), _without(self.kv_lens, i),
                      tuple((n, cut(t)) for n, t in self.tensors), self.seed)
 
-    def problem(self, decode: bool) -> str | None:
+    def problem(self, decode: bool, multi_token: bool = False) -> str | None:
         n = len(self.qo_lens)
         if n < 1 or len(self.kv_lens) != n:
             return f"qo_lens={list(self.qo_lens)}, kv_lens={list(self.kv_lens)}: expected one of each per request"
         if not all(0 <= q <= k for q, k in zip(self.qo_lens, self.kv_lens)) or not sum(self.qo_lens):
             return f"qo_lens={list(self.qo_lens)}, kv_lens={list(self.kv_lens)}: expected 0 <= qo_len <= kv_len " \
                    "and some query"
-        if decode and (set(self.qo_lens) != {1} or min(self.kv_lens) < 1):
+        if decode and (len(set(self.qo_lens)) != 1 or self.qo_lens[0] < 1 or min(self.kv_lens) < self.qo_lens[0]
+                       or (self.qo_lens[0] > 1 and not multi_token)):
             return f"qo_lens={list(self.qo_lens)}, kv_lens={list(self.kv_lens)}: decode has one query per request " \
-                   "and kv_len >= 1"
+                   "(multi-token decode on tensor cores: the same count T per request) and kv_len >= T"
         for name, t in self.tensors:
             per = {Ranges: ("spans", "rows"), DocRuns: ("runs",), PerRequest: ("values",),
                    Trees: ("parents",)}.get(type(t), ())
@@ -255,7 +259,7 @@ class FuzzCase:
             return f"graph: target {self.target} {'needs' if target.graph else 'takes no'} GraphSetup"
         batches = [("batch", self.batch)] + ([("graph.capture", self.graph.capture)] if self.graph else [])
         for where, b in batches:
-            problem = b.problem(decode=target.kind == "decode")
+            problem = b.problem(decode=target.kind == "decode", multi_token=target.tensor_cores)
             if problem:
                 return f"{where}: {problem}"
         return None
@@ -314,6 +318,7 @@ class Limits:
     max_cached: int = 1000  # kv_len - qo_len of a prefill request
     max_decode_requests: int = 16
     max_decode_kv_len: int = 3000
+    max_decode_q_len: int = 16  # multi-token decode (tensor cores): queries per request
     groups: tuple[int, ...] = (1, 2, 4, 8, 16)  # GQA group sizes
     kv_heads: tuple[int, ...] = (1, 2, 4)
     page_sizes: tuple[int, ...] = (1, 5, 16, 64)
@@ -367,8 +372,12 @@ def _draw_scalar(r: random.Random, scalar: ScalarArg) -> Scalar:
 def _draw_lengths(r: random.Random, target: Target, limits: Limits, n: int | None = None) -> tuple[list, list]:
     if target.kind == "decode":
         n = n or _log_uniform(r, 1, limits.max_decode_requests)
-        kv = [_length(r, 1, limits.max_decode_kv_len, limits) for _ in range(n)]
-        return [1] * n, kv
+        # tensor cores: multi-token decode (speculative verification) in a third of the batches
+        per = 1
+        if target.tensor_cores and r.random() < 0.35:
+            per = r.choice([q for q in (2, 3, 4, 8, 16) if q <= limits.max_decode_q_len] or [1])
+        kv = [max(_length(r, 1, limits.max_decode_kv_len, limits), per) for _ in range(n)]
+        return [per] * n, kv
     n = n or min(limits.max_requests, r.choice([1, 1, 2, 2, 3, 4]))
     qo, kv = [], []
     for _ in range(n):
@@ -490,7 +499,7 @@ def graph_capacity(target: Target, limits: Limits, page_size: int, batch_size: i
     if target.kind == "decode":
         n = batch_size if not target.tensor_cores else limits.max_decode_requests
         pages = n * -(-limits.max_decode_kv_len // page_size) + EXTRA_PAGES
-        return n, n, pages
+        return n, n * (limits.max_decode_q_len if target.tensor_cores else 1), pages
     n = limits.max_requests
     longest = limits.max_qo_len + limits.max_cached
     return n, n * limits.max_qo_len, n * -(-longest // page_size) + EXTRA_PAGES
@@ -671,8 +680,6 @@ def make_tensors(case: FuzzCase, batch: Batch, device: torch.device) -> CaseTens
     k = torch.where(owned, randn(pool, ps, hkv, m.head_dim_qk), POISON_K).to(kvdt)
     v = torch.where(owned, randn(pool, ps, hkv, m.head_dim_vo), POISON_V).to(kvdt)
     last = [(n - 1) % ps + 1 if n else 0 for n in kv]
-    if target.kind == "decode":
-        qo_indptr = list(range(len(kv) + 1))
     return CaseTensors(q, k, v, _int_tensor(qo_indptr, device), _int_tensor(kv_indptr, device),
                        _int_tensor(order[:used], device), _int_tensor(last, device), args)
 
@@ -858,7 +865,9 @@ def _plan(w: Any, case: FuzzCase, t: CaseTensors, args: dict[str, Any]) -> None:
         if target.kind == "ragged":
             w.plan(t.qo_indptr, t.kv_indptr, *sizes[:2], disable_split_kv=case.disable_split_kv)
         elif target.kind == "decode":
-            w.plan(t.kv_indptr, t.kv_indices, t.last_page_len, *sizes, skip_tiles=planned, **plan_kw)
+            per = case.batch.qo_lens[0]
+            multi = {"q_len_per_request": per} if per > 1 else {}
+            w.plan(t.kv_indptr, t.kv_indices, t.last_page_len, *sizes, skip_tiles=planned, **multi, **plan_kw)
         else:
             w.plan(t.qo_indptr, t.kv_indptr, t.kv_indices, t.last_page_len, *sizes, skip_tiles=planned,
                    disable_split_kv=case.disable_split_kv, **plan_kw)
@@ -1032,8 +1041,8 @@ def _batch_shrinks(case: FuzzCase, b: Batch, fixed_count: bool) -> Iterator[Batc
     for i in range(n):
         q, k = b.qo_lens[i], b.kv_lens[i]
         options: list[tuple[int, int]] = []
-        if decode:
-            options += [(1, 1), (1, max(1, k // 2)), (1, k - 1)]
+        if decode:  # the same query count per request: shorter contexts, or one query less everywhere
+            options += [(q, q), (q, max(q, k // 2)), (q, k - 1)]
         else:
             cached = k - q
             options += [(q, q), (q, q + cached // 2), (q, k - 1)]  # fewer cached keys before the chunk

@@ -183,7 +183,8 @@ def probe(
     ``reason`` says why not, in words an operator can act on.
 
     ``kind`` is the kernel ("prefill", "ragged", "decode"); ``use_tensor_cores=True`` with
-    kind "decode" asks for tensor-core decode, as make_wrapper takes it (the prefill module).
+    kind "decode" asks for fa2's tensor-core decode, as make_wrapper takes it (the prefill
+    module; fa3's decode always runs its prefill module).
     ``backend`` is "fa2", "fa3", "flex", or None for the one make_wrapper(backend=None) picks
     here (resolver.resolve: fa3 where an fa3 module runs; on a server that cannot build, fa2
     where only its module is precompiled and the flex route where neither is, with
@@ -196,8 +197,7 @@ def probe(
     against it. ``build=False`` only looks in the cache. ``cache_dir`` defaults to
     VARIANTGEN_CACHE_DIR. ``cuda_graph=True``: for a wrapper made with
     ``graph=GraphCapacity(...)`` (the backends and kinds whose table entry has a CUDA-graph mode:
-    fa2 paged prefill and decode, fa3 paged prefill): other kinds and backends are demoted with
-    the reason;
+    fa2 and fa3 paged prefill and decode): other kinds and backends are demoted with the reason;
     backend=None picks one that has it, as make_wrapper does.
 
     ``runtime=False``: whether the cache holds the module a server with JIT disabled would load

@@ -7,11 +7,13 @@ qo_indptr[b+1]`` of ``q`` and are the *last* qo_len tokens of the request
 the kernel vLLM's MLA FlashInfer backend uses for prefill (head_dim_qk 192, head_dim_vo
 128 for DeepSeek), with ``return_lse=True`` to merge chunked-context prefill.
 
-One launch covers the whole batch (one vg_meta row per request). The launch uses
-FlashInfer's kCausal mode where the spec's mask is exactly ``kv_pos <= q_pos`` (the kernel
-then skips the KV tiles above the diagonal), kNone where it is ``true``, and kCustom
-(the spec's mask on every tile) otherwise. Requests are packed back to back, so split-KV
-is allowed.
+Two backends: fa2 (FlashInfer's FA2 ragged kernel and scheduler, every NVIDIA GPU from sm80)
+and fa3 (its sm90 ragged kernel, Hopper; our work list, the paged fa3 modules' one). One
+launch covers the whole batch (one vg_meta row per request). The launch uses the kernel's
+causal mode where the spec's mask is exactly ``kv_pos <= q_pos`` (the kernel then skips the
+KV tiles above the diagonal), no mask where it is ``true``, and the spec's mask on every tile
+otherwise (fa2's kCustom; on fa3 the masked variant in a non-causal launch). fa2 may split a
+request's keys over work items (packed back to back, merged by the kernel); fa3 never does.
 
 LSE convention: ``run(..., return_lse=True)`` returns FlashInfer's log-sum-exp **in base
 2** (``log2(sum_j exp(s_j))`` of the scaled, transformed logits), the same convention as
@@ -96,6 +98,7 @@ class RaggedWrapper(WrapperBase):
 
         Spec arguments may be passed here too (as to the paged wrapper); they are checked
         but not used: the ragged kernel reads them in run(), where they are required.
+        ``disable_split_kv`` (fa2): keep each request's keys in one work item (fa3 never splits them).
         """
         self._batch, self._launch = None, None
         self._batch, qo_h, kv_h = read_ragged_batch(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, disable_split_kv)
@@ -112,13 +115,20 @@ class RaggedWrapper(WrapperBase):
         meta = meta_rows(q_row_base=qo_h[:-1], q_pos_base=[k - q for k, q in zip(kv_lens, qo_lens)],
                          kv_pos_base=[0] * batch, request=list(range(batch)), kv_row_base=kv_h[:-1], req_qo_len=qo_lens,
                          req_kv_len=kv_lens, kernel_window=[-1] * batch, launch_qo_len=qo_lens)
-        int_ws, pinned = self._workspace(0)
-        plan_info = self.module.plan(
-            self._float_workspace, int_ws, pinned, torch.tensor(qo_h, dtype=torch.int32),
-            torch.tensor(kv_h, dtype=torch.int32), int(qo_h[-1]), batch, num_qo_heads, num_kv_heads,
-            1, False, -1, -1, bool(disable_split_kv))
-        # qo_indptr, kv_indptr and vg_meta in one staged copy (no sync)
+        # begin() first: it waits for the previous plan's copies out of the page-locked mirror
+        # the scheduler is about to rewrite (a run() queued behind busy kernels still needs them)
         self._staging.begin()
+        int_ws, pinned = self._workspace(0)
+        if self.config.backend == "fa3":  # our fa3 work list (templates/fa3/ragged_run.cuh), copied by plan
+            plan_info = self.module.plan(int_ws, pinned, torch.tensor(qo_h, dtype=torch.int32),
+                                         torch.tensor(kv_h, dtype=torch.int32), mode == "causal")
+        else:  # FlashInfer's FA2 scheduler (prefill_plan.cuh), copied by plan
+            plan_info = self.module.plan(
+                self._float_workspace, int_ws, pinned, torch.tensor(qo_h, dtype=torch.int32),
+                torch.tensor(kv_h, dtype=torch.int32), int(qo_h[-1]), batch, num_qo_heads, num_kv_heads,
+                1, False, -1, -1, bool(disable_split_kv))
+        self._staging.queued()
+        # qo_indptr, kv_indptr and vg_meta in one staged copy (no sync)
         staged = self._staging.to_device(qo_h + kv_h + meta, torch.int32)
         self._staging.record()
         self._launch = RaggedLaunch(
@@ -154,10 +164,14 @@ class RaggedWrapper(WrapperBase):
         tensors, scalars = self._kernel_args(args, q_scale, k_scale, v_scale)
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
             enable_pdl = self._pdl_default()
-        self.module.ragged_run(
-            la.float_workspace, la.int_workspace, la.plan_info, q, k, v, la.qo_indptr, la.kv_indptr, out, lse,
-            MASK_MODES[la.mask_mode][0], LAYOUT_CODES[self.kv_layout], -1, bool(enable_pdl), *tensors, la.meta,
-            *scalars)
+        code, layout = MASK_MODES[la.mask_mode][0], LAYOUT_CODES[self.kv_layout]
+        if self.config.backend == "fa3":  # the work list carries the requests' rows
+            self.module.ragged_run(la.float_workspace, la.int_workspace, la.plan_info, q, k, v, out, lse, code,
+                                   layout, bool(enable_pdl), *tensors, la.meta, *scalars)
+        else:
+            self.module.ragged_run(la.float_workspace, la.int_workspace, la.plan_info, q, k, v, la.qo_indptr,
+                                   la.kv_indptr, out, lse, code, layout, -1, bool(enable_pdl), *tensors, la.meta,
+                                   *scalars)
         return (out, lse) if return_lse else out
 
 

@@ -76,6 +76,9 @@ class ModuleConfig:
             request = Request(self.spec, self.kind, self.head_dim_qk, self.head_dim_vo, self.q_dtype, self.kv_dtype,
                               self.o_dtype, self.backend)
             out += TABLE[self.backend].problems(request, Site(arch=self.arch))
+            if self.kind == "decode" and TABLE[self.backend].decode_on_prefill:
+                out.append(f"kind='decode': backend {self.backend!r} has no decode module; its decode runs its "
+                           "prefill module (kind='prefill')")
         unknown = [m for m in self.mask_modes if m not in MASK_MODES]
         if unknown or not self.mask_modes:
             out.append(f"mask_modes={self.mask_modes!r}: expected a non-empty subset of {list(MASK_MODES)}")
@@ -244,7 +247,8 @@ def kernel_args(spec: VariantSpec) -> tuple[tuple[KernelArg, ...], tuple[KernelA
 
 # How each backend's hooks reach their arguments (see codegen.Target).
 CODEGEN_TARGETS = {("fa2", "prefill"): codegen.FA2_PAGED, ("fa2", "decode"): codegen.FA2_PAGED,
-                   ("fa2", "ragged"): codegen.FA2_RAGGED, ("fa3", "prefill"): codegen.FA3}
+                   ("fa2", "ragged"): codegen.FA2_RAGGED, ("fa3", "prefill"): codegen.FA3,
+                   ("fa3", "ragged"): codegen.FA3}
 
 
 def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...], tuple[KernelArg, ...]]:
@@ -388,14 +392,21 @@ CUTLASS_TYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t",
                  "fp8_e4m3": "cutlass::float_e4m3_t", "fp8_e5m2": "cutlass::float_e5m2_t"}
 
 
+def _fa3_context(config: ModuleConfig, ctx: dict) -> dict:
+    return dict(ctx, cutlass_q=CUTLASS_TYPES[config.q_dtype], cutlass_kv=CUTLASS_TYPES[config.kv_dtype],
+                cutlass_o=CUTLASS_TYPES[config.o_dtype])
+
+
+FA3_STATIC = ("common/vg_helpers.cuh", "fa3/cutlass_prelude.cuh", "fa3/kernel_params.cuh")
+
+
 def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
     launches = _fa3_launches(ctx)
-    ctx = dict(ctx, cutlass_q=CUTLASS_TYPES[config.q_dtype], cutlass_kv=CUTLASS_TYPES[config.kv_dtype],
-               cutlass_o=CUTLASS_TYPES[config.o_dtype])
+    ctx = _fa3_context(config, ctx)
     files = {
         "variant.cuh": env.get_template("fa3/variant.cuh.jinja").render(ctx),
         "batch_prefill_sm90_config.inc": env.get_template("fa3/config.inc.jinja").render(ctx),
-        **_static("common/vg_helpers.cuh", "fa3/cutlass_prelude.cuh", "fa3/kernel_params.cuh", "fa3/run.cuh"),
+        **_static(*FA3_STATIC, "fa3/run.cuh"),
         "binding.cu": env.get_template("fa3/binding.cu.jinja").render(ctx, launches=launches),
         **plan_sources(),
         "plan.cu": static_source("plan/plan.cu"),
@@ -409,11 +420,32 @@ def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
     return files, units, ()  # the host code is our own binding
 
 
+def _render_fa3_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
+    """FlashInfer's sm90 ragged-KV prefill: one kernel unit per mask mode (a ragged launch has no
+    left window), our plan (the paged modules' fa3 work list) and ragged_run binding."""
+    launches = [la for la in _fa3_launches(ctx) if la["name"] != "causal_window"]
+    ctx = _fa3_context(config, ctx)
+    files = {
+        "variant.cuh": env.get_template("fa3/variant.cuh.jinja").render(ctx),
+        "batch_prefill_sm90_config.inc": env.get_template("fa3/config.inc.jinja").render(ctx),
+        **_static(*FA3_STATIC, "fa3/ragged_run.cuh", "plan/fa3_worklist.h"),
+        "binding.cu": env.get_template("fa3/ragged_binding.cu.jinja").render(ctx, launches=launches),
+    }
+    units = ["binding.cu"]
+    kernel = env.get_template("fa3/ragged_kernel.cu.jinja")
+    for launch in launches:
+        name = f"ragged_kernel_{launch['name']}.cu"
+        files[name] = kernel.render(ctx, launch=launch)
+        units.append(name)
+    return files, units, ()
+
+
 RENDERERS: dict[tuple[str, str], Renderer] = {
     ("fa2", "prefill"): _render_fa2_prefill,
     ("fa3", "prefill"): _render_fa3_prefill,
     ("fa2", "decode"): _render_fa2_decode,
     ("fa2", "ragged"): _render_fa2_ragged,
+    ("fa3", "ragged"): _render_fa3_ragged,
 }
 
 

@@ -66,7 +66,7 @@ class Resolution:
 def module_config(request: Request, backend: str, arch: str) -> ModuleConfig:
     """The module ``backend`` runs for ``request`` on ``arch`` (every mask mode the wrapper launches)."""
     return ModuleConfig(request.spec, request.head_dim_qk, request.head_dim_vo, request.q_dtype, request.kv_dtype,
-                        request.o_dtype, arch, backend, DEFAULT_MASK_MODES, request.module_kind)
+                        request.o_dtype, arch, backend, DEFAULT_MASK_MODES, request.module_kind(backend))
 
 
 _NO_SITE = Site()  # no arch known, modules buildable, no route installed

@@ -76,6 +76,22 @@ def test_ninja_file_escapes_every_path(toolchain, tmp_path):
     assert f"nvcc = '{toolchain.nvcc}'".replace("$", "$$") in text
 
 
+def test_split_compile_reaches_nvcc_and_not_the_key(toolchain, tmp_path, vg_env):
+    """VARIANTGEN_SPLIT_COMPILE=N: nvcc --split-compile=N on every unit (the module's longest unit
+    may use cores the others leave idle); the machine code is the same, so the key is too."""
+    rendered = render_module(causal_config())
+    key = build.module_key(rendered, toolchain)
+    plain = build._ninja_file(rendered, toolchain, tmp_path / "src", "m.so")
+    assert "--split-compile" not in plain
+    vg_env.set(VARIANTGEN_SPLIT_COMPILE="8")
+    cuda_flags = next(line for line in build._ninja_file(rendered, toolchain, tmp_path / "src", "m.so").splitlines()
+                      if line.startswith("cuda_flags = "))
+    assert "--split-compile=8" in cuda_flags.split()
+    assert build.module_key(rendered, toolchain).digest == key.digest
+    with pytest.raises(ValueError, match="VARIANTGEN_SPLIT_COMPILE='0': expected a number >= 1"):
+        vg_env.set(VARIANTGEN_SPLIT_COMPILE="0")
+
+
 def test_build_in_paths_with_spaces_dollars_and_colons(toolchain, cache, caplog):
     """Every build broke when the cache path held a space, a $ or a colon."""
     caplog.set_level(logging.INFO, logger="variantgen.build")

@@ -118,7 +118,7 @@ def test_a_request_defaults_to_its_query_counterparts():
     r = Request.of(MM, head_dim_qk=192, q_dtype=torch.float16)
     assert (r.head_dim_vo, r.kv_dtype, r.o_dtype, r.kind, r.backend, r.graph) == (192, "fp16", "fp16", "prefill",
                                                                                     None, False)
-    assert Request.of(MM, head_dim_qk=128, q_dtype="bf16", kind="decode", tensor_cores=True).module_kind == "prefill"
+    assert Request.of(MM, head_dim_qk=128, q_dtype="bf16", kind="decode", tensor_cores=True).module_kind() == "prefill"
 
 
 # ----------------------------------------------------------------------------- the table
@@ -132,21 +132,24 @@ def test_the_table_is_the_one_description_of_the_backends():
         ("fa2", "ragged"): ((64, 64), (128, 128), (256, 256), (192, 128)),
         ("fa2", "decode"): ((64, 64), (128, 128), (256, 256)),
         ("fa3", "prefill"): ((64, 64), (128, 128), (256, 256)),
-    }
+        ("fa3", "ragged"): ((64, 64), (128, 128), (256, 256), (192, 128)),
+    }  # fa3 decode has no dims of its own: it runs the prefill module
+    assert [b.name for b in TABLE.values() if b.decode_on_prefill] == ["fa3"]
     assert [b.module for b in TABLE.values()] == [True, True, False] and TABLE["flex"].route is not None
-    # CUDA-graph mode is one field per backend: fa2 paged prefill and decode, fa3 paged prefill
-    assert {name: b.graph_kinds for name, b in TABLE.items()} == {"fa3": ("prefill",), "fa2": ("prefill", "decode"),
-                                                                 "flex": ()}
+    # CUDA-graph mode is one field per backend: fa2 and fa3 paged prefill and decode
+    assert {name: b.graph_kinds for name, b in TABLE.items()} == {"fa3": ("prefill", "decode"),
+                                                                 "fa2": ("prefill", "decode"), "flex": ()}
     assert variantgen.spec.BACKENDS is capabilities.BACKENDS  # spec files name the same backends
 
 
 def test_graph_problems():
     assert graph_problem("fa2", "prefill") == "" and graph_problem("fa2", "decode") == ""
     assert graph_problem("fa3", "prefill", "cuda_graph=True") == ""  # a fixed launch set for a capacity
+    assert graph_problem("fa3", "decode") == ""  # its prefill module's launch set
     assert graph_problem("flex", "prefill") == ("graph=: CUDA-graph mode needs backend 'fa3' or 'fa2' (got 'flex'): "
                                                 "its plan() and run() read the batch on the host")
-    assert graph_problem("flex", "decode") == ("graph=: CUDA-graph mode needs backend 'fa2' (got 'flex'): its plan() "
-                                               "and run() read the batch on the host")
+    assert graph_problem("flex", "decode") == ("graph=: CUDA-graph mode needs backend 'fa3' or 'fa2' (got 'flex'): "
+                                               "its plan() and run() read the batch on the host")
     assert graph_problem("fa2", "ragged") == ("graph=: CUDA-graph mode is for kind 'prefill' and 'decode' (got "
                                               "'ragged'); ragged wrappers allocate their metadata per plan()")
 
@@ -167,10 +170,11 @@ def plain_rules(backend: str, kind: str, dims: tuple[int, int], dtypes: tuple[st
     q, kv, o = dtypes
     sixteen = ("bf16", "fp16")
     equal = dims in ((64, 64), (128, 128), (256, 256))
-    if backend == "fa3":
-        return kind == "prefill" and equal and q in sixteen and kv == q and o == q and arch == "9.0a"
+    dims_ok = equal or (kind == "ragged" and dims == (192, 128))  # 192/128: MLA ragged prefill only
+    if backend == "fa3":  # every kind (decode on its prefill module), graph mode for paged kinds
+        return (dims_ok and q in sixteen and kv == q and o == q and arch == "9.0a"
+                and (not graph or kind in ("prefill", "decode")))
     if backend == "fa2":
-        dims_ok = equal or (kind == "ragged" and dims == (192, 128))
         arch_ok = arch is not None and int(arch.split(".")[0]) >= 8
         return (dims_ok and q in sixteen and kv in (*sixteen, "fp8_e4m3", "fp8_e5m2") and o in sixteen and arch_ok
                 and (not graph or kind in ("prefill", "decode")))
@@ -220,8 +224,9 @@ def test_every_decision_follows_the_rules():
             assert named == [b for b in considered if b != r.backend], (label, named)
             if r.backend in ("fa2", "fa3"):
                 c = r.config
+                module_kind = "prefill" if (r.backend, kind) == ("fa3", "decode") else kind  # fa3 decode: prefill
                 assert (c.backend, c.kind, c.arch, c.head_dim_qk, c.head_dim_vo) == (
-                    r.backend, kind, arch, *dims), label
+                    r.backend, module_kind, arch, *dims), label
                 assert (c.q_dtype, c.kv_dtype, c.o_dtype) == dtypes and c.mask_modes == ("none", "causal", "custom")
             else:
                 assert r.config is None, label
@@ -232,10 +237,52 @@ def test_every_decision_follows_the_rules():
 
 
 def test_tensor_core_decode_resolves_to_a_prefill_module():
-    request = Request.of(MM, kind="decode", head_dim_qk=128, q_dtype="bf16", tensor_cores=True)
+    for tensor_cores in (True, False):  # fa3's decode is its prefill module either way
+        request = Request.of(MM, kind="decode", head_dim_qk=128, q_dtype="bf16", tensor_cores=tensor_cores)
+        r = resolve(request, Site(arch="9.0a"))
+        assert r.backend == "fa3" and r.config.kind == "prefill" and r.config.backend == "fa3"
+        assert request.module_kind("fa3") == "prefill" and request.module_kind("flex") == (
+            "prefill" if tensor_cores else "decode")
+    r = resolve(Request.of(MM, kind="decode", head_dim_qk=128, q_dtype="bf16", tensor_cores=True), Site(arch="8.0"))
+    assert r.backend == "fa2" and r.config.kind == "prefill"
+    r = resolve(Request.of(MM, kind="decode", head_dim_qk=128, q_dtype="bf16"), Site(arch="8.0"))
+    assert r.backend == "fa2" and r.config.kind == "decode"  # CUDA cores where fa3 cannot run
+    r = resolve(Request.of(MM, kind="decode", head_dim_qk=96, q_dtype="bf16", backend="fa3"), Site(arch="9.0a"))
+    assert r.reason == ("head_dim_qk=96, head_dim_vo=96: fa3 prefill modules support head dims 64, 128, 256 (qk/vo "
+                        "where they differ) (its decode runs the prefill module)")
+
+
+@pytest.mark.parametrize("kind, dims, module_kind", [
+    ("ragged", (128, 128), "ragged"), ("ragged", (192, 128), "ragged"), ("decode", (128, 128), "prefill"),
+    ("decode", (64, 64), "prefill")])
+def test_fa3_serves_ragged_and_decode_on_sm90(kind, dims, module_kind):
+    """backend=None on sm90: fa3's ragged module (MLA's 192/128 too) and, for decode, its paged
+    prefill module; fa2's own module of the kind elsewhere."""
+    request = Request.of(MM, kind=kind, head_dim_qk=dims[0], head_dim_vo=dims[1], q_dtype="bf16")
     r = resolve(request, Site(arch="9.0a"))
-    assert r.backend == "fa2" and r.config.kind == "prefill"  # fa3 serves no decode, even through prefill
-    assert dict(r.rejected)["fa3"] == "kind='decode': backend 'fa3' generates only ['prefill'] modules"
+    c = r.config
+    assert r.backend == "fa3" and (c.backend, c.kind, c.head_dim_qk, c.head_dim_vo) == ("fa3", module_kind, *dims)
+    assert c.uri_prefix.startswith(f"vg_mm_prefix_fa3_{module_kind}_") and dict(r.rejected)["fa2"] == "fa3 comes first"
+    old = resolve(request, Site(arch="8.0"))
+    assert old.backend == "fa2" and (old.config.backend, old.config.kind) == ("fa2", kind)
+    assert dict(old.rejected)["fa3"] == "arch=8.0: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a"
+    fp8 = Request.of(MM, kind=kind, head_dim_qk=dims[0], head_dim_vo=dims[1], q_dtype="bf16", kv_dtype="fp8_e4m3")
+    why = "kv_dtype=fp8_e4m3: fa3 variant modules need kv_dtype == q_dtype (bf16); use backend fa2 for an fp8 KV cache"
+    r = resolve(fp8, Site(arch="9.0a"))
+    assert r.backend == "fa2" and r.config.kind == kind and dict(r.rejected)["fa3"] == why
+    only = resolve(Request.of(MM, kind=kind, head_dim_qk=dims[0], head_dim_vo=dims[1], q_dtype="bf16",
+                              kv_dtype="fp8_e4m3", backend="fa3"), Site(arch="9.0a"))
+    assert not only and only.reason == why
+
+
+def test_graph_mode_decode_on_sm90_is_fa3():
+    r = resolve(Request.of(MM, kind="decode", head_dim_qk=128, q_dtype="bf16", graph=True), Site(arch="9.0a"))
+    assert r.backend == "fa3" and (r.config.backend, r.config.kind) == ("fa3", "prefill") and r.note == ""
+    r = resolve(Request.of(MM, kind="decode", head_dim_qk=128, q_dtype="bf16", graph=True), Site(arch="8.0"))
+    assert r.backend == "fa2" and r.config.kind == "decode"
+    r = resolve(Request.of(MM, kind="ragged", head_dim_qk=128, q_dtype="bf16", graph=True, backend="fa3"),
+                Site(arch="9.0a"))
+    assert not r and r.problem.startswith("graph=: CUDA-graph mode is for kind 'prefill' and 'decode' (got 'ragged')")
 
 
 def test_the_reasons_a_backend_is_not_chosen():
@@ -296,10 +343,13 @@ def test_jit_off_notes_name_what_is_missing_and_what_serves():
     ({}, "fa3"),
     ({"arch": "8.0"}, "fa2"),
     ({"arch": "10.0a"}, "fa2"),
-    ({"kind": "decode"}, "fa2"),
-    ({"kind": "ragged"}, "fa2"),
+    ({"kind": "decode"}, "fa3"),
+    ({"kind": "ragged"}, "fa3"),
     ({"kv_dtype": "fp8_e4m3"}, "fa2"),
-    ({"head_dim_qk": 192, "head_dim_vo": 128, "kind": "ragged"}, "fa2"),
+    ({"head_dim_qk": 192, "head_dim_vo": 128, "kind": "ragged"}, "fa3"),
+    ({"kind": "decode", "kv_dtype": "fp8_e4m3"}, "fa2"),
+    ({"kind": "ragged", "arch": "8.0"}, "fa2"),
+    ({"head_dim_qk": 192, "head_dim_vo": 128, "kind": "ragged", "kv_dtype": "fp8_e5m2"}, "fa2"),
     ({"o_dtype": "fp16"}, "fa2"),
     ({"q_dtype": "fp16", "kv_dtype": "fp16", "o_dtype": "fp16", "head_dim_qk": 64, "head_dim_vo": 64}, "fa3"),
 ])
@@ -435,6 +485,8 @@ AGREEMENT = [  # (capability, kind, head dims, q / kv dtypes, graph)
     ((9, 0), "prefill", (64, 64), ("fp16", "fp16"), True),
     ((9, 0), "ragged", (192, 128), ("bf16", "bf16"), False),
     ((9, 0), "decode", (128, 128), ("fp16", "fp8_e5m2"), False),
+    ((9, 0), "decode", (128, 128), ("bf16", "bf16"), True),  # fa3: its prefill module, in graph mode
+    ((9, 0), "ragged", (64, 64), ("fp16", "fp16"), False),
     ((8, 6), "prefill", (256, 256), ("bf16", "bf16"), False),
     ((8, 0), "decode", (64, 64), ("bf16", "bf16"), True),
 ]
@@ -505,15 +557,21 @@ def test_a_route_is_installed_only_inside_this_package(tmp_path, monkeypatch):
 
 def test_probe_takes_tensor_core_decode_as_make_wrapper_does(tmp_path):
     """probe(kind="decode", use_tensor_cores=True) answers for the module make_wrapper then loads
-    (the fa2 prefill module, one query per request), and refuses the flag for another kind."""
+    (the fa2 prefill module, one query per request; on sm90 fa3's prefill module, with or without
+    the flag), and refuses the flag for another kind."""
     spec = variantgen.resolve_spec("mm_prefix")
     probe.cache_clear()
     r = probe(spec, kind="decode", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", use_tensor_cores=True,
-              runtime=False, arch="9.0a", cache_dir=tmp_path)
+              runtime=False, arch="8.0", cache_dir=tmp_path)
     assert not r and r.details["backend"] == "fa2"
-    assert "vg_mm_prefix_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a_" in r.reason  # the prefill module
-    plain = probe(spec, kind="decode", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", runtime=False, arch="9.0a",
+    assert "vg_mm_prefix_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm80_" in r.reason  # the prefill module
+    plain = probe(spec, kind="decode", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", runtime=False, arch="8.0",
                   cache_dir=tmp_path)
     assert "vg_mm_prefix_fa2_decode_" in plain.reason
+    for tensor_cores in (True, False):
+        r = probe(spec, kind="decode", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", use_tensor_cores=tensor_cores,
+                  runtime=False, arch="9.0a", cache_dir=tmp_path)
+        assert not r and r.details["backend"] == "fa3"
+        assert "vg_mm_prefix_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a_" in r.reason, r.reason
     r = probe(spec, kind="prefill", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", use_tensor_cores=True)
     assert not r and r.reason == "use_tensor_cores=True: only for kind='decode' (got kind='prefill')"

@@ -242,13 +242,21 @@ def test_precompile_backends_and_kinds(fake_builds, tmp_path):
         "vg_mm_prefix_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a",
         "vg_mm_prefix_fa2_ragged_qbf16_kvbf16_obf16_hd128x128_sm90a",
         "vg_mm_prefix_fa2_ragged_qbf16_kvbf16_obf16_hd192x128_sm90a",
-        "vg_mm_prefix_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a",
+        "vg_mm_prefix_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a",  # fa3 prefill and fa3 decode's module
+        "vg_mm_prefix_fa3_ragged_qbf16_kvbf16_obf16_hd128x128_sm90a",
+        "vg_mm_prefix_fa3_ragged_qbf16_kvbf16_obf16_hd192x128_sm90a",
         "vg_mm_prefix_planner_sm90a",  # plan()'s row kernel: one per spec and arch with prefill modules
     ]
     skips = [line for line in r.stdout.splitlines() if line.startswith("skip  ")]
     assert any("hd=192/128" in s and "backend=fa2 kind=prefill" in s for s in skips)
-    assert any("backend=fa3 kind=decode" in s and "generates only ['prefill']" in s for s in skips)
+    assert any("hd=192/128" in s and "backend=fa3 kind=decode" in s and "fa3 prefill modules support head dims" in s
+               and "(its decode runs the prefill module)" in s for s in skips)
+    assert not any("hd=128 " in s for s in skips)  # every kind of both backends builds at 128
     assert not calls
+    decode = run("precompile", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--backend", "fa3",
+                 "--kind", "decode", "--dry-run")
+    assert decode.exit_code == 0 and [line for line in decode.stdout.splitlines() if line.startswith("vg_")] == [
+        "vg_mm_prefix_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a", "vg_mm_prefix_planner_sm90a"], decode.output
     bad = run("precompile", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--kind", "append")
     assert bad.exit_code == 2 and "append: expected one of prefill, ragged, decode" in bad.output
     bad = run("precompile", MM, "--head-dim", "192x128", "--dtype", "bf16", "--arch", "9.0a")
@@ -427,7 +435,8 @@ def test_probe_reports_per_backend_and_kind():
     answers = {(a["backend"], a["kind"]): a for a in json.loads(r.stdout)}
     assert set(answers) == {("fa2", "prefill"), ("fa3", "prefill"), ("fa2", "decode"), ("fa3", "decode")}
     assert "fa2 prefill modules support head dims 64, 128, 256" in answers["fa2", "prefill"]["reason"]
-    assert "backend 'fa3' generates only ['prefill'] modules" in answers["fa3", "decode"]["reason"]
+    assert "fa3 prefill modules support head dims 64, 128, 256 (qk/vo where they differ) (its decode runs the " \
+           "prefill module)" in answers["fa3", "decode"]["reason"]
     assert not any(a["ok"] for a in answers.values())
 
 

@@ -19,7 +19,7 @@ import jinja2
 import pytest
 import torch
 from _fake_decode import FakeDecodeModule
-from _fake_kernel import FakeModule, FakeRowPlanner, assert_matches_reference
+from _fake_kernel import FakeFa3Module, FakeModule, FakeRowPlanner, assert_matches_reference
 from conftest import ALL_SPECS, SPEC_FILES, SPECS_DIR
 from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
@@ -57,14 +57,16 @@ def shipped(name: str) -> variantgen.VariantSpec:
 
 
 def make(spec, *, tensor_cores: bool = False, kv_layout: str = "NHD", kv_dtype: str = "bf16",
-         hq: int = HQ, hkv: int = HKV):
+         hq: int = HQ, hkv: int = HKV, backend: str = "fa2"):
     """A DecodeWrapper on a fake module: decode (CUDA cores) or prefill (tensor cores, with the
-    fake planner module, as make_wrapper sets the spec's on CUDA)."""
-    config = ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", kv_dtype, "bf16", "9.0a",
+    fake planner module, as make_wrapper sets the spec's on CUDA); backend "fa3": its prefill
+    module (fa3's decode is always on tensor cores)."""
+    tensor_cores = tensor_cores or backend == "fa3"
+    config = ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", kv_dtype, "bf16", "9.0a", backend,
                           kind="prefill" if tensor_cores else "decode")
     manifest = {"scalar_args": [a.name for a in kernel_args(spec)[1]],
                 "module_sha256": "x", "module_file": "x.so"}
-    fake = FakeModule(spec) if tensor_cores else FakeDecodeModule(spec)
+    fake = (FakeFa3Module if backend == "fa3" else FakeModule if tensor_cores else FakeDecodeModule)(spec)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
     w = DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), kv_layout)
@@ -73,8 +75,9 @@ def make(spec, *, tensor_cores: bool = False, kv_layout: str = "NHD", kv_dtype: 
     return w, fake
 
 
-def decode_batch(kv_lens, page_size, seed=0, kv_dtype=None, hq=HQ, hkv=HKV):
-    return random_paged_batch([1] * len(kv_lens), kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM,
+def decode_batch(kv_lens, page_size, seed=0, kv_dtype=None, hq=HQ, hkv=HKV, q_len=1):
+    """One query per request (``q_len`` > 1: multi-token decode, the last q_len tokens)."""
+    return random_paged_batch([q_len] * len(kv_lens), kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM,
                               page_size=page_size, seed=seed, kv_dtype=kv_dtype)
 
 
@@ -90,21 +93,24 @@ def cache_of(batch, kv_layout):
 
 
 def check(spec, batch, args, *, skip_tiles=None, tensor_cores=False, kv_layout="NHD", scales=None, label="",
-          plan_extra=None):
-    """Plan + run through the fake module and compare with the reference; returns (wrapper, fake, out, lse)."""
-    w, fake = make(spec, tensor_cores=tensor_cores, kv_layout=kv_layout)
+          plan_extra=None, backend="fa2"):
+    """Plan + run through the fake module and compare with the reference; returns (wrapper, fake, out, lse).
+    A batch of decode_batch(q_len=T > 1) is planned with q_len_per_request=T."""
+    w, fake = make(spec, tensor_cores=tensor_cores, kv_layout=kv_layout, backend=backend)
     plan_kw = dict(plan_extra if plan_extra is not None else args)
     if skip_tiles is not None:
         plan_kw["skip_tiles"] = skip_tiles
     if skip_tiles is False:
         plan_kw = {"skip_tiles": False}
+    n, per = len(batch.kv_lens), batch.qo_lens[0]
+    if per > 1:
+        plan_kw["q_len_per_request"] = per
     w.plan(*plan_args(batch), **plan_kw)
-    n = len(batch.kv_lens)
-    out = torch.full((n, batch.num_qo_heads, HEAD_DIM), math.nan, dtype=torch.bfloat16)
+    out = torch.full((n * per, batch.num_qo_heads, HEAD_DIM), math.nan, dtype=torch.bfloat16)
     scales = scales or {}
     got, lse = w.run(batch.q, cache_of(batch, kv_layout), out=out, return_lse=True, **scales, **args)
     assert got is out
-    qo_indptr = torch.arange(n + 1, dtype=torch.int32)
+    qo_indptr = torch.arange(0, per * (n + 1), per, dtype=torch.int32)  # the last `per` tokens of each request
     ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), qo_indptr, batch.kv_indptr,
                                        batch.kv_indices, batch.last_page_len, args, return_lse=True, **scales)
     assert_matches_reference(out, lse, ref, ref_lse, label, unit="requests")
@@ -256,6 +262,84 @@ def test_tensor_core_path_matches_reference(spec_name):
         if skip is False:
             assert plan.planner == "off" and [c.mask_mode for c in fake.run_calls] == ["custom"]
         assert sum(c.rows for c in fake.run_calls) == len(KV_LENS)
+
+
+# kv_len >= 4 everywhere (multi-token decode's queries are the last T tokens)
+MULTI_KV_LENS = [4, 5, 16, 17, 90, 130, 41]
+
+
+@pytest.mark.parametrize("q_len", [1, 4])
+@pytest.mark.parametrize("spec_name", ["mm_prefix", "causal", "attention_sink_learned"])
+def test_fa3_decode_runs_its_prefill_module(spec_name, q_len):
+    """fa3's decode: DecodeWrapper on the fa3 prefill module (always tensor cores), one query per
+    request or the last q_len_per_request tokens; the planner off and on."""
+    spec = shipped(spec_name)
+    batch = decode_batch(MULTI_KV_LENS, 4, seed=12, q_len=q_len)
+    args = random_spec_args(spec, batch, seed=12)
+    args.update(SMALL_SCALARS.get(spec_name, {}))
+    for skip in (False, None):
+        w, fake, _, _ = check(spec, batch, args, skip_tiles=skip, backend="fa3", label=f"fa3 {spec_name} T={q_len}")
+        assert w.use_tensor_cores and w.config.backend == "fa3" and isinstance(fake, FakeFa3Module)
+        plan = w.last_plan
+        assert plan.batch.qo_lens == (q_len,) * len(MULTI_KV_LENS) and plan.batch.total_q == q_len * len(MULTI_KV_LENS)
+        assert sum(c.rows for c in fake.run_calls) == q_len * len(MULTI_KV_LENS)
+
+
+@pytest.mark.parametrize("spec_name", ["mm_prefix", "sliding_window"])
+def test_fa2_tensor_core_multi_token_decode(spec_name):
+    spec = shipped(spec_name)
+    batch = decode_batch(MULTI_KV_LENS, 4, seed=13, q_len=3)
+    args = random_spec_args(spec, batch, seed=13)
+    args.update(SMALL_SCALARS.get(spec_name, {}))
+    for skip in (False, None):
+        w, fake, _, _ = check(spec, batch, args, skip_tiles=skip, tensor_cores=True, label=f"fa2 {spec_name} T=3")
+        assert isinstance(fake, FakeModule) and w.last_plan.batch.qo_lens == (3,) * len(MULTI_KV_LENS)
+        if skip is False:  # planner off: one launch request per request, its 3 rows
+            assert [la.rows for la in w.last_plan.launch_requests] == [
+                (3 * r, 3 * r + 3) for r in range(len(MULTI_KV_LENS))]
+
+
+@pytest.mark.parametrize("value", [0, -2, True, 2.0, "2", None])
+@pytest.mark.parametrize("backend, tensor_cores", [("fa2", False), ("fa2", True), ("fa3", True)])
+def test_q_len_per_request_must_be_a_whole_number(value, backend, tensor_cores):
+    spec = shipped("causal")
+    batch = decode_batch([5, 17, 1], 4, seed=1)
+    w, fake = make(spec, backend=backend, tensor_cores=tensor_cores)
+    with pytest.raises(LaunchError, match=exact(f"plan(): q_len_per_request={value!r}: expected a whole number >= 1")):
+        w.plan(*plan_args(batch), q_len_per_request=value)
+    assert fake.plan_calls == [] and getattr(fake, "direct_calls", 0) == 0
+
+
+def test_multi_token_decode_needs_tensor_cores():
+    spec = shipped("causal")
+    batch = decode_batch([5, 17, 3], 4, seed=1, q_len=2)
+    w, fake = make(spec)
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): q_len_per_request=2: multi-token decode runs on the prefill kernel; make the wrapper with "
+            "use_tensor_cores=True (or backend='fa3' on sm90)")):
+        w.plan(*plan_args(batch), q_len_per_request=2)
+    assert fake.plan_calls == []
+    w.plan(*plan_args(batch), q_len_per_request=1)  # one query per request is every path's
+    assert len(fake.plan_calls) == 1
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_multi_token_decode_checks_the_batch(backend):
+    spec = shipped("causal")
+    w, _ = make(spec, backend=backend, tensor_cores=True)
+    short = decode_batch([5, 17, 3, 1], 4, seed=1)
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): request 2 has kv_len 3 < q_len_per_request=4 (its queries are its last q_len_per_request "
+            "tokens)")):
+        w.plan(*plan_args(short), q_len_per_request=4)
+    batch = decode_batch([5, 17, 4], 4, seed=1, q_len=4)
+    w.plan(*plan_args(batch), q_len_per_request=4)
+    kv = (batch.k_cache, batch.v_cache)
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `q`: expected shape [batch * q_len_per_request=3 * 4, num_qo_heads=8, head_dim=64] (4 queries "
+            "per request), got [3, 8, 64]")):
+        w.run(batch.q[::4].contiguous(), kv)
+    assert w.run(batch.q, kv).shape == (12, HQ, HEAD_DIM)
 
 
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
@@ -434,11 +518,18 @@ def test_make_wrapper_builds_the_right_module(monkeypatch):
     w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="fp8_e4m3",
                                 kind="decode", arch="9.0a", kv_layout="HND")
     assert isinstance(w, DecodeWrapper) and not w.use_tensor_cores and w.kv_layout == "HND"
-    assert built[-1].kind == "decode" and built[-1].kv_dtype == "fp8_e4m3"
-    w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=64, q_dtype=torch.float16,
-                                kv_dtype=torch.float16, kind="decode", arch="9.0a", use_tensor_cores=True)
-    assert isinstance(w, DecodeWrapper) and w.use_tensor_cores
-    assert built[-1].kind == "prefill" and built[-1].head_dim_qk == 64
+    assert (built[-1].backend, built[-1].kind, built[-1].kv_dtype) == ("fa2", "decode", "fp8_e4m3")  # no fp8 on fa3
+    for tensor_cores in (True, False):  # sm90, 16-bit KV: fa3's prefill module either way
+        w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=64, q_dtype=torch.float16,
+                                    kv_dtype=torch.float16, kind="decode", arch="9.0a", use_tensor_cores=tensor_cores)
+        assert isinstance(w, DecodeWrapper) and w.use_tensor_cores
+        assert (built[-1].backend, built[-1].kind, built[-1].head_dim_qk) == ("fa3", "prefill", 64)
+    w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=64, q_dtype="fp16", kv_dtype="fp16", kind="decode",
+                                arch="8.0", use_tensor_cores=True)
+    assert w.use_tensor_cores and (built[-1].backend, built[-1].kind) == ("fa2", "prefill")
+    w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=64, q_dtype="fp16", kv_dtype="fp16", kind="decode",
+                                arch="8.0")
+    assert not w.use_tensor_cores and (built[-1].backend, built[-1].kind) == ("fa2", "decode")
 
 
 def test_wrapper_refuses_other_module_kinds():

@@ -46,17 +46,23 @@ def test_serving_engine_on_cpu(tmp_path):
             assert f"group {group} {kind}: falling back to the flex route (FlexAttention on cpu" in out
     assert "fa2: no CUDA device visible" in out
     assert "kv_dtype=fp8_e4m3: fa3 variant modules need kv_dtype == q_dtype (bf16)" in out  # the local group
-    assert "kind='decode': backend 'fa3' generates only ['prefill'] modules" in out
+    # fa3 serves decode (on its prefill module): demoted for want of a GPU, or for the odd group's head dim
+    assert "group global (head 128, kv bf16, page 16) decode: FlashInfer module demoted: fa3: no CUDA device " \
+           "visible" in out
+    assert "group odd (head 80, kv bf16, page 16) decode: FlashInfer module demoted: fa3: head_dim_qk=80, " \
+           "head_dim_vo=80: fa3 prefill modules support head dims 64, 128, 256 (qk/vo where they differ) (its decode " \
+           "runs the prefill module)" in out
     assert "group odd (head 80, kv bf16, page 16) prefill: FlashInfer module demoted: fa3: head_dim_qk=80" in out
     assert "advertising" not in out
     assert "probe mm_prefix (flex route): ok" in out  # the probe's log names the spec for a module-less route
     # CUDA graphs: skipped with the probe's reason for the flex route.
-    assert out.count("decode: CUDA graphs off: cuda_graph=True: CUDA-graph mode needs backend 'fa2' (got 'flex')") == 3
+    assert out.count("decode: CUDA graphs off: cuda_graph=True: CUDA-graph mode needs backend 'fa3' or 'fa2' (got "
+                     "'flex')") == 3
     assert "captured" not in out
     # The summary: routes per group, and the reference checks (prefill + 3 decode steps, 3 groups).
     lines = proc.stdout.splitlines()
     assert "group global layers [2, 5]: prefill flex, decode flex, CUDA graphs off (cuda_graph=True: " \
-           "CUDA-graph mode needs backend 'fa2' (got 'flex')" in proc.stdout
+           "CUDA-graph mode needs backend 'fa3' or 'fa2' (got 'flex')" in proc.stdout
     checks = [line for line in lines if line.startswith("reference check ")]
     assert len(checks) == 12 and all(line.endswith(" ok") for line in checks), checks
     assert any(line.startswith("reference check prefill       group local  layer 0 (flex)") for line in checks)

@@ -346,6 +346,42 @@ def test_decode_trimming_gathers_only_the_window():
     assert_close(out, ref, torch.float16, "window")
 
 
+@pytest.mark.parametrize("spec_name", ["causal", "mm_prefix", "sliding_window", "attention_sink_learned"])
+def test_multi_token_decode_matches_reference(spec_name):
+    """q_len_per_request=3: the last 3 tokens of every request are its queries (rows 3b .. 3b+2);
+    a later one-query plan is plain decode again."""
+    spec = shipped(spec_name)
+    kv_lens = [3, 16, 17, 90, 41]
+    batch = random_paged_batch([3] * len(kv_lens), kv_lens, num_qo_heads=8, num_kv_heads=2, head_dim=HEAD_DIM,
+                               page_size=16, dtype=torch.bfloat16, seed=5)
+    args = spec_args(spec, batch)
+    w = variantgen.make_wrapper(spec, torch.empty(1, dtype=torch.uint8), head_dim_qk=HEAD_DIM, q_dtype="bf16",
+                                kv_dtype="bf16", backend="flex", kind="decode")
+    assert isinstance(w, FlexDecodeWrapper)
+    kv = (batch.k_cache, batch.v_cache)
+    w.plan(*batch.plan_args()[1:], q_len_per_request=3, **args)
+    out, lse = w.run(batch.q, kv, return_lse=True, **args)
+    assert out.shape == (15, 8, HEAD_DIM) and batch.qo_indptr.tolist() == list(range(0, 18, 3))
+    ref, ref_lse = paged_reference(spec, batch, args)
+    assert_close(out, ref, torch.bfloat16, spec_name)
+    assert_lse_matches(lse, ref_lse, spec_name)
+    with pytest.raises(LaunchError, match=exact("plan(): request 0 has kv_len 3 < q_len_per_request=4 (its queries "
+                                                "are its last q_len_per_request tokens)")):
+        w.plan(*batch.plan_args()[1:], q_len_per_request=4)
+    with pytest.raises(LaunchError, match=exact("plan(): q_len_per_request=0: expected a whole number >= 1")):
+        w.plan(*batch.plan_args()[1:], q_len_per_request=0)
+    last = batch.q[2::3].contiguous()  # each request's last token alone
+    one_args = random_spec_args(spec, random_paged_batch([1] * len(kv_lens), kv_lens, num_qo_heads=8,
+                                                         num_kv_heads=2, head_dim=HEAD_DIM, page_size=16))
+    one_args.update(SMALL_SCALARS.get(spec_name, {}))
+    w.plan(*batch.plan_args()[1:], **one_args)
+    one = w.run(last, kv, **one_args)
+    ref_one = reference_attention(spec, last, kv, torch.arange(len(kv_lens) + 1, dtype=torch.int32), batch.kv_indptr,
+                                  batch.kv_indices, batch.last_page_len, one_args)
+    assert one.shape == (5, 8, HEAD_DIM)
+    assert_close(one, ref_one, torch.bfloat16, f"{spec_name} after multi-token")
+
+
 # ----------------------------------------------------------------------------- the shared checks
 
 

@@ -75,17 +75,21 @@ def test_targets_cover_every_backend_and_kind():
         modules = fuzz_gpu.modules_of(t)
         want = {s for s in fuzz_gpu.SPECS if (t.backend, t.module_kind) in fuzz_gpu.SOME_KINDS.get(
             s, {(t.backend, t.module_kind)})}
-        assert {m.spec for m in modules} == want, f"{t.name}: every shipped spec (SOME_KINDS: where listed)"
+        want = fuzz_gpu.SAMPLED.get((t.backend, t.module_kind), want)
+        assert {m.spec for m in modules} == want, f"{t.name}: every shipped spec (SOME_KINDS: where listed; SAMPLED)"
         for m in modules:
             render.ModuleConfig(fz.shipped_spec(m.spec), m.head_dim_qk, m.head_dim_vo, m.q_dtype, m.kv_dtype,
                                 m.q_dtype, "9.0a", t.backend, kind=t.module_kind)  # raises if invalid
     assert {t.name for t in TARGETS if t.graph} == {"fa2/prefill-graph", "fa3/prefill-graph", "fa2/decode-graph",
-                                                   "fa2/decode-tc-graph"}
+                                                   "fa2/decode-tc-graph", "fa3/decode-graph"}
+    # fa3's decode targets run its prefill modules (no fa3 decode module), always on tensor cores
+    assert {(t.name, t.module_kind, t.tensor_cores) for t in TARGETS if t.backend == "fa3" and t.kind == "decode"} == {
+        ("fa3/decode", "prefill", True), ("fa3/decode-graph", "prefill", True)}
 
 
 def test_list_modules_commands_are_the_matrix(capsys):
     """The printed precompile commands expand (dry run) to exactly the matrix plus the planner
-    modules, under the ~64 modules a build box precompiles for the fuzzer; every kind gets head
+    modules, under the ~72 modules a build box precompiles for the fuzzer; every kind gets head
     dims 64, 128 and 256."""
     assert fuzz_gpu.main(["--list-modules"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python -m variantgen.cli")]
@@ -98,10 +102,10 @@ def test_list_modules_commands_are_the_matrix(capsys):
     matrix = {(b, k, m) for (b, k), ms in fuzz_gpu.MODULES.items() for m in ms}
     kernels = [u for u in uris if not u.endswith("_planner_sm90a")]
     planners = set(uris) - set(kernels)  # each command adds its specs' planner modules (built once)
-    assert len(kernels) == len(set(kernels)) == len(matrix) == 53
+    assert len(kernels) == len(set(kernels)) == len(matrix) == 61
     assert planners == {f"vg_{m.spec}_planner_sm90a" for (_, kind), ms in fuzz_gpu.MODULES.items() for m in ms
                         if kind == "prefill"}
-    assert len(set(uris)) <= 64
+    assert len(set(uris)) <= 72
     for (backend, kind), ms in fuzz_gpu.MODULES.items():
         assert {64, 128, 256} <= {m.head_dim_qk for m in ms}, (backend, kind)
     assert fuzz_gpu.main(["--list-modules", "table"]) == 0
@@ -174,8 +178,9 @@ def test_shrink_candidates_are_valid_and_smaller():
                 n = len(b.qo_lens)
                 assert n >= 1 and len(b.kv_lens) == n and sum(b.qo_lens) >= 1
                 assert all(0 <= q <= k for q, k in zip(b.qo_lens, b.kv_lens))
-                if target.kind == "decode":
-                    assert set(b.qo_lens) == {1} and min(b.kv_lens) >= 1
+                if target.kind == "decode":  # the same query count T per request (T > 1: tensor cores only)
+                    (q_len,) = set(b.qo_lens)
+                    assert q_len >= 1 and min(b.kv_lens) >= q_len and (q_len == 1 or target.tensor_cores)
                 for _, arg in b.tensors:
                     per = {fz.Ranges: lambda a: (a.spans, a.rows), fz.DocRuns: lambda a: (a.runs,),
                            fz.PerRequest: lambda a: (a.values,)}.get(type(arg))

@@ -212,7 +212,10 @@ def test_version_comparison():
     (dict(head_dim_qk=192, head_dim_vo=128, kind="ragged", arch="7.5"), "fa2 needs sm80 or newer"),
     (dict(backend="fa3", arch="8.6"), "arch=8.6: fa3 modules run on sm90 (Hopper) only"),
     (dict(backend="fa3", kv_dtype="fp8_e4m3"), "fa3 variant modules need kv_dtype == q_dtype"),
-    (dict(backend="fa3", kind="decode"), "backend 'fa3' generates only ['prefill'] modules"),
+    (dict(backend="fa3", kind="decode", head_dim_qk=96), "fa3 prefill modules support head dims 64, 128, 256 (qk/vo "
+                                                          "where they differ) (its decode runs the prefill module)"),
+    (dict(backend="fa3", kind="ragged", kv_dtype="fp8_e4m3"), "fa3 variant modules need kv_dtype == q_dtype"),
+    (dict(backend="fa3", kind="decode", head_dim_qk=192, head_dim_vo=128), "fa3 prefill modules support head dims"),
     (dict(kind="append"), "kind='append': expected one of ['prefill', 'ragged', 'decode']"),
     (dict(backend="cudnn"), "backend='cudnn'"),
     (dict(q_dtype="fp32"), "q_dtype=fp32: fa2 modules take bf16, fp16"),
@@ -607,12 +610,20 @@ def test_results_are_memoized_per_argument_combination(fake_build, monkeypatch):
     assert len(calls) == 4
 
 
-def test_default_backend_is_what_make_wrapper_picks(fake_build):
+def test_default_backend_is_what_make_wrapper_picks(fake_build, monkeypatch):
     """backend=None: the probe answers for the module make_wrapper would load on this GPU."""
     r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", arch="9.0a")
     assert r and r.details["backend"] == "fa3" and "_fa3_prefill_" in r.uri
     r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="fp8_e4m3", arch="9.0a")
     assert r and r.details["backend"] == "fa2"  # fa3 modules need a 16-bit KV cache
+    r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", kind="decode")
+    assert r and r.details["backend"] == "fa3" and "_fa3_prefill_" in r.uri  # fa3 decode: its prefill module
+    r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", kind="ragged")
+    assert r and r.details["backend"] == "fa3" and "_fa3_ragged_" in r.uri
+    r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="fp8_e4m3", kind="decode")
+    assert r and r.details["backend"] == "fa2" and "_fa2_decode_" in r.uri
+    _fake_gpu(monkeypatch, (8, 0))  # no fa3 on an A100: CUDA-core decode
+    probe_mod.cache_clear()  # (the memo takes the GPU as fixed for the process)
     r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", kind="decode")
     assert r and r.details["backend"] == "fa2" and "_fa2_decode_" in r.uri
 
@@ -625,19 +636,22 @@ def test_probe_backends_answers_per_backend_and_kind(fake_build):
         "installed here (variantgen.flex_wrapper is missing)" == out["flex", "ragged"].reason
     assert out["fa2", "ragged"].ok
     assert not out["fa2", "prefill"] and "fa2 prefill modules support head dims" in out["fa2", "prefill"].reason
-    assert not out["fa3", "ragged"] and "backend 'fa3' generates only ['prefill']" in out["fa3", "ragged"].reason
+    assert out["fa3", "ragged"].ok and "_fa3_ragged_qbf16_kvbf16_obf16_hd192x128_sm90a_" in out["fa3", "ragged"].uri
+    assert not out["fa3", "prefill"] and "fa3 prefill modules support head dims" in out["fa3", "prefill"].reason
 
 
 @pytest.mark.parametrize("spec_name", ["attention_sink_learned", "tree_verify", "gemma4_sliding"])
 def test_probe_backends_answer_for_the_new_masks(fake_build, spec_name):
     """The sinks, tree and Gemma 4 specs: every (backend, kind) gets an answer (the fake build
-    renders each module, so one whose templates broke would be a reason, not ok); fa3 generates
-    paged prefill only, and Gemma 4's global head dim 512 is refused with the supported list."""
+    renders each module, so one whose templates broke would be a reason, not ok); fa3 serves every
+    kind (its decode on its paged prefill module), and Gemma 4's global head dim 512 is refused with
+    the supported list."""
     out = variantgen.probe_backends(spec_name, kinds=("prefill", "ragged", "decode"), head_dim_qk=256,
                                     q_dtype="bf16", kv_dtype="bf16", arch="9.0a")
-    assert {key for key, r in out.items() if r.ok} == {("fa2", "prefill"), ("fa3", "prefill"), ("fa2", "ragged"),
-                                                       ("fa2", "decode")}, {k: r.reason for k, r in out.items()}
-    assert "backend 'fa3' generates only ['prefill']" in out["fa3", "decode"].reason
+    assert {key for key, r in out.items() if r.ok} == {(b, k) for b in ("fa2", "fa3") for k in (
+        "prefill", "ragged", "decode")}, {k: r.reason for k, r in out.items()}
+    assert "_fa3_prefill_" in out["fa3", "decode"].uri and out["fa3", "decode"].uri == out["fa3", "prefill"].uri
+    assert "_fa3_ragged_" in out["fa3", "ragged"].uri and "_fa2_decode_" in out["fa2", "decode"].uri
     wide = variantgen.probe(spec_name, head_dim_qk=512, q_dtype="bf16", kv_dtype="bf16", arch="9.0a")
     assert not wide and "support head dims 64, 128, 256" in wide.reason
 
@@ -737,9 +751,9 @@ def test_row_planner_status_is_reported_never_a_failure(clean, fake_build):
     assert r and "row_planner" not in r.details  # CUDA-core decode trims keys on the host, no planner module
 
 
-def test_cuda_graph_probe_follows_what_graph_mode_supports():
-    """cuda_graph=True answers for make_wrapper(graph=...): paged prefill (fa3 on sm90, as without
-    it) and decode."""
+def test_cuda_graph_probe_follows_what_graph_mode_supports(monkeypatch):
+    """cuda_graph=True answers for make_wrapper(graph=...): paged prefill and decode (fa3 on sm90,
+    as without it)."""
     base = dict(BASE, backend=None)  # what make_wrapper picks
     auto = probe(MM, **base, arch="9.0a", build=False)
     assert auto.details["backend"] == "fa3" and not auto.details["cuda_graph"]
@@ -753,7 +767,12 @@ def test_cuda_graph_probe_follows_what_graph_mode_supports():
     assert not r.ok and r.reason.startswith("cuda_graph=True: CUDA-graph mode is for kind 'prefill' and "
                                             "'decode' (got 'ragged')")
     r = probe(MM, **base, arch="9.0a", build=False, cuda_graph=True, kind="decode")
-    assert r.details["backend"] == "fa2" and "decode" in r.reason
+    assert r.details["backend"] == "fa3" and r.details["cuda_graph"]  # fa3 decode: its prefill module's graph mode
+    assert r.reason.startswith("building disabled (build=False) and module vg_mm_prefix_fa3_prefill")
+    _fake_gpu(monkeypatch, (8, 0))
+    r = probe(MM, **base, build=False, cuda_graph=True, kind="decode")
+    assert r.details["backend"] == "fa2" and r.reason.startswith("building disabled (build=False) and module "
+                                                                 "vg_mm_prefix_fa2_decode")
 
 
 # ----------------------------------------------------------------------------- backend=None with JIT off

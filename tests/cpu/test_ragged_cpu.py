@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _fake_kernel import FakeRaggedModule, assert_lse_matches
+from _fake_kernel import FakeFa3RaggedModule, FakeRaggedModule, assert_lse_matches
 from conftest import ALL_SPECS, SPECS_DIR
 from conftest import CPU_KV_LENS as KV_LENS
 from conftest import CPU_QO_LENS as QO_LENS
@@ -144,11 +144,11 @@ def test_head_dims_per_kind():
 
 
 def make(spec, qk=64, vo=None, *, kv_layout="NHD", mask_modes=("none", "causal", "custom"), kv_dtype="bf16",
-         workspace=None):
-    config = ragged_config(spec, qk, vo or qk, kv_dtype=kv_dtype, mask_modes=mask_modes)
+         workspace=None, backend="fa2"):
+    config = ragged_config(spec, qk, vo or qk, kv_dtype=kv_dtype, mask_modes=mask_modes, backend=backend)
     rendered = render.render_module(config)
     manifest = {"scalar_args": [a.name for a in rendered.scalar_args], "module_sha256": "x", "module_file": "x.so"}
-    fake = FakeRaggedModule(spec)
+    fake = {"fa2": FakeRaggedModule, "fa3": FakeFa3RaggedModule}[backend](spec)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
     ws = workspace if workspace is not None else torch.empty(1 << 20, dtype=torch.uint8)
@@ -160,8 +160,8 @@ def batch_of(qo_lens=QO_LENS, kv_lens=KV_LENS, qk=64, vo=None, seed=0, kv_layout
                                head_dim_vo=vo, seed=seed, kv_layout=kv_layout, **kw)
 
 
-def check(spec, batch, args, *, qk=64, vo=None, scales=None, kv_layout="NHD", label=""):
-    w, fake = make(spec, qk, vo, kv_layout=kv_layout)
+def check(spec, batch, args, *, qk=64, vo=None, scales=None, kv_layout="NHD", label="", backend="fa2"):
+    w, fake = make(spec, qk, vo, kv_layout=kv_layout, backend=backend)
     w.plan(*batch.plan_args())
     out = torch.full((batch.q.shape[0], HQ, vo or qk), math.nan, dtype=torch.bfloat16)
     scales = scales or {}
@@ -204,6 +204,58 @@ def test_mla_head_dims_192_128(spec_name):
     w, fake = check(spec, batch, args, qk=192, vo=128, label=spec_name)
     # the default softmax scale is 1/sqrt(head_dim_qk)
     assert fake.ragged_calls[0]["sm_scale"] == pytest.approx(1 / math.sqrt(192))
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("spec_name", ["causal", "mm_prefix", "attention_sink_learned"])
+def test_fa3_ragged_matches_reference(spec_name, kv_layout):
+    """fa3's ragged module (its plan writes the sm90 work list, ragged_run takes no indptrs):
+    GQA heads, both layouts, the LSE; the plan is causal only for the causal spec."""
+    spec = shipped(spec_name)
+    seed = len(spec_name) + (kv_layout == "HND")
+    batch = batch_of(seed=seed, kv_layout=kv_layout)
+    args = random_spec_args(spec, batch, seed=seed)
+    args.update(SMALL_SCALARS.get(spec_name, {}))
+    w, fake = check(spec, batch, args, kv_layout=kv_layout, backend="fa3", label=f"fa3 {spec_name} {kv_layout}")
+    assert isinstance(fake, FakeFa3RaggedModule) and HQ // HKV == 2
+    (plan,) = fake.plan_calls
+    assert plan == dict(qo_indptr=batch.qo_indptr.tolist(), kv_indptr=batch.kv_indptr.tolist(),
+                        causal=spec_name == "causal")
+    (call,) = fake.ragged_calls
+    assert call["mode"] == ("causal" if spec_name == "causal" else "custom") and call["lse"] is True
+    assert call["layout"] == {"NHD": 0, "HND": 1}[kv_layout]
+    assert w.plan_stats["launches"] == [(call["mode"], len(QO_LENS))]
+
+
+def test_fa3_ragged_mla_head_dims():
+    spec = shipped("mm_prefix")
+    batch = batch_of([3, 17, 1], [40, 17, 9], qk=192, vo=128, seed=2)
+    args = random_spec_args(spec, batch, seed=2)
+    _, fake = check(spec, batch, args, qk=192, vo=128, backend="fa3", label="fa3 192/128")
+    assert fake.ragged_calls[0]["sm_scale"] == pytest.approx(1 / math.sqrt(192))
+    assert ragged_config(spec, 192, 128, backend="fa3").uri_prefix.endswith(
+        "_fa3_ragged_qbf16_kvbf16_obf16_hd192x128_sm90a")
+    with pytest.raises(ValueError, match=r"kv_dtype=fp8_e4m3: fa3 variant modules need kv_dtype == q_dtype"):
+        ragged_config(spec, 192, 128, backend="fa3", kv_dtype="fp8_e4m3")
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_plan_waits_for_the_last_copies_before_the_module_plans(backend, monkeypatch):
+    """The module's plan rewrites the page-locked mirror its previous copy into the int
+    workspace may still read (queued behind busy kernels): staging.begin(), which waits for the
+    last plan's copies, comes first; the mirror's copy is then marked and recorded."""
+    w, fake = make(shipped("causal"), backend=backend)
+    events = []
+    for name in ("begin", "queued", "record"):
+        real = getattr(w._staging, name)
+        monkeypatch.setattr(w._staging, name, lambda real=real, name=name: events.append(name) or real())
+    real_plan = fake.plan
+    monkeypatch.setattr(fake, "plan", lambda *a: events.append("plan") or real_plan(*a))
+    batch = batch_of([4, 2], [4, 9])
+    for _ in range(2):
+        w.plan(*batch.plan_args())
+        w.run(batch.q, batch.k, batch.v)
+    assert events == ["begin", "plan", "queued", "record"] * 2
 
 
 @pytest.mark.parametrize("spec_name", ["causal", "alibi", "softcap"])
@@ -310,7 +362,10 @@ def test_plan_takes_spec_arguments_and_checks_them():
         w.run(batch.q, batch.k, batch.v, **args)
 
 
-def test_make_wrapper_builds_a_ragged_module(monkeypatch):
+@pytest.mark.parametrize("arch, backend, fake_class", [("9.0a", "fa3", FakeFa3RaggedModule),
+                                                       ("8.0", "fa2", FakeRaggedModule)])
+def test_make_wrapper_builds_a_ragged_module(monkeypatch, arch, backend, fake_class):
+    """backend=None: fa3's ragged module on sm90 (192/128 included), fa2's elsewhere."""
     built = []
 
     def fake_build(config, cache, **kw):
@@ -320,16 +375,17 @@ def test_make_wrapper_builds_a_ragged_module(monkeypatch):
                            seconds=0.0)
 
     monkeypatch.setattr(build_mod, "build_module", fake_build)
-    monkeypatch.setattr(build_mod, "load_module", lambda entry: FakeRaggedModule(shipped("causal")))
+    monkeypatch.setattr(build_mod, "load_module", lambda entry: fake_class(shipped("causal")))
     w = variantgen.make_wrapper(shipped("causal"), torch.empty(1 << 20, dtype=torch.uint8), head_dim_qk=192,
-                                head_dim_vo=128, q_dtype=torch.bfloat16, kv_dtype="bf16", kind="ragged", arch="9.0a")
-    assert isinstance(w, RaggedWrapper)
+                                head_dim_vo=128, q_dtype=torch.bfloat16, kv_dtype="bf16", kind="ragged", arch=arch)
+    assert isinstance(w, RaggedWrapper) and isinstance(w.module, fake_class)
     (config,) = built
-    assert (config.kind, config.head_dim_qk, config.head_dim_vo, config.backend) == ("ragged", 192, 128, "fa2")
+    assert (config.kind, config.head_dim_qk, config.head_dim_vo, config.backend) == ("ragged", 192, 128, backend)
     batch = batch_of([2, 3], [2, 10], qk=192, vo=128)
     w.plan(*batch.plan_args())
     out = w.run(batch.q, batch.k, batch.v)
-    assert out.shape == (5, HQ, 128)
+    ref = reference_ragged(shipped("causal"), batch.q, batch.k, batch.v, batch.qo_indptr, batch.kv_indptr)
+    assert out.shape == (5, HQ, 128) and ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
 
 
 # ----------------------------------------------------------------------------- errors

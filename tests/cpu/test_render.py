@@ -404,7 +404,13 @@ def test_template_files_listed():
         ({"head_dim_qk": 192, "head_dim_vo": 128}, "head_dim_qk=192, head_dim_vo=128: fa2 prefill modules support "
                                                    "head dims 64, 128, 256 (qk/vo where they differ)"),
         ({"kind": "append"}, "kind='append': expected one of ['prefill', 'ragged', 'decode']"),
-        ({"backend": "fa3", "kind": "decode"}, "kind='decode': backend 'fa3' generates only ['prefill'] modules"),
+        ({"backend": "fa3", "kind": "decode"}, "kind='decode': backend 'fa3' has no decode module; its decode runs its "
+                                               "prefill module (kind='prefill')"),
+        ({"backend": "fa3", "kind": "ragged"}, None),
+        ({"backend": "fa3", "kind": "ragged", "head_dim_qk": 192, "head_dim_vo": 128}, None),
+        ({"backend": "fa3", "head_dim_qk": 192, "head_dim_vo": 128}, "head_dim_qk=192, head_dim_vo=128: fa3 prefill "
+                                                                     "modules support head dims 64, 128, 256 (qk/vo "
+                                                                     "where they differ)"),
         ({"backend": "fa3", "arch": "8.0"}, "arch=8.0: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a"),
         ({"backend": "fa3", "arch": "9.0a", "kv_dtype": "fp8_e4m3"}, "kv_dtype=fp8_e4m3: fa3 variant modules need "
                                                                      "kv_dtype == q_dtype (bf16); use backend fa2 for "
@@ -447,7 +453,7 @@ def test_problems_lists_everything():
 
 # ----------------------------------------------------------------------------- static sources
 
-MODULE_KINDS = [("fa2", "prefill"), ("fa2", "ragged"), ("fa2", "decode"), ("fa3", "prefill")]
+MODULE_KINDS = [("fa2", "prefill"), ("fa2", "ragged"), ("fa2", "decode"), ("fa3", "prefill"), ("fa3", "ragged")]
 # Included by name from FlashInfer's csrc folder (the build's include path), not from the module.
 EXTERNAL_LOCAL_INCLUDES = {"tvm_ffi_utils.h"}
 
@@ -474,7 +480,41 @@ STATIC_FILES = {
                         "kernel_params.cuh": "fa2/kernel_params.cuh", "binding.cu": "fa2/decode_binding.cu"},
     ("fa3", "prefill"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
                          "kernel_params.cuh": "fa3/kernel_params.cuh", "run.cuh": "fa3/run.cuh", **PLAN_FILES},
+    ("fa3", "ragged"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
+                        "kernel_params.cuh": "fa3/kernel_params.cuh", "ragged_run.cuh": "fa3/ragged_run.cuh",
+                        "fa3_worklist.h": "plan/fa3_worklist.h"},
 }
+
+
+def test_module_kinds_are_the_table():
+    assert set(MODULE_KINDS) == set(render.RENDERERS) == set(variantgen.capabilities.HEAD_DIMS)
+
+
+@pytest.mark.parametrize("dims", [(128, 128), (192, 128)], ids=["hd128", "hd192x128"])
+def test_fa3_ragged_renders_one_kernel_unit_per_mask_mode(dims):
+    """fa3 ragged: our plan and ragged_run binding (no FlashInfer host code), one kernel unit per
+    mask mode; custom is the masked variant in a non-causal launch; the variant is the paged
+    module's."""
+    spec = shipped("mm_prefix")
+    module = render_module(config(spec, backend="fa3", kind="ragged", head_dim_qk=dims[0], head_dim_vo=dims[1]))
+    assert module.compile_units == ("binding.cu", "ragged_kernel_none.cu", "ragged_kernel_causal.cu",
+                                    "ragged_kernel_custom.cu") and module.host_sources == ()
+    text = "\n".join(module.files.values())
+    assert "{{" not in text and "{%" not in text
+    cfg = module.files["batch_prefill_sm90_config.inc"]
+    assert f"constexpr int HEAD_DIM_QK = {dims[0]};" in cfg and f"constexpr int HEAD_DIM_VO = {dims[1]};" in cfg
+    binding = module.files["binding.cu"]
+    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, VgRaggedPlan);" in binding
+    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(ragged_run, VariantgenRaggedRun);" in binding
+    assert "LaunchRagged<MaskMode::kNone, VG_MmPrefixMasked>(params, enable_pdl, stream);" in binding  # custom
+    assert (f"BatchPrefillWithRaggedKVCacheDispatched<\n    {dims[0]}, {dims[1]}, MaskMode::kCausal, "
+            "/*LEFT_SLIDING_WINDOW=*/false,") in module.files["ragged_kernel_causal.cu"]
+    paged = render_module(config(spec, backend="fa3"))
+    if dims == (128, 128):
+        assert module.files["variant.cuh"] == paged.files["variant.cuh"]
+    assert module.tensor_args == paged.tensor_args and module.scalar_args == paged.scalar_args
+    one = render_module(config(spec, backend="fa3", kind="ragged", mask_modes=("causal",)))
+    assert one.compile_units == ("binding.cu", "ragged_kernel_causal.cu")
 
 
 @pytest.mark.parametrize(("backend", "kind"), MODULE_KINDS)

@@ -437,13 +437,19 @@ class FakeRaggedModule(FakeModule):
         total_q, hq, _ = q.shape
         hkv = k.shape[1]
         assert planned.num_qo_heads == hq and planned.num_kv_heads == hkv and k.shape[0] == v.shape[0]
-        assert out.is_contiguous() and out.shape == (total_q, hq, v.shape[-1])
-        group = hq // hkv
-        meta = meta_t.tolist()
-        self.ragged_calls.append(dict(mode=MODE_NAMES[mask_mode], meta=meta, qo_indptr=qs, kv_indptr=kvp,
+        self.ragged_calls.append(dict(mode=MODE_NAMES[mask_mode], meta=meta_t.tolist(), qo_indptr=qs, kv_indptr=kvp,
                                       layout=layout, lse=lse is not None, sm_scale=sm_scale, v_scale=v_scale,
                                       args={k_: v_ for k_, v_ in args.items() if not isinstance(v_, torch.Tensor)}))
-        for b in range(n):
+        self._attend(q, k, v, qs, kvp, o_indptr, meta_t.tolist(), mask_mode, args, sm_scale, v_scale, out, lse)
+
+    def _attend(self, q, k, v, qs, kvp, o_rows, meta, mask_mode, args, sm_scale, v_scale, out, lse):
+        """Each request b's queries (rows qs[b] ..) over its keys (rows kvp[b] ..) of the NHD k / v,
+        written at rows o_rows[b] of ``out`` (and ``lse``)."""
+        total_q, hq, _ = q.shape
+        hkv = k.shape[1]
+        assert out.is_contiguous() and out.shape == (total_q, hq, v.shape[-1])
+        group = hq // hkv
+        for b in range(len(meta)):
             q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo, req_kv, kwin, qo_len = meta[b]
             kv_len = kvp[b + 1] - kvp[b]
             assert q_row_base == qs[b] and qo_len == qs[b + 1] - qs[b] and kv_row_base == kvp[b], meta[b]
@@ -463,11 +469,66 @@ class FakeRaggedModule(FakeModule):
                 visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
             o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), vb,
                                          spec_sink(self.spec, env, args, hq))
-            o_row = o_indptr[b]
+            o_row = o_rows[b]
             out[o_row:o_row + qo_len] = (o * v_scale).to(out.dtype)
             if lse is not None:
                 lse[o_row:o_row + qo_len] = lse_b
 
+
+class FakeFa3RaggedModule(FakeRaggedModule):
+    """An fa3 ragged module: ``plan(int_ws, page_locked, qo_indptr, kv_indptr, causal)`` writes an
+    sm90 work list (one SM list here, every query tile once) through the page-locked mirror into
+    the int workspace, as the module's plan does; ``ragged_run`` (no indptr tensors: the work
+    list carries each request's rows) reads the requests back from it and attends as
+    FakeRaggedModule."""
+
+    CTA = 128
+
+    def plan(self, int_ws, pinned, qo_indptr, kv_indptr, causal):
+        for name, t in (("int_ws", int_ws), ("pinned", pinned)):
+            assert isinstance(t, torch.Tensor) and t.dtype == torch.uint8, name
+        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
+            assert isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device.type == "cpu", name
+        assert isinstance(causal, bool) and qo_indptr.numel() == kv_indptr.numel() >= 2
+        qs, kvp = qo_indptr.tolist(), kv_indptr.tolist()
+        n = len(qs) - 1
+        # SM90PlanInfo's arrays in its order: tile, first row, first key, rows, keys, head, request
+        items = [(t, qs[b], kvp[b], qs[b + 1] - qs[b], kvp[b + 1] - kvp[b], 0, b)
+                 for b in range(n) for t in range(-(-(qs[b + 1] - qs[b]) // self.CTA))]
+        stride = -(-4 * max(len(items), 1) // 16) * 16
+        offsets = [i * stride for i in range(7)]
+        work_indptr = 7 * stride
+        ints = pinned[:work_indptr + 8].view(torch.int32)
+        for off, column in zip(offsets, zip(*items)):
+            ints[off // 4:off // 4 + len(items)] = torch.tensor(column, dtype=torch.int32)
+        ints[work_indptr // 4:work_indptr // 4 + 2] = torch.tensor([0, len(items)], dtype=torch.int32)
+        int_ws[:work_indptr + 8].copy_(pinned[:work_indptr + 8])  # the module's copy into the workspace
+        self.plan_calls.append(dict(qo_indptr=qs, kv_indptr=kvp, causal=causal))
+        self._planned[int_ws.data_ptr()] = (qs, kvp)
+        return [*offsets[:6], work_indptr, offsets[6], 1]
+
+    def ragged_run(self, float_ws, int_ws, plan_info, q, k, v, out, lse, mask_mode, layout, enable_pdl, *extra):
+        args, meta_t, sm_scale, v_scale = self._unpack_extra(extra)
+        assert mask_mode in MODE_NAMES and layout in (0, 1) and isinstance(enable_pdl, bool)
+        info = list(plan_info)
+        assert len(info) == len(SM90PlanInfo) and info[SM90PlanInfo.SAME_SCHEDULE_FOR_ALL_HEADS] == 1, info
+        qs, kvp = self._planned[int_ws.data_ptr()]
+        ints = int_ws.view(torch.int32)
+        works = int(ints[info[SM90PlanInfo.WORK_INDPTR_OFFSET] // 4 + 1])
+        fields = (SM90PlanInfo.QO_INDPTR_OFFSET, SM90PlanInfo.KV_INDPTR_OFFSET, SM90PlanInfo.QO_LEN_OFFSET,
+                  SM90PlanInfo.KV_LEN_OFFSET, SM90PlanInfo.BATCH_INDICES_OFFSET)
+        q_first, kv_first, q_len, k_len, batch = (ints[info[f] // 4:info[f] // 4 + works].tolist() for f in fields)
+        for w in range(works):  # each work item carries its request's rows and keys
+            b = batch[w]
+            assert (q_first[w], kv_first[w], q_len[w], k_len[w]) == (
+                qs[b], kvp[b], qs[b + 1] - qs[b], kvp[b + 1] - kvp[b]), f"work item {w} disagrees with the plan"
+        assert {b for b in range(len(qs) - 1) if qs[b + 1] > qs[b]} == set(batch), "a request with rows has no work"
+        if layout == 1:  # HND -> NHD
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
+        self.ragged_calls.append(dict(mode=MODE_NAMES[mask_mode], meta=meta_t.tolist(), qo_indptr=qs, kv_indptr=kvp,
+                                      layout=layout, lse=lse is not None, sm_scale=sm_scale, v_scale=v_scale,
+                                      args={k_: v_ for k_, v_ in args.items() if not isinstance(v_, torch.Tensor)}))
+        self._attend(q, k, v, qs, kvp, qs, meta_t.tolist(), mask_mode, args, sm_scale, v_scale, out, lse)
 
 class FakeRowPlanner:
     """A CPU stand-in for a spec's planner module (rowplan.py): ``plan_batch`` runs the row pass

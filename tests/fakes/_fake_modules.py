@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from _fake_decode import FakeDecodeModule
-from _fake_kernel import FakeFa3Module, FakeModule, FakeRaggedModule, FakeRowPlanner
+from _fake_kernel import FakeFa3Module, FakeFa3RaggedModule, FakeModule, FakeRaggedModule, FakeRowPlanner
 
 from variantgen import render
 from variantgen.build import BuildResult
@@ -36,7 +36,8 @@ class FakeModules:
                  missing: Iterable[tuple[str, str, ModuleKey]] = (), row_planner: bool = True):
         self.device = torch.device("cpu")
         self.fakes = {("fa2", "prefill"): FakeModule, ("fa3", "prefill"): FakeFa3Module,
-                      ("fa2", "decode"): FakeDecodeModule, ("fa2", "ragged"): FakeRaggedModule, **(fakes or {})}
+                      ("fa2", "decode"): FakeDecodeModule, ("fa2", "ragged"): FakeRaggedModule,
+                      ("fa3", "ragged"): FakeFa3RaggedModule, **(fakes or {})}
         self._missing = set(missing)
         self.row_planner = row_planner
         self.made: list[Any] = []  # every fake module made, in order

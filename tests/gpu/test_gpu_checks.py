@@ -157,7 +157,7 @@ def test_prefill_page_numbers(workspace, placement, skip_tiles, backend):
 def test_decode_page_numbers(workspace, placement, tensor_cores, skip_tiles):
     spec = variantgen.load_spec(SPECS / "sliding_window.yaml")
     w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", kind="decode",
-                                use_tensor_cores=tensor_cores)
+                                backend="fa2", use_tensor_cores=tensor_cores)
     kv_lens = [300, 17, 1000, 1]
     b = random_paged_batch([1] * 4, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=PAGE,
                            dtype=torch.bfloat16, device="cuda", seed=4)
@@ -193,7 +193,7 @@ def test_host_page_lists_add_no_sync_to_plan(workspace):
     spec, w, b, args = mm_prefix_case(workspace, seed=5)
     host = placed(b, "host")
     dec = variantgen.make_wrapper(SPECS / "causal.yaml", workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16",
-                                  kind="decode")
+                                  kind="decode", backend="fa2")
     d = random_paged_batch([1] * 8, [700] * 8, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=PAGE,
                            dtype=torch.bfloat16, device="cuda", seed=5)
     dec_plan = (d.kv_indptr.cpu(), d.kv_indices.cpu(), d.last_page_len.cpu(), HQ, HKV, PAGE)
@@ -219,7 +219,7 @@ def guarded_wrapper(workspace, kind: str):
     if kind.startswith("decode"):
         spec = variantgen.load_spec(SPECS / "sliding_window.yaml")
         w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", kind="decode",
-                                    use_tensor_cores=kind == "decode-tensor_cores")
+                                    backend="fa2", use_tensor_cores=kind == "decode-tensor_cores")
         b = random_paged_batch([1] * 4, [300, 17, 1000, 1], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD,
                                page_size=PAGE, dtype=torch.bfloat16, device="cuda", seed=8)
         args = {"window": 100}

@@ -203,13 +203,17 @@ def replay_decode(w, spec, cap: GraphCapacity, batches: list[list[int]]) -> None
         assert torch.isnan(out[n:].float()).all()
 
 
-def test_tensor_core_decode_replay_after_replanning(workspace):
-    """Decode through the prefill kernel (use_tensor_cores=True) in graph mode: one capture,
-    batches of 1..64 requests replayed from static q / out buffers."""
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_tensor_core_decode_replay_after_replanning(workspace, backend):
+    """Decode through the prefill kernel (fa2 use_tensor_cores=True; fa3's decode) in graph mode:
+    one capture, batches of 1..64 requests replayed from static q / out buffers."""
+    if backend == "fa3" and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("fa3 runs on sm90")
     spec = variantgen.load_spec(SPECS / "sliding_window.yaml")
     cap = GraphCapacity(max_batch_size=64, max_total_q=64, max_kv_pages=4096)
     w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", kind="decode",
-                                use_tensor_cores=True, graph=cap)
+                                backend=backend, use_tensor_cores=True, graph=cap)
+    assert w.use_tensor_cores and w.config.backend == backend
     replay_decode(w, spec, cap, [[300, 5000, 17], [1] * 64, [9000, 16, 4000, 1200] * 3, [16384]])
 
 
@@ -219,6 +223,6 @@ def test_cuda_core_decode_replay_after_replanning(workspace):
     spec = variantgen.load_spec(SPECS / "sliding_window.yaml")
     cap = GraphCapacity(max_batch_size=16, max_total_q=16, max_kv_pages=8192)
     w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", kind="decode",
-                                graph=cap)
+                                backend="fa2", graph=cap)
     assert not w.use_tensor_cores
     replay_decode(w, spec, cap, [[300, 5000, 17, 1] * 4, [16384, 1, 2, 3] * 4, [8000] * 16])

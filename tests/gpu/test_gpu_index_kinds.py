@@ -76,7 +76,8 @@ def test_offset_rows_decode(spec, workspace, tensor_cores, lag):
 
 @pytest.mark.parametrize("lag", LAGS)
 def test_offset_rows_ragged(spec, workspace, lag):
-    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", kind="ragged")
+    w = variantgen.make_wrapper(spec, workspace, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", kind="ragged",
+                                backend="fa2")
     b = random_ragged_batch(QO_LENS, KV_LENS, num_qo_heads=HEADS[0], num_kv_heads=HEADS[1], head_dim_qk=128,
                             dtype=torch.bfloat16, device="cuda", seed=lag % 7)
     args = offset_args(QO_LENS, KV_LENS, lag)

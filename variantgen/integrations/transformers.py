@@ -30,7 +30,8 @@ dense [q, kv] mask. Each attention call is mapped from what transformers passes:
   transformers: documents do not see each other).
 
 Prefill (several query rows) runs through the ragged kind (or the paged kind over pages of one
-token, for fa3: ``prefill_kind``) on the batch's unpadded rows; generation steps (one query per
+token, the default for fa3, whose decode then uses the same module: ``prefill_kind``) on the
+batch's unpadded rows; generation steps (one query per
 request) through decode, over the model's cache as pages without a copy when no row is
 left-padded. The layer's ``scaling`` reaches the kernels as ``q_scale = scaling * sqrt(head_dim)``.
 Inference only.
@@ -215,8 +216,9 @@ class Session:
         return self._workspace
 
     def kind_backend(self, kind: str) -> str | None:
-        """The backend of a kind: fa3 has paged prefill only (its decode runs on fa2)."""
-        return "fa2" if self.backend == "fa3" and kind != "prefill" else self.backend
+        """The backend of a kind: the one asked for (fa3's decode runs its paged prefill module,
+        the module its prefill uses)."""
+        return self.backend
 
     def add_route(self, spec_name: str, kind: str) -> Route:
         """Probe the route and make its wrapper (or keep the reason)."""
@@ -265,7 +267,7 @@ def attach(model: Any, *, backend: str | None = "flex", prefill_kind: str | None
     """Serve ``model``'s text attention with variantgen where a route works (see the module doc).
 
     ``backend``: "flex" (torch's FlexAttention: any device torch runs it on), "fa2", "fa3"
-    (paged prefill; decode on fa2), or None (what make_wrapper picks for each kind).
+    (sm90; its decode runs the prefill module), or None (what make_wrapper picks for each kind).
     ``prefill_kind``: "ragged" or "prefill" (paged, pages of one token); default "prefill" for
     fa3 / None, else "ragged". ``documents``: also probe the document route (packed sequences).
     Probes run here (for the FlashInfer routes they may build modules). Returns the report; the

@@ -1,0 +1,122 @@
+// Static source of variantgen's fa3 ragged-KV modules (copied as is into each module's sources).
+//
+// What a ragged module's binding does the same for every spec: `plan` writes the work list of
+// FlashInfer's sm90 kernel for a batch (one schedule for all heads, plan/fa3_worklist.h - the
+// paged modules' own) into the page-locked mirror and queues its copy into the int workspace;
+// `ragged_run` fills RaggedParams from the tensors and that work list and launches the kernel
+// the mask mode selects. The binding adds the spec's arguments and the mask-mode switch.
+#pragma once
+#include <flashinfer/attention/mask.cuh>
+#include <flashinfer/attention/scheduler.cuh>
+
+#include <algorithm>
+#include <vector>
+
+#include "batch_prefill_sm90_config.inc"
+#include "tvm/ffi/container/array.h"
+#include "tvm_ffi_utils.h"
+
+#include "fa3_worklist.h"
+
+namespace flashinfer {
+template <uint32_t HEAD_DIM_QK, uint32_t HEAD_DIM_VO, MaskMode MASK_MODE, bool LEFT_SLIDING_WINDOW,
+          bool SAME_SCHEDULE_FOR_ALL_HEADS, typename AttentionVariant, typename Params>
+cudaError_t BatchPrefillWithRaggedKVCacheDispatched(Params& params, bool enable_pdl,
+                                                    cudaStream_t stream);
+}  // namespace flashinfer
+
+// The query tile FlashInfer's sm90 ragged kernel runs at these head dims (its getCTATileSize).
+constexpr int64_t kVgRaggedCtaTileQ = (HEAD_DIM_QK == 64 && HEAD_DIM_VO == 64) ? 192 : 128;
+
+static void VgCheckHostInt32(const TensorView& t, const char* name) {
+  const DLDeviceType type = t.device().device_type;
+  VG_REQUIRE(type == kDLCPU || type == kDLCUDAHost) << name << ": expected a host tensor";
+  VG_REQUIRE(t.IsContiguous() && t.ndim() == 1 && t.dtype() == dl_int32) << name << ": expected int32 [batch + 1]";
+}
+
+// The work list of a ragged batch (qo_indptr, kv_indptr: int32 [batch + 1] on the host) at the
+// start of `page_locked`, copied into `int_workspace` on the current stream (no sync).
+// Returns PrefillPlanSM90Info's values.
+static tvm::ffi::Array<int64_t> VgRaggedPlan(TensorView int_workspace, TensorView page_locked,
+                                             TensorView qo_indptr, TensorView kv_indptr, bool causal) {
+  VgCheckHostInt32(qo_indptr, "qo_indptr");
+  VgCheckHostInt32(kv_indptr, "kv_indptr");
+  const int64_t n = qo_indptr.size(0) - 1;
+  VG_REQUIRE(n >= 1 && kv_indptr.size(0) == n + 1) << "plan: qo_indptr and kv_indptr need batch + 1 entries";
+  const int32_t* qo = static_cast<const int32_t*>(qo_indptr.data_ptr());
+  const int32_t* kv = static_cast<const int32_t*>(kv_indptr.data_ptr());
+  std::vector<int32_t> kv_len(n);
+  for (int64_t b = 0; b < n; ++b) {
+    kv_len[b] = kv[b + 1] - kv[b];
+    VG_REQUIRE(kv_len[b] >= 0 && qo[b + 1] >= qo[b]) << "plan: indptrs decrease at request " << b;
+  }
+  ffi::CUDADeviceGuard device_guard(int_workspace.device().device_id);
+  int num_sm = 0;
+  VG_REQUIRE(cudaDeviceGetAttribute(&num_sm, cudaDevAttrMultiProcessorCount, int_workspace.device().device_id) ==
+             cudaSuccess) << "plan: cannot read the GPU's SM count";
+  const int64_t works = vg_plan::fa3_tiles(qo, n, kVgRaggedCtaTileQ);
+  const int64_t bytes = vg_plan::fa3_work_list_bytes(works, num_sm);
+  const int64_t room = std::min<int64_t>(page_locked.numel() * get_element_size(page_locked),
+                                         int_workspace.numel() * get_element_size(int_workspace));
+  VG_REQUIRE(bytes <= room) << "plan: the work list needs " << bytes << " bytes of int workspace, it has " << room;
+  char* host = static_cast<char*>(page_locked.data_ptr());
+  std::vector<int64_t> info = vg_plan::fa3_work_list(qo, kv, kv_len.data(), qo, n, causal, kVgRaggedCtaTileQ,
+                                                     num_sm, works, host, 0);
+  const int64_t end = info.back();
+  info.pop_back();
+  VG_REQUIRE(cudaMemcpyAsync(int_workspace.data_ptr(), host, end, cudaMemcpyHostToDevice,
+                             get_stream(int_workspace.device())) == cudaSuccess)
+      << "plan: work list copy failed";
+  return tvm::ffi::Array<int64_t>(info.begin(), info.end());
+}
+
+// RaggedParams' FlashInfer fields (kernel_params.cuh) for one launch.
+static void FillRaggedParams(RaggedParams& params, TensorView int_workspace_buffer,
+                             const tvm::ffi::Array<int64_t>& plan_info_vec, TensorView q, TensorView k,
+                             TensorView v, TensorView o, const tvm::ffi::Optional<TensorView>& maybe_lse,
+                             int64_t mask_mode_code, int64_t layout) {
+  flashinfer::PrefillPlanSM90Info plan_info;
+  plan_info.FromVector(std::vector<int64_t>(plan_info_vec.begin(), plan_info_vec.end()));
+  void* int_ws = int_workspace_buffer.data_ptr();
+  params.q_ptr = static_cast<DTypeQ*>(q.data_ptr());
+  params.k_ptr = static_cast<DTypeKV*>(k.data_ptr());
+  params.v_ptr = static_cast<DTypeKV*>(v.data_ptr());
+  params.o_ptr = static_cast<DTypeO*>(o.data_ptr());
+  params.lse_ptr = maybe_lse ? static_cast<float*>(maybe_lse.value().data_ptr()) : nullptr;
+  params.q_stride_n = q.stride(0);
+  params.q_stride_h = q.stride(1);
+  params.o_stride_n = o.stride(0);
+  params.o_stride_h = o.stride(1);
+  // NHD: [tokens, heads, dim]; HND: [heads, tokens, dim].
+  const bool nhd = static_cast<QKVLayout>(layout) == QKVLayout::kNHD;
+  params.k_stride_n = k.stride(nhd ? 0 : 1);
+  params.k_stride_h = k.stride(nhd ? 1 : 0);
+  params.v_stride_n = v.stride(nhd ? 0 : 1);
+  params.v_stride_h = v.stride(nhd ? 1 : 0);
+  params.nnz_qo = q.size(0);
+  params.nnz_kv = k.size(nhd ? 0 : 1);
+  params.num_qo_heads = q.size(1);
+  params.num_kv_heads = k.size(nhd ? 1 : 0);
+  params.group_size = params.num_qo_heads / params.num_kv_heads;
+  params.window_left = -1;  // ragged launches have no left window (the mask says what is visible)
+  params.causal = mask_mode_code == 1;
+  params.qo_tile_indices = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.qo_tile_indices_offset);
+  params.qo_indptr = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.qo_indptr_offset);
+  params.kv_indptr = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.kv_indptr_offset);
+  params.qo_lens = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.qo_len_offset);
+  params.kv_lens = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.kv_len_offset);
+  params.head_indices = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.head_indices_offset);
+  params.work_indptr = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.work_indptr_offset);
+  params.batch_indices = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.batch_indices_offset);
+  params.additional_params.vg_num_qo_heads = uint32_t(params.num_qo_heads);
+  params.additional_params.vg_num_kv_heads = uint32_t(params.num_kv_heads);
+}
+
+template <MaskMode MASK_MODE, typename Variant>
+static void LaunchRagged(RaggedParams& params, bool enable_pdl, cudaStream_t stream) {
+  cudaError_t status = flashinfer::BatchPrefillWithRaggedKVCacheDispatched<
+      HEAD_DIM_QK, HEAD_DIM_VO, MASK_MODE, /*LEFT_SLIDING_WINDOW=*/false, /*SAME_SCHEDULE_FOR_ALL_HEADS=*/true,
+      Variant>(params, enable_pdl, stream);
+  TVM_FFI_ICHECK(status == cudaSuccess)
+      << "variantgen fa3 ragged kernel launch failed: " << cudaGetErrorString(status);
+}
