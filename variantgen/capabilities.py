@@ -11,10 +11,11 @@ are installed) by ``Backend.problems``; resolver.resolve chooses with it.
 ModuleConfig's validation (render.py), the resolver (and through it make_wrapper, probe and
 the command line) ask this table; none re-decides.
 
-``backend=None`` prefers fa3 where an fa3 module can run (paged prefill on sm90, 16-bit KV
-and output in the query's dtype: on the H200 it measured faster than fa2 for both plan
-routes, bench/results/2026-11-29-h200/prefill-fa3-5ec28f3.json, mm_prefix 8 x 8192: planned
-9.40 vs 13.39 ms, direct 54.3 vs 81.2 ms), else fa2, else the flex route (torch's
+``backend=None`` prefers fa3 where an fa3 module can run (paged and ragged prefill on sm90,
+16-bit KV and output in the query's dtype: on the H200 it measured faster than fa2 for both
+plan routes, bench/results/2026-11-29-h200/prefill-fa3-5ec28f3.json, mm_prefix 8 x 8192:
+planned 9.40 vs 13.39 ms, direct 54.3 vs 81.2 ms; ragged 192/128 causal 8.91 vs 15.22 ms,
+ragged-f469c37.json), else fa2, else the flex route; for decode fa2 first (KIND_ORDER) (torch's
 FlexAttention: no module, any device). Where modules cannot be built (JIT disabled,
 ``build=False``) the cache decides among the backends that could run: a precompiled fa2
 module rather than a missing fa3 one, the flex route rather than no module at all; with
@@ -351,6 +352,19 @@ FLEX = Backend(
 TABLE: dict[str, Backend] = {b.name: b for b in (FA3, FA2, FLEX)}  # in the order backend=None prefers them
 assert tuple(sorted(TABLE)) == tuple(sorted(BACKENDS)), "spec.BACKENDS names the table's backends"
 MODULE_BACKENDS = tuple(b for b in BACKENDS if TABLE[b].module)
+# backend=None's order for a kind where it is not the table's, from measurements: decode prefers
+# fa2. On the H200 (bench/results/2026-12-02-h200/decode-f469c37.json: 64 requests x 8192 keys,
+# causal, 32/8 heads, hd 128) fa3's decode - its prefill kernel, a 128-row query tile per request
+# and query head - took 2.06 ms, fa2's 0.87 (CUDA cores) and 0.53 (use_tensor_cores=True).
+KIND_ORDER = {"decode": ("fa2", "fa3", "flex")}
+
+
+def preference(kind: str) -> tuple[str, ...]:
+    """The backends in the order backend=None prefers them for ``kind``."""
+    return KIND_ORDER.get(kind, tuple(TABLE))
+
+
+assert all(sorted(order) == sorted(TABLE) for order in KIND_ORDER.values())
 HEAD_DIMS: dict[tuple[str, str], tuple[tuple[int, int], ...]] = {
     (b.name, kind): dims for b in (FA2, FA3) for kind, dims in (b.head_dims or {}).items()}
 _MODULE_HEAD_DIMS = sorted({d for pairs in HEAD_DIMS.values() for pair in pairs for d in pair})

@@ -118,13 +118,14 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     variantgen.shipped_specs() lists them).
     ``kind``: "prefill" (paged KV), "ragged" (ragged KV) or "decode" (paged KV, one query
     per request). ``backend``: "fa2", "fa3", "flex", or None for the resolver's choice
-    (resolver.resolve: fa3 where an fa3 module runs, else fa2, else the flex route; with
+    (resolver.resolve: fa3 where an fa3 module runs - for decode fa2 first -, else fa2, else the flex route; with
     JIT disabled or ``build=False`` a precompiled fa2 module rather than a missing fa3 one,
     with a warning - the choice probe() reports). ``workspace`` is the float workspace
     (uint8, on the target GPU; 128 MiB is plenty); ``arch`` (default: the workspace's GPU)
-    builds for another GPU. ``use_tensor_cores`` (decode only): run
+    builds for another GPU. ``use_tensor_cores`` (decode only): run fa2's
     decode through the spec's prefill module (one query per request) instead of the
-    CUDA-core decode kernel - FlashInfer's advice for large GQA groups. ``graph``
+    CUDA-core decode kernel - FlashInfer's advice for large GQA groups (fa3's decode always
+    runs its prefill module). ``graph``
     (kind "prefill"): CUDA-graph mode with fixed buffers for at most that batch, so a
     captured run() can be replayed after each plan() (graph.py; the backends whose table
     entry has it: fa2 and fa3, chosen as without it); also kind "decode" (tensor cores: any

@@ -186,7 +186,7 @@ def probe(
     kind "decode" asks for fa2's tensor-core decode, as make_wrapper takes it (the prefill
     module; fa3's decode always runs its prefill module).
     ``backend`` is "fa2", "fa3", "flex", or None for the one make_wrapper(backend=None) picks
-    here (resolver.resolve: fa3 where an fa3 module runs; on a server that cannot build, fa2
+    here (resolver.resolve: fa3 where an fa3 module runs, for decode fa2 first; on a server that cannot build, fa2
     where only its module is precompiled and the flex route where neither is, with
     ``details["note"]`` saying so); ``details["backend"]`` says which and
     ``details["not_chosen"]`` why each other backend was not. See :func:`probe_backends` for

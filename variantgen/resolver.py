@@ -6,7 +6,8 @@ backend), a note where that is not the preferred one, and why each other backend
 chosen. make_wrapper (factory.py), probe (probing.py) and the command line (precompile's auto
 backend, probe, render, check) ask here; none re-decides.
 
-``backend=None`` prefers the table's order: fa3, fa2, then the flex route. Where modules
+``backend=None`` prefers the table's order: fa3, fa2, then the flex route (decode: fa2 first,
+capabilities.KIND_ORDER). Where modules
 cannot be built (JIT disabled, ``build=False``) the cache decides among the backends that
 could run: a precompiled fa2 module rather than a missing fa3 one, the flex route rather than
 no module at all; with neither, the preferred module (the one to precompile).
@@ -17,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .capabilities import GRAPH_KINDS, TABLE, Request, Route, Site, no_graph_kind
+from .capabilities import GRAPH_KINDS, TABLE, Request, Route, Site, no_graph_kind, preference
 from .render import DEFAULT_MASK_MODES, ModuleConfig
 from .spec import VariantSpec
 
@@ -78,7 +79,7 @@ def resolve(request: Request, site: Site = _NO_SITE) -> Resolution:
     built and backend is None)."""
     if request.graph and request.kind not in GRAPH_KINDS:
         return Resolution(request, None, problem=no_graph_kind(request.kind, request.names.graph))
-    names = (request.backend,) if request.backend is not None else tuple(TABLE)
+    names = (request.backend,) if request.backend is not None else preference(request.kind)
     why_not = {name: "; ".join(TABLE[name].problems(request, site)) for name in names}
     viable = [name for name in names if not why_not[name]]
     if not viable:

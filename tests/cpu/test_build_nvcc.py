@@ -68,6 +68,21 @@ def exported_functions(module: Path) -> set[str]:
             if line.split()[-1].startswith("__tvm_ffi_")}
 
 
+def test_build_an_fa3_ragged_module_without_a_gpu(vg_env, toolchain):
+    """An fa3 ragged-KV module at MLA's head dims (192/128), one mask mode, built on a box without a
+    GPU: it exports its work-list plan and ragged_run, and loads."""
+    vg_env.set(VARIANTGEN_BUILD_JOBS="2")
+    spec = variantgen.resolve_spec("causal")
+    config = ModuleConfig(spec, 192, 128, "bf16", "bf16", "bf16", "9.0a", "fa3", mask_modes=("causal",),
+                          kind="ragged")
+    result = build.build_module(config, Cache(vg_env.cache_dir))
+    assert result.built is True
+    assert result.entry.uri.startswith("vg_causal_fa3_ragged_qbf16_kvbf16_obf16_hd192x128_sm90a_")
+    assert exported_functions(result.entry.module_path) == {"plan", "ragged_run"}
+    module = build.load_module(result.entry)
+    assert callable(module.plan) and callable(module.ragged_run)
+
+
 def test_build_an_fa3_module_without_a_gpu(vg_env, toolchain, tmp_path):
     """What `variantgen precompile causal --arch 9.0a` does on a build box (backend auto is fa3
     there), kept to one mask mode: nvcc and the CUDA runtime headers are all it needs."""

@@ -5,6 +5,7 @@ the resolver on a fake GPU."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.machinery
 import importlib.util
 import itertools
@@ -181,11 +182,16 @@ def plain_rules(backend: str, kind: str, dims: tuple[int, int], dtypes: tuple[st
     return flex and q in (*sixteen, "fp32") and o in (*sixteen, "fp32") and not graph
 
 
+def preferred_order(kind: str) -> tuple[str, ...]:
+    """fa3 first, but fa2 for decode (fa3's decode measured 4x slower on the H200)."""
+    return ("fa2", "fa3", "flex") if kind == "decode" else ("fa3", "fa2", "flex")
+
+
 def expected_choice(backend: str | None, serves: dict[str, bool], can_build: bool,
-                    cached: tuple[str, ...]) -> str | None:
+                    cached: tuple[str, ...], kind: str = "prefill") -> str | None:
     if backend is not None:
         return backend if serves[backend] else None
-    viable = [b for b in ("fa3", "fa2", "flex") if serves[b]]
+    viable = [b for b in preferred_order(kind) if serves[b]]
     if not viable:
         return None
     if can_build or len(viable) == 1:
@@ -213,14 +219,14 @@ def test_every_decision_follows_the_rules():
             r = resolve(request, site)
             serves = {b: plain_rules(b, kind, dims, dtypes, arch, graph, flex) for b in TABLE}
             label = (backend, kind, dims, dtypes, arch, graph, can_build, cached, flex)
-            assert r.backend == expected_choice(backend, serves, can_build, cached), (label, r)
+            assert r.backend == expected_choice(backend, serves, can_build, cached, kind), (label, r)
             assert bool(r) == (r.backend is not None) and (r.reason == "") == bool(r), label
             named = [name for name, _ in r.rejected]
             assert all(why for _, why in r.rejected), (label, r.rejected)
             if graph and kind == "ragged":
                 assert not r and r.problem.startswith("graph=: CUDA-graph mode is for kind") and not r.rejected
                 continue
-            considered = [backend] if backend else list(TABLE)
+            considered = [backend] if backend else list(preferred_order(kind))
             assert named == [b for b in considered if b != r.backend], (label, named)
             if r.backend in ("fa2", "fa3"):
                 c = r.config
@@ -230,7 +236,7 @@ def test_every_decision_follows_the_rules():
                 assert (c.q_dtype, c.kv_dtype, c.o_dtype) == dtypes and c.mask_modes == ("none", "causal", "custom")
             else:
                 assert r.config is None, label
-            preferred = next((b for b in ("fa3", "fa2", "flex") if serves[b]), None) if backend is None else backend
+            preferred = next((b for b in preferred_order(kind) if serves[b]), None) if backend is None else backend
             assert bool(r.note) == (r.backend is not None and r.backend != preferred), (label, r.note)
             checked += 1
     assert checked > 20_000
@@ -238,9 +244,14 @@ def test_every_decision_follows_the_rules():
 
 def test_tensor_core_decode_resolves_to_a_prefill_module():
     for tensor_cores in (True, False):  # fa3's decode is its prefill module either way
-        request = Request.of(MM, kind="decode", head_dim_qk=128, q_dtype="bf16", tensor_cores=tensor_cores)
+        request = Request.of(MM, kind="decode", head_dim_qk=128, q_dtype="bf16", tensor_cores=tensor_cores,
+                             backend="fa3")
         r = resolve(request, Site(arch="9.0a"))
         assert r.backend == "fa3" and r.config.kind == "prefill" and r.config.backend == "fa3"
+        # backend=None: fa2 first for decode (KIND_ORDER), its prefill module where tensor cores are asked for
+        r = resolve(dataclasses.replace(request, backend=None), Site(arch="9.0a"))
+        assert (r.backend, r.config.kind) == ("fa2", "prefill" if tensor_cores else "decode")
+        assert dict(r.rejected)["fa3"] == "fa2 comes first"
         assert request.module_kind("fa3") == "prefill" and request.module_kind("flex") == (
             "prefill" if tensor_cores else "decode")
     r = resolve(Request.of(MM, kind="decode", head_dim_qk=128, q_dtype="bf16", tensor_cores=True), Site(arch="8.0"))
@@ -256,13 +267,18 @@ def test_tensor_core_decode_resolves_to_a_prefill_module():
     ("ragged", (128, 128), "ragged"), ("ragged", (192, 128), "ragged"), ("decode", (128, 128), "prefill"),
     ("decode", (64, 64), "prefill")])
 def test_fa3_serves_ragged_and_decode_on_sm90(kind, dims, module_kind):
-    """backend=None on sm90: fa3's ragged module (MLA's 192/128 too) and, for decode, its paged
-    prefill module; fa2's own module of the kind elsewhere."""
-    request = Request.of(MM, kind=kind, head_dim_qk=dims[0], head_dim_vo=dims[1], q_dtype="bf16")
+    """On sm90: fa3's ragged module (MLA's 192/128 too; backend=None's choice) and, for decode
+    (backend="fa3": fa2 comes first for decode), its paged prefill module; fa2's own module of the
+    kind elsewhere."""
+    request = Request.of(MM, kind=kind, head_dim_qk=dims[0], head_dim_vo=dims[1], q_dtype="bf16",
+                         backend="fa3" if kind == "decode" else None)
     r = resolve(request, Site(arch="9.0a"))
     c = r.config
     assert r.backend == "fa3" and (c.backend, c.kind, c.head_dim_qk, c.head_dim_vo) == ("fa3", module_kind, *dims)
-    assert c.uri_prefix.startswith(f"vg_mm_prefix_fa3_{module_kind}_") and dict(r.rejected)["fa2"] == "fa3 comes first"
+    assert c.uri_prefix.startswith(f"vg_mm_prefix_fa3_{module_kind}_")
+    if kind == "ragged":
+        assert dict(r.rejected)["fa2"] == "fa3 comes first"
+    request = dataclasses.replace(request, backend=None)
     old = resolve(request, Site(arch="8.0"))
     assert old.backend == "fa2" and (old.config.backend, old.config.kind) == ("fa2", kind)
     assert dict(old.rejected)["fa3"] == "arch=8.0: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a"
@@ -275,8 +291,11 @@ def test_fa3_serves_ragged_and_decode_on_sm90(kind, dims, module_kind):
     assert not only and only.reason == why
 
 
-def test_graph_mode_decode_on_sm90_is_fa3():
+def test_graph_mode_decode_on_sm90():
     r = resolve(Request.of(MM, kind="decode", head_dim_qk=128, q_dtype="bf16", graph=True), Site(arch="9.0a"))
+    assert r.backend == "fa2" and r.config.kind == "decode" and r.note == ""  # fa2 first for decode
+    r = resolve(Request.of(MM, kind="decode", head_dim_qk=128, q_dtype="bf16", graph=True, backend="fa3"),
+                Site(arch="9.0a"))
     assert r.backend == "fa3" and (r.config.backend, r.config.kind) == ("fa3", "prefill") and r.note == ""
     r = resolve(Request.of(MM, kind="decode", head_dim_qk=128, q_dtype="bf16", graph=True), Site(arch="8.0"))
     assert r.backend == "fa2" and r.config.kind == "decode"
@@ -343,7 +362,7 @@ def test_jit_off_notes_name_what_is_missing_and_what_serves():
     ({}, "fa3"),
     ({"arch": "8.0"}, "fa2"),
     ({"arch": "10.0a"}, "fa2"),
-    ({"kind": "decode"}, "fa3"),
+    ({"kind": "decode"}, "fa2"),  # fa2 first for decode (capabilities.KIND_ORDER)
     ({"kind": "ragged"}, "fa3"),
     ({"kv_dtype": "fp8_e4m3"}, "fa2"),
     ({"head_dim_qk": 192, "head_dim_vo": 128, "kind": "ragged"}, "fa3"),
@@ -557,8 +576,8 @@ def test_a_route_is_installed_only_inside_this_package(tmp_path, monkeypatch):
 
 def test_probe_takes_tensor_core_decode_as_make_wrapper_does(tmp_path):
     """probe(kind="decode", use_tensor_cores=True) answers for the module make_wrapper then loads
-    (the fa2 prefill module, one query per request; on sm90 fa3's prefill module, with or without
-    the flag), and refuses the flag for another kind."""
+    (the fa2 prefill module, one query per request; with backend="fa3" on sm90 fa3's prefill module,
+    with or without the flag), and refuses the flag for another kind."""
     spec = variantgen.resolve_spec("mm_prefix")
     probe.cache_clear()
     r = probe(spec, kind="decode", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", use_tensor_cores=True,
@@ -570,7 +589,7 @@ def test_probe_takes_tensor_core_decode_as_make_wrapper_does(tmp_path):
     assert "vg_mm_prefix_fa2_decode_" in plain.reason
     for tensor_cores in (True, False):
         r = probe(spec, kind="decode", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", use_tensor_cores=tensor_cores,
-                  runtime=False, arch="9.0a", cache_dir=tmp_path)
+                  runtime=False, arch="9.0a", cache_dir=tmp_path, backend="fa3")
         assert not r and r.details["backend"] == "fa3"
         assert "vg_mm_prefix_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a_" in r.reason, r.reason
     r = probe(spec, kind="prefill", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", use_tensor_cores=True)

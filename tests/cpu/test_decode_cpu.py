@@ -519,11 +519,16 @@ def test_make_wrapper_builds_the_right_module(monkeypatch):
                                 kind="decode", arch="9.0a", kv_layout="HND")
     assert isinstance(w, DecodeWrapper) and not w.use_tensor_cores and w.kv_layout == "HND"
     assert (built[-1].backend, built[-1].kind, built[-1].kv_dtype) == ("fa2", "decode", "fp8_e4m3")  # no fp8 on fa3
-    for tensor_cores in (True, False):  # sm90, 16-bit KV: fa3's prefill module either way
-        w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=64, q_dtype=torch.float16,
+    for tensor_cores in (True, False):  # sm90, 16-bit KV, backend="fa3": fa3's prefill module either way
+        w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=64, q_dtype=torch.float16, backend="fa3",
                                     kv_dtype=torch.float16, kind="decode", arch="9.0a", use_tensor_cores=tensor_cores)
         assert isinstance(w, DecodeWrapper) and w.use_tensor_cores
         assert (built[-1].backend, built[-1].kind, built[-1].head_dim_qk) == ("fa3", "prefill", 64)
+        # backend=None on sm90: fa2 first for decode (fa3's decode measured slower), tensor cores where asked
+        w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=64, q_dtype=torch.float16,
+                                    kv_dtype=torch.float16, kind="decode", arch="9.0a", use_tensor_cores=tensor_cores)
+        assert w.use_tensor_cores == tensor_cores
+        assert (built[-1].backend, built[-1].kind) == ("fa2", "prefill" if tensor_cores else "decode")
     w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=64, q_dtype="fp16", kv_dtype="fp16", kind="decode",
                                 arch="8.0", use_tensor_cores=True)
     assert w.use_tensor_cores and (built[-1].backend, built[-1].kind) == ("fa2", "prefill")

@@ -617,6 +617,8 @@ def test_default_backend_is_what_make_wrapper_picks(fake_build, monkeypatch):
     r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="fp8_e4m3", arch="9.0a")
     assert r and r.details["backend"] == "fa2"  # fa3 modules need a 16-bit KV cache
     r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", kind="decode")
+    assert r and r.details["backend"] == "fa2" and "_fa2_decode_" in r.uri  # decode: fa2 first (KIND_ORDER)
+    r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", kind="decode", backend="fa3")
     assert r and r.details["backend"] == "fa3" and "_fa3_prefill_" in r.uri  # fa3 decode: its prefill module
     r = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", kind="ragged")
     assert r and r.details["backend"] == "fa3" and "_fa3_ragged_" in r.uri
@@ -767,6 +769,8 @@ def test_cuda_graph_probe_follows_what_graph_mode_supports(monkeypatch):
     assert not r.ok and r.reason.startswith("cuda_graph=True: CUDA-graph mode is for kind 'prefill' and "
                                             "'decode' (got 'ragged')")
     r = probe(MM, **base, arch="9.0a", build=False, cuda_graph=True, kind="decode")
+    assert r.details["backend"] == "fa2" and r.details["cuda_graph"]  # decode: fa2 first
+    r = probe(MM, **dict(base, backend="fa3"), arch="9.0a", build=False, cuda_graph=True, kind="decode")
     assert r.details["backend"] == "fa3" and r.details["cuda_graph"]  # fa3 decode: its prefill module's graph mode
     assert r.reason.startswith("building disabled (build=False) and module vg_mm_prefix_fa3_prefill")
     _fake_gpu(monkeypatch, (8, 0))
