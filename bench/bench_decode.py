@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import cuda_median_ms, result_file_name, run_environment  # noqa: E402
+from variantgen.testing import cuda_median_ms, run_environment, write_result  # noqa: E402
 
 B, L, HQ, HKV, D, PS = 64, 8192, 32, 8, 128, 16
 WINDOW, SOFT_CAP, DOC_LEN = 1023, 50.0, 1024
@@ -245,11 +245,7 @@ def main() -> None:
     print(json.dumps(res["ratios"], indent=1))
     if errors:
         print("errors:", json.dumps(errors, indent=1))
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / result_file_name("decode", res)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], out.name).write_text(json.dumps(res, indent=1))
+    out = write_result("decode", res, args.out)
     print(f"wrote {out} ({res['total_s']} s)")
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,8 +32,8 @@ from variantgen.testing import (  # noqa: E402
     cuda_median_ms,
     prefill_bench_batch,
     random_paged_batch,
-    result_file_name,
     source_commit,
+    write_result,
 )
 
 B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
@@ -75,12 +74,7 @@ def main() -> None:
         print(f"{name:45s} {ms[name]:8.3f} ms", flush=True)
 
     def save():
-        out = Path(args.out) if args.out else ROOT / "bench" / "results" / result_file_name("flex", res)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(res, indent=1))
-        if os.environ.get("OUT"):
-            Path(os.environ["OUT"], out.name).write_text(json.dumps(res, indent=1))
-        return out
+        return write_result("flex", res, args.out)
 
     batch, ranges = prefill_bench_batch(dev)
     kv = (batch.k_cache, batch.v_cache)

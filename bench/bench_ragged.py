@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 import traceback
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import cuda_median_ms, result_file_name, run_environment  # noqa: E402
+from variantgen.testing import cuda_median_ms, run_environment, write_result  # noqa: E402
 
 B, L, HQ, HKV, DQK, DVO = 8, 8192, 32, 32, 192, 128
 SPECS = {"causal": ROOT / "specs" / "causal.yaml", "full": ROOT / "tests" / "data" / "full.yaml"}
@@ -111,11 +110,7 @@ def main() -> None:
     print(json.dumps(res["ratios"], indent=1))
     if errors:
         print("errors:", json.dumps(errors, indent=1))
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / result_file_name("ragged", res)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], out.name).write_text(json.dumps(res, indent=1))
+    out = write_result("ragged", res, args.out)
     print(f"wrote {out}")
 
 

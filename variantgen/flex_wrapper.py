@@ -486,6 +486,7 @@ class FlexDecodeWrapper(FlexWrapperBase):
     per request (its last token), one Flex batch row per request."""
 
     _multi: FlexPrefillWrapper | None = None  # multi-token decode: the prefill route plans and runs it
+    _prefill_route: FlexPrefillWrapper | None = None  # made on the first multi-token plan, then kept
 
     def plan(self, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,
@@ -505,8 +506,10 @@ class FlexDecodeWrapper(FlexWrapperBase):
         batch = len(kv_lens)
         if per > 1:
             check_queries_fit(kv_lens, per)
-            multi = FlexPrefillWrapper(self.spec, dataclasses.replace(self.config, kind="prefill"),
-                                       self._float_workspace, self.kv_layout)
+            if self._prefill_route is None:  # kept: its compiled block masks serve later plans
+                self._prefill_route = FlexPrefillWrapper(self.spec, dataclasses.replace(self.config, kind="prefill"),
+                                                         self._float_workspace, self.kv_layout)
+            multi = self._prefill_route
             qo_indptr = torch.arange(0, per * (batch + 1), per, dtype=torch.int32)
             multi.plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                        num_kv_heads, page_size, skip_tiles=skip_tiles, **spec_args)

@@ -397,7 +397,8 @@ def _fa3_context(config: ModuleConfig, ctx: dict) -> dict:
                 cutlass_o=CUTLASS_TYPES[config.o_dtype])
 
 
-FA3_STATIC = ("common/vg_helpers.cuh", "fa3/cutlass_prelude.cuh", "fa3/kernel_params.cuh")
+FA3_STATIC = ("common/vg_helpers.cuh", "fa3/cutlass_prelude.cuh", "fa3/kernel_params.cuh",
+              "fa3/fill_params.cuh")
 
 
 def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):

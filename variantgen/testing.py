@@ -12,6 +12,7 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -220,3 +221,20 @@ def run_environment() -> dict[str, Any]:
 def result_file_name(kind: str, env: dict[str, Any]) -> str:
     """bench/results/ naming: '<kind>-<date>-<GPU name>.json'."""
     return f"{kind}-{env['date']}-{env['gpu'].replace(' ', '_')}.json"
+
+
+def write_result(kind: str, res: dict[str, Any], out: str | None = None) -> Path:
+    """A benchmark's JSON: to ``out``, else bench/results/<result_file_name>; also into $OUT when set
+    (the GPU machine's return folder). Returns the path written."""
+    import json
+    import os
+
+    from .env import REPO_DIR
+
+    path = Path(out) if out else REPO_DIR / "bench" / "results" / result_file_name(kind, res)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(res, indent=1)
+    path.write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], path.name).write_text(text)
+    return path

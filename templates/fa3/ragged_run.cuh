@@ -6,15 +6,7 @@
 // `ragged_run` fills RaggedParams from the tensors and that work list and launches the kernel
 // the mask mode selects. The binding adds the spec's arguments and the mask-mode switch.
 #pragma once
-#include <flashinfer/attention/mask.cuh>
-#include <flashinfer/attention/scheduler.cuh>
-
-#include <algorithm>
-#include <vector>
-
-#include "batch_prefill_sm90_config.inc"
-#include "tvm/ffi/container/array.h"
-#include "tvm_ffi_utils.h"
+#include "fill_params.cuh"
 
 #include "fa3_worklist.h"
 
@@ -28,10 +20,9 @@ cudaError_t BatchPrefillWithRaggedKVCacheDispatched(Params& params, bool enable_
 // The query tile FlashInfer's sm90 ragged kernel runs at these head dims (its getCTATileSize).
 constexpr int64_t kVgRaggedCtaTileQ = (HEAD_DIM_QK == 64 && HEAD_DIM_VO == 64) ? 192 : 128;
 
-static void VgCheckHostInt32(const TensorView& t, const char* name) {
-  const DLDeviceType type = t.device().device_type;
-  VG_REQUIRE(type == kDLCPU || type == kDLCUDAHost) << name << ": expected a host tensor";
-  VG_REQUIRE(t.IsContiguous() && t.ndim() == 1 && t.dtype() == dl_int32) << name << ": expected int32 [batch + 1]";
+static void VgCheckHostIndptr(const TensorView& t, const char* name) {
+  vg_plan::check_host(t, name);
+  VG_REQUIRE(t.ndim() == 1 && t.dtype() == dl_int32) << name << ": expected int32 [batch + 1]";
 }
 
 // The work list of a ragged batch (qo_indptr, kv_indptr: int32 [batch + 1] on the host) at the
@@ -39,8 +30,8 @@ static void VgCheckHostInt32(const TensorView& t, const char* name) {
 // Returns PrefillPlanSM90Info's values.
 static tvm::ffi::Array<int64_t> VgRaggedPlan(TensorView int_workspace, TensorView page_locked,
                                              TensorView qo_indptr, TensorView kv_indptr, bool causal) {
-  VgCheckHostInt32(qo_indptr, "qo_indptr");
-  VgCheckHostInt32(kv_indptr, "kv_indptr");
+  VgCheckHostIndptr(qo_indptr, "qo_indptr");
+  VgCheckHostIndptr(kv_indptr, "kv_indptr");
   const int64_t n = qo_indptr.size(0) - 1;
   VG_REQUIRE(n >= 1 && kv_indptr.size(0) == n + 1) << "plan: qo_indptr and kv_indptr need batch + 1 entries";
   const int32_t* qo = static_cast<const int32_t*>(qo_indptr.data_ptr());
@@ -75,41 +66,18 @@ static void FillRaggedParams(RaggedParams& params, TensorView int_workspace_buff
                              const tvm::ffi::Array<int64_t>& plan_info_vec, TensorView q, TensorView k,
                              TensorView v, TensorView o, const tvm::ffi::Optional<TensorView>& maybe_lse,
                              int64_t mask_mode_code, int64_t layout) {
-  flashinfer::PrefillPlanSM90Info plan_info;
-  plan_info.FromVector(std::vector<int64_t>(plan_info_vec.begin(), plan_info_vec.end()));
-  void* int_ws = int_workspace_buffer.data_ptr();
-  params.q_ptr = static_cast<DTypeQ*>(q.data_ptr());
-  params.k_ptr = static_cast<DTypeKV*>(k.data_ptr());
-  params.v_ptr = static_cast<DTypeKV*>(v.data_ptr());
-  params.o_ptr = static_cast<DTypeO*>(o.data_ptr());
-  params.lse_ptr = maybe_lse ? static_cast<float*>(maybe_lse.value().data_ptr()) : nullptr;
-  params.q_stride_n = q.stride(0);
-  params.q_stride_h = q.stride(1);
-  params.o_stride_n = o.stride(0);
-  params.o_stride_h = o.stride(1);
   // NHD: [tokens, heads, dim]; HND: [heads, tokens, dim].
   const bool nhd = static_cast<QKVLayout>(layout) == QKVLayout::kNHD;
+  FillFa3Common(params, int_workspace_buffer, plan_info_vec, q, o, maybe_lse, int(k.size(nhd ? 1 : 0)),
+                mask_mode_code);
+  params.k_ptr = static_cast<DTypeKV*>(k.data_ptr());
+  params.v_ptr = static_cast<DTypeKV*>(v.data_ptr());
   params.k_stride_n = k.stride(nhd ? 0 : 1);
   params.k_stride_h = k.stride(nhd ? 1 : 0);
   params.v_stride_n = v.stride(nhd ? 0 : 1);
   params.v_stride_h = v.stride(nhd ? 1 : 0);
-  params.nnz_qo = q.size(0);
   params.nnz_kv = k.size(nhd ? 0 : 1);
-  params.num_qo_heads = q.size(1);
-  params.num_kv_heads = k.size(nhd ? 1 : 0);
-  params.group_size = params.num_qo_heads / params.num_kv_heads;
   params.window_left = -1;  // ragged launches have no left window (the mask says what is visible)
-  params.causal = mask_mode_code == 1;
-  params.qo_tile_indices = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.qo_tile_indices_offset);
-  params.qo_indptr = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.qo_indptr_offset);
-  params.kv_indptr = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.kv_indptr_offset);
-  params.qo_lens = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.qo_len_offset);
-  params.kv_lens = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.kv_len_offset);
-  params.head_indices = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.head_indices_offset);
-  params.work_indptr = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.work_indptr_offset);
-  params.batch_indices = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.batch_indices_offset);
-  params.additional_params.vg_num_qo_heads = uint32_t(params.num_qo_heads);
-  params.additional_params.vg_num_kv_heads = uint32_t(params.num_kv_heads);
 }
 
 template <MaskMode MASK_MODE, typename Variant>

@@ -5,16 +5,7 @@
 // and one launch of an instantiated kernel. The binding adds the spec's arguments and the
 // mask-mode switch.
 #pragma once
-#include <flashinfer/attention/mask.cuh>
-#include <flashinfer/attention/scheduler.cuh>
-
-#include <algorithm>
-#include <utility>
-#include <vector>
-
-#include "batch_prefill_sm90_config.inc"
-#include "tvm/ffi/container/array.h"
-#include "tvm_ffi_utils.h"
+#include "fill_params.cuh"
 
 namespace flashinfer {
 template <uint32_t HEAD_DIM_QK, uint32_t HEAD_DIM_VO, MaskMode MASK_MODE, bool LEFT_SLIDING_WINDOW,
@@ -31,47 +22,24 @@ static void FillPagedParams(PagedParams& params, TensorView int_workspace_buffer
                             TensorView paged_kv_indices, TensorView o,
                             const tvm::ffi::Optional<TensorView>& maybe_lse, int64_t mask_mode_code,
                             int64_t layout, int64_t window_left) {
-  flashinfer::PrefillPlanSM90Info plan_info;
-  plan_info.FromVector(std::vector<int64_t>(plan_info_vec.begin(), plan_info_vec.end()));
   const QKVLayout kv_layout = static_cast<QKVLayout>(layout);
-  void* int_ws = int_workspace_buffer.data_ptr();
-  params.q_ptr = static_cast<DTypeQ*>(q.data_ptr());
-  params.k_ptr = static_cast<DTypeKV*>(paged_k_cache.data_ptr());
-  params.v_ptr = static_cast<DTypeKV*>(paged_v_cache.data_ptr());
-  params.o_ptr = static_cast<DTypeO*>(o.data_ptr());
-  params.lse_ptr = maybe_lse ? static_cast<float*>(maybe_lse.value().data_ptr()) : nullptr;
-  params.q_stride_n = q.stride(0);
-  params.q_stride_h = q.stride(1);
-  params.o_stride_n = o.stride(0);
-  params.o_stride_h = o.stride(1);
   // NHD pages: [pages, page_size, heads, dim]; HND: [pages, heads, page_size, dim].
   const int token_axis = kv_layout == QKVLayout::kNHD ? 1 : 2;
   const int head_axis = kv_layout == QKVLayout::kNHD ? 2 : 1;
+  FillFa3Common(params, int_workspace_buffer, plan_info_vec, q, o, maybe_lse,
+                int(paged_k_cache.size(head_axis)), mask_mode_code);
+  params.k_ptr = static_cast<DTypeKV*>(paged_k_cache.data_ptr());
+  params.v_ptr = static_cast<DTypeKV*>(paged_v_cache.data_ptr());
   params.k_stride_n = paged_k_cache.stride(token_axis);
   params.k_stride_h = paged_k_cache.stride(head_axis);
   params.v_stride_n = paged_v_cache.stride(token_axis);
   params.v_stride_h = paged_v_cache.stride(head_axis);
   params.k_page_stride = paged_k_cache.stride(0);
   params.v_page_stride = paged_v_cache.stride(0);
-  params.nnz_qo = q.size(0);
   params.head_dim = HEAD_DIM_QK;
-  params.num_qo_heads = q.size(1);
-  params.num_kv_heads = paged_k_cache.size(head_axis);
-  params.group_size = params.num_qo_heads / params.num_kv_heads;
   params.page_size = paged_k_cache.size(token_axis);
   params.window_left = int(window_left);
-  params.causal = mask_mode_code == 1;
   params.kv_indices = static_cast<IdType*>(paged_kv_indices.data_ptr());
-  params.qo_tile_indices = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.qo_tile_indices_offset);
-  params.qo_indptr = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.qo_indptr_offset);
-  params.kv_indptr = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.kv_indptr_offset);
-  params.qo_lens = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.qo_len_offset);
-  params.kv_lens = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.kv_len_offset);
-  params.head_indices = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.head_indices_offset);
-  params.work_indptr = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.work_indptr_offset);
-  params.batch_indices = GetPtrFromBaseOffset<IdType>(int_ws, plan_info.batch_indices_offset);
-  params.additional_params.vg_num_qo_heads = uint32_t(params.num_qo_heads);
-  params.additional_params.vg_num_kv_heads = uint32_t(params.num_kv_heads);
 }
 
 template <MaskMode MASK_MODE, bool WINDOW, typename Variant>

@@ -15,6 +15,13 @@
 
 namespace vg_plan {
 
+// Host memory the host code reads or writes (a device pointer there would crash it).
+inline void check_host(const TensorView& t, const char* name) {
+  const DLDeviceType type = t.device().device_type;
+  VG_REQUIRE(type == kDLCPU || type == kDLCUDAHost) << name << ": expected a host tensor";
+  VG_REQUIRE(t.IsContiguous()) << name << ": expected a contiguous tensor";
+}
+
 inline int64_t align16(int64_t x) { return (x + 15) & ~int64_t(15); }
 
 // Relative cost of one query tile that reads kv keys (a fixed part for loading Q and writing O).

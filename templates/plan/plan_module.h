@@ -17,13 +17,6 @@
 
 namespace vg_plan {
 
-// Host memory the host code reads or writes (a device pointer there would crash it).
-inline void check_host(const TensorView& t, const char* name) {
-  const DLDeviceType type = t.device().device_type;
-  VG_REQUIRE(type == kDLCPU || type == kDLCUDAHost) << name << ": expected a host tensor";
-  VG_REQUIRE(t.IsContiguous()) << name << ": expected a contiguous tensor";
-}
-
 // The checked host arguments of a plan: the batch (indices: int32 [3 batch + 2]), the options,
 // the workspace's host mirror and the descriptor.
 struct HostArgs {

@@ -479,10 +479,11 @@ STATIC_FILES = {
     ("fa2", "decode"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "config_prelude.cuh": "fa2/config_prelude.cuh",
                         "kernel_params.cuh": "fa2/kernel_params.cuh", "binding.cu": "fa2/decode_binding.cu"},
     ("fa3", "prefill"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
-                         "kernel_params.cuh": "fa3/kernel_params.cuh", "run.cuh": "fa3/run.cuh", **PLAN_FILES},
+                         "kernel_params.cuh": "fa3/kernel_params.cuh", "fill_params.cuh": "fa3/fill_params.cuh",
+                         "run.cuh": "fa3/run.cuh", **PLAN_FILES},
     ("fa3", "ragged"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
-                        "kernel_params.cuh": "fa3/kernel_params.cuh", "ragged_run.cuh": "fa3/ragged_run.cuh",
-                        "fa3_worklist.h": "plan/fa3_worklist.h"},
+                        "kernel_params.cuh": "fa3/kernel_params.cuh", "fill_params.cuh": "fa3/fill_params.cuh",
+                        "ragged_run.cuh": "fa3/ragged_run.cuh", "fa3_worklist.h": "plan/fa3_worklist.h"},
 }
 
 
