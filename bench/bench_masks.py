@@ -60,12 +60,20 @@ MODULES = (  # (spec, head dim, backends, kinds) this script loads
 
 
 class Bench:
-    def __init__(self, iters: int, res: dict):
-        self.iters, self.ms, self.notes = iters, res["ms"], res["notes"]
+    """The rows measured so far, written to ``out`` after each one (a run cut short keeps them)."""
+
+    def __init__(self, iters: int, res: dict, out: Path):
+        self.iters, self.res, self.out = iters, res, out
+        self.ms, self.notes = res["ms"], res["notes"]
 
     def record(self, name: str, fn: Callable[[], object]) -> None:
         self.ms[name] = round(cuda_median_ms(fn, self.iters), 3)
         print(f"{name:52s} {self.ms[name]:8.3f} ms", flush=True)
+        self.save()
+
+    def save(self) -> None:
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.out.write_text(json.dumps(self.res, indent=1) + "\n")
 
     def plan_ms(self, name: str, plan: Callable[[], object], times: int = 5) -> None:
         """Median host time of plan() (it syncs at its end anyway: the segment read-back)."""
@@ -262,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     backends = [b for b in args.backends.split(",") if b]
     res: dict = {**run_environment(), "workloads": {"sinks": SINKS, "tree": TREE, "gemma4": GEMMA4, "page_size": PS},
                  "ms": {}, "notes": {}}
-    bench = Bench(args.iters, res)
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / result_file_name("masks", res)
+    bench = Bench(args.iters, res, out)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     runners = {"sinks": bench_sinks, "tree": bench_tree, "gemma4": bench_gemma4}
     for case in wanted:
@@ -271,9 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # report, do not hide: the case's remaining rows are missing
             res["notes"][f"{case}_error"] = f"{type(e).__name__}: {str(e)[:600]}"
             print(f"{case}: {res['notes'][f'{case}_error']}", flush=True)
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / result_file_name("masks", res)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1) + "\n")
+    bench.save()
     print(f"results: {out}")
     return 0
 

@@ -34,9 +34,10 @@ for g in "${groups[@]}"; do
       "${VG[@]}" tests/data/full.yaml --head-dim 192/128 --dtype bf16 --backend fa2,fa3 --kind ragged
       "${VG[@]}" specs/mm_prefix.yaml specs/causal.yaml specs/softcap.yaml --head-dim 192/128 --dtype bf16,fp16 --backend fa2 --kind ragged
       "${VG[@]}" specs/softcap.yaml --head-dim 64,256 --dtype bf16 --backend fa2 --kind ragged ;;
-    masks)   # tests/gpu/test_gpu_masks.py beyond the groups above: Gemma 4's sliding layers at head dim 256
-      "${VG[@]}" specs/gemma4_sliding.yaml --head-dim 256 --dtype bf16 --backend fa2
-      "${VG[@]}" specs/gemma4_sliding.yaml --head-dim 256 --dtype bf16 --backend fa3 ;;
+    masks)   # tests/gpu/test_gpu_masks.py beyond the groups above: Gemma 4's sliding layers at head dim 256,
+             # learned sinks at gpt-oss's head dim 64 (the comparison with FlashInfer's sink wrapper)
+      "${VG[@]}" specs/gemma4_sliding.yaml --head-dim 256 --dtype bf16 --backend fa2,fa3
+      "${VG[@]}" specs/attention_sink_learned.yaml --head-dim 64 --dtype bf16 --backend fa2,fa3 ;;
     fuzz)    # bench/fuzz_gpu.py's module matrix (not in the default groups)
       python3 bench/fuzz_gpu.py --list-modules args | while read -r args; do "${VG[@]}" $args; done ;;
     *) echo "unknown group $g (expected fa2, fa3, decode, ragged, masks, fuzz)" >&2; exit 2 ;;

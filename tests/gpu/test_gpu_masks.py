@@ -105,21 +105,23 @@ def test_learned_sinks_prefill_vs_reference(backend, window, skip_tiles, wrapper
 @pytest.mark.parametrize("window", [-1, 128])
 def test_learned_sinks_match_flashinfer_sink_wrapper(backend, window, wrappers):
     """The same inputs through FlashInfer's BatchAttentionWithAttentionSinkWrapper (its own fa2 /
-    fa3 sink variant; window_left = window - 1: gpt-oss's 128-key window) and through ours."""
+    fa3 sink variant; window_left = window - 1: gpt-oss's 128-key window) and through ours, at
+    gpt-oss's head dim 64 (the modules bench/bench_masks.py measures)."""
     import flashinfer
 
-    b = paged(QO_LENS, KV_LENS, seed=11)
+    d = 64
+    b = paged(QO_LENS, KV_LENS, head_dim=d, seed=11)
     sinks = sinks_of(2)
-    ours, our_lse = run_prefill(wrappers("attention_sink_learned", backend), b, {"sinks": sinks, "window": window},
-                                skip_tiles=True)
+    ours, our_lse = run_prefill(wrappers("attention_sink_learned", backend, head_dim=d), b,
+                                {"sinks": sinks, "window": window}, skip_tiles=True)
     window_left = window - 1 if window > 0 else -1
     fw = flashinfer.BatchAttentionWithAttentionSinkWrapper(
         torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", backend=backend,
-        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, head_dim_qk=128, head_dim_vo=128,
+        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, head_dim_qk=d, head_dim_vo=d,
         window_left=window_left)
-    fw.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, 128, PAGE, causal=True,
+    fw.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, d, PAGE, causal=True,
             window_left=window_left, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-    theirs, their_lse = fw.run(b.q, (b.k_cache, b.v_cache), sinks, 1.0 / math.sqrt(128), return_lse=True)
+    theirs, their_lse = fw.run(b.q, (b.k_cache, b.v_cache), sinks, 1.0 / math.sqrt(d), return_lse=True)
     diff = (ours.float() - theirs.float()).abs().max().item()
     assert diff <= 2e-2 and rel_error(ours, theirs.float()) < 5e-3, f"{backend} w{window}: max abs diff {diff}"
     check_lse(our_lse, their_lse, f"{backend} w{window} vs FlashInfer's lse")
