@@ -2,7 +2,9 @@
 
 * sinks (gpt-oss shape: 64/8 heads, head dim 64, 8 x 8192 prefill, and a 64 x 8192 decode):
   attention_sink_learned with window 128 (sliding layers) and global, fa2 and fa3, against
-  FlashInfer's BatchAttentionWithAttentionSinkWrapper (its fa2 / fa3 sink variants);
+  FlashInfer's BatchAttentionWithAttentionSinkWrapper (its fa2 / fa3 sink variants), and the same
+  128-key window without a sink (FlashInfer's plain prefill with window_left 127 and variantgen's
+  sliding_window spec) to tell what the window costs from what the sink costs;
 * tree (64 requests x 8192 context x 16-node draft trees, 32/8 heads, head dim 128): tree_verify
   against FlashInfer on the same query count - its causal prefill (the cost of verifying a chain),
   its custom-mask prefill (a packed tree mask: how engines verify trees with FlashInfer today) and
@@ -54,6 +56,7 @@ GEMMA4 = dict(batch=8, tokens=8192, spans=PREFILL_BENCH_SPANS, qo_heads=32, kv_h
 MODULES = (  # (spec, head dim, backends, kinds) this script loads
     ("attention_sink_learned", 64, ("fa2", "fa3"), ("prefill",)),
     ("attention_sink_learned", 64, ("fa2",), ("decode",)),
+    ("sliding_window", 64, ("fa2", "fa3"), ("prefill",)),
     ("tree_verify", 128, ("fa2", "fa3"), ("prefill",)),
     ("gemma4_sliding", 256, ("fa2", "fa3"), ("prefill",)),
 )
@@ -151,6 +154,20 @@ def bench_sinks(bench: Bench, ws, skip: set[str], backends: list[str]) -> None:
             bench.record(name, lambda w=w, a=args: w.run(b.q, kv, **a))
             if be in theirs:
                 bench.compare(f"{name}_vs_flashinfer", w.run(b.q, kv, **args), theirs[be])
+        if window > 0:  # the same window without the sink: what the window launches cost alone
+            for be in ("fa2", "fa3"):
+                if f"flashinfer_{be}" in skip:
+                    continue
+                fw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=be)
+                fw.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, d, PS, causal=True,
+                        window_left=window_left, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+                bench.record(f"flashinfer_window_no_sink_{be}_{tag}", lambda fw=fw: fw.run(b.q, kv))
+            for be in backends:
+                w = ours("sliding_window", ws, d, be, bench)
+                a = {"window": window_left}  # (sliding_window's window is FlashInfer's window_left)
+                w.plan(*b.plan_args(), **a)
+                bench.notes[f"variantgen_window_no_sink_{be}_{tag}_launches"] = w.plan_stats.get("launches")
+                bench.record(f"variantgen_window_no_sink_{be}_{tag}", lambda w=w, a=a: w.run(b.q, kv, **a))
         if "fa2" in backends:
             w = ours("attention_sink_learned", ws, d, "fa2", bench, kind="decode")
             name = f"variantgen_sink_decode_{tag}"

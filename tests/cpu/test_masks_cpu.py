@@ -427,7 +427,7 @@ def test_bench_masks_modules_are_valid_precompile_commands(capsys):
 
     assert bench_masks.main(["--list-modules"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert len(lines) == 7
+    assert len(lines) == 9  # MODULES: 2 + 1 sinks, 2 no-sink windows, 2 trees, 2 gemma4
     for line in lines:
         res = CliRunner().invoke(cli_main, line.split()[3:] + ["--dry-run"])
         assert res.exit_code == 0, (line, res.output)
