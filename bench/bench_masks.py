@@ -20,6 +20,7 @@ JIT-builds its own on first use. Run on the GPU machine:
     python bench/bench_masks.py --list-modules      # precompile commands (CPU box)
     python bench/bench_masks.py                     # every case
     python bench/bench_masks.py --cases tree --skip custom_mask
+    python bench/bench_masks.py --cases sinks --sink-windows global --skip flashinfer_sink_fa3
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def ours(spec: str, ws, d: int, backend: str, bench: Bench, kind: str = "prefill
 # ----------------------------------------------------------------------------- cases
 
 
-def bench_sinks(bench: Bench, ws, skip: set[str], backends: list[str]) -> None:
+def bench_sinks(bench: Bench, ws, skip: set[str], backends: list[str], windows: tuple[int, ...]) -> None:
     import flashinfer
 
     c = SINKS
@@ -122,13 +123,13 @@ def bench_sinks(bench: Bench, ws, skip: set[str], backends: list[str]) -> None:
     kv, dkv = (b.k_cache, b.v_cache), (db.k_cache, db.v_cache)
     sinks = (torch.randn(hq, generator=torch.Generator().manual_seed(3)) * 2.0).cuda()
     dqo = torch.arange(c["decode_batch"] + 1, dtype=torch.int32, device="cuda")
-    for window in (c["window"], -1):
+    for window in windows:
         tag = f"w{window}" if window > 0 else "global"
         args = {"sinks": sinks, "window": window}
         window_left = window - 1 if window > 0 else -1
         theirs = {}
         for be in ("fa2", "fa3"):
-            if f"flashinfer_{be}" in skip:
+            if f"flashinfer_{be}" in skip or f"flashinfer_sink_{be}" in skip:
                 continue
             fw = flashinfer.BatchAttentionWithAttentionSinkWrapper(
                 ws, "NHD", backend=be, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16, head_dim_qk=d,
@@ -272,7 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
     ap.add_argument("--backends", default="fa2,fa3", help="variantgen backends to measure")
     ap.add_argument("--skip", default="", help="comma list of FlashInfer rows to skip: flashinfer_fa2, "
-                    "flashinfer_fa3, custom_mask, flashinfer_decode")
+                    "flashinfer_fa3, flashinfer_sink_fa2, flashinfer_sink_fa3 (the sink wrapper only), "
+                    "custom_mask, flashinfer_decode")
+    ap.add_argument("--sink-windows", default=f"{SINKS['window']},global",
+                    help=f"the sinks case's layers: comma list of window widths and `global` "
+                         f"(default {SINKS['window']},global)")
     ap.add_argument("--list-modules", action="store_true", help="print the precompile commands and exit")
     args = ap.parse_args(argv)
     if args.list_modules:
@@ -281,6 +286,12 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [c for c in args.cases.split(",") if c]
     if set(wanted) - set(CASES):
         ap.error(f"--cases: unknown {sorted(set(wanted) - set(CASES))}; expected some of {', '.join(CASES)}")
+    try:
+        windows = tuple(-1 if w == "global" else int(w) for w in filter(None, args.sink_windows.split(",")))
+    except ValueError:
+        ap.error(f"--sink-windows={args.sink_windows!r}: expected a comma list of positive integers and `global`")
+    if not windows or any(w == 0 or w < -1 for w in windows):
+        ap.error(f"--sink-windows={args.sink_windows!r}: a window width is a positive integer (or `global`)")
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (the H200); --list-modules works anywhere")
     skip = set(filter(None, args.skip.split(",")))
@@ -290,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / result_file_name("masks", res)
     bench = Bench(args.iters, res, out)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    runners = {"sinks": bench_sinks, "tree": bench_tree, "gemma4": bench_gemma4}
+    runners = {"sinks": lambda *a: bench_sinks(*a, windows=windows), "tree": bench_tree, "gemma4": bench_gemma4}
     for case in wanted:
         try:
             runners[case](bench, ws, skip, backends)

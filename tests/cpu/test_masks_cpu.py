@@ -432,3 +432,17 @@ def test_bench_masks_modules_are_valid_precompile_commands(capsys):
         res = CliRunner().invoke(cli_main, line.split()[3:] + ["--dry-run"])
         assert res.exit_code == 0, (line, res.output)
         assert any(u.startswith("vg_") for u in res.output.splitlines()), res.output
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "12x", ""])
+def test_bench_masks_rejects_bad_sink_windows_before_needing_a_gpu(value, capsys):
+    """--sink-windows is checked on any machine, with the argument named in the error."""
+    import sys
+
+    sys.path.insert(0, str(SPECS_DIR.parent / "bench"))
+    import bench_masks
+
+    with pytest.raises(SystemExit) as exc:
+        bench_masks.main(["--cases", "sinks", "--sink-windows", value])
+    assert exc.value.code == 2
+    assert "--sink-windows" in capsys.readouterr().err
