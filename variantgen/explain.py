@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: the CLI's help reads AR
 
 MAX_GRID = 256  # queries or keys: a wider grid does not fit a terminal
 VISIBLE, MASKED = "#", "."
-CLASS_NAMES = ("dense", "causal", "window", "custom")  # plan_abi.RowClass
+CLASS_NAMES = ("dense", "causal", "window", "custom", "tail")  # plan_abi.RowClass
 ARG_FORMS = """\
 --arg NAME=VALUE (repeatable). A scalar: a number (true / false for a bool). A tensor: one number
 (every element), a comma list of all its elements (row-major), runs COUNTxVALUE (e.g.
@@ -295,13 +295,15 @@ def render(e: Explanation) -> str:
         rows = f"rows {la.rows[0]}-{la.rows[1] - 1}" if la.rows[1] - la.rows[0] > 1 else f"row {la.rows[0]}"
         qp = f"q_pos {first_q + la.rows[0]}-{first_q + la.rows[1] - 1}"
         window = f", kernel window {la.window}" if la.window >= 0 else ""
+        tail = (" (fa2, while rows x GQA group fit one query tile: the mask on the diagonal tile only; "
+                "otherwise, and on fa3, custom)") if la.cls == "tail" else ""
         out.append(f"  {rows:12} ({qp}): {la.cls:6}  keys {la.keys[0]}-{la.keys[1] - 1} ({la.pages} page(s)), "
-                   f"mask mode {la.mode}{window}")
+                   f"mask mode {la.mode}{window}{tail}")
     c = e.segment_counts
     if c:
         out.append(f"  {c.get('dense', 0)} dense, {c.get('causal', 0)} causal, {c.get('window', 0)} window, "
-                   f"{c.get('custom', 0)} custom ({c.get('custom_rows', 0)} of {e.qo_len} rows evaluate the mask on "
-                   "every key they read)")
+                   f"{c.get('tail', 0)} tail, {c.get('custom', 0)} custom ({c.get('custom_rows', 0)} of {e.qo_len} "
+                   "rows evaluate the mask on every key they read)")
     return "\n".join(out)
 
 

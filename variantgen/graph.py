@@ -6,8 +6,9 @@ arguments: the same device pointers, the same grid, the same plan_info, the same
 many launch requests each mask mode gets, how many pages they read), so in graph mode the
 launch builder (templates/plan/launches.h, with the capacity in its options)
 
-* always makes the same launches - *slots*: custom, causal, none, and on fa3 (which takes its
-  left window per launch) a causal slot per window width. The widths are fixed for the
+* always makes the same launches - *slots*: custom, causal, none, then on fa2 the tail slot
+  (draft-tree rows: causal, the mask on the diagonal tile), on fa3 (which takes its left
+  window per launch) a causal slot per window width. The widths are fixed for the
   wrapper's life: ``GraphCapacity.window_widths`` names them, or the first plan() pins the
   ones its batch has (up to FA3_MAX_WINDOW_LAUNCHES); window rows of any other width run in
   the custom slot, with the mask (exact, slower). A slot with no launch requests in a batch
@@ -119,14 +120,26 @@ class GraphCapacity:
 SLOT_NAMES = ("custom", "causal", "none")  # the first launch slots, in order; fa3 then one per window width
 
 
+def slot_name(slot: int, fa3: bool, widths: tuple[int, ...] | None = None) -> str:
+    """A launch slot's name in messages: custom, causal, none, then fa2's tail slot or fa3's
+    window slots (by width once pinned)."""
+    if slot < len(SLOT_NAMES):
+        return SLOT_NAMES[slot]
+    if not fa3:
+        return "tail"
+    at = slot - len(SLOT_NAMES)
+    return f"window {widths[at]}" if widths and at < len(widths) else f"window slot {at}"
+
+
 class GraphBuffers:
     """What one graph-mode wrapper keeps from plan to plan: its capacity, the device workspace
     the launch slots live in (with its page-locked host mirror; allocated at the first plan, at
     the size the launch builder asks for, never again: captured launches hold its addresses),
     and the pins - each slot's plan_info, the window widths, the heads and page size."""
 
-    def __init__(self, capacity: GraphCapacity, device: torch.device):
+    def __init__(self, capacity: GraphCapacity, device: torch.device, fa3: bool = False):
         self.capacity = capacity
+        self.fa3 = fa3
         self.device = device
         self.workspace: tuple[torch.Tensor, torch.Tensor] | None = None
         self.plan_info: dict[int, list[int]] = {}
@@ -160,7 +173,7 @@ class GraphBuffers:
 
     def check_plan_info(self, slot: int, plan_info: list[int]) -> None:
         """The schedule of launch slot ``slot`` must be the one the graph was captured with."""
-        name = SLOT_NAMES[slot] if slot < len(SLOT_NAMES) else f"window {slot - len(SLOT_NAMES)}"
+        name = slot_name(slot, self.fa3, self.windows)
         self.plan_info[slot] = pin_plan_info(self.plan_info.get(slot), plan_info, f"the {name!r} launch slot")
 
 

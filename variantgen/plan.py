@@ -71,6 +71,16 @@ class LaunchRequest:
         return cls((seg[SegField.FIRST_ROW], seg[SegField.END_ROW]), seg[SegField.REQUEST], c, c.mode,
                    seg[SegField.WINDOW], (begin, end), -(-(end - begin) // page_size), seg[SegField.Q_POS])
 
+    def masked(self) -> int:
+        """The pairs of visited() the mask is evaluated on: all in custom mode; a tail run's keys
+        from its first query position on (its diagonal tile); none in the others."""
+        if self.mode == MaskMode.CUSTOM:
+            return self.visited()
+        if self.cls == RowClass.TAIL:
+            n = self.rows[1] - self.rows[0]
+            return n * (n + 1) // 2
+        return 0
+
     def visited(self) -> int:
         """(query, key) pairs its mode lets the kernel see (tiles further trim causal ones)."""
         n, kb, ke, q0 = self.rows[1] - self.rows[0], self.keys[0], self.keys[1], self.q_pos
@@ -103,6 +113,7 @@ class Launch:
     int_workspace: torch.Tensor
     float_workspace: torch.Tensor
     schedule: Schedule = Schedule.FLASHINFER
+    tail: bool = False  # fa2's tail launch: causal, the mask on each launch request's diagonal tile
 
     @property
     def mask_mode(self) -> str:
@@ -185,6 +196,7 @@ class Plan:
                 window = row[MetaColumn.KERNEL_WINDOW]  # a window run's width (fa3: its launch's, or custom)
                 mode = launch.mode
                 cls = (RowClass.DENSE if mode == MaskMode.NONE else RowClass.WINDOW if window >= 0
+                       else RowClass.TAIL if launch.tail
                        else RowClass.CAUSAL if mode == MaskMode.CAUSAL else RowClass.CUSTOM)
                 first = row[MetaColumn.Q_ROW_BASE]
                 out.append(LaunchRequest((first, first + row[MetaColumn.LAUNCH_QO_LEN]), row[MetaColumn.REQUEST], cls,
@@ -199,7 +211,7 @@ class Plan:
         full = sum(q * k for q, k in zip(self.batch.qo_lens, self.batch.kv_lens))
         reqs = self.launch_requests
         visited = sum(r.visited() for r in reqs)
-        masked = sum(r.visited() for r in reqs if r.mode == MaskMode.CUSTOM)
+        masked = sum(r.masked() for r in reqs)
         return {"full": full, "visited": visited, "masked": masked,
                 "pages_read": sum(r.pages for r in reqs), "pages_given": self.pages_given}
 
@@ -247,6 +259,8 @@ class Plan:
             k = torch.arange(kb, ke).view(1, -1)
             seen = (k <= q) & ((k >= q - r.window) if r.window >= 0 else torch.ones((), dtype=torch.bool))
             grid[i0:i1, kb:ke][seen] = value
+            if r.cls == RowClass.TAIL:  # its diagonal tile: the mask from its first query position on
+                grid[i0:i1, kb:ke][seen & (k >= r.q_pos)] = MASKED
         return grids
 
 

@@ -49,6 +49,12 @@ class RowClass(IntEnum):
     CAUSAL = 1  # keys [lo, q_pos], lo fixed and page-aligned
     WINDOW = 2  # keys [q_pos - w, q_pos], w fixed: causal with a kernel window w
     CUSTOM = 3  # anything else: the mask over the hull
+    # keys [lo, q_pos], lo fixed and page-aligned, every key visible up to a fixed mask_from
+    # that is at least the request's first query position, the mask deciding the rest (a draft
+    # tree after its cached context): fa2 runs it causal, where the kernel evaluates the mask on
+    # the diagonal tile, which holds every key from mask_from on while the launch request is one
+    # query tile; otherwise (and on fa3, whose causal launch has no mask) it runs custom.
+    TAIL = 4
 
     @property
     def label(self) -> str:
@@ -61,7 +67,7 @@ class RowClass(IntEnum):
 
 
 _CLASS_MODE = {RowClass.DENSE: MaskMode.NONE, RowClass.CAUSAL: MaskMode.CAUSAL, RowClass.WINDOW: MaskMode.CAUSAL,
-               RowClass.CUSTOM: MaskMode.CUSTOM}
+               RowClass.CUSTOM: MaskMode.CUSTOM, RowClass.TAIL: MaskMode.CAUSAL}
 
 
 class MetaColumn(IntEnum):
@@ -97,10 +103,11 @@ class RecField(IntEnum):
     STARTS = 0  # 1 where the row starts a launch request
     REQUEST = 1  # the caller's request
     CLASS = 2  # its RowClass
-    PARAM_A = 3  # dense/causal: lo; window: the width; custom: the run's chunk (q_idx // CUSTOM_ROWS)
+    PARAM_A = 3  # dense/causal/tail: lo; window: the width; custom: the run's chunk (q_idx // CUSTOM_ROWS)
     LO = 4  # its key interval (on a custom run's first row: the run's hull)
     HI = 5
     Q_POS = 6  # the query's position
+    MASK_FROM = 7  # tail rows: the first key the mask decides (one past the exact prefix); else -1
 
 
 class SegField(IntEnum):
@@ -116,6 +123,7 @@ class SegField(IntEnum):
     KV_BEGIN = 5  # first key it reads: page-aligned, request-local
     KV_END = 6  # one past the last key it reads
     Q_POS = 7  # q_pos of the first row
+    MASK_FROM = 8  # a tail run: keys [kv_begin, MASK_FROM) are visible to all its rows; else -1
 
 
 SEG_FIELDS = len(SegField)
@@ -180,6 +188,7 @@ class HeaderField(IntEnum):
     WINDOW = 12
     CUSTOM = 13
     CUSTOM_ROWS = 14  # query rows in custom launch requests
+    TAIL = 15  # launch requests of the tail class run causal (those that do not fit run custom)
 
 
 class LaunchField(IntEnum):
@@ -196,8 +205,9 @@ class LaunchField(IntEnum):
     PAGE_AT = 8  # its page list, in entries from PAGES_OFFSET
     PAGES = 9  # entries its launch requests read
     SLOT_PAGES = 10  # entries laid out (CUDA-graph mode: the capacity)
-    INFO_LEN = 11  # then INFO_LEN plan_info values
-    INFO = 12
+    TAIL = 11  # 1: fa2's tail launch (causal, the mask on each launch request's one diagonal tile)
+    INFO_LEN = 12  # then INFO_LEN plan_info values
+    INFO = 13
 
 
 class LaunchArray(IntEnum):
@@ -254,9 +264,12 @@ FA3_PLAN_INFO = len(SM90PlanInfo)
 HEADER_FIELDS = len(HeaderField)
 LAUNCH_FIELDS = LaunchField.INFO + MAX_PLAN_INFO
 CUSTOM_ROWS = 128  # rows per custom launch request (a tight hull beats one long launch request)
+TAIL_MAX_QO_LEN = 128  # tail rows only in requests of at most this many queries (fa2's largest query tile)
 FA3_MAX_WINDOW_LAUNCHES = 4  # distinct window widths given their own fa3 launch; more go custom
-# custom, causal, none; fa3 also a causal launch per window width (the other widths run custom)
-MAX_LAUNCHES = 3 + FA3_MAX_WINDOW_LAUNCHES
+# custom, causal, none; fa2 also its tail launch, fa3 a causal launch per window width (the other
+# widths run custom)
+FA2_LAUNCHES = 4
+MAX_LAUNCHES = max(FA2_LAUNCHES, 3 + FA3_MAX_WINDOW_LAUNCHES)
 OPTION_FIELDS = PlanOption.WINDOWS + FA3_MAX_WINDOW_LAUNCHES
 DESC_FIELDS = HEADER_FIELDS + LAUNCH_FIELDS * MAX_LAUNCHES
 ROW_BLOCK = 256  # query rows per block of the row kernels: one launch-request count each
@@ -315,6 +328,8 @@ def header_text() -> str:
         f"constexpr int kMaxPlanInfo = {MAX_PLAN_INFO};",
         f"constexpr int kFa3PlanInfo = {FA3_PLAN_INFO};",
         f"constexpr int32_t kCustomRows = {CUSTOM_ROWS};",
+        f"constexpr int32_t kTailMaxQoLen = {TAIL_MAX_QO_LEN};",
+        f"constexpr int kFa2Launches = {FA2_LAUNCHES};",
         f"constexpr int kFa3MaxWindowLaunches = {FA3_MAX_WINDOW_LAUNCHES};",
         f"constexpr int kMaxLaunches = {MAX_LAUNCHES};",
         f"constexpr int kRowBlock = {ROW_BLOCK};",

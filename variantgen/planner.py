@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from .errors import LaunchError
-from .graph import SLOT_NAMES, GraphBuffers, GraphCapacity
+from .graph import GraphBuffers, GraphCapacity, slot_name
 from .intervals import analyze
 from .plan import Batch, Launch, LaunchLayout, Plan
 from .plan_abi import (
@@ -87,7 +87,7 @@ class Planner:
         self.device = device
         self.float_workspace = float_workspace
         self.staging = HostStaging(device)
-        self.graph = GraphBuffers(graph, device) if graph is not None else None
+        self.graph = GraphBuffers(graph, device, self.fa3) if graph is not None else None
         # The spec's planner module (rowplan.py); None: plans run planner-off, ``row_planner_reason`` says why.
         self.row_planner: Any = None
         self.row_planner_reason = ""
@@ -237,11 +237,8 @@ class Planner:
 
     def _capacity_error(self, status: int, slot: int, need: int) -> LaunchError:
         assert self.graph is not None
-        cap, widths = self.graph.capacity, self.graph.windows
-        if slot < len(SLOT_NAMES):
-            name = SLOT_NAMES[slot]
-        else:  # a window slot (its width, once pinned)
-            name = f"window {widths[slot - 3]}" if widths else f"window slot {slot - len(SLOT_NAMES)}"
+        cap = self.graph.capacity
+        name = slot_name(slot, self.fa3, self.graph.windows)
         if status == Status.SLOT_REQUESTS:
             return LaunchError(f"plan(): the {name!r} launch needs {need} launch requests; the wrapper's CUDA-graph "
                                f"capacity max_launch_requests={cap.launch_requests} - make the wrapper with a larger "
@@ -334,7 +331,7 @@ class Planner:
                 num_rows=d[LaunchField.ROWS], q_starts=q_starts, kv_indptr=kv_indptr,
                 kv_indices=views[stride * n_launches + 2 + 2 * i], last_page_len=last_page_len,
                 meta=meta.view(n, -1), plan_info=plan_info, int_workspace=int_ws, float_workspace=chunks[i],
-                schedule=schedule))
+                schedule=schedule, tail=bool(d[LaunchField.TAIL])))
             layouts.append(LaunchLayout(d[LaunchField.OFFSET], n, d[LaunchField.REQUESTS]))
         return launches, layouts
 

@@ -6,14 +6,20 @@ classified by the shape of its key interval:
   dense   every key of [lo, hi] is visible, lo page-aligned      -> MaskMode::kNone
   causal  keys [lo, q_pos], lo fixed and page-aligned           -> MaskMode::kCausal
   window  keys [q_pos - w, q_pos], w fixed                       -> kCausal + kernel window w
+  tail    keys [lo, q_pos], lo fixed and page-aligned, exact up to a fixed mask_from >= the
+          request's first q_pos, in a request of at most TAIL_MAX_QO_LEN queries (a draft tree
+          after its context)                              -> kCausal, the mask on the diagonal
   custom  anything else (not exact, several intervals, unaligned) -> kCustom over the hull
 
 Consecutive rows of a request with the same class and parameters form one launch request (a
 *segment*; custom ones capped at CUSTOM_ROWS rows, to keep hulls tight) that reads only the
 pages of its keys. In kNone/kCausal launches the kernel still calls the generated mask on its
 boundary tiles (diagonal, window edge), so partial tiles stay exact; interior tiles are known
-to be fully visible. Rows are partitioned: every output row is written by exactly one launch,
-in place, so nothing is gathered, scattered or merged.
+to be fully visible. A tail run is exact in fa2's kCausal launch only while it is one query tile
+(its diagonal tile then starts at or before mask_from): the launch builder checks that and
+sends the others, and every tail run on fa3, to the custom launch. Rows are partitioned: every
+output row is written by exactly one launch, in place, so nothing is gathered, scattered or
+merged.
 
 plan() never runs these: the spec's planner module does (its row kernel, rowplan.py, renders
 the same rules for one spec's interval terms, on the GPU), and the launch builder lays its
@@ -30,10 +36,10 @@ from typing import Any
 import torch
 
 from .intervals import IntervalForm, row_intervals
-from .plan_abi import CUSTOM_ROWS, NO_INTERVAL, SEG_FIELDS, RecField, RowClass, SegField
+from .plan_abi import CUSTOM_ROWS, NO_INTERVAL, SEG_FIELDS, TAIL_MAX_QO_LEN, RecField, RowClass, SegField
 from .spec import VariantSpec
 
-DENSE, CAUSAL, WINDOW, CUSTOM = RowClass
+DENSE, CAUSAL, WINDOW, CUSTOM, TAIL = RowClass
 
 
 def row_env(qo_indptr: list[int], kv_lens: list[int], device: torch.device) -> dict[str, torch.Tensor]:
@@ -59,7 +65,8 @@ def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], k
                   args: dict[str, Any], device: torch.device) -> torch.Tensor:
     """The row pass in torch ops (any device): int64 [len(RecField), total_q], per query row
     (RecField order) whether it starts a launch request, its request, class, class parameter,
-    interval [lo, hi] (on a custom run's first row: the run's hull) and q_pos."""
+    interval [lo, hi] (on a custom run's first row: the run's hull), q_pos and (tail rows) the
+    first key the mask decides."""
     dev, ps, i64 = device, page_size, torch.int64
     total_q = qo_indptr[-1]
     env = row_env(qo_indptr, kv_lens, dev)
@@ -90,9 +97,16 @@ def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], k
     fixed_span = (((lo == prev_lo) & (hi == prev_hi) & same_req_prev)
                   | ((lo == next_lo) & (hi == next_hi) & same_req_next))
     cls = torch.where(iv.exact & ~causal_end & aligned & fixed_span, torch.full_like(lo, DENSE), cls)
+    # A hull that ends at q_pos with a dense prefix reaching the request's first query: only the
+    # request's own keys need the mask (tree_verify's draft block after its context).
+    mask_from = iv.dense_hi + 1
+    qo_len = env["qo_len"]
+    tail = (~iv.exact & (hi == q_pos) & aligned & (fixed_lo | (lo == 0)) & (mask_from > lo)
+            & (mask_from >= env["kv_len"] - qo_len) & (qo_len <= TAIL_MAX_QO_LEN))
+    cls = torch.where(tail, torch.full_like(lo, TAIL), cls)
     # Parameters that must stay fixed within a launch request.
     param_a = torch.where(cls == WINDOW, q_pos - lo, lo)
-    param_b = torch.where(cls == DENSE, hi, torch.zeros_like(hi))
+    param_b = torch.where(cls == DENSE, hi, torch.where(cls == TAIL, mask_from, torch.zeros_like(hi)))
     chunk = torch.where(cls == CUSTOM, q_idx // CUSTOM_ROWS, torch.zeros_like(q_idx))
     param_a = torch.where(cls == CUSTOM, chunk, param_a)
     key = torch.stack([request, cls, param_a, param_b], 1)
@@ -106,13 +120,15 @@ def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], k
     custom_start = (starts == 1) & (cls == CUSTOM)
     lo = torch.where(custom_start, seg_lo[seg_id], lo)
     hi = torch.where(custom_start, seg_hi[seg_id], hi)
-    return torch.stack([starts, request, cls, param_a, lo, hi, q_pos])
+    return torch.stack([starts, request, cls, param_a, lo, hi, q_pos,
+                        torch.where(cls == TAIL, mask_from, torch.full_like(lo, -1))])
 
 
 def segments(rec: torch.Tensor, page_size: int) -> torch.Tensor:
     """The launch requests of a row pass (classify_rows' rec), compacted: int64 [n, SEG_FIELDS]
     on the host, per run of rows with one key its rows, request, class, kernel window, the keys
-    it reads [kv_begin, kv_end) and its first q_pos - what the row kernel's segments pass writes.
+    it reads [kv_begin, kv_end), its first q_pos and (tail runs) the first key the mask decides -
+    what the row kernel's segments pass writes.
     (The planner's one device-to-host copy.)"""
     total_q = rec.shape[1]
     if total_q == 0:
@@ -123,7 +139,7 @@ def segments(rec: torch.Tensor, page_size: int) -> torch.Tensor:
     lo, hi, q_pos = rec[RecField.LO, first], rec[RecField.HI, first], rec[RecField.Q_POS, first]
     q_last = rec[RecField.Q_POS, end - 1]
     window_run = cls == WINDOW
-    geometric = (cls == CAUSAL) | window_run  # keys up to the last row's position
+    geometric = (cls == CAUSAL) | window_run | (cls == TAIL)  # keys up to the last row's position
     begin = torch.where(window_run, (q_pos - param).clamp(min=0), lo)
     out = torch.empty(len(SegField), first.numel(), dtype=torch.int64, device=rec.device)
     out[SegField.FIRST_ROW] = first
@@ -134,4 +150,5 @@ def segments(rec: torch.Tensor, page_size: int) -> torch.Tensor:
     out[SegField.KV_BEGIN] = torch.div(begin, page_size, rounding_mode="floor") * page_size
     out[SegField.KV_END] = torch.where(geometric, q_last, hi) + 1
     out[SegField.Q_POS] = q_pos
+    out[SegField.MASK_FROM] = rec[RecField.MASK_FROM, first]
     return out.t().contiguous().cpu()

@@ -29,8 +29,9 @@ struct Options {
   bool fa3, direct;
   int64_t windows[kFa3MaxWindowLaunches];
   bool graph() const { return graph_requests > 0; }
-  // Launch slots laid out in CUDA-graph mode: custom, causal, none, and fa3's window launches.
-  int64_t graph_slots() const { return 3 + (fa3 ? kFa3MaxWindowLaunches : 0); }
+  // Launch slots laid out in CUDA-graph mode: custom, causal, none, then fa2's tail launch or
+  // fa3's window launches.
+  int64_t graph_slots() const { return fa3 ? 3 + kFa3MaxWindowLaunches : kFa2Launches; }
 };
 
 inline Options read_options(const int64_t* o, int64_t count) {
@@ -100,7 +101,7 @@ inline Batch read_batch(const int32_t* indices, int64_t count, int64_t page_size
 
 // One launch request, checked, with its page range.
 struct Request {
-  int64_t first_row, rows, request, cls, window, kv_begin, kv_end, q_pos;
+  int64_t first_row, rows, request, cls, window, kv_begin, kv_end, q_pos, mask_from;
   int64_t page_first, pages, last_page_len;
 };
 
@@ -120,7 +121,8 @@ inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, cons
     r.kv_begin = g[kSegKvBegin];
     r.kv_end = g[kSegKvEnd];
     r.q_pos = g[kSegQPos];
-    const bool in_batch = r.request >= 0 && r.request < b.batch && r.cls >= kDense && r.cls <= kCustom;
+    r.mask_from = g[kSegMaskFrom];
+    const bool in_batch = r.request >= 0 && r.request < b.batch && r.cls >= kDense && r.cls <= kTail;
     VG_REQUIRE(in_batch && r.first_row == row && r.rows >= 1 && b.q_start[r.request] <= r.first_row &&
                    r.first_row + r.rows <= b.q_start[r.request + 1])
         << "segments: row " << i << " (rows " << r.first_row << "-" << r.first_row + r.rows << ", request "
@@ -128,10 +130,11 @@ inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, cons
     const int64_t kv_len = b.kv_len(r.request);
     VG_REQUIRE(r.q_pos == kv_len - b.qo_len(r.request) + (r.first_row - b.q_start[r.request]) &&
                    r.kv_begin >= 0 && r.kv_begin % page_size == 0 && r.kv_begin <= r.kv_end && r.kv_end <= kv_len &&
-                   (r.cls == kWindow ? r.window >= 0 : r.window == -1))
+                   (r.cls == kWindow ? r.window >= 0 : r.window == -1) &&
+                   (r.cls == kTail ? r.mask_from >= r.kv_begin && r.mask_from <= r.kv_end : r.mask_from == -1))
         << "segments: row " << i << " (keys " << r.kv_begin << "-" << r.kv_end << ", q_pos " << r.q_pos
-        << ", window " << r.window << ") does not fit request " << r.request << " (" << kv_len << " keys, page size "
-        << page_size << ")";
+        << ", window " << r.window << ", mask from " << r.mask_from << ") does not fit request " << r.request
+        << " (" << kv_len << " keys, page size " << page_size << ")";
     row += r.rows;
     r.pages = ceil_div(r.kv_end - r.kv_begin, page_size);
     r.page_first = b.page_start[r.request] + r.kv_begin / page_size;
@@ -148,9 +151,10 @@ inline std::vector<int64_t> direct_segments(const Batch& b) {
   for (int64_t r = 0; r < b.batch; ++r) {
     if (b.qo_len(r) == 0) continue;
     const int64_t g[kSegFields] = {b.q_start[r], b.q_start[r + 1], r, kCustom, -1, 0, b.kv_len(r),
-                                   b.kv_len(r) - b.qo_len(r)};
-    static_assert(kSegFields == 8 && kSegFirstRow == 0 && kSegEndRow == 1 && kSegRequest == 2 && kSegClass == 3 &&
-                  kSegWindow == 4 && kSegKvBegin == 5 && kSegKvEnd == 6 && kSegQPos == 7, "segment layout");
+                                   b.kv_len(r) - b.qo_len(r), -1};
+    static_assert(kSegFields == 9 && kSegFirstRow == 0 && kSegEndRow == 1 && kSegRequest == 2 && kSegClass == 3 &&
+                  kSegWindow == 4 && kSegKvBegin == 5 && kSegKvEnd == 6 && kSegQPos == 7 && kSegMaskFrom == 8,
+                  "segment layout");
     seg.insert(seg.end(), g, g + kSegFields);
   }
   return seg;
@@ -171,17 +175,25 @@ struct Fa2Shape {
   int64_t cta, tiles, padded, bytes;  // bytes from the (16-byte aligned) base
 };
 
-inline Fa2Shape fa2_shape(const int32_t* qo, int64_t n, const Options& c, int64_t graph_rows) {
+inline int64_t fa2_cta_tile_q(int64_t packed_len, const Options& c) {
+  return flashinfer::FA2DetermineCtaTileQ(packed_len, uint32_t(c.head_dim_vo), uint32_t(c.head_dim_qk),
+                                          uint32_t(c.kv_dtype_bytes));
+}
+
+// longest: size the tile for the longest launch request rather than the mean (the tail launch:
+// each of its launch requests must be one query tile).
+inline Fa2Shape fa2_shape(const int32_t* qo, int64_t n, const Options& c, int64_t graph_rows, bool longest = false) {
   VG_REQUIRE(n >= 1) << "schedule: no launch requests";
   const bool graph = graph_rows > 0;
   const int64_t rows = int64_t(qo[n] - qo[0]);
   VG_REQUIRE(!graph || (graph_rows >= rows && graph_rows >= n))
       << "graph_rows=" << graph_rows << " is below the rows (" << rows << ") or launch requests (" << n << ")";
   const int64_t group = c.num_qo_heads / c.num_kv_heads;
-  const int64_t packed_len = graph ? (graph_rows - n + 1) * group : rows * group / n;
+  int64_t packed_len = graph ? (graph_rows - n + 1) * group : rows * group / n;
+  if (longest && !graph)
+    for (int64_t b = 0; b < n; ++b) packed_len = std::max(packed_len, int64_t(qo[b + 1] - qo[b]) * group);
   Fa2Shape s;
-  s.cta = flashinfer::FA2DetermineCtaTileQ(packed_len, uint32_t(c.head_dim_vo), uint32_t(c.head_dim_qk),
-                                           uint32_t(c.kv_dtype_bytes));
+  s.cta = fa2_cta_tile_q(packed_len, c);
   s.tiles = 0;
   for (int64_t b = 0; b < n; ++b) {
     const int64_t len = int64_t(qo[b + 1] - qo[b]) * group;
@@ -249,14 +261,30 @@ inline std::vector<int64_t> fa2_write(const Fa2Shape& s, char* buffer, int64_t b
 }
 
 // ---------------------------------------------------------------------------------------
-// The launches: launch requests grouped by mask mode - custom, causal, none, and for fa3
-// (which takes its left window per launch, not per launch request) a causal launch per
-// window width: the smallest max_window_launches widths of the batch, or in CUDA-graph mode
-// the pinned ones; window rows of other widths run in the custom launch (exact: the mask).
+// The launches: launch requests grouped by mask mode - custom, causal, none; for fa2 the tail
+// launch (causal, its own schedule), for fa3 (which takes its left window per launch, not per
+// launch request) a causal launch per window width: the smallest max_window_launches widths
+// of the batch, or in CUDA-graph mode the pinned ones; window rows of other widths run in the
+// custom launch (exact: the mask).
 struct LaunchSet {
   int32_t mode, window;
   std::vector<int32_t> members;
+  bool tail = false;
 };
+
+// Whether a tail run is exact in fa2's tail launch: the kernel evaluates the mask from the
+// diagonal tile of each query tile on, and the first tile's diagonal starts at or before the
+// run's first query position, so the run must be one query tile (the tile the launch is
+// scheduled with: sized for its longest launch request, or in CUDA-graph mode for the
+// capacity) and its mask must be needed only from its first query position on. fa3's causal
+// launch evaluates no mask: its tail runs go custom.
+inline bool tail_fits(const Request& r, const Options& c) {
+  if (c.fa3 || r.mask_from < r.q_pos) return false;
+  const int64_t group = c.num_qo_heads / c.num_kv_heads, packed = r.rows * group;
+  const int64_t cta = c.graph() ? fa2_cta_tile_q((c.graph_rows - c.graph_requests + 1) * group, c)
+                                : fa2_cta_tile_q(packed, c);
+  return packed <= cta;
+}
 
 inline std::vector<int64_t> window_widths(const std::vector<Request>& reqs, const Options& c) {
   std::vector<int64_t> widths;
@@ -274,10 +302,12 @@ inline std::vector<LaunchSet> group_launches(const std::vector<Request>& reqs, c
   const std::vector<int64_t> widths = window_widths(reqs, c);
   std::vector<LaunchSet> slots = {LaunchSet{kModeCustom, -1, {}}, LaunchSet{kModeCausal, -1, {}},
                                   LaunchSet{kModeNone, -1, {}}};
+  if (!c.fa3) slots.push_back(LaunchSet{kModeCausal, -1, {}, true});
   for (const int64_t w : widths) slots.push_back(LaunchSet{kModeCausal, int32_t(w), {}});
   for (int32_t i = 0; i < int32_t(reqs.size()); ++i) {
     const Request& r = reqs[i];
     size_t slot = r.cls == kCustom ? 0 : r.cls == kDense ? 2 : 1;
+    if (r.cls == kTail) slot = tail_fits(r, c) ? 3 : 0;
     if (c.fa3 && r.cls == kWindow) {
       const auto at = std::find(widths.begin(), widths.end(), r.window);
       slot = at == widths.end() ? 0 : 3 + size_t(at - widths.begin());
@@ -359,14 +389,21 @@ inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const O
                           : fa3_tiles(qo.data(), slot_n[l], c.fa3_cta_tile_q);
       at = align16(at + fa3_work_list_bytes(fa3_room[l], c.num_sm));
     } else {
-      fa2[l] = fa2_shape(qo.data(), slot_n[l], c, graph ? c.graph_rows : 0);
+      // The tail launch keeps its own schedule, its tile sized for its longest launch request:
+      // that is what makes it exact (tail_fits).
+      const bool tail = l < int64_t(launches.size()) && launches[l].tail;
+      fa2[l] = fa2_shape(qo.data(), slot_n[l], c, graph ? c.graph_rows : 0, tail);
       // Below fa2_min_tiles FlashInfer's scheduler may split KV - but not for a launch with a
       // kernel window: its fa2 kernel sizes a request's split-KV partial rows from the window it
       // runs with (ours, per launch request), its scheduler from the one it is planned with (one
       // per launch); those disagree, and the merge would read the wrong rows.
       bool windowed = false;
       for (const int32_t i : members) windowed = windowed || reqs[i].window >= 0;
-      kind[l] = !graph && fa2[l].tiles < c.fa2_min_tiles && !windowed ? kScheduleFlashInfer : kScheduleFa2;
+      // (FlashInfer's scheduler sizes the tile for the mean launch request: the tail launch may
+      // take it only where that is the same tile.)
+      const bool same_tile = !tail || graph || fa2_shape(qo.data(), slot_n[l], c, 0).cta == fa2[l].cta;
+      kind[l] = !graph && fa2[l].tiles < c.fa2_min_tiles && !windowed && same_tile ? kScheduleFlashInfer
+                                                                                   : kScheduleFa2;
       if (kind[l] == kScheduleFa2) at = align16(at + fa2[l].bytes);
     }
   }
@@ -385,7 +422,7 @@ inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const O
   first_entry.reserve(table_ranges);
   shift.reserve(table_ranges);
   count.reserve(table_ranges);
-  int64_t stats[kCustom + 1] = {0, 0, 0, 0}, custom_rows = 0;
+  int64_t stats[kTail + 1] = {0, 0, 0, 0, 0}, custom_rows = 0;
   int64_t page_at = 0;
   for (int64_t l = 0; l < int64_t(launches.size()); ++l) {
     const std::vector<int32_t>& members = launches[l].members;
@@ -410,8 +447,9 @@ inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const O
         continue;
       }
       const Request& r = reqs[members[k]];
-      ++stats[r.cls];
-      if (r.cls == kCustom) custom_rows += r.rows;
+      const bool custom = launches[l].mode == kModeCustom;  // a tail run that does not fit runs custom
+      ++stats[r.cls == kTail && custom ? kCustom : r.cls];
+      if (custom) custom_rows += r.rows;
       q_starts[k] = int32_t(r.first_row);
       kv_indptr[k + 1] = kv_indptr[k] + int32_t(r.pages);
       last_page_len[k] = int32_t(r.last_page_len);
@@ -465,6 +503,7 @@ inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const O
     d[kLaunchPageAt] = page_at;
     d[kLaunchPages] = pages[l];
     d[kLaunchSlotPages] = graph ? c.graph_pages : d[kLaunchPages];
+    d[kLaunchTail] = launches[l].tail;
     d[kLaunchInfoLen] = int64_t(info.size());
     std::copy(info.begin(), info.end(), d + kLaunchInfo);
     if (!graph) page_at += pages[l];
@@ -485,6 +524,7 @@ inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const O
   desc[kHeadWindow] = stats[kWindow];
   desc[kHeadCustom] = stats[kCustom];
   desc[kHeadCustomRows] = custom_rows;
+  desc[kHeadTail] = stats[kTail];
 }
 
 }  // namespace vg_plan

@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 from _builder import finish_on_cpu, plan_builder
+from _fake_kernel import fa2_cta_tile_q
 from conftest import SPECS_DIR
 from torch.overrides import TorchFunctionMode
 
@@ -29,6 +30,7 @@ from variantgen.plan_abi import (
     LaunchField,
     MaskMode,
     PlanOption,
+    PrefillPlanInfo,
     RowClass,
     Schedule,
     SegField,
@@ -40,7 +42,7 @@ from variantgen.spec import load_spec
 from variantgen.testing import random_paged_batch, random_spec_args
 
 HQ, HKV, SMS = 32, 8, 132  # the H200-sized schedules of the direct build_launches tests
-DENSE, CAUSAL, WINDOW, CUSTOM = RowClass
+DENSE, CAUSAL, WINDOW, CUSTOM, TAIL = RowClass
 
 
 @pytest.fixture(scope="module")
@@ -93,16 +95,20 @@ def random_segments(rng: random.Random, b: Batch) -> list[list[int]]:
             n = min(q - r, rng.randint(1, 90))
             first, last = k - q + r, k - q + r + n - 1
             cls = rng.choice(list(RowClass))
-            window = -1
+            window = mask_from = -1
             if cls == CAUSAL:
                 begin, end = rng.randrange(0, first + 1, ps) if rng.random() < 0.5 else 0, last + 1
+            elif cls == TAIL:  # the mask from its first query on (fits while one query tile) or from earlier
+                begin, end = rng.randrange(0, first + 1, ps) if rng.random() < 0.5 else 0, last + 1
+                mask_from = rng.choice([first, end, rng.randint(begin, end)])
             elif cls == WINDOW:
                 window = rng.choice(widths)
                 begin, end = max(first - window, 0) // ps * ps, last + 1
             else:
                 begin = rng.randrange(0, k, ps)
                 end = rng.randint(begin + 1, k)
-            table.append([b.q_start[req] + r, b.q_start[req] + r + n, req, int(cls), window, begin, end, first])
+            table.append([b.q_start[req] + r, b.q_start[req] + r + n, req, int(cls), window, begin, end, first,
+                          mask_from])
             r += n
     return table
 
@@ -110,6 +116,7 @@ def random_segments(rng: random.Random, b: Batch) -> list[list[int]]:
 def build(builder, b: Batch, table, opts, capacity=1 << 22):
     host = torch.zeros(capacity, dtype=torch.uint8)
     desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)
+    table = [list(s) + [-1] * (SEG_FIELDS - len(s)) for s in table]  # (mask_from: -1 unless given)
     segments = torch.tensor(table, dtype=torch.int64).view(-1, SEG_FIELDS)
     builder.build_launches(b.indices, segments, opts, host, desc)
     return host, desc
@@ -134,32 +141,47 @@ def decode(host, desc):
     return head, launches
 
 
-def expected_launch(seg, fa3: bool, widths: list[int]) -> tuple[int, int]:
-    """(mask mode, launch window) of a segment: its class's mode; fa3 window runs in the launch of
-    their width if it is among the kept ones, else in the custom launch."""
+def tail_fits(seg, fa3: bool, graph_rows: int = 0, graph_requests: int = 0) -> bool:
+    """A tail run runs in fa2's tail launch when the mask is needed only from its first query
+    on and it is one query tile (the tile fa2 picks for it, or in CUDA-graph mode for the capacity)."""
+    if fa3 or seg[SegField.MASK_FROM] < seg[SegField.Q_POS]:
+        return False
+    group = HQ // HKV
+    packed = (seg[SegField.END_ROW] - seg[SegField.FIRST_ROW]) * group
+    sized = (graph_rows - graph_requests + 1) * group if graph_rows else packed
+    return packed <= fa2_cta_tile_q(sized, 128, 128)
+
+
+def expected_launch(seg, fa3: bool, widths: list[int]) -> tuple[int, int, int]:
+    """(mask mode, launch window, tail launch) of a segment: its class's mode; fa3 window runs in
+    the launch of their width if it is among the kept ones, else in the custom launch; tail runs
+    in fa2's tail launch where they fit, else in the custom launch."""
     cls = RowClass(seg[SegField.CLASS])
     if fa3 and cls == WINDOW:
         kept = seg[SegField.WINDOW] in widths
-        return (int(MaskMode.CAUSAL), seg[SegField.WINDOW]) if kept else (int(MaskMode.CUSTOM), -1)
-    return int(cls.mode), -1
+        return (int(MaskMode.CAUSAL), seg[SegField.WINDOW], 0) if kept else (int(MaskMode.CUSTOM), -1, 0)
+    if cls == TAIL:
+        return (int(MaskMode.CAUSAL), -1, 1) if tail_fits(seg, fa3) else (int(MaskMode.CUSTOM), -1, 0)
+    return int(cls.mode), -1, 0
 
 
 def check_launches(b: Batch, table, head, launches, fa3: bool, widths: list[int]) -> None:
     """Every segment in exactly one launch (its mode's), in row order, with the metadata the
-    kernel needs; the class counts; the launch order custom, causal, none, then windows."""
-    order = [(int(MaskMode.CUSTOM), -1), (int(MaskMode.CAUSAL), -1), (int(MaskMode.NONE), -1)]
-    order += [(int(MaskMode.CAUSAL), w) for w in widths]
-    keys = [(la[LaunchField.MODE], la[LaunchField.WINDOW_LEFT]) for la in launches]
+    kernel needs; the class counts; the launch order custom, causal, none, then fa2's tail
+    launch or fa3's windows."""
+    order = [(int(MaskMode.CUSTOM), -1, 0), (int(MaskMode.CAUSAL), -1, 0), (int(MaskMode.NONE), -1, 0)]
+    order += [(int(MaskMode.CAUSAL), w, 0) for w in widths] if fa3 else [(int(MaskMode.CAUSAL), -1, 1)]
+    keys = [(la[LaunchField.MODE], la[LaunchField.WINDOW_LEFT], la[LaunchField.TAIL]) for la in launches]
     assert keys == [k for k in order if any(expected_launch(s, fa3, widths) == k for s in table)]
     ps, seen = b.page_size, []
     for la in launches:
-        key = (la[LaunchField.MODE], la[LaunchField.WINDOW_LEFT])
+        key = (la[LaunchField.MODE], la[LaunchField.WINDOW_LEFT], la[LaunchField.TAIL])
         members = [s for s in table if expected_launch(s, fa3, widths) == key]
         n = la[LaunchField.REQUESTS]
         assert n == len(members) == la[LaunchField.SLOT]
         qo = [0]
         for k, s in enumerate(members):
-            r0, r1, req, cls, window, begin, end, q_pos = s
+            r0, r1, req, cls, window, begin, end, q_pos = s[:8]
             pages = -(-(end - begin) // ps)
             assert la["Q_STARTS"][k] == r0
             assert la["KV_INDPTR"][k + 1] - la["KV_INDPTR"][k] == pages
@@ -173,9 +195,12 @@ def check_launches(b: Batch, table, head, launches, fa3: bool, widths: list[int]
         packed = la["Q_STARTS"][:n] == qo[:n] and qo[-1] == b.q_start[-1]
         assert bool(la[LaunchField.PACKED]) == packed
     assert sorted(seen) == [s[0] for s in table]
-    for cls in RowClass:
+    runs_custom = [s for s in table if expected_launch(s, fa3, widths)[0] == MaskMode.CUSTOM]
+    for cls in (DENSE, CAUSAL, WINDOW):
         assert head[HeaderField.DENSE + cls] == sum(1 for s in table if s[SegField.CLASS] == cls)
-    assert head[HeaderField.CUSTOM_ROWS] == sum(s[1] - s[0] for s in table if s[SegField.CLASS] == CUSTOM)
+    assert head[HeaderField.CUSTOM] == sum(1 for s in runs_custom if s[SegField.CLASS] in (CUSTOM, TAIL))
+    assert head[HeaderField.TAIL] == sum(1 for s in table if expected_launch(s, fa3, widths)[2])
+    assert head[HeaderField.CUSTOM_ROWS] == sum(s[1] - s[0] for s in runs_custom)
 
 
 def check_pages(b: Batch, host, desc, launches) -> None:
@@ -244,6 +269,13 @@ def test_every_segment_is_laid_out_once_with_its_metadata_pages_and_schedule(bui
         if fa3:
             assert la[LaunchField.SCHEDULE] == Schedule.FA3 and len(la["info"]) == len(SM90PlanInfo)
             check_fa3_work_list(host, la, b.page_size)
+        elif la[LaunchField.TAIL]:  # its tile sized for its longest launch request
+            assert la[LaunchField.SCHEDULE] == Schedule.FA2 and len(la["info"]) == 15
+            qo = la["PLAN_QO"]
+            longest = max(b_ - a_ for a_, b_ in zip(qo, qo[1:])) * (HQ // HKV)
+            cta = la["info"][PrefillPlanInfo.CTA_TILE_Q]
+            assert cta == fa2_cta_tile_q(longest, 128, 128) >= longest
+            assert la["info"][PrefillPlanInfo.PADDED_BATCH_SIZE] == la[LaunchField.REQUESTS]  # one tile each
         else:  # the fa2 work list of that launch, as `schedule` writes it alone at the same offset
             assert la[LaunchField.SCHEDULE] == Schedule.FA2 and len(la["info"]) == 15
             alone = torch.zeros_like(host)
@@ -317,9 +349,9 @@ def test_graph_slots_are_laid_out_at_offsets_of_the_capacity(builder, fa3):
         host, desc = build(builder, b, table, options(16, fa3, graph=CAPACITY, windows=(17,) if fa3 else None))
         head, launches = decode(host, desc)
         assert head[HeaderField.STATUS] == Status.OK
-        slots = [(int(MaskMode.CUSTOM), -1), (int(MaskMode.CAUSAL), -1), (int(MaskMode.NONE), -1)]
-        slots += [(int(MaskMode.CAUSAL), 17)] if fa3 else []
-        assert [(la[LaunchField.MODE], la[LaunchField.WINDOW_LEFT]) for la in launches] == slots
+        slots = [(int(MaskMode.CUSTOM), -1, 0), (int(MaskMode.CAUSAL), -1, 0), (int(MaskMode.NONE), -1, 0)]
+        slots += [(int(MaskMode.CAUSAL), 17, 0)] if fa3 else [(int(MaskMode.CAUSAL), -1, 1)]
+        assert [(la[LaunchField.MODE], la[LaunchField.WINDOW_LEFT], la[LaunchField.TAIL]) for la in launches] == slots
         layouts.append([(la[LaunchField.OFFSET], la[LaunchField.PAGE_AT], la[LaunchField.SLOT_PAGES], la["info"])
                         for la in launches] + [head[HeaderField.PAGES_OFFSET], head[HeaderField.PAGES_EXTENT]])
         for la in launches:
@@ -375,6 +407,8 @@ BAD_SEGMENTS = {
     "window_on_causal": ([[0, 10, 0, int(CAUSAL), 4, 0, 10, 0]], "window 4"),
     "q_pos": ([[0, 10, 0, int(CAUSAL), -1, 0, 10, 1]], "q_pos 1"),
     "class": ([[0, 10, 0, 7, -1, 0, 10, 0]], "class 7"),
+    "tail_mask_from_past_keys": ([[0, 10, 0, int(TAIL), -1, 0, 10, 0, 11]], "mask from 11"),
+    "mask_from_on_causal": ([[0, 10, 0, int(CAUSAL), -1, 0, 10, 0, 3]], "mask from 3"),
 }
 
 
@@ -403,8 +437,9 @@ def test_bad_indices_and_options_are_named(builder):
     bad[PlanOption.NUM_QO_HEADS] = 7
     with pytest.raises(Exception, match="options: heads 7/8 are not whole GQA groups"):
         builder.build_launches(b.indices, none, bad, host, desc)
-    with pytest.raises(Exception, match=r"segments: expected int64 \[n, 8\]"):
-        builder.build_launches(b.indices, torch.zeros(1, 9, dtype=torch.int64), options(4, False), host, desc)
+    with pytest.raises(Exception, match=rf"segments: expected int64 \[n, {SEG_FIELDS}\]"):
+        builder.build_launches(b.indices, torch.zeros(1, SEG_FIELDS + 1, dtype=torch.int64), options(4, False), host,
+                               desc)
 
 
 # ----------------------------------------------------------------------------- through the wrapper

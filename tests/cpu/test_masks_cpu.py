@@ -24,6 +24,7 @@ from test_ragged_cpu import batch_of as ragged_batch
 from test_ragged_cpu import check as ragged_check
 from test_wrapper_cpu import HEAD_DIM, HKV, HQ, batch_of
 from test_wrapper_cpu import check as prefill_check
+from test_wrapper_cpu import make as make_wrapper_for
 
 import variantgen
 from variantgen import probe as probe_mod
@@ -237,16 +238,50 @@ def test_a_chain_is_causal_attention():
     torch.testing.assert_close(tree, causal, atol=0, rtol=0)
 
 
-def test_tree_verify_plans_the_context_dense():
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_tree_verify_plans_the_context_dense(backend):
     """The planner reads no tensor for a tree (plan() needs none) and sees each node's context as
-    dense: the rows go to custom launch requests over [0, node] (explain shows the split)."""
+    dense: fa2 runs each request's tree as one causal launch request over [0, node] whose mask is
+    evaluated only on its diagonal tile (the draft block); fa3, whose causal launch has no mask,
+    as custom launch requests over the same keys."""
     spec = shipped("tree_verify")
-    batch, args, _ = tree_case([16, 16], ["random", "star"], [1000, 2000], seed=2)
-    w, fake = prefill_check(spec, batch, {**args}, skip_tiles=True, label="tree plan")
-    assert w.plan_stats["segments"]["custom_rows"] == 32
+    batch, args, _ = tree_case([16, 16, 3], ["random", "star", "chain"], [1000, 2000, 40], seed=2)
+    w, fake = prefill_check(spec, batch, {**args}, skip_tiles=True, backend=backend, label="tree plan")
+    segments = w.plan_stats["segments"]
+    if backend == "fa2":
+        assert (segments["tail"], segments["custom"], segments["custom_rows"]) == (3, 0, 0)
+        assert [(la.mask_mode, la.tail, la.num_requests) for la in w._launches] == [("causal", True, 3)]
+        assert {r.cls.label for r in w.last_plan.launch_requests} == {"tail"}
+        assert w.last_plan.work()["masked"] == 16 * 17 // 2 * 2 + 3 * 4 // 2  # the draft blocks' diagonals only
+    else:
+        assert (segments["tail"], segments["custom"], segments["custom_rows"]) == (0, 3, 35)
     for call in fake.run_calls:
         for meta in call.meta:
             assert meta[2] == 0  # each launch request reads from the first key: the context is visible
+
+
+def test_tree_rows_that_span_query_tiles_run_custom():
+    """fa2 evaluates the mask from a query tile's diagonal on: a tree whose packed rows (nodes x
+    GQA group) exceed one tile must not run in the tail launch (the first tile would skip the
+    mask on the later nodes' draft keys). 64 nodes x group 8 = 512 rows: custom; 16 x 8 = 128: tail.
+    (The fake kernel masks only from each tile's diagonal, as the kernel: a wrong launch would
+    show as a wrong output here.)"""
+    spec = shipped("tree_verify")
+    g = torch.Generator().manual_seed(3)
+    parents = [random_tree_parents(64, g, "random"), random_tree_parents(16, g, "random")]
+    args = {"tree_bits": tree_bits(parents)}
+    batch = random_paged_batch([64, 16], [64 + 300, 16 + 50], num_qo_heads=16, num_kv_heads=2, head_dim=HEAD_DIM,
+                               page_size=16, seed=3)
+    w, fake = make_wrapper_for(spec)
+    w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    assert [(la.mask_mode, la.tail, la.num_requests) for la in w._launches] == [("custom", False, 1),
+                                                                              ("causal", True, 1)]
+    assert w.plan_stats["segments"]["custom_rows"] == 64
+    out = w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
+                              batch.kv_indices, batch.last_page_len, args)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert [c.mask_mode for c in fake.run_calls] == ["custom", "causal"]
 
 
 def test_tree_verify_graph_replays():

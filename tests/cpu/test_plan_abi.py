@@ -74,7 +74,8 @@ def test_mask_modes_and_classes():
     assert [m.label for m in MaskMode] == ["none", "causal", "custom"]
     assert render.MASK_MODES == {"none": (0, "MaskMode::kNone"), "causal": (1, "MaskMode::kCausal"),
                                  "custom": (2, "MaskMode::kCustom")}
-    assert [c.mode for c in RowClass] == [MaskMode.NONE, MaskMode.CAUSAL, MaskMode.CAUSAL, MaskMode.CUSTOM]
+    assert [c.mode for c in RowClass] == [MaskMode.NONE, MaskMode.CAUSAL, MaskMode.CAUSAL, MaskMode.CUSTOM,
+                                          MaskMode.CAUSAL]
     assert MaskMode.of("causal") is MaskMode.CAUSAL
 
 

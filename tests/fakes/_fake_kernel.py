@@ -18,11 +18,14 @@ against the dense reference without a GPU:
   keys j = 0 .. kv_len_b - 1 from its own page list; key j sits at absolute position
   ``vg_meta[b][2] + j``.
 * mask mode 2 (custom) evaluates the spec's mask with true positions and rows; mode 1
-  (causal) is *purely geometric* (``j <= d`` and, with kernel window w >= 0,
-  ``j >= d - w``, d = kv_len_b - qo_len_b + i); mode 0 (none) sees every key of the
-  launch request. The real kernel evaluates the mask only on boundary tiles in modes 0
-  and 1, so the planner may only send rows there whose visible set is exactly that; a
-  strict emulation catches any row for which it is not.
+  (causal) is geometric (``j <= d`` and, with kernel window w >= 0, ``j >= d - w``,
+  d = kv_len_b - qo_len_b + i) and evaluates the mask only where FlashInfer's fa2 kernel is
+  sure to: on the keys from the diagonal of each query tile's first query on (``j >= d0``,
+  the tile of packed row i * group + head % group; its kernel starts at the KV tile holding
+  d0, so at or before it); mode 0 (none) sees every key of the launch request. The planner
+  may only send rows there whose visible set is exactly that; a strict emulation catches any
+  row for which it is not. The query tile is the launch's work list's (or, FlashInfer
+  scheduling it, what its scheduler picks for the mean launch request: fa2_cta_tile_q).
 * the spec's logits transform is applied in every mode to the scaled score; its sink (if
   any) joins each row's denominator once; fully masked rows give 0 (lse -inf, or the sink);
   the output is multiplied by v_scale and cast to ``out.dtype``.
@@ -54,6 +57,20 @@ from variantgen.reference import softmax_attention
 from variantgen.spec import VariantSpec
 
 MODE_NAMES = {int(m): m.label for m in MaskMode}
+
+
+def fa2_cta_tile_q(packed_len: int, head_dim_vo: int, head_dim_qk: int) -> int:
+    """FlashInfer's FA2DetermineCtaTileQ (what its scheduler and the launch builder pick for
+    launch requests of packed_len rows), as it answers on this machine: below sm80, or with no
+    GPU, it never picks 16."""
+    if head_dim_vo >= 512:
+        return 16 if packed_len <= 32 else 32
+    if head_dim_qk >= 512:
+        return 16
+    if packed_len > 64 and head_dim_vo < 256:
+        return 128
+    ampere = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+    return 64 if packed_len > 16 or not ampere else 16
 
 
 def launch_env(meta_row: list[int], qo_len: int, kv_len: int, hq: int, group: int, *,
@@ -236,7 +253,8 @@ class FakeModule:
         info = list(plan_info)
         assert len(info) == len(PrefillPlanInfo) and not info[PrefillPlanInfo.SPLIT_KV], info
         planned = self._planned.get(int_ws.data_ptr())
-        if planned is None:  # not FlashInfer's scheduler: the planner module's work list
+        own = planned is None
+        if own:  # not FlashInfer's scheduler: the planner module's work list
             planned = self._own_schedule(int_ws, info, meta_t.tolist(), kv_indptr, q.shape[1], k_cache.shape[2],
                                          k_cache.shape[1])
         n = planned.batch_size
@@ -256,6 +274,8 @@ class FakeModule:
         assert v_cache.shape == k_cache.shape and k_cache.stride() == v_cache.stride()
         assert planned.page_size == page_size and planned.num_qo_heads == hq and planned.num_kv_heads == hkv
         group = hq // hkv
+        cta = (int(info[PrefillPlanInfo.CTA_TILE_Q]) if own else
+               fa2_cta_tile_q(planned.total_rows * group // max(n, 1), out.shape[-1], q.shape[-1]))
         if self.row_writes is None:
             self.row_writes = torch.zeros(total_q, dtype=torch.int64)
         rows_total = 0
@@ -293,7 +313,9 @@ class FakeModule:
             elif mask_mode == 1:
                 d = kv_len - qo_len + i
                 visible = (j <= d) & ((j >= d - kwin) if kwin >= 0 else torch.ones((), dtype=torch.bool))
-                visible = visible.expand(hq, qo_len, kv_len)
+                packed_row = i * group + torch.arange(hq).view(-1, 1, 1) % group
+                d0 = kv_len - qo_len + (packed_row // cta * cta + group - 1) // group  # FlashInfer's ceil_div
+                visible = visible & ((j < d0) | spec_mask(self.spec, env, args, (hq, qo_len, kv_len)))
             else:
                 visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
             o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v,
