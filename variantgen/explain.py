@@ -301,9 +301,10 @@ def render(e: Explanation) -> str:
                    f"mask mode {la.mode}{window}{tail}")
     c = e.segment_counts
     if c:
-        out.append(f"  {c.get('dense', 0)} dense, {c.get('causal', 0)} causal, {c.get('window', 0)} window, "
-                   f"{c.get('tail', 0)} tail, {c.get('custom', 0)} custom ({c.get('custom_rows', 0)} of {e.qo_len} "
-                   "rows evaluate the mask on every key they read)")
+        tail = f"{c['tail']} tail, " if c.get("tail") else ""
+        out.append(f"  {c.get('dense', 0)} dense, {c.get('causal', 0)} causal, {c.get('window', 0)} window, {tail}"
+                   f"{c.get('custom', 0)} custom ({c.get('custom_rows', 0)} of {e.qo_len} rows evaluate the mask on "
+                   "every key they read)")
     return "\n".join(out)
 
 

@@ -133,5 +133,10 @@ def test_tree_verify_shows_a_dense_context_and_a_draft_hull():
     assert [(r.lo, r.dense_hi, r.hi, r.exact, r.hidden, r.outside) for r in e.rows] == [
         (0, 5, 6, False, 0, 0), (0, 5, 7, False, 0, 0), (0, 5, 8, False, 0, 0), (0, 5, 9, False, 0, 0)]
     text = ex.render(e)
-    assert "q_pos    9  ########.#  [0, 5] dense + [6, 9] hull custom" in text, text
+    assert "q_pos    9  ########.#  [0, 5] dense + [6, 9] hull tail" in text, text
+    assert "rows 0-3     (q_pos 6-9): tail    keys 0-9 (1 page(s)), mask mode causal (fa2, while" in text
+    assert "0 dense, 0 causal, 0 window, 1 tail, 0 custom (0 of 4 rows" in text
     assert "WARNING" not in text
+    # a longer context: the tail rows need the context dense up to the request's first query
+    e = ex.explain(spec, 4, 40, {"tree_bits": ex.ArgValue("tree_bits", bits, "given")})
+    assert [r.cls for r in e.rows] == ["tail"] * 4

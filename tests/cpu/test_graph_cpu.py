@@ -23,7 +23,7 @@ from variantgen import render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.errors import LaunchError
-from variantgen.graph import SLOT_NAMES, GraphCapacity
+from variantgen.graph import SLOT_NAMES, GraphCapacity, slot_name
 from variantgen.intervals import analyze
 from variantgen.plan_abi import PlanOption, PrefillPlanInfo, Schedule
 from variantgen.reference import reference_attention
@@ -31,6 +31,12 @@ from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ra
 from variantgen.wrapper import VariantWrapper
 
 HQ, HKV, HEAD_DIM, PAGE = 4, 2, 64, 16
+
+
+def slot_modes(backend: str) -> list[str]:
+    """The mask modes of graph mode's fixed launches: custom, causal, none, and fa2's tail slot
+    (causal; fa3 lays out a window slot per pinned width instead)."""
+    return list(SLOT_NAMES) + (["causal"] if backend == "fa2" else [])
 CAP = GraphCapacity(max_batch_size=4, max_total_q=192, max_kv_pages=48)
 
 
@@ -169,7 +175,8 @@ def test_replay_after_replanning_matches_each_batch(skip_tiles, backend):
     static = engine.load(batch, args)
     w.plan(*batch.plan_args(), skip_tiles=skip_tiles, **(static if skip_tiles else {}))
     calls = capture(w, fake, engine, static)
-    assert [c.mask_mode for c in fake.run_calls[-3:]] == list(SLOT_NAMES)
+    modes = slot_modes(backend)
+    assert [c.mask_mode for c in fake.run_calls[-len(modes):]] == modes
     check_replayed(w.spec, engine, batch, args, "captured batch")
     plan_info = [list(c[2]) for c in calls]
     for i, spec_batch in enumerate(MM_BATCHES[1:] + MM_BATCHES[:1]):
@@ -204,7 +211,7 @@ def test_launch_tensors_keep_their_addresses(backend):
                  la.float_workspace.data_ptr(), la.meta.shape[0]) for la in w._launches]
         assert seen is None or ptrs == seen
         seen = ptrs
-    assert [p[0] for p in seen] == list(SLOT_NAMES)
+    assert [p[0] for p in seen] == slot_modes(backend)
 
 
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
@@ -252,7 +259,7 @@ def test_empty_batch_still_plans_the_fixed_launches():
     calls = capture(w, fake, engine, engine.load(batch, args))
     empty = random_paged_batch([0], [20], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
     w.plan(*empty.plan_args(), ranges=engine.static["ranges"])
-    assert [la.mask_mode for la in w._launches] == list(SLOT_NAMES)
+    assert [la.mask_mode for la in w._launches] == slot_modes("fa2") and w._launches[3].tail
     assert all(la.q_starts[0].item() == 0 for la in w._launches)
     assert w.plan_stats["launches"] == []
     replay(fake, engine, calls)
@@ -506,3 +513,12 @@ def test_window_widths_are_checked(widths):
     with pytest.raises(LaunchError, match=r"GraphCapacity: window_widths=.*: expected a tuple of at most 4 distinct "
                                           r"ints >= 0"):
         GraphCapacity(max_batch_size=2, max_total_q=8, max_kv_pages=8, window_widths=widths)
+
+
+def test_slot_names_in_messages():
+    """Capacity and schedule errors name the slot: fa2's fourth is its tail slot, fa3's later ones
+    its window slots (by width once pinned)."""
+    assert [slot_name(i, False) for i in range(4)] == ["custom", "causal", "none", "tail"]
+    assert [slot_name(i, True, (64, 8)) for i in range(3, 7)] == ["window 64", "window 8", "window slot 2",
+                                                                  "window slot 3"]
+    assert slot_name(3, True) == "window slot 0"
