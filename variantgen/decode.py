@@ -209,7 +209,8 @@ class DecodeWrapper(WrapperBase):
         kv_row = list(accumulate(kv_lens, initial=0))
         meta = meta_rows(q_row_base=list(range(batch)), q_pos_base=[k - 1 for k in kv_lens], kv_pos_base=kv_pos_base,
                          request=list(range(batch)), kv_row_base=kv_row[:-1], req_qo_len=[1] * batch,
-                         req_kv_len=kv_lens, kernel_window=[-1] * batch, launch_qo_len=[1] * batch)
+                         req_kv_len=kv_lens, kernel_window=[-1] * batch, launch_qo_len=[1] * batch,
+                         vis_lo=[0] * batch, vis_hi=[-1] * batch)  # (no keys known visible: the mask everywhere)
         int_ws, pinned = self._workspace(0)
         fixed = self._graph_buffers
         plan_info = self.module.plan(self._float_workspace, int_ws, pinned, torch.tensor(kvp_h, dtype=torch.int32),

@@ -72,6 +72,7 @@ class LaunchRequest:
     keys: tuple[int, int]  # first key read, end key (exclusive)
     pages: int
     window: int  # the kernel's left window, -1 for none
+    visible: tuple[int, int] = (0, -1)  # custom: keys every row sees, where the mask is skipped (empty: hi < lo)
 
 
 @dataclass(frozen=True)
@@ -211,6 +212,7 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
 
     from .intervals import analyze, row_intervals
     from .plan import LaunchRequest as Planned
+    from .plan_abi import SegField
     from .reference import RequestGrid, mask_for_request
     from .rowrules import classify_rows, segments
 
@@ -244,7 +246,8 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
         counts = dict.fromkeys(CLASS_NAMES, 0) | {"custom_rows": 0}
         for seg in segments(rec, page_size).tolist():  # the launch requests fa2 runs (fa3: a window launch each)
             la = Planned.from_segment(seg, page_size)
-            launches.append(LaunchRequest(la.rows, la.cls.label, la.mode.label, la.keys, la.pages, la.window))
+            launches.append(LaunchRequest(la.rows, la.cls.label, la.mode.label, la.keys, la.pages, la.window,
+                                          (seg[SegField.VIS_LO], seg[SegField.VIS_HI])))
             counts[la.cls.label] += 1
             counts["custom_rows"] += (la.rows[1] - la.rows[0]) if la.cls.label == "custom" else 0
     else:
@@ -296,7 +299,10 @@ def render(e: Explanation) -> str:
         qp = f"q_pos {first_q + la.rows[0]}-{first_q + la.rows[1] - 1}"
         window = f", kernel window {la.window}" if la.window >= 0 else ""
         tail = (" (fa2, while rows x GQA group fit one query tile: the mask on the diagonal tile only; "
-                "otherwise, and on fa3, custom)") if la.cls == "tail" else ""
+                f"otherwise, and on fa3, custom, the mask skipped on keys {la.visible[0]}-{la.visible[1]})"
+                if la.cls == "tail" else "")
+        if la.cls == "custom" and la.visible[1] >= la.visible[0]:
+            tail = f", the mask skipped on keys {la.visible[0]}-{la.visible[1]} (visible to every row)"
         out.append(f"  {rows:12} ({qp}): {la.cls:6}  keys {la.keys[0]}-{la.keys[1] - 1} ({la.pages} page(s)), "
                    f"mask mode {la.mode}{window}{tail}")
     c = e.segment_counts
@@ -304,7 +310,7 @@ def render(e: Explanation) -> str:
         tail = f"{c['tail']} tail, " if c.get("tail") else ""
         out.append(f"  {c.get('dense', 0)} dense, {c.get('causal', 0)} causal, {c.get('window', 0)} window, {tail}"
                    f"{c.get('custom', 0)} custom ({c.get('custom_rows', 0)} of {e.qo_len} rows evaluate the mask on "
-                   "every key they read)")
+                   "every key they read but those known visible)")
     return "\n".join(out)
 
 

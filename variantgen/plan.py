@@ -62,20 +62,24 @@ class LaunchRequest:
     keys: tuple[int, int]
     pages: int
     q_pos: int  # position of its first query
+    visible: tuple[int, int] = (0, -1)  # keys every row sees: a custom launch skips the mask there (empty: hi < lo)
 
     @classmethod
     def from_segment(cls, seg: list[int], page_size: int) -> LaunchRequest:
         """A segment of the row pass (SegField order) as fa2 runs it: the mask mode of its class."""
         c = RowClass(seg[SegField.CLASS])
         begin, end = seg[SegField.KV_BEGIN], seg[SegField.KV_END]
+        vis = (seg[SegField.VIS_LO], seg[SegField.VIS_HI]) if len(seg) > SegField.VIS_HI else (0, -1)
         return cls((seg[SegField.FIRST_ROW], seg[SegField.END_ROW]), seg[SegField.REQUEST], c, c.mode,
-                   seg[SegField.WINDOW], (begin, end), -(-(end - begin) // page_size), seg[SegField.Q_POS])
+                   seg[SegField.WINDOW], (begin, end), -(-(end - begin) // page_size), seg[SegField.Q_POS],
+                   vis if c == RowClass.CUSTOM else (0, -1))
 
     def masked(self) -> int:
         """The pairs of visited() the mask is evaluated on: all in custom mode; a tail run's keys
         from its first query position on (its diagonal tile); none in the others."""
-        if self.mode == MaskMode.CUSTOM:
-            return self.visited()
+        if self.mode == MaskMode.CUSTOM:  # less the keys known visible to every row
+            n = self.rows[1] - self.rows[0]
+            return self.visited() - n * max(0, self.visible[1] - self.visible[0] + 1)
         if self.cls == RowClass.TAIL:
             n = self.rows[1] - self.rows[0]
             return n * (n + 1) // 2
@@ -201,7 +205,7 @@ class Plan:
                 first = row[MetaColumn.Q_ROW_BASE]
                 out.append(LaunchRequest((first, first + row[MetaColumn.LAUNCH_QO_LEN]), row[MetaColumn.REQUEST], cls,
                                          mode, window if mode == MaskMode.CAUSAL else -1, (begin, end), pages,
-                                         row[MetaColumn.Q_POS_BASE]))
+                                         row[MetaColumn.Q_POS_BASE], (row[MetaColumn.VIS_LO], row[MetaColumn.VIS_HI])))
         out.sort(key=lambda r: r.rows)
         return out
 
@@ -254,6 +258,8 @@ class Plan:
             value = MASKED if r.mode == MaskMode.CUSTOM else VISIBLE
             if r.mode != MaskMode.CAUSAL:
                 grid[i0:i1, kb:ke] = value
+                if r.visible[1] >= r.visible[0]:  # a custom launch request skips the mask on these keys
+                    grid[i0:i1, r.visible[0]:r.visible[1] + 1] = VISIBLE
                 continue
             q = torch.arange(r.q_pos, r.q_pos + i1 - i0).view(-1, 1)
             k = torch.arange(kb, ke).view(1, -1)

@@ -83,6 +83,11 @@ class MetaColumn(IntEnum):
     REQ_KV_LEN = 6  # kv_len of the caller's request
     KERNEL_WINDOW = 7  # window_left the kernel may prune with; -1: visit every tile
     LAUNCH_QO_LEN = 8  # queries of this launch request (rows from q_indptr[b] on)
+    # keys [VIS_LO, VIS_HI] (absolute positions) are visible to every query of the launch request,
+    # so the generated mask is not evaluated there (the planner's exact intervals say so);
+    # empty (VIS_HI < VIS_LO) unless the launch request runs custom
+    VIS_LO = 9
+    VIS_HI = 10
 
 
 META_COLUMNS = len(MetaColumn)
@@ -107,7 +112,11 @@ class RecField(IntEnum):
     LO = 4  # its key interval (on a custom run's first row: the run's hull)
     HI = 5
     Q_POS = 6  # the query's position
-    MASK_FROM = 7  # tail rows: the first key the mask decides (one past the exact prefix); else -1
+    DENSE_HI = 7  # every key of [lo, dense_hi] is visible to the row (lo - 1: none known)
+    # on a custom or tail run's first row: the keys visible to every row of the run, the
+    # intersection of their [lo, dense_hi] (empty: VIS_HI < VIS_LO); else 0, -1
+    VIS_LO = 8
+    VIS_HI = 9
 
 
 class SegField(IntEnum):
@@ -123,7 +132,10 @@ class SegField(IntEnum):
     KV_BEGIN = 5  # first key it reads: page-aligned, request-local
     KV_END = 6  # one past the last key it reads
     Q_POS = 7  # q_pos of the first row
-    MASK_FROM = 8  # a tail run: keys [kv_begin, MASK_FROM) are visible to all its rows; else -1
+    # custom and tail runs: keys [VIS_LO, VIS_HI] are visible to all its rows (a tail run: from its
+    # kv_begin; empty: VIS_HI < VIS_LO); the other classes: 0, -1
+    VIS_LO = 8
+    VIS_HI = 9
 
 
 SEG_FIELDS = len(SegField)
@@ -350,4 +362,6 @@ _COMMENTS = {
     MetaColumn.REQ_KV_LEN: "kv_len of the caller's request",
     MetaColumn.KERNEL_WINDOW: "window_left the kernel may prune with; -1: visit every tile",
     MetaColumn.LAUNCH_QO_LEN: "queries of this launch request (rows from q_indptr[b] on)",
+    MetaColumn.VIS_LO: "keys [VIS_LO, VIS_HI] (absolute) are visible to all its queries: no mask there",
+    MetaColumn.VIS_HI: "(empty, VIS_HI < VIS_LO, unless the launch request runs custom)",
 }

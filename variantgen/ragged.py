@@ -114,7 +114,8 @@ class RaggedWrapper(WrapperBase):
                               f"a ragged launch needs '{mode}'")
         meta = meta_rows(q_row_base=qo_h[:-1], q_pos_base=[k - q for k, q in zip(kv_lens, qo_lens)],
                          kv_pos_base=[0] * batch, request=list(range(batch)), kv_row_base=kv_h[:-1], req_qo_len=qo_lens,
-                         req_kv_len=kv_lens, kernel_window=[-1] * batch, launch_qo_len=qo_lens)
+                         req_kv_len=kv_lens, kernel_window=[-1] * batch, launch_qo_len=qo_lens,
+                         vis_lo=[0] * batch, vis_hi=[-1] * batch)  # (no keys known visible: the mask everywhere)
         # begin() first: it waits for the previous plan's copies out of the page-locked mirror
         # the scheduler is about to rewrite (a run() queued behind busy kernels still needs them)
         self._staging.begin()

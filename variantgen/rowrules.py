@@ -65,8 +65,8 @@ def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], k
                   args: dict[str, Any], device: torch.device) -> torch.Tensor:
     """The row pass in torch ops (any device): int64 [len(RecField), total_q], per query row
     (RecField order) whether it starts a launch request, its request, class, class parameter,
-    interval [lo, hi] (on a custom run's first row: the run's hull), q_pos and (tail rows) the
-    first key the mask decides."""
+    interval [lo, hi] (on a custom run's first row: the run's hull), q_pos, the end of its dense
+    prefix and (on a custom or tail run's first row) the keys every row of the run sees."""
     dev, ps, i64 = device, page_size, torch.int64
     total_q = qo_indptr[-1]
     env = row_env(qo_indptr, kv_lens, dev)
@@ -118,17 +118,24 @@ def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], k
     seg_lo = torch.full((nseg,), NO_INTERVAL, dtype=i64, device=dev).scatter_reduce(0, seg_id, lo, "amin")
     seg_hi = torch.full((nseg,), -1, dtype=i64, device=dev).scatter_reduce(0, seg_id, hi, "amax")
     custom_start = (starts == 1) & (cls == CUSTOM)
+    # Custom and tail runs: the keys every row of the run sees (the intersection of the rows'
+    # dense [lo, dense_hi]), where the kernel need not evaluate the mask.
+    vis_lo = torch.full((nseg,), -NO_INTERVAL, dtype=i64, device=dev).scatter_reduce(0, seg_id, lo, "amax")
+    vis_hi = torch.full((nseg,), NO_INTERVAL, dtype=i64, device=dev).scatter_reduce(0, seg_id, iv.dense_hi, "amin")
+    vis_lo, vis_hi = vis_lo[seg_id], vis_hi[seg_id]
+    vis_run = (starts == 1) & ((cls == CUSTOM) | (cls == TAIL)) & (vis_lo <= vis_hi)
+    vis_lo = torch.where(vis_run, vis_lo, torch.zeros_like(vis_lo))
+    vis_hi = torch.where(vis_run, vis_hi, torch.full_like(vis_hi, -1))
     lo = torch.where(custom_start, seg_lo[seg_id], lo)
     hi = torch.where(custom_start, seg_hi[seg_id], hi)
-    return torch.stack([starts, request, cls, param_a, lo, hi, q_pos,
-                        torch.where(cls == TAIL, mask_from, torch.full_like(lo, -1))])
+    return torch.stack([starts, request, cls, param_a, lo, hi, q_pos, iv.dense_hi, vis_lo, vis_hi])
 
 
 def segments(rec: torch.Tensor, page_size: int) -> torch.Tensor:
     """The launch requests of a row pass (classify_rows' rec), compacted: int64 [n, SEG_FIELDS]
     on the host, per run of rows with one key its rows, request, class, kernel window, the keys
-    it reads [kv_begin, kv_end), its first q_pos and (tail runs) the first key the mask decides -
-    what the row kernel's segments pass writes.
+    it reads [kv_begin, kv_end), its first q_pos and (custom and tail runs) the keys all its rows
+    see - what the row kernel's segments pass writes.
     (The planner's one device-to-host copy.)"""
     total_q = rec.shape[1]
     if total_q == 0:
@@ -150,5 +157,6 @@ def segments(rec: torch.Tensor, page_size: int) -> torch.Tensor:
     out[SegField.KV_BEGIN] = torch.div(begin, page_size, rounding_mode="floor") * page_size
     out[SegField.KV_END] = torch.where(geometric, q_last, hi) + 1
     out[SegField.Q_POS] = q_pos
-    out[SegField.MASK_FROM] = rec[RecField.MASK_FROM, first]
+    out[SegField.VIS_LO] = rec[RecField.VIS_LO, first]
+    out[SegField.VIS_HI] = rec[RecField.VIS_HI, first]
     return out.t().contiguous().cpu()

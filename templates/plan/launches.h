@@ -101,7 +101,7 @@ inline Batch read_batch(const int32_t* indices, int64_t count, int64_t page_size
 
 // One launch request, checked, with its page range.
 struct Request {
-  int64_t first_row, rows, request, cls, window, kv_begin, kv_end, q_pos, mask_from;
+  int64_t first_row, rows, request, cls, window, kv_begin, kv_end, q_pos, vis_lo, vis_hi;
   int64_t page_first, pages, last_page_len;
 };
 
@@ -121,7 +121,8 @@ inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, cons
     r.kv_begin = g[kSegKvBegin];
     r.kv_end = g[kSegKvEnd];
     r.q_pos = g[kSegQPos];
-    r.mask_from = g[kSegMaskFrom];
+    r.vis_lo = g[kSegVisLo];
+    r.vis_hi = g[kSegVisHi];
     const bool in_batch = r.request >= 0 && r.request < b.batch && r.cls >= kDense && r.cls <= kTail;
     VG_REQUIRE(in_batch && r.first_row == row && r.rows >= 1 && b.q_start[r.request] <= r.first_row &&
                    r.first_row + r.rows <= b.q_start[r.request + 1])
@@ -131,10 +132,12 @@ inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, cons
     VG_REQUIRE(r.q_pos == kv_len - b.qo_len(r.request) + (r.first_row - b.q_start[r.request]) &&
                    r.kv_begin >= 0 && r.kv_begin % page_size == 0 && r.kv_begin <= r.kv_end && r.kv_end <= kv_len &&
                    (r.cls == kWindow ? r.window >= 0 : r.window == -1) &&
-                   (r.cls == kTail ? r.mask_from >= r.kv_begin && r.mask_from <= r.kv_end : r.mask_from == -1))
+                   ((r.vis_lo == 0 && r.vis_hi == -1) ||
+                    ((r.cls == kCustom || r.cls == kTail) && r.vis_lo >= r.kv_begin && r.vis_lo <= r.vis_hi &&
+                     r.vis_hi < r.kv_end)))
         << "segments: row " << i << " (keys " << r.kv_begin << "-" << r.kv_end << ", q_pos " << r.q_pos
-        << ", window " << r.window << ", mask from " << r.mask_from << ") does not fit request " << r.request
-        << " (" << kv_len << " keys, page size " << page_size << ")";
+        << ", window " << r.window << ", visible " << r.vis_lo << "-" << r.vis_hi << ") does not fit request "
+        << r.request << " (" << kv_len << " keys, page size " << page_size << ")";
     row += r.rows;
     r.pages = ceil_div(r.kv_end - r.kv_begin, page_size);
     r.page_first = b.page_start[r.request] + r.kv_begin / page_size;
@@ -151,10 +154,10 @@ inline std::vector<int64_t> direct_segments(const Batch& b) {
   for (int64_t r = 0; r < b.batch; ++r) {
     if (b.qo_len(r) == 0) continue;
     const int64_t g[kSegFields] = {b.q_start[r], b.q_start[r + 1], r, kCustom, -1, 0, b.kv_len(r),
-                                   b.kv_len(r) - b.qo_len(r), -1};
-    static_assert(kSegFields == 9 && kSegFirstRow == 0 && kSegEndRow == 1 && kSegRequest == 2 && kSegClass == 3 &&
-                  kSegWindow == 4 && kSegKvBegin == 5 && kSegKvEnd == 6 && kSegQPos == 7 && kSegMaskFrom == 8,
-                  "segment layout");
+                                   b.kv_len(r) - b.qo_len(r), 0, -1};  // (no keys known visible)
+    static_assert(kSegFields == 10 && kSegFirstRow == 0 && kSegEndRow == 1 && kSegRequest == 2 &&
+                  kSegClass == 3 && kSegWindow == 4 && kSegKvBegin == 5 && kSegKvEnd == 6 && kSegQPos == 7 &&
+                  kSegVisLo == 8 && kSegVisHi == 9, "segment layout");
     seg.insert(seg.end(), g, g + kSegFields);
   }
   return seg;
@@ -279,7 +282,7 @@ struct LaunchSet {
 // capacity) and its mask must be needed only from its first query position on. fa3's causal
 // launch evaluates no mask: its tail runs go custom.
 inline bool tail_fits(const Request& r, const Options& c) {
-  if (c.fa3 || r.mask_from < r.q_pos) return false;
+  if (c.fa3 || r.vis_lo > r.vis_hi || r.vis_lo > r.kv_begin || r.vis_hi + 1 < r.q_pos) return false;
   const int64_t group = c.num_qo_heads / c.num_kv_heads, packed = r.rows * group;
   const int64_t cta = c.graph() ? fa2_cta_tile_q((c.graph_rows - c.graph_requests + 1) * group, c)
                                 : fa2_cta_tile_q(packed, c);
@@ -444,6 +447,7 @@ inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const O
         std::fill(row, row + kMetaColumns, 0);
         row[VG_META_Q_ROW_BASE] = int32_t(b.total_q);
         row[VG_META_KERNEL_WINDOW] = -1;
+        row[VG_META_VIS_HI] = -1;
         continue;
       }
       const Request& r = reqs[members[k]];
@@ -462,6 +466,9 @@ inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const O
       row[VG_META_REQ_KV_LEN] = int32_t(b.kv_len(r.request));
       row[VG_META_KERNEL_WINDOW] = int32_t(r.window);
       row[VG_META_LAUNCH_QO_LEN] = int32_t(r.rows);
+      // Keys the mask need not be evaluated on: only a custom launch evaluates it everywhere.
+      row[VG_META_VIS_LO] = custom && r.vis_lo <= r.vis_hi ? int32_t(r.vis_lo) : 0;
+      row[VG_META_VIS_HI] = custom && r.vis_lo <= r.vis_hi ? int32_t(r.vis_hi) : -1;
       packed = packed && q_starts[k] == plan_qo[l][k];
       if (r.pages > 0) {  // its pages in the gathered list: one range, merged with the last where contiguous
         const int32_t out = int32_t(page_at + kv_indptr[k]);

@@ -95,20 +95,23 @@ def random_segments(rng: random.Random, b: Batch) -> list[list[int]]:
             n = min(q - r, rng.randint(1, 90))
             first, last = k - q + r, k - q + r + n - 1
             cls = rng.choice(list(RowClass))
-            window = mask_from = -1
+            window, vis = -1, (0, -1)
             if cls == CAUSAL:
                 begin, end = rng.randrange(0, first + 1, ps) if rng.random() < 0.5 else 0, last + 1
             elif cls == TAIL:  # the mask from its first query on (fits while one query tile) or from earlier
                 begin, end = rng.randrange(0, first + 1, ps) if rng.random() < 0.5 else 0, last + 1
-                mask_from = rng.choice([first, end, rng.randint(begin, end)])
+                vis = (begin, rng.choice([first - 1, end - 1, rng.randint(begin, end - 1)]))
+                vis = vis if vis[1] >= vis[0] else (0, -1)
             elif cls == WINDOW:
                 window = rng.choice(widths)
                 begin, end = max(first - window, 0) // ps * ps, last + 1
             else:
                 begin = rng.randrange(0, k, ps)
                 end = rng.randint(begin + 1, k)
-            table.append([b.q_start[req] + r, b.q_start[req] + r + n, req, int(cls), window, begin, end, first,
-                          mask_from])
+                if cls == CUSTOM and rng.random() < 0.5:  # keys known visible to all its rows
+                    vis_lo = rng.randint(begin, end - 1)
+                    vis = (vis_lo, rng.randint(vis_lo, end - 1))
+            table.append([b.q_start[req] + r, b.q_start[req] + r + n, req, int(cls), window, begin, end, first, *vis])
             r += n
     return table
 
@@ -116,7 +119,7 @@ def random_segments(rng: random.Random, b: Batch) -> list[list[int]]:
 def build(builder, b: Batch, table, opts, capacity=1 << 22):
     host = torch.zeros(capacity, dtype=torch.uint8)
     desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)
-    table = [list(s) + [-1] * (SEG_FIELDS - len(s)) for s in table]  # (mask_from: -1 unless given)
+    table = [list(s) + [0, -1][len(s) - 8:] for s in table]  # (no keys known visible unless given)
     segments = torch.tensor(table, dtype=torch.int64).view(-1, SEG_FIELDS)
     builder.build_launches(b.indices, segments, opts, host, desc)
     return host, desc
@@ -144,7 +147,8 @@ def decode(host, desc):
 def tail_fits(seg, fa3: bool, graph_rows: int = 0, graph_requests: int = 0) -> bool:
     """A tail run runs in fa2's tail launch when the mask is needed only from its first query
     on and it is one query tile (the tile fa2 picks for it, or in CUDA-graph mode for the capacity)."""
-    if fa3 or seg[SegField.MASK_FROM] < seg[SegField.Q_POS]:
+    lo, hi = seg[SegField.VIS_LO], seg[SegField.VIS_HI]
+    if fa3 or lo > hi or lo > seg[SegField.KV_BEGIN] or hi + 1 < seg[SegField.Q_POS]:
         return False
     group = HQ // HKV
     packed = (seg[SegField.END_ROW] - seg[SegField.FIRST_ROW]) * group
@@ -182,12 +186,13 @@ def check_launches(b: Batch, table, head, launches, fa3: bool, widths: list[int]
         qo = [0]
         for k, s in enumerate(members):
             r0, r1, req, cls, window, begin, end, q_pos = s[:8]
+            vis = list(s[8:10]) if key[0] == MaskMode.CUSTOM and len(s) >= 10 else [0, -1]
             pages = -(-(end - begin) // ps)
             assert la["Q_STARTS"][k] == r0
             assert la["KV_INDPTR"][k + 1] - la["KV_INDPTR"][k] == pages
             assert la["LAST_PAGE_LEN"][k] == end - begin - (pages - 1) * ps
             assert la["META"][k] == [r0, q_pos, begin, req, b.kv_start[req], b.qo_lens[req], b.kv_lens[req],
-                                               window, r1 - r0]
+                                     window, r1 - r0, *vis]
             qo.append(qo[-1] + r1 - r0)
             seen.append(r0)
         assert la["PLAN_QO"] == qo and la[LaunchField.ROWS] == qo[-1]
@@ -358,7 +363,7 @@ def test_graph_slots_are_laid_out_at_offsets_of_the_capacity(builder, fa3):
             n, m = la[LaunchField.SLOT], la[LaunchField.REQUESTS]
             assert n == CAPACITY[0] and not la[LaunchField.PACKED]
             pad = la["META"][m:]
-            assert all(row == [b.q_start[-1], 0, 0, 0, 0, 0, 0, -1, 0] for row in pad)
+            assert all(row == [b.q_start[-1], 0, 0, 0, 0, 0, 0, -1, 0, 0, -1] for row in pad)
             assert la["Q_STARTS"][m:] == [b.q_start[-1]] * (n + 1 - m)
             assert la["KV_INDPTR"][m:] == [la["KV_INDPTR"][m]] * (n + 1 - m)
             assert la["PLAN_QO"][m:] == [la["PLAN_QO"][m]] * (n + 1 - m)
@@ -407,8 +412,9 @@ BAD_SEGMENTS = {
     "window_on_causal": ([[0, 10, 0, int(CAUSAL), 4, 0, 10, 0]], "window 4"),
     "q_pos": ([[0, 10, 0, int(CAUSAL), -1, 0, 10, 1]], "q_pos 1"),
     "class": ([[0, 10, 0, 7, -1, 0, 10, 0]], "class 7"),
-    "tail_mask_from_past_keys": ([[0, 10, 0, int(TAIL), -1, 0, 10, 0, 11]], "mask from 11"),
-    "mask_from_on_causal": ([[0, 10, 0, int(CAUSAL), -1, 0, 10, 0, 3]], "mask from 3"),
+    "visible_past_keys": ([[0, 10, 0, int(TAIL), -1, 0, 10, 0, 0, 10]], "visible 0-10"),
+    "visible_before_keys": ([[0, 10, 0, int(CUSTOM), -1, 4, 10, 0, 2, 6]], "visible 2-6"),
+    "visible_on_causal": ([[0, 10, 0, int(CAUSAL), -1, 0, 10, 0, 0, 3]], "visible 0-3"),
 }
 
 

@@ -29,6 +29,7 @@ from test_wrapper_cpu import make as make_wrapper_for
 import variantgen
 from variantgen import probe as probe_mod
 from variantgen.capabilities import TABLE, Request, Site
+from variantgen.plan_abi import MetaColumn
 from variantgen.reference import RequestGrid, mask_for_request, reference_attention, sink_for_request, softmax_attention
 from variantgen.render import ModuleConfig
 from variantgen.testing import random_paged_batch, random_spec_args
@@ -253,11 +254,54 @@ def test_tree_verify_plans_the_context_dense(backend):
         assert [(la.mask_mode, la.tail, la.num_requests) for la in w._launches] == [("causal", True, 3)]
         assert {r.cls.label for r in w.last_plan.launch_requests} == {"tail"}
         assert w.last_plan.work()["masked"] == 16 * 17 // 2 * 2 + 3 * 4 // 2  # the draft blocks' diagonals only
-    else:
+    else:  # custom, the mask skipped on the context (visible to every node)
         assert (segments["tail"], segments["custom"], segments["custom_rows"]) == (0, 3, 35)
+        assert [r.visible for r in w.last_plan.launch_requests] == [(0, 999), (0, 1999), (0, 39)]
+        assert w.last_plan.work()["masked"] == 16 * 16 * 2 + 3 * 3  # the draft blocks only
     for call in fake.run_calls:
         for meta in call.meta:
             assert meta[2] == 0  # each launch request reads from the first key: the context is visible
+
+
+def known_visible_cases():
+    """(spec, batch, args) with custom launch requests that have known-visible keys: trees on fa3
+    (the context) and Gemma 4's image rows (their window, clamped to the image block)."""
+    batch, args, _ = tree_case([8, 5], ["star", "random"], [30, 50], seed=4)
+    yield "fa3", shipped("tree_verify"), batch, args
+    batch = unshuffled_batch([120, 90], [200, 90], 16, seed=1)
+    ranges = torch.cat([variantgen.spans_to_ranges([200], [200], [[(30, 149)]])[80:200],
+                        variantgen.spans_to_ranges([90], [90], [[(0, 40), (60, 89)]])])
+    yield "fa2", shipped("gemma4_sliding"), batch, {"ranges": ranges, "window": 48}
+
+
+@pytest.mark.parametrize("case", range(2), ids=["tree_fa3", "gemma4_fa2"])
+def test_a_wrong_known_visible_range_shows_as_a_wrong_output(case, monkeypatch):
+    """The fakes honour a custom launch request's known-visible keys as the kernels do (no mask
+    there): widening the planner's range by a few keys on each side must break the output, so
+    every wrapper test checks the ranges the planner derives."""
+    from variantgen import planner as planner_mod
+    backend, spec, batch, args = list(known_visible_cases())[case]
+    w, _ = make_wrapper_for(spec, backend=backend)
+    w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    assert any(r.visible[1] >= r.visible[0] for r in w.last_plan.launch_requests)
+    good = w.run(batch.q, (batch.k_cache, batch.v_cache), **args).clone()
+    real = planner_mod.Planner._launches
+
+    def widened(self, *a):
+        launches, layouts = real(self, *a)
+        for la in launches:
+            known = la.meta[:, MetaColumn.VIS_HI] >= la.meta[:, MetaColumn.VIS_LO]
+            la.meta[:, MetaColumn.VIS_LO] -= 3 * known.int()
+            la.meta[:, MetaColumn.VIS_HI] += 3 * known.int()
+        return launches, layouts
+
+    monkeypatch.setattr(planner_mod.Planner, "_launches", widened)
+    w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    bad = w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
+                              batch.kv_indices, batch.last_page_len, args)
+    torch.testing.assert_close(good.float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert (bad.float() - ref.float()).abs().max() > 0.05
 
 
 def test_tree_rows_that_span_query_tiles_run_custom():

@@ -283,9 +283,10 @@ def test_what_reaches_the_module():
     args = random_spec_args(spec, batch)
     w.run(batch.q, batch.k, batch.v, enable_pdl=False, **args)
     (call,) = fake.ragged_calls
-    # [q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, window, qo_len]
-    assert call["meta"] == [[0, 7, 0, 0, 0, 3, 10, -1, 3], [3, 4, 0, 1, 10, 0, 4, -1, 0],
-                            [3, 0, 0, 2, 14, 5, 5, -1, 5], [8, 6, 0, 3, 19, 1, 7, -1, 1]]
+    # [q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, window, qo_len,
+    #  vis_lo, vis_hi (no keys known visible: the mask on every key)]
+    assert call["meta"] == [[0, 7, 0, 0, 0, 3, 10, -1, 3, 0, -1], [3, 4, 0, 1, 10, 0, 4, -1, 0, 0, -1],
+                            [3, 0, 0, 2, 14, 5, 5, -1, 5, 0, -1], [8, 6, 0, 3, 19, 1, 7, -1, 1, 0, -1]]
     assert call["qo_indptr"] == plan.qo_indptr and call["kv_indptr"] == plan.kv_indptr
     assert call["lse"] is False and call["mode"] == "custom"
     w.plan(*batch.plan_args())

@@ -608,8 +608,11 @@ def test_long_masks_break_at_their_top_level_operator(spec_from):
     assert "    return ((kv_pos <= q_pos) && ((arg_causal_window_left < int32_t(0)) || " in mm
     assert "\n        || (((params.ranges[(q_row) * int32_t(2) + int32_t(0)] <= kv_pos)" in mm
     fa3 = render_module(config(shipped("mm_prefix"), backend="fa3")).files["variant.cuh"]
-    assert "      const bool visible = ((kv_pos <= q_pos) && " in fa3
-    assert "\n          || (((params.additional_params.ranges[" in fa3
+    assert "        const bool visible = ((kv_pos <= q_pos) && " in fa3
+    assert "\n            || (((params.additional_params.ranges[" in fa3
+    # the keys the plan proved visible to every query of a launch request skip the expression
+    assert "      if (vg_key < vis_lo || vg_key > vis_hi) {" in fa3
+    assert "    if (vg_key >= vis_lo && vg_key <= vis_hi) return true;" in mm
     chunked = render_module(config(shipped("chunked_local"))).files["variant.cuh"]
     assert "    return (kv_pos <= q_pos)\n        && (vg_floordiv(kv_pos, arg_chunk_size) == " in chunked
     short = render_module(config(shipped("causal"))).files["variant.cuh"]

@@ -106,8 +106,9 @@ class FakeDecodeModule:
         last = last_page_len.tolist()
         for b in range(n):
             (q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, kwin,
-             qo_len) = meta[b]
+             qo_len, vis_lo, vis_hi) = meta[b]
             assert (q_row_base, request, req_qo_len, qo_len, kwin) == (b, b, 1, 1, -1), meta[b]
+            assert vis_hi < vis_lo, "decode: no keys known visible (the mask on every key)"
             assert q_pos_base == req_kv_len - 1, "the decode query is its request's last token"
             npages = kvp[b + 1] - kvp[b]
             assert npages >= 1 and 1 <= last[b] <= page_size, (b, npages, last[b])

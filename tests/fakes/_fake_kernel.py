@@ -104,6 +104,15 @@ def spec_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...]) 
     return Evaluator(spec, env, args).ev(spec.mask).expand(shape)
 
 
+def kernel_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...], meta_row: list[int]) -> torch.Tensor:
+    """The generated mask as the variant evaluates it: keys in the launch request's known-visible
+    range [VIS_LO, VIS_HI] are visible without evaluating it (the planner's claim, trusted as the
+    kernel trusts it: a wrong range shows as a wrong output), the others by the spec's mask."""
+    lo, hi = meta_row[MetaColumn.VIS_LO], meta_row[MetaColumn.VIS_HI]
+    known = (env["kv_pos"] >= lo) & (env["kv_pos"] <= hi)
+    return known | spec_mask(spec, env, args, shape)
+
+
 def spec_sink(spec: VariantSpec, env: dict, args: dict, heads: int) -> torch.Tensor | None:
     """The spec's sink logit per query head, [heads, 1], as the variant computes it from the
     launch request's vg_meta row (None without a sink): every launch request of a row adds it."""
@@ -162,6 +171,9 @@ class RunCall:
 
 class FakeModule:
     """Emulates a generated module's ``plan`` and ``paged_run`` on the CPU."""
+
+    # fa2's causal launch evaluates the mask on each query tile's diagonal tiles; fa3's evaluates none
+    mask_on_diagonal = True
 
     def __init__(self, spec: VariantSpec, *, codegen_q_idx: bool = False):
         self.spec = spec
@@ -281,7 +293,7 @@ class FakeModule:
         rows_total = 0
         for b in range(n):
             (q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, kwin,
-             qo_len) = meta[b]
+             qo_len) = meta[b][:MetaColumn.VIS_LO]
             # The scheduler split the rows of each request into tiles from plan()'s qo_indptr:
             # the kernel's qo_len (from vg_meta) must be the same count.
             assert planned.qo_indptr[b + 1] - planned.qo_indptr[b] == qo_len, (b, meta[b])
@@ -309,13 +321,15 @@ class FakeModule:
             env, i, j = launch_env(meta[b], qo_len, kv_len, hq, group, local_q_idx=self.codegen_q_idx)
             scores = scores_with_logits(self.spec, env, args, scores)
             if mask_mode == 2:
-                visible = spec_mask(self.spec, env, args, (hq, qo_len, kv_len))
+                visible = kernel_mask(self.spec, env, args, (hq, qo_len, kv_len), meta[b])
             elif mask_mode == 1:
                 d = kv_len - qo_len + i
                 visible = (j <= d) & ((j >= d - kwin) if kwin >= 0 else torch.ones((), dtype=torch.bool))
-                packed_row = i * group + torch.arange(hq).view(-1, 1, 1) % group
-                d0 = kv_len - qo_len + (packed_row // cta * cta + group - 1) // group  # FlashInfer's ceil_div
-                visible = visible & ((j < d0) | spec_mask(self.spec, env, args, (hq, qo_len, kv_len)))
+                visible = visible.expand(hq, qo_len, kv_len)
+                if self.mask_on_diagonal:
+                    packed_row = i * group + torch.arange(hq).view(-1, 1, 1) % group
+                    d0 = kv_len - qo_len + (packed_row // cta * cta + group - 1) // group  # FlashInfer's ceil_div
+                    visible = visible & ((j < d0) | kernel_mask(self.spec, env, args, (hq, qo_len, kv_len), meta[b]))
             else:
                 visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
             o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v,
@@ -358,6 +372,8 @@ class FakeFa3Module(FakeModule):
     applies the spec's mask only in mode 2, and reads each launch request's rows, pages and
     lengths from the sm90 work list the launch builder wrote (PrefillPlanSM90Info offsets).
     Emulated through FakeModule."""
+
+    mask_on_diagonal = False  # its causal launch runs the plain variant: no mask on any tile
 
     def plan(self, *args):  # the fa3 module exports no FlashInfer scheduler: the builder schedules fa3
         raise AssertionError("an fa3 launch was left to FlashInfer's fa2 scheduler")
@@ -472,7 +488,8 @@ class FakeRaggedModule(FakeModule):
         assert out.is_contiguous() and out.shape == (total_q, hq, v.shape[-1])
         group = hq // hkv
         for b in range(len(meta)):
-            q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo, req_kv, kwin, qo_len = meta[b]
+            q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo, req_kv, kwin, qo_len = meta[b][:9]
+            assert meta[b][MetaColumn.VIS_HI] < meta[b][MetaColumn.VIS_LO], "ragged: no keys known visible"
             kv_len = kvp[b + 1] - kvp[b]
             assert q_row_base == qs[b] and qo_len == qs[b + 1] - qs[b] and kv_row_base == kvp[b], meta[b]
             assert kv_pos_base == 0 and req_kv == kv_len and req_qo == qo_len and kwin == -1, meta[b]
