@@ -212,7 +212,6 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
 
     from .intervals import analyze, row_intervals
     from .plan import LaunchRequest as Planned
-    from .plan_abi import SegField
     from .reference import RequestGrid, mask_for_request
     from .rowrules import classify_rows, segments
 
@@ -247,7 +246,7 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
         for seg in segments(rec, page_size).tolist():  # the launch requests fa2 runs (fa3: a window launch each)
             la = Planned.from_segment(seg, page_size)
             launches.append(LaunchRequest(la.rows, la.cls.label, la.mode.label, la.keys, la.pages, la.window,
-                                          (seg[SegField.VIS_LO], seg[SegField.VIS_HI])))
+                                          la.visible))
             counts[la.cls.label] += 1
             counts["custom_rows"] += (la.rows[1] - la.rows[0]) if la.cls.label == "custom" else 0
     else:

@@ -62,17 +62,16 @@ class LaunchRequest:
     keys: tuple[int, int]
     pages: int
     q_pos: int  # position of its first query
-    visible: tuple[int, int] = (0, -1)  # keys every row sees: a custom launch skips the mask there (empty: hi < lo)
+    visible: tuple[int, int] = (0, -1)  # keys every row sees (custom, tail): custom mode skips the mask there
 
     @classmethod
     def from_segment(cls, seg: list[int], page_size: int) -> LaunchRequest:
         """A segment of the row pass (SegField order) as fa2 runs it: the mask mode of its class."""
         c = RowClass(seg[SegField.CLASS])
         begin, end = seg[SegField.KV_BEGIN], seg[SegField.KV_END]
-        vis = (seg[SegField.VIS_LO], seg[SegField.VIS_HI]) if len(seg) > SegField.VIS_HI else (0, -1)
         return cls((seg[SegField.FIRST_ROW], seg[SegField.END_ROW]), seg[SegField.REQUEST], c, c.mode,
                    seg[SegField.WINDOW], (begin, end), -(-(end - begin) // page_size), seg[SegField.Q_POS],
-                   vis if c == RowClass.CUSTOM else (0, -1))
+                   (seg[SegField.VIS_LO], seg[SegField.VIS_HI]))
 
     def masked(self) -> int:
         """The pairs of visited() the mask is evaluated on: all in custom mode; a tail run's keys

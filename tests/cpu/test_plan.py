@@ -100,11 +100,11 @@ def test_to_dense_refuses_a_large_batch():
 
 def test_launch_request_from_a_segment_and_what_it_visits():
     # rows 10..13 of request 2, window 3, keys 16..40 (page 8), first query at position 30
-    r = LaunchRequest.from_segment([10, 14, 2, int(RowClass.WINDOW), 3, 16, 34, 30], 8)
+    r = LaunchRequest.from_segment([10, 14, 2, int(RowClass.WINDOW), 3, 16, 34, 30, 0, -1], 8)
     assert (r.rows, r.request, r.cls, r.mode, r.window, r.keys, r.pages, r.q_pos) == (
         (10, 14), 2, RowClass.WINDOW, MaskMode.CAUSAL, 3, (16, 34), 3, 30)
     assert r.visited() == 4 * 4  # each row sees itself and 3 keys back
-    causal = LaunchRequest.from_segment([0, 3, 0, int(RowClass.CAUSAL), -1, 0, 8, 5], 8)
+    causal = LaunchRequest.from_segment([0, 3, 0, int(RowClass.CAUSAL), -1, 0, 8, 5, 0, -1], 8)
     assert causal.visited() == 6 + 7 + 8
-    dense = LaunchRequest.from_segment([0, 3, 0, int(RowClass.DENSE), -1, 8, 20, 30], 8)
+    dense = LaunchRequest.from_segment([0, 3, 0, int(RowClass.DENSE), -1, 8, 20, 30, 0, -1], 8)
     assert dense.visited() == 3 * 12 and dense.pages == 2
