@@ -6,8 +6,9 @@ logits_soft_cap=50; tensor cores) against variantgen decode for causal, sliding_
 (window 1023), softcap (cap 50, global layer), document (8 documents of 1024 tokens per
 request) and mm_prefix (three 1024-token image spans; the decoded token is text), on fa2's
 CUDA-core decode module, fa2's tensor-core (prefill module) path and fa3 (sm90: its prefill
-module, one query per request), each with key trimming (spec arguments given to plan(); the
-default) and without (plan(skip_tiles=False)). FlashInfer's tensor-core decode runs on its fa2
+module, one query per request, GQA-packed: a key/value head's query heads as rows of one
+tile; a `_unpacked` row with packing off), each with key trimming (spec arguments given to
+plan(); the default) and without (plan(skip_tiles=False)). FlashInfer's tensor-core decode runs on its fa2
 and (sm90) fa3 prefill kernels.
 
 Every module (ours and FlashInfer's JIT ones) is built first, several at a time; then every
@@ -86,7 +87,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--out", default=None)
     ap.add_argument("--parallel", type=int, default=None, help="modules built at once (default: cores / 3, <= 8)")
-    ap.add_argument("--skip", default="", help="comma list: flashinfer, tensor_cores, fa3, untrimmed")
+    ap.add_argument("--skip", default="", help="comma list: flashinfer, cuda_cores, tensor_cores, fa3, untrimmed, "
+                                                "or a FlashInfer row's name")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     t_start = time.perf_counter()
@@ -140,8 +142,7 @@ def main() -> None:
         return name, time.perf_counter() - t, True
 
     fi_names = [] if "flashinfer" in skip else [n for n in FLASHINFER
-                                                 if ("tensor_cores" not in n or "tensor_cores" not in skip)
-                                                 and (not n.endswith("_fa3") or "fa3" in paths)]
+                                                 if (not n.endswith("_fa3") or "fa3" in paths) and n not in skip]
     t = time.perf_counter()
     builds = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
@@ -201,8 +202,13 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 errors[tag] = f"{type(e).__name__}: {str(e)[:500]}"
                 continue
-            for trimmed in (True, False):
+            variants = [(True, True), (False, True)] + ([(True, False)] if path == "fa3" else [])
+            for trimmed, packed in variants:  # (fa3: GQA packing on, and off for comparison)
                 name = tag if trimmed else f"{tag}_untrimmed"
+                if not packed:
+                    name = f"{tag}_unpacked"
+                if w.planner is not None:
+                    w.planner.pack_gqa_enabled = packed
                 plan_kw = dict(run_args) if trimmed else {"skip_tiles": False}
                 try:
                     torch.cuda.synchronize()
@@ -213,7 +219,7 @@ def main() -> None:
                     errors[name] = f"plan: {type(e).__name__}: {str(e)[:500]}"
                     continue
                 notes[f"{name}_plan_ms"] = round((time.perf_counter() - t) * 1e3, 3)
-                stats = {k: v for k, v in w.plan_stats.items() if k in ("pages", "launches", "planner_off")}
+                stats = {k: v for k, v in w.plan_stats.items() if k in ("pages", "launches", "planner_off", "pack_gqa")}
                 notes[f"{name}_plan_stats"] = json.loads(json.dumps(stats, default=str))
                 if not trimmed and "untrimmed" in skip:
                     continue
@@ -229,7 +235,8 @@ def main() -> None:
 
     res["ratios"] = {
         f"variantgen_{s}_{p}{u}_vs_{m}": ratio(f"variantgen_{s}_{p}{u}", m)
-        for s, m in MATCHES.items() for p in paths for u in ("", "_untrimmed")
+        for s, m in MATCHES.items() for p in paths for u in ("", "_untrimmed", "_unpacked")
+        if f"variantgen_{s}_{p}{u}" in ms
     }
     res["ratios"].update({
         f"variantgen_{s}_{p}_vs_flashinfer_plain_cuda_cores": ratio(f"variantgen_{s}_{p}",

@@ -48,15 +48,26 @@ class Target:
     args: str  # prefix of an extra argument, e.g. "params." -> params.<name>
     num_qo_heads: str
     num_kv_heads: str
+    # hook locals defined otherwise than LOCAL_DEFS says: (builtin, C++ definition)
+    local_overrides: tuple[tuple[str, str], ...] = ()
 
 
 # FA2 kernels hand the hooks their Params struct: paged prefill and decode keep the key/value
 # head count in their paged_kv, the ragged kernel's RaggedParams in a field of its own.
 FA2_PAGED = Target("params.", "int32_t(params.num_qo_heads)", "int32_t(params.paged_kv.num_heads)")
 FA2_RAGGED = Target("params.", "int32_t(params.num_qo_heads)", "int32_t(params.num_kv_heads)")
-# FA3 hooks get the mainloop's params; our arguments live in its additional_params.
+# FA3 hooks get the mainloop's params; our arguments live in its additional_params. Its
+# launches may be GQA-packed (the variant's pack_gqa > 1): a kernel row is then query row
+# qo_idx / pack_gqa (computed as (qo_idx * pack_magic) >> 16) of query head
+# kv_head * pack_gqa + qo_idx % pack_gqa; unpacked, pack_magic is 2^16 and the row is qo_idx.
+_FA3_ROW = "int32_t((uint32_t(qo_idx < qo_len ? qo_idx : qo_len - 1) * pack_magic) >> 16)"
 FA3 = Target("params.additional_params.", "int32_t(params.additional_params.vg_num_qo_heads)",
-             "int32_t(params.additional_params.vg_num_kv_heads)")
+             "int32_t(params.additional_params.vg_num_kv_heads)", local_overrides=(
+                 ("q_local", f"const int32_t q_local = {_FA3_ROW};  // padding lanes clamped first"),
+                 ("qo_head", "const int32_t qo_head = pack_gqa > 1 ? int32_t(kv_head_idx) * pack_gqa + int32_t("
+                             "qo_idx - ((uint32_t(qo_idx) * pack_magic) >> 16) * uint32_t(pack_gqa)) : "
+                             "int32_t(qo_head_idx);"),
+             ))
 
 # The interval planner's row kernel (templates/planner): arguments are fields of its PlanArgs
 # `p`; row-only expressions never read head counts (analyze refuses head-dependent masks).
@@ -100,10 +111,14 @@ def local_names(builtins: frozenset[str]) -> list[str]:
     return need
 
 
-def hook_locals(builtins: frozenset[str], indent: str = "    ", defined: frozenset[str] = frozenset()) -> str:
+def hook_locals(builtins: frozenset[str], indent: str = "    ", defined: frozenset[str] = frozenset(),
+                target: Target | None = None) -> str:
     """The C++ lines defining the locals that ``builtins`` need, minus those already ``defined``
-    (by an enclosing block of the same hook)."""
-    return "\n".join(indent + LOCAL_DEFS[n][0] for n in local_names(builtins) if n not in defined)
+    (by an enclosing block of the same hook), as ``target``'s hooks define them."""
+    defs = {name: code for name, (code, _) in LOCAL_DEFS.items()}
+    if target is not None:
+        defs.update(target.local_overrides)
+    return "\n".join(indent + defs[n] for n in local_names(builtins) if n not in defined)
 
 
 BREAK_WIDTH = 88  # a mask longer than this is broken at its top-level || / &&

@@ -105,6 +105,11 @@ class DecodeWrapper(WrapperBase):
         return self._prefill.plan_stats if self._prefill is not None else self._plan_stats
 
     @property
+    def planner(self):
+        """Tensor cores: the prefill wrapper's Planner (CUDA cores: None, no launch builder)."""
+        return self._prefill.planner if self._prefill is not None else None
+
+    @property
     def last_plan(self) -> Plan | None:
         """Tensor cores: the prefill wrapper's Plan of the last plan() (CUDA cores: None, one launch)."""
         return self._prefill.last_plan if self._prefill is not None else None

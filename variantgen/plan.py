@@ -140,7 +140,8 @@ class Plan:
 
     def __init__(self, batch: Batch, launches: list[Launch], *, backend: str, planner: str, reason: str = "",
                  counts: dict[str, int] | None = None, host: torch.Tensor | None = None,
-                 layouts: tuple[LaunchLayout, ...] = (), pages_given: int = 0, graph: bool = False):
+                 layouts: tuple[LaunchLayout, ...] = (), pages_given: int = 0, graph: bool = False,
+                 pack_gqa: int = 1):
         self.batch = batch
         self.launches = launches
         self.backend = backend
@@ -149,6 +150,8 @@ class Plan:
         self.counts = dict(counts or {})  # launch requests per row class, custom rows (planner on)
         self.pages_given = pages_given
         self.graph = graph
+        # fa3 GQA packing: the launches see q / o as [rows x pack_gqa, num_kv_heads, dim] (1: off)
+        self.pack_gqa = pack_gqa
         self._host = host  # the workspace's host mirror (shared with the next plan) or this plan's copy
         self._layouts = layouts
         self._requests: list[LaunchRequest] | None = None
@@ -156,6 +159,8 @@ class Plan:
     # ------------------------------------------------------------------ what plan_stats shows
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"launches": [(la.mask_mode, la.num_requests) for la in self.launches if la.num_requests]}
+        if self.pack_gqa > 1:
+            out["pack_gqa"] = self.pack_gqa
         if self.planner == "module":
             out["row_planner"] = "kernel"
             out["segments"] = dict(self.counts)
@@ -221,8 +226,9 @@ class Plan:
     def __repr__(self) -> str:
         b = self.batch
         how = "interval planner (planner module)" if self.planner == "module" else f"planner off: {self.reason}"
+        packed = f", GQA-packed ({self.pack_gqa} query heads per row)" if self.pack_gqa > 1 else ""
         lines = [f"Plan({b.batch_size} requests, {b.total_q} query rows, {b.num_qo_heads}/{b.num_kv_heads} heads, "
-                 f"page size {b.page_size}; {self.backend}{', CUDA-graph slots' if self.graph else ''}; {how})"]
+                 f"page size {b.page_size}; {self.backend}{', CUDA-graph slots' if self.graph else ''}{packed}; {how})"]
         for i, la in enumerate(self.launches):
             window = f", window {la.window_left}" if la.window_left >= 0 else ""
             lines.append(f"  launch {i}: {la.mask_mode:6} {la.num_requests:5} launch requests, {la.num_rows} rows"

@@ -169,7 +169,8 @@ class PlanOption(IntEnum):
     GRAPH_PAGES = 14  # page-list entries per launch slot
     GRAPH_ROWS = 15  # query rows (max_total_q) the slots' schedules are sized for
     WINDOW_COUNT = 16  # fa3 graph mode: the pinned window widths (-1: choose them from this batch)
-    WINDOWS = 17  # then FA3_MAX_WINDOW_LAUNCHES widths
+    PACK_GQA = 17  # fa3: > 1 folds each GQA group of that many query heads into rows (GQA packing; 0/1: off)
+    WINDOWS = 18  # then FA3_MAX_WINDOW_LAUNCHES widths
 
 
 class Status(IntEnum):

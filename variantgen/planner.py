@@ -119,6 +119,22 @@ class Planner:
             if self.graph.windows is not None:
                 self._pin_windows(self.graph.windows)
         self._last: weakref.ref[Plan] | None = None
+        # fa3 GQA packing for batches of short requests (pack_gqa below); a switch for comparisons.
+        self.pack_gqa_enabled = True
+
+    def pack_gqa(self, batch: Batch) -> int:
+        """Query heads folded into each packed row group of this batch's fa3 launches (1: none).
+        FlashInfer's sm90 kernel tiles 128 (hd 64: 192) query rows of one head, so a short request
+        fills a tile with few rows and every query head of a GQA group reads the same keys again.
+        Packing runs a key/value head's whole group as rows of one tile, which reads the keys once:
+        done where every request's rows x group fit one tile (decode, multi-token decode, draft
+        trees). Not for a spec with a learned sink (its sink is per tile head), nor in CUDA-graph
+        mode (the packed copies of q and out would cover the capacity's rows)."""
+        group = batch.num_qo_heads // batch.num_kv_heads
+        if (not self.fa3 or group == 1 or not self.pack_gqa_enabled or self.graph is not None
+                or self.spec.sink is not None or not batch.qo_lens):
+            return 1
+        return group if max(batch.qo_lens) * group <= int(self._opt[PlanOption.FA3_CTA_TILE_Q]) else 1
 
     @property
     def num_sms(self) -> int:
@@ -183,6 +199,7 @@ class Planner:
         o[PlanOption.NUM_QO_HEADS] = batch.num_qo_heads
         o[PlanOption.NUM_KV_HEADS] = batch.num_kv_heads
         o[PlanOption.FA2_MIN_TILES] = self.fa2_min_tiles(batch.num_kv_heads, disable_split_kv)
+        pack = o[PlanOption.PACK_GQA] = self.pack_gqa(batch)
         row_pass = planned and batch.total_q > 0  # (an empty graph-mode batch: plan_direct lays out its slots)
         o[PlanOption.DIRECT] = int(not row_pass)
         kv_indices = self.staging.on_device(kv_indices).contiguous()  # (plan() never waits for the GPU)
@@ -193,7 +210,7 @@ class Planner:
         counts = {name: values[i] for name, i in _COUNTS} if planned else {}
         plan = Plan(batch, launches, backend=self.backend, planner="module" if planned else "off", reason=reason,
                     counts=counts, host=host_ws, layouts=tuple(layouts),
-                    pages_given=pages_given, graph=self.graph is not None)
+                    pages_given=pages_given, graph=self.graph is not None, pack_gqa=int(pack))
         self._last = weakref.ref(plan)
         return plan
 

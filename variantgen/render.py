@@ -271,15 +271,15 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
         "mask_text": codegen.comment_lines(spec.mask_text),
         "mask_canonical": codegen.comment_lines(expr.to_source(spec.mask)),
         "mask_code": mask.broken(),
-        "mask_locals": codegen.hook_locals(mask.builtins),
+        "mask_locals": codegen.hook_locals(mask.builtins, target=target),
         "logits": logits is not None,
         "logits_text": codegen.comment_lines(spec.logits_text or "") if logits else [],
         "logits_canonical": codegen.comment_lines(expr.to_source(spec.logits)) if logits else [],
         "logits_code": logits.code if logits else "",
-        "logits_locals": codegen.hook_locals(logits.builtins) if logits else "",
+        "logits_locals": codegen.hook_locals(logits.builtins, target=target) if logits else "",
         # fa3's masked transform: the mask's locals the logits transform did not define already
         "mask_only_locals": codegen.hook_locals(mask.builtins, "      ", frozenset(
-            codegen.local_names(logits.builtins) if logits else ())),
+            codegen.local_names(logits.builtins) if logits else ()), target=target),
         # the learned sink: a float per query head and request (fa2: in its m/d update or, for
         # decode, its output transform; fa3: in the constructor, one head per work tile)
         "sink": sink is not None,

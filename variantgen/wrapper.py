@@ -634,18 +634,43 @@ class VariantWrapper(WrapperBase):
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
             enable_pdl = self._pdl_default()
         fa3 = self.config.backend == "fa3"
+        pack = self.last_plan.pack_gqa if self.last_plan is not None else 1
+        q_k, out_k, lse_k = (q, out, lse) if pack == 1 else gqa_packed(q, out, lse, pack)
         for la in self._launches:
             code = int(la.mode)
             if fa3:
                 self.module.paged_run(
-                    la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.kv_indices, out,
-                    lse, code, layout, la.window_left, enable_pdl, *tensors, la.meta, *scalars)
+                    la.float_workspace, la.int_workspace, la.plan_info, q_k, k_cache, v_cache, la.kv_indices, out_k,
+                    lse_k, code, layout, la.window_left, pack, enable_pdl, *tensors, la.meta, *scalars)
             else:
                 self.module.paged_run(
                     la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.q_starts,
                     la.kv_indptr, la.kv_indices, la.last_page_len, out, lse, code, layout,
                     -1, enable_pdl, *tensors, la.meta, *scalars)
+        if pack > 1:
+            gqa_unpack(out, lse, out_k, lse_k, pack)
         return (out, lse) if return_lse else out
+
+
+def gqa_packed(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, group: int,
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """GQA packing's kernel tensors: q [rows, kv_heads x group, d] as [rows x group, kv_heads, d]
+    (row r's query head kv x group + g at packed row r x group + g; a copy), and outputs of
+    that shape for the launches to write (gqa_unpack copies them back)."""
+    rows, heads = q.shape[0], q.shape[1] // group
+    q_k = q.unflatten(1, (heads, group)).transpose(1, 2).reshape(rows * group, heads, q.shape[2])
+    out_k = out.new_empty(rows * group, heads, out.shape[2])
+    lse_k = lse.new_empty(rows * group, heads) if lse is not None else None
+    return q_k, out_k, lse_k
+
+
+def gqa_unpack(out: torch.Tensor, lse: torch.Tensor | None, out_k: torch.Tensor, lse_k: torch.Tensor | None,
+               group: int) -> None:
+    """The packed launches' outputs (gqa_packed) back into ``out`` / ``lse`` rows and heads."""
+    rows, heads = out.shape[0], out.shape[1] // group
+    out.unflatten(1, (heads, group)).copy_(out_k.view(rows, group, heads, -1).transpose(1, 2))
+    if lse is not None:
+        lse.view(rows, heads, group).copy_(lse_k.view(rows, group, heads).transpose(1, 2))
 
 
 def host_lists(*tensors: torch.Tensor) -> list[list[int]]:

@@ -18,7 +18,7 @@ template <typename Params>
 static void FillFa3Common(Params& params, TensorView int_workspace_buffer,
                           const tvm::ffi::Array<int64_t>& plan_info_vec, TensorView q, TensorView o,
                           const tvm::ffi::Optional<TensorView>& maybe_lse, int num_kv_heads,
-                          int64_t mask_mode_code) {
+                          int64_t mask_mode_code, int64_t pack_gqa) {
   using Id = typename Params::IdType;
   flashinfer::PrefillPlanSM90Info plan_info;
   plan_info.FromVector(std::vector<int64_t>(plan_info_vec.begin(), plan_info_vec.end()));
@@ -43,6 +43,16 @@ static void FillFa3Common(Params& params, TensorView int_workspace_buffer,
   params.head_indices = GetPtrFromBaseOffset<Id>(int_ws, plan_info.head_indices_offset);
   params.work_indptr = GetPtrFromBaseOffset<Id>(int_ws, plan_info.work_indptr_offset);
   params.batch_indices = GetPtrFromBaseOffset<Id>(int_ws, plan_info.batch_indices_offset);
-  params.additional_params.vg_num_qo_heads = uint32_t(params.num_qo_heads);
+  // GQA packing: q / o hold each key/value head's group of query heads as consecutive rows
+  // ([rows x group, num_kv_heads, dim]), so the kernel sees one query head per key/value head;
+  // the variant maps a packed row back to its query row and head (variant.cuh).
+  const uint32_t pack = pack_gqa > 1 ? uint32_t(pack_gqa) : 1u;
+  TVM_FFI_ICHECK(pack == 1 || (params.num_qo_heads == num_kv_heads && mask_mode_code != 1))
+      << "GQA-packed q must have one head per key/value head (" << params.num_qo_heads << " for "
+      << num_kv_heads << ") and the launch must not be causal";
+  params.additional_params.vg_num_qo_heads = uint32_t(params.num_qo_heads) * pack;
   params.additional_params.vg_num_kv_heads = uint32_t(params.num_kv_heads);
+  params.additional_params.vg_pack_gqa = pack;
+  // packed row / pack as (row * magic) >> 16: exact for row x pack < 2^16 (rows < one tile)
+  params.additional_params.vg_pack_magic = (65536u + pack - 1u) / pack;
 }

@@ -69,7 +69,7 @@ static void FillRaggedParams(RaggedParams& params, TensorView int_workspace_buff
   // NHD: [tokens, heads, dim]; HND: [heads, tokens, dim].
   const bool nhd = static_cast<QKVLayout>(layout) == QKVLayout::kNHD;
   FillFa3Common(params, int_workspace_buffer, plan_info_vec, q, o, maybe_lse, int(k.size(nhd ? 1 : 0)),
-                mask_mode_code);
+                mask_mode_code, /*pack_gqa=*/1);
   params.k_ptr = static_cast<DTypeKV*>(k.data_ptr());
   params.v_ptr = static_cast<DTypeKV*>(v.data_ptr());
   params.k_stride_n = k.stride(nhd ? 0 : 1);

@@ -21,13 +21,13 @@ static void FillPagedParams(PagedParams& params, TensorView int_workspace_buffer
                             TensorView paged_k_cache, TensorView paged_v_cache,
                             TensorView paged_kv_indices, TensorView o,
                             const tvm::ffi::Optional<TensorView>& maybe_lse, int64_t mask_mode_code,
-                            int64_t layout, int64_t window_left) {
+                            int64_t layout, int64_t window_left, int64_t pack_gqa) {
   const QKVLayout kv_layout = static_cast<QKVLayout>(layout);
   // NHD pages: [pages, page_size, heads, dim]; HND: [pages, heads, page_size, dim].
   const int token_axis = kv_layout == QKVLayout::kNHD ? 1 : 2;
   const int head_axis = kv_layout == QKVLayout::kNHD ? 2 : 1;
   FillFa3Common(params, int_workspace_buffer, plan_info_vec, q, o, maybe_lse,
-                int(paged_k_cache.size(head_axis)), mask_mode_code);
+                int(paged_k_cache.size(head_axis)), mask_mode_code, pack_gqa);
   params.k_ptr = static_cast<DTypeKV*>(paged_k_cache.data_ptr());
   params.v_ptr = static_cast<DTypeKV*>(paged_v_cache.data_ptr());
   params.k_stride_n = paged_k_cache.stride(token_axis);

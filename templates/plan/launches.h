@@ -25,7 +25,8 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
 // The options (PlanOption), read once and checked.
 struct Options {
   int64_t page_size, num_sm, fa3_cta_tile_q, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, kv_dtype_bytes,
-      fa2_min_tiles, max_window_launches, read_expect, graph_requests, graph_pages, graph_rows, window_count;
+      fa2_min_tiles, max_window_launches, read_expect, graph_requests, graph_pages, graph_rows, window_count,
+      pack;  // fa3 GQA packing: query heads per row group (1: off)
   bool fa3, direct;
   int64_t windows[kFa3MaxWindowLaunches];
   bool graph() const { return graph_requests > 0; }
@@ -54,6 +55,7 @@ inline Options read_options(const int64_t* o, int64_t count) {
   c.graph_pages = o[kOptionGraphPages];
   c.graph_rows = o[kOptionGraphRows];
   c.window_count = o[kOptionWindowCount];
+  c.pack = std::max<int64_t>(o[kOptionPackGqa], 1);
   for (int i = 0; i < kFa3MaxWindowLaunches; ++i) c.windows[i] = o[kOptionWindows + i];
   VG_REQUIRE(c.page_size > 0 && c.num_sm > 0 && c.fa3_cta_tile_q > 0) << "options: page_size, num_sm, cta tile";
   VG_REQUIRE(c.num_kv_heads > 0 && c.num_qo_heads > 0 && c.num_qo_heads % c.num_kv_heads == 0)
@@ -65,6 +67,9 @@ inline Options read_options(const int64_t* o, int64_t count) {
       << c.graph_rows << " rows";
   VG_REQUIRE(c.window_count >= -1 && c.window_count <= c.max_window_launches)
       << "options: window_count=" << c.window_count;
+  VG_REQUIRE(c.pack == 1 || (c.fa3 && c.pack == c.num_qo_heads / c.num_kv_heads))
+      << "options: pack_gqa=" << c.pack << " is neither off nor the fa3 GQA group "
+      << c.num_qo_heads / c.num_kv_heads;
   return c;
 }
 
@@ -289,6 +294,30 @@ inline bool tail_fits(const Request& r, const Options& c) {
   return packed <= cta;
 }
 
+// GQA packing (fa3, requests of at most one query tile of packed rows): a launch request's
+// rows run as rows x group packed rows of its key/value head, query head h = kv_head x group +
+// packed row % group, its query row the packed row / group (the variant undoes it). The
+// kernel's causal and window masks compare packed row indices, so none of them is exact
+// there: a causal or window run becomes dense where its keys are all visible to its one row,
+// else custom, with the keys all its rows see as known visible (the mask is evaluated only
+// past them).
+inline void pack_classes(std::vector<Request>& reqs) {
+  for (Request& r : reqs) {
+    if (r.cls != kCausal && r.cls != kWindow) continue;
+    const int64_t q_last = r.q_pos + r.rows - 1;
+    // rows see [lo_i, q_pos + i]: all of them [max(kv_begin, lo of the last row), q_pos]
+    const int64_t lo = r.cls == kWindow ? std::max(r.kv_begin, q_last - r.window) : r.kv_begin;
+    if (r.rows == 1 && lo == r.kv_begin) {
+      r.cls = kDense;  // one row seeing every key of [kv_begin, kv_end)
+    } else {
+      r.cls = kCustom;
+      r.vis_lo = lo <= r.q_pos ? lo : 0;
+      r.vis_hi = lo <= r.q_pos ? r.q_pos : -1;
+    }
+    r.window = -1;
+  }
+}
+
 inline std::vector<int64_t> window_widths(const std::vector<Request>& reqs, const Options& c) {
   std::vector<int64_t> widths;
   if (!c.fa3) return widths;
@@ -336,11 +365,13 @@ inline int64_t metadata_ints(int64_t n) { return (n + 1) + (n + 1) + n + kMetaCo
 // kStatusSlotPages name the launch slot that does not fit the capacity. In CUDA-graph mode
 // every offset depends on the capacity only: the launches keep their device addresses and
 // plan_info from batch to batch.
-inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const Options& c, char* host,
+inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options& c, char* host,
                        int64_t capacity, int64_t* desc, int64_t desc_count) {
   VG_REQUIRE(desc_count == kHeaderFields + kLaunchFields * kMaxLaunches) << "desc: wrong size";
   std::fill(desc, desc + desc_count, 0);
   desc[kHeadSegments] = int64_t(reqs.size());
+  const int64_t pack = c.pack;  // packed rows per query row (GQA packing; 1: off)
+  if (pack > 1) pack_classes(reqs);
   const std::vector<LaunchSet> launches = group_launches(reqs, c);
   const bool graph = c.graph();
   const int64_t slots = graph ? c.graph_slots() : int64_t(launches.size());
@@ -383,12 +414,12 @@ inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const O
     qo.assign(slot_n[l] + 1, 0);
     const std::vector<int32_t> none;
     const std::vector<int32_t>& members = l < int64_t(launches.size()) ? launches[l].members : none;
-    for (size_t k = 0; k < members.size(); ++k) qo[k + 1] = qo[k] + int32_t(reqs[members[k]].rows);
+    for (size_t k = 0; k < members.size(); ++k) qo[k + 1] = qo[k] + int32_t(reqs[members[k]].rows * pack);
     for (int64_t k = int64_t(members.size()); k < slot_n[l]; ++k) qo[k + 1] = qo[k];
     sched_at[l] = at;
     if (c.fa3) {
       kind[l] = kScheduleFa3;
-      fa3_room[l] = graph ? ceil_div(c.graph_rows, c.fa3_cta_tile_q) + c.graph_requests - 1
+      fa3_room[l] = graph ? ceil_div(c.graph_rows * pack, c.fa3_cta_tile_q) + c.graph_requests - 1
                           : fa3_tiles(qo.data(), slot_n[l], c.fa3_cta_tile_q);
       at = align16(at + fa3_work_list_bytes(fa3_room[l], c.num_sm));
     } else {
@@ -441,7 +472,7 @@ inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const O
     for (int64_t k = 0; k < n; ++k) {
       int32_t* row = meta + kMetaColumns * k;
       if (k >= m) {  // an empty launch request (CUDA-graph padding): no rows, no keys, no window
-        q_starts[k] = int32_t(b.total_q);
+        q_starts[k] = int32_t(b.total_q * pack);
         kv_indptr[k + 1] = kv_indptr[k];
         last_page_len[k] = 0;
         std::fill(row, row + kMetaColumns, 0);
@@ -454,7 +485,7 @@ inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const O
       const bool custom = launches[l].mode == kModeCustom;  // a tail run that does not fit runs custom
       ++stats[r.cls == kTail && custom ? kCustom : r.cls];
       if (custom) custom_rows += r.rows;
-      q_starts[k] = int32_t(r.first_row);
+      q_starts[k] = int32_t(r.first_row * pack);  // (the kernel's rows: packed ones with GQA packing)
       kv_indptr[k + 1] = kv_indptr[k] + int32_t(r.pages);
       last_page_len[k] = int32_t(r.last_page_len);
       row[VG_META_Q_ROW_BASE] = int32_t(r.first_row);
@@ -482,9 +513,9 @@ inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const O
         }
       }
     }
-    q_starts[n] = int32_t(b.total_q);
+    q_starts[n] = int32_t(b.total_q * pack);
     std::copy(plan_qo[l].begin(), plan_qo[l].end(), qo);
-    packed = packed && int64_t(qo[n]) == b.total_q;
+    packed = packed && int64_t(qo[n]) == b.total_q * pack;
 
     std::vector<int64_t> info;
     if (kind[l] == kScheduleFa3) {
@@ -506,7 +537,7 @@ inline void write_plan(const std::vector<Request>& reqs, const Batch& b, const O
     d[kLaunchOffset] = region[l];
     d[kLaunchPacked] = packed;
     d[kLaunchSchedule] = kind[l];
-    d[kLaunchRows] = qo[n];
+    d[kLaunchRows] = qo[n] / pack;
     d[kLaunchPageAt] = page_at;
     d[kLaunchPages] = pages[l];
     d[kLaunchSlotPages] = graph ? c.graph_pages : d[kLaunchPages];

@@ -9,6 +9,7 @@
 //   schedule:       the fa2 work list of one launch (tests).
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "gather.cuh"
@@ -88,8 +89,8 @@ void VgBuildLaunches(TensorView indices, TensorView segments, TensorView options
     seg = static_cast<const int64_t*>(segments.data_ptr());
     nseg = segments.size(0);
   }
-  const auto reqs = vg_plan::read_segments(seg, nseg, a.batch, a.options.page_size);
-  vg_plan::write_plan(reqs, a.batch, a.options, a.host, a.capacity, a.desc, a.desc_count);
+  auto reqs = vg_plan::read_segments(seg, nseg, a.batch, a.options.page_size);
+  vg_plan::write_plan(std::move(reqs), a.batch, a.options, a.host, a.capacity, a.desc, a.desc_count);
 }
 
 void VgPlanDirect(TensorView indices, TensorView options, TensorView kv_indices, TensorView workspace,
@@ -98,9 +99,9 @@ void VgPlanDirect(TensorView indices, TensorView options, TensorView kv_indices,
   vg_plan::check_device_args(a, kv_indices, workspace);
   VG_REQUIRE(a.options.direct) << "plan_direct: the options do not say direct";
   const std::vector<int64_t> seg = vg_plan::direct_segments(a.batch);
-  const auto reqs = vg_plan::read_segments(seg.data(), int64_t(seg.size()) / vg_abi::kSegFields, a.batch,
-                                           a.options.page_size);
-  vg_plan::write_plan(reqs, a.batch, a.options, a.host, a.capacity, a.desc, a.desc_count);
+  auto reqs = vg_plan::read_segments(seg.data(), int64_t(seg.size()) / vg_abi::kSegFields, a.batch,
+                                     a.options.page_size);
+  vg_plan::write_plan(std::move(reqs), a.batch, a.options, a.host, a.capacity, a.desc, a.desc_count);
   ffi::CUDADeviceGuard device_guard(workspace.device().device_id);
   vg_plan::finish_plan(a, kv_indices, workspace, get_stream(workspace.device()));
 }

@@ -285,6 +285,50 @@ def test_fa3_decode_runs_its_prefill_module(spec_name, q_len):
         assert sum(c.rows for c in fake.run_calls) == q_len * len(MULTI_KV_LENS)
 
 
+@pytest.mark.parametrize("q_len", [1, 3])
+@pytest.mark.parametrize("spec_name", ["causal", "sliding_window", "document", "mm_prefix", "softcap", "alibi"])
+def test_fa3_decode_packs_gqa_groups(spec_name, q_len):
+    """fa3 decode and multi-token decode run GQA-packed (a key/value head's 4 query heads as rows
+    of one tile): q / out / lse packed and unpacked around the launches, causal and window runs
+    laid out dense or custom (the kernel's causal mask would compare packed rows), the output
+    the reference's; the same with packing switched off."""
+    spec = shipped(spec_name)
+    batch = decode_batch(MULTI_KV_LENS, 4, seed=21, q_len=q_len)
+    args = random_spec_args(spec, batch, seed=21)
+    args.update(SMALL_SCALARS.get(spec_name, {}))
+    if spec_name == "sliding_window":
+        args["window"] = 5  # window edges inside pages: the first page's keys before the window are masked
+    w, fake, out, lse = check(spec, batch, args, backend="fa3", label=f"fa3 packed {spec_name} T={q_len}")
+    plan = w.last_plan
+    assert plan.pack_gqa == HQ // HKV and plan.stats()["pack_gqa"] == HQ // HKV
+    assert "GQA-packed (4 query heads per row)" in repr(plan)
+    assert all(la.mode != variantgen.plan.MaskMode.CAUSAL for la in plan.launches)
+    # packing off: the same numbers from unpacked launches
+    w._prefill.planner.pack_gqa_enabled = False
+    w.plan(*plan_args(batch), **({"q_len_per_request": q_len} if q_len > 1 else {}), **args)
+    assert w.last_plan.pack_gqa == 1
+    again, lse_again = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **args)
+    assert (again.float() - out.float()).abs().max().item() < 2e-2
+    assert (lse_again - lse).abs().max().item() < 1e-3
+
+
+def test_fa3_packing_is_refused_where_it_would_be_wrong_or_slow():
+    """No GQA packing for a learned sink (one sink per tile head), for requests whose packed
+    rows exceed one query tile (192 at hd 64) - the kernel's causal launch serves those - or
+    without a GQA group."""
+    batch = decode_batch(MULTI_KV_LENS, 4, seed=22)
+    spec = shipped("attention_sink_learned")
+    args = random_spec_args(spec, batch, seed=22)
+    w, _, _, _ = check(spec, batch, args, backend="fa3", label="fa3 sink")
+    assert w.last_plan.pack_gqa == 1
+    w, _, _, _ = check(shipped("causal"), decode_batch([60, 90], 4, seed=22, q_len=49), {}, backend="fa3",
+                       label="fa3 49 x 4 rows")
+    assert w.last_plan.pack_gqa == 1 and any(la.mode == variantgen.plan.MaskMode.CAUSAL for la in w.last_plan.launches)
+    w, _, _, _ = check(shipped("causal"), decode_batch([60, 90], 4, seed=22, q_len=48), {}, backend="fa3",
+                       label="fa3 48 x 4 rows")
+    assert w.last_plan.pack_gqa == 4
+
+
 @pytest.mark.parametrize("spec_name", ["mm_prefix", "sliding_window"])
 def test_fa2_tensor_core_multi_token_decode(spec_name):
     spec = shipped(spec_name)

@@ -420,7 +420,10 @@ class FakeFa3Module(FakeModule):
         return dict(kv_indptr=kv_indptr, last=last, starts=starts + [total_rows], n=n, qo=qo)
 
     def paged_run(self, float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indices, out, lse, mask_mode, layout,
-                  window_left, enable_pdl, *extra):
+                  window_left, pack_gqa, enable_pdl, *extra):
+        if pack_gqa > 1:
+            return self._packed_run(float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indices, out, lse, mask_mode,
+                                    layout, window_left, pack_gqa, enable_pdl, *extra)
         n_t = len(self.spec.tensors)
         meta_t = extra[n_t]
         p = self._fa3_work_list(int_ws, list(plan_info), meta_t.tolist(), k_cache.shape[1],
@@ -443,6 +446,48 @@ class FakeFa3Module(FakeModule):
                               *extra)
         finally:
             del self._planned[stand_in.data_ptr()]
+
+    def _packed_run(self, float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indices, out, lse, mask_mode, layout,
+                    window_left, group, enable_pdl, *extra):
+        """A GQA-packed launch: q / out / lse hold group query heads per key/value head as rows
+        ([rows x group, kv_heads, ...]), every launch request's work items cover rows x group
+        packed rows from its first row x group, and the launch is not causal (the kernel's causal
+        mask would compare packed rows). Checked, then run unpacked on the same work list with
+        its rows divided back, which is what the variant's row and head mapping computes."""
+        kv_heads = k_cache.shape[2]
+        assert q.shape[1] == kv_heads and out.shape[1] == kv_heads, "packed q / out have one head per kv head"
+        assert mask_mode != 1 and window_left == -1, "a GQA-packed launch is never causal"
+        assert q.shape[0] % group == 0, q.shape
+        rows = q.shape[0] // group
+        ints = int_ws.view(torch.int32)
+        info = list(plan_info)
+        works = int(ints[info[SM90PlanInfo.WORK_INDPTR_OFFSET] // 4 + 1])
+        fields = {}
+        for k in (SM90PlanInfo.QO_INDPTR_OFFSET, SM90PlanInfo.QO_LEN_OFFSET, SM90PlanInfo.BATCH_INDICES_OFFSET):
+            fields[k] = ints[info[k] // 4:info[k] // 4 + works]
+        meta = extra[len(self.spec.tensors)]
+        for first, qlen, b in zip(*(fields[k].tolist() for k in fields)):
+            assert first % group == 0 and qlen == meta[b, MetaColumn.LAUNCH_QO_LEN] * group, (first, qlen, group)
+            assert first // group == meta[b, MetaColumn.Q_ROW_BASE], "packed rows start at the row x group"
+            assert qlen <= fa3_cta_tile_q(out.shape[2]), "a packed launch request is one query tile"
+        unpacked_ws = int_ws.clone()  # the same work list in query rows
+        u = unpacked_ws.view(torch.int32)
+        for k in (SM90PlanInfo.QO_INDPTR_OFFSET, SM90PlanInfo.QO_LEN_OFFSET):
+            u[info[k] // 4:info[k] // 4 + works] = fields[k] // group
+        q_u = q.view(rows, group, kv_heads, -1).transpose(1, 2).reshape(rows, group * kv_heads, q.shape[2])
+        out_u = out.new_zeros(rows, group * kv_heads, out.shape[2])
+        lse_u = lse.new_zeros(rows, group * kv_heads) if lse is not None else None
+        self.paged_run(float_ws, unpacked_ws, plan_info, q_u, k_cache, v_cache, kv_indices, out_u, lse_u, mask_mode,
+                       layout, window_left, 1, enable_pdl, *extra)
+        # write back only the rows this launch wrote (others belong to the plan's other launches)
+        written = torch.zeros(rows, dtype=torch.bool)
+        for first, qlen in zip(fields[SM90PlanInfo.QO_INDPTR_OFFSET].tolist(),
+                               fields[SM90PlanInfo.QO_LEN_OFFSET].tolist()):
+            written[first // group:(first + qlen) // group] = True
+        idx = written.nonzero().squeeze(1)
+        out.view(rows, group, kv_heads, -1)[idx] = out_u.view(rows, kv_heads, group, -1)[idx].transpose(1, 2)
+        if lse is not None:
+            lse.view(rows, group, kv_heads)[idx] = lse_u.view(rows, kv_heads, group)[idx].transpose(1, 2)
 
 
 class FakeRaggedModule(FakeModule):
