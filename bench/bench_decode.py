@@ -88,7 +88,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--parallel", type=int, default=None, help="modules built at once (default: cores / 3, <= 8)")
     ap.add_argument("--skip", default="", help="comma list: flashinfer, cuda_cores, tensor_cores, fa3, untrimmed, "
-                                                "or a FlashInfer row's name")
+                                                "graph, or a FlashInfer row's name")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     t_start = time.perf_counter()
@@ -229,6 +229,33 @@ def main() -> None:
                     o = w.run(batch["q"], kv, **run_args).float()
                     notes[f"{name}_vs_{match}_max_abs"] = (o - fi_out[match]).abs().max().item()
 
+    # ---------------------------------------------------------------- fa3 CUDA-graph replay (GQA-packed)
+    if "fa3" in paths and "graph" not in skip:
+        for spec_name in ("causal", "mm_prefix"):
+            name = f"variantgen_{spec_name}_fa3_graph_replay"
+            try:
+                cap = variantgen.GraphCapacity(max_batch_size=B, max_total_q=B, max_kv_pages=B * (L // PS),
+                                               max_qo_len=1)
+                w = variantgen.make_wrapper(ROOT / "specs" / f"{spec_name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
+                                            kv_dtype="bf16", kind="decode", backend="fa3", graph=cap)
+                run_args = spec_args(spec_name, dev)
+                w.plan(*plan_pos, HQ, HKV, PS, **run_args)
+                notes[f"{name}_plan_stats"] = json.loads(json.dumps(
+                    {k: v for k, v in w.plan_stats.items() if k in ("launches", "pack_gqa")}, default=str))
+                out = torch.empty_like(batch["q"])
+                w.run(batch["q"], kv, out=out, **run_args)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    w.run(batch["q"], kv, out=out, **run_args)
+                record(name, graph.replay)
+                eager = w.run(batch["q"], kv, **run_args)
+                graph.replay()
+                torch.cuda.synchronize()
+                notes[f"{name}_vs_eager_max_abs"] = (out.float() - eager.float()).abs().max().item()
+            except Exception as e:  # noqa: BLE001
+                errors[name] = f"{type(e).__name__}: {str(e)[:500]}"
+                traceback.print_exc()
+
     # ---------------------------------------------------------------- summary
     def ratio(a, b):
         return round(ms[a] / ms[b], 3) if a in ms and b in ms else None
@@ -243,6 +270,9 @@ def main() -> None:
                                                                     "flashinfer_plain_cuda_cores")
         for s in ("document", "mm_prefix") for p in paths
     })
+    res["ratios"].update({f"variantgen_{s}_fa3_graph_replay_vs_eager": ratio(f"variantgen_{s}_fa3_graph_replay",
+                                                                             f"variantgen_{s}_fa3")
+                          for s in ("causal", "mm_prefix") if f"variantgen_{s}_fa3_graph_replay" in ms})
     fastest = min((n for n in fi_names if n.startswith("flashinfer_plain") and n in ms), key=ms.get, default=None)
     if fastest is not None:  # issue 17's decode goal: causal on each path vs FlashInfer's fastest plain decode
         notes["flashinfer_fastest_plain"] = fastest

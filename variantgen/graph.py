@@ -62,6 +62,9 @@ class GraphCapacity:
     FA3_MAX_WINDOW_LAUNCHES, e.g. the spec's sliding window); default: the widths of the
     first plan()'s batch. Window rows of other widths run in the custom slot (exact, slower).
     fa2 takes the window per launch request and ignores this.
+    max_qo_len: the most query rows of one request in any plan (decode: q_len_per_request);
+    default max_total_q - max_batch_size + 1. On fa3 the launches are GQA-packed when it times
+    the GQA group fits one query tile (planner.Planner.pack_gqa): say it for decode graphs.
     """
 
     max_batch_size: int
@@ -70,6 +73,7 @@ class GraphCapacity:
     max_launch_requests: int | None = None
     max_launch_pages: int | None = None
     window_widths: tuple[int, ...] | None = None
+    max_qo_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_total_q", "max_kv_pages"):
@@ -88,6 +92,10 @@ class GraphCapacity:
             if n < self.max_kv_pages:
                 raise LaunchError(f"GraphCapacity: max_launch_pages={n} is below max_kv_pages={self.max_kv_pages} "
                                   "(the direct path passes the caller's whole page list)")
+        if self.max_qo_len is not None:
+            n = _positive("max_qo_len", self.max_qo_len)
+            if n > self.max_total_q:
+                raise LaunchError(f"GraphCapacity: max_qo_len={n} exceeds max_total_q={self.max_total_q}")
         if self.window_widths is not None:
             widths = self.window_widths
             ints = isinstance(widths, tuple) and all(isinstance(w, int) and not isinstance(w, bool) and w >= 0
@@ -96,12 +104,19 @@ class GraphCapacity:
                 raise LaunchError(f"GraphCapacity: window_widths={widths!r}: expected a tuple of at most "
                                   f"{FA3_MAX_WINDOW_LAUNCHES} distinct ints >= 0 (left-window widths)")
 
-    def check_batch(self, batch_size: int, total_q: int, kv_pages: int) -> None:
-        """plan()'s batch against the capacity; the error names the field to raise."""
+    @property
+    def longest_request(self) -> int:
+        """The most query rows one request of a plan may have."""
+        return self.max_qo_len if self.max_qo_len is not None else self.max_total_q - self.max_batch_size + 1
+
+    def check_batch(self, batch_size: int, total_q: int, kv_pages: int, longest: int = 0) -> None:
+        """plan()'s batch against the capacity (``longest``: its longest request's query rows);
+        the error names the field to raise."""
         for name, value, field, limit in (
                 ("batch size", batch_size, "max_batch_size", self.max_batch_size),
                 ("total query rows", total_q, "max_total_q", self.max_total_q),
-                ("paged_kv_indptr[-1] (page-list entries)", kv_pages, "max_kv_pages", self.max_kv_pages)):
+                ("paged_kv_indptr[-1] (page-list entries)", kv_pages, "max_kv_pages", self.max_kv_pages),
+                ("a request's query rows", longest, "max_qo_len", self.longest_request)):
             if value > limit:
                 raise LaunchError(f"plan(): {name} {value} exceeds the wrapper's CUDA-graph capacity "
                                   f"{field}={limit}; make the wrapper with a larger GraphCapacity")
@@ -145,6 +160,9 @@ class GraphBuffers:
         self.plan_info: dict[int, list[int]] = {}
         self.windows: tuple[int, ...] | None = capacity.window_widths
         self.shape: tuple[int, int, int] | None = None  # (num_qo_heads, num_kv_heads, page_size) of the first plan
+        self.pack_gqa: int | None = None  # fa3 GQA packing, pinned by the first plan (the capture's copies)
+        # the planned batch's query rows on the device: a packed run's unpack writes only those
+        self.rows = torch.zeros(1, dtype=torch.int32, device=device)
 
     def allocate(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots' workspace, made at the first plan (``nbytes``: the builder's answer); a later

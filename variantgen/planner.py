@@ -128,13 +128,22 @@ class Planner:
         fills a tile with few rows and every query head of a GQA group reads the same keys again.
         Packing runs a key/value head's whole group as rows of one tile, which reads the keys once:
         done where every request's rows x group fit one tile (decode, multi-token decode, draft
-        trees). Not for a spec with a learned sink (its sink is per tile head), nor in CUDA-graph
-        mode (the packed copies of q and out would cover the capacity's rows)."""
+        trees); in CUDA-graph mode where the capacity's longest request does (GraphCapacity's
+        max_qo_len), fixed by the first plan. Not for a spec with a learned sink (its sink is per
+        tile head)."""
         group = batch.num_qo_heads // batch.num_kv_heads
-        if (not self.fa3 or group == 1 or not self.pack_gqa_enabled or self.graph is not None
-                or self.spec.sink is not None or not batch.qo_lens):
-            return 1
-        return group if max(batch.qo_lens) * group <= int(self._opt[PlanOption.FA3_CTA_TILE_Q]) else 1
+        if not self.fa3 or group == 1 or not self.pack_gqa_enabled or self.spec.sink is not None or not batch.qo_lens:
+            pack = 1
+        else:
+            longest = self.graph.capacity.longest_request if self.graph is not None else max(batch.qo_lens)
+            pack = group if longest * group <= int(self._opt[PlanOption.FA3_CTA_TILE_Q]) else 1
+        if self.graph is not None:
+            if self.graph.pack_gqa is None:
+                self.graph.pack_gqa = pack
+            elif pack != self.graph.pack_gqa:
+                raise LaunchError(f"plan(): GQA packing {pack} differs from the {self.graph.pack_gqa} this CUDA-graph "
+                                  "wrapper planned first with (a captured run packs q and out, or does not)")
+        return pack
 
     @property
     def num_sms(self) -> int:
@@ -200,6 +209,8 @@ class Planner:
         o[PlanOption.NUM_KV_HEADS] = batch.num_kv_heads
         o[PlanOption.FA2_MIN_TILES] = self.fa2_min_tiles(batch.num_kv_heads, disable_split_kv)
         pack = o[PlanOption.PACK_GQA] = self.pack_gqa(batch)
+        if self.graph is not None and pack > 1:  # the rows a packed run unpacks, on the device
+            self.graph.rows.copy_(self.staging.to_device([batch.total_q], torch.int32))
         row_pass = planned and batch.total_q > 0  # (an empty graph-mode batch: plan_direct lays out its slots)
         o[PlanOption.DIRECT] = int(not row_pass)
         kv_indices = self.staging.on_device(kv_indices).contiguous()  # (plan() never waits for the GPU)

@@ -37,6 +37,7 @@ from .expr import FLOAT32_MAX
 from .graph import GraphCapacity
 from .intervals import IntervalForm, analyze, args_read, tensors_read, usable_form
 from .plan import Batch, Launch, Plan
+from .plan_abi import MaskMode
 from .planner import Planner
 from .render import ModuleConfig
 from .spec import VariantSpec, shown_value, value_fits
@@ -568,7 +569,7 @@ class VariantWrapper(WrapperBase):
         batch_of = paged_batch(qo_h, kvp_h, last_h, paged_kv_indices.numel(), num_qo_heads, num_kv_heads, page_size)
         graph = self._graph
         if graph is not None:
-            graph.capacity.check_batch(batch_of.batch_size, qo_h[-1], kvp_h[-1])
+            graph.capacity.check_batch(batch_of.batch_size, qo_h[-1], kvp_h[-1], max(batch_of.qo_lens))
             disable_split_kv = True  # split-KV changes the schedule from batch to batch
         self._begin_pages(paged_kv_indices, kvp_h[-1], folded)
         self._batch = batch_of
@@ -623,7 +624,8 @@ class VariantWrapper(WrapperBase):
         rows = b.total_q
         if self._graph is not None and isinstance(q, torch.Tensor) and q.dim() == 3:
             # Graph mode: q / out may be the capture's static buffers, up to capacity rows
-            # (rows past this batch's total_q are neither read nor written).
+            # (rows past this batch's total_q are not written, nor read but by a GQA-packed
+            # fa3 run's packed copy of q).
             if b.total_q <= q.shape[0] <= self._graph.capacity.max_total_q:
                 rows = q.shape[0]
         k_cache, v_cache, args = self._check_paged_run(
@@ -638,6 +640,8 @@ class VariantWrapper(WrapperBase):
         q_k, out_k, lse_k = (q, out, lse) if pack == 1 else gqa_packed(q, out, lse, pack)
         for la in self._launches:
             code = int(la.mode)
+            if pack > 1 and la.mode == MaskMode.CAUSAL:  # (a graph's causal and window slots: always empty)
+                continue
             if fa3:
                 self.module.paged_run(
                     la.float_workspace, la.int_workspace, la.plan_info, q_k, k_cache, v_cache, la.kv_indices, out_k,
@@ -647,8 +651,8 @@ class VariantWrapper(WrapperBase):
                     la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.q_starts,
                     la.kv_indptr, la.kv_indices, la.last_page_len, out, lse, code, layout,
                     -1, enable_pdl, *tensors, la.meta, *scalars)
-        if pack > 1:
-            gqa_unpack(out, lse, out_k, lse_k, pack)
+        if pack > 1:  # (graph mode: only the planned rows; out's rows past them stay as they are)
+            gqa_unpack(out, lse, out_k, lse_k, pack, self.planner.graph.rows if self._graph is not None else None)
         return (out, lse) if return_lse else out
 
 
@@ -665,12 +669,21 @@ def gqa_packed(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, gro
 
 
 def gqa_unpack(out: torch.Tensor, lse: torch.Tensor | None, out_k: torch.Tensor, lse_k: torch.Tensor | None,
-               group: int) -> None:
-    """The packed launches' outputs (gqa_packed) back into ``out`` / ``lse`` rows and heads."""
+               group: int, valid_rows: torch.Tensor | None = None) -> None:
+    """The packed launches' outputs (gqa_packed) back into ``out`` / ``lse`` rows and heads;
+    ``valid_rows`` (a device int32 [1], CUDA-graph mode): only rows below it, as a captured run's
+    row count changes from replay to replay."""
     rows, heads = out.shape[0], out.shape[1] // group
-    out.unflatten(1, (heads, group)).copy_(out_k.view(rows, group, heads, -1).transpose(1, 2))
+    new_out = out_k.view(rows, group, heads, -1).transpose(1, 2)
+    new_lse = lse_k.view(rows, group, heads).transpose(1, 2) if lse_k is not None else None
+    if valid_rows is not None:
+        keep = torch.arange(rows, device=out.device) < valid_rows
+        new_out = torch.where(keep.view(-1, 1, 1, 1), new_out, out.unflatten(1, (heads, group)))
+        if new_lse is not None:
+            new_lse = torch.where(keep.view(-1, 1, 1), new_lse, lse.view(rows, heads, group))
+    out.unflatten(1, (heads, group)).copy_(new_out)
     if lse is not None:
-        lse.view(rows, heads, group).copy_(lse_k.view(rows, group, heads).transpose(1, 2))
+        lse.view(rows, heads, group).copy_(new_lse)
 
 
 def host_lists(*tensors: torch.Tensor) -> list[list[int]]:

@@ -280,9 +280,10 @@ def test_capacity_errors_name_the_field_and_leave_the_buffers_alone(backend):
         (([20, 20], [250, 20], [[], []]), r"paged_kv_indptr\[-1\] \(page-list entries\) 18 exceeds .* max_kv_pages=16"),
         (([64, 30], [64, 30], [[(4, 8), (20, 24)], [(3, 9), (15, 17)]]),
          r"the '\w+' launch needs \d+ launch requests; .* max_launch_requests=3"),
-        # causal rows in three runs, each reading [0, its last row]: 11 + 13 + 16 pages
-        (([90], [250], [[(170, 180), (200, 210)]]), r"the 'causal' launch reads 40 page-list entries; .* "
-                                                    r"max_launch_pages=20"),
+        # causal rows in three runs, each reading [0, its last row]: 11 + 13 + 16 pages (fa3: custom ones,
+        # as this capacity's requests (at most 95 rows x group 2) run GQA-packed)
+        (([90], [250], [[(170, 180), (200, 210)]]), rf"the '{'custom' if backend == 'fa3' else 'causal'}' launch "
+                                                    r"reads 40 page-list entries; .* max_launch_pages=20"),
     ]
     for (ql, kl, spans), pattern in cases:
         b, a = mm_batch(ql, kl, spans, seed=1)
@@ -522,3 +523,40 @@ def test_slot_names_in_messages():
     assert [slot_name(i, True, (64, 8)) for i in range(3, 7)] == ["window 64", "window 8", "window slot 2",
                                                                   "window slot 3"]
     assert slot_name(3, True) == "window slot 0"
+
+
+# ----------------------------------------------------------------------------- fa3: GQA packing
+
+
+def test_fa3_graph_mode_packs_gqa_for_short_requests():
+    """GraphCapacity(max_qo_len=4): fa3 graph mode runs GQA-packed (4 rows x group 2 fit a tile),
+    fixed from the first plan; each re-planned batch's run() writes its rows (the reference) and
+    leaves the static out's rows past it alone; a longer request is refused naming max_qo_len; the
+    default capacity (longest request 189 rows x 2 > 192) runs unpacked."""
+    cap = GraphCapacity(max_batch_size=4, max_total_q=16, max_kv_pages=48, max_qo_len=4)
+    w, _ = make("mm_prefix", cap, backend="fa3")
+    engine = Engine(w, cap)
+    spec = w.spec
+    for seed, (qo_lens, kv_lens, spans) in enumerate([
+            ([1, 1, 1], [64, 40, 9], [[(8, 30)], [], [(0, 5)]]),
+            ([4, 2, 3, 1], [16, 150, 30, 200], [[], [(3, 90)], [(0, 29)], [(150, 197)]]),
+            ([3], [33], [[(0, 32)]])]):
+        batch, args = mm_batch(qo_lens, kv_lens, spans, seed=seed)
+        static = engine.load(batch, args)
+        w.plan(*batch.plan_args(), **static)
+        assert w.last_plan.pack_gqa == HQ // HKV
+        engine.out.fill_(math.nan)
+        w.run(engine.q, (engine.k, engine.v), out=engine.out, **static)
+        check_replayed(spec, engine, batch, args, f"packed batch {seed}")
+    batch, args = mm_batch([5], [40], [[]], seed=9)
+    with pytest.raises(LaunchError, match=re.escape("a request's query rows 5 exceeds the wrapper's CUDA-graph "
+                                                    "capacity max_qo_len=4")):
+        w.plan(*batch.plan_args(), **engine.load(batch, args))
+    w.planner.pack_gqa_enabled = False
+    batch, args = mm_batch([1], [40], [[]], seed=10)
+    with pytest.raises(LaunchError, match="GQA packing 1 differs from the 2 this CUDA-graph wrapper planned first"):
+        w.plan(*batch.plan_args(), **engine.load(batch, args))
+    plain, _ = make("mm_prefix", backend="fa3")
+    batch, args = mm_batch([1, 1], [64, 40], [[], []], seed=11)
+    plain.plan(*batch.plan_args(), **Engine(plain).load(batch, args))
+    assert plain.last_plan.pack_gqa == 1

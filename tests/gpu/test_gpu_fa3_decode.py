@@ -137,10 +137,13 @@ def test_decode_on_sm90_takes_fa2_unless_fa3_is_asked_for(workspace):
         assert probed.ok and probed.details["backend"] == "fa3" and "_fa3_prefill_" in probed.uri, probed.reason
 
 
-def test_fa3_graph_replays_decode_and_multi_token_decode(wrapper):
+@pytest.mark.parametrize("max_qo_len", [None, 8], ids=["unpacked", "gqa_packed"])
+def test_fa3_graph_replays_decode_and_multi_token_decode(max_qo_len, wrapper):
     """One capture, then 50 re-planned decode batches (1..32 requests, 1..8 queries each, other
-    lengths), spec tensors rewritten in the static buffers: every replay vs the reference."""
-    cap = GraphCapacity(max_batch_size=32, max_total_q=256, max_kv_pages=2048)
+    lengths), spec tensors rewritten in the static buffers: every replay vs the reference; with
+    max_qo_len=8 the capture is GQA-packed (8 rows x group 4 fit a tile), its unpack writing only
+    each replay's rows."""
+    cap = GraphCapacity(max_batch_size=32, max_total_q=256, max_kv_pages=2048, max_qo_len=max_qo_len)
     w = wrapper("document", graph=cap)
     hq, hkv, ps = 32, 8, 16
     q = torch.zeros(cap.max_total_q, hq, 128, dtype=torch.bfloat16, device="cuda")
@@ -162,6 +165,7 @@ def test_fa3_graph_replays_decode_and_multi_token_decode(wrapper):
         doc[:args["doc_ids"].numel()] = args["doc_ids"]
         multi = {"q_len_per_request": per} if per > 1 else {}
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, hq, hkv, ps, doc_ids=doc, **multi)
+        assert w.last_plan.pack_gqa == (1 if max_qo_len is None else hq // hkv)
         if graph is None:
             w.run(q, (k, v), out=out, doc_ids=doc)
             graph = torch.cuda.CUDAGraph()
