@@ -353,9 +353,11 @@ TABLE: dict[str, Backend] = {b.name: b for b in (FA3, FA2, FLEX)}  # in the orde
 assert tuple(sorted(TABLE)) == tuple(sorted(BACKENDS)), "spec.BACKENDS names the table's backends"
 MODULE_BACKENDS = tuple(b for b in BACKENDS if TABLE[b].module)
 # backend=None's order for a kind where it is not the table's, from measurements: decode prefers
-# fa2. On the H200 (bench/results/2026-12-02-h200/decode-f469c37.json: 64 requests x 8192 keys,
-# causal, 32/8 heads, hd 128) fa3's decode - its prefill kernel, a 128-row query tile per request
-# and query head - took 2.06 ms, fa2's 0.87 (CUDA cores) and 0.53 (use_tensor_cores=True).
+# fa2. On the H200 (64 requests x 8192 keys, 32/8 heads, hd 128) fa3's GQA-packed decode took
+# 0.66 ms for causal, 0.23 for a 1023-key window, 0.24 for documents
+# (bench/results/2026-12-03-h200/decode-5f16d61.json), fa2's 0.87 / 0.17 / 0.22 on CUDA cores and
+# 0.53 / 0.12 / 0.17 with use_tensor_cores=True (decode-f469c37.json in 2026-12-02-h200); and a
+# learned sink runs unpacked on fa3 (2.2 ms or so).
 KIND_ORDER = {"decode": ("fa2", "fa3", "flex")}
 
 
