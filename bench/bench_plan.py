@@ -131,10 +131,6 @@ def main() -> None:
                 out["plan_ms"][f"{tag}_planned_{impl}"] = plan_ms(w, batch, planned, args.iters, host_indptrs, spread)
             out["launches"][tag] = {"row_planner": w.plan_stats.get("row_planner"),
                                     "launches": w.plan_stats.get("launches")}
-            w.concurrent_launches = False  # every launch on the caller's stream, for comparison
-            out["run_ms"][f"{tag}_planned_one_stream"] = round(
-                cuda_median_ms(lambda w=w, a=spec_args: w.run(batch.q, kv, **a), 10), 3)
-            w.concurrent_launches = True
             run = cuda_median_ms(lambda w=w, a=spec_args: w.run(batch.q, kv, **a), 10)
             out["run_ms"][f"{tag}_planned"] = round(run, 3)
             for impl in ("row_kernel", "row_kernel_host_indptrs"):

@@ -20,7 +20,6 @@ their own wrappers (decode.py, ragged.py) on the shared checks of WrapperBase.
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
 import inspect
@@ -497,9 +496,6 @@ class VariantWrapper(WrapperBase):
                                head_dim_vo=cfg.head_dim_vo, kv_dtype_bytes=1 if cfg.kv_dtype.startswith("fp8") else 2,
                                device=self.device, float_workspace=self._float_workspace, graph=graph)
         self._graph = self.planner.graph
-        # run() puts every other launch of a plan on a second stream (False: all on the caller's)
-        self.concurrent_launches = True
-        self._side: torch.cuda.Stream | None = None
 
     @property
     def plan_stats(self) -> dict[str, Any]:
@@ -642,39 +638,22 @@ class VariantWrapper(WrapperBase):
         fa3 = self.config.backend == "fa3"
         pack = self.last_plan.pack_gqa if self.last_plan is not None else 1
         q_k, out_k, lse_k = (q, out, lse) if pack == 1 else gqa_packed(q, out, lse, pack)
-        # (a GQA-packed plan's causal and window launches - graph slots - are always empty)
-        launches = [la for la in self._launches if pack == 1 or la.mode != MaskMode.CAUSAL]
-        # The launches write disjoint rows and have their own schedules and scratch: every other
-        # one goes to a second stream, so that one launch's last wave overlaps the next one's.
-        side = self._side_stream() if len(launches) > 1 and self.concurrent_launches else None
-        main = torch.cuda.current_stream(self.device) if side is not None else None
-        if side is not None:
-            side.wait_stream(main)
-        for i, la in enumerate(launches):
+        for la in self._launches:
             code = int(la.mode)
-            with torch.cuda.stream(side) if side is not None and i % 2 else contextlib.nullcontext():
-                if fa3:
-                    self.module.paged_run(
-                        la.float_workspace, la.int_workspace, la.plan_info, q_k, k_cache, v_cache, la.kv_indices,
-                        out_k, lse_k, code, layout, la.window_left, pack, enable_pdl, *tensors, la.meta, *scalars)
-                else:
-                    self.module.paged_run(
-                        la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.q_starts,
-                        la.kv_indptr, la.kv_indices, la.last_page_len, out, lse, code, layout,
-                        -1, enable_pdl, *tensors, la.meta, *scalars)
-        if side is not None:
-            main.wait_stream(side)
+            if pack > 1 and la.mode == MaskMode.CAUSAL:  # (a graph's causal and window slots: always empty)
+                continue
+            if fa3:
+                self.module.paged_run(
+                    la.float_workspace, la.int_workspace, la.plan_info, q_k, k_cache, v_cache, la.kv_indices, out_k,
+                    lse_k, code, layout, la.window_left, pack, enable_pdl, *tensors, la.meta, *scalars)
+            else:
+                self.module.paged_run(
+                    la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.q_starts,
+                    la.kv_indptr, la.kv_indices, la.last_page_len, out, lse, code, layout,
+                    -1, enable_pdl, *tensors, la.meta, *scalars)
         if pack > 1:  # (graph mode: only the planned rows; out's rows past them stay as they are)
             gqa_unpack(out, lse, out_k, lse_k, pack, self.planner.graph.rows if self._graph is not None else None)
         return (out, lse) if return_lse else out
-
-    def _side_stream(self) -> torch.cuda.Stream | None:
-        """The second stream run() spreads a plan's launches over (None on the CPU)."""
-        if self.device.type != "cuda":
-            return None
-        if self._side is None:
-            self._side = torch.cuda.Stream(self.device)
-        return self._side
 
 
 def gqa_packed(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None, group: int,

@@ -135,28 +135,3 @@ def test_fa3_work_list_covers_every_tile_once(skip_tiles, workspace):
         assert all(first_rows[i] == meta[batch[i]][0] for i in range(works))
         per_sm = [y - x for x, y in zip(work_indptr, work_indptr[1:])]
         assert max(per_sm) - min(per_sm) <= max(4, works // sms), per_sm
-
-
-@pytest.mark.parametrize("backend", ["fa3", "fa2"])
-def test_launches_on_two_streams_equal_one_stream(backend, workspace):
-    """run() spreads a plan's launches over two streams: the same bytes as all on one stream,
-    eagerly and replayed from a CUDA graph, also while the caller's stream is not the default one."""
-    from _gpu import assert_graph_replays
-
-    spec, w, b, args = mm_prefix_case(workspace, seed=13, backend=backend)
-    w.plan(*b.plan_args(), **args)
-    assert len([la for la in w.last_plan.launches if la.num_requests]) >= 2, w.last_plan
-    kv = (b.k_cache, b.v_cache)
-    w.concurrent_launches = False
-    serial = w.run(b.q, kv, **args)
-    w.concurrent_launches = True
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        concurrent = w.run(b.q, kv, **args)
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    assert torch.equal(serial, concurrent)
-    out = torch.empty_like(serial)
-    assert_graph_replays(lambda: w.run(b.q, kv, out=out, **args), out)
-    assert torch.equal(out, serial)
