@@ -57,16 +57,14 @@ class Target:
 FA2_PAGED = Target("params.", "int32_t(params.num_qo_heads)", "int32_t(params.paged_kv.num_heads)")
 FA2_RAGGED = Target("params.", "int32_t(params.num_qo_heads)", "int32_t(params.num_kv_heads)")
 # FA3 hooks get the mainloop's params; our arguments live in its additional_params. Its
-# launches may be GQA-packed (the variant's pack_gqa > 1): a kernel row is then query row
-# qo_idx / pack_gqa (computed as (qo_idx * pack_magic) >> 16) of query head
-# kv_head * pack_gqa + qo_idx % pack_gqa; unpacked, pack_magic is 2^16 and the row is qo_idx.
-_FA3_ROW = "int32_t((uint32_t(qo_idx < qo_len ? qo_idx : qo_len - 1) * pack_magic) >> 16)"
+# launches may be GQA-packed (the variant's pack_gqa > 1): a kernel row is then a query row and
+# head of the launch request (vg_packed_row / vg_packed_head in vg_helpers.cuh).
 FA3 = Target("params.additional_params.", "int32_t(params.additional_params.vg_num_qo_heads)",
              "int32_t(params.additional_params.vg_num_kv_heads)", local_overrides=(
-                 ("q_local", f"const int32_t q_local = {_FA3_ROW};  // padding lanes clamped first"),
-                 ("qo_head", "const int32_t qo_head = pack_gqa > 1 ? int32_t(kv_head_idx) * pack_gqa + int32_t("
-                             "qo_idx - ((uint32_t(qo_idx) * pack_magic) >> 16) * uint32_t(pack_gqa)) : "
-                             "int32_t(qo_head_idx);"),
+                 ("q_local", "const int32_t q_local = vg_packed_row(uint32_t(qo_idx < qo_len ? qo_idx : qo_len - 1), "
+                             "pack_gqa, pack_magic);  // padding lanes clamped first"),
+                 ("qo_head", "const int32_t qo_head = vg_packed_head(uint32_t(qo_idx), int32_t(qo_head_idx), "
+                             "int32_t(kv_head_idx), pack_gqa, pack_magic);"),
              ))
 
 # The interval planner's row kernel (templates/planner): arguments are fields of its PlanArgs

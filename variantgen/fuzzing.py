@@ -218,6 +218,7 @@ class GraphSetup:
     max_batch_size: int
     max_total_q: int
     max_kv_pages: int
+    max_qo_len: int | None = None  # decode on tensor cores: queries per request (fa3 graphs run GQA-packed)
 
 
 @dataclass(frozen=True)
@@ -530,7 +531,8 @@ def draw_case(r: random.Random, target: Target, module: ModuleKey, *, limits: Li
     graph = None
     if target.graph:
         cap = graph_capacity(target, limits, page_size, len(batch.qo_lens))
-        graph = GraphSetup(batch, *cap)
+        longest = limits.max_decode_q_len if target.kind == "decode" and target.tensor_cores else None
+        graph = GraphSetup(batch, *cap, max_qo_len=longest)
     return FuzzCase(target.name, module, batch, group * hkv, hkv, page_size, plan, scalars,
                     disable_split_kv=not target.graph and r.random() < 0.2, return_lse=r.random() < 0.5,
                     scales=scales, graph=graph)
@@ -901,7 +903,8 @@ class GraphSession:
         target, m, g = TARGET_BY_NAME[case.target], case.module, case.graph
         self.target = target
         dev = runner.modules.device
-        cap = GraphCapacity(max_batch_size=g.max_batch_size, max_total_q=g.max_total_q, max_kv_pages=g.max_kv_pages)
+        cap = GraphCapacity(max_batch_size=g.max_batch_size, max_total_q=g.max_total_q, max_kv_pages=g.max_kv_pages,
+                            max_qo_len=g.max_qo_len)
         self.w = runner.modules.wrapper(target, m, cap)
         if case.plan == "nomodule":
             self.w.set_row_planner(None, "fuzz: no planner module")

@@ -47,6 +47,18 @@ __device__ __forceinline__ float vg_sigmoid(float x) { return 1.f / (1.f + expf(
 __device__ __forceinline__ bool vg_bit(int32_t x, int32_t i) {
   return uint32_t(i) < 32u && ((uint32_t(x) >> uint32_t(i)) & 1u) != 0u;
 }
+// GQA packing (fa3, planner.Planner.pack_gqa): kernel row `row` of a launch request whose
+// launch packs `pack` query heads per key/value head is query row row / pack, of query head
+// kv_head x pack + row % pack; pack 1 (not packed): row and head as they are. The division is
+// (row x magic) >> 16 with magic = ceil(2^16 / pack), exact while row x pack < 2^16: packed
+// rows are one query tile (at most 192 rows x pack <= 192).
+__device__ __forceinline__ int32_t vg_packed_row(uint32_t row, int32_t pack, uint32_t magic) {
+  return pack > 1 ? int32_t((row * magic) >> 16) : int32_t(row);
+}
+__device__ __forceinline__ int32_t vg_packed_head(uint32_t row, int32_t head, int32_t kv_head, int32_t pack,
+                                                  uint32_t magic) {
+  return pack > 1 ? kv_head * pack + int32_t(row - ((row * magic) >> 16) * uint32_t(pack)) : head;
+}
 }  // namespace vg
 using namespace vg;
 

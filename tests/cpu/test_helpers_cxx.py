@@ -41,6 +41,9 @@ int main() {{
     else if (!std::strcmp(op, "floordiv")) r = vg_floordiv(int32_t(a), int32_t(b));
     else if (!std::strcmp(op, "mod")) r = vg_mod(int32_t(a), int32_t(b));
     else if (!std::strcmp(op, "clamp")) r = vg_clamp(int64_t(a), int32_t(b));
+    else if (!std::strcmp(op, "prow")) r = vg_packed_row(uint32_t(a), int32_t(b), (65535u + uint32_t(b)) / uint32_t(b));
+    else if (!std::strcmp(op, "phead"))  // (head 7 when not packed)
+      r = vg_packed_head(uint32_t(a), 7, int32_t(c), int32_t(b), (65535u + uint32_t(b)) / uint32_t(b));
     else return 2;
     std::printf("%lld\n", r);
   }}
@@ -121,3 +124,18 @@ def test_clamp_agrees_with_the_reference_clamp(helpers_binary):
        st.lists(st.tuples(INT32, st.one_of(INT32, st.integers(-70, 70))), min_size=1, max_size=200))
 def test_helpers_agree_with_the_reference_fuzzed(helpers_binary, op, pairs):
     check(helpers_binary, op, pairs)
+
+
+def test_gqa_packed_rows_and_heads(helpers_binary):
+    """fa3's GQA packing maps kernel row r of a launch request packing g query heads per key/value
+    head to query row r // g and head kv_head * g + r % g, for every row of a packed tile (at most
+    192 rows, g <= 192); unpacked (g = 1) rows pass through whole, past 2^16 too (a long request's
+    causal launch), and the head is the kernel's."""
+    pairs = [(r, g) for g in (2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 48, 96, 192) for r in range(192)]
+    assert run_cxx(helpers_binary, "prow", pairs) == [r // g for r, g in pairs]
+    lines = "".join(f"phead {r} {g} {kv} \n" for r, g in pairs for kv in (0, 5))
+    done = subprocess.run([str(helpers_binary)], input=lines, capture_output=True, text=True, check=True, timeout=60)
+    assert [int(x) for x in done.stdout.split()] == [kv * g + r % g for r, g in pairs for kv in (0, 5)]
+    big = [0, 1, 191, 65535, 65536, 100000, 2**31 - 1]
+    assert run_cxx(helpers_binary, "prow", [(r, 1) for r in big]) == big
+    assert run_cxx(helpers_binary, "phead", [(r, 1) for r in big]) == [7] * len(big)

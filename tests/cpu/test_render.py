@@ -578,6 +578,19 @@ def test_the_masked_fa3_transform_defines_each_local_once():
     assert "const int32_t q_row =" in body and "const int32_t q_pos =" not in body
 
 
+def test_fa3_hooks_map_gqa_packed_rows_through_the_helpers():
+    """fa3's query row and head locals go through vg_packed_row / vg_packed_head (tested against
+    floor division in test_helpers_cxx.py), which leave unpacked rows whole: a multiply-shift on
+    every row would wrap past 2^16 rows in a long request's launch. fa2 reads them directly."""
+    spec = shipped("alibi")  # the logits read qo_head and q_pos
+    fa3 = render_module(config(spec, backend="fa3")).files["variant.cuh"]
+    assert "const int32_t q_local = vg_packed_row(uint32_t(qo_idx < qo_len ? qo_idx : qo_len - 1), pack_gqa" in fa3
+    assert "const int32_t qo_head = vg_packed_head(uint32_t(qo_idx), int32_t(qo_head_idx)" in fa3
+    assert ">> 16" not in fa3
+    fa2 = render_module(config(spec, backend="fa2")).files["variant.cuh"]
+    assert "vg_packed" not in fa2 and "const int32_t qo_head = int32_t(qo_head_idx);" in fa2
+
+
 # ----------------------------------------------------------------------------- comments and line breaks
 
 
