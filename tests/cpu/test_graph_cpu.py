@@ -322,6 +322,8 @@ def test_heads_and_page_size_stay_those_of_the_first_plan():
      r"max_launch_requests=9: expected max_batch_size <= it <= max_total_q \(2..8\)"),
     (dict(max_batch_size=2, max_total_q=8, max_kv_pages=8, max_launch_pages=4),
      r"max_launch_pages=4 is below max_kv_pages=8"),
+    (dict(max_batch_size=2, max_total_q=8, max_kv_pages=8, max_qo_len=0), r"max_qo_len=0: expected a positive int"),
+    (dict(max_batch_size=2, max_total_q=8, max_kv_pages=8, max_qo_len=9), r"max_qo_len=9 exceeds max_total_q=8"),
 ])
 def test_graph_capacity_checks(kwargs, pattern):
     with pytest.raises(LaunchError, match=pattern):
@@ -332,6 +334,8 @@ def test_capacity_defaults():
     cap = GraphCapacity(max_batch_size=8, max_total_q=65536, max_kv_pages=4096)
     assert cap.launch_requests == 16 * 8 + 65536 // 64 and cap.launch_pages == 8 * 4096
     assert GraphCapacity(max_batch_size=2, max_total_q=4, max_kv_pages=1).launch_requests == 4
+    assert cap.longest_request == 65536 - 8 + 1  # every other request one row
+    assert GraphCapacity(max_batch_size=8, max_total_q=64, max_kv_pages=1, max_qo_len=8).longest_request == 8
     assert variantgen.GraphCapacity is GraphCapacity
 
 
