@@ -202,11 +202,11 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 errors[tag] = f"{type(e).__name__}: {str(e)[:500]}"
                 continue
-            variants = [(True, True), (False, True)] + ([(True, False)] if path == "fa3" else [])
-            for trimmed, packed in variants:  # (fa3: GQA packing on, and off for comparison)
-                name = tag if trimmed else f"{tag}_untrimmed"
-                if not packed:
-                    name = f"{tag}_unpacked"
+            # (row suffix, key trimming, GQA packing): fa3 also runs with packing off, for comparison
+            variants = [("", True, True), ("_untrimmed", False, True)] + ([("_unpacked", True, False)]
+                                                                          if path == "fa3" else [])
+            for suffix, trimmed, packed in variants:
+                name = tag + suffix
                 if w.planner is not None:
                     w.planner.pack_gqa_enabled = packed
                 plan_kw = dict(run_args) if trimmed else {"skip_tiles": False}

@@ -43,6 +43,7 @@ from .graph import GraphCapacity, pin_plan_info
 from .intervals import analyze, args_read, row_intervals, tensors_read, usable_form
 from .plan import Batch, Plan
 from .plan_abi import META_COLUMNS, meta_rows
+from .planner import Planner
 from .staging import HostStaging
 from .wrapper import LAYOUT_CODES, VariantWrapper, WrapperBase, host_lists
 
@@ -105,7 +106,7 @@ class DecodeWrapper(WrapperBase):
         return self._prefill.plan_stats if self._prefill is not None else self._plan_stats
 
     @property
-    def planner(self):
+    def planner(self) -> Planner | None:
         """Tensor cores: the prefill wrapper's Planner (CUDA cores: None, no launch builder)."""
         return self._prefill.planner if self._prefill is not None else None
 

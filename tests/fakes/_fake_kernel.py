@@ -379,18 +379,25 @@ class FakeFa3Module(FakeModule):
         raise AssertionError("an fa3 launch was left to FlashInfer's fa2 scheduler")
 
     @staticmethod
-    def _fa3_work_list(int_ws, info, meta, page_size, cta, total_rows) -> dict:
-        """A launch's sm90 work list: every (launch request, query tile) once; per launch request
-        its first row, pages and lengths (launch requests without rows - CUDA-graph padding -
-        have no work items)."""
+    def _work_items(int_ws, info, *offsets: SM90PlanInfo) -> list[torch.Tensor]:
+        """Views of the sm90 work list's arrays at ``offsets`` (PlanInfo fields), one entry per
+        work item."""
         ints = int_ws.view(torch.int32)
         assert len(info) == len(SM90PlanInfo) and info[SM90PlanInfo.SAME_SCHEDULE_FOR_ALL_HEADS] == 1, info
         # work_indptr of one SM (the planner's count on the CPU)
         works = int(ints[info[SM90PlanInfo.WORK_INDPTR_OFFSET] // 4 + 1])
-        fields = [ints[info[k] // 4:info[k] // 4 + works].tolist() for k in (
-            SM90PlanInfo.QO_TILE_INDICES_OFFSET, SM90PlanInfo.QO_INDPTR_OFFSET, SM90PlanInfo.KV_INDPTR_OFFSET,
-            SM90PlanInfo.QO_LEN_OFFSET, SM90PlanInfo.KV_LEN_OFFSET, SM90PlanInfo.BATCH_INDICES_OFFSET)]
-        tile, q_first, kv_first, q_len, k_len, batch = fields
+        return [ints[info[k] // 4:info[k] // 4 + works] for k in offsets]
+
+    @classmethod
+    def _fa3_work_list(cls, int_ws, info, meta, page_size, cta, total_rows) -> dict:
+        """A launch's sm90 work list: every (launch request, query tile) once; per launch request
+        its first row, pages and lengths (launch requests without rows - CUDA-graph padding -
+        have no work items)."""
+        fields = cls._work_items(int_ws, info, SM90PlanInfo.QO_TILE_INDICES_OFFSET, SM90PlanInfo.QO_INDPTR_OFFSET,
+                                 SM90PlanInfo.KV_INDPTR_OFFSET, SM90PlanInfo.QO_LEN_OFFSET,
+                                 SM90PlanInfo.KV_LEN_OFFSET, SM90PlanInfo.BATCH_INDICES_OFFSET)
+        tile, q_first, kv_first, q_len, k_len, batch = (f.tolist() for f in fields)
+        works = len(tile)
         per: dict[int, list] = {}
         for w in range(works):
             per.setdefault(batch[w], []).append((tile[w], q_first[w], kv_first[w], q_len[w], k_len[w]))
@@ -459,21 +466,19 @@ class FakeFa3Module(FakeModule):
         assert mask_mode != 1 and window_left == -1, "a GQA-packed launch is never causal"
         assert q.shape[0] % group == 0, q.shape
         rows = q.shape[0] // group
-        ints = int_ws.view(torch.int32)
         info = list(plan_info)
-        works = int(ints[info[SM90PlanInfo.WORK_INDPTR_OFFSET] // 4 + 1])
-        fields = {}
-        for k in (SM90PlanInfo.QO_INDPTR_OFFSET, SM90PlanInfo.QO_LEN_OFFSET, SM90PlanInfo.BATCH_INDICES_OFFSET):
-            fields[k] = ints[info[k] // 4:info[k] // 4 + works]
+        firsts, lens, batch = self._work_items(int_ws, info, SM90PlanInfo.QO_INDPTR_OFFSET,
+                                               SM90PlanInfo.QO_LEN_OFFSET, SM90PlanInfo.BATCH_INDICES_OFFSET)
         meta = extra[len(self.spec.tensors)]
-        for first, qlen, b in zip(*(fields[k].tolist() for k in fields)):
+        for first, qlen, b in zip(firsts.tolist(), lens.tolist(), batch.tolist()):
             assert first % group == 0 and qlen == meta[b, MetaColumn.LAUNCH_QO_LEN] * group, (first, qlen, group)
             assert first // group == meta[b, MetaColumn.Q_ROW_BASE], "packed rows start at the row x group"
             assert qlen <= fa3_cta_tile_q(out.shape[2]), "a packed launch request is one query tile"
         unpacked_ws = int_ws.clone()  # the same work list in query rows
-        u = unpacked_ws.view(torch.int32)
-        for k in (SM90PlanInfo.QO_INDPTR_OFFSET, SM90PlanInfo.QO_LEN_OFFSET):
-            u[info[k] // 4:info[k] // 4 + works] = fields[k] // group
+        u_firsts, u_lens = self._work_items(unpacked_ws, info, SM90PlanInfo.QO_INDPTR_OFFSET,
+                                            SM90PlanInfo.QO_LEN_OFFSET)
+        u_firsts.copy_(firsts // group)
+        u_lens.copy_(lens // group)
         q_u = q.view(rows, group, kv_heads, -1).transpose(1, 2).reshape(rows, group * kv_heads, q.shape[2])
         out_u = out.new_zeros(rows, group * kv_heads, out.shape[2])
         lse_u = lse.new_zeros(rows, group * kv_heads) if lse is not None else None
@@ -481,8 +486,7 @@ class FakeFa3Module(FakeModule):
                        layout, window_left, 1, enable_pdl, *extra)
         # write back only the rows this launch wrote (others belong to the plan's other launches)
         written = torch.zeros(rows, dtype=torch.bool)
-        for first, qlen in zip(fields[SM90PlanInfo.QO_INDPTR_OFFSET].tolist(),
-                               fields[SM90PlanInfo.QO_LEN_OFFSET].tolist()):
+        for first, qlen in zip(firsts.tolist(), lens.tolist()):
             written[first // group:(first + qlen) // group] = True
         idx = written.nonzero().squeeze(1)
         out.view(rows, group, kv_heads, -1)[idx] = out_u.view(rows, kv_heads, group, -1)[idx].transpose(1, 2)
