@@ -244,9 +244,8 @@ def main() -> None:
                                             kv_dtype="bf16", kind="decode", backend="fa3", graph=cap)
                 run_args = spec_args(spec_name, dev)
                 w.plan(*plan_pos, HQ, HKV, PS, **run_args)
-                keys = ("launches", "pack_gqa", "cta_tile_q")
                 notes[f"{name}_plan_stats"] = json.loads(json.dumps(
-                    {k: v for k, v in w.plan_stats.items() if k in keys}, default=str))
+                    {k: v for k, v in w.plan_stats.items() if k in ("launches", "pack_gqa", "cta_tile_q")}, default=str))
                 out = torch.empty_like(batch["q"])
                 w.run(batch["q"], kv, out=out, **run_args)
                 graph = torch.cuda.CUDAGraph()

@@ -36,8 +36,8 @@ from variantgen.plan_abi import (
     SegField,
     SM90PlanInfo,
     Status,
-    fa3_cta_tile_q,
 )
+from variantgen.plan_abi import fa3_cta_tile_q
 from variantgen.spec import load_spec
 from variantgen.testing import random_paged_batch, random_spec_args
 

@@ -51,17 +51,8 @@ import torch
 from _builder import finish_on_cpu, plan_builder
 
 from variantgen.evaluate import Evaluator
-from variantgen.plan_abi import (
-    FA3_DECODE_TILE_Q,
-    META_COLUMNS,
-    SEG_FIELDS,
-    MaskMode,
-    MetaColumn,
-    PrefillPlanInfo,
-    SM90PlanInfo,
-    fa3_cta_tile_q,
-    fa3_has_decode_tile,
-)
+from variantgen.plan_abi import META_COLUMNS, SEG_FIELDS, MaskMode, MetaColumn, PrefillPlanInfo, SM90PlanInfo
+from variantgen.plan_abi import FA3_DECODE_TILE_Q, fa3_cta_tile_q, fa3_has_decode_tile
 from variantgen.reference import softmax_attention
 from variantgen.spec import VariantSpec
 
