@@ -7,8 +7,7 @@ logits_soft_cap=50; tensor cores) against variantgen decode for causal, sliding_
 request) and mm_prefix (three 1024-token image spans; the decoded token is text), on fa2's
 CUDA-core decode module, fa2's tensor-core (prefill module) path and fa3 (sm90: its prefill
 module, one query per request, GQA-packed: a key/value head's query heads as rows of one
-tile, on the 64-row decode tile; a `_kernel_tile` row on the kernel's own 128-row tile and a
-`_unpacked` row with packing off), each with key trimming (spec arguments given to
+tile; a `_unpacked` row with packing off), each with key trimming (spec arguments given to
 plan(); the default) and without (plan(skip_tiles=False)). FlashInfer's tensor-core decode runs on its fa2
 and (sm90) fa3 prefill kernels.
 
@@ -203,15 +202,13 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001
                 errors[tag] = f"{type(e).__name__}: {str(e)[:500]}"
                 continue
-            # (row suffix, key trimming, GQA packing, decode tile): fa3 also runs on the kernel's
-            # own 128-row tile and with packing off, for comparison
-            variants = [("", True, True, True), ("_untrimmed", False, True, True)] + (
-                [("_kernel_tile", True, True, False), ("_unpacked", True, False, False)] if path == "fa3" else [])
-            for suffix, trimmed, packed, decode_tile in variants:
+            # (row suffix, key trimming, GQA packing): fa3 also runs with packing off, for comparison
+            variants = [("", True, True), ("_untrimmed", False, True)] + ([("_unpacked", True, False)]
+                                                                          if path == "fa3" else [])
+            for suffix, trimmed, packed in variants:
                 name = tag + suffix
                 if w.planner is not None:
                     w.planner.pack_gqa_enabled = packed
-                    w.planner.decode_tile_enabled = decode_tile
                 plan_kw = dict(run_args) if trimmed else {"skip_tiles": False}
                 try:
                     torch.cuda.synchronize()
@@ -222,8 +219,7 @@ def main() -> None:
                     errors[name] = f"plan: {type(e).__name__}: {str(e)[:500]}"
                     continue
                 notes[f"{name}_plan_ms"] = round((time.perf_counter() - t) * 1e3, 3)
-                stats = {k: v for k, v in w.plan_stats.items() if k in ("pages", "launches", "planner_off", "pack_gqa",
-                                                                      "cta_tile_q")}
+                stats = {k: v for k, v in w.plan_stats.items() if k in ("pages", "launches", "planner_off", "pack_gqa")}
                 notes[f"{name}_plan_stats"] = json.loads(json.dumps(stats, default=str))
                 if not trimmed and "untrimmed" in skip:
                     continue
@@ -245,7 +241,7 @@ def main() -> None:
                 run_args = spec_args(spec_name, dev)
                 w.plan(*plan_pos, HQ, HKV, PS, **run_args)
                 notes[f"{name}_plan_stats"] = json.loads(json.dumps(
-                    {k: v for k, v in w.plan_stats.items() if k in ("launches", "pack_gqa", "cta_tile_q")}, default=str))
+                    {k: v for k, v in w.plan_stats.items() if k in ("launches", "pack_gqa")}, default=str))
                 out = torch.empty_like(batch["q"])
                 w.run(batch["q"], kv, out=out, **run_args)
                 graph = torch.cuda.CUDAGraph()
@@ -266,7 +262,7 @@ def main() -> None:
 
     res["ratios"] = {
         f"variantgen_{s}_{p}{u}_vs_{m}": ratio(f"variantgen_{s}_{p}{u}", m)
-        for s, m in MATCHES.items() for p in paths for u in ("", "_untrimmed", "_kernel_tile", "_unpacked")
+        for s, m in MATCHES.items() for p in paths for u in ("", "_untrimmed", "_unpacked")
         if f"variantgen_{s}_{p}{u}" in ms
     }
     res["ratios"].update({

@@ -141,7 +141,7 @@ class Plan:
     def __init__(self, batch: Batch, launches: list[Launch], *, backend: str, planner: str, reason: str = "",
                  counts: dict[str, int] | None = None, host: torch.Tensor | None = None,
                  layouts: tuple[LaunchLayout, ...] = (), pages_given: int = 0, graph: bool = False,
-                 pack_gqa: int = 1, cta_tile_q: int = 0):
+                 pack_gqa: int = 1):
         self.batch = batch
         self.launches = launches
         self.backend = backend
@@ -152,8 +152,6 @@ class Plan:
         self.graph = graph
         # fa3 GQA packing: the launches see q / o as [rows x pack_gqa, num_kv_heads, dim] (1: off)
         self.pack_gqa = pack_gqa
-        # fa3: query rows per tile of its launches (the kernel's own, or the decode tile); fa2: 0
-        self.cta_tile_q = cta_tile_q
         self._host = host  # the workspace's host mirror (shared with the next plan) or this plan's copy
         self._layouts = layouts
         self._requests: list[LaunchRequest] | None = None
@@ -163,8 +161,6 @@ class Plan:
         out: dict[str, Any] = {"launches": [(la.mask_mode, la.num_requests) for la in self.launches if la.num_requests]}
         if self.pack_gqa > 1:
             out["pack_gqa"] = self.pack_gqa
-        if self.cta_tile_q:
-            out["cta_tile_q"] = self.cta_tile_q
         if self.planner == "module":
             out["row_planner"] = "kernel"
             out["segments"] = dict(self.counts)
@@ -231,7 +227,6 @@ class Plan:
         b = self.batch
         how = "interval planner (planner module)" if self.planner == "module" else f"planner off: {self.reason}"
         packed = f", GQA-packed ({self.pack_gqa} query heads per row)" if self.pack_gqa > 1 else ""
-        packed += f", {self.cta_tile_q}-row query tiles" if self.cta_tile_q else ""
         lines = [f"Plan({b.batch_size} requests, {b.total_q} query rows, {b.num_qo_heads}/{b.num_kv_heads} heads, "
                  f"page size {b.page_size}; {self.backend}{', CUDA-graph slots' if self.graph else ''}{packed}; {how})"]
         for i, la in enumerate(self.launches):

@@ -279,25 +279,6 @@ LAUNCH_FIELDS = LaunchField.INFO + MAX_PLAN_INFO
 CUSTOM_ROWS = 128  # rows per custom launch request (a tight hull beats one long launch request)
 TAIL_MAX_QO_LEN = 128  # tail rows only in requests of at most this many queries (fa2's largest query tile)
 FA3_MAX_WINDOW_LAUNCHES = 4  # distinct window widths given their own fa3 launch; more go custom
-# Query rows per tile of FlashInfer's sm90 paged kernel (its dispatch by head dim: 192 at 64).
-FA3_KERNEL_TILE_Q, FA3_KERNEL_TILE_Q_HD64 = 128, 192
-# fa3's decode tile (templates/fa3/decode_tile.cuh): FlashInfer's sm90 kernel with one consumer
-# warpgroup of 64 query rows and 64-key tiles, for GQA-packed launches whose launch requests fit
-# 64 packed rows (decode: a 128-row tile would compute 124 empty rows per group of 4). Compiled
-# where its registers fit (head dims <= 128, equal).
-FA3_DECODE_TILE_Q = 64
-FA3_DECODE_TILE_KV = 64
-FA3_DECODE_TILE_MAX_HEAD_DIM = 128
-
-
-def fa3_cta_tile_q(head_dim_vo: int) -> int:
-    """Query rows per tile of FlashInfer's sm90 paged kernel (its dispatch by head dim)."""
-    return FA3_KERNEL_TILE_Q_HD64 if head_dim_vo == 64 else FA3_KERNEL_TILE_Q
-
-
-def fa3_has_decode_tile(head_dim_qk: int, head_dim_vo: int) -> bool:
-    """Whether an fa3 paged module of these head dims has the decode tile's kernels."""
-    return head_dim_qk == head_dim_vo <= FA3_DECODE_TILE_MAX_HEAD_DIM
 # custom, causal, none; fa2 also its tail launch, fa3 a causal launch per window width (the other
 # widths run custom)
 FA2_LAUNCHES = 4
@@ -363,12 +344,6 @@ def header_text() -> str:
         f"constexpr int32_t kTailMaxQoLen = {TAIL_MAX_QO_LEN};",
         f"constexpr int kFa2Launches = {FA2_LAUNCHES};",
         f"constexpr int kFa3MaxWindowLaunches = {FA3_MAX_WINDOW_LAUNCHES};",
-        "// query rows per tile of FlashInfer's sm90 paged kernel (its dispatch), and of the decode tile",
-        "constexpr int64_t Fa3CtaTileQ(int64_t head_dim_vo) {",
-        f"  return head_dim_vo == 64 ? {FA3_KERNEL_TILE_Q_HD64} : {FA3_KERNEL_TILE_Q};",
-        "}",
-        f"constexpr int kFa3DecodeTileQ = {FA3_DECODE_TILE_Q};",
-        f"constexpr int kFa3DecodeTileKv = {FA3_DECODE_TILE_KV};",
         f"constexpr int kMaxLaunches = {MAX_LAUNCHES};",
         f"constexpr int kRowBlock = {ROW_BLOCK};",
         f"constexpr int64_t kNoInterval = int64_t(1) << {NO_INTERVAL.bit_length() - 1};",

@@ -35,7 +35,6 @@ from .intervals import analyze
 from .plan import Batch, Launch, LaunchLayout, Plan
 from .plan_abi import (
     DESC_FIELDS,
-    FA3_DECODE_TILE_Q,
     FA3_MAX_WINDOW_LAUNCHES,
     HEADER_FIELDS,
     LAUNCH_FIELDS,
@@ -48,8 +47,6 @@ from .plan_abi import (
     PrefillPlanInfo,
     Schedule,
     Status,
-    fa3_cta_tile_q,
-    fa3_has_decode_tile,
 )
 from .rowplan import call_layout, kept_buffer, row_buffers
 from .spec import VariantSpec
@@ -60,6 +57,11 @@ H, L = HEADER_FIELDS, LAUNCH_FIELDS
 _COUNTS = tuple((f.name.lower(), int(f)) for f in HeaderField if f >= HeaderField.DENSE)
 _ARRAYS = tuple((a.ints(1) - a.ints(0), a.ints(0)) for a in LaunchArray)  # entries = k n + c, in order
 _MODES, _SCHEDULES = tuple(MaskMode), tuple(Schedule)
+
+
+def fa3_cta_tile_q(head_dim_vo: int) -> int:
+    """Query rows per tile of FlashInfer's sm90 prefill kernel (its dispatch by head dim)."""
+    return 192 if head_dim_vo == 64 else 128
 
 
 def _metadata_sizes(n: int) -> list[int]:
@@ -103,10 +105,7 @@ class Planner:
         o[PlanOption.FA3] = int(self.fa3)
         o[PlanOption.NUM_SM] = (torch.cuda.get_device_properties(device).multi_processor_count
                                 if device.type == "cuda" else 1)
-        # fa3's query tile: the kernel's own, or the decode tile for packed batches that fit it
-        self.fa3_tile_q = fa3_cta_tile_q(head_dim_vo)
-        self.fa3_decode_tile = self.fa3 and fa3_has_decode_tile(head_dim_qk, head_dim_vo)
-        o[PlanOption.FA3_CTA_TILE_Q] = self.fa3_tile_q
+        o[PlanOption.FA3_CTA_TILE_Q] = fa3_cta_tile_q(head_dim_vo)
         o[PlanOption.HEAD_DIM_QK] = head_dim_qk
         o[PlanOption.HEAD_DIM_VO] = head_dim_vo
         o[PlanOption.KV_DTYPE_BYTES] = kv_dtype_bytes
@@ -120,10 +119,8 @@ class Planner:
             if self.graph.windows is not None:
                 self._pin_windows(self.graph.windows)
         self._last: weakref.ref[Plan] | None = None
-        # fa3 GQA packing for batches of short requests (pack_gqa below) and its decode tile
-        # (cta_tile_q below); switches for comparisons.
+        # fa3 GQA packing for batches of short requests (pack_gqa below); a switch for comparisons.
         self.pack_gqa_enabled = True
-        self.decode_tile_enabled = True
 
     def pack_gqa(self, batch: Batch) -> int:
         """Query heads folded into each packed row group of this batch's fa3 launches (1: none).
@@ -138,7 +135,8 @@ class Planner:
         if not self.fa3 or group == 1 or not self.pack_gqa_enabled or self.spec.sink is not None or not batch.qo_lens:
             pack = 1
         else:
-            pack = group if self._longest(batch) * group <= self.fa3_tile_q else 1
+            longest = self.graph.capacity.longest_request if self.graph is not None else max(batch.qo_lens)
+            pack = group if longest * group <= int(self._opt[PlanOption.FA3_CTA_TILE_Q]) else 1
         if self.graph is not None:
             if self.graph.pack_gqa is None:
                 self.graph.pack_gqa = pack
@@ -146,21 +144,6 @@ class Planner:
                 raise LaunchError(f"plan(): GQA packing {pack} differs from the {self.graph.pack_gqa} this CUDA-graph "
                                   "wrapper planned first with (a captured run packs q and out, or does not)")
         return pack
-
-    def _longest(self, batch: Batch) -> int:
-        """The longest request a plan's launches must fit: the batch's, or in CUDA-graph mode the
-        capacity's (what the captured launches were sized for)."""
-        return self.graph.capacity.longest_request if self.graph is not None else max(batch.qo_lens)
-
-    def cta_tile_q(self, batch: Batch, pack: int) -> int:
-        """Query rows per tile of this plan's fa3 launches: the decode tile (plan_abi, 64 rows,
-        decode_tile.cuh) where the launches are GQA-packed and every request's packed rows fit
-        it - half the rows a 128-row tile computes for the same keys - else the kernel's own.
-        In CUDA-graph mode fixed by the capacity, as the packing is."""
-        if pack > 1 and self.fa3_decode_tile and self.decode_tile_enabled and \
-                self._longest(batch) * pack <= FA3_DECODE_TILE_Q:
-            return FA3_DECODE_TILE_Q
-        return self.fa3_tile_q
 
     @property
     def num_sms(self) -> int:
@@ -226,7 +209,6 @@ class Planner:
         o[PlanOption.NUM_KV_HEADS] = batch.num_kv_heads
         o[PlanOption.FA2_MIN_TILES] = self.fa2_min_tiles(batch.num_kv_heads, disable_split_kv)
         pack = o[PlanOption.PACK_GQA] = self.pack_gqa(batch)
-        tile = o[PlanOption.FA3_CTA_TILE_Q] = self.cta_tile_q(batch, pack) if self.fa3 else self.fa3_tile_q
         if self.graph is not None and pack > 1:  # the rows a packed run unpacks, on the device
             self.graph.rows.copy_(self.staging.to_device([batch.total_q], torch.int32))
         row_pass = planned and batch.total_q > 0  # (an empty graph-mode batch: plan_direct lays out its slots)
@@ -239,8 +221,7 @@ class Planner:
         counts = {name: values[i] for name, i in _COUNTS} if planned else {}
         plan = Plan(batch, launches, backend=self.backend, planner="module" if planned else "off", reason=reason,
                     counts=counts, host=host_ws, layouts=tuple(layouts),
-                    pages_given=pages_given, graph=self.graph is not None, pack_gqa=int(pack),
-                    cta_tile_q=int(tile) if self.fa3 else 0)
+                    pages_given=pages_given, graph=self.graph is not None, pack_gqa=int(pack))
         self._last = weakref.ref(plan)
         return plan
 

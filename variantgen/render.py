@@ -401,27 +401,14 @@ FA3_STATIC = ("common/vg_helpers.cuh", "fa3/cutlass_prelude.cuh", "fa3/kernel_pa
               "fa3/fill_params.cuh")
 
 
-def _fa3_decode_launches(config: ModuleConfig, launches: list[dict]) -> list[dict]:
-    """The decode tile's instantiations (decode_tile.cuh): the module's non-causal launches
-    (a GQA-packed launch is never causal), where the head dims have the tile."""
-    if not plan_abi.fa3_has_decode_tile(config.head_dim_qk, config.head_dim_vo):
-        return []
-    out = [dict(la, name=f"{la['name']}_decode_tile") for la in launches if la["code"] != 1]
-    for la in out:
-        la["comment"] = f"the decode tile ({plan_abi.FA3_DECODE_TILE_Q} query rows), variant {la['variant']}"
-    return out
-
-
 def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
     launches = _fa3_launches(ctx)
-    decode_launches = _fa3_decode_launches(config, launches)
     ctx = _fa3_context(config, ctx)
     files = {
         "variant.cuh": env.get_template("fa3/variant.cuh.jinja").render(ctx),
         "batch_prefill_sm90_config.inc": env.get_template("fa3/config.inc.jinja").render(ctx),
-        **_static(*FA3_STATIC, "fa3/run.cuh", "fa3/decode_tile.cuh"),
-        "binding.cu": env.get_template("fa3/binding.cu.jinja").render(ctx, launches=launches,
-                                                                      decode_launches=decode_launches),
+        **_static(*FA3_STATIC, "fa3/run.cuh"),
+        "binding.cu": env.get_template("fa3/binding.cu.jinja").render(ctx, launches=launches),
         **plan_sources(),
         "plan.cu": static_source("plan/plan.cu"),
     }
@@ -430,11 +417,6 @@ def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
     for launch in launches:
         name = f"paged_kernel_{launch['name']}.cu"
         files[name] = kernel.render(ctx, launch=launch)
-        units.append(name)
-    decode_kernel = env.get_template("fa3/paged_decode_kernel.cu.jinja")
-    for launch in decode_launches:
-        name = f"paged_kernel_{launch['name']}.cu"
-        files[name] = decode_kernel.render(ctx, launch=launch)
         units.append(name)
     return files, units, ()  # the host code is our own binding
 

@@ -636,8 +636,7 @@ class VariantWrapper(WrapperBase):
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
             enable_pdl = self._pdl_default()
         fa3 = self.config.backend == "fa3"
-        plan = self.last_plan
-        pack, tile = (plan.pack_gqa, plan.cta_tile_q) if plan is not None else (1, 0)
+        pack = self.last_plan.pack_gqa if self.last_plan is not None else 1
         q_k, out_k, lse_k = (q, out, lse) if pack == 1 else gqa_packed(q, out, lse, pack)
         for la in self._launches:
             code = int(la.mode)
@@ -646,8 +645,7 @@ class VariantWrapper(WrapperBase):
             if fa3:
                 self.module.paged_run(
                     la.float_workspace, la.int_workspace, la.plan_info, q_k, k_cache, v_cache, la.kv_indices, out_k,
-                    lse_k, code, layout, la.window_left, pack, tile, enable_pdl, *tensors, la.meta,
-                    *scalars)
+                    lse_k, code, layout, la.window_left, pack, enable_pdl, *tensors, la.meta, *scalars)
             else:
                 self.module.paged_run(
                     la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.q_starts,

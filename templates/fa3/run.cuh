@@ -12,15 +12,7 @@ template <uint32_t HEAD_DIM_QK, uint32_t HEAD_DIM_VO, MaskMode MASK_MODE, bool L
           bool SAME_SCHEDULE_FOR_ALL_HEADS, typename AttentionVariant, typename Params>
 cudaError_t BatchPrefillWithPagedKVCacheDispatched(Params& params, bool enable_pdl,
                                                    cudaStream_t stream);
-template <typename KernelTraits, bool LEFT_SLIDING_WINDOW, bool CAUSAL, bool SAME_SCHEDULE_FOR_ALL_HEADS,
-          typename Params, bool MULTIITEMSCORING>
-cudaError_t BatchPrefillWithPagedKVCacheKernelTraitsDispatched(Params& params, cudaStream_t stream);
 }  // namespace flashinfer
-
-namespace vg {
-template <typename Variant>
-struct Fa3DecodeTileTraits;  // decode_tile.cuh (the kernel units)
-}  // namespace vg
 
 // PagedParams' FlashInfer fields (kernel_params.cuh) for one launch: the tensors, their layout, and
 // the work list plan() wrote into the int workspace (plan_info).
@@ -57,15 +49,4 @@ static void Launch(PagedParams& params, bool enable_pdl, cudaStream_t stream) {
       params, enable_pdl, stream);
   TVM_FFI_ICHECK(status == cudaSuccess)
       << "variantgen fa3 kernel launch failed: " << cudaGetErrorString(status);
-}
-
-// A launch on the decode tile (decode_tile.cuh): GQA-packed, never causal, no left window.
-template <typename Variant>
-static void LaunchDecodeTile(PagedParams& params, cudaStream_t stream) {
-  cudaError_t status = flashinfer::BatchPrefillWithPagedKVCacheKernelTraitsDispatched<
-      vg::Fa3DecodeTileTraits<Variant>, /*LEFT_SLIDING_WINDOW=*/false, /*CAUSAL=*/false,
-      /*SAME_SCHEDULE_FOR_ALL_HEADS=*/true, PagedParams, /*MULTIITEMSCORING=*/false>(params, stream);
-  if (status == cudaSuccess) status = cudaGetLastError();
-  TVM_FFI_ICHECK(status == cudaSuccess)
-      << "variantgen fa3 decode-tile launch failed: " << cudaGetErrorString(status);
 }

@@ -32,7 +32,7 @@ from variantgen.cache import Entry
 from variantgen.decode import DecodeWrapper
 from variantgen.errors import LaunchError
 from variantgen.intervals import analyze
-from variantgen.plan_abi import FA3_DECODE_TILE_Q, META_COLUMNS, fa3_cta_tile_q, fa3_has_decode_tile
+from variantgen.plan_abi import META_COLUMNS
 from variantgen.reference import reference_attention
 from variantgen.render import ModuleConfig, kernel_args, render_module
 from variantgen.testing import random_paged_batch, random_spec_args
@@ -57,12 +57,12 @@ def shipped(name: str) -> variantgen.VariantSpec:
 
 
 def make(spec, *, tensor_cores: bool = False, kv_layout: str = "NHD", kv_dtype: str = "bf16",
-         hq: int = HQ, hkv: int = HKV, backend: str = "fa2", head_dim: int = HEAD_DIM):
+         hq: int = HQ, hkv: int = HKV, backend: str = "fa2"):
     """A DecodeWrapper on a fake module: decode (CUDA cores) or prefill (tensor cores, with the
     fake planner module, as make_wrapper sets the spec's on CUDA); backend "fa3": its prefill
     module (fa3's decode is always on tensor cores)."""
     tensor_cores = tensor_cores or backend == "fa3"
-    config = ModuleConfig(spec, head_dim, head_dim, "bf16", kv_dtype, "bf16", "9.0a", backend,
+    config = ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", kv_dtype, "bf16", "9.0a", backend,
                           kind="prefill" if tensor_cores else "decode")
     manifest = {"scalar_args": [a.name for a in kernel_args(spec)[1]],
                 "module_sha256": "x", "module_file": "x.so"}
@@ -75,9 +75,9 @@ def make(spec, *, tensor_cores: bool = False, kv_layout: str = "NHD", kv_dtype: 
     return w, fake
 
 
-def decode_batch(kv_lens, page_size, seed=0, kv_dtype=None, hq=HQ, hkv=HKV, q_len=1, head_dim=HEAD_DIM):
+def decode_batch(kv_lens, page_size, seed=0, kv_dtype=None, hq=HQ, hkv=HKV, q_len=1):
     """One query per request (``q_len`` > 1: multi-token decode, the last q_len tokens)."""
-    return random_paged_batch([q_len] * len(kv_lens), kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=head_dim,
+    return random_paged_batch([q_len] * len(kv_lens), kv_lens, num_qo_heads=hq, num_kv_heads=hkv, head_dim=HEAD_DIM,
                               page_size=page_size, seed=seed, kv_dtype=kv_dtype)
 
 
@@ -93,14 +93,10 @@ def cache_of(batch, kv_layout):
 
 
 def check(spec, batch, args, *, skip_tiles=None, tensor_cores=False, kv_layout="NHD", scales=None, label="",
-          plan_extra=None, backend="fa2", on_fake=None):
+          plan_extra=None, backend="fa2"):
     """Plan + run through the fake module and compare with the reference; returns (wrapper, fake, out, lse).
-    A batch of decode_batch(q_len=T > 1) is planned with q_len_per_request=T; ``on_fake`` is
-    called with the fake module before."""
-    head_dim = batch.q.shape[2]
-    w, fake = make(spec, tensor_cores=tensor_cores, kv_layout=kv_layout, backend=backend, head_dim=head_dim)
-    if on_fake is not None:
-        on_fake(fake)
+    A batch of decode_batch(q_len=T > 1) is planned with q_len_per_request=T."""
+    w, fake = make(spec, tensor_cores=tensor_cores, kv_layout=kv_layout, backend=backend)
     plan_kw = dict(plan_extra if plan_extra is not None else args)
     if skip_tiles is not None:
         plan_kw["skip_tiles"] = skip_tiles
@@ -110,7 +106,7 @@ def check(spec, batch, args, *, skip_tiles=None, tensor_cores=False, kv_layout="
     if per > 1:
         plan_kw["q_len_per_request"] = per
     w.plan(*plan_args(batch), **plan_kw)
-    out = torch.full((n * per, batch.num_qo_heads, head_dim), math.nan, dtype=torch.bfloat16)
+    out = torch.full((n * per, batch.num_qo_heads, HEAD_DIM), math.nan, dtype=torch.bfloat16)
     scales = scales or {}
     got, lse = w.run(batch.q, cache_of(batch, kv_layout), out=out, return_lse=True, **scales, **args)
     assert got is out
@@ -307,19 +303,7 @@ def test_fa3_decode_packs_gqa_groups(spec_name, q_len):
     assert plan.pack_gqa == HQ // HKV and plan.stats()["pack_gqa"] == HQ // HKV
     assert "GQA-packed (4 query heads per row)" in repr(plan)
     assert all(la.mode != variantgen.plan.MaskMode.CAUSAL for la in plan.launches)
-    # q_len x 4 packed rows fit the decode tile (the fake checks the work list was cut into it)
-    assert plan.cta_tile_q == FA3_DECODE_TILE_Q and plan.stats()["cta_tile_q"] == FA3_DECODE_TILE_Q
-    assert f"{FA3_DECODE_TILE_Q}-row query tiles" in repr(plan)
-    # the decode tile off: the same numbers from the kernel's own tiles
-    planner = w._prefill.planner
-    planner.decode_tile_enabled = False
-    w.plan(*plan_args(batch), **({"q_len_per_request": q_len} if q_len > 1 else {}), **args)
-    assert w.last_plan.pack_gqa == 4 and w.last_plan.cta_tile_q == fa3_cta_tile_q(HEAD_DIM)
-    again, lse_again = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **args)
-    assert (again.float() - out.float()).abs().max().item() < 2e-2
-    assert (lse_again - lse).abs().max().item() < 1e-3
     # packing off: the same numbers from unpacked launches
-    planner.decode_tile_enabled = True
     w._prefill.planner.pack_gqa_enabled = False
     w.plan(*plan_args(batch), **({"q_len_per_request": q_len} if q_len > 1 else {}), **args)
     assert w.last_plan.pack_gqa == 1
@@ -343,56 +327,6 @@ def test_fa3_packing_is_refused_where_it_would_be_wrong_or_slow():
     w, _, _, _ = check(shipped("causal"), decode_batch([60, 90], 4, seed=22, q_len=48), {}, backend="fa3",
                        label="fa3 48 x 4 rows")
     assert w.last_plan.pack_gqa == 4
-    assert w.last_plan.cta_tile_q == fa3_cta_tile_q(HEAD_DIM)  # 192 packed rows: past the decode tile
-
-
-def record_tiles(fake, tiles: list[int]) -> None:
-    """Appends to ``tiles`` the query tile each of run()'s paged_run calls gives the fake fa3
-    module (not the fake's own unpacked call inside a packed one)."""
-    real, depth = fake.paged_run, [0]
-
-    def paged_run(*a):
-        if depth[0] == 0:
-            tiles.append(a[13])
-        depth[0] += 1
-        try:
-            return real(*a)
-        finally:
-            depth[0] -= 1
-
-    fake.paged_run = paged_run
-
-
-@pytest.mark.parametrize(("q_len", "tile"), [(16, FA3_DECODE_TILE_Q), (17, fa3_cta_tile_q(HEAD_DIM))])
-def test_fa3_decode_tile_holds_requests_of_up_to_64_packed_rows(q_len, tile):
-    """The decode tile (64 query rows) serves packed launches whose longest request's rows x
-    group fit it (16 x 4 here); one more query per request goes to the kernel's own tile. run()
-    hands each launch the tile its work list was cut into."""
-    spec = shipped("mm_prefix")
-    batch = decode_batch([60, 90, 33], 4, seed=23, q_len=q_len)
-    args = random_spec_args(spec, batch, seed=23)
-    tiles: list[int] = []
-    w, _, _, _ = check(spec, batch, args, backend="fa3", label=f"fa3 {q_len} x 4 rows",
-                       on_fake=lambda fake: record_tiles(fake, tiles))
-    assert w.last_plan.pack_gqa == 4 and w.last_plan.cta_tile_q == tile
-    assert tiles and set(tiles) == {tile}
-
-
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fa3_decode_tile_only_at_head_dims_that_have_it(head_dim):
-    """Head dims past 128 have no decode tile (its registers would not fit): their packed plans
-    keep the kernel's own tile. The module refuses a work list cut for another tile than its
-    kernels' (the fake checks as the binding does)."""
-    assert fa3_has_decode_tile(head_dim, head_dim) == (head_dim <= 128)
-    assert not fa3_has_decode_tile(192, 128)
-    spec = shipped("causal")
-    batch = decode_batch([60, 90], 4, seed=24, head_dim=head_dim)
-    w, _, _, _ = check(spec, batch, {}, backend="fa3", label=f"fa3 hd {head_dim}")
-    want = FA3_DECODE_TILE_Q if head_dim <= 128 else fa3_cta_tile_q(head_dim)
-    assert w.last_plan.pack_gqa == 4 and w.last_plan.cta_tile_q == want
-    w.last_plan.cta_tile_q = 96  # a tile no kernel of the module has
-    with pytest.raises(AssertionError, match="96-row tiles"):
-        w.run(batch.q, (batch.k_cache, batch.v_cache))
 
 
 @pytest.mark.parametrize("spec_name", ["mm_prefix", "sliding_window"])

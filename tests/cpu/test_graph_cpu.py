@@ -25,7 +25,7 @@ from variantgen.cache import Entry
 from variantgen.errors import LaunchError
 from variantgen.graph import SLOT_NAMES, GraphCapacity, slot_name
 from variantgen.intervals import analyze
-from variantgen.plan_abi import FA3_DECODE_TILE_Q, PlanOption, PrefillPlanInfo, Schedule, fa3_cta_tile_q
+from variantgen.plan_abi import PlanOption, PrefillPlanInfo, Schedule
 from variantgen.reference import reference_attention
 from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
 from variantgen.wrapper import VariantWrapper
@@ -548,8 +548,7 @@ def test_fa3_graph_mode_packs_gqa_for_short_requests():
         batch, args = mm_batch(qo_lens, kv_lens, spans, seed=seed)
         static = engine.load(batch, args)
         w.plan(*batch.plan_args(), **static)
-        # the decode tile from the capacity's longest request (4 x 2 rows), the 1-row batches' too
-        assert w.last_plan.pack_gqa == HQ // HKV and w.last_plan.cta_tile_q == FA3_DECODE_TILE_Q
+        assert w.last_plan.pack_gqa == HQ // HKV
         engine.out.fill_(math.nan)
         w.run(engine.q, (engine.k, engine.v), out=engine.out, **static)
         check_replayed(spec, engine, batch, args, f"packed batch {seed}")
@@ -565,16 +564,3 @@ def test_fa3_graph_mode_packs_gqa_for_short_requests():
     batch, args = mm_batch([1, 1], [64, 40], [[], []], seed=11)
     plain.plan(*batch.plan_args(), **Engine(plain).load(batch, args))
     assert plain.last_plan.pack_gqa == 1
-    # a capacity whose longest request's packed rows (40 x 2) pass the decode tile: the kernel's
-    # own tile, for every batch it plans - a captured launch keeps the tile it was planned with
-    cap = GraphCapacity(max_batch_size=4, max_total_q=64, max_kv_pages=48, max_qo_len=40)
-    wide, _ = make("mm_prefix", cap, backend="fa3")
-    engine = Engine(wide, cap)
-    for seed, qo_lens in enumerate([[1, 1], [40, 3]]):
-        batch, args = mm_batch(qo_lens, [64, 60], [[], [(0, 9)]], seed=20 + seed)
-        static = engine.load(batch, args)
-        wide.plan(*batch.plan_args(), **static)
-        assert wide.last_plan.pack_gqa == HQ // HKV and wide.last_plan.cta_tile_q == fa3_cta_tile_q(HEAD_DIM)
-        engine.out.fill_(math.nan)
-        wide.run(engine.q, (engine.k, engine.v), out=engine.out, **static)
-        check_replayed(spec, engine, batch, args, f"packed batch {seed}, kernel tile")

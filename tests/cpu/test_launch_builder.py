@@ -37,7 +37,7 @@ from variantgen.plan_abi import (
     SM90PlanInfo,
     Status,
 )
-from variantgen.plan_abi import fa3_cta_tile_q
+from variantgen.planner import fa3_cta_tile_q
 from variantgen.spec import load_spec
 from variantgen.testing import random_paged_batch, random_spec_args
 

@@ -480,7 +480,7 @@ STATIC_FILES = {
                         "kernel_params.cuh": "fa2/kernel_params.cuh", "binding.cu": "fa2/decode_binding.cu"},
     ("fa3", "prefill"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
                          "kernel_params.cuh": "fa3/kernel_params.cuh", "fill_params.cuh": "fa3/fill_params.cuh",
-                         "run.cuh": "fa3/run.cuh", "decode_tile.cuh": "fa3/decode_tile.cuh", **PLAN_FILES},
+                         "run.cuh": "fa3/run.cuh", **PLAN_FILES},
     ("fa3", "ragged"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
                         "kernel_params.cuh": "fa3/kernel_params.cuh", "fill_params.cuh": "fa3/fill_params.cuh",
                         "ragged_run.cuh": "fa3/ragged_run.cuh", "fa3_worklist.h": "plan/fa3_worklist.h"},
@@ -489,28 +489,6 @@ STATIC_FILES = {
 
 def test_module_kinds_are_the_table():
     assert set(MODULE_KINDS) == set(render.RENDERERS) == set(variantgen.capabilities.HEAD_DIMS)
-
-
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_fa3_paged_decode_tile_units(head_dim):
-    """fa3 paged modules of head dims up to 128 carry the decode tile's kernels: one unit per
-    non-causal launch (a GQA-packed launch is never causal), FlashInfer's kernel on our traits
-    type; the binding sends a work list of 64-row tiles there and checks any other tile is the
-    kernel's own. At 256 there is none, and the binding refuses the decode tile."""
-    module = render_module(config(shipped("mm_prefix"), backend="fa3", head_dim_qk=head_dim, head_dim_vo=head_dim))
-    units = [u for u in module.compile_units if "decode_tile" in u]
-    binding = module.files["binding.cu"]
-    assert "TVM_FFI_ICHECK(cta_tile_q == vg_abi::Fa3CtaTileQ(HEAD_DIM_VO))" in binding
-    if head_dim == 256:
-        assert units == [] and "LaunchDecodeTile<" not in binding
-        return
-    assert units == ["paged_kernel_none_decode_tile.cu", "paged_kernel_custom_decode_tile.cu"]
-    unit = module.files["paged_kernel_custom_decode_tile.cu"]
-    assert '#include "decode_tile.cuh"' in unit
-    assert "vg::Fa3DecodeTileTraits<VG_MmPrefixMasked>, /*LEFT_SLIDING_WINDOW=*/false, /*CAUSAL=*/false" in unit
-    assert "LaunchDecodeTile<VG_MmPrefix>(params, stream);" in binding
-    assert "LaunchDecodeTile<VG_MmPrefixMasked>(params, stream);" in binding
-    assert "kFa3DecodeTileQ = 64;" in module.files["vg_plan_abi.h"]
 
 
 @pytest.mark.parametrize("dims", [(128, 128), (192, 128)], ids=["hd128", "hd192x128"])

@@ -52,7 +52,7 @@ from _builder import finish_on_cpu, plan_builder
 
 from variantgen.evaluate import Evaluator
 from variantgen.plan_abi import META_COLUMNS, SEG_FIELDS, MaskMode, MetaColumn, PrefillPlanInfo, SM90PlanInfo
-from variantgen.plan_abi import FA3_DECODE_TILE_Q, fa3_cta_tile_q, fa3_has_decode_tile
+from variantgen.planner import fa3_cta_tile_q
 from variantgen.reference import softmax_attention
 from variantgen.spec import VariantSpec
 
@@ -427,19 +427,14 @@ class FakeFa3Module(FakeModule):
         return dict(kv_indptr=kv_indptr, last=last, starts=starts + [total_rows], n=n, qo=qo)
 
     def paged_run(self, float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indices, out, lse, mask_mode, layout,
-                  window_left, pack_gqa, cta_tile_q, enable_pdl, *extra):
-        hd = out.shape[2]
-        if cta_tile_q == FA3_DECODE_TILE_Q:  # the module's binding checks the same
-            assert fa3_has_decode_tile(q.shape[2], hd), f"no decode tile at head dim {hd}"
-            assert pack_gqa > 1 and mask_mode != 1 and window_left == -1, "the decode tile runs packed, not causal"
-        else:
-            assert cta_tile_q == fa3_cta_tile_q(hd), f"work list of {cta_tile_q}-row tiles at head dim {hd}"
+                  window_left, pack_gqa, enable_pdl, *extra):
         if pack_gqa > 1:
             return self._packed_run(float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indices, out, lse, mask_mode,
-                                    layout, window_left, pack_gqa, cta_tile_q, enable_pdl, *extra)
+                                    layout, window_left, pack_gqa, enable_pdl, *extra)
         n_t = len(self.spec.tensors)
         meta_t = extra[n_t]
-        p = self._fa3_work_list(int_ws, list(plan_info), meta_t.tolist(), k_cache.shape[1], cta_tile_q, q.shape[0])
+        p = self._fa3_work_list(int_ws, list(plan_info), meta_t.tolist(), k_cache.shape[1],
+                                fa3_cta_tile_q(out.shape[2]), q.shape[0])
         assert window_left == -1 or mask_mode == 1, "a left window only exists in causal launches"
         meta = meta_t.clone()
         meta[:, MetaColumn.KERNEL_WINDOW] = window_left if mask_mode == 1 else -1  # fa3 ignores vg_meta's window
@@ -460,7 +455,7 @@ class FakeFa3Module(FakeModule):
             del self._planned[stand_in.data_ptr()]
 
     def _packed_run(self, float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indices, out, lse, mask_mode, layout,
-                    window_left, group, cta_tile_q, enable_pdl, *extra):
+                    window_left, group, enable_pdl, *extra):
         """A GQA-packed launch: q / out / lse hold group query heads per key/value head as rows
         ([rows x group, kv_heads, ...]), every launch request's work items cover rows x group
         packed rows from its first row x group, and the launch is not causal (the kernel's causal
@@ -478,7 +473,7 @@ class FakeFa3Module(FakeModule):
         for first, qlen, b in zip(firsts.tolist(), lens.tolist(), batch.tolist()):
             assert first % group == 0 and qlen == meta[b, MetaColumn.LAUNCH_QO_LEN] * group, (first, qlen, group)
             assert first // group == meta[b, MetaColumn.Q_ROW_BASE], "packed rows start at the row x group"
-            assert qlen <= cta_tile_q, "a packed launch request is one query tile"
+            assert qlen <= fa3_cta_tile_q(out.shape[2]), "a packed launch request is one query tile"
         unpacked_ws = int_ws.clone()  # the same work list in query rows
         u_firsts, u_lens = self._work_items(unpacked_ws, info, SM90PlanInfo.QO_INDPTR_OFFSET,
                                             SM90PlanInfo.QO_LEN_OFFSET)
@@ -487,9 +482,8 @@ class FakeFa3Module(FakeModule):
         q_u = q.view(rows, group, kv_heads, -1).transpose(1, 2).reshape(rows, group * kv_heads, q.shape[2])
         out_u = out.new_zeros(rows, group * kv_heads, out.shape[2])
         lse_u = lse.new_zeros(rows, group * kv_heads) if lse is not None else None
-        # (unpacked, a decode-tile work list is one of the kernel's own tiles: every request fits)
         self.paged_run(float_ws, unpacked_ws, plan_info, q_u, k_cache, v_cache, kv_indices, out_u, lse_u, mask_mode,
-                       layout, window_left, 1, fa3_cta_tile_q(out.shape[2]), enable_pdl, *extra)
+                       layout, window_left, 1, enable_pdl, *extra)
         # write back only the rows this launch wrote (others belong to the plan's other launches)
         written = torch.zeros(rows, dtype=torch.bool)
         for first, qlen in zip(firsts.tolist(), lens.tolist()):
