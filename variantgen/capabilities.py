@@ -357,7 +357,8 @@ MODULE_BACKENDS = tuple(b for b in BACKENDS if TABLE[b].module)
 # 0.66 ms for causal, 0.23 for a 1023-key window, 0.24 for documents
 # (bench/results/2026-12-03-h200/decode-5f16d61.json), fa2's 0.87 / 0.17 / 0.22 on CUDA cores and
 # 0.53 / 0.12 / 0.17 with use_tensor_cores=True (decode-f469c37.json in 2026-12-02-h200); and a
-# learned sink runs unpacked on fa3 (2.2 ms or so).
+# learned sink runs unpacked on fa3 (2.2 ms or so). A 64-row fa3 tile for packed decode was tried
+# and not kept: 0.62 ms causal (decode-e7bfc4f.json), for a third more build time per module.
 KIND_ORDER = {"decode": ("fa2", "fa3", "flex")}
 
 
