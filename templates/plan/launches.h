@@ -318,6 +318,45 @@ inline void pack_classes(std::vector<Request>& reqs) {
   }
 }
 
+// Query-tile alignment. The kernels cut query tiles from each launch request's first row, so
+// where the row pass ends a dense run one row short of a tile boundary and hands that row to
+// the causal run that follows (the row sees exactly the dense run's keys, which is also the
+// causal shape: mm_prefix's last span row), each run pays a part-filled tile. The row moves
+// back into the dense run wherever that lowers the two runs' tile count: the same keys, the
+// same pages, no mask evaluated, fewer tiles. Not with GQA packing (pack_classes makes both
+// runs something else there).
+inline int64_t query_tile(const Options& c, int64_t rows) {
+  const int64_t group = c.num_qo_heads / c.num_kv_heads;
+  return c.fa3 ? c.fa3_cta_tile_q : fa2_cta_tile_q(rows * group, c);
+}
+
+inline void align_query_tiles(std::vector<Request>& reqs, const Options& c) {
+  if (c.pack > 1) return;
+  const int64_t unit = c.fa3 ? 1 : c.num_qo_heads / c.num_kv_heads;  // kernel rows per query row
+  size_t kept = 0;
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    Request& r = reqs[i];
+    if (kept > 0 && r.cls == kCausal) {
+      Request& d = reqs[kept - 1];
+      const bool movable = d.cls == kDense && d.request == r.request && d.first_row + d.rows == r.first_row &&
+                           d.kv_begin == r.kv_begin && d.kv_end == r.q_pos + 1;
+      if (movable) {
+        const int64_t t = query_tile(c, std::max(d.rows, r.rows));
+        const auto tiles = [&](int64_t rows) { return ceil_div(rows * unit, t); };
+        if (tiles(d.rows + 1) + tiles(r.rows - 1) < tiles(d.rows) + tiles(r.rows)) {
+          d.rows += 1;
+          r.first_row += 1;
+          r.q_pos += 1;
+          r.rows -= 1;
+          if (r.rows == 0) continue;  // the causal run was that one row
+        }
+      }
+    }
+    reqs[kept++] = r;
+  }
+  reqs.resize(kept);
+}
+
 inline std::vector<int64_t> window_widths(const std::vector<Request>& reqs, const Options& c) {
   std::vector<int64_t> widths;
   if (!c.fa3) return widths;
@@ -371,6 +410,7 @@ inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options&
   std::fill(desc, desc + desc_count, 0);
   desc[kHeadSegments] = int64_t(reqs.size());
   const int64_t pack = c.pack;  // packed rows per query row (GQA packing; 1: off)
+  align_query_tiles(reqs, c);
   if (pack > 1) pack_classes(reqs);
   const std::vector<LaunchSet> launches = group_launches(reqs, c);
   const bool graph = c.graph();

@@ -90,13 +90,20 @@ def random_segments(rng: random.Random, b: Batch) -> list[list[int]]:
     table, ps = [], b.page_size
     widths = [rng.choice([3, 17, 40, 64, 100, 200]) for _ in range(7)]
     for req, (q, k) in enumerate(zip(b.qo_lens, b.kv_lens)):
-        r = 0
+        r, after_dense = 0, None
         while r < q:
-            n = min(q - r, rng.randint(1, 90))
+            n = min(q - r, rng.choice([rng.randint(1, 90), 127, 1]))
             first, last = k - q + r, k - q + r + n - 1
-            cls = rng.choice(list(RowClass))
+            cls = CAUSAL if after_dense is not None else rng.choice(list(RowClass))
             window, vis = -1, (0, -1)
-            if cls == CAUSAL:
+            if cls == DENSE and r + n < q and rng.random() < 0.4:
+                # ending where a causal run of the same keys starts (mm_prefix's span rows, then the
+                # span's last row): the launch builder may move that row into this run
+                begin, end = rng.randrange(0, first + 1, ps), last + 2
+                after_dense = begin
+            elif cls == CAUSAL and after_dense is not None:
+                begin, end, after_dense = after_dense, last + 1, None
+            elif cls == CAUSAL:
                 begin, end = rng.randrange(0, first + 1, ps) if rng.random() < 0.5 else 0, last + 1
             elif cls == TAIL:  # the mask from its first query on (fits while one query tile) or from earlier
                 begin, end = rng.randrange(0, first + 1, ps) if rng.random() < 0.5 else 0, last + 1
@@ -142,6 +149,35 @@ def decode(host, desc):
             la[a.name] = arrays[a].view(n, META_COLUMNS).tolist() if a == LaunchArray.META else arrays[a].tolist()
         launches.append(la)
     return head, launches
+
+
+def aligned(table, fa3: bool, cta: int | None = None) -> list[list[int]]:
+    """The table as the builder lays it out: a causal run's first row moved into the dense run
+    just before it (same request, same first key, the dense run's keys exactly that row's) where
+    that lowers the two runs' query tiles; a causal run of that one row goes. ``cta``: query
+    rows per tile (default: the kernel's, for the runs' lengths)."""
+    group = 1 if fa3 else HQ // HKV
+    out: list[list[int]] = []
+    for seg in table:
+        s = list(seg) + [0, -1][len(seg) - 8:]
+        d = out[-1] if out else None
+        if (d is not None and s[SegField.CLASS] == CAUSAL and d[SegField.CLASS] == DENSE
+                and d[SegField.REQUEST] == s[SegField.REQUEST] and d[SegField.END_ROW] == s[SegField.FIRST_ROW]
+                and d[SegField.KV_BEGIN] == s[SegField.KV_BEGIN] and d[SegField.KV_END] == s[SegField.Q_POS] + 1):
+            dr, cr = d[SegField.END_ROW] - d[SegField.FIRST_ROW], s[SegField.END_ROW] - s[SegField.FIRST_ROW]
+            t = cta * group if cta else fa3_cta_tile_q(128) if fa3 else fa2_cta_tile_q(max(dr, cr) * group, 128, 128)
+
+            def tiles(rows, t=t):
+                return -(-rows * group // t)
+
+            if tiles(dr + 1) + tiles(cr - 1) < tiles(dr) + tiles(cr):
+                d[SegField.END_ROW] += 1
+                s[SegField.FIRST_ROW] += 1
+                s[SegField.Q_POS] += 1
+                if cr == 1:
+                    continue
+        out.append(s)
+    return out
 
 
 def tail_fits(seg, fa3: bool, graph_rows: int = 0, graph_requests: int = 0) -> bool:
@@ -265,6 +301,7 @@ def test_every_segment_is_laid_out_once_with_its_metadata_pages_and_schedule(bui
     host, desc = build(builder, b, table, options(b.page_size, fa3))
     head, launches = decode(host, desc)
     assert head[HeaderField.STATUS] == Status.OK and head[HeaderField.SEGMENTS] == len(table)
+    table = aligned(table, fa3)
     widths = sorted({s[SegField.WINDOW] for s in table if s[SegField.CLASS] == WINDOW})[:FA3_MAX_WINDOW_LAUNCHES]
     check_launches(b, table, head, launches, fa3, widths if fa3 else [])
     check_pages(b, host, desc, launches)
@@ -290,6 +327,47 @@ def test_every_segment_is_laid_out_once_with_its_metadata_pages_and_schedule(bui
             info = list(builder.schedule(alone, base, qo, o, HQ, HKV, 128, 128, 2, 0))
             end = info.pop()
             assert info == la["info"] and torch.equal(alone[base:end], host[base:end])
+
+
+@pytest.mark.parametrize("fa3", [False, True], ids=["fa2", "fa3"])
+def test_a_dense_run_one_row_short_of_a_query_tile_takes_the_next_causal_rows_first_row(builder, fa3):
+    """mm_prefix's shape: span rows see the keys up to the span's last row (dense), that row
+    sees the same keys (causal). Left where the row pass puts it, the row costs both runs a
+    part-filled query tile; moved into the dense run it costs none."""
+    cta = fa3_cta_tile_q(128) if fa3 else 128 // (HQ // HKV)  # query rows per tile (fa2: 4 heads per row)
+    b = Batch([4 * cta + 1, 2 * cta, 2 * cta], [4 * cta + 1, 2 * cta, 2 * cta + 32], 16)
+    d0 = cta - 1
+    table = [
+        [0, cta, 0, int(CAUSAL), -1, 0, cta, 0],
+        [cta, cta + d0, 0, int(DENSE), -1, 0, cta + d0 + 1, cta],  # ends one row short of a tile
+        [cta + d0, 4 * cta, 0, int(CAUSAL), -1, 0, 4 * cta, cta + d0],  # its first row: moved
+        [4 * cta, 4 * cta + 1, 0, int(DENSE), -1, 0, 4 * cta + 1, 4 * cta],
+        # request 1: a one-row causal run after a dense run: absorbed, the run goes
+        [4 * cta + 1, 5 * cta, 1, int(DENSE), -1, 0, cta, 0],
+        [5 * cta, 5 * cta + 1, 1, int(CAUSAL), -1, 0, cta + 1, cta - 1],
+        [5 * cta + 1, 6 * cta + 1, 1, int(CAUSAL), -1, 0, 2 * cta, cta],
+        # request 2: left as it is - the dense run is a whole tile already, the move saves none
+        [6 * cta + 1, 7 * cta + 1, 2, int(DENSE), -1, 0, cta + 33, 32],
+        [7 * cta + 1, 8 * cta + 1, 2, int(CAUSAL), -1, 0, 2 * cta + 32, cta + 32],
+    ]
+    host, desc = build(builder, b, table, options(16, fa3))
+    head, launches = decode(host, desc)
+    assert head[HeaderField.STATUS] == Status.OK and head[HeaderField.SEGMENTS] == len(table)
+    want = aligned(table, fa3, cta)
+    rows = [(s[0], s[1], RowClass(s[3])) for s in want]
+    assert rows[:3] == [(0, cta, CAUSAL), (cta, 2 * cta, DENSE), (2 * cta, 4 * cta, CAUSAL)]
+    assert len(want) == len(table) - 1 and want[-2:] == [list(s) + [0, -1] for s in table[-2:]]
+    check_launches(b, want, head, launches, fa3, [])
+    check_pages(b, host, desc, launches)
+    # with GQA packing (fa3, one-tile requests) causal rows run custom: nothing moves
+    packed = options(16, True)
+    packed[PlanOption.PACK_GQA] = HQ // HKV
+    small = Batch([3, 2], [3, 2], 16)
+    host, desc = build(builder, small, [[0, 2, 0, int(DENSE), -1, 0, 3, 0], [2, 3, 0, int(CAUSAL), -1, 0, 3, 2],
+                                        [3, 5, 1, int(CAUSAL), -1, 0, 2, 0]], packed)
+    head, launches = decode(host, desc)
+    assert head[HeaderField.STATUS] == Status.OK
+    assert sorted(la["META"][k][8] for la in launches for k in range(la[LaunchField.REQUESTS])) == [1, 2, 2]
 
 
 def test_planner_off_is_one_custom_launch_request_per_request_with_rows(builder):

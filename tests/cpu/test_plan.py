@@ -108,3 +108,56 @@ def test_launch_request_from_a_segment_and_what_it_visits():
     assert causal.visited() == 6 + 7 + 8
     dense = LaunchRequest.from_segment([0, 3, 0, int(RowClass.DENSE), -1, 8, 20, 30, 0, -1], 8)
     assert dense.visited() == 3 * 12 and dense.pages == 2
+
+
+# ----------------------------------------------------------------------------- query-tile alignment
+
+
+def tiles_of(plan, rows_per_tile: int) -> int:
+    return sum(-(-(r.rows[1] - r.rows[0]) // rows_per_tile) for r in plan.launch_requests)
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_mm_prefix_on_the_benchmark_spans_costs_the_query_tiles_causal_does(backend):
+    """The benchmark's three 1024-row spans per 8192-token request: each span's last row sees
+    what the span rows see (dense) and is causal-shaped; the builder runs it with the span, so
+    every run is whole tiles and the plan pays causal's tile count (fa3: 128-row tiles; fa2: 64
+    rows of 2 query heads) - not three part-filled ones more per request (6% of the kernel)."""
+    from _fake_modules import FakeModules
+
+    from variantgen.fuzzing import ModuleKey, Target
+    from variantgen.testing import PREFILL_BENCH_SPANS, random_paged_batch
+
+    lens = [8192, 8192]
+    batch = random_paged_batch(lens, lens, num_qo_heads=2, num_kv_heads=1, head_dim=128, page_size=16, seed=4)
+    ranges = spans_to_ranges(lens, lens, [PREFILL_BENCH_SPANS] * 2)
+    rows_per_tile = 128 if backend == "fa3" else 64
+    plans = {}
+    for name, args in (("causal", {}), ("mm_prefix", {"ranges": ranges})):
+        w = FakeModules().wrapper(Target("t", backend, "prefill", "prefill"), ModuleKey(name))
+        plans[name] = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    reqs = plans["mm_prefix"].launch_requests
+    assert {r.cls for r in reqs} == {RowClass.DENSE, RowClass.CAUSAL} and len(reqs) == 2 * 7
+    assert all((r.rows[1] - r.rows[0]) % rows_per_tile == 0 for r in reqs), [r.rows for r in reqs]
+    assert tiles_of(plans["mm_prefix"], rows_per_tile) == tiles_of(plans["causal"], rows_per_tile) == 2 * 8192 // (
+        rows_per_tile)
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_a_span_row_moved_into_the_dense_run_is_exact(backend):
+    """Spans whose rows stop one short of a tile (fa3: 192-row tiles at head dim 64; fa2: 64 rows
+    of 2 query heads), in full and chunked prefill: the moved row runs dense, the output matches
+    the reference."""
+    from test_wrapper_cpu import check
+
+    spec = variantgen.load_spec(SPECS_DIR / "mm_prefix.yaml")
+    qo_lens, kv_lens = [576, 192, 200], [576, 192, 384]
+    spans = [[(192, 383)], [(64, 127)], [(256, 319)]]
+    batch = batch_of(qo_lens, kv_lens, 16, seed=5)
+    args = {"ranges": spans_to_ranges(qo_lens, kv_lens, spans)}
+    w, _ = check(spec, batch, args, skip_tiles=True, backend=backend, label=f"aligned spans {backend}")
+    dense = [(r.request, r.keys, r.rows[1] - r.rows[0]) for r in w.last_plan.launch_requests if r.cls == RowClass.DENSE]
+    # fa3: request 0's span rows 192..382 and its last row, one 192-row tile; fa2: request 1's and
+    # request 2's (chunked: its rows at key positions 184..383), one 64-row tile each
+    want = [(0, (0, 384), 192)] if backend == "fa3" else [(1, (0, 128), 64), (2, (0, 320), 64)]
+    assert all(d in dense for d in want), dense
