@@ -398,7 +398,7 @@ def _fa3_context(config: ModuleConfig, ctx: dict) -> dict:
 
 
 FA3_STATIC = ("common/vg_helpers.cuh", "fa3/cutlass_prelude.cuh", "fa3/kernel_params.cuh",
-              "fa3/fill_params.cuh")
+              "fa3/fill_params.cuh", "fa3/epilogue_barrier.cuh")
 
 
 def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):

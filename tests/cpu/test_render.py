@@ -480,10 +480,11 @@ STATIC_FILES = {
                         "kernel_params.cuh": "fa2/kernel_params.cuh", "binding.cu": "fa2/decode_binding.cu"},
     ("fa3", "prefill"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
                          "kernel_params.cuh": "fa3/kernel_params.cuh", "fill_params.cuh": "fa3/fill_params.cuh",
-                         "run.cuh": "fa3/run.cuh", **PLAN_FILES},
+                         "epilogue_barrier.cuh": "fa3/epilogue_barrier.cuh", "run.cuh": "fa3/run.cuh", **PLAN_FILES},
     ("fa3", "ragged"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
                         "kernel_params.cuh": "fa3/kernel_params.cuh", "fill_params.cuh": "fa3/fill_params.cuh",
-                        "ragged_run.cuh": "fa3/ragged_run.cuh", "fa3_worklist.h": "plan/fa3_worklist.h"},
+                        "epilogue_barrier.cuh": "fa3/epilogue_barrier.cuh", "ragged_run.cuh": "fa3/ragged_run.cuh",
+                        "fa3_worklist.h": "plan/fa3_worklist.h"},
 }
 
 
@@ -664,3 +665,20 @@ def test_comment_lines_are_safe_and_wrapped(text):
         assert all(32 <= ord(ch) < 127 for ch in line)
         assert len(line) <= 84 or " " not in line  # a word longer than the width stays whole
     assert " ".join(lines) == codegen.comment_text(text)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "ragged"])
+def test_fa3_kernel_units_take_the_fixed_output_store(kind):
+    """Every fa3 kernel unit declares FlashInfer's epilogue for its spec's variant as
+    variantgen's (epilogue_barrier.cuh: the output tile synced once before it is copied out),
+    after the variant and before the kernel is instantiated; the header travels with the module."""
+    spec = shipped("mm_prefix")
+    module = render_module(config(spec, backend="fa3", kind=kind))
+    units = [name for name in module.compile_units if name.startswith(("paged_kernel_", "ragged_kernel_"))]
+    assert len(units) >= 3
+    for name in units:
+        text = module.files[name]
+        declared = text.index("VG_FA3_EPILOGUE_FOR(VG_MmPrefixVariant)")
+        assert text.index('#include "batch_prefill_sm90_config.inc"') < declared < text.index("template cudaError_t")
+    header = module.files["epilogue_barrier.cuh"]
+    assert "struct CollectiveEpilogue<" in header and "NamedBarrier::arrive" not in header

@@ -10,6 +10,14 @@ carry it in vg_meta, and FlashInfer's fa2 kernel sizes a request's split-KV part
 from that window (min(kv_len, window_left + CTA_TILE_Q)) while its scheduler, planned with
 window -1, sized them from kv_len: the merge read the wrong rows (221 of 711 rows wrong) or
 rows with no keys (NaN everywhere). Such launches are now never split.
+
+fa3 output store (bench/fuzz_gpu.py, 2026-12-04): FlashInfer's sm90 epilogue arrives at its
+epilogue barrier and then syncs on it with the same threads, so the copy of the output tile to
+global memory could start while a late warp was still writing its rows to shared memory: a
+few rows of one head came out stale, once in a few hundred runs of the same inputs (the case
+below: 1 of 40 runs in one wrapper, 9 of 4948 interleaved with other cases). The fa3 kernel
+units now take variantgen's store (templates/fa3/epilogue_barrier.cuh); the test runs the case
+many times and wants every run equal to the first, and the first equal to the reference.
 """
 
 from __future__ import annotations
@@ -116,3 +124,32 @@ def test_window_0_softcap_alibi_hd256_fp16(workspace, backend):
         assert rel_error(out, ref) < 1e-2, f"{backend} {name}"
     if backend == "fa2":
         assert stats["launches"] == [("causal", 1)]
+
+
+def test_fa3_output_rows_are_never_read_back_stale(workspace):
+    """The fuzzer's case (qo [73, 1, 292, 139], 64/4 heads, page size 5, planner off: one
+    custom launch, 7 query tiles on 132 x 64 CTAs), run 400 times on the same inputs."""
+    from variantgen import fuzzing as fz
+
+    case = fz.FuzzCase(
+        target="fa3/prefill", module=fz.ModuleKey("mm_prefix"),
+        batch=fz.Batch(qo_lens=(73, 1, 292, 139), kv_lens=(74, 1, 292, 142), tensors=(
+            ("ranges", fz.Ranges(spans=(((0, 29),), (), ((139, 207),), ((0, 99),)),
+                                 rows=((), (), ((152, 167, 87, 109), (256, 291, 0, 291), (142, 145, 54, 51)), ()))),),
+            seed=913080162),
+        num_qo_heads=64, num_kv_heads=4, page_size=5, plan="off",
+        scalars=(("causal_window_left", -1), ("range_window_left", -1)), disable_split_kv=False,
+        return_lse=False, scales=(None, 2.0, 3.0), graph=None)
+    fz.assert_case_passes(case, workspace)
+    modules = fz.CacheModules(workspace, build=True)
+    w = modules.wrapper(fz.TARGET_BY_NAME[case.target], case.module)
+    t = fz.make_tensors(case, case.batch, workspace.device)
+    w.plan(t.qo_indptr, t.kv_indptr, t.kv_indices, t.last_page_len, 64, 4, 5, skip_tiles=False)
+    first = w.run(t.q, (t.k, t.v), q_scale=None, k_scale=2.0, v_scale=3.0, **t.args).clone()
+    differ = []
+    for i in range(400):
+        out = w.run(t.q, (t.k, t.v), q_scale=None, k_scale=2.0, v_scale=3.0, **t.args)
+        rows = (out != first).flatten(1).any(dim=1)
+        if bool(rows.any()):
+            differ.append((i, rows.nonzero().flatten().tolist()[:16]))
+    assert not differ, f"{len(differ)} of 400 runs differ from the first (run, rows): {differ[:5]}"
