@@ -9,7 +9,10 @@ pass them; then run() of the planned and unplanned launches; CUDA-graph mode (pl
 run, replay). Each plan() is timed from
 the host (it ends with a device sync: the segment boundaries are read back); median of
 --iters after two warm-up plans (and, for the default path, the fastest and the 90th
-percentile). Writes bench/results/plan-<date>-<gpu>.json (or --out; also
+percentile). The kernels' ratio to FlashInfer's causal kernel is also measured paired: the
+runs alternate in rounds (--rounds, 10 runs each), so that a drift of the GPU's clocks within
+the process weighs on both sides alike; ``paired`` has each round's times and the median
+ratio. Writes bench/results/plan-<date>-<gpu>.json (or --out; also
 into $OUT when set). Run on the GPU machine:  python bench/bench_plan.py
 """
 
@@ -72,6 +75,19 @@ class FlashInferPlan:
         self.wrapper.plan(*plan_args[:6], D, PREFILL_BENCH_SHAPE[5], **self.kw)
 
 
+def paired(runs: dict, rounds: int) -> dict:
+    """Each run's device time, alternating in ``rounds`` rounds (median of 10 runs each), and per
+    run its median ratio to the first (FlashInfer's causal kernel) over the rounds."""
+    names = list(runs)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for _ in range(rounds):
+        for n in names:
+            times[n].append(round(cuda_median_ms(runs[n], 10), 3))
+    base = names[0]
+    ratio = {n: round(statistics.median(a / b for a, b in zip(times[n], times[base])), 4) for n in names[1:]}
+    return {"rounds": rounds, "baseline": base, "ms": times, "median_ratio_to_baseline": ratio}
+
+
 def graph_mode(out: dict, tag: str, batch, ws, name: str, planned: dict, iters: int, backend: str) -> None:
     """CUDA-graph mode (graph.py) at the workload's own size: plan() time, and the replay of a
     run() captured once (padded launches, split-KV off) against the eager run of that plan."""
@@ -98,6 +114,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--backends", default="fa2,fa3")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--rounds", type=int, default=7, help="rounds of the paired kernel measurement (0: none)")
     ap.add_argument("--skip-flashinfer", action="store_true",
                     help="no FlashInfer baseline rows (they JIT-compile FlashInfer's modules on first use)")
     args = ap.parse_args()
@@ -106,18 +123,21 @@ def main() -> None:
     kv = (batch.k_cache, batch.v_cache)
     out = {**run_environment(), "workload": "8 x 8192, 32/8 heads, hd 128, bf16, page 16, 3 spans of 1024",
            "plan_ms": {}, "plan_ms_spread": {}, "run_ms": {}, "plan_fraction_of_run": {}, "launches": {}}
+    pairs: dict[str, dict] = {}
     for backend in args.backends.split(","):
+        pair = pairs[backend] = {}
         if not args.skip_flashinfer:
             import flashinfer
 
             # FlashInfer's own causal wrapper: its plan() is the floor a launch pays (host scheduler).
-            fw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws, "NHD", backend=backend)
+            fw = flashinfer.BatchPrefillWithPagedKVCacheWrapper(torch.empty_like(ws), "NHD", backend=backend)
             fi_kw = dict(causal=True, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
             fi_plan = FlashInferPlan(fw, batch, fi_kw)
             out["plan_ms"][f"{backend}_flashinfer_causal"] = plan_ms(fi_plan, batch, {}, args.iters)
             out["plan_ms"][f"{backend}_flashinfer_causal_host_indptrs"] = plan_ms(fi_plan, batch, {}, args.iters, True)
             out["run_ms"][f"{backend}_flashinfer_causal"] = round(
                 cuda_median_ms(lambda fw=fw: fw.run(batch.q, kv), 10), 3)
+            pair[f"{backend}_flashinfer_causal"] = lambda fw=fw: fw.run(batch.q, kv)
         for name, spec_args in (("causal", {}), ("mm_prefix", {"ranges": ranges})):
             w = variantgen.make_wrapper(ROOT / "specs" / f"{name}.yaml", ws, head_dim_qk=D, q_dtype="bf16",
                                         kv_dtype="bf16", backend=backend)
@@ -133,11 +153,16 @@ def main() -> None:
                                     "launches": w.plan_stats.get("launches")}
             run = cuda_median_ms(lambda w=w, a=spec_args: w.run(batch.q, kv, **a), 10)
             out["run_ms"][f"{tag}_planned"] = round(run, 3)
+            pair[f"{tag}_planned"] = lambda w=w, a=spec_args: w.run(batch.q, kv, **a)
             for impl in ("row_kernel", "row_kernel_host_indptrs"):
                 out["plan_fraction_of_run"][f"{tag}_{impl}"] = round(out["plan_ms"][f"{tag}_planned_{impl}"] / run, 4)
             graph_mode(out, tag, batch, ws, name, planned, args.iters, backend)
             print(tag, {k: v for k, v in out["plan_ms"].items() if k.startswith(tag)}, f"run {run:.3f} ms",
                   out["launches"][tag], flush=True)
+    if args.rounds > 0:
+        out["paired"] = {b: paired(p, args.rounds) for b, p in pairs.items() if len(p) > 1}
+        for b, p in out["paired"].items():
+            print(b, "paired:", p["median_ratio_to_baseline"], flush=True)
     print(json.dumps(out, indent=1))
     text = json.dumps(out, indent=1) + "\n"
     Path(args.out or ROOT / "bench" / "results" / result_file_name("plan", out)).write_text(text)
