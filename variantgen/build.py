@@ -207,6 +207,9 @@ def module_key(rendered: RenderedModule, tc: Toolchain | None) -> ModuleKey:
         ("arch", canonical_arch(cfg.arch)),
         ("variantgen", __version__),
     )
+    split = settings().split_compile
+    if split > 1:  # nvcc's split optimizer allocates registers differently: other machine code
+        inputs += (("nvcc_split_compile", str(split)),)
     tool = (("nvcc", tc.nvcc_version), ("cxx", tc.cxx_version)) if tc is not None else ()
     return ModuleKey(cfg.uri_prefix, inputs, tool)
 
@@ -223,7 +226,8 @@ def _ninja_file(rendered: RenderedModule, tc: Toolchain, src_dir: Path, out_name
     includes = [f"-I{src_dir}"] + [f"-I{p}" for p in fi.include_dirs]
     for p in (*fi.system_include_dirs, tc.cuda_home / "include"):
         includes += ["-isystem", str(p)]
-    # not semantic (the machine code is the same): not in the key
+    # --threads leaves the machine code of one target as it is (not in the key); --split-compile
+    # does not (module_key names it)
     nvcc_threads = [f"--threads={settings().nvcc_threads}"]
     if settings().split_compile > 1:
         nvcc_threads.append(f"--split-compile={settings().split_compile}")

@@ -57,7 +57,8 @@ class Settings:
     """VARIANTGEN_NVCC_THREADS: nvcc --threads per compile (default 1)."""
     split_compile: int
     """VARIANTGEN_SPLIT_COMPILE: nvcc --split-compile per compile unit (threads for its optimizer;
-    default 1, off): lets a module's longest unit use cores its other units leave idle."""
+    default 1, off): lets a module's longest unit use cores its other units leave idle. It changes
+    the machine code (register allocation), so the module key names it."""
     template_dir: Path
     """VARIANTGEN_TEMPLATE_DIR: where the Jinja templates live (default: TEMPLATES_DIR, the package's)."""
     lock_timeout_s: float
