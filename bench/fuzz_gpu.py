@@ -6,7 +6,8 @@ paged prefill, decode on CUDA and tensor cores, ragged, CUDA-graph replays; page
 GQA groups 1-16, windows none / 0 / 1 / small / large, chunked prefill, random spec tensors,
 planner on / off) - is compared with the derived float32 reference (variantgen/fuzzing.py:
 tolerances by dtype, NaN never passes, outputs poisoned before each run) and, where FlashInfer
-has the same mask, with FlashInfer's own kernel. Cases are spread over the targets by time so
+has the same mask, with FlashInfer's own kernel; each plan runs twice, and a second run that
+writes other bits is a failure of its own ('nondeterministic': a race). Cases are spread over the targets by time so
 that each gets its share of ``--seconds``. Every failure is shrunk (fewer, shorter requests)
 while it still fails, and printed as a pytest test for tests/gpu/test_gpu_regressions.py. The
 results JSON (seed, commit, versions, counts per target and spec, max errors, failures with
@@ -554,7 +555,8 @@ class Fuzzer:
                 mz = None
                 if i < self.cfg.max_minimize and left > 0:
                     mz = fz.minimize(case, v.signature, runner, budget_s=min(left, max(budget / 4, 10.0)))
-                    note = "not reproduced in fresh wrappers" if not mz.reproduced else \
+                    note = ("not reproduced in fresh wrappers (state the run left, or a race: run the case "
+                            "many times)") if not mz.reproduced else \
                         f"{fz.case_size(case)} -> {fz.case_size(mz.case)} in {mz.steps} runs"
                     self.log(f"  minimized {key}: {note}")
                 out.append(_failure_json(case, v, mz, self.cfg.seed))

@@ -325,6 +325,21 @@ class IgnoringWindow(FakeModule):
         super().paged_run(*a)
 
 
+class RacingRow(FakeModule):
+    """A planted race: every second launch writes the first row of its first launch request one
+    higher (the causal spec's fa2 plans are one launch per run(), planned or not)."""
+
+    launches = 0
+
+    def paged_run(self, *a):
+        super().paged_run(*a)
+        self.launches += 1
+        if self.launches % 2 == 0:
+            first_row = int(a[16 + len(self.spec.tensors)][0, 0])
+            if first_row < a[10].shape[0]:
+                a[10][first_row] += 1
+
+
 def planted_failure(fake: type, specs: tuple[str, ...], kind: str, seed: int, target: str = "fa2/prefill") -> dict:
     modules = FakeModules({("fa2", "prefill"): fake})
     results = fuzz_gpu.run_fuzz(config(max_cases=40, seed=seed, targets=(target,), specs=specs), modules, log=quiet)
@@ -359,6 +374,15 @@ def test_planted_dropped_row_is_found_and_minimized():
     f = planted_failure(DroppingRow, ("causal", "prefix_lm"), "unwritten", seed=11)
     small = check_minimized(f, DroppingRow)
     assert 5 <= small.batch.qo_lens[0] <= 8, small.label()
+
+
+def test_a_planted_race_is_found_as_a_second_run_that_differs():
+    """Each case runs its plan twice: output that passes the reference once and differs the second
+    time is 'nondeterministic' (the fa3 output-store race of 2026-12-04 first showed as a mismatch
+    the minimizer could not reproduce)."""
+    f = planted_failure(RacingRow, ("causal",), "nondeterministic", seed=13)
+    assert "rows differ between two runs of one plan" in f["verdict"]["message"]
+    check_minimized(f, RacingRow)
 
 
 @pytest.mark.parametrize("target", ["fa2/prefill", "fa2/prefill-graph"])
@@ -412,13 +436,14 @@ def test_spec_tensors_must_be_the_specs():
 
 
 class Interrupting(FakeModule):
-    """Ctrl-C (or the SIGTERM main() turns into it) in the middle of the fifth launch."""
+    """Ctrl-C (or the SIGTERM main() turns into it) in the middle of the ninth launch (each case
+    runs its plan twice)."""
 
     calls = 0
 
     def paged_run(self, *a):
         Interrupting.calls += 1
-        if Interrupting.calls == 5:
+        if Interrupting.calls == 9:
             raise KeyboardInterrupt
         super().paged_run(*a)
 
