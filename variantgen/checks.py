@@ -8,8 +8,8 @@ with the cache's page count (the cache is only known in run()). plan() never wai
 to read them:
 
 * a page list on the host: a min/max there (a few microseconds for thousands of entries);
-* a page list on the device, indptrs on the device: the reduction is queued before plan()'s
-  copy of the indptrs to the host and travels in that copy (PageGuard.fold);
+* a page list on the device, indptrs on the device: the module's read_indices reduces it in the
+  kernel that packs the indptrs for plan()'s one copy to the host, and it travels in that copy;
 * a page list on the device, indptrs on the host (serving engines' decode: vLLM plans every
   step while the GPU runs the previous one): the reduction goes to page-locked memory without
   waiting (BoundsCopy). Where plan() reads something back anyway (the interval planner's launch
@@ -87,15 +87,6 @@ class PageBounds:
 NO_PAGES = PageBounds(0, 0, -1)
 
 
-def used_bounds(kv_indices: torch.Tensor, entries: torch.Tensor, positions: torch.Tensor,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(min, max) of ``kv_indices[:entries]`` as one-element tensors on its device, ``entries`` a
-    one-element tensor there too (no host value needed: three kernels, no sync); ``positions``:
-    0, 1, ... of kv_indices' length. Entries past ``entries`` count as page 0, always in range."""
-    low, high = torch.aminmax(torch.where(positions < entries, kv_indices, 0))
-    return low.view(1), high.view(1)
-
-
 class BoundsCopy:
     """The (min, max) of a page list on the GPU on their way to page-locked memory: queued
     without waiting; ``landed()`` asks the event (a query, never a wait). Kept for reuse."""
@@ -139,11 +130,10 @@ class InFlight:
 
 class PageGuard:
     """The page list's bounds from plan() to run(), and the device guard where they are still on
-    their way (see the module doc); one per wrapper. plan() calls poll(), fold() (where it
-    copies device indptrs back), begin() and finish(); run() calls poll() and check_run()."""
+    their way (see the module doc); one per wrapper. plan() calls poll(), begin() and finish();
+    run() calls poll() and check_run()."""
 
     def __init__(self) -> None:
-        self._positions: torch.Tensor | None = None  # 0, 1, 2, ... on the device (fold's masked reduction)
         self._plans = 0  # plan()s that read a page list
         self._runs = 0  # run()s checked against a cache
         self._page_list: torch.Tensor | None = None  # the caller's tensor (for messages)
@@ -160,22 +150,9 @@ class PageGuard:
         return self._bounds
 
     # ------------------------------------------------------------------ plan()
-    def fold(self, kv_indices: torch.Tensor, kv_indptr: torch.Tensor) -> list[torch.Tensor]:
-        """Where plan()'s copy of ``kv_indptr`` to the host is a device-to-host copy anyway and the
-        page list is on that device: its (min, max) over the first ``kv_indptr[-1]`` entries as two
-        one-element int32 device tensors, for plan() to append to that copy (and pass to begin()).
-        Entries past the batch (a caller's larger buffer) count as page 0, which is always in range."""
-        if kv_indices.device.type != "cuda" or kv_indptr.device != kv_indices.device or not kv_indices.numel():
-            return []
-        n = kv_indices.numel()
-        if self._positions is None or self._positions.numel() < n or self._positions.device != kv_indices.device:
-            self._positions = torch.arange(max(n, 2 * (self._positions.numel() if self._positions is not None else 0)),
-                                           dtype=torch.int32, device=kv_indices.device)
-        return list(used_bounds(kv_indices, kv_indptr[-1:], self._positions[:n]))
-
     def begin(self, kv_indices: torch.Tensor, entries: int, folded: list[int]) -> None:
-        """Start reading the bounds of ``kv_indices[:entries]``: ``folded`` holds fold()'s values as
-        plan() read them back (empty if fold() gave none)."""
+        """Start reading the bounds of ``kv_indices[:entries]``: ``folded`` holds the (min, max) plan()
+        read back with its device indptrs (the module's read_indices), or is empty."""
         self._plans += 1
         previous, self._current = self._current, None
         if previous is not None and (previous.runs or previous.graph_pages is not None):

@@ -287,6 +287,9 @@ OPTION_FIELDS = PlanOption.WINDOWS + FA3_MAX_WINDOW_LAUNCHES
 DESC_FIELDS = HEADER_FIELDS + LAUNCH_FIELDS * MAX_LAUNCHES
 ROW_BLOCK = 256  # query rows per block of the row kernels: one launch-request count each
 NO_INTERVAL = 1 << 40  # "no interval" sentinel of the row pass (intervals.py's BIG)
+# int32 entries plan()'s read-back of its index tensors needs past them: the page list's
+# (min, max), and room for the two 8-byte keys they are folded in (templates/plan/read_indices.cuh)
+READ_INDICES_EXTRA = 5
 
 
 # ----------------------------------------------------------------------------- the C++ header
@@ -347,6 +350,7 @@ def header_text() -> str:
         f"constexpr int kMaxLaunches = {MAX_LAUNCHES};",
         f"constexpr int kRowBlock = {ROW_BLOCK};",
         f"constexpr int64_t kNoInterval = int64_t(1) << {NO_INTERVAL.bit_length() - 1};",
+        f"constexpr int kReadIndicesExtra = {READ_INDICES_EXTRA};",
         "}  // namespace vg_abi",
         "",
     ]

@@ -172,7 +172,8 @@ def environment() -> jinja2.Environment:
 # plan/: the launch builder, static C++ compiled into the planner module and every paged-prefill module
 TEMPLATE_DIRS = {"fa2": ("common", "fa2", "plan"), "fa3": ("common", "fa3", "plan"),
                  "planner": ("common", "planner", "plan")}
-PLAN_HEADERS = ("plan_module.h", "launches.h", "fa3_worklist.h", "gather.cuh")  # templates/plan/, as they are
+# templates/plan/, as they are
+PLAN_HEADERS = ("plan_module.h", "launches.h", "fa3_worklist.h", "gather.cuh", "read_indices.cuh")
 
 
 def template_files(backend: str = "fa2") -> list[Path]:
@@ -347,7 +348,7 @@ def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
         "batch_decode_config.inc": env.get_template("fa2/decode_config.inc.jinja").render(ctx),
-        **_static(*FA2_STATIC, binding_cu="fa2/decode_binding.cu"),
+        **_static(*FA2_STATIC, "plan/read_indices.cuh", binding_cu="fa2/decode_binding.cu"),
         "decode_kernel.cu": env.get_template("fa2/decode_kernel.cu.jinja").render(ctx),
     }
     return files, ["binding.cu", "decode_kernel.cu"], ("batch_decode.cu",)

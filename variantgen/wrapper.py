@@ -37,7 +37,7 @@ from .expr import FLOAT32_MAX
 from .graph import GraphCapacity
 from .intervals import IntervalForm, analyze, args_read, tensors_read, usable_form
 from .plan import Batch, Launch, Plan
-from .plan_abi import MaskMode
+from .plan_abi import READ_INDICES_EXTRA, MaskMode
 from .planner import Planner
 from .render import ModuleConfig
 from .spec import VariantSpec, shown_value, value_fits
@@ -107,6 +107,7 @@ class WrapperBase:
         self._plan_check = PlanCheck() if self.check_plan else None
         # The planned page list's bounds, and run()'s guard where they are still on their way (checks.py).
         self._pages = PageGuard()
+        self._index_scratch: torch.Tensor | None = None  # the GPU side of plan()'s index read-back
 
     def _workspace(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The i-th (int workspace, page-locked host mirror) pair for FlashInfer's scheduler."""
@@ -196,13 +197,27 @@ class WrapperBase:
     # ------------------------------------------------------------------ the page list (checks.py)
     def _read_indptrs(self, kv_indices: torch.Tensor, kv_indptr: torch.Tensor, *indptrs: torch.Tensor,
                       ) -> tuple[list[list[int]], torch.Tensor, list[int]]:
-        """host_indices of ``indptrs`` with, where that is a copy from the page list's device, the
-        page list's bounds in the same copy: (lists, flat, folded bounds for begin_pages)."""
-        folded = self._pages.fold(kv_indices, kv_indptr)
-        lists, flat = host_indices(*indptrs, *folded)
-        if not folded:
+        """Host copies of ``indptrs`` (int lists, and back to back in one CPU int32 tensor) and,
+        where they and the page list are on one GPU, the page list's (min, max) over its first
+        ``kv_indptr[-1]`` entries read in the same copy (the module's read_indices: one kernel,
+        one copy; for begin_pages): (lists, flat, folded bounds or [])."""
+        device = kv_indices.device
+        if device.type != "cuda" or not kv_indices.numel() or any(t.device != device for t in (kv_indptr, *indptrs)):
+            lists, flat = host_indices(*indptrs)
             return lists, flat, []
-        return lists[:-2], flat[:flat.numel() - 2], [lists[-2][0], lists[-1][0]]
+        parts = [t if t.is_contiguous() else t.contiguous() for t in (kv_indices, kv_indptr, *indptrs)]
+        total = sum(t.numel() for t in indptrs)
+        host = torch.empty(total + READ_INDICES_EXTRA, dtype=torch.int32)
+        scratch = self._index_scratch
+        if scratch is None or scratch.numel() < host.numel() * 4:
+            scratch = self._index_scratch = torch.empty(max(4096, 8 * host.numel()), dtype=torch.uint8, device=device)
+        self.module.read_indices(*parts, *[None] * (3 - len(indptrs)), scratch, host)
+        values = host.tolist()
+        lists, at = [], 0
+        for t in indptrs:
+            lists.append(values[at:at + t.numel()])
+            at += t.numel()
+        return lists, host[:total], values[total:total + 2]
 
     def _begin_pages(self, kv_indices: torch.Tensor, entries: int, folded: list[int]) -> None:
         """plan(): start reading the bounds of the batch's page list ``kv_indices[:entries]``."""

@@ -1,12 +1,14 @@
 // Static source of variantgen's fa2 decode modules (copied as is: the module's binding.cu).
 //
-// Exports `plan` (FlashInfer's decode scheduler, sized with this module's kernel) and `run`
-// (FlashInfer's batch-decode host code, compiled against this module's config) via TVM-FFI.
+// Exports `plan` (FlashInfer's decode scheduler, sized with this module's kernel), `run`
+// (FlashInfer's batch-decode host code, compiled against this module's config) and
+// `read_indices` (plan()'s read-back of its index tensors) via TVM-FFI.
 #include <flashinfer/attention/scheduler.cuh>
 
 #include "batch_decode_config.inc"
 #include "tvm/ffi/container/array.h"
 #include "tvm_ffi_utils.h"
+#include "read_indices.cuh"
 
 using tvm::ffi::Array;
 using tvm::ffi::Optional;

@@ -6,7 +6,8 @@
 //                   tests call it, and the CPU fakes build their plans with it;
 //   plan_direct:    planner off: one custom launch request per request, built, copied to the
 //                   device and its page lists gathered there, in one call;
-//   schedule:       the fa2 work list of one launch (tests).
+//   schedule:       the fa2 work list of one launch (tests);
+//   read_indices:   plan()'s read-back of its index tensors from the GPU (read_indices.cuh).
 #pragma once
 
 #include <utility>
@@ -14,6 +15,7 @@
 
 #include "gather.cuh"
 #include "launches.h"
+#include "read_indices.cuh"
 #include "tvm/ffi/container/array.h"
 
 namespace vg_plan {

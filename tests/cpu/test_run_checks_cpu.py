@@ -32,7 +32,7 @@ import variantgen
 from variantgen import checks, render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
-from variantgen.checks import NO_PAGES, PageBounds, PageGuard, used_bounds
+from variantgen.checks import NO_PAGES, PageBounds, PageGuard
 from variantgen.decode import DecodeWrapper
 from variantgen.errors import LaunchError
 from variantgen.graph import GraphCapacity
@@ -351,20 +351,9 @@ def test_paged_cache_strides_alignment_and_page_counts(tensor_cores):
 # ----------------------------------------------------------------------------- the device-side bounds
 
 
-def test_used_bounds_ignores_entries_past_the_batch():
-    """The reduction plan() folds into its read of device indptrs (checks.used_bounds), on CPU tensors."""
-    kv = torch.tensor([5, 3, 9, -4, 1 << 30], dtype=torch.int32)
-    positions = torch.arange(5, dtype=torch.int32)
-    # entries past the batch count as page 0 (always in range): the low bound is only ever read for < 0
-    for entries, want in ((3, (0, 9)), (4, (-4, 9)), (5, (-4, 1 << 30)), (0, (0, 0))):
-        low, high = used_bounds(kv, torch.tensor([entries], dtype=torch.int32), positions)
-        assert (int(low), int(high)) == want, entries
-
-
 def test_page_bounds_on_the_host_read_nothing_back():
     reader = PageGuard()
     kv = torch.tensor([4, 2, 8, -1], dtype=torch.int32)
-    assert reader.fold(kv, torch.tensor([0, 3], dtype=torch.int32)) == []  # host tensors: no fold
     reader.begin(kv, 3, [])
     assert reader.bounds == PageBounds(3, 2, 8)
     reader.begin(kv, 0, [])

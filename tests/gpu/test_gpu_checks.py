@@ -22,6 +22,7 @@ from _gpu import SPECS, mm_prefix_case, rel_error
 import variantgen
 from variantgen.errors import LaunchError
 from variantgen.graph import GraphCapacity
+from variantgen.plan_abi import READ_INDICES_EXTRA
 from variantgen.reference import reference_attention
 from variantgen.testing import random_paged_batch, random_spec_args
 
@@ -365,3 +366,52 @@ def test_check_plan_catches_a_tensor_changed_between_replays(workspace):
     ranges[5, 1] += 1
     with pytest.raises(LaunchError, match=r"^run\(\): `ranges` changed since plan\(\) read it"):
         w.run(q, (k, k), out=out, ranges=ranges)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_read_indices_matches_torch(workspace, kind):
+    """plan()'s read-back of device index tensors (the module's read_indices: one kernel, one
+    copy) against torch on random lists: the parts back to back, and the (min, max) of exactly
+    the first kv_indptr[-1] entries of the page list - garbage past them (a longer buffer),
+    negative entries, page lists of one entry to a million, non-contiguous indptrs."""
+    w = variantgen.make_wrapper(SPECS / "causal.yaml", workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16",
+                                kind=kind, backend="fa2")
+    gen = torch.Generator(device="cpu").manual_seed(7)
+    for trial in range(60):
+        batch = int(torch.randint(1, 300, (1,), generator=gen))
+        entries = int(torch.randint(1, [16, 5000, 1 << 20][trial % 3], (1,), generator=gen))
+        cuts = torch.sort(torch.randint(0, entries + 1, (batch - 1,), generator=gen)).values
+        kv_indptr = torch.cat([torch.zeros(1, dtype=torch.int64), cuts, torch.tensor([entries])]).to(torch.int32)
+        low, high = (-5, 50) if trial % 4 == 0 else (0, 1 << 30)
+        kv = torch.randint(low, high, (entries + int(torch.randint(0, 9, (1,), generator=gen)),), generator=gen,
+                           dtype=torch.int32)
+        kv[entries:] = -(1 << 31) if trial % 2 else (1 << 31) - 1  # past the batch: never read
+        last = torch.randint(1, PAGE + 1, (batch,), generator=gen, dtype=torch.int32)
+        qo = torch.arange(batch + 1, dtype=torch.int32)
+        parts = [kv_indptr, last] if kind == "decode" else [qo, kv_indptr, last]
+        dev = [t.cuda() for t in parts]
+        if trial % 5 == 0:  # a strided view of a longer tensor
+            dev[-1] = torch.stack([dev[-1], dev[-1]], 1).reshape(-1)[::2]
+            assert not dev[-1].is_contiguous()
+        lists, flat, folded = w._read_indptrs(kv.cuda(), dev[0] if kind == "decode" else dev[1], *dev)
+        assert lists == [t.tolist() for t in parts], trial
+        assert flat.tolist() == torch.cat(parts).tolist() and flat.device.type == "cpu", trial
+        assert folded == [int(kv[:entries].min()), int(kv[:entries].max())], trial
+
+
+def test_read_indices_refuses_tensors_it_cannot_read(workspace):
+    """The module's own checks, behind plan()'s (which never passes such tensors)."""
+    w = variantgen.make_wrapper(SPECS / "causal.yaml", workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16",
+                                backend="fa2")
+    ind = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
+    kv = torch.tensor([1, 2], dtype=torch.int32, device="cuda")
+    scratch = torch.empty(64, dtype=torch.uint8, device="cuda")
+    host = torch.empty(2 + READ_INDICES_EXTRA, dtype=torch.int32)
+    w.module.read_indices(kv, ind, ind, None, None, scratch, host)
+    assert host[:2].tolist() == [0, 2] and host[2:4].tolist() == [1, 2]
+    for bad, what in ((dict(host=host[:4]), "host: expected int32"), (dict(scratch=scratch[:8]), "scratch: expected"),
+                      (dict(part0=ind.long()), "index tensor: expected a contiguous 1-D int32"),
+                      (dict(part0=ind.cpu()), "index tensor: expected it on the page list's GPU")):
+        args = dict(kv=kv, ind=ind, part0=ind, scratch=scratch, host=host) | bad
+        with pytest.raises(Exception, match=what):
+            w.module.read_indices(args["kv"], args["ind"], args["part0"], None, None, args["scratch"], args["host"])
