@@ -49,7 +49,8 @@ def test_build_find_and_deploy_a_real_module(vg_env, toolchain):
     assert (entry.path / "src" / "variant.cuh").is_file() and (entry.path / "build.ninja").is_file()
     assert (entry.path / "build.log").is_file() and not (entry.path / "obj").exists()
     assert list((vg_env.cache_dir / ".staging").iterdir()) == []
-    assert exported_functions(entry.module_path) == {"plan", "paged_run", "build_launches", "plan_direct", "schedule"}
+    assert exported_functions(entry.module_path) == {"plan", "paged_run", "build_launches", "plan_direct", "schedule",
+                                                     "read_indices"}
 
     again = build.build_module(config, cache)
     assert again.built is False and again.entry.uri == entry.uri
@@ -101,7 +102,8 @@ def test_build_an_fa3_module_without_a_gpu(vg_env, toolchain, tmp_path):
     assert (entry.path / "src" / "cutlass_prelude.cuh").is_file()  # stands in for FlashInfer's cutlass_utils.cuh
     # what the fa3 wrapper calls, exported and loadable as a serving host loads it (no GPU needed to load)
     # (its work lists come from the launch builder, exported by every paged-prefill module)
-    assert exported_functions(entry.module_path) == {"paged_run", "build_launches", "plan_direct", "schedule"}
+    assert exported_functions(entry.module_path) == {"paged_run", "build_launches", "plan_direct", "schedule",
+                                                     "read_indices"}
     module = build.load_module(entry)
     assert callable(module.paged_run) and callable(module.plan_direct)
 
