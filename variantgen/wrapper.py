@@ -213,11 +213,7 @@ class WrapperBase:
             scratch = self._index_scratch = torch.empty(max(4096, 8 * host.numel()), dtype=torch.uint8, device=device)
         self.module.read_indices(*parts, *[None] * (3 - len(indptrs)), scratch, host)
         values = host.tolist()
-        lists, at = [], 0
-        for t in indptrs:
-            lists.append(values[at:at + t.numel()])
-            at += t.numel()
-        return lists, host[:total], values[total:total + 2]
+        return split_values(values, indptrs), host[:total], values[total:total + 2]
 
     def _begin_pages(self, kv_indices: torch.Tensor, entries: int, folded: list[int]) -> None:
         """plan(): start reading the bounds of the batch's page list ``kv_indices[:entries]``."""
@@ -714,12 +710,17 @@ def host_indices(*tensors: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]
         flat = torch.cat(tensors).cpu()
     else:
         flat = torch.cat([t.cpu() for t in tensors])
-    values = flat.tolist()
+    return split_values(flat.tolist(), tensors), flat
+
+
+def split_values(values: list[int], tensors: tuple[torch.Tensor, ...]) -> list[list[int]]:
+    """``values``, the entries of ``tensors`` back to back (and anything after them), cut into
+    one list per tensor."""
     out, at = [], 0
     for t in tensors:
         out.append(values[at:at + t.numel()])
         at += t.numel()
-    return out, flat
+    return out
 
 
 class PagedBatchLists(NamedTuple):
