@@ -16,6 +16,8 @@ Running ninja (progress, log, ending the compilers on errors) is ninja.py's part
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import os
 import re
@@ -30,12 +32,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from . import ninja as _ninja_run
+from . import objects as _objects
 from ._version import __version__
 from .cache import Cache, Entry, LockHolder, ModuleKey, path_error
 from .env import settings
 from .errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error
 from .progress import BuildProgress
-from .render import RenderedModule, canonical_arch
+from .render import RenderedModule, SharedUnit, canonical_arch
 from .spec import VariantSpec
 
 log = logging.getLogger("variantgen.build")
@@ -214,13 +217,24 @@ def module_key(rendered: RenderedModule, tc: Toolchain | None) -> ModuleKey:
     return ModuleKey(cfg.uri_prefix, inputs, tool)
 
 
+def shared_object_key(rendered: RenderedModule, unit: SharedUnit, tc: Toolchain) -> ModuleKey:
+    """The key of a shared unit's object (objects.py): the module's key with the unit's own text
+    in place of the module's sources - the templates, flags, versions, arch and toolchain stay."""
+    module = module_key(rendered, tc)
+    text = hashlib.sha256(rendered.files[unit.file].encode()).hexdigest()
+    inputs = (("unit", text), *((k, v) for k, v in module.inputs if k != "sources"))
+    return ModuleKey(unit.prefix, inputs, module.toolchain)
+
+
 # ----------------------------------------------------------------------------- ninja
 
 
-def _ninja_file(rendered: RenderedModule, tc: Toolchain, src_dir: Path, out_name: str) -> str:
+def _ninja_file(rendered: RenderedModule, tc: Toolchain, src_dir: Path, out_name: str,
+                shared: dict[str, tuple[ModuleKey, Path]] | None = None, store: Path | None = None) -> str:
     """The module's build.ninja. Every path is escaped (ninja's ``$ ``, ``$:``, ``$$`` in build
     lines; shell quoting and ``$$`` in command variables): cache and toolkit paths may hold
-    spaces, colons and dollars."""
+    spaces, colons and dollars. ``shared``: unit file -> (object key, its description file) for
+    the units compiled once per cache (objects.py) in ``store``."""
     fi = flashinfer_info()
     flags = semantic_flags(rendered.config)
     includes = [f"-I{src_dir}"] + [f"-I{p}" for p in fi.include_dirs]
@@ -251,12 +265,32 @@ def _ninja_file(rendered: RenderedModule, tc: Toolchain, src_dir: Path, out_name
         "  description = link $out",
         "",
     ]
+    shared = shared or {}
+    if shared:
+        assert store is not None
+        package_parent = Path(__file__).resolve().parent.parent  # `python -m variantgen.shared_compile` finds us
+        path = os.pathsep.join([str(package_parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+        helper = ["env", f"PYTHONPATH={path}", sys.executable, "-m", "variantgen.shared_compile", "--store", str(store),
+                  "--lock-timeout", f"{settings().lock_timeout_s:g}"]
+        lines += [
+            f"objects = {args(helper)}",
+            "rule shared_compile",
+            f"  command = $objects --uri $uri --describe $describe --out $out -- $nvcc $cuda_flags $includes "
+            f"-c $in -o {_objects.PLACEHOLDER}",
+            "  description = nvcc $in (shared object $uri)",
+            "",
+        ]
     objects = []
     units = [src_dir / u for u in rendered.compile_units] + [fi.csrc_dir / h for h in rendered.host_sources]
     for unit in units:
         obj = f"obj/{unit.stem}.o"
         objects.append(obj)
-        lines.append(f"build {obj}: cuda_compile {_ninja_run.escape_path(unit)}")
+        if unit.name in shared and unit.parent == src_dir:
+            key, describe = shared[unit.name]
+            lines += [f"build {obj}: shared_compile {_ninja_run.escape_path(unit)}", f"  uri = {args([key.uri])}",
+                      f"  describe = {args([describe])}"]
+        else:
+            lines.append(f"build {obj}: cuda_compile {_ninja_run.escape_path(unit)}")
     lines += ["", f"build {out_name}: link {' '.join(objects)}", f"default {out_name}", ""]
     return "\n".join(lines)
 
@@ -397,7 +431,16 @@ def _build_in(staging: Path, rendered: RenderedModule, key: ModuleKey, tc: Toolc
     for name, text in rendered.files.items():
         _write(src_dir / name, text)
     out_name = f"{key.uri}.so"
-    _write(staging / "build.ninja", _ninja_file(rendered, tc, src_dir, out_name))
+    store = _objects.object_cache(cache)
+    shared: dict[str, tuple[ModuleKey, Path]] = {}
+    for unit in rendered.shared_units:  # compiled once per cache, linked here (objects.py)
+        unit_key = shared_object_key(rendered, unit, tc)
+        describe = staging / f"{Path(unit.file).stem}.object.json"
+        _write(describe, json.dumps({"unit": unit.file, "inputs": dict(unit_key.inputs),
+                                     "inputs_digest": unit_key.inputs_digest, "toolchain": dict(unit_key.toolchain),
+                                     "key_digest": unit_key.digest, "first_module": key.uri}, indent=1))
+        shared[unit.file] = (unit_key, describe)
+    _write(staging / "build.ninja", _ninja_file(rendered, tc, src_dir, out_name, shared, store.root))
     cmd = [_ninja(), "-C", str(staging), "-f", "build.ninja"]
     s = settings()
     jobs = jobs or s.build_jobs
@@ -443,6 +486,7 @@ def _build_in(staging: Path, rendered: RenderedModule, key: ModuleKey, tc: Toolc
         "inputs_digest": key.inputs_digest,
         "toolchain": dict(key.toolchain),
         "key_digest": key.digest,
+        "shared_objects": {unit: unit_key.uri for unit, (unit_key, _) in shared.items()},
         "tensor_args": [a.name for a in rendered.tensor_args],
         "scalar_args": [a.name for a in rendered.scalar_args],
         "build_command": " ".join(shlex.quote(c) for c in cmd),

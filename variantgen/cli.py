@@ -29,6 +29,7 @@ from .capabilities import BACKENDS, CLI_NAMES, KINDS, MODULE_BACKENDS, Request, 
 from .errors import SpecError, VariantgenError, printable
 from .explain import ARG_FORMS
 from .library import resolve_spec, shipped_specs
+from .objects import OBJECTS_DIR, object_cache
 from .render import ModuleConfig
 from .resolver import resolve
 from .spec import VariantSpec
@@ -553,6 +554,11 @@ def list_cmd(cache_dir: str | None, verbose: bool, no_verify: bool) -> None:
     click.echo(_table(headers, rows))
     damaged = sum(1 for _, found in entries if not found)
     click.echo(f"{len(entries)} module(s) in {cache.root}" + (f", {damaged} damaged" if damaged else ""))
+    shared = [found for _, found in object_cache(cache).entries(verify=False) if found]
+    if shared:
+        size = sum(f.entry.manifest.get("module_size", 0) for f in shared)
+        click.echo(f"{len(shared)} shared kernel object(s), {size / 2**20:.1f} MiB, in "
+                   f"{cache.root / OBJECTS_DIR} (only builds read them)")
     if verbose:
         for uri, found in entries:
             click.echo(f"\n{uri}")
@@ -580,7 +586,8 @@ def clear(spec_name: str | None, older_than: float | None, cache_dir: str | None
     """Remove cached modules (all, or those of SPEC_NAME / older than --older-than days).
 
     Only module entries are removed (folders named like a module URI: healthy ones, and damaged
-    ones, which are named in a note); anything else in the cache folder is left and listed.
+    ones, which are named in a note), and without SPEC_NAME the shared kernel objects builds
+    link (.objects/); anything else in the cache folder is left and listed.
     A module being built is skipped (exit 1). SPEC_NAME with no module in the cache exits 1."""
     cache = _cache(cache_dir)
     if spec_name is not None and spec_name.endswith((".yaml", ".yml")):
@@ -621,6 +628,19 @@ def clear(spec_name: str | None, older_than: float | None, cache_dir: str | None
         except LockTimeout as e:
             skipped.append(f"{uri} (being built by {e.holder.describe() if e.holder else 'another process'})")
     click.echo(f"removed {removed} module{'s' if removed != 1 else ''}")
+    if spec_name is None:  # the shared kernel objects belong to no one spec; only builds read them
+        store, dropped = object_cache(cache), 0
+        for uri, found in store.entries(verify=False):
+            age = age_seconds(found.entry.manifest) if found else 0.0
+            if older_than is not None and found and age < older_than * 86400:
+                continue
+            try:
+                dropped += store.remove(uri, timeout=2.0)
+            except LockTimeout:
+                skipped.append(f"shared object {uri} (being compiled)")
+        if dropped:
+            click.echo(f"removed {dropped} shared kernel object{'s' if dropped != 1 else ''} (rebuilt by the next "
+                       "build that needs them)")
     others = cache.others()
     if others and spec_name is None and older_than is None:
         shown = ", ".join(p.name + ("/" if p.is_dir() else "") for p in others)

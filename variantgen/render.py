@@ -123,6 +123,16 @@ class KernelArg:
 
 
 @dataclass(frozen=True)
+class SharedUnit:
+    """A compile unit whose text names nothing of the spec (objects.py): its object is compiled
+    once per cache under ``prefix`` + a hash of its inputs and linked into every module that
+    has the same unit."""
+
+    file: str  # the unit among the module's compile units
+    prefix: str  # the object's readable name, e.g. vg_fa3_plain_paged_causal_qbf16_..._sm90a
+
+
+@dataclass(frozen=True)
 class RenderedModule:
     config: ModuleConfig
     files: dict[str, str]  # generated file name -> text
@@ -132,6 +142,8 @@ class RenderedModule:
     template_digest: str
     # FlashInfer csrc files compiled into the module (its host code for this kind)
     host_sources: tuple[str, ...] = ("batch_prefill_paged.cu",)
+    # compile units shared with other modules (compiled once per cache, objects.py)
+    shared_units: tuple[SharedUnit, ...] = ()
 
     def source_digest(self) -> str:
         h = hashlib.sha256()
@@ -303,8 +315,9 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
     return ctx, tensor_args, scalar_args
 
 
-# A renderer turns the context into (files, compile units, FlashInfer host sources).
-Renderer = Callable[[ModuleConfig, dict, jinja2.Environment], tuple[dict[str, str], list[str], tuple[str, ...]]]
+# A renderer turns the context into (files, compile units, FlashInfer host sources, shared units).
+Renderer = Callable[[ModuleConfig, dict, jinja2.Environment],
+                    tuple[dict[str, str], list[str], tuple[str, ...], tuple[SharedUnit, ...]]]
 
 
 # Every fa2 module's static sources (templates/common and templates/fa2).
@@ -332,7 +345,7 @@ def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template:
             name = f"{unit_prefix}_{mode['name']}_cta{cta}.cu"
             files[name] = kernel.render(ctx, mode=mode, cta_tile_q=cta)
             units.append(name)
-    return files, units, (host_source,)
+    return files, units, (host_source,), ()
 
 
 def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
@@ -351,7 +364,7 @@ def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
         **_static(*FA2_STATIC, "plan/read_indices.cuh", binding_cu="fa2/decode_binding.cu"),
         "decode_kernel.cu": env.get_template("fa2/decode_kernel.cu.jinja").render(ctx),
     }
-    return files, ["binding.cu", "decode_kernel.cu"], ("batch_decode.cu",)
+    return files, ["binding.cu", "decode_kernel.cu"], ("batch_decode.cu",), ()
 
 
 FA2_DISPATCHED_CTA_TILES_Q = (16, 32, 64, 128)  # what FlashInfer's DISPATCH_CTA_TILE_Q can name
@@ -367,11 +380,26 @@ def _render_fa2_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
                                 host_source="batch_prefill.cu")
 
 
-def _fa3_launches(ctx: dict) -> list[dict]:
+def plain_is_shared(spec: VariantSpec) -> bool:
+    """Whether the spec's plain launches ('none', 'causal') compute plain attention - no logits
+    transform or sink; a value scale is the plain kernel's argument -, so that fa3 modules run
+    them on the shared plain kernel units (templates/fa3/plain_variant.cuh) instead of units of
+    their own."""
+    return spec.logits is None and spec.sink is None
+
+
+PLAIN_VARIANT = "vg::Fa3PlainVariant<false>"
+
+
+def _fa3_launches(ctx: dict, *, ragged: bool = False) -> list[dict]:
     """The kernel instantiations of an fa3 module, by run()'s mask-mode code: 'none' and
-    'causal' run the plain variant (causal with and without a left window); 'custom' is a
-    non-causal launch of the masked variant (FA3 has no kCustom)."""
-    plain, masked = ctx["struct_name"], ctx["struct_name"] + "Masked"
+    'causal' run the plain variant (causal with and without a left window; a ragged launch has
+    no window); 'custom' is a non-causal launch of the masked variant (FA3 has no kCustom).
+    ``call``: the binding's launch helper for it (run.cuh, ragged_run.cuh); ``shared``: a plain
+    launch of the shared plain kernel (plain_is_shared)."""
+    spec = ctx["spec"]
+    plain = PLAIN_VARIANT if plain_is_shared(spec) else ctx["struct_name"]
+    masked = ctx["struct_name"] + "Masked"
     out = []
     for mode in ctx["mask_modes"]:
         name = mode["name"]
@@ -383,7 +411,18 @@ def _fa3_launches(ctx: dict) -> list[dict]:
                             variant=plain))
         else:
             out.append(dict(name="custom", code=2, mask_literal="MaskMode::kNone", window="false", variant=masked))
+    if ragged:
+        out = [la for la in out if la["name"] != "causal_window"]
     for launch in out:
+        launch["shared"] = launch["variant"] == PLAIN_VARIANT
+        # the shared kernel's value scale: run()'s v_scale where the spec has q/k/v scales
+        launch["call_args"] = ("v_scale, " if spec.qkv_scales else "1.0, ") if launch["shared"] else ""
+        if ragged:
+            launch["call"] = (f"LaunchRaggedPlain<{launch['mask_literal']}>" if launch["shared"] else
+                              f"LaunchRagged<{launch['mask_literal']}, {launch['variant']}>")
+        else:
+            launch["call"] = (f"LaunchPlain<{launch['mask_literal']}, {launch['window']}>" if launch["shared"] else
+                              f"Launch<{launch['mask_literal']}, {launch['window']}, {launch['variant']}>")
         launch["comment"] = (f"{launch['mask_literal']}, LEFT_SLIDING_WINDOW={launch['window']}, "
                              f"variant {launch['variant']}")
     return out
@@ -399,7 +438,32 @@ def _fa3_context(config: ModuleConfig, ctx: dict) -> dict:
 
 
 FA3_STATIC = ("common/vg_helpers.cuh", "fa3/cutlass_prelude.cuh", "fa3/kernel_params.cuh",
-              "fa3/fill_params.cuh", "fa3/epilogue_barrier.cuh")
+              "fa3/fill_params.cuh", "fa3/epilogue_barrier.cuh", "fa3/plain_variant.cuh")
+
+
+def _fa3_kernel_units(config: ModuleConfig, ctx: dict, env: jinja2.Environment, launches: list[dict], *,
+                      ragged: bool) -> tuple[dict[str, str], list[SharedUnit]]:
+    """One unit per launch: the spec's variant rendered into the kind's kernel template, or, for
+    a shared plain launch, the plain kernel template from the head dims, dtypes and launch alone
+    (no spec in its context, so its text is the same in every module)."""
+    prefix = "ragged_kernel" if ragged else "paged_kernel"
+    kernel = env.get_template(f"fa3/{prefix}.cu.jinja")
+    plain = env.get_template("fa3/plain_kernel.cu.jinja")
+    files, shared = {}, []
+    for launch in launches:
+        name = f"{prefix}_{launch['name']}.cu"
+        if launch["shared"]:
+            files[name] = plain.render(
+                vg_version=__version__, ragged=ragged, launch=launch, head_dim_qk=config.head_dim_qk,
+                head_dim_vo=config.head_dim_vo, dtype_q=ctx["dtype_q"], dtype_kv=ctx["dtype_kv"],
+                dtype_o=ctx["dtype_o"], cutlass_q=ctx["cutlass_q"], cutlass_kv=ctx["cutlass_kv"],
+                cutlass_o=ctx["cutlass_o"])
+            shared.append(SharedUnit(name, f"vg_fa3_plain_{'ragged' if ragged else 'paged'}_{launch['name']}"
+                                           f"_q{config.q_dtype}_kv{config.kv_dtype}_o{config.o_dtype}"
+                                           f"_hd{config.head_dim_qk}x{config.head_dim_vo}_sm{config.arch_tag}"))
+        else:
+            files[name] = kernel.render(ctx, launch=launch)
+    return files, shared
 
 
 def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
@@ -413,19 +477,15 @@ def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
         **plan_sources(),
         "plan.cu": static_source("plan/plan.cu"),
     }
-    units = ["binding.cu", "plan.cu"]
-    kernel = env.get_template("fa3/paged_kernel.cu.jinja")
-    for launch in launches:
-        name = f"paged_kernel_{launch['name']}.cu"
-        files[name] = kernel.render(ctx, launch=launch)
-        units.append(name)
-    return files, units, ()  # the host code is our own binding
+    kernels, shared = _fa3_kernel_units(config, ctx, env, launches, ragged=False)
+    files.update(kernels)
+    return files, ["binding.cu", "plan.cu", *kernels], (), tuple(shared)  # the host code is our own binding
 
 
 def _render_fa3_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
     """FlashInfer's sm90 ragged-KV prefill: one kernel unit per mask mode (a ragged launch has no
     left window), our plan (the paged modules' fa3 work list) and ragged_run binding."""
-    launches = [la for la in _fa3_launches(ctx) if la["name"] != "causal_window"]
+    launches = _fa3_launches(ctx, ragged=True)
     ctx = _fa3_context(config, ctx)
     files = {
         "variant.cuh": env.get_template("fa3/variant.cuh.jinja").render(ctx),
@@ -433,13 +493,9 @@ def _render_fa3_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
         **_static(*FA3_STATIC, "fa3/ragged_run.cuh", "plan/fa3_worklist.h"),
         "binding.cu": env.get_template("fa3/ragged_binding.cu.jinja").render(ctx, launches=launches),
     }
-    units = ["binding.cu"]
-    kernel = env.get_template("fa3/ragged_kernel.cu.jinja")
-    for launch in launches:
-        name = f"ragged_kernel_{launch['name']}.cu"
-        files[name] = kernel.render(ctx, launch=launch)
-        units.append(name)
-    return files, units, ()
+    kernels, shared = _fa3_kernel_units(config, ctx, env, launches, ragged=True)
+    files.update(kernels)
+    return files, ["binding.cu", *kernels], (), tuple(shared)
 
 
 RENDERERS: dict[tuple[str, str], Renderer] = {
@@ -456,7 +512,7 @@ def render_module(config: ModuleConfig) -> RenderedModule:
     renderer = RENDERERS.get((config.backend, config.kind))
     if renderer is None:
         raise ValueError(f"backend={config.backend!r}, kind={config.kind!r}: not generated yet")
-    files, units, host_sources = renderer(config, ctx, environment())
+    files, units, host_sources, shared = renderer(config, ctx, environment())
     files = {plan_abi.HEADER_NAME: plan_abi.header_text(), **files}  # every config includes it
     return RenderedModule(
         config=config,
@@ -466,4 +522,5 @@ def render_module(config: ModuleConfig) -> RenderedModule:
         scalar_args=scalar_args,
         template_digest=template_digest(config.backend),
         host_sources=host_sources,
+        shared_units=shared,
     )

@@ -80,11 +80,18 @@ static void FillRaggedParams(RaggedParams& params, TensorView int_workspace_buff
   params.window_left = -1;  // ragged launches have no left window (the mask says what is visible)
 }
 
-template <MaskMode MASK_MODE, typename Variant>
-static void LaunchRagged(RaggedParams& params, bool enable_pdl, cudaStream_t stream) {
+template <MaskMode MASK_MODE, typename Variant, typename Params>
+static void LaunchRagged(Params& params, bool enable_pdl, cudaStream_t stream) {
   cudaError_t status = flashinfer::BatchPrefillWithRaggedKVCacheDispatched<
       HEAD_DIM_QK, HEAD_DIM_VO, MASK_MODE, /*LEFT_SLIDING_WINDOW=*/false, /*SAME_SCHEDULE_FOR_ALL_HEADS=*/true,
       Variant>(params, enable_pdl, stream);
   TVM_FFI_ICHECK(status == cudaSuccess)
       << "variantgen fa3 ragged kernel launch failed: " << cudaGetErrorString(status);
+}
+
+// A launch of the shared plain kernel (plain_variant.cuh; its unit is compiled once per cache).
+template <MaskMode MASK_MODE>
+static void LaunchRaggedPlain(const RaggedParams& params, double v_scale, bool enable_pdl, cudaStream_t stream) {
+  auto plain = vg::PlainParamsOf<vg::Fa3PlainRaggedParams<DTypeQ, DTypeKV, DTypeO>>(params, v_scale);
+  LaunchRagged<MASK_MODE, vg::Fa3PlainVariant<false>>(plain, enable_pdl, stream);
 }

@@ -2,7 +2,7 @@
 //
 // What a module's binding.cu does the same for every spec for `paged_run`: PagedParams filled
 // from the tensors and the work list the launch builder wrote (plan.cu, plan/fa3_worklist.h),
-// and one launch of an instantiated kernel. The binding adds the spec's arguments and the
+// and one launch of an instantiated kernel (the spec's, or the shared plain one). The binding adds the spec's arguments and the
 // mask-mode switch.
 #pragma once
 #include "fill_params.cuh"
@@ -16,7 +16,8 @@ cudaError_t BatchPrefillWithPagedKVCacheDispatched(Params& params, bool enable_p
 
 // PagedParams' FlashInfer fields (kernel_params.cuh) for one launch: the tensors, their layout, and
 // the work list plan() wrote into the int workspace (plan_info).
-static void FillPagedParams(PagedParams& params, TensorView int_workspace_buffer,
+template <typename Params>
+static void FillPagedParams(Params& params, TensorView int_workspace_buffer,
                             const tvm::ffi::Array<int64_t>& plan_info_vec, TensorView q,
                             TensorView paged_k_cache, TensorView paged_v_cache,
                             TensorView paged_kv_indices, TensorView o,
@@ -42,11 +43,19 @@ static void FillPagedParams(PagedParams& params, TensorView int_workspace_buffer
   params.kv_indices = static_cast<IdType*>(paged_kv_indices.data_ptr());
 }
 
-template <MaskMode MASK_MODE, bool WINDOW, typename Variant>
-static void Launch(PagedParams& params, bool enable_pdl, cudaStream_t stream) {
+template <MaskMode MASK_MODE, bool WINDOW, typename Variant, typename Params>
+static void Launch(Params& params, bool enable_pdl, cudaStream_t stream) {
   cudaError_t status = flashinfer::BatchPrefillWithPagedKVCacheDispatched<
       HEAD_DIM_QK, HEAD_DIM_VO, MASK_MODE, WINDOW, /*SAME_SCHEDULE_FOR_ALL_HEADS=*/true, Variant>(
       params, enable_pdl, stream);
   TVM_FFI_ICHECK(status == cudaSuccess)
       << "variantgen fa3 kernel launch failed: " << cudaGetErrorString(status);
+}
+
+// A launch of the shared plain kernel (plain_variant.cuh; its unit is compiled once per cache):
+// the spec's filled params as the plain kernel's.
+template <MaskMode MASK_MODE, bool WINDOW>
+static void LaunchPlain(const PagedParams& params, double v_scale, bool enable_pdl, cudaStream_t stream) {
+  auto plain = vg::PlainParamsOf<vg::Fa3PlainPagedParams<DTypeQ, DTypeKV, DTypeO>>(params, v_scale);
+  Launch<MASK_MODE, WINDOW, vg::Fa3PlainVariant<false>>(plain, enable_pdl, stream);
 }

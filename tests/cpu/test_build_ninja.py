@@ -11,6 +11,7 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import _fake_toolchain as fake
 import pytest
 from _cache_procs import causal_config
 
-from variantgen import build, ninja
+from variantgen import build, ninja, objects
 from variantgen.cache import Cache
 from variantgen.errors import BuildError, CacheError
 from variantgen.render import render_module
@@ -280,4 +281,104 @@ def test_ninja_that_cannot_run_is_a_toolchain_error(toolchain, cache, monkeypatc
     monkeypatch.setattr(build, "_ninja", lambda: str(not_executable))
     with pytest.raises(ToolchainError, match=f"cannot run {not_executable}: Permission denied"):
         build.build_module(causal_config(), cache)
+    assert leftovers(cache) == {".staging": [], ".locks": []}
+
+
+# ----------------------------------------------------------------------------- shared objects
+
+
+def fa3_config(name: str):
+    import variantgen
+    from variantgen.render import ModuleConfig
+
+    return ModuleConfig(variantgen.resolve_spec(name), 128, 128, "bf16", "bf16", "bf16", "9.0a", "fa3")
+
+
+def shared_lines(entry) -> dict[str, str]:
+    """unit object URI -> 'compiled' / 'from the cache', as the module's build log says."""
+    found = re.findall(r"variantgen: shared object (\S+) (compiled|from the cache)",
+                       (entry.path / "build.log").read_text())
+    return dict(found)
+
+
+def test_shared_plain_units_are_compiled_once_per_cache(toolchain, cache):
+    """Two specs without a logits transform share their plain kernel units: the first build
+    compiles them into the object cache, the second links the same objects; a spec with a
+    logits transform compiles its own."""
+    first = build.build_module(fa3_config("causal"), cache)
+    second = build.build_module(fa3_config("mm_prefix"), cache)
+    shared = first.entry.manifest["shared_objects"]
+    assert sorted(shared) == ["paged_kernel_causal.cu", "paged_kernel_causal_window.cu", "paged_kernel_none.cu"]
+    assert second.entry.manifest["shared_objects"] == shared
+    assert shared_lines(first.entry) == dict.fromkeys(shared.values(), "compiled")
+    assert shared_lines(second.entry) == dict.fromkeys(shared.values(), "from the cache")
+    assert "compiling" not in "".join(line for line in (second.entry.path / "build.log").read_text().splitlines()
+                                      if "paged_kernel_causal" in line or "paged_kernel_none" in line)
+    store = objects.object_cache(cache)
+    for uri in shared.values():
+        found = store.lookup(uri)
+        assert found, found.reason
+        manifest = found.entry.manifest
+        assert manifest["inputs_digest"] and manifest["toolchain"] == {"nvcc": "V12.8.93", "cxx": "fake c++ 1.0"}
+        assert manifest["first_module"] == first.entry.uri
+    # the object cache is hidden: neither a module entry nor someone else's file
+    assert [uri for uri, _ in cache.entries()] == sorted([first.entry.uri, second.entry.uri])
+    assert cache.others() == []
+    own = build.build_module(fa3_config("softcap"), cache)
+    assert own.entry.manifest["shared_objects"] == {} and shared_lines(own.entry) == {}
+    assert leftovers(cache) == {".staging": [], ".locks": []}
+    assert leftovers(store) == {".staging": [], ".locks": []}
+
+
+def test_a_corrupted_shared_object_is_compiled_again_never_linked(toolchain, cache):
+    first = build.build_module(fa3_config("causal"), cache)
+    uri = first.entry.manifest["shared_objects"]["paged_kernel_causal.cu"]
+    store = objects.object_cache(cache)
+    damaged = store.lookup(uri).entry.module_path
+    damaged.write_bytes(b"x" * len(damaged.read_bytes()))  # same size, other bytes
+    assert not store.lookup(uri)
+    second = build.build_module(fa3_config("prefix_lm"), cache)
+    lines = shared_lines(second.entry)
+    assert lines.pop(uri) == "compiled" and set(lines.values()) == {"from the cache"}
+    assert store.lookup(uri)
+
+
+def test_concurrent_builds_compile_each_shared_object_once(toolchain, cache, monkeypatch, vg_env):
+    """Two modules built at once: one takes each object's lock and compiles it, the other waits
+    for it (one more ninja job) and links the published object."""
+    import concurrent.futures
+
+    monkeypatch.setenv("VG_FAKE_NVCC_SLEEP", "1")
+    vg_env.set(VARIANTGEN_BUILD_JOBS="3")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda name: build.build_module(fa3_config(name), cache), ["causal", "document"]))
+    says = [shared_lines(r.entry) for r in results]
+    uris = set(results[0].entry.manifest["shared_objects"].values())
+    assert set(says[0]) == set(says[1]) == uris
+    for uri in uris:
+        assert sorted([says[0][uri], says[1][uri]]) == ["compiled", "from the cache"], uri
+
+
+def test_a_failing_shared_unit_fails_the_build_and_leaves_nothing(toolchain, cache, monkeypatch):
+    monkeypatch.setenv("VG_FAKE_NVCC_FAIL", "paged_kernel_causal_window")
+    with pytest.raises(BuildError) as e:
+        build.build_module(fa3_config("causal"), cache)
+    assert e.value.first_error.endswith("paged_kernel_causal_window.cu(3): error: fake failure")
+    assert "compiling shared object vg_fa3_plain_paged_causal_window_" in e.value.output
+    store = objects.object_cache(cache)
+    assert not any(uri.startswith("vg_fa3_plain_paged_causal_window_") for uri, _ in store.entries())
+    assert leftovers(cache) == {".staging": [], ".locks": []}
+    assert leftovers(store) == {".staging": [], ".locks": []}
+
+
+def test_waiting_for_a_shared_object_is_bounded(toolchain, cache, vg_env):
+    """Another process holding an object's lock longer than VARIANTGEN_LOCK_TIMEOUT fails the
+    build with the holder named, instead of waiting for ever."""
+    vg_env.set(VARIANTGEN_LOCK_TIMEOUT="1")
+    rendered = render_module(fa3_config("causal"))
+    unit = next(u for u in rendered.shared_units if u.file == "paged_kernel_none.cu")
+    uri = build.shared_object_key(rendered, unit, build.toolchain()).uri
+    with objects.object_cache(cache).lock(uri), pytest.raises(BuildError) as e:
+        build.build_module(fa3_config("causal"), cache)
+    assert f"timed out after 1s waiting for another build of {uri} (held by pid {os.getpid()}" in e.value.output
     assert leftovers(cache) == {".staging": [], ".locks": []}

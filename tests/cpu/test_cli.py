@@ -680,3 +680,36 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
 def test_check_needs_a_gpu():
     r = run("check", MM, "--head-dim", "128", "--dtype", "bf16")
     assert r.exit_code == 2 and "check needs a CUDA GPU" in r.stderr
+
+
+def _publish_object(cache: Cache, name: str, *, built_at: float | None = None) -> str:
+    from variantgen.objects import OBJECT_FILE, object_cache
+
+    store = object_cache(cache)
+    uri = f"vg_fa3_plain_paged_{name}_qbf16_kvbf16_obf16_hd128x128_sm90a_{'0' * 11}{len(name) % 10}"
+    staging = store.new_staging(uri)
+    (staging / OBJECT_FILE).write_bytes(b"\x7fELF object" + b"\0" * (1 << 20))
+    store.publish(uri, staging, {"module_file": OBJECT_FILE, "built_at": built_at or time.time()})
+    return uri
+
+
+def test_list_and_clear_take_the_shared_kernel_objects_along(filled):
+    """The shared kernel objects (.objects/) are no module entries: `list` counts them on a line
+    of their own; `clear` (all, or by age) removes them too, `clear SPEC` leaves them."""
+    from variantgen.objects import object_cache
+
+    cache, _, _ = filled
+    _publish_object(cache, "none")
+    old = _publish_object(cache, "causal", built_at=time.time() - 10 * 86400)
+    r = run("list")
+    assert r.exit_code == 0, r.output
+    assert f"2 shared kernel object(s), 2.0 MiB, in {cache.root / '.objects'} (only builds read them)" in r.stdout
+    assert "vg_fa3_plain" not in r.stdout.split(" module(s) in ")[0]  # not rows of the module table
+    r = run("clear", "causal", "--yes")
+    assert r.exit_code == 0 and len(list(object_cache(cache).entries())) == 2
+    r = run("clear", "--older-than", "7", "--yes")
+    assert r.exit_code == 0 and "removed 1 shared kernel object (rebuilt by the next build" in r.stdout
+    assert old not in [uri for uri, _ in object_cache(cache).entries()]
+    r = run("clear", "--yes")
+    assert r.exit_code == 0 and "removed 1 shared kernel object " in r.stdout
+    assert list(object_cache(cache).entries()) == [] and "not variantgen modules" not in r.stdout

@@ -481,11 +481,12 @@ STATIC_FILES = {
                         "read_indices.cuh": "plan/read_indices.cuh"},
     ("fa3", "prefill"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
                          "kernel_params.cuh": "fa3/kernel_params.cuh", "fill_params.cuh": "fa3/fill_params.cuh",
-                         "epilogue_barrier.cuh": "fa3/epilogue_barrier.cuh", "run.cuh": "fa3/run.cuh", **PLAN_FILES},
+                         "epilogue_barrier.cuh": "fa3/epilogue_barrier.cuh", "run.cuh": "fa3/run.cuh",
+                         "plain_variant.cuh": "fa3/plain_variant.cuh", **PLAN_FILES},
     ("fa3", "ragged"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
                         "kernel_params.cuh": "fa3/kernel_params.cuh", "fill_params.cuh": "fa3/fill_params.cuh",
                         "epilogue_barrier.cuh": "fa3/epilogue_barrier.cuh", "ragged_run.cuh": "fa3/ragged_run.cuh",
-                        "fa3_worklist.h": "plan/fa3_worklist.h"},
+                        "plain_variant.cuh": "fa3/plain_variant.cuh", "fa3_worklist.h": "plan/fa3_worklist.h"},
 }
 
 
@@ -669,17 +670,92 @@ def test_comment_lines_are_safe_and_wrapped(text):
 
 
 @pytest.mark.parametrize("kind", ["prefill", "ragged"])
-def test_fa3_kernel_units_take_the_fixed_output_store(kind):
-    """Every fa3 kernel unit declares FlashInfer's epilogue for its spec's variant as
-    variantgen's (epilogue_barrier.cuh: the output tile synced once before it is copied out),
-    after the variant and before the kernel is instantiated; the header travels with the module."""
-    spec = shipped("mm_prefix")
+@pytest.mark.parametrize("name", ["mm_prefix", "softcap"])
+def test_fa3_kernel_units_take_the_fixed_output_store(kind, name):
+    """Every fa3 kernel unit declares FlashInfer's epilogue for its variant as variantgen's
+    (epilogue_barrier.cuh: the output tile synced once before it is copied out), after the
+    variant and before the kernel is instantiated - the spec's variant, or the plain one in a
+    shared unit; the header travels with the module."""
+    spec = shipped(name)
     module = render_module(config(spec, backend="fa3", kind=kind))
     units = [name for name in module.compile_units if name.startswith(("paged_kernel_", "ragged_kernel_"))]
     assert len(units) >= 3
-    for name in units:
-        text = module.files[name]
-        declared = text.index("VG_FA3_EPILOGUE_FOR(VG_MmPrefixVariant)")
-        assert text.index('#include "batch_prefill_sm90_config.inc"') < declared < text.index("template cudaError_t")
+    shared = {u.file for u in module.shared_units}
+    for unit in units:
+        text = module.files[unit]
+        variant, header = (("vg::Fa3PlainVariant", "plain_variant.cuh") if unit in shared else
+                           (f"{render.struct_name(spec)}Variant", "batch_prefill_sm90_config.inc"))
+        declared = text.index(f"VG_FA3_EPILOGUE_FOR({variant})")
+        assert text.index(f'#include "{header}"') < declared < text.index("template cudaError_t")
     header = module.files["epilogue_barrier.cuh"]
     assert "struct CollectiveEpilogue<" in header and "NamedBarrier::arrive" not in header
+
+
+SHAREABLE = [name for name in variantgen.shipped_specs() if render.plain_is_shared(shipped(name))]
+
+
+def includes_of(files: dict[str, str], unit: str) -> set[str]:
+    """The module files ``unit`` includes, directly or through them (quoted includes)."""
+    seen, todo = set(), [unit]
+    while todo:
+        for name in re.findall(r'^#include "([^"]+)"', files[todo.pop()], flags=re.M):
+            if name in files and name not in seen:
+                seen.add(name)
+                todo.append(name)
+    return seen
+
+
+def test_which_specs_share_the_plain_kernel_units():
+    """A spec without a logits transform or a sink runs its plain launches on the shared plain
+    kernel (its q/k/v scales are the kernel's argument); one with either runs its own."""
+    assert sorted(set(variantgen.shipped_specs()) - set(SHAREABLE)) == ["alibi", "attention_sink_learned", "softcap"]
+    assert "streaming_sink" in SHAREABLE  # its sink is a mask (always-visible keys), not a learned logit
+
+
+@pytest.mark.parametrize("kind", ["prefill", "ragged"])
+def test_shared_plain_units_are_the_same_text_for_every_spec(kind):
+    """The object cache (objects.py) links one compile of each shared unit into every module that
+    has it: so its text must not depend on the spec, and it must include nothing a spec renders -
+    only static files - or another spec's module would link a kernel of the wrong variant."""
+    static = {name for name, source in STATIC_FILES["fa3", kind].items() if source.endswith((".cuh", ".h"))}
+    texts: dict[str, set[str]] = {}
+    for name in SHAREABLE:
+        module = render_module(config(shipped(name), backend="fa3", kind=kind))
+        units = {u.file for u in module.shared_units}
+        expected = {"paged_kernel_none.cu", "paged_kernel_causal.cu", "paged_kernel_causal_window.cu"}
+        assert units == (expected if kind == "prefill" else {"ragged_kernel_none.cu", "ragged_kernel_causal.cu"})
+        assert "paged_kernel_custom.cu" not in units and "ragged_kernel_custom.cu" not in units
+        for unit in module.shared_units:
+            text = module.files[unit.file]
+            texts.setdefault(unit.prefix, set()).add(text)
+            assert name not in text and render.struct_name(shipped(name)) not in text
+            assert includes_of(module.files, unit.file) <= static, unit.file
+            assert unit.prefix.endswith("_qbf16_kvbf16_obf16_hd128x128_sm90a")
+    assert texts and all(len(v) == 1 for v in texts.values()), {k: len(v) for k, v in texts.items()}
+    other = render_module(config(shipped("causal"), backend="fa3", kind=kind, head_dim_qk=64, head_dim_vo=64))
+    assert all(other.files[u.file] not in texts[u.prefix.replace("hd64x64", "hd128x128")] for u in other.shared_units)
+
+
+@pytest.mark.parametrize("name", ["alibi", "attention_sink_learned", "softcap"])
+def test_specs_with_a_transform_or_a_sink_keep_their_own_plain_units(name):
+    for kind in ("prefill", "ragged"):
+        module = render_module(config(shipped(name), backend="fa3", kind=kind))
+        assert module.shared_units == ()
+        binding = module.files["binding.cu"]
+        assert "LaunchPlain<" not in binding and "LaunchRaggedPlain<" not in binding
+
+
+@pytest.mark.parametrize("qkv_scales", [True, False])
+def test_the_binding_hands_the_shared_kernel_its_value_scale(qkv_scales):
+    """The shared plain kernel applies the value scale: run()'s v_scale where the spec takes
+    q/k/v scales, 1 where it does not; the masked launch stays the spec's variant."""
+    text = (SPECS_DIR / "mm_prefix.yaml").read_text()
+    spec = variantgen.parse_spec(text + f"\nscales:\n  qkv_scales: {str(qkv_scales).lower()}\n")
+    assert spec.qkv_scales is qkv_scales
+    paged = render_module(config(spec, backend="fa3")).files["binding.cu"]
+    ragged = render_module(config(spec, backend="fa3", kind="ragged")).files["binding.cu"]
+    value = "v_scale" if qkv_scales else "1.0"
+    assert f"LaunchPlain<MaskMode::kCausal, true>(params, {value}, enable_pdl, stream);" in paged
+    assert f"LaunchPlain<MaskMode::kNone, false>(params, {value}, enable_pdl, stream);" in paged
+    assert f"LaunchRaggedPlain<MaskMode::kCausal>(params, {value}, enable_pdl, stream);" in ragged
+    assert "Launch<MaskMode::kNone, false, VG_MmPrefixMasked>(params, enable_pdl, stream);" in paged

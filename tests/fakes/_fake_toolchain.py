@@ -40,7 +40,7 @@ if [ -n "$VG_FAKE_NVCC_FAIL" ]; then
   case "$src" in *"$VG_FAKE_NVCC_FAIL"*) echo "$src(3): error: fake failure"; exit 2 ;; esac
 fi
 printf 'object of %s\n' "$src" > "$out"
-printf '%s: \n' "$out" > "$dep"
+[ -z "$dep" ] || printf '%s: \n' "$out" > "$dep"
 """
 
 CXX = r"""#!/bin/sh
