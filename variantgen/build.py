@@ -16,7 +16,6 @@ Running ninja (progress, log, ending the compilers on errors) is ninja.py's part
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import os
@@ -218,11 +217,11 @@ def module_key(rendered: RenderedModule, tc: Toolchain | None) -> ModuleKey:
 
 
 def shared_object_key(rendered: RenderedModule, unit: SharedUnit, tc: Toolchain) -> ModuleKey:
-    """The key of a shared unit's object (objects.py): the module's key with the unit's own text
-    in place of the module's sources - the templates, flags, versions, arch and toolchain stay."""
+    """The key of a shared unit's object (objects.py): the module's key with the unit and the
+    module files it includes in place of the module's sources - the templates, flags, versions,
+    arch and toolchain stay."""
     module = module_key(rendered, tc)
-    text = hashlib.sha256(rendered.files[unit.file].encode()).hexdigest()
-    inputs = (("unit", text), *((k, v) for k, v in module.inputs if k != "sources"))
+    inputs = (("unit", rendered.unit_digest(unit.file)), *((k, v) for k, v in module.inputs if k != "sources"))
     return ModuleKey(unit.prefix, inputs, module.toolchain)
 
 

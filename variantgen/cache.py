@@ -16,6 +16,8 @@ Layout of a cache root::
     <root>/.failed/<uri>/    last failed build of a URI: log + sources + failure.json, to reproduce
     <root>/.locks/<uri>.lock per-URI build lock while a build runs (flock, released if the holder
                              dies; holds the holder's pid, host and start time; removed on release)
+    <root>/.objects/         compile units shared between modules (objects.py): a cache of the
+                             same layout, an object file per entry; only builds read it
 
 Entries are immutable once published. A build happens in ``.staging`` under the URI's
 lock and is published by one ``rename``; ``manifest.json`` is written last and records

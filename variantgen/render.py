@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +151,28 @@ class RenderedModule:
         for name in sorted(self.files):
             h.update(name.encode() + b"\0" + self.files[name].encode() + b"\0")
         return h.hexdigest()
+
+    def includes(self, unit: str) -> list[str]:
+        """The module files ``unit`` includes, directly or through them (quoted includes that
+        name a module file), sorted."""
+        seen, todo = set(), [unit]
+        while todo:
+            for name in _QUOTED_INCLUDE.findall(self.files[todo.pop()]):
+                if name in self.files and name not in seen:
+                    seen.add(name)
+                    todo.append(name)
+        return sorted(seen)
+
+    def unit_digest(self, unit: str) -> str:
+        """sha256 over a compile unit and every module file it includes: what its object is made
+        of, besides FlashInfer's headers, the flags and the toolchain (a shared unit's key)."""
+        h = hashlib.sha256()
+        for name in (unit, *self.includes(unit)):
+            h.update(name.encode() + b"\0" + self.files[name].encode() + b"\0")
+        return h.hexdigest()
+
+
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.M)
 
 
 @functools.lru_cache(maxsize=4)
@@ -348,11 +371,18 @@ def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template:
     return files, units, (host_source,), ()
 
 
+def _plan_unit(config: ModuleConfig) -> SharedUnit:
+    """The launch builder's unit (templates/plan/plan.cu): static, and the same in every paged-prefill
+    module of a backend, so compiled once per cache."""
+    return SharedUnit("plan.cu", f"vg_{config.backend}_plan_sm{config.arch_tag}")
+
+
 def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
-    return _render_fa2_per_tile(ctx, env, config_template="fa2/config.inc.jinja",
-                                binding=_static(binding_cu="fa2/paged_binding.cu"),
-                                kernel_template="fa2/paged_kernel.cu.jinja", unit_prefix="paged_kernel",
-                                host_source="batch_prefill_paged.cu", plan=True)
+    files, units, hosts, _ = _render_fa2_per_tile(
+        ctx, env, config_template="fa2/config.inc.jinja", binding=_static(binding_cu="fa2/paged_binding.cu"),
+        kernel_template="fa2/paged_kernel.cu.jinja", unit_prefix="paged_kernel", host_source="batch_prefill_paged.cu",
+        plan=True)
+    return files, units, hosts, (_plan_unit(config),)
 
 
 def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
@@ -479,7 +509,7 @@ def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
     }
     kernels, shared = _fa3_kernel_units(config, ctx, env, launches, ragged=False)
     files.update(kernels)
-    return files, ["binding.cu", "plan.cu", *kernels], (), tuple(shared)  # the host code is our own binding
+    return files, ["binding.cu", "plan.cu", *kernels], (), (_plan_unit(config), *shared)  # host code: our binding
 
 
 def _render_fa3_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment):

@@ -308,7 +308,8 @@ def test_shared_plain_units_are_compiled_once_per_cache(toolchain, cache):
     first = build.build_module(fa3_config("causal"), cache)
     second = build.build_module(fa3_config("mm_prefix"), cache)
     shared = first.entry.manifest["shared_objects"]
-    assert sorted(shared) == ["paged_kernel_causal.cu", "paged_kernel_causal_window.cu", "paged_kernel_none.cu"]
+    assert sorted(shared) == ["paged_kernel_causal.cu", "paged_kernel_causal_window.cu", "paged_kernel_none.cu",
+                              "plan.cu"]
     assert second.entry.manifest["shared_objects"] == shared
     assert shared_lines(first.entry) == dict.fromkeys(shared.values(), "compiled")
     assert shared_lines(second.entry) == dict.fromkeys(shared.values(), "from the cache")
@@ -325,7 +326,8 @@ def test_shared_plain_units_are_compiled_once_per_cache(toolchain, cache):
     assert [uri for uri, _ in cache.entries()] == sorted([first.entry.uri, second.entry.uri])
     assert cache.others() == []
     own = build.build_module(fa3_config("softcap"), cache)
-    assert own.entry.manifest["shared_objects"] == {} and shared_lines(own.entry) == {}
+    assert own.entry.manifest["shared_objects"] == {"plan.cu": shared["plan.cu"]}  # its kernels are its own
+    assert shared_lines(own.entry) == {shared["plan.cu"]: "from the cache"}
     assert leftovers(cache) == {".staging": [], ".locks": []}
     assert leftovers(store) == {".staging": [], ".locks": []}
 

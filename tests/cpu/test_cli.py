@@ -713,3 +713,20 @@ def test_list_and_clear_take_the_shared_kernel_objects_along(filled):
     r = run("clear", "--yes")
     assert r.exit_code == 0 and "removed 1 shared kernel object " in r.stdout
     assert list(object_cache(cache).entries()) == [] and "not variantgen modules" not in r.stdout
+
+
+def test_precompile_starts_the_longest_builds_first():
+    """precompile submits the modules with the most compile units of their own first (units
+    shared through the object cache do not count), planner modules last: the long builds do not
+    start late and stretch the tail."""
+    from variantgen.cli import expand_matrix, longest_first
+    from variantgen.rowplan import planner_configs
+
+    configs, _ = expand_matrix(["causal", "softcap", "mm_prefix"], [(128, 128)], ["bf16"], None, None, ["9.0a"],
+                               ["fa3"], ["prefill"])
+    order = [c.uri_prefix for c in longest_first(sorted([*configs, *planner_configs(configs)],
+                                                        key=lambda c: c.uri_prefix))]
+    assert order[0] == "vg_softcap_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a"  # no shared kernel units
+    assert order[1:3] == ["vg_causal_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a",
+                          "vg_mm_prefix_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a"]
+    assert all("_planner_" in uri for uri in order[3:])

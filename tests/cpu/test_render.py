@@ -694,17 +694,6 @@ def test_fa3_kernel_units_take_the_fixed_output_store(kind, name):
 SHAREABLE = [name for name in variantgen.shipped_specs() if render.plain_is_shared(shipped(name))]
 
 
-def includes_of(files: dict[str, str], unit: str) -> set[str]:
-    """The module files ``unit`` includes, directly or through them (quoted includes)."""
-    seen, todo = set(), [unit]
-    while todo:
-        for name in re.findall(r'^#include "([^"]+)"', files[todo.pop()], flags=re.M):
-            if name in files and name not in seen:
-                seen.add(name)
-                todo.append(name)
-    return seen
-
-
 def test_which_specs_share_the_plain_kernel_units():
     """A spec without a logits transform or a sink runs its plain launches on the shared plain
     kernel (its q/k/v scales are the kernel's argument); one with either runs its own."""
@@ -718,29 +707,52 @@ def test_shared_plain_units_are_the_same_text_for_every_spec(kind):
     has it: so its text must not depend on the spec, and it must include nothing a spec renders -
     only static files - or another spec's module would link a kernel of the wrong variant."""
     static = {name for name, source in STATIC_FILES["fa3", kind].items() if source.endswith((".cuh", ".h"))}
-    texts: dict[str, set[str]] = {}
+    digests: dict[str, set[str]] = {}
     for name in SHAREABLE:
         module = render_module(config(shipped(name), backend="fa3", kind=kind))
-        units = {u.file for u in module.shared_units}
+        plain = {u.file for u in module.shared_units if u.file != "plan.cu"}
         expected = {"paged_kernel_none.cu", "paged_kernel_causal.cu", "paged_kernel_causal_window.cu"}
-        assert units == (expected if kind == "prefill" else {"ragged_kernel_none.cu", "ragged_kernel_causal.cu"})
-        assert "paged_kernel_custom.cu" not in units and "ragged_kernel_custom.cu" not in units
+        assert plain == (expected if kind == "prefill" else {"ragged_kernel_none.cu", "ragged_kernel_causal.cu"})
         for unit in module.shared_units:
+            if unit.file == "plan.cu":
+                continue
             text = module.files[unit.file]
-            texts.setdefault(unit.prefix, set()).add(text)
+            digests.setdefault(unit.prefix, set()).add(module.unit_digest(unit.file))
             assert name not in text and render.struct_name(shipped(name)) not in text
-            assert includes_of(module.files, unit.file) <= static, unit.file
+            assert set(module.includes(unit.file)) <= static, unit.file
+            assert "plain_variant.cuh" in module.includes(unit.file)
             assert unit.prefix.endswith("_qbf16_kvbf16_obf16_hd128x128_sm90a")
-    assert texts and all(len(v) == 1 for v in texts.values()), {k: len(v) for k, v in texts.items()}
+    assert digests and all(len(v) == 1 for v in digests.values()), {k: len(v) for k, v in digests.items()}
     other = render_module(config(shipped("causal"), backend="fa3", kind=kind, head_dim_qk=64, head_dim_vo=64))
-    assert all(other.files[u.file] not in texts[u.prefix.replace("hd64x64", "hd128x128")] for u in other.shared_units)
+    for unit in other.shared_units:
+        if unit.file != "plan.cu":
+            assert other.unit_digest(unit.file) not in digests[unit.prefix.replace("hd64x64", "hd128x128")]
+
+
+def test_the_launch_builder_unit_is_shared_by_every_paged_prefill_module():
+    """plan.cu (templates/plan/) is static: one object per backend and arch serves every spec's
+    paged-prefill module; its key covers the plan ABI's generated header it includes. Modules
+    that do not plan (decode, ragged) have no such unit."""
+    for backend in ("fa2", "fa3"):
+        digests = set()
+        for name in variantgen.shipped_specs():
+            module = render_module(config(shipped(name), backend=backend))
+            assert render.SharedUnit("plan.cu", f"vg_{backend}_plan_sm90a") in module.shared_units
+            assert "vg_plan_abi.h" in module.includes("plan.cu")
+            digests.add(module.unit_digest("plan.cu"))
+        assert len(digests) == 1
+    for backend, kind in (("fa2", "decode"), ("fa2", "ragged"), ("fa3", "ragged")):
+        module = render_module(config(shipped("causal"), backend=backend, kind=kind))
+        assert "plan.cu" not in {u.file for u in module.shared_units}
+    assert render_module(config(shipped("softcap"), backend="fa2")).shared_units == (
+        render.SharedUnit("plan.cu", "vg_fa2_plan_sm90a"),)  # fa2's kernel units stay each module's own
 
 
 @pytest.mark.parametrize("name", ["alibi", "attention_sink_learned", "softcap"])
 def test_specs_with_a_transform_or_a_sink_keep_their_own_plain_units(name):
     for kind in ("prefill", "ragged"):
         module = render_module(config(shipped(name), backend="fa3", kind=kind))
-        assert module.shared_units == ()
+        assert [u.file for u in module.shared_units] == (["plan.cu"] if kind == "prefill" else [])
         binding = module.files["binding.cu"]
         assert "LaunchPlain<" not in binding and "LaunchRaggedPlain<" not in binding
 
