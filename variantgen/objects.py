@@ -52,22 +52,34 @@ def ensure(store: Cache, uri: str, command: list[str], out: Path, *, lock_timeou
     compiler's output path as PLACEHOLDER) if the store lacks it. True if this call compiled
     it. Raises LockTimeout, CacheError, or subprocess.CalledProcessError (the compiler failed;
     its output went to our stdout)."""
-    compiled = False
     found = store.lookup(uri)
-    if not found:
-        with store.lock(uri, timeout=lock_timeout):
-            found = store.lookup(uri)  # another build may have published it meanwhile
-            if not found:
-                found = _compile(store, uri, command, describe or {})
-                compiled = True
-    assert found.entry is not None
+    if found and _copy(found.entry.module_path, out):
+        return False
+    # Not there (or removed between the lookup and the copy, by `variantgen clear`): under the
+    # object's lock, where nothing removes it.
+    with store.lock(uri, timeout=lock_timeout):
+        found = store.lookup(uri)  # another build may have published it meanwhile
+        compiled = not found
+        if compiled:
+            found = _compile(store, uri, command, describe or {})
+        if not _copy(found.entry.module_path, out):
+            raise CacheError(f"shared object {found.entry.module_path} vanished while its lock was held")
+    return compiled
+
+
+def _copy(src: Path, out: Path) -> bool:
+    """Copy ``src`` to ``out`` by a rename of a full copy; False if ``src`` is gone."""
     tmp = out.with_name(f".{out.name}.{uuid.uuid4().hex[:8]}")
     try:
-        shutil.copyfile(found.entry.module_path, tmp)
+        shutil.copyfile(src, tmp)
         os.replace(tmp, out)
+        return True
+    except FileNotFoundError:
+        if not src.exists():
+            return False
+        raise
     finally:
         tmp.unlink(missing_ok=True)
-    return compiled
 
 
 def _compile(store: Cache, uri: str, command: list[str], describe: dict):
