@@ -269,7 +269,8 @@ def _ninja_file(rendered: RenderedModule, tc: Toolchain, src_dir: Path, out_name
         assert store is not None
         package_parent = Path(__file__).resolve().parent.parent  # `python -m variantgen.shared_compile` finds us
         path = os.pathsep.join([str(package_parent), *filter(None, [os.environ.get("PYTHONPATH")])])
-        helper = ["env", f"PYTHONPATH={path}", sys.executable, "-m", "variantgen.shared_compile", "--store", str(store),
+        python = sys.executable or shutil.which("python3") or "python3"
+        helper = ["env", f"PYTHONPATH={path}", python, "-m", "variantgen.shared_compile", "--store", str(store),
                   "--lock-timeout", f"{settings().lock_timeout_s:g}"]
         lines += [
             f"objects = {args(helper)}",

@@ -3,14 +3,16 @@
 A ``ModuleConfig`` (spec + head dims + dtypes + backend + arch + mask modes) fully
 determines the rendered files; rendering is pure, so the cache key can hash its output.
 
-FlashInfer's habit: static C++ lives in real ``.cuh`` / ``.cu`` files of templates/common,
-fa2 and fa3 (the expression helpers, FlashInfer's kernel parameters, the plan functions,
-the bindings that name no spec), copied into a module's sources as they are; Jinja renders
-only what depends on the spec and the config - the variant, the config (dtypes, head dims,
-the spec's arguments, the mask-mode dispatch) and one instantiation per mask mode and CTA
-tile. The template digest covers every file of a backend's folders. Which combinations a
-backend generates is the capability table's business (capabilities.py); the C++ of the
-spec's expressions is codegen.py's. Templates are loaded once per process, with
+FlashInfer's habit: static C++ lives in real ``.cuh`` / ``.cu`` files of templates/common, fa2
+and fa3 (the expression helpers, FlashInfer's kernel parameters, the plan functions, the
+bindings that name no spec), copied into a module's sources as they are; Jinja renders only what
+depends on the spec and the config - the variant, the config (dtypes, head dims, the spec's
+arguments, the mask-mode dispatch) and one instantiation per mask mode and CTA tile. Units that
+name nothing of the spec - the fa3 plain kernels of a spec without a logits transform or sink,
+the launch builder's plan.cu - are marked shared (SharedUnit): build.py compiles each once per
+cache (objects.py). The template digest covers every file of a backend's folders. Which
+combinations a backend generates is the capability table's business (capabilities.py); the C++
+of the spec's expressions is codegen.py's. Templates are loaded once per process, with
 StrictUndefined: a missing variable is an error, never an empty string in generated C++.
 """
 
@@ -464,7 +466,7 @@ CUTLASS_TYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t",
 
 def _fa3_context(config: ModuleConfig, ctx: dict) -> dict:
     return dict(ctx, cutlass_q=CUTLASS_TYPES[config.q_dtype], cutlass_kv=CUTLASS_TYPES[config.kv_dtype],
-                cutlass_o=CUTLASS_TYPES[config.o_dtype])
+                cutlass_o=CUTLASS_TYPES[config.o_dtype], plain_shared=plain_is_shared(ctx["spec"]))
 
 
 FA3_STATIC = ("common/vg_helpers.cuh", "fa3/cutlass_prelude.cuh", "fa3/kernel_params.cuh",
