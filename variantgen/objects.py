@@ -1,17 +1,19 @@
 """Kernel objects shared between modules: compiled once per cache, linked into every module
 that needs them.
 
-A spec without a logits transform, sink or scales runs its 'none' and 'causal' launches with
-the plain variant (templates/fa3/plain_variant.cuh), and those kernel units are the same text
-for every such spec (render.py renders them from the head dims, dtypes and launch only). They
-are most of a module's compile time, so a library of specs would otherwise compile the same
-instantiation once per spec.
+Some compile units name nothing of a spec (render.SharedUnit): the fa3 kernels of the plain
+launches ('none', 'causal', 'causal + window') of every spec without a logits transform or
+sink (templates/fa3/plain_variant.cuh; the value scale is the kernel's argument), and the
+launch builder's plan.cu of every paged-prefill module. The kernels are most of a module's
+compile time, so a library of specs would otherwise compile the same instantiation once per
+spec.
 
 Each such unit has an object key like a module's (cache.ModuleKey: a readable prefix and a hash
-over the unit's text, the templates, the flags, the versions and the toolchain; build.py makes
-it). The objects live in a cache of their own under ``<cache root>/.objects`` - the same
-layout, locks, staging and atomic publish as the modules, with ``unit.o`` as the entry's file,
-so a truncated or altered object is found by its sha256 and rebuilt, never linked.
+over the unit and the module files it includes, the templates, the flags, the versions and the
+toolchain; build.py makes it). The objects live in a cache of their own under ``<cache
+root>/.objects`` - the same layout, locks, staging and atomic publish as the modules, with
+``unit.o`` as the entry's file, so a truncated or altered object is found by its sha256 and
+rebuilt, never linked.
 
 A module's build.ninja compiles such a unit through ``python -m variantgen.shared_compile``
 (main below): it takes the object's lock (bounded wait), compiles the unit into the
