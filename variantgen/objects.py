@@ -35,7 +35,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .cache import Cache, LockTimeout
+from .cache import Cache, Entry, LockTimeout
 from .errors import CacheError
 
 OBJECTS_DIR = ".objects"  # under the cache root; hidden, so never listed as a module entry
@@ -61,12 +61,10 @@ def ensure(store: Cache, uri: str, command: list[str], out: Path, *, lock_timeou
     # object's lock, where nothing removes it.
     with store.lock(uri, timeout=lock_timeout):
         found = store.lookup(uri)  # another build may have published it meanwhile
-        compiled = not found
-        if compiled:
-            found = _compile(store, uri, command, describe or {})
-        if not _copy(found.entry.module_path, out):
-            raise CacheError(f"shared object {found.entry.module_path} vanished while its lock was held")
-    return compiled
+        entry = found.entry if found else _compile(store, uri, command, describe or {})
+        if not _copy(entry.module_path, out):
+            raise CacheError(f"shared object {entry.module_path} vanished while its lock was held")
+    return not found
 
 
 def _copy(src: Path, out: Path) -> bool:
@@ -84,14 +82,16 @@ def _copy(src: Path, out: Path) -> bool:
         tmp.unlink(missing_ok=True)
 
 
-def _compile(store: Cache, uri: str, command: list[str], describe: dict):
+def _compile(store: Cache, uri: str, command: list[str], describe: dict) -> Entry:
+    """Compile object ``uri`` into a staging folder and publish it (the entry publish returns:
+    its manifest has the sha256 it just computed, no need to read the object again)."""
     staging = store.new_staging(uri)
     try:
         target = staging / OBJECT_FILE
         cmd = [str(target) if arg == PLACEHOLDER else arg for arg in command]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
-        store.publish(uri, staging, {
+        return store.publish(uri, staging, {
             "module_file": OBJECT_FILE,
             **describe,
             "build_command": " ".join(cmd),
@@ -103,10 +103,6 @@ def _compile(store: Cache, uri: str, command: list[str], describe: dict):
     except BaseException:
         store.discard_staging(staging)
         raise
-    found = store.lookup(uri)
-    if not found:
-        raise CacheError(f"shared object {uri} was published but does not verify: {found.reason}")
-    return found
 
 
 def main(argv: list[str] | None = None) -> int:
