@@ -2,8 +2,8 @@
 //
 // What a module's binding.cu does the same for every spec for `paged_run`: PagedParams filled
 // from the tensors and the work list the launch builder wrote (plan.cu, plan/fa3_worklist.h),
-// and one launch of an instantiated kernel (the spec's, or the shared plain one). The binding adds the spec's arguments and the
-// mask-mode switch.
+// and one launch of an instantiated kernel (the spec's, or the shared plain one). The binding
+// adds the spec's arguments and the mask-mode switch.
 #pragma once
 #include "fill_params.cuh"
 
