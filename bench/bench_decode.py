@@ -13,6 +13,9 @@ and (sm90) fa3 prefill kernels.
 
 Every module (ours and FlashInfer's JIT ones) is built first, several at a time; then every
 kernel is timed in the same process with CUDA events (median of --iters runs after warm-up).
+A tensor-core row's ``_mask_evaluated_on_exact_runs`` twin runs the same plan with its exact
+launch requests' known-visible keys cleared, so the variant evaluates the spec's mask on the
+tiles the kernel masks: the same-process cost of that evaluation.
 Writes bench/results/decode-<date>-<gpu>.json (or --out; also into $OUT when set).
 Run on the GPU machine:  python bench/bench_decode.py
 """
@@ -34,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
+from variantgen.plan_abi import MaskMode, MetaColumn  # noqa: E402
 from variantgen.testing import cuda_median_ms, run_environment, write_result  # noqa: E402
 
 B, L, HQ, HKV, D, PS = 64, 8192, 32, 8, 128, 16
@@ -191,6 +195,22 @@ def main() -> None:
         fi_out[name] = w.run(batch["q"], kv).float()
 
     # ---------------------------------------------------------------- variantgen
+    def mask_on_exact_runs(w, name, run_args):
+        """Same-process A/B on fa2's tensor-core path: the plan's exact launch requests (the
+        launch's mode and window are their whole mask, so vg_meta says every key is known
+        visible) with no key known visible, so the variant evaluates the spec's mask on the
+        tiles the kernel masks. The output must not change."""
+        exact = [la for la in w.last_plan.launches if la.mode != MaskMode.CUSTOM and not la.tail]
+        if not exact:
+            return
+        good = w.run(batch["q"], kv, **run_args).float()
+        for la in exact:
+            la.meta[:, MetaColumn.VIS_HI] = -1
+        record(f"{name}_mask_evaluated_on_exact_runs", lambda: w.run(batch["q"], kv, **run_args))
+        notes[f"{name}_mask_evaluated_on_exact_runs_max_abs_diff"] = (
+            w.run(batch["q"], kv, **run_args).float() - good).abs().max().item()
+        w.plan(*plan_pos, HQ, HKV, PS, **run_args)  # (the plan as planned again)
+
     for spec_name in SPECS:
         run_args = spec_args(spec_name, dev)
         for path in paths:
@@ -224,6 +244,8 @@ def main() -> None:
                 if not trimmed and "untrimmed" in skip:
                     continue
                 record(name, lambda w=w, a=run_args: w.run(batch["q"], kv, **a))
+                if path == "tensor_cores" and trimmed:
+                    mask_on_exact_runs(w, name, run_args)
                 match = MATCHES.get(spec_name)
                 if match in fi_out:
                     o = w.run(batch["q"], kv, **run_args).float()

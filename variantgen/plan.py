@@ -207,9 +207,11 @@ class Plan:
                        else RowClass.TAIL if launch.tail
                        else RowClass.CAUSAL if mode == MaskMode.CAUSAL else RowClass.CUSTOM)
                 first = row[MetaColumn.Q_ROW_BASE]
+                # (an exact run's row says every key: its mode and window are its whole mask)
+                visible = (row[MetaColumn.VIS_LO], row[MetaColumn.VIS_HI]) if mode == MaskMode.CUSTOM else (0, -1)
                 out.append(LaunchRequest((first, first + row[MetaColumn.LAUNCH_QO_LEN]), row[MetaColumn.REQUEST], cls,
                                          mode, window if mode == MaskMode.CAUSAL else -1, (begin, end), pages,
-                                         row[MetaColumn.Q_POS_BASE], (row[MetaColumn.VIS_LO], row[MetaColumn.VIS_HI])))
+                                         row[MetaColumn.Q_POS_BASE], visible))
         out.sort(key=lambda r: r.rows)
         return out
 

@@ -83,9 +83,11 @@ class MetaColumn(IntEnum):
     REQ_KV_LEN = 6  # kv_len of the caller's request
     KERNEL_WINDOW = 7  # window_left the kernel may prune with; -1: visit every tile
     LAUNCH_QO_LEN = 8  # queries of this launch request (rows from q_indptr[b] on)
-    # keys [VIS_LO, VIS_HI] (absolute positions) are visible to every query of the launch request,
-    # so the generated mask is not evaluated there (the planner's exact intervals say so);
-    # empty (VIS_HI < VIS_LO) unless the launch request runs custom
+    # keys [VIS_LO, VIS_HI] (absolute positions) are visible to every query of the launch request
+    # but for the kernel window, so the generated mask is not evaluated there (the planner's exact
+    # intervals say so): a custom run's keys all its rows see; every key (0, VIS_EVERY_KEY) of a
+    # run its launch's mode and window make exact (dense, causal, window: not a tail run, whose
+    # diagonal tile needs the mask); else empty (VIS_HI < VIS_LO)
     VIS_LO = 9
     VIS_HI = 10
 
@@ -290,6 +292,8 @@ NO_INTERVAL = 1 << 40  # "no interval" sentinel of the row pass (intervals.py's 
 # int32 entries plan()'s read-back of its index tensors needs past them: the page list's
 # (min, max), and room for the two 8-byte keys they are folded in (templates/plan/read_indices.cuh)
 READ_INDICES_EXTRA = 5
+# VIS_HI of a launch request whose mode and kernel window are its whole mask: every key position
+VIS_EVERY_KEY = 2**31 - 1
 
 
 # ----------------------------------------------------------------------------- the C++ header
@@ -351,6 +355,7 @@ def header_text() -> str:
         f"constexpr int kRowBlock = {ROW_BLOCK};",
         f"constexpr int64_t kNoInterval = int64_t(1) << {NO_INTERVAL.bit_length() - 1};",
         f"constexpr int kReadIndicesExtra = {READ_INDICES_EXTRA};",
+        f"constexpr int32_t kVisEveryKey = {VIS_EVERY_KEY};",
         "}  // namespace vg_abi",
         "",
     ]
@@ -368,5 +373,5 @@ _COMMENTS = {
     MetaColumn.KERNEL_WINDOW: "window_left the kernel may prune with; -1: visit every tile",
     MetaColumn.LAUNCH_QO_LEN: "queries of this launch request (rows from q_indptr[b] on)",
     MetaColumn.VIS_LO: "keys [VIS_LO, VIS_HI] (absolute) are visible to all its queries: no mask there",
-    MetaColumn.VIS_HI: "(empty, VIS_HI < VIS_LO, unless the launch request runs custom)",
+    MetaColumn.VIS_HI: "but the kernel window (custom: known keys; exact runs: every key; else empty)",
 }

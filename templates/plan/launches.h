@@ -537,9 +537,14 @@ inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options&
       row[VG_META_REQ_KV_LEN] = int32_t(b.kv_len(r.request));
       row[VG_META_KERNEL_WINDOW] = int32_t(r.window);
       row[VG_META_LAUNCH_QO_LEN] = int32_t(r.rows);
-      // Keys the mask need not be evaluated on: only a custom launch evaluates it everywhere.
-      row[VG_META_VIS_LO] = custom && r.vis_lo <= r.vis_hi ? int32_t(r.vis_lo) : 0;
-      row[VG_META_VIS_HI] = custom && r.vis_lo <= r.vis_hi ? int32_t(r.vis_hi) : -1;
+      // Keys the mask need not be evaluated on (the variant still applies the kernel window there,
+      // which fa2's kernel leaves to it): a custom run's keys all its rows see; every key of a run
+      // its launch's mode and window describe exactly (not a tail run: its diagonal tile needs
+      // the mask).
+      const bool exact = !custom && !launches[l].tail;
+      const bool known = custom && r.vis_lo <= r.vis_hi;
+      row[VG_META_VIS_LO] = known ? int32_t(r.vis_lo) : 0;
+      row[VG_META_VIS_HI] = known ? int32_t(r.vis_hi) : exact ? kVisEveryKey : -1;
       packed = packed && q_starts[k] == plan_qo[l][k];
       if (r.pages > 0) {  // its pages in the gathered list: one range, merged with the last where contiguous
         const int32_t out = int32_t(page_at + kv_indptr[k]);

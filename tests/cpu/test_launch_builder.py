@@ -25,6 +25,7 @@ from variantgen.plan_abi import (
     META_COLUMNS,
     OPTION_FIELDS,
     SEG_FIELDS,
+    VIS_EVERY_KEY,
     HeaderField,
     LaunchArray,
     LaunchField,
@@ -222,7 +223,12 @@ def check_launches(b: Batch, table, head, launches, fa3: bool, widths: list[int]
         qo = [0]
         for k, s in enumerate(members):
             r0, r1, req, cls, window, begin, end, q_pos = s[:8]
-            vis = list(s[8:10]) if key[0] == MaskMode.CUSTOM and len(s) >= 10 else [0, -1]
+            # keys the variant skips the mask on: a custom run's known ones, every key of an exact run
+            # (its mode and window are its whole mask), none of a tail run (its diagonal tile needs it)
+            if key[0] == MaskMode.CUSTOM:
+                vis = list(s[8:10]) if len(s) >= 10 else [0, -1]
+            else:
+                vis = [0, -1] if key[2] else [0, VIS_EVERY_KEY]
             pages = -(-(end - begin) // ps)
             assert la["Q_STARTS"][k] == r0
             assert la["KV_INDPTR"][k + 1] - la["KV_INDPTR"][k] == pages

@@ -304,6 +304,41 @@ def test_a_wrong_known_visible_range_shows_as_a_wrong_output(case, monkeypatch):
     assert (bad.float() - ref.float()).abs().max() > 0.05
 
 
+@pytest.mark.parametrize("spec_name,args", [("sliding_window", {"window": 37}), ("mm_prefix", None)])
+def test_an_exact_fa2_run_skips_the_mask_but_not_its_window(spec_name, args, monkeypatch):
+    """fa2's causal and dense launch requests whose mode and kernel window are their whole mask
+    carry every key as known visible (plan_abi.VIS_EVERY_KEY), so the variant evaluates only the
+    kernel window there, which FlashInfer's fa2 kernel leaves to it. The output stays the
+    reference's; and a launch request that loses its window in vg_meta shows as a wrong output
+    (the fake applies the window only through the variant, as the kernel does)."""
+    from variantgen import planner as planner_mod
+    from variantgen.plan_abi import VIS_EVERY_KEY
+    spec = shipped(spec_name)
+    batch = unshuffled_batch([150, 1, 300], [400, 90, 300], 16, seed=3)
+    args = args if args is not None else random_spec_args(spec, batch, seed=3)
+    w, fake = prefill_check(spec, batch, args, skip_tiles=True, backend="fa2", label=f"{spec_name} exact")
+    exact = [meta for call in fake.run_calls if call.mask_mode != "custom" for meta in call.meta]
+    assert exact and all(m[MetaColumn.VIS_LO:MetaColumn.VIS_HI + 1] == [0, VIS_EVERY_KEY] for m in exact)
+    assert all(r.visible == (0, -1) for r in w.last_plan.launch_requests if r.mode.name != "CUSTOM")
+    if spec_name != "sliding_window":
+        return
+    assert any(m[MetaColumn.KERNEL_WINDOW] == 37 for m in exact)
+    real = planner_mod.Planner._launches
+
+    def windowless(self, *a):
+        launches, layouts = real(self, *a)
+        for la in launches:
+            la.meta[:, MetaColumn.KERNEL_WINDOW] = -1
+        return launches, layouts
+
+    monkeypatch.setattr(planner_mod.Planner, "_launches", windowless)
+    w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    bad = w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
+                              batch.kv_indices, batch.last_page_len, args)
+    assert (bad.float() - ref.float()).abs().max() > 0.05
+
+
 def test_tree_rows_that_span_query_tiles_run_custom():
     """fa2 evaluates the mask from a query tile's diagonal on: a tree whose packed rows (nodes x
     GQA group) exceed one tile must not run in the tail launch (the first tile would skip the

@@ -17,15 +17,17 @@ against the dense reference without a GPU:
 * each launch request b reads q rows ``q_starts[b] ...`` (``vg_meta[b][8]`` of them) and
   keys j = 0 .. kv_len_b - 1 from its own page list; key j sits at absolute position
   ``vg_meta[b][2] + j``.
-* mask mode 2 (custom) evaluates the spec's mask with true positions and rows; mode 1
-  (causal) is geometric (``j <= d`` and, with kernel window w >= 0, ``j >= d - w``,
-  d = kv_len_b - qo_len_b + i) and evaluates the mask only where FlashInfer's fa2 kernel is
-  sure to: on the keys from the diagonal of each query tile's first query on (``j >= d0``,
-  the tile of packed row i * group + head % group; its kernel starts at the KV tile holding
-  d0, so at or before it); mode 0 (none) sees every key of the launch request. The planner
-  may only send rows there whose visible set is exactly that; a strict emulation catches any
-  row for which it is not. The query tile is the launch's work list's (or, FlashInfer
-  scheduling it, what its scheduler picks for the mean launch request: fa2_cta_tile_q).
+* mask mode 2 (custom) evaluates the variant's mask (the spec's, but on the keys vg_meta says
+  every row sees: there only the kernel window) with true positions and rows; mode 1 (causal)
+  is ``j <= d`` (d = kv_len_b - qo_len_b + i); on fa3 also ``j >= d - w`` with kernel window
+  w >= 0, while fa2 evaluates the variant's mask only where FlashInfer's fa2 kernel is sure to:
+  on the keys from the diagonal of each query tile's first query on (``j >= d0``, the tile of
+  packed row i * group + head % group; its kernel starts at the KV tile holding d0, so at or
+  before it) and below its last row's window edge (the window is the variant's to apply);
+  mode 0 (none) sees every key of the launch request. The planner may only send rows there
+  whose visible set is exactly that; a strict emulation catches any row for which it is not.
+  The query tile is the launch's work list's (or, FlashInfer scheduling it, what its scheduler
+  picks for the mean launch request: fa2_cta_tile_q).
 * the spec's logits transform is applied in every mode to the scaled score; its sink (if
   any) joins each row's denominator once; fully masked rows give 0 (lse -inf, or the sink);
   the output is multiplied by v_scale and cast to ``out.dtype``.
@@ -106,10 +108,17 @@ def spec_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...]) 
 
 def kernel_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...], meta_row: list[int]) -> torch.Tensor:
     """The generated mask as the variant evaluates it: keys in the launch request's known-visible
-    range [VIS_LO, VIS_HI] are visible without evaluating it (the planner's claim, trusted as the
-    kernel trusts it: a wrong range shows as a wrong output), the others by the spec's mask."""
+    range [VIS_LO, VIS_HI] are visible without evaluating it but for the kernel window (the
+    planner's claim, trusted as the kernel trusts it: a wrong range shows as a wrong output), the
+    others by the spec's mask. ``shape``: [heads, qo_len, kv_len] of the launch request."""
     lo, hi = meta_row[MetaColumn.VIS_LO], meta_row[MetaColumn.VIS_HI]
     known = (env["kv_pos"] >= lo) & (env["kv_pos"] <= hi)
+    window = meta_row[MetaColumn.KERNEL_WINDOW]
+    if window >= 0:  # fa2's variant: kv_idx + qo_len + window_left >= kv_len + qo_idx, in launch-local indices
+        _, qo_len, kv_len = shape
+        i = torch.arange(qo_len).view(1, -1, 1)
+        j = torch.arange(kv_len).view(1, 1, -1)
+        return torch.where(known, j + qo_len + window >= kv_len + i, spec_mask(spec, env, args, shape))
     return known | spec_mask(spec, env, args, shape)
 
 
@@ -324,12 +333,22 @@ class FakeModule:
                 visible = kernel_mask(self.spec, env, args, (hq, qo_len, kv_len), meta[b])
             elif mask_mode == 1:
                 d = kv_len - qo_len + i
-                visible = (j <= d) & ((j >= d - kwin) if kwin >= 0 else torch.ones((), dtype=torch.bool))
-                visible = visible.expand(hq, qo_len, kv_len)
                 if self.mask_on_diagonal:
+                    # fa2: the kernel masks j > d itself and evaluates the variant's mask on the KV
+                    # tiles from its query tile's first diagonal d0 on and on those holding keys
+                    # below its last row's window edge (its own window check is the variant's)
                     packed_row = i * group + torch.arange(hq).view(-1, 1, 1) % group
-                    d0 = kv_len - qo_len + (packed_row // cta * cta + group - 1) // group  # FlashInfer's ceil_div
-                    visible = visible & ((j < d0) | kernel_mask(self.spec, env, args, (hq, qo_len, kv_len), meta[b]))
+                    tile = packed_row // cta
+                    d0 = kv_len - qo_len + (tile * cta + group - 1) // group  # FlashInfer's ceil_div
+                    evaluated = j >= d0
+                    if kwin >= 0:
+                        edge = kv_len - qo_len + ((tile + 1) * cta + group - 1) // group - kwin
+                        evaluated = evaluated | (j < edge)
+                    mask = kernel_mask(self.spec, env, args, (hq, qo_len, kv_len), meta[b])
+                    visible = (j <= d) & torch.where(evaluated, mask, torch.ones((), dtype=torch.bool))
+                else:  # fa3: the kernel's own causal and window masks, no variant mask
+                    visible = (j <= d) & ((j >= d - kwin) if kwin >= 0 else torch.ones((), dtype=torch.bool))
+                    visible = visible.expand(hq, qo_len, kv_len)
             else:
                 visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
             o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v,
