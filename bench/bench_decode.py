@@ -15,7 +15,9 @@ Every module (ours and FlashInfer's JIT ones) is built first, several at a time;
 kernel is timed in the same process with CUDA events (median of --iters runs after warm-up).
 A tensor-core row's ``_mask_evaluated_on_exact_runs`` twin runs the same plan with its exact
 launch requests' known-visible keys cleared, so the variant evaluates the spec's mask on the
-tiles the kernel masks: the same-process cost of that evaluation.
+tiles the kernel masks; a CUDA-core row's ``_mask_evaluated_on_known_keys`` twin clears the
+keys key trimming proved visible, so the mask is evaluated on every key: the same-process cost
+of that evaluation.
 Writes bench/results/decode-<date>-<gpu>.json (or --out; also into $OUT when set).
 Run on the GPU machine:  python bench/bench_decode.py
 """
@@ -211,6 +213,16 @@ def main() -> None:
             w.run(batch["q"], kv, **run_args).float() - good).abs().max().item()
         w.plan(*plan_pos, HQ, HKV, PS, **run_args)  # (the plan as planned again)
 
+    def mask_on_known_keys(w, name, run_args):
+        """The same on the CUDA-core path: its one launch's known-visible keys (key trimming's
+        dense run) cleared, so the variant evaluates the spec's mask on every key it visits."""
+        good = w.run(batch["q"], kv, **run_args).float()
+        w._launch.meta[:, MetaColumn.VIS_HI] = -1  # (the plan's own launch: a benchmark's experiment)
+        record(f"{name}_mask_evaluated_on_known_keys", lambda: w.run(batch["q"], kv, **run_args))
+        notes[f"{name}_mask_evaluated_on_known_keys_max_abs_diff"] = (
+            w.run(batch["q"], kv, **run_args).float() - good).abs().max().item()
+        w.plan(*plan_pos, HQ, HKV, PS, **run_args)
+
     for spec_name in SPECS:
         run_args = spec_args(spec_name, dev)
         for path in paths:
@@ -246,6 +258,8 @@ def main() -> None:
                 record(name, lambda w=w, a=run_args: w.run(batch["q"], kv, **a))
                 if path == "tensor_cores" and trimmed:
                     mask_on_exact_runs(w, name, run_args)
+                if path == "cuda_cores" and trimmed:
+                    mask_on_known_keys(w, name, run_args)
                 match = MATCHES.get(spec_name)
                 if match in fi_out:
                     o = w.run(batch["q"], kv, **run_args).float()

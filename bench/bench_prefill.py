@@ -5,8 +5,8 @@
 events (median of --iters runs after warm-up). Experiments (``experiments_ms``): split-KV and
 PDL on the causal rows, and each fa2 planned row again with its exact launch requests'
 known-visible keys cleared (``_mask_evaluated_on_exact_runs``: the variant evaluates the spec's
-mask on the tiles the kernel masks; the difference is what that evaluation costs). Writes bench/results/prefill-<date>-<gpu>.json
-(or --out). Run on the GPU machine:  python bench/bench_prefill.py
+mask on the tiles the kernel masks; the difference is what that evaluation costs). Writes
+bench/results/prefill-<date>-<gpu>.json (or --out). Run on the GPU machine:  python bench/bench_prefill.py
 """
 
 from __future__ import annotations

@@ -9,7 +9,8 @@ layout.
 Two paths, chosen by ``make_wrapper(..., kind="decode", use_tensor_cores=...)``:
 
 * CUDA cores (default): FlashInfer's FA2 batch-decode kernel instantiated with the spec's
-  variant (a "decode" module). It evaluates the mask on every key it visits.
+  variant (a "decode" module). It evaluates the mask on every key it visits but those key
+  trimming proved visible (below).
 * tensor cores: the spec's paged *prefill* module with qo_len 1 per request (FlashInfer's
   advice for large GQA groups); the wrapper plans it like ``VariantWrapper`` with
   ``qo_indptr = arange(batch + 1)``. fa2 with ``use_tensor_cores=True``, and fa3 always (its
@@ -21,9 +22,11 @@ Key trimming (the decode analogue of the prefill interval planner): where the ma
 intervals are known (``intervals.analyze``) and plan() has the spec tensors they read,
 plan() narrows each request's page list to the pages holding the hull of its visible keys
 (e.g. the last ``window + 1`` keys of a sliding window, the current document), so the
-kernel reads only those. The mask is still evaluated on every key visited, so any hull is
-exact. ``skip_tiles=False`` turns it off; with it off, spec arguments go to run() only.
-On the tensor-core path ``skip_tiles`` and the spec arguments go to the prefill planner.
+kernel reads only those. The mask is still evaluated on every key visited outside the run of
+keys the intervals prove visible (vg_meta's VIS_LO..VIS_HI; all of them for an exact interval
+such as a window's), so a hull that is not exact stays right. ``skip_tiles=False`` turns it
+off; with it off, spec arguments go to run() only. On the tensor-core path ``skip_tiles`` and
+the spec arguments go to the prefill planner.
 
 LSE convention: ``run(..., return_lse=True)`` returns FlashInfer's log-sum-exp in base 2,
 like the prefill wrapper.
@@ -194,11 +197,12 @@ class DecodeWrapper(WrapperBase):
         off = self._off_reason(skip_tiles, spec_args, "key trimming")
         self._plan_stats = {"planner_off": off} if off else {}
         kv_pos_base = [0] * batch
+        vis_lo, vis_hi = [0] * batch, [-1] * batch  # no keys known visible: the mask on every key
         trimmed = False
         if not off:
             checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
             self._planned_args = {k: v for k, v in checked.items() if k in args_read(analyze(self.spec), self.spec)}
-            lo, hi = self._visible_hulls(kv_lens, checked)
+            lo, hi, vis_lo, vis_hi = self._visible_hulls(kv_lens, checked)
             first_page = [lo_b // ps for lo_b in lo]
             end_page = [hi_b // ps + 1 for hi_b in hi]
             if any(f > 0 for f in first_page) or any(e != kvp_h[i + 1] - kvp_h[i] for i, e in enumerate(end_page)):
@@ -216,7 +220,7 @@ class DecodeWrapper(WrapperBase):
         meta = meta_rows(q_row_base=list(range(batch)), q_pos_base=[k - 1 for k in kv_lens], kv_pos_base=kv_pos_base,
                          request=list(range(batch)), kv_row_base=kv_row[:-1], req_qo_len=[1] * batch,
                          req_kv_len=kv_lens, kernel_window=[-1] * batch, launch_qo_len=[1] * batch,
-                         vis_lo=[0] * batch, vis_hi=[-1] * batch)  # (no keys known visible: the mask everywhere)
+                         vis_lo=vis_lo, vis_hi=vis_hi)
         int_ws, pinned = self._workspace(0)
         fixed = self._graph_buffers
         plan_info = self.module.plan(self._float_workspace, int_ws, pinned, torch.tensor(kvp_h, dtype=torch.int32),
@@ -249,9 +253,12 @@ class DecodeWrapper(WrapperBase):
     def _page_lists(self) -> list[torch.Tensor]:
         return [self._launch.kv_indices] if self._launch is not None else []  # graph mode: the whole buffer
 
-    def _visible_hulls(self, kv_lens: list[int], args: dict[str, Any]) -> tuple[list[int], list[int]]:
-        """Per request, [lo, hi]: a key range holding every key its (last-token) query sees.
-        Evaluated on the host unless the intervals read spec tensors (then one device sync)."""
+    def _visible_hulls(self, kv_lens: list[int],
+                       args: dict[str, Any]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """Per request, [lo, hi]: a key range holding every key its (last-token) query sees, and
+        [vis_lo, vis_hi]: keys it provably sees (the intervals' dense run; empty: vis_hi < vis_lo),
+        where the variant skips the mask. Evaluated on the host unless the intervals read spec
+        tensors (then one device sync)."""
         form = usable_form(self.spec, args, "key intervals")
         dev = self.device if tensors_read(form, self.spec) else torch.device("cpu")
         i64 = torch.int64
@@ -265,8 +272,12 @@ class DecodeWrapper(WrapperBase):
         # No visible key at all: visit the query's own key (the mask rejects it; output 0).
         lo = torch.minimum(torch.where(iv.empty, q_pos, iv.lo.clamp(min=0)), q_pos)
         hi = torch.maximum(torch.minimum(torch.where(iv.empty, q_pos, iv.hi), q_pos), lo)
-        lo_h, hi_h = torch.stack([lo, hi]).cpu().tolist()
-        return lo_h, hi_h
+        dense_hi = torch.minimum(iv.dense_hi, q_pos)
+        known = ~iv.empty & (dense_hi >= iv.lo)
+        vis_lo = torch.where(known, iv.lo, torch.zeros_like(lo))
+        vis_hi = torch.where(known, dense_hi, torch.full_like(hi, -1))
+        lo_h, hi_h, vis_lo_h, vis_hi_h = torch.stack([lo, hi, vis_lo, vis_hi]).cpu().tolist()
+        return lo_h, hi_h, vis_lo_h, vis_hi_h
 
     # ------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,

@@ -485,6 +485,39 @@ def test_document_visits_only_the_current_document():
         w.plan(*plan_args(batch), skip_tiles=True)
 
 
+def test_keys_proved_visible_skip_the_mask(monkeypatch):
+    """Key trimming tells the CUDA-core decode kernel which keys the query provably sees (the
+    intervals' dense run, vg_meta VIS_LO..VIS_HI): the variant skips the spec's mask there. A
+    window's keys are all of them, as are those from a per-request bound read from a spec
+    tensor (none where it hides them all); with trimming off none are. Widening the range by a few keys breaks the output: the fake honours it as
+    the kernel does, so every decode test checks the ranges plan() derives."""
+    spec = shipped("sliding_window")
+    batch = decode_batch([200, 7, 64], 4, seed=1)
+    _, fake, _, _ = check(spec, batch, {"window": 9})
+    assert [(m[9], m[10]) for m in fake.run_calls[0].meta] == [(190, 199), (0, 6), (54, 63)]
+    _, fake, _, _ = check(spec, batch, {"window": 9}, skip_tiles=False)
+    assert all(m[10] < m[9] for m in fake.run_calls[0].meta)
+    lim_spec = variantgen.parse_spec("name: from_lim\ntensors:\n  lim: {dtype: int32, shape: [batch]}\n"
+                                     "mask: kv_pos <= q_pos and kv_pos >= lim[request]\n")
+    lim = torch.tensor([12, 100, 0], dtype=torch.int32)
+    lim_batch = decode_batch([30, 9, 5], 4, seed=6)
+    _, fake, _, _ = check(lim_spec, lim_batch, {"lim": lim})
+    assert [(m[9], m[10]) for m in fake.run_calls[0].meta] == [(12, 29), (0, -1), (0, 4)]  # request 1 sees none
+
+    w, _ = make(spec)
+    w.plan(*plan_args(batch), window=9)
+    good = w.run(batch.q, (batch.k_cache, batch.v_cache), window=9).clone()
+    real = DecodeWrapper._plan_cuda_cores
+
+    def widened(self, *a, **kw):
+        real(self, *a, **kw)
+        self._launch.meta[[0, 2], 9] -= 2  # two keys before windows 0 and 2 (on pages it reads): visible now
+    monkeypatch.setattr(DecodeWrapper, "_plan_cuda_cores", widened)
+    w.plan(*plan_args(batch), window=9)
+    bad = w.run(batch.q, (batch.k_cache, batch.v_cache), window=9)
+    assert (bad.float() - good.float()).abs().max() > 0.05
+
+
 def test_no_visible_key_gives_zero_and_minus_inf_lse():
     spec = variantgen.parse_spec("name: from_lim\ntensors:\n  lim: {dtype: int32, shape: [batch]}\n"
                                  "mask: kv_pos <= q_pos and kv_pos >= lim[request]\n")

@@ -8,9 +8,10 @@ in render.kernel_args order) and emulates the kernel in float32 torch:
 * ``run``: request b is row b of q, out, lse and vg_meta; its keys are its page list
   (``kv_len_b`` keys, key j at absolute position ``vg_meta[b][2] + j``); the query sits at
   ``q_pos = vg_meta[b][1]``. The spec's mask is evaluated on every key (decode has no mask
-  modes), the logits transform on the scaled score, the sink (if any) in the denominator;
-  fully masked requests give 0 and lse -inf (or the sink); the output is multiplied by
-  v_scale. NHD and HND caches are both accepted.
+  modes) but those vg_meta says it sees (key trimming's dense run), the logits transform on
+  the scaled score, the sink (if any) in the denominator; fully masked requests give 0 and
+  lse -inf (or the sink); the output is multiplied by v_scale. NHD and HND caches are both
+  accepted.
 
 Calls are recorded in ``plan_calls`` / ``run_calls``.
 """
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _fake_kernel import META_COLUMNS, FakeModule, launch_env, scores_with_logits, spec_mask, spec_sink
+from _fake_kernel import META_COLUMNS, FakeModule, kernel_mask, launch_env, scores_with_logits, spec_sink
 
 from variantgen.reference import softmax_attention
 from variantgen.spec import VariantSpec
@@ -108,7 +109,7 @@ class FakeDecodeModule:
             (q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, kwin,
              qo_len, vis_lo, vis_hi) = meta[b]
             assert (q_row_base, request, req_qo_len, qo_len, kwin) == (b, b, 1, 1, -1), meta[b]
-            assert vis_hi < vis_lo, "decode: no keys known visible (the mask on every key)"
+            assert vis_hi < vis_lo or kv_pos_base <= vis_lo <= vis_hi <= q_pos_base, "decode: known keys it reads"
             assert q_pos_base == req_kv_len - 1, "the decode query is its request's last token"
             npages = kvp[b + 1] - kvp[b]
             assert npages >= 1 and 1 <= last[b] <= page_size, (b, npages, last[b])
@@ -121,7 +122,7 @@ class FakeDecodeModule:
             scores = torch.einsum("hd,khd->hk", q[b].float(), k).unsqueeze(1) * sm_scale  # [h, 1, kv]
             env, _, _ = launch_env(meta[b], 1, kv_len, hq, group)
             scores = scores_with_logits(self.spec, env, args, scores)
-            visible = spec_mask(self.spec, env, args, (hq, 1, kv_len))
+            visible = kernel_mask(self.spec, env, args, (hq, 1, kv_len), meta[b])  # (no mask on known keys)
             o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v,
                                          spec_sink(self.spec, env, args, hq))
             out[b] = (o[0] * v_scale).to(out.dtype)
