@@ -45,8 +45,9 @@ from .errors import LaunchError
 from .graph import GraphCapacity, pin_plan_info
 from .intervals import analyze, args_read, row_intervals, tensors_read, usable_form
 from .plan import Batch, Plan
-from .plan_abi import META_COLUMNS, meta_rows
+from .plan_abi import META_COLUMNS, RecField, meta_rows
 from .planner import Planner
+from .rowplan import plan_rows
 from .staging import HostStaging
 from .wrapper import LAYOUT_CODES, VariantWrapper, WrapperBase, host_lists
 
@@ -103,6 +104,10 @@ class DecodeWrapper(WrapperBase):
                                            self._float_workspace, self.kv_layout, graph=graph,
                                            check_plan=self.check_plan)
         self._launch: DecodeLaunch | None = None
+        # CUDA cores: the spec's planner module, whose row kernel finds key trimming's intervals
+        # in one call (None: the intervals in torch ops, a few dozen small ones per plan)
+        self._row_planner: Any = None
+        self._row_buffers: dict[str, torch.Tensor] = {}
 
     @property
     def plan_stats(self) -> dict[str, Any]:
@@ -119,10 +124,13 @@ class DecodeWrapper(WrapperBase):
         return self._prefill.last_plan if self._prefill is not None else None
 
     def set_row_planner(self, module: Any, reason: str = "") -> None:
-        """Tensor cores: the prefill wrapper's interval planner uses the spec's row kernel."""
-        if self._prefill is None:
-            raise ValueError("set_row_planner: only the tensor-core decode path plans with the interval planner")
-        self._prefill.set_row_planner(module, reason)
+        """The spec's planner module (None: without it, ``reason`` says why). Tensor cores: the
+        prefill wrapper's interval planner; CUDA cores: key trimming's intervals from its row
+        kernel (without it, in torch ops)."""
+        if self._prefill is not None:
+            self._prefill.set_row_planner(module, reason)
+        else:
+            self._row_planner = module
 
     # ------------------------------------------------------------------ plan
     def plan(self, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
@@ -260,6 +268,8 @@ class DecodeWrapper(WrapperBase):
         where the variant skips the mask. Evaluated on the host unless the intervals read spec
         tensors (then one device sync)."""
         form = usable_form(self.spec, args, "key intervals")
+        if self._row_planner is not None:
+            return self._row_kernel_hulls(form, kv_lens, args)
         dev = self.device if tensors_read(form, self.spec) else torch.device("cpu")
         i64 = torch.int64
         kv = self._staging.to_device(kv_lens, i64) if dev.type == "cuda" else torch.tensor(kv_lens, dtype=i64)
@@ -278,6 +288,22 @@ class DecodeWrapper(WrapperBase):
         vis_hi = torch.where(known, dense_hi, torch.full_like(hi, -1))
         lo_h, hi_h, vis_lo_h, vis_hi_h = torch.stack([lo, hi, vis_lo, vis_hi]).cpu().tolist()
         return lo_h, hi_h, vis_lo_h, vis_hi_h
+
+    def _row_kernel_hulls(self, form: Any, kv_lens: list[int],
+                          args: dict[str, Any]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """_visible_hulls from the planner module's row pass (the prefill planner's rules, one
+        query row per request): one call and one small read-back. A row whose interval is not
+        exact keeps its hull, where the torch path may prove it empty; the mask decides there."""
+        batch = len(kv_lens)
+        rows = plan_rows(self._row_planner, self.spec, form, args, list(range(batch + 1)), kv_lens,
+                         self._batch.page_size, self.device, staging=self._staging, buffers=self._row_buffers)
+        lo_iv, hi_iv, q_pos, dense_hi = rows.rec[RecField.LO:RecField.DENSE_HI + 1].cpu().tolist()
+        lo = [min(max(a, 0), q) for a, q in zip(lo_iv, q_pos)]
+        hi = [max(min(b, q), a) for a, b, q in zip(lo, hi_iv, q_pos)]
+        known = [a >= 0 and min(d, q) >= a for a, d, q in zip(lo_iv, dense_hi, q_pos)]
+        vis_lo = [a if k else 0 for a, k in zip(lo_iv, known)]
+        vis_hi = [min(d, q) if k else -1 for d, q, k in zip(dense_hi, q_pos, known)]
+        return lo, hi, vis_lo, vis_hi
 
     # ------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,

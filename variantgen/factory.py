@@ -167,8 +167,9 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     module = _build.load_module(result.entry)
     extra = {"graph": graph} if graph is not None else {}
     wrapper = wrapper_class(kind)(spec, config, module, result, workspace, kv_layout, check_plan=check_plan, **extra)
-    # The paged prefill kernel (also behind tensor-core decode) is planned by the interval planner.
-    if config.kind == "prefill" and wrapper.device.type == "cuda":
+    # The paged prefill kernel (also behind tensor-core decode) is planned by the interval planner;
+    # the CUDA-core decode kernel's key trimming uses its row kernel.
+    if config.kind in ("prefill", "decode") and wrapper.device.type == "cuda":
         from .intervals import analyze
 
         if analyze(spec).planner_ready:

@@ -306,7 +306,7 @@ def _probe(spec_arg: Any, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, k
             raise _Fail(f"module {entry.uri} was found but failed to load: {type(e).__name__}: {e}",
                         uri=entry.uri, **details) from None
         details["loaded"] = True
-    if config.kind == "prefill":
+    if config.kind in ("prefill", "decode"):
         details["row_planner"] = _row_planner_status(config, cache, build and runtime)
     return ProbeResult(True, "", entry.uri, "built" if result.built else "cache", str(entry.module_path), 0.0,
                        details)
@@ -460,9 +460,10 @@ def _missing_reason(why: str, uri: str, cache: Cache, config: ModuleConfig, dama
 
 def _row_planner_status(config: ModuleConfig, cache: Cache, build: bool) -> str:
     """How plan() will plan: with the spec's planner module (cached, or built by make_wrapper in
-    ~10 s), or planner-off and why - one custom launch per request, the mask on every element
-    (slower kernels, the same results: no reason to demote; the wrapper's Plan says the same).
-    Only looks in the cache."""
+    ~10 s), or without it and why - prefill: one custom launch per request, the mask on every
+    element (slower kernels, the same results: no reason to demote; the wrapper's Plan says the
+    same); CUDA-core decode: key trimming's intervals in torch ops (a slower plan()). Only looks
+    in the cache."""
     from .intervals import analyze
     from .rowplan import PlannerConfig
 
@@ -470,6 +471,7 @@ def _row_planner_status(config: ModuleConfig, cache: Cache, build: bool) -> str:
     if not form.planner_ready:
         return f"none: the interval planner is off for this spec ({form.reason})"
     planner = PlannerConfig(config.spec, config.arch)
+    off = PLANNER_OFF[config.kind]
     try:
         rendered = planner.render()
         uri = _expected_uri(rendered)
@@ -480,13 +482,17 @@ def _row_planner_status(config: ModuleConfig, cache: Cache, build: bool) -> str:
             return f"built by make_wrapper on first use: {uri}"
         if s.jit_disabled and _same_inputs_cached(cache, rendered):
             return f"cached (another toolchain's build): {planner.uri_prefix}"
-        return (f"{PLANNER_OFF}: {planner.uri_prefix} is not precompiled in {cache.root}; "
-                "`variantgen precompile` on a build box builds it with the prefill modules")
+        return (f"{off}: {planner.uri_prefix} is not precompiled in {cache.root}; "
+                "`variantgen precompile` on a build box builds it with the prefill and decode modules")
     except Exception as e:  # noqa: BLE001 - informational: plan() runs planner-off then
-        return f"{PLANNER_OFF}: {type(e).__name__}: {e}"
+        return f"{off}: {type(e).__name__}: {e}"
 
 
-PLANNER_OFF = "planner off (one custom launch per request: the mask on every element, slower kernels)"
+# What plan() does without the planner module, per module kind.
+PLANNER_OFF = {
+    "prefill": "planner off (one custom launch per request: the mask on every element, slower kernels)",
+    "decode": "key trimming in torch ops (the same pages, a slower plan())",
+}
 
 
 def _has_toolchain() -> bool:

@@ -62,10 +62,10 @@ class PlannerConfig:
 
 def planner_configs(configs: list[Any]) -> list[PlannerConfig]:
     """The planner modules a set of kernel modules needs: one per (spec, arch) with a paged
-    prefill module and usable intervals (what precompile adds to its matrix)."""
+    prefill or CUDA-core decode module and usable intervals (what precompile adds to its matrix)."""
     out: dict[str, PlannerConfig] = {}
     for cfg in configs:
-        if cfg.kind == "prefill" and analyze(cfg.spec).planner_ready:
+        if cfg.kind in ("prefill", "decode") and analyze(cfg.spec).planner_ready:
             planner = PlannerConfig(cfg.spec, cfg.arch)
             out.setdefault(f"{planner.uri_prefix}:{cfg.spec.digest}", planner)
     return list(out.values())

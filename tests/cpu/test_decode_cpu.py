@@ -489,8 +489,9 @@ def test_keys_proved_visible_skip_the_mask(monkeypatch):
     """Key trimming tells the CUDA-core decode kernel which keys the query provably sees (the
     intervals' dense run, vg_meta VIS_LO..VIS_HI): the variant skips the spec's mask there. A
     window's keys are all of them, as are those from a per-request bound read from a spec
-    tensor (none where it hides them all); with trimming off none are. Widening the range by a few keys breaks the output: the fake honours it as
-    the kernel does, so every decode test checks the ranges plan() derives."""
+    tensor (none where it hides them all); with trimming off none are. Widening the range by a
+    few keys breaks the output: the fake honours it as the kernel does, so every decode test
+    checks the ranges plan() derives."""
     spec = shipped("sliding_window")
     batch = decode_batch([200, 7, 64], 4, seed=1)
     _, fake, _, _ = check(spec, batch, {"window": 9})
@@ -788,6 +789,23 @@ def test_tensor_core_decode_plans_with_the_row_kernel_it_is_given():
     assert plain.plan_stats["planner_off"] == "no planner module (test: none): one custom launch per request"
     kv = cache_of(batch, "NHD")
     assert torch.equal(w.run(batch.q, kv, window=9), plain.run(batch.q, kv, window=9))
-    cuda_cores, _ = make(spec)
-    with pytest.raises(ValueError, match="only the tensor-core decode path"):
-        cuda_cores.set_row_planner(planner)
+
+
+@pytest.mark.parametrize("spec_name", ["sliding_window", "document", "mm_prefix", "tree_verify", "causal"])
+def test_cuda_core_decode_trims_keys_with_the_row_kernel_it_is_given(spec_name):
+    """make_wrapper hands the CUDA-core decode wrapper the spec's planner module too: key
+    trimming's intervals come from its row pass (one call) rather than torch ops, with the same
+    pages, known-visible keys and output."""
+    spec = shipped(spec_name)
+    batch = decode_batch([1, 7, 16, 17, 90, 130], 4, seed=11)
+    args = {"window": 9} if spec_name == "sliding_window" else random_spec_args(spec, batch, seed=11)
+    torch_path, torch_fake, want, _ = check(spec, batch, args, label=f"{spec_name} torch intervals")
+    kernel_path, fake = make(spec)
+    planner = FakeRowPlanner(spec)
+    kernel_path.set_row_planner(planner)
+    kernel_path.plan(*plan_args(batch), **args)
+    got = kernel_path.run(batch.q, cache_of(batch, "NHD"), **args)
+    assert planner.calls == 1
+    ours, theirs = fake.run_calls[-1], torch_fake.run_calls[-1]
+    assert (ours.kv_indptr, ours.kv_indices, ours.meta) == (theirs.kv_indptr, theirs.kv_indices, theirs.meta)
+    assert torch.equal(got, want)

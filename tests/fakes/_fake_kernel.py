@@ -688,3 +688,29 @@ class FakeRowPlanner:
     @property
     def build_launches(self):
         return (self.builder or plan_builder()).build_launches
+
+    def plan_rows(self, rec, starts_host, starts_page_locked, starts, scratch, counts, seg, *rest):
+        """The row pass alone (what CUDA-core decode's key trimming calls): rec from the
+        reference rules; the launch requests compacted into seg as plan_rows does."""
+        from variantgen.intervals import analyze
+        from variantgen.plan_abi import RecField
+        from variantgen.rowplan import planner_inputs
+        from variantgen.rowrules import classify_rows, segments
+
+        self.calls += 1
+        *spec_values, page_size = rest
+        form = analyze(self.spec)
+        tensors, scalars = planner_inputs(self.spec, form)
+        assert len(spec_values) == len(tensors) + len(scalars), "plan_rows: the spec arguments the intervals read"
+        args = dict(zip(tensors + scalars, spec_values))
+        assert starts_host.dtype == torch.int64 and starts_host.dim() == 2 and starts_host.shape[0] == 2
+        qo, kv_start = starts_host[0].tolist(), starts_host[1].tolist()
+        kv_lens = [b - a for a, b in zip(kv_start, kv_start[1:])]
+        assert rec.shape == (len(RecField), qo[-1]) and rec.dtype == torch.int64
+        rows = classify_rows(self.spec, form, qo, kv_lens, int(page_size), args, rec.device)
+        rec.copy_(rows)
+        found = segments(rows, int(page_size))
+        room = (seg.numel() - 1) // SEG_FIELDS
+        seg[0] = found.shape[0]
+        n = min(room, found.shape[0])
+        seg[1:1 + SEG_FIELDS * n] = found[:n].reshape(-1)
