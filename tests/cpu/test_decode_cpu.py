@@ -809,3 +809,21 @@ def test_cuda_core_decode_trims_keys_with_the_row_kernel_it_is_given(spec_name):
     ours, theirs = fake.run_calls[-1], torch_fake.run_calls[-1]
     assert (ours.kv_indptr, ours.kv_indices, ours.meta) == (theirs.kv_indptr, theirs.kv_indices, theirs.meta)
     assert torch.equal(got, want)
+
+
+def test_a_request_that_sees_no_key_through_the_row_kernel():
+    """The row pass has no "provably empty" answer: a request whose query sees no key keeps its
+    hull (every key of the request here) where the torch intervals visit only its own key. The
+    mask rejects them all the same: output 0, LSE -inf, as on the torch path."""
+    spec = variantgen.parse_spec("name: from_lim\ntensors:\n  lim: {dtype: int32, shape: [batch]}\n"
+                                 "mask: kv_pos <= q_pos and kv_pos >= lim[request]\n")
+    batch = decode_batch([30, 9, 5], 4, seed=6)
+    lim = torch.tensor([12, 100, 0], dtype=torch.int32)
+    _, torch_fake, want, _ = check(spec, batch, {"lim": lim}, label="from_lim torch intervals")
+    w, fake = make(spec)
+    w.set_row_planner(FakeRowPlanner(spec))
+    w.plan(*plan_args(batch), lim=lim)
+    out, lse = w.run(batch.q, cache_of(batch, "NHD"), lim=lim, return_lse=True)
+    assert [m[2] for m in torch_fake.run_calls[-1].meta] == [12, 8, 0]
+    assert [m[2] for m in fake.run_calls[-1].meta] == [12, 0, 0]  # request 1: its whole hull
+    assert torch.equal(out, want) and out[1].float().abs().max().item() == 0.0 and bool(torch.isinf(lse[1]).all())
