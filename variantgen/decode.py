@@ -265,8 +265,9 @@ class DecodeWrapper(WrapperBase):
                        args: dict[str, Any]) -> tuple[list[int], list[int], list[int], list[int]]:
         """Per request, [lo, hi]: a key range holding every key its (last-token) query sees, and
         [vis_lo, vis_hi]: keys it provably sees (the intervals' dense run; empty: vis_hi < vis_lo),
-        where the variant skips the mask. Evaluated on the host unless the intervals read spec
-        tensors (then one device sync)."""
+        where the variant skips the mask. From the planner module's row pass where the wrapper
+        has it, else in torch ops: on the host unless the intervals read spec tensors (then one
+        device sync)."""
         form = usable_form(self.spec, args, "key intervals")
         if self._row_planner is not None:
             return self._row_kernel_hulls(form, kv_lens, args)
@@ -300,7 +301,7 @@ class DecodeWrapper(WrapperBase):
         lo_iv, hi_iv, q_pos, dense_hi = rows.rec[RecField.LO:RecField.DENSE_HI + 1].cpu().tolist()
         lo = [min(max(a, 0), q) for a, q in zip(lo_iv, q_pos)]
         hi = [max(min(b, q), a) for a, b, q in zip(lo, hi_iv, q_pos)]
-        known = [a >= 0 and min(d, q) >= a for a, d, q in zip(lo_iv, dense_hi, q_pos)]
+        known = [min(d, q) >= a for a, d, q in zip(lo_iv, dense_hi, q_pos)]
         vis_lo = [a if k else 0 for a, k in zip(lo_iv, known)]
         vis_hi = [min(d, q) if k else -1 for d, q, k in zip(dense_hi, q_pos, known)]
         return lo, hi, vis_lo, vis_hi
