@@ -121,7 +121,8 @@ def list_modules(fmt: str, targets: list[Target], specs: tuple[str, ...]) -> str
     if fmt == "args":
         return "\n".join(args)
     count = sum(len(v) for v in groups.values())
-    lines.append(f"# {count} modules (+ the planner module of each spec with paged prefill modules, built with them)")
+    lines.append(f"# {count} modules (+ the planner module of each spec with paged prefill or decode modules, built "
+                 "with them)")
     lines += [f"python -m variantgen.cli precompile {a} --arch {ARCH} -j 8" for a in args]
     lines.append("# FlashInfer modules for the comparisons (JIT-built by FlashInfer in the setup, in this order):")
     lines += [f"#   {e.name}: {e.describe()}" for e in FI_ENTRIES]

@@ -119,6 +119,12 @@ class DecodeWrapper(WrapperBase):
         return self._prefill.planner if self._prefill is not None else None
 
     @property
+    def row_planner(self) -> Any:
+        """The spec's planner module plan() uses (None: without one; tensor cores: the prefill
+        wrapper's)."""
+        return self._prefill.row_planner if self._prefill is not None else self._row_planner
+
+    @property
     def last_plan(self) -> Plan | None:
         """Tensor cores: the prefill wrapper's Plan of the last plan() (CUDA cores: None, one launch)."""
         return self._prefill.last_plan if self._prefill is not None else None

@@ -52,8 +52,9 @@ class Target:
 PLAN_PATHS = {
     "off": "interval planner (decode: key trimming) off",
     "module": "interval planner with the spec's planner module (on the GPU: its row pass and launch builder)",
-    "nomodule": "interval planner asked for without a planner module: plan() plans off and says why",
-    "trim": "CUDA-core decode with key trimming",
+    "nomodule": ("interval planner (decode: key trimming) asked for without the spec's planner module: prefill "
+                 "plans off and says why, CUDA-core decode trims in torch ops"),
+    "trim": "CUDA-core decode with key trimming (the row pass of the spec's planner module where there is one)",
 }
 _PLANNED = ("off", "module", "nomodule")
 
@@ -64,8 +65,8 @@ TARGETS: tuple[Target, ...] = (
     Target("fa3/prefill", "fa3", "prefill", "prefill", plans=_PLANNED),
     Target("fa2/prefill-graph", "fa2", "prefill", "prefill", graph=True, plans=_PLANNED),
     Target("fa3/prefill-graph", "fa3", "prefill", "prefill", graph=True, plans=_PLANNED),
-    Target("fa2/decode", "fa2", "decode", "decode", plans=("off", "trim")),
-    Target("fa2/decode-graph", "fa2", "decode", "decode", graph=True, plans=("off", "trim")),
+    Target("fa2/decode", "fa2", "decode", "decode", plans=("off", "trim", "nomodule")),
+    Target("fa2/decode-graph", "fa2", "decode", "decode", graph=True, plans=("off", "trim", "nomodule")),
     Target("fa2/decode-tc", "fa2", "decode", "prefill", tensor_cores=True, plans=_PLANNED),
     Target("fa2/decode-tc-graph", "fa2", "decode", "prefill", tensor_cores=True, graph=True, plans=_PLANNED),
     Target("fa3/decode", "fa3", "decode", "prefill", tensor_cores=True, plans=_PLANNED),

@@ -104,7 +104,7 @@ def test_list_modules_commands_are_the_matrix(capsys):
     planners = set(uris) - set(kernels)  # each command adds its specs' planner modules (built once)
     assert len(kernels) == len(set(kernels)) == len(matrix) == 61
     assert planners == {f"vg_{m.spec}_planner_sm90a" for (_, kind), ms in fuzz_gpu.MODULES.items() for m in ms
-                        if kind == "prefill"}
+                        if kind in ("prefill", "decode")}
     assert len(set(uris)) <= 72
     for (backend, kind), ms in fuzz_gpu.MODULES.items():
         assert {64, 128, 256} <= {m.head_dim_qk for m in ms}, (backend, kind)

@@ -61,7 +61,7 @@ class FakeModules:
         extra = {"graph": graph} if graph is not None else {}
         cls = {"prefill": VariantWrapper, "decode": DecodeWrapper, "ragged": RaggedWrapper}[target.kind]
         w = cls(spec, config, fake, build, workspace, **extra)
-        if self.row_planner and target.module_kind == "prefill":
+        if self.row_planner and target.module_kind in ("prefill", "decode"):
             w.set_row_planner(FakeRowPlanner(spec))
         return w
 
