@@ -30,11 +30,14 @@ struct IndexParts {
 
 // A page index as a key that atomicMax can fold from a zeroed word: 0 means "no entry seen".
 // high = v + 2^31 + 1 (the largest v wins), low = 2^31 - v (the smallest v wins); both in [1, 2^32].
+// The host reads the page list's bounds back with the inverses (ReadIndices below).
+constexpr int64_t kHighKeyBias = (int64_t(1) << 31) + 1;
+constexpr int64_t kLowKeyBias = int64_t(1) << 31;
 __device__ __forceinline__ unsigned long long high_key(int32_t v) {
-  return static_cast<unsigned long long>(int64_t(v) + 2147483649LL);
+  return static_cast<unsigned long long>(int64_t(v) + kHighKeyBias);
 }
 __device__ __forceinline__ unsigned long long low_key(int32_t v) {
-  return static_cast<unsigned long long>(2147483648LL - int64_t(v));
+  return static_cast<unsigned long long>(kLowKeyBias - int64_t(v));
 }
 
 // out: the parts back to back (int32); bounds: (low key, high key), zeroed before the launch.
@@ -133,8 +136,8 @@ inline void read_indices(const TensorView& kv_indices, const TensorView& kv_indp
   std::memcpy(keys, out + bounds_offset(total), sizeof(keys));
   int32_t* values = reinterpret_cast<int32_t*>(out);
   const bool any = keys[1] != 0;
-  values[total] = any ? int32_t(2147483648LL - int64_t(keys[0])) : 0;
-  values[total + 1] = any ? int32_t(int64_t(keys[1]) - 2147483649LL) : 0;
+  values[total] = any ? int32_t(kLowKeyBias - int64_t(keys[0])) : 0;  // (low_key's inverse)
+  values[total + 1] = any ? int32_t(int64_t(keys[1]) - kHighKeyBias) : 0;  // (high_key's inverse)
 }
 
 }  // namespace vg_plan
