@@ -271,45 +271,36 @@ class DecodeWrapper(WrapperBase):
                        args: dict[str, Any]) -> tuple[list[int], list[int], list[int], list[int]]:
         """Per request, [lo, hi]: a key range holding every key its (last-token) query sees, and
         [vis_lo, vis_hi]: keys it provably sees (the intervals' dense run; empty: vis_hi < vis_lo),
-        where the variant skips the mask. From the planner module's row pass where the wrapper
-        has it, else in torch ops: on the host unless the intervals read spec tensors (then one
-        device sync)."""
+        where the variant skips the mask. The intervals come from the planner module's row pass
+        where the wrapper has it, else from torch ops: on the host unless they read spec tensors
+        (then one device sync). One read-back either way."""
         form = usable_form(self.spec, args, "key intervals")
         if self._row_planner is not None:
-            return self._row_kernel_hulls(form, kv_lens, args)
-        dev = self.device if tensors_read(form, self.spec) else torch.device("cpu")
-        i64 = torch.int64
-        kv = self._staging.to_device(kv_lens, i64) if dev.type == "cuda" else torch.tensor(kv_lens, dtype=i64)
-        request = torch.arange(len(kv_lens), dtype=i64, device=dev)
-        q_pos = kv - 1
-        env = {"q_pos": q_pos, "q_idx": torch.zeros_like(kv), "q_row": request,
-               "q_kv_row": torch.cumsum(kv, 0) - kv + q_pos, "request": request, "qo_len": torch.ones_like(kv),
-               "kv_len": kv, "vg_kv_lens": kv}
-        iv = row_intervals(form, self.spec, env, args)
-        # No visible key at all: visit the query's own key (the mask rejects it; output 0).
-        lo = torch.minimum(torch.where(iv.empty, q_pos, iv.lo.clamp(min=0)), q_pos)
-        hi = torch.maximum(torch.minimum(torch.where(iv.empty, q_pos, iv.hi), q_pos), lo)
-        dense_hi = torch.minimum(iv.dense_hi, q_pos)
-        known = ~iv.empty & (dense_hi >= iv.lo)
-        vis_lo = torch.where(known, iv.lo, torch.zeros_like(lo))
-        vis_hi = torch.where(known, dense_hi, torch.full_like(hi, -1))
-        lo_h, hi_h, vis_lo_h, vis_hi_h = torch.stack([lo, hi, vis_lo, vis_hi]).cpu().tolist()
-        return lo_h, hi_h, vis_lo_h, vis_hi_h
-
-    def _row_kernel_hulls(self, form: Any, kv_lens: list[int],
-                          args: dict[str, Any]) -> tuple[list[int], list[int], list[int], list[int]]:
-        """_visible_hulls from the planner module's row pass (the prefill planner's rules, one
-        query row per request): one call and one small read-back. A row whose interval is not
-        exact keeps its hull, where the torch path may prove it empty; the mask decides there."""
-        batch = len(kv_lens)
-        rows = plan_rows(self._row_planner, self.spec, form, args, list(range(batch + 1)), kv_lens,
-                         self._batch.page_size, self.device, staging=self._staging, buffers=self._row_buffers)
-        lo_iv, hi_iv, q_pos, dense_hi = rows.rec[RecField.LO:RecField.DENSE_HI + 1].cpu().tolist()
-        lo = [min(max(a, 0), q) for a, q in zip(lo_iv, q_pos)]
-        hi = [max(min(b, q), a) for a, b, q in zip(lo, hi_iv, q_pos)]
-        known = [min(d, q) >= a for a, d, q in zip(lo_iv, dense_hi, q_pos)]
-        vis_lo = [a if k else 0 for a, k in zip(lo_iv, known)]
-        vis_hi = [min(d, q) if k else -1 for d, q, k in zip(dense_hi, q_pos, known)]
+            rows = plan_rows(self._row_planner, self.spec, form, args, list(range(len(kv_lens) + 1)), kv_lens,
+                             self._batch.page_size, self.device, staging=self._staging, buffers=self._row_buffers)
+            # (the row pass has no "provably empty": such a request keeps its hull; the mask decides)
+            lo_iv, hi_iv, _, dense_hi = rows.rec[RecField.LO:RecField.DENSE_HI + 1].cpu().tolist()
+            empty = [0] * len(kv_lens)
+        else:
+            dev = self.device if tensors_read(form, self.spec) else torch.device("cpu")
+            i64 = torch.int64
+            kv = self._staging.to_device(kv_lens, i64) if dev.type == "cuda" else torch.tensor(kv_lens, dtype=i64)
+            request = torch.arange(len(kv_lens), dtype=i64, device=dev)
+            q_pos = kv - 1
+            env = {"q_pos": q_pos, "q_idx": torch.zeros_like(kv), "q_row": request,
+                   "q_kv_row": torch.cumsum(kv, 0) - kv + q_pos, "request": request, "qo_len": torch.ones_like(kv),
+                   "kv_len": kv, "vg_kv_lens": kv}
+            iv = row_intervals(form, self.spec, env, args)
+            lo_iv, hi_iv, dense_hi, empty = torch.stack([iv.lo, iv.hi, iv.dense_hi, iv.empty.to(i64)]).cpu().tolist()
+        lo, hi, vis_lo, vis_hi = [], [], [], []
+        for a, b, d, e, q in zip(lo_iv, hi_iv, dense_hi, empty, (k - 1 for k in kv_lens)):
+            if e:  # no visible key at all: visit the query's own key (the mask rejects it; output 0)
+                a = b = q
+            lo.append(min(max(a, 0), q))
+            hi.append(max(min(b, q), lo[-1]))
+            known = not e and min(d, q) >= a
+            vis_lo.append(a if known else 0)
+            vis_hi.append(min(d, q) if known else -1)
         return lo, hi, vis_lo, vis_hi
 
     # ------------------------------------------------------------------ run
