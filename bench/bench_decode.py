@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.plan_abi import MaskMode, MetaColumn  # noqa: E402
+from variantgen.plan_abi import MetaColumn  # noqa: E402
 from variantgen.testing import cuda_median_ms, run_environment, write_result  # noqa: E402
 
 B, L, HQ, HKV, D, PS = 64, 8192, 32, 8, 128, 16
@@ -217,7 +217,7 @@ def main() -> None:
         launch's mode and window are their whole mask, so vg_meta says every key is known
         visible) with no key known visible, so the variant evaluates the spec's mask on the
         tiles the kernel masks. The output must not change."""
-        exact = [la for la in w.last_plan.launches if la.mode != MaskMode.CUSTOM and not la.tail]
+        exact = [la for la in w.last_plan.launches if la.exact]
         if not exact:
             return
         good = w.run(batch["q"], kv, **run_args).float()

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.plan_abi import MaskMode, MetaColumn  # noqa: E402
+from variantgen.plan_abi import MetaColumn  # noqa: E402
 from variantgen.testing import (  # noqa: E402
     PREFILL_BENCH_SHAPE,
     PREFILL_BENCH_SPANS,
@@ -134,7 +134,7 @@ def main() -> None:
         their whole mask: vg_meta says every key is known visible) with no key known visible,
         so fa2's variant evaluates the spec's mask on the tiles the kernel masks. The output
         must not change."""
-        exact = [la for la in w.last_plan.launches if la.mode != MaskMode.CUSTOM and not la.tail]
+        exact = [la for la in w.last_plan.launches if la.exact]
         if not exact:
             return
         for la in exact:

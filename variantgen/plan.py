@@ -122,6 +122,12 @@ class Launch:
     def mask_mode(self) -> str:
         return self.mode.label
 
+    @property
+    def exact(self) -> bool:
+        """Its mode and window are its launch requests' whole mask (not custom, not fa2's tail
+        launch): vg_meta marks every key known visible, so no spec mask is evaluated."""
+        return self.mode != MaskMode.CUSTOM and not self.tail
+
 
 @dataclass(frozen=True)
 class LaunchLayout:
