@@ -252,6 +252,7 @@ def test_tree_verify_plans_the_context_dense(backend):
     if backend == "fa2":
         assert (segments["tail"], segments["custom"], segments["custom_rows"]) == (3, 0, 0)
         assert [(la.mask_mode, la.tail, la.num_requests) for la in w._launches] == [("causal", True, 3)]
+        assert not w._launches[0].exact  # (its diagonal tile evaluates the mask)
         assert {r.cls.label for r in w.last_plan.launch_requests} == {"tail"}
         assert w.last_plan.work()["masked"] == 16 * 17 // 2 * 2 + 3 * 4 // 2  # the draft blocks' diagonals only
     else:  # custom, the mask skipped on the context (visible to every node)
@@ -261,6 +262,26 @@ def test_tree_verify_plans_the_context_dense(backend):
     for call in fake.run_calls:
         for meta in call.meta:
             assert meta[2] == 0  # each launch request reads from the first key: the context is visible
+
+
+def run_with_meta_changed(monkeypatch, w, spec, batch, args, change):
+    """Plan again with ``change(meta)`` applied to every launch's vg_meta as plan() lays it out,
+    run, and return (that output, the reference): what a wrong vg_meta column does to the output."""
+    from variantgen import planner as planner_mod
+    real = planner_mod.Planner._launches
+
+    def changed(self, *a):
+        launches, layouts = real(self, *a)
+        for la in launches:
+            change(la.meta)
+        return launches, layouts
+
+    monkeypatch.setattr(planner_mod.Planner, "_launches", changed)
+    w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    bad = w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
+                              batch.kv_indices, batch.last_page_len, args)
+    return bad, ref
 
 
 def known_visible_cases():
@@ -279,27 +300,18 @@ def test_a_wrong_known_visible_range_shows_as_a_wrong_output(case, monkeypatch):
     """The fakes honour a custom launch request's known-visible keys as the kernels do (no mask
     there): widening the planner's range by a few keys on each side must break the output, so
     every wrapper test checks the ranges the planner derives."""
-    from variantgen import planner as planner_mod
     backend, spec, batch, args = list(known_visible_cases())[case]
     w, _ = make_wrapper_for(spec, backend=backend)
     w.plan(*batch.plan_args(), skip_tiles=True, **args)
     assert any(r.visible[1] >= r.visible[0] for r in w.last_plan.launch_requests)
     good = w.run(batch.q, (batch.k_cache, batch.v_cache), **args).clone()
-    real = planner_mod.Planner._launches
 
-    def widened(self, *a):
-        launches, layouts = real(self, *a)
-        for la in launches:
-            known = la.meta[:, MetaColumn.VIS_HI] >= la.meta[:, MetaColumn.VIS_LO]
-            la.meta[:, MetaColumn.VIS_LO] -= 3 * known.int()
-            la.meta[:, MetaColumn.VIS_HI] += 3 * known.int()
-        return launches, layouts
+    def widened(meta):
+        known = meta[:, MetaColumn.VIS_HI] >= meta[:, MetaColumn.VIS_LO]
+        meta[:, MetaColumn.VIS_LO] -= 3 * known.int()
+        meta[:, MetaColumn.VIS_HI] += 3 * known.int()
 
-    monkeypatch.setattr(planner_mod.Planner, "_launches", widened)
-    w.plan(*batch.plan_args(), skip_tiles=True, **args)
-    bad = w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
-    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
-                              batch.kv_indices, batch.last_page_len, args)
+    bad, ref = run_with_meta_changed(monkeypatch, w, spec, batch, args, widened)
     torch.testing.assert_close(good.float(), ref.float(), atol=2e-2, rtol=2e-2)
     assert (bad.float() - ref.float()).abs().max() > 0.05
 
@@ -311,7 +323,6 @@ def test_an_exact_fa2_run_skips_the_mask_but_not_its_window(spec_name, args, mon
     kernel window there, which FlashInfer's fa2 kernel leaves to it. The output stays the
     reference's; and a launch request that loses its window in vg_meta shows as a wrong output
     (the fake applies the window only through the variant, as the kernel does)."""
-    from variantgen import planner as planner_mod
     from variantgen.plan_abi import VIS_EVERY_KEY
     spec = shipped(spec_name)
     batch = unshuffled_batch([150, 1, 300], [400, 90, 300], 16, seed=3)
@@ -320,22 +331,15 @@ def test_an_exact_fa2_run_skips_the_mask_but_not_its_window(spec_name, args, mon
     exact = [meta for call in fake.run_calls if call.mask_mode != "custom" for meta in call.meta]
     assert exact and all(m[MetaColumn.VIS_LO:MetaColumn.VIS_HI + 1] == [0, VIS_EVERY_KEY] for m in exact)
     assert all(r.visible == (0, -1) for r in w.last_plan.launch_requests if r.mode.name != "CUSTOM")
+    assert all(bool((la.meta[:, MetaColumn.VIS_HI] == VIS_EVERY_KEY).all()) == la.exact for la in w.last_plan.launches)
     if spec_name != "sliding_window":
         return
     assert any(m[MetaColumn.KERNEL_WINDOW] == 37 for m in exact)
-    real = planner_mod.Planner._launches
 
-    def windowless(self, *a):
-        launches, layouts = real(self, *a)
-        for la in launches:
-            la.meta[:, MetaColumn.KERNEL_WINDOW] = -1
-        return launches, layouts
+    def windowless(meta):
+        meta[:, MetaColumn.KERNEL_WINDOW] = -1
 
-    monkeypatch.setattr(planner_mod.Planner, "_launches", windowless)
-    w.plan(*batch.plan_args(), skip_tiles=True, **args)
-    bad = w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
-    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
-                              batch.kv_indices, batch.last_page_len, args)
+    bad, ref = run_with_meta_changed(monkeypatch, w, spec, batch, args, windowless)
     assert (bad.float() - ref.float()).abs().max() > 0.05
 
 
