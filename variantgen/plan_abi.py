@@ -21,7 +21,8 @@ HEADER_NAME = "vg_plan_abi.h"
 
 class MaskMode(IntEnum):
     """run()'s mask-mode code of a launch: FlashInfer's MaskMode for the fa2 kernels (fa3 has no
-    kCustom: its binding runs code 2 as the masked variant in a non-causal launch)."""
+    kCustom: its binding runs code 2 as the masked variant in a non-causal launch). fa2's tail
+    launch, in mode CAUSAL, runs under its own code (FA2_TAIL_RUN_CODE)."""
 
     NONE = 0  # every key of the launch request's range is visible (the mask runs on no tile)
     CAUSAL = 1  # keys up to the query's position (and a left window where one is given)
@@ -294,6 +295,10 @@ NO_INTERVAL = 1 << 40  # "no interval" sentinel of the row pass (intervals.py's 
 READ_INDICES_EXTRA = 5
 # VIS_HI of a launch request whose mode and kernel window are its whole mask: every key position
 VIS_EVERY_KEY = 2**31 - 1
+# run()'s code for fa2's tail launch: MaskMode CAUSAL with the spec's mask evaluated on the tiles
+# the kernel masks. The codes of the exact launches (NONE, CAUSAL) run kernel units compiled
+# without the spec's mask (only the kernel window); this one and CUSTOM run the masked variant.
+FA2_TAIL_RUN_CODE = 3
 
 
 # ----------------------------------------------------------------------------- the C++ header
@@ -356,6 +361,7 @@ def header_text() -> str:
         f"constexpr int64_t kNoInterval = int64_t(1) << {NO_INTERVAL.bit_length() - 1};",
         f"constexpr int kReadIndicesExtra = {READ_INDICES_EXTRA};",
         f"constexpr int32_t kVisEveryKey = {VIS_EVERY_KEY};",
+        f"constexpr int32_t kFa2TailRunCode = {FA2_TAIL_RUN_CODE};",
         "}  // namespace vg_abi",
         "",
     ]

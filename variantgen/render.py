@@ -7,7 +7,8 @@ FlashInfer's habit: static C++ lives in real ``.cuh`` / ``.cu`` files of templat
 and fa3 (the expression helpers, FlashInfer's kernel parameters, the plan functions, the
 bindings that name no spec), copied into a module's sources as they are; Jinja renders only what
 depends on the spec and the config - the variant, the config (dtypes, head dims, the spec's
-arguments, the mask-mode dispatch) and one instantiation per mask mode and CTA tile. Units that
+arguments, the mask-mode dispatch) and one instantiation per mask mode and CTA tile (fa2 paged
+prefill: per run() code - its exact launches' units compile no spec mask). Units that
 name nothing of the spec - the fa3 plain kernels of a spec without a logits transform or sink,
 the launch builder's plan.cu - are marked shared (SharedUnit): build.py compiles each once per
 cache (objects.py). The template digest covers every file of a backend's folders. Which
@@ -349,11 +350,31 @@ Renderer = Callable[[ModuleConfig, dict, jinja2.Environment],
 FA2_STATIC = ("common/vg_helpers.cuh", "fa2/config_prelude.cuh", "fa2/kernel_params.cuh")
 
 
+def fa2_kernel_modes(ctx: dict, exact: bool) -> list[dict]:
+    """The run() codes an fa2 prefill module compiles, each as (name, its C++ case label, its
+    FlashInfer mask mode, the variant it instantiates). ``exact`` (paged prefill, whose launches
+    the launch builder makes): modes none and causal run the variant without the spec's mask
+    (``<struct>Exact``: their launches are exact, plan.py's Launch.exact), fa2's tail launch runs
+    in mode causal under its own code with the masked variant, custom with the masked variant.
+    Otherwise every mode runs the masked variant."""
+    masked = ctx["struct_name"]
+    modes = []
+    for m in ctx["mask_modes"]:
+        plain = exact and m["name"] != plan_abi.MaskMode.CUSTOM.label
+        modes.append(dict(m, case=m["literal"], variant=f"{masked}Exact" if plain else masked))
+        if exact and m["name"] == plan_abi.MaskMode.CAUSAL.label:
+            modes.append(dict(m, name="causal_tail", case="static_cast<MaskMode>(vg_abi::kFa2TailRunCode)",
+                              variant=masked))
+    return modes
+
+
 def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template: str, binding: dict[str, str],
                          kernel_template: str, unit_prefix: str, host_source: str, plan: bool = False):
     """The FA2 prefill kinds: variant and config rendered, the static sources and the binding
-    (``binding``: its file), plus one kernel unit per mask mode and CTA tile (what FlashInfer's
-    FA2 planner may pick), and FlashInfer's host code; ``plan``: the launch builder's unit too."""
+    (``binding``: its file), plus one kernel unit per run() code (fa2_kernel_modes) and CTA tile
+    (what FlashInfer's FA2 planner may pick), and FlashInfer's host code; ``plan``: the launch
+    builder's unit too, and the exact launches' units without the spec's mask."""
+    ctx = dict(ctx, kernel_modes=fa2_kernel_modes(ctx, exact=plan))
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
         "batch_prefill_config.inc": env.get_template(config_template).render(ctx),
@@ -365,7 +386,7 @@ def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template:
         files.update(plan_sources(), **{"plan.cu": static_source("plan/plan.cu")})
         units.append("plan.cu")
     kernel = env.get_template(kernel_template)
-    for mode in ctx["mask_modes"]:
+    for mode in ctx["kernel_modes"]:
         for cta in FA2_CTA_TILES_Q:
             name = f"{unit_prefix}_{mode['name']}_cta{cta}.cu"
             files[name] = kernel.render(ctx, mode=mode, cta_tile_q=cta)

@@ -37,7 +37,7 @@ from .expr import FLOAT32_MAX
 from .graph import GraphCapacity
 from .intervals import IntervalForm, analyze, args_read, tensors_read, usable_form
 from .plan import Batch, Launch, Plan
-from .plan_abi import READ_INDICES_EXTRA, MaskMode
+from .plan_abi import FA2_TAIL_RUN_CODE, READ_INDICES_EXTRA, MaskMode
 from .planner import Planner
 from .render import ModuleConfig
 from .spec import VariantSpec, shown_value, value_fits
@@ -650,7 +650,9 @@ class VariantWrapper(WrapperBase):
         pack = self.last_plan.pack_gqa if self.last_plan is not None else 1
         q_k, out_k, lse_k = (q, out, lse) if pack == 1 else gqa_packed(q, out, lse, pack)
         for la in self._launches:
-            code = int(la.mode)
+            # fa2's tail launch: causal with the spec's mask on the tiles the kernel masks, a code
+            # of its own (the other causal launches run units without the spec's mask)
+            code = FA2_TAIL_RUN_CODE if la.tail and not fa3 else int(la.mode)
             if pack > 1 and la.mode == MaskMode.CAUSAL:  # (a graph's causal and window slots: always empty)
                 continue
             if fa3:

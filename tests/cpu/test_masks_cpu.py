@@ -29,7 +29,7 @@ from test_wrapper_cpu import make as make_wrapper_for
 import variantgen
 from variantgen import probe as probe_mod
 from variantgen.capabilities import TABLE, Request, Site
-from variantgen.plan_abi import MetaColumn
+from variantgen.plan_abi import FA2_TAIL_RUN_CODE, MaskMode, MetaColumn
 from variantgen.reference import RequestGrid, mask_for_request, reference_attention, sink_for_request, softmax_attention
 from variantgen.render import ModuleConfig
 from variantgen.testing import random_paged_batch, random_spec_args
@@ -262,6 +262,23 @@ def test_tree_verify_plans_the_context_dense(backend):
     for call in fake.run_calls:
         for meta in call.meta:
             assert meta[2] == 0  # each launch request reads from the first key: the context is visible
+
+
+def test_fa2_tail_launch_runs_the_masked_variant():
+    """fa2's tail launch runs causal with the spec's mask on its diagonal tiles, under a run()
+    code of its own: the exact causal code's kernel units have no spec mask (only the kernel
+    window), so there each draft node would see every earlier draft of its block - a wrong output."""
+    spec = shipped("tree_verify")
+    batch, args, _ = tree_case([16, 16, 3], ["random", "star", "chain"], [10, 6, 4], seed=2)  # short contexts
+    w, fake = prefill_check(spec, batch, dict(args), skip_tiles=True, label="tree plan")
+    (tail,) = w._launches
+    assert tail.tail and not tail.exact and [c.code for c in fake.run_calls] == [FA2_TAIL_RUN_CODE]
+    tail.tail = False  # as if run() passed it the exact causal code
+    bad = w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    assert fake.run_calls[-1].code == int(MaskMode.CAUSAL)
+    ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
+                              batch.kv_indices, batch.last_page_len, args)
+    assert (bad.float() - ref.float()).abs().max().item() > 0.2
 
 
 def run_with_meta_changed(monkeypatch, w, spec, batch, args, change):

@@ -9,7 +9,7 @@ import pytest
 from conftest import SPEC_FILES, SPECS_DIR
 
 import variantgen
-from variantgen import codegen, render
+from variantgen import codegen, plan_abi, render
 from variantgen.render import ModuleConfig, kernel_args, render_module
 
 
@@ -47,9 +47,10 @@ def test_every_shipped_spec_renders(path):
     if spec.logits is not None:
         assert codegen.emit_logits(spec).code in variant
     assert f"struct {render.struct_name(spec)}" in variant
-    # one kernel unit per mask mode and CTA tile, plus the binding and the launch builder
+    # one kernel unit per run() code (none, causal, the tail launch's causal, custom) and CTA
+    # tile, plus the binding and the launch builder
     assert module.compile_units[:2] == ("binding.cu", "plan.cu")
-    assert len(module.compile_units) == 2 + 3 * len(render.FA2_CTA_TILES_Q)
+    assert len(module.compile_units) == 2 + 4 * len(render.FA2_CTA_TILES_Q)
     assert set(module.compile_units) <= set(module.files)
     assert {"variant.cuh", "batch_prefill_config.inc"} <= set(module.files)
     assert "{{" not in all_text(module) and "{%" not in all_text(module)
@@ -773,3 +774,31 @@ def test_the_binding_hands_the_shared_kernel_its_value_scale(qkv_scales):
     assert f"LaunchPlain<MaskMode::kNone, false>(params, {value}, enable_pdl, stream);" in paged
     assert f"LaunchRaggedPlain<MaskMode::kCausal>(params, {value}, enable_pdl, stream);" in ragged
     assert "Launch<MaskMode::kNone, false, VG_MmPrefixMasked>(params, enable_pdl, stream);" in paged
+
+
+def test_fa2_exact_launches_compile_no_spec_mask():
+    """fa2 paged prefill: the exact launches' codes (none, causal) instantiate the variant without
+    the spec's mask (only the kernel window); the tail launch's code runs causal with the masked
+    variant, custom the masked one. A variant that can evaluate the mask slowed FlashInfer's
+    fa2 causal kernel by ~10% on the H200 even where the mask ran on no tile. Ragged modules
+    (no launch builder) keep the masked variant in every mode."""
+    spec = variantgen.load_spec(SPECS_DIR / "mm_prefix.yaml")
+    name = render.struct_name(spec)
+    module = render_module(config(spec))
+    variant = module.files["variant.cuh"]
+    exact = variant[variant.index(f"struct {name}Exact : {name}"):]
+    assert "return kv_idx + qo_len + window_left >= kv_len + qo_idx;" in exact
+    assert "ranges" not in exact  # nothing of the spec's mask
+    units = {u: module.files[u] for u in module.compile_units if u.startswith("paged_kernel_")}
+    for cta in render.FA2_CTA_TILES_Q:
+        for mode, literal, variant_name in (("none", "kNone", f"{name}Exact"), ("causal", "kCausal", f"{name}Exact"),
+                                            ("causal_tail", "kCausal", name), ("custom", "kCustom", name)):
+            text = units.pop(f"paged_kernel_{mode}_cta{cta}.cu")
+            assert f"MaskMode::{literal},\n    {variant_name}, PagedParams>" in text, (mode, cta)
+    assert not units
+    dispatch = module.files["batch_prefill_config.inc"]
+    tail = dispatch[dispatch.index("case static_cast<MaskMode>(vg_abi::kFa2TailRunCode)"):]
+    assert tail.index("MaskMode::kCausal") < tail.index(f"using AttentionVariant = {name};") < tail.index("break")
+    assert f"constexpr int32_t kFa2TailRunCode = {plan_abi.FA2_TAIL_RUN_CODE};" in module.files["vg_plan_abi.h"]
+    ragged = render_module(config(spec, kind="ragged"))
+    assert "Exact" not in all_text(ragged)

@@ -32,7 +32,7 @@ from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.errors import LaunchError
 from variantgen.intervals import analyze
-from variantgen.plan_abi import META_COLUMNS, MetaColumn, PrefillPlanInfo, Schedule
+from variantgen.plan_abi import FA2_TAIL_RUN_CODE, META_COLUMNS, MetaColumn, PrefillPlanInfo, Schedule
 from variantgen.reference import reference_attention
 from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges, within_range
 from variantgen.wrapper import VariantWrapper
@@ -101,6 +101,9 @@ def check(spec, batch, args, *, skip_tiles, scales=None, label="", codegen_q_idx
     if backend == "fa2":  # fa3 may split a mode over launches (one per window width, or by size)
         keys = [(m, la.tail) for m, la in zip(modes, w._launches)]  # (fa2's tail launch is a second causal one)
         assert len(keys) == len(set(keys)), keys
+        # the tail launch runs under its own code (the masked variant), the exact ones without the spec's mask
+        assert [c.code for c in fake.run_calls] == [FA2_TAIL_RUN_CODE if la.tail else int(la.mode)
+                                                    for la in w._launches]
     if not skip_tiles:
         # planner off: one custom launch request per request with queries
         assert set(modes) == {"custom"} and sum(c.num_requests for c in fake.run_calls) == sum(map(bool, batch.qo_lens))

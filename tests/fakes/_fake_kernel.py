@@ -53,12 +53,22 @@ import torch
 from _builder import finish_on_cpu, plan_builder
 
 from variantgen.evaluate import Evaluator
-from variantgen.plan_abi import META_COLUMNS, SEG_FIELDS, MaskMode, MetaColumn, PrefillPlanInfo, SM90PlanInfo
+from variantgen.plan_abi import (
+    FA2_TAIL_RUN_CODE,
+    META_COLUMNS,
+    SEG_FIELDS,
+    MaskMode,
+    MetaColumn,
+    PrefillPlanInfo,
+    SM90PlanInfo,
+)
 from variantgen.planner import fa3_cta_tile_q
 from variantgen.reference import softmax_attention
 from variantgen.spec import VariantSpec
 
 MODE_NAMES = {int(m): m.label for m in MaskMode}
+# fa2's paged_run codes: the mask modes, and the tail launch's causal with the spec's mask
+FA2_RUN_CODES = {**MODE_NAMES, FA2_TAIL_RUN_CODE: "causal"}
 
 
 def fa2_cta_tile_q(packed_len: int, head_dim_vo: int, head_dim_qk: int) -> int:
@@ -176,6 +186,7 @@ class RunCall:
     rows: int  # query rows this launch covers
     meta: list[list[int]]
     scalars: dict[str, Any] = field(default_factory=dict)
+    code: int = -1  # the run() code paged_run got (fa2: FA2_TAIL_RUN_CODE for its tail launch)
 
 
 class FakeModule:
@@ -268,7 +279,7 @@ class FakeModule:
     def paged_run(self, float_ws, int_ws, plan_info, q, k_cache, v_cache, q_starts, kv_indptr, kv_indices,
                   last_page_len, out, lse, mask_mode, layout, window_left, enable_pdl, *extra):
         args, meta_t, sm_scale, v_scale = self._unpack_extra(extra)
-        assert mask_mode in MODE_NAMES, mask_mode
+        assert mask_mode in (FA2_RUN_CODES if self.mask_on_diagonal else MODE_NAMES), mask_mode
         assert layout == 0, "the fake kernel emulates the NHD layout only"
         assert window_left == -1 and isinstance(enable_pdl, bool)
         info = list(plan_info)
@@ -331,12 +342,14 @@ class FakeModule:
             scores = scores_with_logits(self.spec, env, args, scores)
             if mask_mode == 2:
                 visible = kernel_mask(self.spec, env, args, (hq, qo_len, kv_len), meta[b])
-            elif mask_mode == 1:
+            elif mask_mode in (1, FA2_TAIL_RUN_CODE):
                 d = kv_len - qo_len + i
                 if self.mask_on_diagonal:
                     # fa2: the kernel masks j > d itself and evaluates the variant's mask on the KV
                     # tiles from its query tile's first diagonal d0 on and on those holding keys
-                    # below its last row's window edge (its own window check is the variant's)
+                    # below its last row's window edge (its own window check is the variant's).
+                    # The variant: the spec's mask in the tail launch, else (an exact launch's
+                    # unit, compiled without it) the kernel window only, whatever vg_meta says.
                     packed_row = i * group + torch.arange(hq).view(-1, 1, 1) % group
                     tile = packed_row // cta
                     d0 = kv_len - qo_len + (tile * cta + group - 1) // group  # FlashInfer's ceil_div
@@ -344,7 +357,11 @@ class FakeModule:
                     if kwin >= 0:
                         edge = kv_len - qo_len + ((tile + 1) * cta + group - 1) // group - kwin
                         evaluated = evaluated | (j < edge)
-                    mask = kernel_mask(self.spec, env, args, (hq, qo_len, kv_len), meta[b])
+                    if mask_mode == FA2_TAIL_RUN_CODE:
+                        mask = kernel_mask(self.spec, env, args, (hq, qo_len, kv_len), meta[b])
+                    else:
+                        window = kwin if kwin >= 0 else kv_len  # (the variant's window_left: kv_len for none)
+                        mask = (j + qo_len + window >= kv_len + i).expand(hq, qo_len, kv_len)
                     visible = (j <= d) & torch.where(evaluated, mask, torch.ones((), dtype=torch.bool))
                 else:  # fa3: the kernel's own causal and window masks, no variant mask
                     visible = (j <= d) & ((j >= d - kwin) if kwin >= 0 else torch.ones((), dtype=torch.bool))
@@ -356,8 +373,9 @@ class FakeModule:
             out[o_row:o_row + qo_len] = (o * v_scale).to(out.dtype)
             if lse is not None:
                 lse[o_row:o_row + qo_len] = lse_b
-        self.run_calls.append(RunCall(MODE_NAMES[mask_mode], n, rows_total, meta,
-                                      {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}))
+        self.run_calls.append(RunCall(FA2_RUN_CODES[mask_mode], n, rows_total, meta,
+                                      {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)},
+                                      code=mask_mode))
 
 
     @staticmethod
