@@ -143,15 +143,10 @@ def test_every_shipped_spec_renders_a_decode_module(path):
     assert module.host_sources == ("batch_decode.cu",)
     text = "\n".join(module.files.values())
     assert "{{" not in text and "{%" not in text and "{#" not in text
-    # the variant struct is the prefill module's, unchanged (a sink's hook differs: decode has no m/d
-    # update); prefill adds the exact launches' variant after it, which decode does not launch
-    struct = render.struct_name(spec)
+    # the variant struct is the prefill module's, unchanged (a sink's hook differs: decode has no m/d update)
     prefill = render_module(decode_config(spec, kind="prefill"))
-    prefill_variant = prefill.files["variant.cuh"]
-    exact = re.search(rf"\n// The variant of the exact launches.*?\nstruct {struct}Exact : {struct} {{.*?\n}};\n",
-                      prefill_variant, re.S)
-    assert exact is not None and "Exact" not in module.files["variant.cuh"]
-    assert (module.files["variant.cuh"] == prefill_variant.replace(exact.group(0), "")) == (spec.sink is None)
+    assert (module.files["variant.cuh"] == prefill.files["variant.cuh"]) == (spec.sink is None)
+    struct = render.struct_name(spec)
     config = module.files["batch_decode_config.inc"]
     # vg_meta's columns: the plan ABI's header, which every kind's config includes
     for text in (config, prefill.files["batch_prefill_config.inc"]):

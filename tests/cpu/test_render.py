@@ -801,4 +801,6 @@ def test_fa2_exact_launches_compile_no_spec_mask():
     assert tail.index("MaskMode::kCausal") < tail.index(f"using AttentionVariant = {name};") < tail.index("break")
     assert f"constexpr int32_t kFa2TailRunCode = {plan_abi.FA2_TAIL_RUN_CODE};" in module.files["vg_plan_abi.h"]
     ragged = render_module(config(spec, kind="ragged"))
-    assert "Exact" not in all_text(ragged)
+    units = [ragged.files[u] for u in ragged.compile_units if u.startswith("ragged_kernel_")]
+    assert units and all(f"{name}, RaggedParams>" in u and f"{name}Exact" not in u for u in units)
+    assert "kFa2TailRunCode" not in ragged.files["batch_prefill_config.inc"]
