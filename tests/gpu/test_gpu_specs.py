@@ -68,6 +68,26 @@ def test_spec_planned_vs_reference(spec_name, workspace):
     check(spec_name, workspace, skip_tiles=True, seed=1)
 
 
+def test_fa2_exact_units_match_the_masked_units(workspace):
+    """fa2's exact launches run kernel units compiled without the spec's mask (only the kernel
+    window); the same launches under the tail launch's run() code - the masked variant, with
+    every key known visible - must give the same output, and both the reference's."""
+    from variantgen.plan_abi import MaskMode
+
+    spec, w, b, args = mm_prefix_case(workspace, seed=6)
+    w.plan(*b.plan_args(), skip_tiles=True, **args)
+    exact = [la for la in w.last_plan.launches if la.exact and la.mode == MaskMode.CAUSAL]
+    assert exact, w.last_plan
+    kv = (b.k_cache, b.v_cache)
+    out = w.run(b.q, kv, **args)
+    for la in exact:
+        la.tail = True  # run() passes them the tail launch's code
+    masked = w.run(b.q, kv, **args)
+    assert torch.equal(out, masked)
+    ref = reference_attention(spec, b.q, kv, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, args)
+    assert rel_error(out, ref) < 1e-2
+
+
 ADVERSARIAL = {
     # name: (qo_lens, kv_lens, spans per request)
     "span_at_first_and_last_token": ([64, 64], [64, 200], [[(0, 0), (63, 63)], [(199, 199), (136, 150)]]),
