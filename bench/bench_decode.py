@@ -41,8 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.plan_abi import MaskMode, MetaColumn  # noqa: E402
-from variantgen.testing import cuda_median_ms, run_environment, write_result  # noqa: E402
+from variantgen.plan_abi import MetaColumn  # noqa: E402
+from variantgen.testing import cuda_median_ms, mask_exact_launches, run_environment, write_result  # noqa: E402
 
 B, L, HQ, HKV, D, PS = 64, 8192, 32, 8, 128, 16
 WINDOW, SOFT_CAP, DOC_LEN = 1023, 50.0, 1024
@@ -213,16 +213,12 @@ def main() -> None:
 
     # ---------------------------------------------------------------- variantgen
     def exact_runs_masked(w, name, run_args):
-        """Same-process A/B on fa2's tensor-core path: the plan's exact causal launches (mode and
-        window are their whole mask) on the units with the spec's mask compiled in (the tail
-        launch's code; every key still known visible, so it is evaluated on no tile) instead of
-        the units without it. The output must not change."""
-        exact = [la for la in w.last_plan.launches if la.exact and la.mode == MaskMode.CAUSAL]
-        if not exact:
-            return
+        """Same-process A/B on fa2's tensor-core path: the plan's exact causal launches on the
+        units with the spec's mask compiled in (testing.mask_exact_launches) instead of the
+        units without it."""
         good = w.run(batch["q"], kv, **run_args).float()
-        for la in exact:
-            la.tail = True  # (a benchmark's experiment: run() passes the tail launch's code)
+        if not mask_exact_launches(w.last_plan):
+            return
         record(f"{name}_exact_runs_on_masked_variant", lambda: w.run(batch["q"], kv, **run_args))
         notes[f"{name}_exact_runs_on_masked_variant_max_abs_diff"] = (
             w.run(batch["q"], kv, **run_args).float() - good).abs().max().item()

@@ -24,11 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.plan_abi import MaskMode  # noqa: E402
 from variantgen.testing import (  # noqa: E402
     PREFILL_BENCH_SHAPE,
     PREFILL_BENCH_SPANS,
     cuda_median_ms,
+    mask_exact_launches,
     prefill_bench_batch,
     result_file_name,
     run_environment,
@@ -130,15 +130,10 @@ def main() -> None:
     exp = res.setdefault("experiments_ms", {})
 
     def exact_runs_masked(w, tag, spec_args, o):
-        """Same-process A/B: the plan's exact causal launches (mode and window are their whole
-        mask) run on the units with the spec's mask compiled in (the tail launch's code; vg_meta
-        still says every key is known visible, so the mask is evaluated on no tile) instead of
-        the units without it. The output must not change."""
-        exact = [la for la in w.last_plan.launches if la.exact and la.mode == MaskMode.CAUSAL]
-        if not exact:
+        """Same-process A/B: the plan's exact causal launches on the units with the spec's mask
+        compiled in (testing.mask_exact_launches) instead of the units without it."""
+        if not mask_exact_launches(w.last_plan):
             return
-        for la in exact:
-            la.tail = True  # (a benchmark's experiment: run() passes the tail launch's code)
         exp[f"{tag}_exact_runs_on_masked_variant"] = round(
             cuda_median_ms(lambda: w.run(batch.q, kv, **spec_args), args.iters), 3)
         res["notes"][f"{tag}_exact_runs_on_masked_variant_max_abs_diff"] = (

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .plan_abi import MaskMode
 from .spans import spans_to_ranges  # also importable from here, where tests and bench/ take it
 from .spec import ScalarArg, VariantSpec
 from .trees import random_tree_parents, tree_bits
@@ -139,6 +140,18 @@ def within_range(scalar: ScalarArg, value: int | float) -> int | float:
     if hi is not None:
         value = min(value, hi)
     return value
+
+
+def mask_exact_launches(plan: Any) -> int:
+    """fa2's same-process A/B of the benchmarks and GPU tests: ``plan``'s exact causal launches
+    (mode and kernel window are their whole mask) marked as the tail launch, so that run() passes
+    them the tail launch's code and they run on the kernel units with the spec's mask compiled in
+    - evaluated on no tile, vg_meta still saying every key is visible: the output must not
+    change. Plan again to undo. Returns how many launches it marked."""
+    exact = [la for la in plan.launches if la.exact and la.mode == MaskMode.CAUSAL]
+    for la in exact:
+        la.tail = True
+    return len(exact)
 
 
 def cuda_median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:

@@ -32,7 +32,7 @@ from variantgen.capabilities import TABLE, Request, Site
 from variantgen.plan_abi import FA2_TAIL_RUN_CODE, MaskMode, MetaColumn
 from variantgen.reference import RequestGrid, mask_for_request, reference_attention, sink_for_request, softmax_attention
 from variantgen.render import ModuleConfig
-from variantgen.testing import random_paged_batch, random_spec_args
+from variantgen.testing import mask_exact_launches, random_paged_batch, random_spec_args
 from variantgen.trees import random_tree_parents, tree_bits
 
 
@@ -349,6 +349,15 @@ def test_an_exact_fa2_run_skips_the_mask_but_not_its_window(spec_name, args, mon
     assert exact and all(m[MetaColumn.VIS_LO:MetaColumn.VIS_HI + 1] == [0, VIS_EVERY_KEY] for m in exact)
     assert all(r.visible == (0, -1) for r in w.last_plan.launch_requests if r.mode.name != "CUSTOM")
     assert all(bool((la.meta[:, MetaColumn.VIS_HI] == VIS_EVERY_KEY).all()) == la.exact for la in w.last_plan.launches)
+    # the benchmarks' A/B (testing.mask_exact_launches): the exact causal launches on the units with
+    # the spec's mask compiled in, every key still known visible, give the same output
+    kv = (batch.k_cache, batch.v_cache)
+    good = w.run(batch.q, kv, **args)
+    calls = len(fake.run_calls)
+    exact_causal = sum(la.exact and la.mode == MaskMode.CAUSAL for la in w._launches)
+    assert exact_causal and mask_exact_launches(w.last_plan) == exact_causal
+    assert torch.equal(w.run(batch.q, kv, **args), good)
+    assert FA2_TAIL_RUN_CODE in [c.code for c in fake.run_calls[calls:]]
     if spec_name != "sliding_window":
         return
     assert any(m[MetaColumn.KERNEL_WINDOW] == 37 for m in exact)

@@ -12,7 +12,7 @@ import torch
 from _gpu import ALL_SPECS, assert_graph_replays, check, mm_prefix_case, rel_error
 
 from variantgen.reference import reference_attention
-from variantgen.testing import spans_to_ranges
+from variantgen.testing import mask_exact_launches, spans_to_ranges
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -72,16 +72,11 @@ def test_fa2_exact_units_match_the_masked_units(workspace):
     """fa2's exact launches run kernel units compiled without the spec's mask (only the kernel
     window); the same launches under the tail launch's run() code - the masked variant, with
     every key known visible - must give the same output, and both the reference's."""
-    from variantgen.plan_abi import MaskMode
-
     spec, w, b, args = mm_prefix_case(workspace, seed=6)
     w.plan(*b.plan_args(), skip_tiles=True, **args)
-    exact = [la for la in w.last_plan.launches if la.exact and la.mode == MaskMode.CAUSAL]
-    assert exact, w.last_plan
     kv = (b.k_cache, b.v_cache)
     out = w.run(b.q, kv, **args)
-    for la in exact:
-        la.tail = True  # run() passes them the tail launch's code
+    assert mask_exact_launches(w.last_plan), w.last_plan
     masked = w.run(b.q, kv, **args)
     assert torch.equal(out, masked)
     ref = reference_attention(spec, b.q, kv, b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len, args)
