@@ -23,9 +23,12 @@ against the dense reference without a GPU:
   w >= 0, while fa2 evaluates the variant's mask only where FlashInfer's fa2 kernel is sure to:
   on the keys from the diagonal of each query tile's first query on (``j >= d0``, the tile of
   packed row i * group + head % group; its kernel starts at the KV tile holding d0, so at or
-  before it) and below its last row's window edge (the window is the variant's to apply);
-  mode 0 (none) sees every key of the launch request. The planner may only send rows there
-  whose visible set is exactly that; a strict emulation catches any row for which it is not.
+  before it) and below its last row's window edge (the window is the variant's to apply).
+  That variant is the spec's in fa2's tail launch (its own code, FA2_TAIL_RUN_CODE); under
+  code 1 it is the exact launches' (compiled without the spec's mask), which checks only the
+  kernel window, whatever vg_meta says. Mode 0 (none) sees every key of the launch request.
+  The planner may only send rows there whose visible set is exactly that; a strict emulation
+  catches any row for which it is not.
   The query tile is the launch's work list's (or, FlashInfer scheduling it, what its scheduler
   picks for the mean launch request: fa2_cta_tile_q).
 * the spec's logits transform is applied in every mode to the scaled score; its sink (if
@@ -116,6 +119,15 @@ def spec_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...]) 
     return Evaluator(spec, env, args).ev(spec.mask).expand(shape)
 
 
+def variant_window(shape: tuple[int, ...], window: int) -> torch.Tensor:
+    """fa2's variant window check, kv_idx + qo_len + window_left >= kv_len + qo_idx, in launch-local
+    indices (``window`` < 0: none, window_left = kv_len). ``shape``: [heads, qo_len, kv_len]."""
+    _, qo_len, kv_len = shape
+    i = torch.arange(qo_len).view(1, -1, 1)
+    j = torch.arange(kv_len).view(1, 1, -1)
+    return (j + qo_len + (window if window >= 0 else kv_len) >= kv_len + i).expand(shape)
+
+
 def kernel_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...], meta_row: list[int]) -> torch.Tensor:
     """The generated mask as the variant evaluates it: keys in the launch request's known-visible
     range [VIS_LO, VIS_HI] are visible without evaluating it but for the kernel window (the
@@ -124,11 +136,8 @@ def kernel_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...]
     lo, hi = meta_row[MetaColumn.VIS_LO], meta_row[MetaColumn.VIS_HI]
     known = (env["kv_pos"] >= lo) & (env["kv_pos"] <= hi)
     window = meta_row[MetaColumn.KERNEL_WINDOW]
-    if window >= 0:  # fa2's variant: kv_idx + qo_len + window_left >= kv_len + qo_idx, in launch-local indices
-        _, qo_len, kv_len = shape
-        i = torch.arange(qo_len).view(1, -1, 1)
-        j = torch.arange(kv_len).view(1, 1, -1)
-        return torch.where(known, j + qo_len + window >= kv_len + i, spec_mask(spec, env, args, shape))
+    if window >= 0:
+        return torch.where(known, variant_window(shape, window), spec_mask(spec, env, args, shape))
     return known | spec_mask(spec, env, args, shape)
 
 
@@ -360,8 +369,7 @@ class FakeModule:
                     if mask_mode == FA2_TAIL_RUN_CODE:
                         mask = kernel_mask(self.spec, env, args, (hq, qo_len, kv_len), meta[b])
                     else:
-                        window = kwin if kwin >= 0 else kv_len  # (the variant's window_left: kv_len for none)
-                        mask = (j + qo_len + window >= kv_len + i).expand(hq, qo_len, kv_len)
+                        mask = variant_window((hq, qo_len, kv_len), kwin)
                     visible = (j <= d) & torch.where(evaluated, mask, torch.ones((), dtype=torch.bool))
                 else:  # fa3: the kernel's own causal and window masks, no variant mask
                     visible = (j <= d) & ((j >= d - kwin) if kwin >= 0 else torch.ones((), dtype=torch.bool))
