@@ -2,7 +2,8 @@
 
 The prefill benchmark workload (8 x 8192 tokens, 32/8 heads, hd 128, bf16, page 16): the causal
 spec planned (one exact causal launch) and FlashInfer's causal wrapper alternate in 9 rounds of
-10 runs; the median of the per-round ratios, and the largest difference of the two outputs.
+10 runs (bench_plan.paired); the median of the per-round ratios, and the largest difference of
+the two outputs.
 
     python pair.py KIND OUT_JSON        (from the copy's root, its modules precompiled)
 """
@@ -11,17 +12,18 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.getcwd())
+sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 
 import flashinfer  # noqa: E402
+from bench_plan import paired  # noqa: E402
 
 import variantgen  # noqa: E402
-from variantgen.testing import cuda_median_ms, prefill_bench_batch, run_environment  # noqa: E402
+from variantgen.testing import prefill_bench_batch, run_environment  # noqa: E402
 
 
 def main() -> None:
@@ -35,13 +37,8 @@ def main() -> None:
                                 backend="fa2")
     w.plan(*batch.plan_args())
     ref, mine = fw.run(batch.q, kv).float(), w.run(batch.q, kv).float()
-    runs = {"fi": lambda: fw.run(batch.q, kv), "vg": lambda: w.run(batch.q, kv)}
-    times: dict[str, list[float]] = {n: [] for n in runs}
-    for _ in range(9):
-        for n, f in runs.items():
-            times[n].append(round(cuda_median_ms(f, 10), 3))
-    ratio = statistics.median(a / b for a, b in zip(times["vg"], times["fi"]))
-    res = {**run_environment(), "kind": kind, "times": times, "ratio": round(ratio, 4),
+    pair = paired({"fi": lambda: fw.run(batch.q, kv), "vg": lambda: w.run(batch.q, kv)}, 9)
+    res = {**run_environment(), "kind": kind, "times": pair["ms"], "ratio": pair["median_ratio_to_baseline"]["vg"],
            "max_abs": (ref - mine).abs().max().item(),
            "launches": [(la.mask_mode, la.num_requests) for la in w.last_plan.launches]}
     print(json.dumps({k: res[k] for k in ("kind", "ratio", "max_abs", "launches")}), flush=True)
