@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import codegen, expr, plan_abi
+from . import codegen, expr, kv_tile, plan_abi
 from ._version import __version__
 from .capabilities import KINDS, MODULE_BACKENDS, TABLE, Request, Site, canonical_arch
 from .env import TEMPLATES_DIR, settings
@@ -368,11 +368,12 @@ def fa2_kernel_modes(ctx: dict, exact: bool) -> list[dict]:
     return modes
 
 
-def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template: str, binding: dict[str, str],
-                         kernel_template: str, unit_prefix: str, host_source: str, plan: bool = False):
+def _render_fa2_per_tile(config: ModuleConfig, ctx: dict, env: jinja2.Environment, *, config_template: str,
+                         binding: dict[str, str], kernel_template: str, unit_prefix: str, host_source: str,
+                         plan: bool = False):
     """The FA2 prefill kinds: variant and config rendered, the static sources and the binding
-    (``binding``: its file), plus one kernel unit per run() code (fa2_kernel_modes) and CTA tile
-    (what FlashInfer's FA2 planner may pick), and FlashInfer's host code; ``plan``: the launch
+    (``binding``: its file), plus the kernel units of every run() code (fa2_kernel_modes) and CTA
+    tile (what FlashInfer's FA2 planner may pick; fa2_kernel_units), and FlashInfer's host code; ``plan``: the launch
     builder's unit too, and the exact launches' units without the spec's mask."""
     ctx = dict(ctx, kernel_modes=fa2_kernel_modes(ctx, exact=plan))
     files = {
@@ -386,12 +387,29 @@ def _render_fa2_per_tile(ctx: dict, env: jinja2.Environment, *, config_template:
         files.update(plan_sources(), **{"plan.cu": static_source("plan/plan.cu")})
         units.append("plan.cu")
     kernel = env.get_template(kernel_template)
-    for mode in ctx["kernel_modes"]:
-        for cta in FA2_CTA_TILES_Q:
-            name = f"{unit_prefix}_{mode['name']}_cta{cta}.cu"
-            files[name] = kernel.render(ctx, mode=mode, cta_tile_q=cta)
-            units.append(name)
+    kernel_units = fa2_kernel_units(config, ctx["kernel_modes"])
+    for cta, num_mma_kv, modes in kernel_units:
+        name = f"{unit_prefix}_cta{cta}.cu" if num_mma_kv else f"{unit_prefix}_{modes[0]['name']}_cta{cta}.cu"
+        files[name] = kernel.render(ctx, modes=modes, cta_tile_q=cta, num_mma_kv=num_mma_kv)
+        units.append(name)
+    if any(num_mma_kv for _, num_mma_kv, _ in kernel_units):
+        files.update(_static("fa2/pinned_kv_tile.cuh"))
     return files, units, (host_source,), ()
+
+
+def fa2_kernel_units(config: ModuleConfig, modes: list[dict]) -> list[tuple[int, int | None, list[dict]]]:
+    """The kernel units of an fa2 prefill module, as (CTA tile, its pinned KV tile or None, the
+    run() codes it instantiates). Where the module's arch fixes FlashInfer's KV tile
+    (kv_tile.py), a unit holds one kernel per code, so every code of a CTA tile goes into one
+    unit: a unit's build is mostly parsing FlashInfer's headers, which it then does once for all
+    of them. Otherwise FlashInfer's dispatch instantiates four KV tiles per code, and each code
+    gets a unit of its own (the units build in parallel)."""
+    out = []
+    for cta in FA2_CTA_TILES_Q:
+        pinned = kv_tile.fa2_num_mma_kv(cta, config.head_dim_qk, config.head_dim_vo, DTYPES[config.q_dtype][1],
+                                        DTYPES[config.kv_dtype][1], canonical_arch(config.arch))
+        out += [(cta, pinned, modes)] if pinned else [(cta, None, [mode]) for mode in modes]
+    return out
 
 
 def _plan_unit(config: ModuleConfig) -> SharedUnit:
@@ -402,7 +420,7 @@ def _plan_unit(config: ModuleConfig) -> SharedUnit:
 
 def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
     files, units, hosts, _ = _render_fa2_per_tile(
-        ctx, env, config_template="fa2/config.inc.jinja", binding=_static(binding_cu="fa2/paged_binding.cu"),
+        config, ctx, env, config_template="fa2/config.inc.jinja", binding=_static(binding_cu="fa2/paged_binding.cu"),
         kernel_template="fa2/paged_kernel.cu.jinja", unit_prefix="paged_kernel", host_source="batch_prefill_paged.cu",
         plan=True)
     return files, units, hosts, (_plan_unit(config),)
@@ -424,10 +442,10 @@ FA2_DISPATCHED_CTA_TILES_Q = (16, 32, 64, 128)  # what FlashInfer's DISPATCH_CTA
 
 
 def _render_fa2_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
-    """FlashInfer's FA2 ragged-KV prefill: one kernel unit per mask mode and CTA tile, its
+    """FlashInfer's FA2 ragged-KV prefill: the kernel units of every mask mode and CTA tile, its
     host code (batch_prefill.cu) compiled against our config, our plan + ragged_run binding."""
     ctx = dict(ctx, cta_tiles=list(FA2_CTA_TILES_Q), all_cta_tiles=list(FA2_DISPATCHED_CTA_TILES_Q))
-    return _render_fa2_per_tile(ctx, env, config_template="fa2/ragged_config.inc.jinja",
+    return _render_fa2_per_tile(config, ctx, env, config_template="fa2/ragged_config.inc.jinja",
                                 binding={"binding.cu": env.get_template("fa2/ragged_binding.cu.jinja").render(ctx)},
                                 kernel_template="fa2/ragged_kernel.cu.jinja", unit_prefix="ragged_kernel",
                                 host_source="batch_prefill.cu")

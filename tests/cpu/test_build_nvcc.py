@@ -148,7 +148,7 @@ sink: sinks[qo_head] + float(kv_head)
 
 
 @pytest.mark.parametrize(("backend", "kind", "unit"), [
-    ("fa2", "prefill", "paged_kernel_custom_cta16.cu"), ("fa2", "decode", "decode_kernel.cu"),
+    ("fa2", "prefill", "paged_kernel_cta16.cu"), ("fa2", "decode", "decode_kernel.cu"),
     ("fa3", "prefill", "paged_kernel_custom.cu")])
 def test_sink_and_bit_kernels_compile(vg_env, toolchain, tmp_path, backend, kind, unit):
     """One kernel unit per way a sink is generated, compiled by nvcc against FlashInfer's headers

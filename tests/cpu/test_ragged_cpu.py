@@ -71,10 +71,11 @@ def test_every_shipped_spec_renders_ragged(spec_name, dims):
     module = render.render_module(ragged_config(spec, *dims))
     assert module.host_sources == ("batch_prefill.cu",)
     assert module.compile_units[0] == "binding.cu"
-    kernels = [f"ragged_kernel_{m}_cta{c}.cu" for m in ("none", "causal", "custom") for c in (16, 64, 128)]
+    kernels = [f"ragged_kernel_cta{c}.cu" for c in (16, 64, 128)]  # sm90: every mode of a CTA tile in one unit
     assert list(module.compile_units[1:]) == kernels
     assert set(module.files) == {"vg_plan_abi.h", "variant.cuh", "batch_prefill_config.inc", "binding.cu", *kernels,
-                                 "vg_helpers.cuh", "config_prelude.cuh", "kernel_params.cuh", "prefill_plan.cuh"}
+                                 "vg_helpers.cuh", "config_prelude.cuh", "kernel_params.cuh", "prefill_plan.cuh",
+                                 "pinned_kv_tile.cuh"}
     text = "\n".join(module.files.values())
     assert "{{" not in text and "{%" not in text
     config = module.files["batch_prefill_config.inc"]
@@ -85,7 +86,7 @@ def test_every_shipped_spec_renders_ragged(spec_name, dims):
     assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(ragged_run, BatchPrefillWithRaggedKVCacheRun);" in binding
     assert '#include "prefill_plan.cuh"' in binding
     assert "HEAD_DIM_QK, HEAD_DIM_VO, page_size" in module.files["prefill_plan.cuh"]  # both head dims
-    unit = module.files["ragged_kernel_custom_cta64.cu"]
+    unit = module.files["ragged_kernel_cta64.cu"]
     assert (f"BatchPrefillWithRaggedKVCacheDispatched<\n    /*CTA_TILE_Q=*/64, {dims[0]}, {dims[1]}, "
             "PosEncodingMode::kNone") in unit
     assert f"MaskMode::kCustom, {render.struct_name(spec)}, RaggedParams>" in unit

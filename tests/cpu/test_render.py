@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import re
 
 import jinja2
@@ -47,10 +48,10 @@ def test_every_shipped_spec_renders(path):
     if spec.logits is not None:
         assert codegen.emit_logits(spec).code in variant
     assert f"struct {render.struct_name(spec)}" in variant
-    # one kernel unit per run() code (none, causal, the tail launch's causal, custom) and CTA
-    # tile, plus the binding and the launch builder
-    assert module.compile_units[:2] == ("binding.cu", "plan.cu")
-    assert len(module.compile_units) == 2 + 4 * len(render.FA2_CTA_TILES_Q)
+    # on sm90 one kernel unit per CTA tile (every run() code in it, FlashInfer's KV tile pinned),
+    # plus the binding and the launch builder
+    assert module.compile_units == ("binding.cu", "plan.cu",
+                                    *(f"paged_kernel_cta{cta}.cu" for cta in render.FA2_CTA_TILES_Q))
     assert set(module.compile_units) <= set(module.files)
     assert {"variant.cuh", "batch_prefill_config.inc"} <= set(module.files)
     assert "{{" not in all_text(module) and "{%" not in all_text(module)
@@ -113,8 +114,10 @@ def test_mask_modes_and_dtypes(spec_from):
     spec = spec_from("name: x\nmask: kv_pos <= q_pos\n")
     module = render_module(config(spec, kv_dtype="fp8_e4m3", o_dtype="fp16", mask_modes=("custom",),
                                   head_dim_qk=64, head_dim_vo=64))
-    assert module.compile_units == ("binding.cu", "plan.cu", "paged_kernel_custom_cta16.cu",
-                                    "paged_kernel_custom_cta64.cu", "paged_kernel_custom_cta128.cu")
+    assert module.compile_units == ("binding.cu", "plan.cu", "paged_kernel_cta16.cu", "paged_kernel_cta64.cu",
+                                    "paged_kernel_cta128.cu")
+    assert all(module.files[f"paged_kernel_cta{cta}.cu"].count("false, MaskMode::kCustom,") == 1
+               for cta in (16, 64, 128))
     inc = module.files["batch_prefill_config.inc"]
     assert "using DTypeKV = __nv_fp8_e4m3;" in inc and "using DTypeO = half;" in inc
     assert "using DTypeQ = nv_bfloat16;" in inc
@@ -474,9 +477,11 @@ PLAN_FILES = {name: f"plan/{name}" for name in (*render.PLAN_HEADERS, "plan.cu")
 STATIC_FILES = {
     ("fa2", "prefill"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "config_prelude.cuh": "fa2/config_prelude.cuh",
                          "kernel_params.cuh": "fa2/kernel_params.cuh", "prefill_plan.cuh": "fa2/prefill_plan.cuh",
-                         "binding.cu": "fa2/paged_binding.cu", **PLAN_FILES},
+                         "binding.cu": "fa2/paged_binding.cu", "pinned_kv_tile.cuh": "fa2/pinned_kv_tile.cuh",
+                         **PLAN_FILES},
     ("fa2", "ragged"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "config_prelude.cuh": "fa2/config_prelude.cuh",
-                        "kernel_params.cuh": "fa2/kernel_params.cuh", "prefill_plan.cuh": "fa2/prefill_plan.cuh"},
+                        "kernel_params.cuh": "fa2/kernel_params.cuh", "prefill_plan.cuh": "fa2/prefill_plan.cuh",
+                        "pinned_kv_tile.cuh": "fa2/pinned_kv_tile.cuh"},
     ("fa2", "decode"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "config_prelude.cuh": "fa2/config_prelude.cuh",
                         "kernel_params.cuh": "fa2/kernel_params.cuh", "binding.cu": "fa2/decode_binding.cu",
                         "read_indices.cuh": "plan/read_indices.cuh"},
@@ -789,13 +794,21 @@ def test_fa2_exact_launches_compile_no_spec_mask():
     exact = variant[variant.index(f"struct {name}Exact : {name}"):]
     assert "return kv_idx + qo_len + window_left >= kv_len + qo_idx;" in exact
     assert "ranges" not in exact  # nothing of the spec's mask
-    units = {u: module.files[u] for u in module.compile_units if u.startswith("paged_kernel_")}
-    for cta in render.FA2_CTA_TILES_Q:
-        for mode, literal, variant_name in (("none", "kNone", f"{name}Exact"), ("causal", "kCausal", f"{name}Exact"),
-                                            ("causal_tail", "kCausal", name), ("custom", "kCustom", name)):
-            text = units.pop(f"paged_kernel_{mode}_cta{cta}.cu")
-            assert f"MaskMode::{literal},\n    {variant_name}, PagedParams>" in text, (mode, cta)
-    assert not units
+    for arch, unit_of in (("9.0a", "paged_kernel_cta{cta}.cu"), ("8.0", "paged_kernel_{mode}_cta{cta}.cu")):
+        module = render_module(config(spec, arch=arch))
+        units = {u: module.files[u] for u in module.compile_units if u.startswith("paged_kernel_")}
+        instantiated = collections.Counter()
+        for cta in render.FA2_CTA_TILES_Q:
+            for mode, literal, variant_name in (("none", "kNone", f"{name}Exact"),
+                                                ("causal", "kCausal", f"{name}Exact"),
+                                                ("causal_tail", "kCausal", name), ("custom", "kCustom", name)):
+                unit = unit_of.format(mode=mode, cta=cta)
+                assert (f"// {mode}: MaskMode::{literal} with {variant_name}\n"
+                        "template cudaError_t BatchPrefillWithPagedKVCacheDispatched<\n"
+                        f"    /*SAME_KV_STRIDES=*/true, /*CTA_TILE_Q=*/{cta}, 128, 128,") in units[unit], (arch, mode)
+                instantiated[unit] += 1
+        assert all(text.count("template cudaError_t") == instantiated[unit] for unit, text in units.items())
+        assert set(instantiated) == set(units)
     dispatch = module.files["batch_prefill_config.inc"]
     tail = dispatch[dispatch.index("case static_cast<MaskMode>(vg_abi::kFa2TailRunCode)"):]
     assert tail.index("MaskMode::kCausal") < tail.index(f"using AttentionVariant = {name};") < tail.index("break")
