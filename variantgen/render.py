@@ -373,8 +373,8 @@ def _render_fa2_per_tile(config: ModuleConfig, ctx: dict, env: jinja2.Environmen
                          plan: bool = False):
     """The FA2 prefill kinds: variant and config rendered, the static sources and the binding
     (``binding``: its file), plus the kernel units of every run() code (fa2_kernel_modes) and CTA
-    tile (what FlashInfer's FA2 planner may pick; fa2_kernel_units), and FlashInfer's host code; ``plan``: the launch
-    builder's unit too, and the exact launches' units without the spec's mask."""
+    tile (what FlashInfer's FA2 planner may pick; fa2_kernel_units), and FlashInfer's host code;
+    ``plan``: the launch builder's unit too, and the exact launches' units without the spec's mask."""
     ctx = dict(ctx, kernel_modes=fa2_kernel_modes(ctx, exact=plan))
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
