@@ -8,7 +8,9 @@ compiler's first error, a log and a kept failed build.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -17,10 +19,10 @@ import pytest
 from conftest import SPECS_DIR
 
 import variantgen
-from variantgen import build
+from variantgen import build, kv_tile
 from variantgen.cache import Cache
 from variantgen.errors import BuildError
-from variantgen.render import ModuleConfig
+from variantgen.render import FA2_CTA_TILES_Q, ModuleConfig
 from variantgen.resolver import choose_backend
 
 pytestmark = pytest.mark.nvcc
@@ -51,6 +53,10 @@ def test_build_find_and_deploy_a_real_module(vg_env, toolchain):
     assert list((vg_env.cache_dir / ".staging").iterdir()) == []
     assert exported_functions(entry.module_path) == {"plan", "paged_run", "build_launches", "plan_direct", "schedule",
                                                      "read_indices"}
+    # sm90: one kernel per run() code (causal's exact and tail units) and CTA tile, at the KV tile
+    # kv_tile.py pins - not FlashInfer's four
+    pinned = {cta: kv_tile.fa2_num_mma_kv(cta, 128, 128, 2, 2, "9.0a") for cta in FA2_CTA_TILES_Q}
+    assert kernel_instances(entry.module_path) == {(1, cta, pinned[cta]): 2 for cta in FA2_CTA_TILES_Q}
 
     again = build.build_module(config, cache)
     assert again.built is False and again.entry.uri == entry.uri
@@ -58,6 +64,16 @@ def test_build_find_and_deploy_a_real_module(vg_env, toolchain):
     vg_env.set(VARIANTGEN_DISABLE_JIT="1")
     deployed = build.build_module(config, cache)
     assert deployed.built is False and deployed.entry.module_path == entry.module_path
+
+
+def kernel_instances(module: Path) -> collections.Counter:
+    """FlashInfer fa2 paged-prefill kernels compiled into a module, counted by (mask mode, CTA
+    tile, NUM_MMA_KV) from their host stubs' names."""
+    out = subprocess.run([shutil.which("nm") or "nm", "-C", str(module)], capture_output=True, text=True, check=True)
+    traits = re.compile(r"BatchPrefillWithPagedKVCacheKernel<[^<]*KernelTraits<\(flashinfer::MaskMode\)(\d+), "
+                        r"(\d+)u, \d+u, (\d+)u,")
+    return collections.Counter(tuple(map(int, m.groups())) for line in out.stdout.splitlines()
+                               if (m := traits.search(line)))
 
 
 def exported_functions(module: Path) -> set[str]:
