@@ -350,37 +350,38 @@ Renderer = Callable[[ModuleConfig, dict, jinja2.Environment],
 FA2_STATIC = ("common/vg_helpers.cuh", "fa2/config_prelude.cuh", "fa2/kernel_params.cuh")
 
 
-def fa2_kernel_modes(ctx: dict, exact: bool) -> list[dict]:
+def fa2_kernel_modes(ctx: dict, tail: bool) -> list[dict]:
     """The run() codes an fa2 prefill module compiles, each as (name, its C++ case label, its
-    FlashInfer mask mode, the variant it instantiates). ``exact`` (paged prefill, whose launches
-    the launch builder makes): modes none and causal run the variant without the spec's mask
-    (``<struct>Exact``: their launches are exact, plan.py's Launch.exact), fa2's tail launch runs
-    in mode causal under its own code with the masked variant, custom with the masked variant.
-    Otherwise every mode runs the masked variant."""
+    FlashInfer mask mode, the variant it instantiates). Modes none and causal run the variant
+    without the spec's mask (``<struct>Exact``): their launches are exact - paged prefill's
+    (plan.py's Launch.exact) by the launch builder, ragged prefill's by ragged.launch_mask_mode,
+    which picks them only for a mask that is exactly the mode. Custom runs the masked variant, and
+    so does ``tail`` (paged prefill): fa2's tail launch, mode causal under a code of its own."""
     masked = ctx["struct_name"]
     modes = []
     for m in ctx["mask_modes"]:
-        plain = exact and m["name"] != plan_abi.MaskMode.CUSTOM.label
+        plain = m["name"] != plan_abi.MaskMode.CUSTOM.label
         modes.append(dict(m, case=m["literal"], variant=f"{masked}Exact" if plain else masked))
-        if exact and m["name"] == plan_abi.MaskMode.CAUSAL.label:
+        if tail and m["name"] == plan_abi.MaskMode.CAUSAL.label:
             modes.append(dict(m, name="causal_tail", case="static_cast<MaskMode>(vg_abi::kFa2TailRunCode)",
                               variant=masked))
     return modes
 
 
 def _render_fa2_per_tile(config: ModuleConfig, ctx: dict, env: jinja2.Environment, *, config_template: str,
-                         binding: dict[str, str], kernel_template: str, unit_prefix: str, host_source: str,
+                         binding: str, kernel_template: str, unit_prefix: str, host_source: str,
                          plan: bool = False):
     """The FA2 prefill kinds: variant and config rendered, the static sources and the binding
-    (``binding``: its file), plus the kernel units of every run() code (fa2_kernel_modes) and CTA
-    tile (what FlashInfer's FA2 planner may pick; fa2_kernel_units), and FlashInfer's host code;
-    ``plan``: the launch builder's unit too, and the exact launches' units without the spec's mask."""
-    ctx = dict(ctx, kernel_modes=fa2_kernel_modes(ctx, exact=plan))
+    (``binding``: its template, or its static source), plus the kernel units of every run() code
+    (fa2_kernel_modes) and CTA tile (what FlashInfer's FA2 planner may pick; fa2_kernel_units),
+    and FlashInfer's host code; ``plan``: the launch builder's unit too, and the tail launch's."""
+    ctx = dict(ctx, kernel_modes=fa2_kernel_modes(ctx, tail=plan))
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
         "batch_prefill_config.inc": env.get_template(config_template).render(ctx),
         **_static(*FA2_STATIC, "fa2/prefill_plan.cuh"),
-        **binding,
+        "binding.cu": (env.get_template(binding).render(ctx) if binding.endswith(".jinja") else
+                       static_source(binding)),
     }
     units = ["binding.cu"]
     if plan:  # the launch builder (paged prefill: plan() builds its launches with it)
@@ -420,7 +421,7 @@ def _plan_unit(config: ModuleConfig) -> SharedUnit:
 
 def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
     files, units, hosts, _ = _render_fa2_per_tile(
-        config, ctx, env, config_template="fa2/config.inc.jinja", binding=_static(binding_cu="fa2/paged_binding.cu"),
+        config, ctx, env, config_template="fa2/config.inc.jinja", binding="fa2/paged_binding.cu",
         kernel_template="fa2/paged_kernel.cu.jinja", unit_prefix="paged_kernel", host_source="batch_prefill_paged.cu",
         plan=True)
     return files, units, hosts, (_plan_unit(config),)
@@ -446,7 +447,7 @@ def _render_fa2_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
     host code (batch_prefill.cu) compiled against our config, our plan + ragged_run binding."""
     ctx = dict(ctx, cta_tiles=list(FA2_CTA_TILES_Q), all_cta_tiles=list(FA2_DISPATCHED_CTA_TILES_Q))
     return _render_fa2_per_tile(config, ctx, env, config_template="fa2/ragged_config.inc.jinja",
-                                binding={"binding.cu": env.get_template("fa2/ragged_binding.cu.jinja").render(ctx)},
+                                binding="fa2/ragged_binding.cu.jinja",
                                 kernel_template="fa2/ragged_kernel.cu.jinja", unit_prefix="ragged_kernel",
                                 host_source="batch_prefill.cu")
 

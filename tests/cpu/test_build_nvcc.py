@@ -100,6 +100,29 @@ def test_build_an_fa3_ragged_module_without_a_gpu(vg_env, toolchain):
     assert callable(module.plan) and callable(module.ragged_run)
 
 
+def test_build_an_fa2_ragged_module_without_a_gpu(vg_env, toolchain):
+    """An fa2 ragged-KV module at MLA's head dims: every kernel FlashInfer's host code names is a
+    unit's or a declared stub (nothing left undefined), causal's kernels run the exact variant and
+    custom's the masked one, one per CTA tile at the pinned KV tile; it exports plan and ragged_run."""
+    vg_env.set(VARIANTGEN_BUILD_JOBS="2")
+    spec = variantgen.resolve_spec("causal")
+    config = ModuleConfig(spec, 192, 128, "bf16", "bf16", "bf16", "9.0a", "fa2", mask_modes=("causal", "custom"),
+                          kind="ragged")
+    result = build.build_module(config, Cache(vg_env.cache_dir))
+    path = result.entry.module_path
+    assert exported_functions(path) == {"plan", "ragged_run"}
+    nm = subprocess.run([shutil.which("nm") or "nm", "-C", "-u", str(path)], capture_output=True, text=True, check=True)
+    assert "Dispatched" not in nm.stdout
+    kernels = subprocess.run([shutil.which("nm") or "nm", "-C", str(path)], capture_output=True, text=True,
+                             check=True).stdout
+    ragged = [line for line in kernels.splitlines() if "BatchPrefillWithRaggedKVCacheKernel<" in line]
+    assert len(ragged) == 2 * len(FA2_CTA_TILES_Q)
+    assert sum("MaskMode)1" in line and "VG_CausalExact" in line for line in ragged) == len(FA2_CTA_TILES_Q)
+    assert sum("MaskMode)2" in line and "VG_CausalExact" not in line for line in ragged) == len(FA2_CTA_TILES_Q)
+    module = build.load_module(result.entry)
+    assert callable(module.plan) and callable(module.ragged_run)
+
+
 def test_build_an_fa3_module_without_a_gpu(vg_env, toolchain, tmp_path):
     """What `variantgen precompile causal --arch 9.0a` does on a build box (backend auto is fa3
     there), kept to one mask mode: nvcc and the CUDA runtime headers are all it needs."""

@@ -112,16 +112,17 @@ def test_vg_meta_layout_matches_the_prefill_module():
 
 def test_every_dispatched_kernel_is_defined():
     """FlashInfer's host code names CTA tiles 16/32/64/128 and (batch_prefill.cu) the paged kernels
-    too: what the kernel units do not instantiate is explicitly specialised (to refuse)."""
+    too, each with the variant of its run() code (causal: the exact one): what the kernel units do
+    not instantiate is explicitly specialised (to refuse)."""
     spec = shipped("causal")
     module = render.render_module(ragged_config(spec, 192, 128, mask_modes=("causal", "custom")))
     config, binding = module.files["batch_prefill_config.inc"], module.files["binding.cu"]
     for text in (config, binding):
-        for mode in ("kCausal", "kCustom"):
+        for mode, variant in (("kCausal", "VG_CausalExact"), ("kCustom", "VG_Causal")):
             for cta in (16, 32, 64, 128):
                 assert (f"/*SAME_KV_STRIDES=*/true, {cta}, 192, 128, PosEncodingMode::kNone,\n    false, "
-                        f"MaskMode::{mode}, VG_Causal, PagedParams>") in text
-            assert (f"    32, 192, 128, PosEncodingMode::kNone, false, MaskMode::{mode},\n    VG_Causal, "
+                        f"MaskMode::{mode}, {variant}, PagedParams>") in text
+            assert (f"    32, 192, 128, PosEncodingMode::kNone, false, MaskMode::{mode},\n    {variant}, "
                     "RaggedParams>") in text
             for cta in (16, 64, 128):
                 assert f"    {cta}, 192, 128, PosEncodingMode::kNone, false, MaskMode::{mode}," not in text

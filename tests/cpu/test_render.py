@@ -785,8 +785,7 @@ def test_fa2_exact_launches_compile_no_spec_mask():
     """fa2 paged prefill: the exact launches' codes (none, causal) instantiate the variant without
     the spec's mask (only the kernel window); the tail launch's code runs causal with the masked
     variant, custom the masked one. A variant that can evaluate the mask slowed FlashInfer's
-    fa2 causal kernel by ~10% on the H200 even where the mask ran on no tile. Ragged modules
-    (no launch builder) keep the masked variant in every mode."""
+    fa2 causal kernel by ~10% on the H200 even where the mask ran on no tile."""
     spec = variantgen.load_spec(SPECS_DIR / "mm_prefix.yaml")
     name = render.struct_name(spec)
     module = render_module(config(spec))
@@ -813,7 +812,18 @@ def test_fa2_exact_launches_compile_no_spec_mask():
     tail = dispatch[dispatch.index("case static_cast<MaskMode>(vg_abi::kFa2TailRunCode)"):]
     assert tail.index("MaskMode::kCausal") < tail.index(f"using AttentionVariant = {name};") < tail.index("break")
     assert f"constexpr int32_t kFa2TailRunCode = {plan_abi.FA2_TAIL_RUN_CODE};" in module.files["vg_plan_abi.h"]
+    # ragged: none and causal launch only a mask that is exactly the mode (ragged.launch_mask_mode),
+    # so they run the exact variant too; no tail launch. Every kernel the host code can name is a
+    # unit's or a declared stub, with the variant of its code.
     ragged = render_module(config(spec, kind="ragged"))
-    units = [ragged.files[u] for u in ragged.compile_units if u.startswith("ragged_kernel_")]
-    assert units and all(f"{name}, RaggedParams>" in u and f"{name}Exact" not in u for u in units)
-    assert "kFa2TailRunCode" not in ragged.files["batch_prefill_config.inc"]
+    cfg, binding = ragged.files["batch_prefill_config.inc"], ragged.files["binding.cu"]
+    for cta in render.FA2_CTA_TILES_Q:
+        unit = ragged.files[f"ragged_kernel_cta{cta}.cu"]
+        assert unit.count("template cudaError_t") == 3
+        for literal, variant_name in (("kNone", f"{name}Exact"), ("kCausal", f"{name}Exact"), ("kCustom", name)):
+            assert f"MaskMode::{literal}, {variant_name}, RaggedParams>" in unit, (cta, literal)
+            assert f"MaskMode::{literal}, {variant_name}, PagedParams>" in cfg and binding.count(
+                f"MaskMode::{literal}, {variant_name}, PagedParams>") == len(render.FA2_DISPATCHED_CTA_TILES_Q)
+    assert "case MaskMode::kCausal: {  /* causal */" in cfg and "kFa2TailRunCode" not in cfg
+    causal = cfg[cfg.index("case MaskMode::kCausal:"):]
+    assert causal.index(f"using AttentionVariant = {name}Exact;") < causal.index("break")

@@ -596,10 +596,14 @@ class FakeRaggedModule(FakeModule):
             scores = scores_with_logits(self.spec, env, args, scores)
             if mask_mode == 2:
                 visible = spec_mask(self.spec, env, args, (hq, qo_len, kv_len))
-            elif mask_mode == 1:
-                visible = (j <= kv_len - qo_len + i).expand(hq, qo_len, kv_len)
             else:
-                visible = torch.ones(hq, qo_len, kv_len, dtype=torch.bool)
+                # none and causal run a variant without the spec's mask (fa2's <Spec>Exact; fa3
+                # never evaluates it): right only where the mask is exactly the mode
+                visible = ((j <= kv_len - qo_len + i) if mask_mode == 1 else torch.ones_like(j, dtype=torch.bool))
+                visible = visible.expand(hq, qo_len, kv_len)
+                assert torch.equal(visible, spec_mask(self.spec, env, args, (hq, qo_len, kv_len))), (
+                    f"ragged launched {MODE_NAMES[mask_mode]!r} for spec {self.spec.name!r}, whose mask is not "
+                    "exactly that mode on this request")
             o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), vb,
                                          spec_sink(self.spec, env, args, hq))
             o_row = o_rows[b]
