@@ -24,7 +24,10 @@ plan() narrows each request's page list to the pages holding the hull of its vis
 (e.g. the last ``window + 1`` keys of a sliding window, the current document), so the
 kernel reads only those. The mask is still evaluated on every key visited outside the run of
 keys the intervals prove visible (vg_meta's VIS_LO..VIS_HI; all of them for an exact interval
-such as a window's), so a hull that is not exact stays right. ``skip_tiles=False`` turns it
+such as a window's), so a hull that is not exact stays right. Where every key a request's
+kernel visits is provably visible (or below its hull, cut by a kernel window), plan() picks
+``run_exact``, the module's kernels without the spec's mask (exact_window; not in CUDA-graph
+mode, whose captured launch keeps its kernel). ``skip_tiles=False`` turns it
 off; with it off, spec arguments go to run() only. On the tensor-core path ``skip_tiles`` and
 the spec arguments go to the prefill planner.
 
@@ -70,6 +73,19 @@ class DecodeLaunch:
     int_workspace: torch.Tensor
     float_workspace: torch.Tensor
     pages: int  # pages the kernel visits (after trimming)
+    exact: bool = False  # run_exact: the variant without the spec's mask (exact_window)
+
+
+def exact_window(lo: list[int], vis_lo: list[int], vis_hi: list[int], last: list[int]) -> list[int] | None:
+    """Per request, the kernel window under which the variant without the spec's mask gives the
+    masked variant's output, or None where some request needs the mask. Request b's kernel
+    visits keys kv_pos_base .. last[b]: those from lo[b] on must be provably visible (vis_lo <=
+    lo, last <= vis_hi); those below lo[b] (the rest of the first page, whose hull starts inside
+    it) are invisible by the hull, and a window of last[b] - lo[b] keys behind the query's
+    (last) key cuts them."""
+    if not lo or any(vl > vh or vl > a or vh < e for a, vl, vh, e in zip(lo, vis_lo, vis_hi, last)):
+        return None
+    return [e - a for a, e in zip(lo, last)]
 
 
 class DecodeWrapper(WrapperBase):
@@ -212,6 +228,7 @@ class DecodeWrapper(WrapperBase):
         self._plan_stats = {"planner_off": off} if off else {}
         kv_pos_base = [0] * batch
         vis_lo, vis_hi = [0] * batch, [-1] * batch  # no keys known visible: the mask on every key
+        windows = None  # the exact variant's kernel windows (exact_window), where it applies
         trimmed = False
         if not off:
             checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
@@ -228,12 +245,14 @@ class DecodeWrapper(WrapperBase):
                 trimmed = True
                 kvp_h = list(accumulate(counts, initial=0))
                 last_h = [hi[i] + 1 - kv_pos_base[i] - (counts[i] - 1) * ps for i in range(batch)]
+            if self._graph_buffers is None:  # (a captured launch keeps the variant it was captured with)
+                windows = exact_window(lo, vis_lo, vis_hi, hi if trimmed else [k - 1 for k in kv_lens])
         else:
             self._refuse_plan_args(spec_args, off, "key trimming")
         kv_row = list(accumulate(kv_lens, initial=0))
         meta = meta_rows(q_row_base=list(range(batch)), q_pos_base=[k - 1 for k in kv_lens], kv_pos_base=kv_pos_base,
                          request=list(range(batch)), kv_row_base=kv_row[:-1], req_qo_len=[1] * batch,
-                         req_kv_len=kv_lens, kernel_window=[-1] * batch, launch_qo_len=[1] * batch,
+                         req_kv_len=kv_lens, kernel_window=windows or [-1] * batch, launch_qo_len=[1] * batch,
                          vis_lo=vis_lo, vis_hi=vis_hi)
         int_ws, pinned = self._workspace(0)
         fixed = self._graph_buffers
@@ -259,9 +278,11 @@ class DecodeWrapper(WrapperBase):
             int_workspace=int_ws,
             float_workspace=self._float_workspace,
             pages=kvp_h[-1] - kvp_h[0],
+            exact=windows is not None,
         )
         self._staging.record()
         self.plan_stats["launches"] = [("decode", batch)]
+        self.plan_stats["variant"] = "exact" if windows is not None else "masked"
         self.plan_stats["pages"] = {"given": sum(-(-kl // ps) for kl in kv_lens), "visited": self._launch.pages}
 
     def _page_lists(self) -> list[torch.Tensor]:
@@ -337,9 +358,10 @@ class DecodeWrapper(WrapperBase):
         tensors, scalars = self._kernel_args(args, q_scale, k_scale, v_scale)
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
             enable_pdl = self._pdl_default()
-        self.module.run(la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.kv_indptr,
-                        la.kv_indices, la.last_page_len, out, lse, LAYOUT_CODES[self.kv_layout], -1,
-                        bool(enable_pdl), *tensors, la.meta, *scalars)
+        run = self.module.run_exact if la.exact else self.module.run
+        run(la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.kv_indptr, la.kv_indices,
+            la.last_page_len, out, lse, LAYOUT_CODES[self.kv_layout], -1, bool(enable_pdl), *tensors, la.meta,
+            *scalars)
         return (out, lse) if return_lse else out
 
 

@@ -428,15 +428,17 @@ def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
 
 
 def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
-    """FlashInfer's FA2 (CUDA-core) batch decode: one kernel unit (every GQA group size),
-    its host code (batch_decode.cu) compiled against our config, our plan + run binding."""
+    """FlashInfer's FA2 (CUDA-core) batch decode: one kernel unit (every GQA group size, the spec's
+    variant and the exact one), its host code (batch_decode.cu) compiled against our config, and
+    again for the exact variant (decode_exact_host.cu: run_exact), our plan + run binding."""
     files = {
         "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
         "batch_decode_config.inc": env.get_template("fa2/decode_config.inc.jinja").render(ctx),
-        **_static(*FA2_STATIC, "plan/read_indices.cuh", binding_cu="fa2/decode_binding.cu"),
+        **_static(*FA2_STATIC, "plan/read_indices.cuh", "fa2/decode_exact_host.cu",
+                  binding_cu="fa2/decode_binding.cu"),
         "decode_kernel.cu": env.get_template("fa2/decode_kernel.cu.jinja").render(ctx),
     }
-    return files, ["binding.cu", "decode_kernel.cu"], ("batch_decode.cu",), ()
+    return files, ["binding.cu", "decode_kernel.cu", "decode_exact_host.cu"], ("batch_decode.cu",), ()
 
 
 FA2_DISPATCHED_CTA_TILES_Q = (16, 32, 64, 128)  # what FlashInfer's DISPATCH_CTA_TILE_Q can name

@@ -29,7 +29,7 @@ import variantgen.wrapper as wrapper_mod
 from variantgen import capabilities, render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
-from variantgen.decode import DecodeWrapper
+from variantgen.decode import DecodeWrapper, exact_window
 from variantgen.errors import LaunchError
 from variantgen.intervals import analyze
 from variantgen.plan_abi import META_COLUMNS
@@ -137,9 +137,9 @@ def test_every_shipped_spec_renders_a_decode_module(path):
     module = render_module(decode_config(spec))
     assert set(module.files) == {"vg_plan_abi.h", "variant.cuh", "batch_decode_config.inc", "binding.cu",
                                  "decode_kernel.cu", "vg_helpers.cuh", "config_prelude.cuh", "kernel_params.cuh",
-                                 "read_indices.cuh"}
+                                 "read_indices.cuh", "decode_exact_host.cu"}
     assert module.files["binding.cu"] == render.static_source("fa2/decode_binding.cu")  # no Jinja in it
-    assert module.compile_units == ("binding.cu", "decode_kernel.cu")
+    assert module.compile_units == ("binding.cu", "decode_kernel.cu", "decode_exact_host.cu")
     assert module.host_sources == ("batch_decode.cu",)
     text = "\n".join(module.files.values())
     assert "{{" not in text and "{%" not in text and "{#" not in text
@@ -153,7 +153,13 @@ def test_every_shipped_spec_renders_a_decode_module(path):
         assert '#include "vg_plan_abi.h"' in text
     assert module.files["vg_plan_abi.h"] == prefill.files["vg_plan_abi.h"]
     assert len(meta_defines(module.files["vg_plan_abi.h"])) == META_COLUMNS + 1 and not meta_defines(config)
-    assert f"using AttentionVariant = {struct};" in config
+    # the spec's variant, unless the second copy of FlashInfer's host code (run_exact) names the exact one
+    assert f"#ifndef VG_DECODE_VARIANT\n#define VG_DECODE_VARIANT {struct}\n#endif" in config
+    assert "using AttentionVariant = VG_DECODE_VARIANT;" in config
+    exact_host = module.files["decode_exact_host.cu"]
+    assert exact_host.index("#define VG_DECODE_VARIANT VariantgenExactVariant") < exact_host.index(
+        '#include "batch_decode.cu"')
+    assert "#define BatchDecodeWithPagedKVCacheRun BatchDecodeWithPagedKVCacheRunExact" in exact_host
     assert "struct Params : vg::DecodeFields<DTypeQ, DTypeKV, DTypeO, IdType> {" in config
     assert config.rstrip().endswith('#include "variant.cuh"')
     # every run() extra argument: in the ABI in order, and a Params member
@@ -167,11 +173,14 @@ def test_every_shipped_spec_renders_a_decode_module(path):
         assert f"params.{a.name} = " in config
     assert "get_qo_len(uint32_t batch_idx) const { return 1; }" in module.files["kernel_params.cuh"]
     assert f"using VariantgenVariant = {struct};" in module.files["variant.cuh"]  # the name binding.cu uses
+    assert f"using VariantgenExactVariant = {struct}Exact;" in module.files["variant.cuh"]
     kernel = module.files["decode_kernel.cu"]
-    assert f"BatchDecodeWithPagedKVCacheDispatched<\n    128, PosEncodingMode::kNone, {struct}, Params>" in kernel
+    for variant in (struct, f"{struct}Exact"):
+        assert f"BatchDecodeWithPagedKVCacheDispatched<\n    128, PosEncodingMode::kNone, {variant}, Params>" in kernel
     binding = module.files["binding.cu"]
     assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, VariantgenDecodePlan);" in binding
     assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, BatchDecodeWithPagedKVCacheRun);" in binding
+    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(run_exact, BatchDecodeWithPagedKVCacheRunExact);" in binding
     assert "BatchDecodeWithPagedKVCacheWorkEstimationDispatched<\n        GROUP_SIZE, HEAD_DIM_QK, " \
            "POS_ENCODING_MODE, VariantgenVariant, Params>" in binding
     assert module.config.uri_prefix.startswith(f"vg_{spec.name}_fa2_decode_")
@@ -505,18 +514,71 @@ def test_keys_proved_visible_skip_the_mask(monkeypatch):
     _, fake, _, _ = check(lim_spec, lim_batch, {"lim": lim})
     assert [(m[9], m[10]) for m in fake.run_calls[0].meta] == [(12, 29), (0, -1), (0, 4)]  # request 1 sees none
 
-    w, _ = make(spec)
-    w.plan(*plan_args(batch), window=9)
-    good = w.run(batch.q, (batch.k_cache, batch.v_cache), window=9).clone()
+    # (request 1 sees no key: the plan runs the masked kernels, which read VIS_LO..VIS_HI)
+    lim_batch = decode_batch([30, 9, 20], 4, seed=6)
+    lim = torch.tensor([14, 100, 3], dtype=torch.int32)
+    w, _ = make(lim_spec)
+    w.plan(*plan_args(lim_batch), lim=lim)
+    assert w.plan_stats["variant"] == "masked"
+    good = w.run(lim_batch.q, (lim_batch.k_cache, lim_batch.v_cache), lim=lim).clone()
     real = DecodeWrapper._plan_cuda_cores
 
     def widened(self, *a, **kw):
         real(self, *a, **kw)
-        self._launch.meta[[0, 2], 9] -= 2  # two keys before windows 0 and 2 (on pages it reads): visible now
+        self._launch.meta[[0, 2], 9] -= 2  # two keys before the bounds of 0 and 2 (on pages it reads): visible now
     monkeypatch.setattr(DecodeWrapper, "_plan_cuda_cores", widened)
-    w.plan(*plan_args(batch), window=9)
-    bad = w.run(batch.q, (batch.k_cache, batch.v_cache), window=9)
+    w.plan(*plan_args(lim_batch), lim=lim)
+    bad = w.run(lim_batch.q, (lim_batch.k_cache, lim_batch.v_cache), lim=lim)
     assert (bad.float() - good.float()).abs().max() > 0.05
+
+
+def test_exact_window():
+    """The variant without the spec's mask applies where every key a request's kernel visits from
+    its hull's first key on is provably visible; the window cuts the keys before it."""
+    assert exact_window([190, 0, 54], [190, 0, 54], [199, 6, 63], [199, 6, 63]) == [9, 6, 9]
+    assert exact_window([5], [0], [9], [9]) == [4]  # keys 0..4 provably visible too: the window still cuts them
+    assert exact_window([5, 0], [5, 0], [9, -1], [9, 0]) is None  # request 1 sees no key
+    assert exact_window([5], [6], [9], [9]) is None  # key 5 is in the hull but not provably visible
+    assert exact_window([5], [5], [8], [9]) is None  # the last key visited (the query's own) is not
+    assert exact_window([], [], [], []) is None
+
+
+@pytest.mark.parametrize(("spec_name", "args", "kv_lens", "windows"), [
+    ("causal", {}, [1, 3, 16, 17, 90], [0, 2, 15, 16, 89]),
+    ("sliding_window", {"window": 9}, [200, 7, 64], [9, 6, 9]),
+    ("document", "docs", [40, 33], [8, 32]),
+    ("streaming_sink", {"num_sink": 4, "window": 1023}, [1, 3, 16, 17, 90], [0, 2, 15, 16, 89]),  # all in the window
+    # request 4's sinks and window leave a hole in its hull: the mask must cut it, so the whole batch runs masked
+    ("streaming_sink", {"num_sink": 4, "window": 8}, [1, 3, 16, 17, 90], None),
+])
+def test_cuda_core_decode_runs_the_exact_kernels_where_it_can(spec_name, args, kv_lens, windows):
+    """plan() picks run_exact (the kernels without the spec's mask) where every visited key from
+    the hull's first on is provably visible, with a kernel window cutting the keys before it
+    (document 2 of request 0 starts inside its first page); otherwise run, with no window. The
+    output is the reference's either way."""
+    spec = shipped(spec_name)
+    batch = decode_batch(kv_lens, 4, seed=5)
+    if args == "docs":
+        args = {"doc_ids": torch.cat([torch.tensor([0] * 10 + [1] * 21 + [2] * 9), torch.tensor([5] * 33)]).to(
+            torch.int32)}
+    w, fake, _, _ = check(spec, batch, args)
+    run = fake.run_calls[-1]
+    assert run.exact == (windows is not None) and w.plan_stats["variant"] == ("exact" if run.exact else "masked")
+    assert [m[7] for m in run.meta] == (windows or [-1] * len(kv_lens))
+    _, fake, _, _ = check(spec, batch, args, skip_tiles=False)  # no key known visible: the masked kernels
+    assert not fake.run_calls[-1].exact
+
+
+def test_a_mask_hiding_the_query_key_runs_the_masked_kernels():
+    """The query's own key is visited but not visible (every hull ends before it on the query's
+    page, so no page list is trimmed): the exact kernels would see it, so plan() keeps the masked
+    ones. Where one request's hull ends a page earlier the lists are trimmed to the hulls' last
+    keys, and the exact kernels are right."""
+    spec = variantgen.parse_spec("name: before\nmask: kv_pos < q_pos\n")
+    w, fake, _, _ = check(spec, decode_batch([6, 7, 40], 4, seed=2), {})
+    assert not fake.run_calls[-1].exact and w.plan_stats["variant"] == "masked"
+    w, fake, _, _ = check(spec, decode_batch([6, 17, 40], 4, seed=2), {})
+    assert fake.run_calls[-1].exact and fake.run_calls[-1].last_page_len == [1, 4, 3]
 
 
 def test_no_visible_key_gives_zero_and_minus_inf_lse():
@@ -771,7 +833,7 @@ def test_build_a_real_decode_module(vg_env, toolchain):
     if shutil.which("nm"):
         symbols = subprocess.run(["nm", "-D", "--defined-only", str(entry.module_path)], capture_output=True,
                                  text=True).stdout
-        assert "__tvm_ffi_plan" in symbols and "__tvm_ffi_run" in symbols
+        assert "__tvm_ffi_plan" in symbols and "__tvm_ffi_run" in symbols and "__tvm_ffi_run_exact" in symbols
 
 
 def test_tensor_core_decode_plans_with_the_row_kernel_it_is_given():

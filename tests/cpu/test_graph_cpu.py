@@ -428,6 +428,8 @@ def test_cuda_core_decode_replays_after_replanning():
     w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)
     assert w.plan_stats["pages"]["visited"] < w.plan_stats["pages"]["given"]  # the page lists were trimmed
     assert all(c.enable_cuda_graph for c in fake.plan_calls)
+    # every key of these windows is provably visible, but the captured launch keeps the masked kernels
+    assert w.plan_stats["variant"] == "masked" and not any(c.exact for c in fake.run_calls)
     b = random_paged_batch([1] * 3, [5, 5, 5], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE)
     with pytest.raises(LaunchError, match=r"plans exactly max_batch_size=4 requests .* got 3; pad the batch"):
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)

@@ -459,7 +459,9 @@ def test_problems_lists_everything():
 
 MODULE_KINDS = [("fa2", "prefill"), ("fa2", "ragged"), ("fa2", "decode"), ("fa3", "prefill"), ("fa3", "ragged")]
 # Included by name from FlashInfer's csrc folder (the build's include path), not from the module.
-EXTERNAL_LOCAL_INCLUDES = {"tvm_ffi_utils.h"}
+# FlashInfer's csrc files the module includes by name: TVM-FFI's helpers, and its batch-decode host
+# code, which decode_exact_host.cu compiles a second time for the exact variant
+EXTERNAL_LOCAL_INCLUDES = {"tvm_ffi_utils.h", "batch_decode.cu"}
 
 
 @pytest.mark.parametrize(("backend", "kind"), MODULE_KINDS)
@@ -484,7 +486,8 @@ STATIC_FILES = {
                         "pinned_kv_tile.cuh": "fa2/pinned_kv_tile.cuh"},
     ("fa2", "decode"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "config_prelude.cuh": "fa2/config_prelude.cuh",
                         "kernel_params.cuh": "fa2/kernel_params.cuh", "binding.cu": "fa2/decode_binding.cu",
-                        "read_indices.cuh": "plan/read_indices.cuh"},
+                        "read_indices.cuh": "plan/read_indices.cuh",
+                        "decode_exact_host.cu": "fa2/decode_exact_host.cu"},
     ("fa3", "prefill"): {"vg_helpers.cuh": "common/vg_helpers.cuh", "cutlass_prelude.cuh": "fa3/cutlass_prelude.cuh",
                          "kernel_params.cuh": "fa3/kernel_params.cuh", "fill_params.cuh": "fa3/fill_params.cuh",
                          "epilogue_barrier.cuh": "fa3/epilogue_barrier.cuh", "run.cuh": "fa3/run.cuh",

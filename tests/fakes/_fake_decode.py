@@ -12,6 +12,8 @@ in render.kernel_args order) and emulates the kernel in float32 torch:
   the scaled score, the sink (if any) in the denominator; fully masked requests give 0 and
   lse -inf (or the sink); the output is multiplied by v_scale. NHD and HND caches are both
   accepted.
+* ``run_exact``: the same on the kernels without the spec's mask: only the variant's kernel
+  window (vg_meta's KERNEL_WINDOW) decides which keys are visible.
 
 Calls are recorded in ``plan_calls`` / ``run_calls``.
 """
@@ -23,7 +25,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from _fake_kernel import META_COLUMNS, FakeModule, kernel_mask, launch_env, scores_with_logits, spec_sink
+from _fake_kernel import (
+    META_COLUMNS,
+    FakeModule,
+    kernel_mask,
+    launch_env,
+    scores_with_logits,
+    spec_sink,
+    variant_window,
+)
 
 from variantgen.reference import softmax_attention
 from variantgen.spec import VariantSpec
@@ -51,6 +61,7 @@ class DecodeRunCall:
     v_scale: float
     scalars: dict[str, Any] = field(default_factory=dict)
     lse: bool = False
+    exact: bool = False  # run_exact: the variant without the spec's mask
 
 
 class FakeDecodeModule:
@@ -81,8 +92,15 @@ class FakeDecodeModule:
         self._planned[int_ws.data_ptr()] = call
         return [batch_size, 0, 0, 0, 0, 0, 0, 0, int(enable_cuda_graph), 0]
 
-    def run(self, float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len, out,
-            lse, layout, window_left, enable_pdl, *extra):
+    def run(self, *a):
+        self._run(False, *a)
+
+    def run_exact(self, *a):
+        """``run`` on the kernels without the spec's mask: the variant's kernel window only."""
+        self._run(True, *a)
+
+    def _run(self, exact, float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indptr, kv_indices, last_page_len,
+             out, lse, layout, window_left, enable_pdl, *extra):
         args, meta_t, sm_scale, v_scale = self._abi._unpack_extra(extra)
         assert layout in (0, 1) and window_left == -1 and isinstance(enable_pdl, bool)
         info = list(plan_info)
@@ -108,7 +126,8 @@ class FakeDecodeModule:
         for b in range(n):
             (q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, kwin,
              qo_len, vis_lo, vis_hi) = meta[b]
-            assert (q_row_base, request, req_qo_len, qo_len, kwin) == (b, b, 1, 1, -1), meta[b]
+            assert (q_row_base, request, req_qo_len, qo_len) == (b, b, 1, 1), meta[b]
+            assert kwin == -1 or (exact and kwin >= 0), "decode: a kernel window only for run_exact"
             assert vis_hi < vis_lo or kv_pos_base <= vis_lo <= vis_hi <= q_pos_base, "decode: known keys it reads"
             assert q_pos_base == req_kv_len - 1, "the decode query is its request's last token"
             npages = kvp[b + 1] - kvp[b]
@@ -122,7 +141,10 @@ class FakeDecodeModule:
             scores = torch.einsum("hd,khd->hk", q[b].float(), k).unsqueeze(1) * sm_scale  # [h, 1, kv]
             env, _, _ = launch_env(meta[b], 1, kv_len, hq, group)
             scores = scores_with_logits(self.spec, env, args, scores)
-            visible = kernel_mask(self.spec, env, args, (hq, 1, kv_len), meta[b])  # (no mask on known keys)
+            if exact:
+                visible = variant_window((hq, 1, kv_len), kwin)
+            else:
+                visible = kernel_mask(self.spec, env, args, (hq, 1, kv_len), meta[b])  # (no mask on known keys)
             o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), v,
                                          spec_sink(self.spec, env, args, hq))
             out[b] = (o[0] * v_scale).to(out.dtype)
@@ -130,4 +152,4 @@ class FakeDecodeModule:
                 lse[b] = lse_b[0]
         self.run_calls.append(DecodeRunCall(
             kvp, kv_indices.tolist(), last, meta, layout, enable_pdl, sm_scale, v_scale,
-            {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}, lse is not None))
+            {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}, lse is not None, exact))

@@ -1,0 +1,13 @@
+// Static source of variantgen's fa2 decode modules (copied as is).
+//
+// FlashInfer's batch-decode host code (its csrc/batch_decode.cu) a second time, compiled against
+// the module's config with the variant without the spec's mask (VariantgenExactVariant,
+// variant.cuh) and its run() named BatchDecodeWithPagedKVCacheRunExact: the module's `run_exact`,
+// which plan() picks where every key a request's kernel visits is provably visible (decode.py).
+// Its plan and workspace-size functions are renamed as well, only so that they do not clash with
+// the first copy's; nothing calls them.
+#define VG_DECODE_VARIANT VariantgenExactVariant
+#define BatchDecodeWithPagedKVCachePlan VariantgenExactDecodePlanUnused
+#define BatchDecodeWithPagedKVCacheWorkspaceSize VariantgenExactDecodeWorkspaceSizeUnused
+#define BatchDecodeWithPagedKVCacheRun BatchDecodeWithPagedKVCacheRunExact
+#include "batch_decode.cu"
