@@ -1,9 +1,8 @@
 // Static source of variantgen's fa2 decode modules (copied as is: the module's binding.cu).
 //
 // Exports `plan` (FlashInfer's decode scheduler, sized with this module's kernel), `run`
-// (FlashInfer's batch-decode host code, compiled against this module's config), `run_exact` (the
-// same with the variant without the spec's mask) and `read_indices` (plan()'s read-back of its
-// index tensors) via TVM-FFI.
+// (FlashInfer's batch-decode host code, compiled against this module's config) and
+// `read_indices` (plan()'s read-back of its index tensors) via TVM-FFI.
 #include <flashinfer/attention/scheduler.cuh>
 
 #include "batch_decode_config.inc"
@@ -22,15 +21,6 @@ void BatchDecodeWithPagedKVCacheRun(TensorView float_workspace_buffer,
                                     TensorView o, Optional<TensorView> maybe_lse,
                                     int64_t kv_layout_code, int64_t window_left,
                                     bool enable_pdl ADDITIONAL_FUNC_PARAMS);
-// The same, launching the variant without the spec's mask (decode_exact_host.cu).
-void BatchDecodeWithPagedKVCacheRunExact(TensorView float_workspace_buffer,
-                                         TensorView int_workspace_buffer, Array<int64_t> plan_info_vec,
-                                         TensorView q, TensorView paged_k_cache,
-                                         TensorView paged_v_cache, TensorView paged_kv_indptr,
-                                         TensorView paged_kv_indices,
-                                         TensorView paged_kv_last_page_len, TensorView o,
-                                         Optional<TensorView> maybe_lse, int64_t kv_layout_code,
-                                         int64_t window_left, bool enable_pdl ADDITIONAL_FUNC_PARAMS);
 
 // Split-KV schedule for one batch: reads only the host copy of the page indptr. The work
 // estimate asks the occupancy of this module's kernel (VariantgenVariant, from variant.cuh)
@@ -70,4 +60,4 @@ Array<int64_t> VariantgenDecodePlan(TensorView float_workspace_buffer,
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, VariantgenDecodePlan);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, BatchDecodeWithPagedKVCacheRun);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(run_exact, BatchDecodeWithPagedKVCacheRunExact);
+// (`run_exact` is exported by decode_exact_host.cu, which compiles it: the units build in parallel)

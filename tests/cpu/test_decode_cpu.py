@@ -180,7 +180,7 @@ def test_every_shipped_spec_renders_a_decode_module(path):
     binding = module.files["binding.cu"]
     assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, VariantgenDecodePlan);" in binding
     assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, BatchDecodeWithPagedKVCacheRun);" in binding
-    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(run_exact, BatchDecodeWithPagedKVCacheRunExact);" in binding
+    assert "TVM_FFI_DLL_EXPORT_TYPED_FUNC(run_exact, BatchDecodeWithPagedKVCacheRunExact);" in exact_host
     assert "BatchDecodeWithPagedKVCacheWorkEstimationDispatched<\n        GROUP_SIZE, HEAD_DIM_QK, " \
            "POS_ENCODING_MODE, VariantgenVariant, Params>" in binding
     assert module.config.uri_prefix.startswith(f"vg_{spec.name}_fa2_decode_")
