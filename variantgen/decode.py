@@ -27,7 +27,7 @@ keys the intervals prove visible (vg_meta's VIS_LO..VIS_HI; all of them for an e
 such as a window's), so a hull that is not exact stays right. Where every key a request's
 kernel visits is provably visible (or below its hull, cut by a kernel window), plan() picks
 ``run_exact``, the module's kernels without the spec's mask (exact_window; not in CUDA-graph
-mode, whose captured launch keeps its kernel). ``skip_tiles=False`` turns it
+mode, whose captured launch keeps its kernel). ``skip_tiles=False`` turns key trimming
 off; with it off, spec arguments go to run() only. On the tensor-core path ``skip_tiles`` and
 the spec arguments go to the prefill planner.
 
