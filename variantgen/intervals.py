@@ -150,19 +150,21 @@ def _chunk_of_compare(node: Binary) -> Term | None:
     if node.op != "==":
         return None
     for a, b in ((node.left, node.right), (node.right, node.left)):
+        # r an int: kv_pos // c == 1.5 holds for no key, not for the chunk of int(1.5)
         if (isinstance(a, Binary) and a.op == "//" and isinstance(a.left, Name) and a.left.id == "kv_pos"
-                and _row_only(a.right) and _row_only(b)):
+                and _row_only(a.right) and _row_only(b) and b.ty is Type.INT):
             return Term(chunks=((a.right, b),))
     return None
 
 
 def _sorted_eq_of_compare(node: Binary, key_tensors: frozenset[str]) -> Term | None:
-    """t[kv_row] == v (either side), t one of the [total_kv] tensors, v row-only."""
+    """t[kv_row] == v (either side), t one of the [total_kv] int tensors, v a row-only int. The
+    binary search compares ints: a float tensor or value would be truncated to one."""
     if node.op != "==":
         return None
     for a, b in ((node.left, node.right), (node.right, node.left)):
         if (isinstance(a, Index) and a.tensor in key_tensors and isinstance(a.indices[0], Name)
-                and a.indices[0].id == "kv_row" and _row_only(b)):
+                and a.indices[0].id == "kv_row" and _row_only(b) and a.ty is Type.INT and b.ty is Type.INT):
             return Term(sorted_eqs=((a.tensor, b),))
     return None
 
@@ -188,14 +190,19 @@ class _TooComplex(Exception):
 
 
 def _negate(node: Node) -> Node:
+    """``not node`` with the ``not`` pushed inwards where that keeps its meaning; elsewhere
+    ``not node`` itself (an atom for _dnf)."""
     if isinstance(node, Unary) and node.op == "not":
         return node.operand
     if isinstance(node, Binary) and node.op in ("and", "or"):
         return replace(node, op="or" if node.op == "and" else "and", left=_negate(node.left),
                        right=_negate(node.right))
-    if isinstance(node, Binary) and node.op in ("<", "<=", ">", ">=", "==", "!="):
-        flip = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}[node.op]
-        return replace(node, op=flip)
+    if isinstance(node, Binary) and node.op in ("==", "!="):
+        return replace(node, op="!=" if node.op == "==" else "==")
+    # An order flips only between ints: with a float NaN, x < y and x >= y are both false.
+    if (isinstance(node, Binary) and node.op in ("<", "<=", ">", ">=")
+            and node.left.ty is Type.INT and node.right.ty is Type.INT):
+        return replace(node, op={"<": ">=", "<=": ">", ">": "<=", ">=": "<"}[node.op])
     return Unary(pos=node.pos, ty=Type.BOOL, op="not", operand=node)
 
 
@@ -207,7 +214,11 @@ def _dnf(node: Node, key_tensors: frozenset[str]) -> list[Term]:
     elif isinstance(node, Binary) and node.op == "and":
         terms = [_and(a, b) for a in _dnf(node.left, key_tensors) for b in _dnf(node.right, key_tensors)]
     elif isinstance(node, Unary) and node.op == "not" and not _row_only(node):
-        return _dnf(_negate(node.operand), key_tensors)
+        pushed = _negate(node.operand)
+        if isinstance(pushed, Unary) and pushed.op == "not" and pushed.operand is node.operand:
+            terms = [_atom(node, key_tensors)]  # the not stays outside (bit(), a float order ...): a hull
+        else:
+            return _dnf(pushed, key_tensors)
     elif isinstance(node, Const) and node.ty is Type.BOOL:
         terms = [Term()] if node.value else []
     else:

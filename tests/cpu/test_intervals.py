@@ -114,6 +114,44 @@ def test_negation_and_chunk_forms():
     assert exact == total
 
 
+def test_a_not_over_a_float_order_keeps_nan_rows_visible():
+    """not (x >= 0.0 and ...) is not x < 0.0 or ...: where x is NaN both orders are false, so
+    the not leaves every key visible. The not stays outside a float order (a hull)."""
+    spec = parse_spec("name: n\nmask: not (sqrt(float(q_pos) - 40.0) >= 0.0 and kv_pos > q_pos)\n")
+    assert [t.describe() for t in analyze(spec).terms] == [
+        "(not (sqrt((float(q_pos) - 40.0)) >= 0.0))", "kv_pos <= q_pos"]
+    check_sound(spec, [4, 6], [40, 44], {})  # q_pos 36..39 (NaN: every key) and 38..43
+
+
+def test_a_not_that_cannot_be_pushed_in_is_a_hull():
+    """not bit(kv_pos, 0) has no inner form: it was negated back and forth forever."""
+    spec = parse_spec("name: n\nmask: kv_pos <= q_pos and not bit(kv_pos, 0)\n")
+    form = analyze(spec)
+    assert form.planner_ready and not form.exact
+    check_sound(spec, [5, 3], [9, 4], {})
+    flt = parse_spec("name: n\nmask: not (float(kv_pos) < 2.5)\n")
+    assert not analyze(flt).planner_ready  # reads the key through a float: nothing to bound
+    check_sound(parse_spec("name: n\nmask: not (float(q_pos) < 2.5) or kv_pos == 0\n"), [5], [9], {})
+
+
+def test_sorted_ids_and_chunks_compare_ints_only():
+    """The binary search and the chunk bound compare ints: a float tensor or value would be
+    truncated (0.25, 0.5 and 0.75 all one document; kv_pos // 16 == 1.5 the chunk of 1)."""
+    fdoc = parse_spec("name: d\ntensors:\n  doc: {dtype: float32, shape: [total_kv]}\n"
+                      "mask: kv_pos <= q_pos and doc[kv_row] == doc[q_kv_row]\n")
+    assert not analyze(fdoc).exact
+    check_sound(fdoc, [8], [12], {"doc": torch.arange(12, dtype=torch.float32) / 4.0})
+    half = parse_spec("name: d\ntensors:\n  doc: {dtype: int32, shape: [total_kv]}\n"
+                      "mask: doc[kv_row] == float(q_pos) / 2.0\n")
+    assert not analyze(half).exact
+    check_sound(half, [6], [6], {"doc": torch.tensor([0, 0, 1, 1, 2, 2], dtype=torch.int32)})
+    chunk = parse_spec("name: c\nscalars:\n  x: {dtype: float, default: 1.5}\nmask: kv_pos // 16 == x\n")
+    assert not analyze(chunk).planner_ready
+    exact_chunk = parse_spec("name: c\nscalars:\n  x: {dtype: int, default: 1}\nmask: kv_pos // 16 == x\n")
+    assert analyze(exact_chunk).exact
+    check_sound(exact_chunk, [8], [40], {"x": 1})
+
+
 def test_sorted_ids_need_a_key_row_tensor():
     """`t[kv_row] == v` is a sorted-id term only for a [total_kv] tensor: on a fixed-size one
     (any int index, clamped) it reads the key in a way the planner does not model."""
@@ -203,3 +241,76 @@ def test_tree_verify_mask_is_context_plus_ancestors(seed):
             assert torch.equal(mask, causal)
         q_base += n
         kv_base += k
+
+
+_RANDOM_HEADER = """name: r
+tensors:
+  t: {dtype: int32, shape: [total_q, 2]}
+  d: {dtype: int32, shape: [total_kv]}
+  g: {dtype: float32, shape: [total_kv]}
+scalars:
+  w: {dtype: int, default: 3}
+  c: {dtype: int, default: 4}
+  x: {dtype: float, default: 1.5}
+  flag: {dtype: bool, default: true}
+"""
+
+
+def _random_mask(r, depth: int) -> str:
+    """A random mask of the forms the analysis rewrites (bounds, chunks, sorted ids, not) mixed
+    with ones it must leave alone (float orders that can be NaN, bit(), float tensors)."""
+    def row(d):
+        if d <= 0 or r.random() < 0.4:
+            return r.choice(["q_pos", "q_idx", "qo_len", "kv_len", "w", "c", "t[q_row, 0]", "d[q_kv_row]",
+                             "d[q_kv_row - 2]", str(r.randint(-6, 6))])
+        a, b = row(d - 1), row(d - 1)
+        return r.choice([f"({a} + {b})", f"({a} - {b})", f"({a} // {b})", f"({a} % {b})", f"max({a}, {b})",
+                         f"-{a}"])
+
+    def atom():
+        op = r.choice(["<", "<=", ">", ">=", "==", "!="])
+        key = r.choice([f"(kv_pos + {row(1)})", f"({row(1)} - kv_pos)", f"-(kv_pos - {row(1)})", "kv_pos"])
+        return r.choice([
+            f"({key} {op} {row(1)})", f"(kv_pos // {row(0)} == {row(1)})", f"(d[kv_row] == {row(1)})",
+            f"({row(1)} {op} {row(1)})", "flag", "bit(kv_pos, 0)", "(kv_pos // 4 == x)",
+            f"(sqrt(float({row(0)}) - 6.0) {op} 0.0)", f"(float(kv_pos) {op} x)", f"(g[kv_row] == x)",
+            f"(g[kv_row] == float(q_pos) / 2.0)"])
+
+    def mask(d):
+        if d <= 0 or r.random() < 0.3:
+            return atom()
+        return r.choice([f"({mask(d - 1)} and {mask(d - 1)})", f"({mask(d - 1)} or {mask(d - 1)})",
+                         f"(not {mask(d - 1)})"])
+
+    return mask(depth)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_masks_are_sound(seed):
+    """Every interval the analysis derives holds for random masks: a hull covers the visible
+    keys, an exact one is exactly them, a dense prefix is all visible (check_sound)."""
+    import random
+
+    from variantgen.errors import SpecError
+
+    r = random.Random(seed)
+    checked = 0
+    for _ in range(60):
+        try:
+            spec = parse_spec(_RANDOM_HEADER + f'mask: "{_random_mask(r, r.randint(1, 3))}"\n')
+        except SpecError:
+            continue
+        if not analyze(spec).planner_ready:
+            continue
+        qo, kv = [r.randint(1, 6), r.randint(1, 6)], [r.randint(6, 14), r.randint(6, 14)]
+        g = torch.Generator().manual_seed(r.randrange(1 << 30))
+        total_q, total_kv = sum(qo), sum(kv)
+        ids = torch.randint(-2, 4, (total_kv,), generator=g, dtype=torch.int32)
+        args = {"t": torch.randint(-3, 16, (total_q, 2), generator=g, dtype=torch.int32),
+                "d": ids.sort().values if r.random() < 0.7 else ids,
+                "g": torch.randint(0, 6, (total_kv,), generator=g).float() / 2.0,
+                "w": r.randint(-2, 6), "c": r.randint(-3, 5), "x": r.choice([1.5, 2.0, 0.0]),
+                "flag": r.random() < 0.5}
+        check_sound(spec, qo, kv, args)
+        checked += 1
+    assert checked >= 20
