@@ -50,6 +50,10 @@ class Target:
     num_kv_heads: str
     # hook locals defined otherwise than LOCAL_DEFS says: (builtin, C++ definition)
     local_overrides: tuple[tuple[str, str], ...] = ()
+    # ints read as int64 (every name, constant and tensor element): the planner's bounds are the
+    # mask rewritten (kv_pos - q_pos <= w gives kv_pos <= q_pos + w), whose values may leave the
+    # int32 range where the mask's own do not; the torch rules (rowrules.py) compute in int64 too
+    wide_ints: bool = False
 
 
 # FA2 kernels hand the hooks their Params struct: paged prefill and decode keep the key/value
@@ -69,7 +73,7 @@ FA3 = Target("params.additional_params.", "int32_t(params.additional_params.vg_n
 
 # The interval planner's row kernel (templates/planner): arguments are fields of its PlanArgs
 # `p`; row-only expressions never read head counts (analyze refuses head-dependent masks).
-PLANNER = Target("p.", "int32_t(0)", "int32_t(0)")
+PLANNER = Target("p.", "int32_t(0)", "int32_t(0)", wide_ints=True)
 
 CMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
 
@@ -155,12 +159,17 @@ class _Emitter:
         code = self.emit(node)
         return f"float({code})" if node.ty is not Type.FLOAT else code
 
+    def _int(self, code: str) -> str:
+        """An int leaf as the target computes ints (Target.wide_ints)."""
+        return f"int64_t({code})" if self.target.wide_ints else code
+
     def _const(self, node: Const) -> str:
         v = node.value
         if isinstance(v, bool):
             return "true" if v else "false"
         if isinstance(v, int):
-            return f"int32_t({v})" if v >= 0 else f"int32_t({v}LL)"
+            width = "int64_t" if self.target.wide_ints else "int32_t"
+            return f"{width}({v})" if v >= 0 else f"{width}({v}LL)"
         text = repr(float(v))
         if "e" not in text and "." not in text:
             text += ".0"
@@ -169,12 +178,13 @@ class _Emitter:
     def _name(self, node: Name) -> str:
         if node.id in BUILTIN_LOCALS:
             self.builtins.add(node.id)
-            return BUILTIN_LOCALS[node.id]
+            return self._int(BUILTIN_LOCALS[node.id])
         if node.id == "logits":
             assert self.logits_local is not None, "logits outside a transform passed type checking"
             return self.logits_local
         if node.id in self.scalars:
-            return f"arg_{node.id}"  # copied (and cast) from params once per CTA
+            code = f"arg_{node.id}"  # copied (and cast) from params once per CTA
+            return self._int(code) if node.ty is Type.INT else code
         raise AssertionError(f"unchecked name {node.id!r}")
 
     def _index(self, node: Index) -> str:
@@ -184,7 +194,8 @@ class _Emitter:
         flat = parts[0][1]
         for dim, code in parts[1:]:
             flat = f"({flat}) * {self._extent(dim)} + {code}"
-        return f"{self.target.args}{t.name}[{flat}]"
+        code = f"{self.target.args}{t.name}[{flat}]"
+        return self._int(code) if node.ty is Type.INT else code
 
     def _subscript(self, dim: str | int, idx: Node) -> str:
         """One index, in range: see the module docstring for which are clamped and how."""
@@ -199,10 +210,11 @@ class _Emitter:
             return base
         # int64: an offset must not overflow before it is clamped.
         shifted = "".join(f" {'+' if sign > 0 else '-'} {self.emit(term)}" for sign, term in ref.offsets)
+        wide = (lambda code: code) if self.target.wide_ints else (lambda code: f"int64_t({code})")
         if ref.builtin not in REQUEST_ROWS:  # a head index: clamped to the head count
-            return f"vg_clamp(int64_t({base}){shifted}, {self._extent(dim)})"
+            return f"vg_clamp({wide(base)}{shifted}, {self._extent(dim)})"
         position, count = (self.emit(Name(id=n)) for n in REQUEST_ROWS[ref.builtin])
-        return f"vg_request_row({base} - {position}, int64_t({position}){shifted}, {count})"
+        return f"vg_request_row({base} - {position}, {wide(position)}{shifted}, {count})"
 
     def _extent(self, dim: str | int) -> str:
         if isinstance(dim, int):

@@ -30,6 +30,22 @@ __device__ __forceinline__ int32_t vg_mod(int32_t a, int32_t b) {
   int32_t r = a % b;
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }
+// The same on int64, for the planner's row kernel, which computes ints in int64 (its bounds
+// are the mask rewritten, whose values may leave the int32 range where the mask's do not).
+__device__ __forceinline__ int64_t vg_floordiv(int64_t a, int64_t b) {
+  if (b == 0) return 0;
+  if (b == -1) return int64_t(0ull - uint64_t(a));
+  int64_t q = a / b;
+  return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
+}
+__device__ __forceinline__ int64_t vg_mod(int64_t a, int64_t b) {
+  if (b == 0 || b == -1) return 0;
+  int64_t r = a % b;
+  return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
+}
+__device__ __forceinline__ int64_t vg_min(int64_t a, int64_t b) { return a < b ? a : b; }
+__device__ __forceinline__ int64_t vg_max(int64_t a, int64_t b) { return a > b ? a : b; }
+__device__ __forceinline__ int64_t vg_abs(int64_t a) { return a < 0 ? -a : a; }
 __device__ __forceinline__ float vg_div(float a, float b) { return a / b; }
 __device__ __forceinline__ int32_t vg_min(int32_t a, int32_t b) { return a < b ? a : b; }
 __device__ __forceinline__ int32_t vg_max(int32_t a, int32_t b) { return a > b ? a : b; }

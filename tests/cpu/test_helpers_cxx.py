@@ -139,3 +139,50 @@ def test_gqa_packed_rows_and_heads(helpers_binary):
     big = [0, 1, 191, 65535, 65536, 100000, 2**31 - 1]
     assert run_cxx(helpers_binary, "prow", [(r, 1) for r in big]) == big
     assert run_cxx(helpers_binary, "phead", [(r, 1) for r in big]) == [7] * len(big)
+
+
+BOUNDS_DRIVER = r"""
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#define __device__
+#define __forceinline__ inline
+{helpers}
+int main() {{
+  long long qp, w, kl;
+  while (std::scanf("%lld %lld %lld", &qp, &w, &kl) == 3) {{
+    const int32_t q_pos = int32_t(qp), req_kv_len = int32_t(kl);  // as the planner's row kernel
+    const int32_t arg_w = int32_t(w);
+    std::printf("%lld %lld\n", (long long)({lo}), (long long)({hi}));
+  }}
+  return 0;
+}}
+"""
+
+
+def test_the_planners_bounds_do_not_wrap_at_int32(tmp_path):
+    """The planner's bounds are the mask rewritten: |q_pos - kv_pos| <= w gives kv_pos <= q_pos + w,
+    computed as -((-q_pos) + (-w)), which leaves the int32 range for w = INT32_MAX though the
+    mask's own values do not. The row kernel computes them in int64, as the torch rules do (a
+    wrapped bound emptied every row: no key attended)."""
+    from variantgen import codegen
+    from variantgen.intervals import analyze
+
+    spec = parse_spec("name: b\nscalars:\n  w: {dtype: int, default: 3, min: 0}\n"
+                      "mask: q_pos - kv_pos <= w and kv_pos - q_pos <= w and kv_pos < kv_len\n")
+    (term,) = analyze(spec).terms
+    lo = " > ".join(f"({codegen.emit_row_expr(spec, x).code})" for x in term.lows[:1])
+    hi = codegen.emit_row_expr(spec, term.highs[0]).code
+    source = tmp_path / "bounds.cpp"
+    helpers = render.environment().get_template("common/helpers.cuh.jinja").render()
+    source.write_text(BOUNDS_DRIVER.format(helpers=helpers, lo=lo, hi=hi))
+    binary = tmp_path / "bounds"
+    subprocess.run([CXX, "-std=c++17", "-O0", "-fsanitize=signed-integer-overflow",
+                    "-fno-sanitize-recover=all", "-o", str(binary), str(source)], check=True, capture_output=True,
+                   timeout=120)
+    cases = [(q, w, 9) for q in (0, 4, 7, 8) for w in (0, 3, expr.INT32_MAX)]
+    done = subprocess.run([str(binary)], input="".join(f"{q} {w} {k}\n" for q, w, k in cases), capture_output=True,
+                          text=True, check=True, timeout=60)
+    got = [tuple(int(v) for v in line.split()) for line in done.stdout.splitlines()]
+    assert got == [(q - w, q + w) for q, w, _ in cases]
+    assert "int64_t(q_pos)" in hi and "int64_t(arg_w)" in hi
