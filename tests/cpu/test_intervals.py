@@ -273,8 +273,8 @@ def _random_mask(r, depth: int) -> str:
         return r.choice([
             f"({key} {op} {row(1)})", f"(kv_pos // {row(0)} == {row(1)})", f"(d[kv_row] == {row(1)})",
             f"({row(1)} {op} {row(1)})", "flag", "bit(kv_pos, 0)", "(kv_pos // 4 == x)",
-            f"(sqrt(float({row(0)}) - 6.0) {op} 0.0)", f"(float(kv_pos) {op} x)", f"(g[kv_row] == x)",
-            f"(g[kv_row] == float(q_pos) / 2.0)"])
+            f"(sqrt(float({row(0)}) - 6.0) {op} 0.0)", f"(float(kv_pos) {op} x)", "(g[kv_row] == x)",
+            "(g[kv_row] == float(q_pos) / 2.0)"])
 
     def mask(d):
         if d <= 0 or r.random() < 0.3:
