@@ -73,7 +73,7 @@ FA3 = Target("params.additional_params.", "int32_t(params.additional_params.vg_n
 
 # The interval planner's row kernel (templates/planner): arguments are fields of its PlanArgs
 # `p`; row-only expressions never read head counts (analyze refuses head-dependent masks).
-PLANNER = Target("p.", "int32_t(0)", "int32_t(0)", wide_ints=True)
+PLANNER = Target("p.spec.", "int32_t(0)", "int32_t(0)", wide_ints=True)
 
 CMP = {"<": "<", "<=": "<=", ">": ">", ">=": ">=", "==": "==", "!=": "!="}
 

@@ -490,7 +490,7 @@ def _fa3_launches(ctx: dict, *, ragged: bool = False) -> list[dict]:
     for launch in out:
         launch["shared"] = launch["variant"] == PLAIN_VARIANT
         # the shared kernel's value scale: run()'s v_scale where the spec has q/k/v scales
-        launch["call_args"] = ("v_scale, " if spec.qkv_scales else "1.0, ") if launch["shared"] else ""
+        launch["call_args"] = ("vg_arg_v_scale, " if spec.qkv_scales else "1.0, ") if launch["shared"] else ""
         if ragged:
             launch["call"] = (f"LaunchRaggedPlain<{launch['mask_literal']}>" if launch["shared"] else
                               f"LaunchRagged<{launch['mask_literal']}, {launch['variant']}>")

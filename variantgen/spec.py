@@ -55,8 +55,14 @@ RESERVED_NAMES = frozenset(
     max_total_num_rows total_num_rows padded_batch_size partition_kv sm_scale sm_scale_log2 v_scale
     q_scale k_scale logits_soft_cap rope_scale rope_theta additional_params maybe_custom_mask
     maybe_mask_indptr maybe_alibi_slopes maybe_prefix_len_ptr batch_idx qo_idx kv_idx qo_head_idx
-    kv_head_idx smem_ptr out return_lse plan run workspace""".split()
+    kv_head_idx smem_ptr out return_lse plan run workspace enable_pdl get_kv_len get_qo_len k_sf_stride_page
+    k_sf_stride_n k_sf_stride_h v_sf_stride_page v_sf_stride_n v_sf_stride_h
+    decode_maybe_q_rope_offset maybe_q_rope_offset maybe_k_rope_offset maybe_k_cache_sf maybe_v_cache_sf
+    maybe_scale_q maybe_scale_k maybe_scale_v maybe_max_item_len_ptr maybe_token_pos_in_items_ptr
+    token_pos_in_items_len scale_q_scalar scale_k_scalar scale_v_scalar scale_pv""".split()
 )
+# (The last lines: members FlashInfer's kernels test for by name, DEFINE_HAS_MEMBER, and use
+# where a Params has one - a spec argument so named would switch on a scale or a RoPE offset.)
 
 
 @dataclass(frozen=True)

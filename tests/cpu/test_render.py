@@ -166,8 +166,10 @@ def test_kernel_argument_order(spec_from):
         ("win", "int64_t"), ("cap", "double"), ("on_off", "bool"), ("sm_scale", "double"), ("v_scale", "double")]
     inc = module.files["batch_prefill_config.inc"]
     params = re.search(r"#define ADDITIONAL_FUNC_PARAMS (.*)", inc).group(1)
-    assert params == (", ffi::Tensor zeta, ffi::Tensor alpha, ffi::Tensor vg_meta, int64_t win, double cap, "
-                      "bool on_off, double sm_scale, double v_scale")
+    # (as vg_arg_<name>: a spec's name never meets a local of FlashInfer's run function)
+    assert params == (", ffi::Tensor vg_arg_zeta, ffi::Tensor vg_arg_alpha, ffi::Tensor vg_arg_vg_meta, "
+                      "int64_t vg_arg_win, double vg_arg_cap, bool vg_arg_on_off, double vg_arg_sm_scale, "
+                      "double vg_arg_v_scale")
     variant = module.files["variant.cuh"]
     # an offset row is clamped to its request's rows, from what the hook knows (no extra argument)
     assert "params.alpha[vg_request_row(kv_row - kv_pos, int64_t(kv_pos) - int32_t(1), req_kv_len)]" in variant
@@ -279,7 +281,7 @@ def test_offset_rows_in_the_planner_row_kernel(spec_from):
     assert intervals.analyze(spec).planner_ready
     text = rowplan.render_planner(rowplan.PlannerConfig(spec, "9.0a")).files["planner.cu"]
     # (ints in int64 there: its bounds are the mask rewritten, which may leave the int32 range)
-    assert ("p.qt[(vg_request_row(int64_t(q_row) - int64_t(q_idx), int64_t(q_idx) + int64_t(1), "
+    assert ("p.spec.qt[(vg_request_row(int64_t(q_row) - int64_t(q_idx), int64_t(q_idx) + int64_t(1), "
             "int64_t(req_qo_len))) * int32_t(2) + int64_t(0)]") in text
     assert "const int32_t q_idx = int32_t(row - p.q_start[request]);" in text
     assert "const int32_t req_qo_len =" in text
@@ -779,7 +781,7 @@ def test_the_binding_hands_the_shared_kernel_its_value_scale(qkv_scales):
     assert spec.qkv_scales is qkv_scales
     paged = render_module(config(spec, backend="fa3")).files["binding.cu"]
     ragged = render_module(config(spec, backend="fa3", kind="ragged")).files["binding.cu"]
-    value = "v_scale" if qkv_scales else "1.0"
+    value = "vg_arg_v_scale" if qkv_scales else "1.0"
     assert f"LaunchPlain<MaskMode::kCausal, true>(params, {value}, enable_pdl, stream);" in paged
     assert f"LaunchPlain<MaskMode::kNone, false>(params, {value}, enable_pdl, stream);" in paged
     assert f"LaunchRaggedPlain<MaskMode::kCausal>(params, {value}, enable_pdl, stream);" in ragged

@@ -43,7 +43,7 @@ def test_every_shipped_spec_renders_its_terms(name):
     # exactly the spec arguments the intervals read reach the kernel
     names = {a.name for a in rendered.tensor_args} | {a.name for a in rendered.scalar_args}
     for arg in [t.name for t in s.tensors] + [x.name for x in s.scalars]:
-        assert (f"p.{arg}" in text) == (arg in names), arg
+        assert (f"p.spec.{arg}" in text) == (arg in names), arg
     assert ("sorted_flags_kernel" in text) == any(t.sorted_eqs for t in form.terms)
     assert text == render_planner(PlannerConfig(s, "9.0a")).files["planner.cu"]  # pure
     assert "{{" not in text and "{%" not in text
@@ -112,6 +112,31 @@ def test_real_build_of_a_planner(vg_env, toolchain):
     assert result.entry.manifest["config"] == cfg.describe()
     again = build.build_module(cfg, cache)
     assert not again.built and again.entry.uri == result.entry.uri
+
+
+INT_FORMS = """
+name: ints
+tensors:
+  qt: {dtype: int32, shape: [total_q, 2]}
+  b: {dtype: int32, shape: [8]}
+scalars:
+  w: {dtype: int, default: 3}
+  enabled: {dtype: bool, default: true}
+mask: "kv_pos >= max(q_pos - w, 0) and kv_pos <= min(q_pos + abs(w), q_pos // 2 + q_pos % 3 + b[w])
+  and (enabled if bit(q_pos, 1) else qt[q_row + 1, 0] > 0)
+  and kv_pos // 4 == (q_pos if float(q_pos) > 2.5 else q_pos - 1) // 4"
+"""
+
+
+@pytest.mark.nvcc
+def test_real_build_of_a_planner_with_every_int_form(vg_env, toolchain, spec_from):
+    """The row kernel reads ints as int64 (codegen.Target.wide_ints): every helper the language
+    has takes them (min, max, abs, //, %, bit, a clamped index, an offset row, float())."""
+    cfg = PlannerConfig(spec_from(INT_FORMS), "9.0a")
+    text = render_planner(cfg).files["planner.cu"]
+    assert "vg_min((int64_t(q_pos) + vg_abs(int64_t(arg_w)))" in text
+    result = build.build_module(cfg, Cache(vg_env.cache_dir))
+    assert result.built and result.entry.module_path.read_bytes()[:4] == b"\x7fELF"
 
 
 @pytest.mark.nvcc

@@ -342,6 +342,41 @@ def test_vg_prefix_is_reserved():
     assert err.message == "names starting with 'vg_' are reserved for variantgen internals: 'vg_x'"
 
 
+def _fa2_params_members() -> set[str]:
+    """Every field and member function of the fa2 kernels' Params (templates/fa2/kernel_params.cuh):
+    a spec's arguments become fields of a struct derived from it, which would hide them."""
+    from variantgen.render import TEMPLATES_DIR
+
+    text = re.sub(r"//.*", "", (TEMPLATES_DIR / "fa2" / "kernel_params.cuh").read_text())
+    fields = re.findall(r"^\s+[\w:<>, ]+?[\s*]+(\w+)\s*;", text, re.M)
+    functions = re.findall(r"__forceinline__\s+\w+\s+(\w+)\s*\(", text)
+    return {n for n in fields + functions if not n.startswith("using")}
+
+
+def _flashinfer_member_probes() -> set[str]:
+    """The Params members FlashInfer's kernels test for by name (DEFINE_HAS_MEMBER): an argument
+    so named would switch on what FlashInfer does with it (a scale, a RoPE offset)."""
+    from variantgen.build import flashinfer_info
+
+    fi = flashinfer_info()
+    found: set[str] = set()
+    for folder in (*fi.include_dirs, fi.csrc_dir):
+        for path in folder.rglob("*"):
+            if path.suffix in (".h", ".cuh", ".cu", ".inc") and path.is_file():
+                found |= set(re.findall(r"DEFINE_HAS_MEMBER\((\w+)\)", path.read_text(errors="replace")))
+    return found - {"member"}  # (the macro's own definition)
+
+
+def test_names_flashinfer_or_the_params_struct_use_are_reserved():
+    members, probes = _fa2_params_members(), _flashinfer_member_probes()
+    assert {"q", "paged_kv", "enable_pdl", "get_kv_len", "k_sf_stride_page"} <= members
+    assert {"maybe_k_cache_sf", "scale_pv"} <= probes
+    for name in sorted(members | probes):
+        if spec_mod.ARG_RE.fullmatch(name):
+            err = one(f"{CAUSAL}scalars:\n  {name}: {{dtype: int, default: 0}}\n")
+            assert err.message == RESERVED_MSG.format(name), name
+
+
 def test_name_declared_twice_across_sections():
     err = one(CAUSAL + "tensors:\n  a: {dtype: int32, shape: [batch]}\nscalars:\n  a: {dtype: int, default: 1}\n")
     assert err.field == "scalars.a" and err.message == "`a` is already declared as a tensor"
