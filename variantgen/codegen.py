@@ -144,9 +144,15 @@ class Snippet:
 
 
 class _Emitter:
-    def __init__(self, spec: VariantSpec, target: Target, logits_local: str | None = None):
+    def __init__(self, spec: VariantSpec, target: Target, logits_local: str | None = None,
+                 exact_float: bool = False):
         self.spec = spec
         self.target = target
+        # Float + - * / and sqrt rounded as IEEE float32 (vg_*_rn): a mask decides which keys are
+        # seen, so its comparisons must see the values the reference computes - the modules'
+        # -use_fast_math would fuse a * b + c and approximate / and sqrt. The logits transform and
+        # the sink are values (compared with a tolerance): they keep the fast forms.
+        self.exact_float = exact_float
         self.tensors: dict[str, TensorArg] = {t.name: t for t in spec.tensors}
         self.scalars = {s.name: s for s in spec.scalars}
         self.logits_local = logits_local
@@ -171,6 +177,8 @@ class _Emitter:
             width = "int64_t" if self.target.wide_ints else "int32_t"
             return f"{width}({v})" if v >= 0 else f"{width}({v}LL)"
         text = repr(float(v))
+        if expr.float32_of_decimal(text) != expr.to_float32(v):  # (the float32 the reference computes with)
+            text = repr(expr.to_float32(v))
         if "e" not in text and "." not in text:
             text += ".0"
         return f"{text}f"
@@ -243,8 +251,12 @@ class _Emitter:
         if op == "%":
             return f"vg_mod({self.emit(node.left)}, {self.emit(node.right)})"
         if op == "/":
-            return f"vg_div({self.as_float(node.left)}, {self.as_float(node.right)})"
+            div = "vg_fdiv_rn" if self.exact_float else "vg_div"
+            return f"{div}({self.as_float(node.left)}, {self.as_float(node.right)})"
         if node.ty is Type.FLOAT:
+            if self.exact_float:
+                name = {"+": "vg_fadd_rn", "-": "vg_fsub_rn", "*": "vg_fmul_rn"}[op]
+                return f"{name}({self.as_float(node.left)}, {self.as_float(node.right)})"
             return f"({self.as_float(node.left)} {op} {self.as_float(node.right)})"
         return f"({self.emit(node.left)} {op} {self.emit(node.right)})"
 
@@ -262,6 +274,8 @@ class _Emitter:
             return self.as_float(node.args[0])
         if f == "bit":
             return f"vg_bit({self.emit(node.args[0])}, {self.emit(node.args[1])})"
+        if f == "sqrt" and self.exact_float:
+            return f"vg_sqrt_rn({self.as_float(node.args[0])})"
         return f"vg_{f}({self.as_float(node.args[0])})"
 
     def _cond(self, node: Cond) -> str:
@@ -280,7 +294,7 @@ def _chain(node: Node, op: str) -> list[Node]:
 
 
 def emit_mask(spec: VariantSpec, target: Target = FA2_PAGED) -> Snippet:
-    e = _Emitter(spec, target)
+    e = _Emitter(spec, target, exact_float=True)
     code = e.emit(spec.mask)
     root = spec.mask
     if isinstance(root, Binary) and root.op in ("or", "and"):
@@ -309,7 +323,7 @@ def emit_sink(spec: VariantSpec, target: Target = FA2_PAGED) -> Snippet | None:
 
 def emit_row_expr(spec: VariantSpec, node: Node, target: Target = PLANNER) -> Snippet:
     """A row-only sub-expression of the mask (an interval bound or condition) as C++."""
-    e = _Emitter(spec, target)
+    e = _Emitter(spec, target, exact_float=True)
     code = e.emit(node)
     return Snippet(code, frozenset(e.builtins))
 

@@ -14,6 +14,8 @@ range are outside the language's contract.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,7 +54,8 @@ class Evaluator:
     def _scalar_tensor(self, value: Any, dtype: torch.dtype) -> torch.Tensor:
         # One device tensor per distinct value: creating one is a host-to-device copy, and
         # the planner evaluates the same few constants many times per plan().
-        key = (value, dtype)
+        # (the sign too: 0.0 == -0.0 would share a tensor, and 1.0 / -0.0 is -inf)
+        key = (dtype, value, isinstance(value, float) and math.copysign(1.0, value) < 0)
         if key not in self._scalars:
             self._scalars[key] = torch.tensor(value, dtype=dtype, device=self.device)
         return self._scalars[key]
@@ -136,8 +139,11 @@ class Evaluator:
         if f in ("min", "max"):
             vals = [self.as_float(a) if node.ty is Type.FLOAT else self.ev(a) for a in node.args]
             out = vals[0]
+            # fmin / fmax: a NaN operand gives the other one, as the kernels' fminf / fmaxf do
+            pick = (torch.fmin if f == "min" else torch.fmax) if node.ty is Type.FLOAT else \
+                (torch.minimum if f == "min" else torch.maximum)
             for v in vals[1:]:
-                out = torch.minimum(out, v) if f == "min" else torch.maximum(out, v)
+                out = pick(out, v)
             return out
         if f == "abs":
             return self.ev(node.args[0]).abs()

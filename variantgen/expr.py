@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import difflib
 import enum
+import fractions
 import math
 import re
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
@@ -412,7 +414,10 @@ class _Parser:
             value = float(tok.text)
             if not math.isfinite(value) or abs(value) > FLOAT32_MAX:
                 raise self.src.error(tok.pos, f"number {_shorten(tok.text)} does not fit in a 32-bit float")
-            return Const(pos=tok.pos, value=value)
+            single = float32_of_decimal(tok.text)
+            # The literal rounded once, as a C++ compiler rounds `<text>f`: through the double, a
+            # decimal just past a float32 tie lands on the tie and rounds to even (the wrong side).
+            return Const(pos=tok.pos, value=value if to_float32(value) == single else single)
         if tok.kind == "kw" and tok.text in ("true", "false", "True", "False"):
             self.advance()
             return Const(pos=tok.pos, value=tok.text in ("true", "True"))
@@ -423,6 +428,48 @@ class _Parser:
             return node
         found = "end of expression" if tok.kind == "end" else repr(tok.text)
         raise self.src.error(tok.pos, f"expected a value (number, name or '('), found {found}")
+
+
+def constant_int(node: Node) -> int | None:
+    """The value of an int expression of constants only (+ - * // % min max abs), as the
+    reference computes it (unbounded, floor division, 0 for a zero divisor); None otherwise."""
+    if isinstance(node, Const):
+        return node.value if isinstance(node.value, int) and not isinstance(node.value, bool) else None
+    if isinstance(node, Unary) and node.op in "+-":
+        v = constant_int(node.operand)
+        return None if v is None else -v if node.op == "-" else v
+    if isinstance(node, Binary) and node.op in ("+", "-", "*", "//", "%"):
+        a = constant_int(node.left)
+        b = None if a is None else constant_int(node.right)
+        if a is None or b is None:
+            return None
+        if node.op in ("//", "%"):
+            return 0 if b == 0 else a // b if node.op == "//" else a % b
+        return a + b if node.op == "+" else a - b if node.op == "-" else a * b
+    if isinstance(node, Call) and node.func in ("min", "max", "abs"):
+        values = [constant_int(a) for a in node.args]
+        if any(v is None for v in values):
+            return None
+        return abs(values[0]) if node.func == "abs" else min(values) if node.func == "min" else max(values)
+    return None
+
+
+def to_float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (ties to even), as a Python float."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def float32_of_decimal(text: str) -> float:
+    """The float32 nearest to the decimal ``text`` (ties to even), rounded once from the exact
+    value; ``text`` a finite literal within the float32 range."""
+    exact = fractions.Fraction(text)
+    guess = to_float32(float(exact))  # off by at most one float32 step (rounded twice)
+    bits = struct.unpack("<i", struct.pack("<f", guess))[0]
+    near = [guess] + [struct.unpack("<f", struct.pack("<i", b))[0] for b in (bits - 1, bits + 1)
+                      if 0 <= b < 0x7F800000 or -0x80000000 <= b < -0x00800000]
+    near = [x for x in near if math.isfinite(x)]
+    return min(near, key=lambda x: (abs(fractions.Fraction(x) - exact),
+                                    struct.unpack("<i", struct.pack("<f", x))[0] & 1))
 
 
 def _shorten(text: str, limit: int = 40) -> str:
@@ -651,7 +698,13 @@ class _Checker:
 
     def check(self, node: Node) -> Node:
         method = getattr(self, "_" + type(node).__name__.lower())
-        return method(node)
+        typed = method(node)
+        if typed.ty is Type.INT and not isinstance(typed, Const):
+            value = constant_int(typed)
+            if value is not None and not INT32_MIN <= value <= INT32_MAX:
+                raise self.err(typed, f"`{_shorten(to_source(typed), 60)}` is {value}, outside the 32-bit int range "
+                               "(the kernel would wrap it)")
+        return typed
 
     def _const(self, node: Const) -> Node:
         v = node.value

@@ -47,6 +47,23 @@ __device__ __forceinline__ int64_t vg_min(int64_t a, int64_t b) { return a < b ?
 __device__ __forceinline__ int64_t vg_max(int64_t a, int64_t b) { return a > b ? a : b; }
 __device__ __forceinline__ int64_t vg_abs(int64_t a) { return a < 0 ? -a : a; }
 __device__ __forceinline__ float vg_div(float a, float b) { return a / b; }
+// Float arithmetic of masks, each operation rounded as IEEE float32 (round to nearest): the
+// modules build with -use_fast_math, which would fuse a * b + c and approximate / and sqrt, and
+// a mask's comparison must see the value the reference computes. (Denormals still flush to 0.)
+// On the host (tests) the plain operators, which round the same way.
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ float vg_fadd_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float vg_fsub_rn(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ float vg_fmul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float vg_fdiv_rn(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float vg_sqrt_rn(float x) { return __fsqrt_rn(x); }
+#else
+__device__ __forceinline__ float vg_fadd_rn(float a, float b) { return a + b; }
+__device__ __forceinline__ float vg_fsub_rn(float a, float b) { return a - b; }
+__device__ __forceinline__ float vg_fmul_rn(float a, float b) { return a * b; }
+__device__ __forceinline__ float vg_fdiv_rn(float a, float b) { return a / b; }
+__device__ __forceinline__ float vg_sqrt_rn(float x) { return sqrtf(x); }
+#endif
 __device__ __forceinline__ int32_t vg_min(int32_t a, int32_t b) { return a < b ? a : b; }
 __device__ __forceinline__ int32_t vg_max(int32_t a, int32_t b) { return a > b ? a : b; }
 __device__ __forceinline__ float vg_min(float a, float b) { return fminf(a, b); }

@@ -19,7 +19,7 @@ import pytest
 from conftest import SPECS_DIR
 
 import variantgen
-from variantgen import build, kv_tile
+from variantgen import build, codegen, kv_tile, render
 from variantgen.cache import Cache
 from variantgen.errors import BuildError
 from variantgen.render import FA2_CTA_TILES_Q, ModuleConfig
@@ -261,3 +261,50 @@ def test_argument_names_never_meet_the_generated_codes_own(vg_env, toolchain, tm
         # the functions that take the arguments: FlashInfer's run functions (fa2), the binding (fa3)
         units = list(module.host_sources) if backend == "fa2" else ["binding.cu"]
     _compile_units(toolchain, tmp_path, module, config, units)
+
+
+FLOAT_MASK = """
+name: floats
+scalars:
+  x: {dtype: float, default: 0.3}
+mask: "float(kv_pos) * 0.1 - x < 0.0 and sqrt(float(q_pos)) / 3.0 >= 0.5 + float(kv_pos) * x"
+logits: logits / (1.0 + float(kv_pos) * x)
+"""
+
+
+def test_a_masks_float_math_is_ieee_rounded_under_fast_math(toolchain, tmp_path):
+    """The modules build with -use_fast_math: a mask's float math must not be fused into FMAs or
+    approximated (the reference computes each operation rounded; a key at a threshold would flip).
+    The mask's expression, compiled as a device function with the modules' flags, has only
+    round-to-nearest arithmetic in its PTX; the logits transform keeps the fast forms."""
+    spec = variantgen.parse_spec(FLOAT_MASK, "floats.yaml")
+    mask, logits = codegen.emit_mask(spec).code, codegen.emit_logits(spec, "score").code
+    helpers = render.static_source("common/vg_helpers.cuh")
+    source = tmp_path / "m.cu"
+    source.write_text(f"""{helpers}
+struct P {{ float x; }};
+extern "C" __global__ void mask(const P params, const int* pos, bool* out) {{
+  const int32_t q_pos = pos[0], kv_pos = pos[1];
+  const float arg_x = params.x;
+  *out = {mask};
+}}
+extern "C" __global__ void logits(const P params, const int* pos, float* out) {{
+  const int32_t kv_pos = pos[1];
+  const float arg_x = params.x;
+  const float score = out[0];
+  *out = {logits};
+}}
+""")
+    config = ModuleConfig(spec, 64, 64, "bf16", "bf16", "bf16", "9.0a", "fa2")
+    ptx = tmp_path / "m.ptx"
+    flags = [f for f in build.semantic_flags(config)["cuda"] if not f.startswith(("-Xfatbin", "--compress"))]
+    done = subprocess.run([str(toolchain.nvcc), *flags, "-ptx", str(source), "-o", str(ptx)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = ptx.read_text()
+    mask_ptx, logits_ptx = text.split(".entry logits")[0].split(".entry mask")[1], text.split(".entry logits")[1]
+    ops = re.findall(r"^\s*((?:add|sub|mul|div|sqrt|fma|rcp)\.[\w.]+)", mask_ptx, re.M)
+    float_ops = [o for o in ops if o.endswith("f32")]
+    assert float_ops and all(".rn" in o for o in float_ops), float_ops
+    assert not any(o.startswith("fma") or ".approx" in o for o in float_ops), float_ops
+    assert re.search(r"^\s*(fma|div\.approx|rcp\.approx)", logits_ptx, re.M), "the logits transform got slower"

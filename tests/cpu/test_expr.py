@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+import variantgen
 from variantgen import expr
 from variantgen.errors import Location, SpecError
 from variantgen.expr import (
@@ -662,3 +663,30 @@ def test_every_error_message_starts_with_its_location():
     pattern = re.compile(rf"^{re.escape(FILE)}:{LINE}:\d+: mask: ")
     for text in ["kv_pos +", "x", "t[1]", "w[1]", "min(1)", "1 // 0", "&", "9" * 20, "", "flag + 1"]:
         assert pattern.match(str(error(text))), text
+
+
+def test_an_int_expression_of_constants_must_fit_int32():
+    """2147483647 + 1 is 2^31 to the reference (int64) and wraps in the kernel: refused where it
+    is written, like a literal that does not fit."""
+    for text, shown in (("kv_pos < 2147483647 + 1", "(2147483647 + 1)"), ("kv_pos < abs(-2147483648)",
+                        "abs(-2147483648)"), ("kv_pos < 65536 * 65536 // 65536", "(65536 * 65536)")):
+        with pytest.raises(SpecError) as err:
+            variantgen.parse_spec(f"name: x\nmask: {text}\n", "c.yaml")
+        value = eval(shown)  # (Python's ints: the reference's value)
+        assert err.value.message == f"`{shown}` is {value}, outside the 32-bit int range (the kernel would wrap it)"
+        assert str(err.value.location).startswith("c.yaml:2:")
+    variantgen.parse_spec("name: x\nmask: kv_pos < -2147483648 + 2147483647 and kv_pos <= q_pos + 2147483647\n")
+
+
+def test_a_float_literal_is_rounded_once():
+    """1.0000000596046448 is just above the tie between 1 and 1 + 2^-23: C++ rounds `...f` up,
+    while rounding through the double lands on the tie and rounds to even (1.0)."""
+    from variantgen import codegen
+    from variantgen.expr import float32_of_decimal, to_float32
+
+    assert to_float32(float("1.0000000596046448")) == 1.0
+    assert float32_of_decimal("1.0000000596046448") == 1.0000001192092896 == 1 + 2**-23
+    assert float32_of_decimal("0.1") == to_float32(0.1) and float32_of_decimal("16777217.0") == 16777216.0
+    spec = variantgen.parse_spec("name: x\nmask: float(kv_pos) < 1.0000000596046448 and float(q_pos) < 0.1\n")
+    code = codegen.emit_mask(spec).code
+    assert "1.0000001192092896f" in code and "0.1f" in code  # (an ordinary literal as written)

@@ -628,3 +628,23 @@ def test_bit_in_a_mask(spec_from):
             if p.b == b:
                 want = _py_bit(BIT_VALUES[p.q_row], p.q - p.j) or _py_bit(BIT_VALUES[p.q_row], p.j - 40)
                 assert bool(got[p.h, p.i, p.j]) == want
+
+
+def _grid_mask(text: str, qo: int = 4, kv: int = 8) -> torch.Tensor:
+    spec = variantgen.parse_spec(text)
+    return mask_for_request(spec, RequestGrid(0, qo, kv, 0, 0, 1, 1, torch.device("cpu")), {})[0]
+
+
+def test_float_min_and_max_skip_a_nan_as_the_kernels_do():
+    """max(NaN, 0.0) is 0.0 in the kernels (fmaxf): sqrt of a negative gives NaN for the keys past
+    q_pos, and max(..., 0.0) >= 0.0 keeps them visible."""
+    assert bool(_grid_mask("name: x\nmask: max(sqrt(float(q_pos - kv_pos)), 0.0) >= 0.0\n").all())
+    assert bool(_grid_mask("name: x\nmask: min(log(float(q_pos - kv_pos)), 0.5) <= 0.5\n").all())
+    ints = _grid_mask("name: x\nmask: max(q_pos - kv_pos, 0) > 0\n")  # ints: no NaN, as before
+    assert ints.tolist() == [[q > k for k in range(8)] for q in range(4, 8)]
+
+
+def test_minus_zero_is_not_zero():
+    """1 / -0.0 is -inf: a constant -0.0 is not the cached +0.0 (0.0 == -0.0 as dict keys)."""
+    text = "name: x\nmask: float(kv_pos) >= 0.0 and 1.0 / (-0.0 * float(kv_pos + 1)) < 0.0\n"
+    assert bool(_grid_mask(text).all())
