@@ -15,6 +15,7 @@ Running ninja (progress, log, ending the compilers on errors) is ninja.py's part
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -22,6 +23,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -34,7 +36,7 @@ from . import ninja as _ninja_run
 from . import objects as _objects
 from ._version import __version__
 from .cache import Cache, Entry, LockHolder, ModuleKey, path_error
-from .env import settings
+from .env import NVCC_FLAG_VARIABLES, settings
 from .errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error
 from .progress import BuildProgress
 from .render import RenderedModule, SharedUnit, canonical_arch
@@ -120,13 +122,37 @@ class Toolchain:
     cuda_home: Path
     nvcc: Path
     nvcc_version: str  # e.g. 'V13.0.88'
-    cxx: str
+    cxx: str  # links the module
     cxx_version: str
+    # The compiler nvcc compiles host code with (passed as -ccbin, so it is the one keyed); ""
+    # leaves the choice to nvcc (test toolchains only)
+    host_cc: str = ""
+    host_cc_version: str = ""
 
 
-def _run_version(cmd: list[str]) -> str:
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
-    return out.stdout + out.stderr
+VERSION_TIMEOUT_S = 10.0
+"""How long a compiler's ``--version`` may take: a hung or broken nvcc must not stall a lookup."""
+
+
+def _run_version(cmd: list[str], what: str) -> str:
+    """The output of ``cmd`` (a compiler's --version); ToolchainError naming ``what`` and the path
+    if it cannot run, fails or does not answer within VERSION_TIMEOUT_S."""
+    try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                text=True, errors="replace", start_new_session=True)
+    except OSError as e:
+        raise ToolchainError(f"cannot run {what} {cmd[0]}: {e.strerror or e}") from None
+    try:
+        out, _ = proc.communicate(timeout=VERSION_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        # the whole group: a wrapper script's children would hold the pipe open
+        with contextlib.suppress(OSError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise ToolchainError(f"{what} {cmd[0]} did not answer `--version` within {VERSION_TIMEOUT_S:g}s") from None
+    if proc.returncode != 0:
+        raise ToolchainError(f"{what} {cmd[0]} --version failed (exit {proc.returncode}): {out.strip()[:200]}")
+    return out
 
 
 def find_cuda_home() -> tuple[Path | None, list[str]]:
@@ -152,15 +178,33 @@ def find_cuda_home() -> tuple[Path | None, list[str]]:
     return None, tried
 
 
-@functools.lru_cache(maxsize=1)
-def toolchain() -> Toolchain:
+def nvcc_host_compiler() -> str:
+    """The host compiler nvcc would use: NVCC_CCBIN (a compiler, or a folder holding gcc), else
+    gcc on PATH (nvcc's default on Linux). An absolute path; ToolchainError if there is none, or
+    if NVCC_PREPEND_FLAGS / NVCC_APPEND_FLAGS choose one themselves (the key could not name it)."""
+    s = settings()
+    for name, value in s.nvcc_env:
+        if any(f == "-ccbin" or f.startswith(("-ccbin=", "--compiler-bindir")) for f in value.split()):
+            raise ToolchainError(f"{name}={value!r} sets nvcc's host compiler; set NVCC_CCBIN instead, so that "
+                                 "the module key names the compiler")
+    wanted = s.nvcc_ccbin or "gcc"
+    if s.nvcc_ccbin and Path(wanted).is_dir():
+        wanted = str(Path(wanted) / "gcc")
+    found = shutil.which(wanted)
+    if found is None:
+        where = f"NVCC_CCBIN={s.nvcc_ccbin!r}" if s.nvcc_ccbin else "PATH"
+        raise ToolchainError(f"nvcc's host compiler {wanted!r} not found ({where}); install gcc or set NVCC_CCBIN")
+    return os.path.abspath(found)
+
+
+def _probe_toolchain() -> Toolchain:
     home, tried = find_cuda_home()
     if home is None:
         via = "CUDA_HOME" if settings().cuda_home is not None else "PATH and /usr/local/cuda"
         raise ToolchainError(f"nvcc not found (looked in {via}: tried {', '.join(tried)}); "
                              "install the CUDA toolkit or set CUDA_HOME")
     nvcc = home / "bin" / "nvcc"
-    text = _run_version([str(nvcc), "--version"])
+    text = _run_version([str(nvcc), "--version"], "nvcc")
     m = re.search(r"V(\d+\.\d+\.\d+)", text)
     if not m:
         raise ToolchainError(f"could not read the version of {nvcc}: {text.strip()[:200]}")
@@ -168,8 +212,31 @@ def toolchain() -> Toolchain:
     cxx_path = shutil.which(cxx)
     if cxx_path is None:
         raise ToolchainError(f"host C++ compiler {cxx!r} not found on PATH (set CXX)")
-    cxx_version = _run_version([cxx_path, "--version"]).splitlines()[0].strip()
-    return Toolchain(home, nvcc, "V" + m.group(1), cxx_path, cxx_version)
+    cxx_version = _run_version([cxx_path, "--version"], "host C++ compiler").splitlines()[0].strip()
+    host_cc = nvcc_host_compiler()
+    host_cc_version = _run_version([host_cc, "--version"], "nvcc's host compiler").splitlines()[0].strip()
+    return Toolchain(home, nvcc, "V" + m.group(1), cxx_path, cxx_version, host_cc, host_cc_version)
+
+
+@functools.lru_cache(maxsize=1)
+def _toolchain_or_error() -> Toolchain | ToolchainError:
+    try:
+        return _probe_toolchain()
+    except ToolchainError as e:
+        return e
+
+
+def toolchain() -> Toolchain:
+    """The toolchain builds use (ToolchainError if there is none). Probed once per process, a
+    failure too: a lookup with JIT disabled asks for it, and a hung nvcc must cost one
+    VERSION_TIMEOUT_S, not one per module."""
+    found = _toolchain_or_error()
+    if isinstance(found, ToolchainError):
+        raise ToolchainError(str(found))
+    return found
+
+
+toolchain.cache_clear = _toolchain_or_error.cache_clear  # type: ignore[attr-defined]
 
 
 # ----------------------------------------------------------------------------- flags
@@ -209,11 +276,29 @@ def module_key(rendered: RenderedModule, tc: Toolchain | None) -> ModuleKey:
         ("arch", canonical_arch(cfg.arch)),
         ("variantgen", __version__),
     )
-    split = settings().split_compile
-    if split > 1:  # nvcc's split optimizer allocates registers differently: other machine code
-        inputs += (("nvcc_split_compile", str(split)),)
-    tool = (("nvcc", tc.nvcc_version), ("cxx", tc.cxx_version)) if tc is not None else ()
+    s = settings()
+    if s.split_compile > 1:  # nvcc's split optimizer allocates registers differently: other machine code
+        inputs += (("nvcc_split_compile", str(s.split_compile)),)
+    # nvcc adds NVCC_PREPEND_FLAGS / NVCC_APPEND_FLAGS to every command (-G, -O0, ...); the build
+    # gets exactly these values (build_env)
+    inputs += tuple((name.lower(), value) for name, value in s.nvcc_env)
+    tool: tuple[tuple[str, str], ...] = ()
+    if tc is not None:
+        tool = (("nvcc", tc.nvcc_version), ("cxx", tc.cxx_version))
+        if tc.host_cc:
+            tool += (("host_cc", f"{tc.host_cc_version} ({tc.host_cc})"),)
     return ModuleKey(cfg.uri_prefix, inputs, tool)
+
+
+def build_env(tc: Toolchain) -> dict[str, str]:
+    """The environment ninja and the compilers run in: ours, with the nvcc variables the key names
+    (settings' snapshot of them, whatever os.environ holds now) and no NVCC_CCBIN (the ninja file
+    passes the keyed host compiler as -ccbin)."""
+    nvcc_vars = ("NVCC_CCBIN", *NVCC_FLAG_VARIABLES)
+    env = {k: v for k, v in os.environ.items() if k not in nvcc_vars}
+    env.update(settings().nvcc_env)
+    env["CUDA_HOME"] = str(tc.cuda_home)
+    return env
 
 
 def shared_object_key(rendered: RenderedModule, unit: SharedUnit, tc: Toolchain) -> ModuleKey:
@@ -240,17 +325,20 @@ def _ninja_file(rendered: RenderedModule, tc: Toolchain, src_dir: Path, out_name
     for p in (*fi.system_include_dirs, tc.cuda_home / "include"):
         includes += ["-isystem", str(p)]
     # --threads leaves the machine code of one target as it is (not in the key); --split-compile
-    # does not (module_key names it)
-    nvcc_threads = [f"--threads={settings().nvcc_threads}"]
+    # does not (module_key names it); -ccbin: the host compiler the key names (its version and
+    # path), not whatever nvcc would find on the PATH ninja runs with
+    nvcc_only = [f"--threads={settings().nvcc_threads}"]
     if settings().split_compile > 1:
-        nvcc_threads.append(f"--split-compile={settings().split_compile}")
+        nvcc_only.append(f"--split-compile={settings().split_compile}")
+    if tc.host_cc:
+        nvcc_only += ["-ccbin", tc.host_cc]
     args = _ninja_run.shell_args
     lines = [
         "ninja_required_version = 1.3",
         f"nvcc = {args([tc.nvcc])}",
         f"cxx = {args([tc.cxx])}",
         f"includes = {args(includes)}",
-        f"cuda_flags = {args(flags['cuda'] + nvcc_threads)}",
+        f"cuda_flags = {args(flags['cuda'] + nvcc_only)}",
         "ldflags = " + args([*flags["ld"], f"-L{tc.cuda_home / 'lib64'}"]),
         "",
         "rule cuda_compile",
@@ -446,7 +534,10 @@ def _build_in(staging: Path, rendered: RenderedModule, key: ModuleKey, tc: Toolc
     jobs = jobs or s.build_jobs
     if jobs:
         cmd += ["-j", str(jobs)]
-    env = dict(os.environ, CUDA_HOME=str(tc.cuda_home))
+    env = build_env(tc)
+    if s.nvcc_env:
+        log.info("building %s with %s (part of its key)", key.uri,
+                 ", ".join(f"{name}={value!r}" for name, value in s.nvcc_env))
     units = len(rendered.compile_units) + len(rendered.host_sources)
     report = (progress or BuildProgress)(key.uri, units, rendered.config.kind)
     ok = False

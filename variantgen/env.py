@@ -33,6 +33,8 @@ SPECS_DIR = _data_dir("specs")
 """The shipped specs (variantgen.library)."""
 
 _TRUE = {"1", "true", "yes", "on"}
+NVCC_FLAG_VARIABLES = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")
+"""Variables nvcc itself reads and adds to its command line."""
 
 
 def _flag(name: str) -> bool:
@@ -66,6 +68,12 @@ class Settings:
     of a module (default 1800; probe() waits a few seconds only)."""
     build_timeout_s: float
     """VARIANTGEN_BUILD_TIMEOUT: seconds one module's build may take before it is ended (default 3600)."""
+    nvcc_env: tuple[tuple[str, str], ...]
+    """NVCC_PREPEND_FLAGS / NVCC_APPEND_FLAGS, those set: nvcc adds them to every command line, so
+    they change the machine code (the module key names them; builds get exactly these)."""
+    nvcc_ccbin: str | None
+    """NVCC_CCBIN: the host compiler nvcc compiles with (a compiler, or the folder holding gcc);
+    None: gcc on PATH, nvcc's own default."""
     check_plan: bool
     """VARIANTGEN_CHECK_PLAN=1: wrappers check in run() that the tensors plan() planned from are
     unchanged (debug mode; the default of make_wrapper(check_plan=...))."""
@@ -131,6 +139,9 @@ def _read() -> Settings:
         else TEMPLATES_DIR,
         lock_timeout_s=_seconds("VARIANTGEN_LOCK_TIMEOUT", 1800.0, zero_ok=True),
         build_timeout_s=_seconds("VARIANTGEN_BUILD_TIMEOUT", 3600.0),
+        nvcc_env=tuple((name, os.environ[name].strip()) for name in NVCC_FLAG_VARIABLES
+                       if os.environ.get(name, "").strip()),
+        nvcc_ccbin=os.environ.get("NVCC_CCBIN", "").strip() or None,
         check_plan=_flag("VARIANTGEN_CHECK_PLAN"),
     )
 

@@ -320,7 +320,8 @@ def test_shared_plain_units_are_compiled_once_per_cache(toolchain, cache):
         found = store.lookup(uri)
         assert found, found.reason
         manifest = found.entry.manifest
-        assert manifest["inputs_digest"] and manifest["toolchain"] == {"nvcc": "V12.8.93", "cxx": "fake c++ 1.0"}
+        assert manifest["inputs_digest"] and manifest["toolchain"] == {
+            "nvcc": "V12.8.93", "cxx": "fake c++ 1.0", "host_cc": f"fake c++ 1.0 ({toolchain.host_cc})"}
         assert manifest["first_module"] == first.entry.uri
     # the object cache is hidden: neither a module entry nor someone else's file
     assert [uri for uri, _ in cache.entries()] == sorted([first.entry.uri, second.entry.uri])
@@ -384,3 +385,24 @@ def test_waiting_for_a_shared_object_is_bounded(toolchain, cache, vg_env):
         build.build_module(fa3_config("causal"), cache)
     assert f"timed out after 1s waiting for another build of {uri} (held by pid {os.getpid()}" in e.value.output
     assert leftovers(cache) == {".staging": [], ".locks": []}
+
+
+def test_nvcc_flag_variables_are_part_of_the_key_and_reach_nvcc(toolchain, cache, vg_env, monkeypatch):
+    """nvcc adds NVCC_APPEND_FLAGS / NVCC_PREPEND_FLAGS to every command: a module built with
+    NVCC_APPEND_FLAGS=-G (debug device code) was published under the normal module's URI and
+    served later as that module. The key names them, and the build gets the keyed values."""
+    plain = build.build_module(causal_config(), cache)
+    vg_env.set(NVCC_APPEND_FLAGS="-G")
+    monkeypatch.setenv("NVCC_APPEND_FLAGS", "-lineinfo")  # changed after the settings were read
+    monkeypatch.setenv("NVCC_CCBIN", "/no/such/compiler")  # -ccbin names the keyed compiler instead
+    debug = build.build_module(causal_config(), cache)
+    assert debug.built and debug.entry.uri != plain.entry.uri
+    assert ("nvcc_append_flags", "-G") in debug.key.inputs
+    log_text = (debug.entry.path / "build.log").read_text()
+    assert "fake nvcc: NVCC_APPEND_FLAGS=-G\n" in log_text and "NVCC_CCBIN" not in log_text
+    assert f"-ccbin '{toolchain.host_cc}'".replace("$", "$$") in (debug.entry.path / "build.ninja").read_text()
+    vg_env.set(NVCC_APPEND_FLAGS=None, NVCC_CCBIN=None)
+    again = build.build_module(causal_config(), cache)
+    assert not again.built and again.entry.uri == plain.entry.uri
+    assert "NVCC_APPEND_FLAGS" not in (plain.entry.path / "build.log").read_text()
+

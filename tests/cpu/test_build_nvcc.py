@@ -43,7 +43,8 @@ def test_build_find_and_deploy_a_real_module(vg_env, toolchain):
     assert entry.path.parent == vg_env.cache_dir and entry.uri == result.key.uri
     assert entry.module_path.read_bytes()[:4] == b"\x7fELF"
     manifest = entry.manifest
-    assert manifest["toolchain"] == {"nvcc": toolchain.nvcc_version, "cxx": toolchain.cxx_version}
+    assert manifest["toolchain"] == {"nvcc": toolchain.nvcc_version, "cxx": toolchain.cxx_version,
+                                     "host_cc": f"{toolchain.host_cc_version} ({toolchain.host_cc})"}
     assert manifest["inputs_digest"] == result.key.inputs_digest
     assert manifest["tensor_args"] == ["vg_meta"] and manifest["scalar_args"] == ["sm_scale", "v_scale"]
     assert manifest["config"]["mask_modes"] == ["causal"]

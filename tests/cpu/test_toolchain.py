@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 from pathlib import Path
 
 import _cache_procs as procs
@@ -122,3 +123,102 @@ def test_ninja_file(vg_env, tmp_path, monkeypatch):
     assert any(line.startswith("build mod.so: link obj/binding.o ") for line in lines)
     assert "default mod.so" in lines
     assert "-L/opt/fake-cuda/lib64" in text
+
+
+def _compiler(folder: Path, name: str, version: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    script = folder / name
+    script.write_text(f'#!/bin/sh\necho "{version}"\n')
+    script.chmod(0o755)
+    return script
+
+
+def test_the_key_names_the_host_compiler_nvcc_uses(vg_env, tmp_path, monkeypatch, fresh_toolchain):
+    """nvcc compiles host code with the gcc it finds on PATH (or NVCC_CCBIN), while the key named
+    `c++ --version` only: another gcc first on PATH built other code under the same URI. The
+    toolchain resolves nvcc's compiler as nvcc does, keys its version and path, and the build
+    passes it as -ccbin."""
+    vg_env.set(CUDA_HOME=fake_cuda(tmp_path / "cuda"))
+    old = _compiler(tmp_path / "old", "gcc", "gcc (Fake) 9.1.0")
+    new = _compiler(tmp_path / "new", "gcc", "gcc (Fake) 13.2.0")
+    rendered = render_module(_config())
+    keys = {}
+    for folder in (old.parent, new.parent):
+        monkeypatch.setenv("PATH", f"{folder}{os.pathsep}/usr/bin{os.pathsep}/bin")
+        build.toolchain.cache_clear()
+        tc = build.toolchain()
+        assert tc.host_cc == str(folder / "gcc") and tc.host_cc_version.startswith("gcc (Fake) ")
+        keys[folder] = build.module_key(rendered, tc)
+    assert keys[old.parent].uri != keys[new.parent].uri
+    assert dict(keys[old.parent].toolchain)["host_cc"] == f"gcc (Fake) 9.1.0 ({old})"
+    # NVCC_CCBIN: a compiler, or the folder holding gcc, whatever PATH says
+    for ccbin in (old, old.parent):
+        vg_env.set(NVCC_CCBIN=ccbin)
+        build.toolchain.cache_clear()
+        assert build.toolchain().host_cc == str(old)
+    vg_env.set(NVCC_CCBIN=tmp_path / "nowhere" / "g++")
+    build.toolchain.cache_clear()
+    with pytest.raises(ToolchainError, match=r"nvcc's host compiler '.*nowhere/g\+\+' not found \(NVCC_CCBIN="):
+        build.toolchain()
+    vg_env.set(NVCC_CCBIN=None, NVCC_PREPEND_FLAGS=f"-O3 -ccbin {new}")
+    build.toolchain.cache_clear()
+    with pytest.raises(ToolchainError, match=r"NVCC_PREPEND_FLAGS=.* sets nvcc's host compiler; set NVCC_CCBIN"):
+        build.toolchain()
+
+
+def test_nvcc_that_cannot_run_is_a_toolchain_error(vg_env, tmp_path, monkeypatch, fresh_toolchain):
+    """An nvcc that is not executable gave a raw PermissionError; one that hangs, a 60 s wait and a
+    TimeoutExpired traceback; one that fails, an unreadable version."""
+    home = fake_cuda(tmp_path / "cuda")
+    nvcc = home / "bin" / "nvcc"
+    vg_env.set(CUDA_HOME=home)
+    nvcc.chmod(0o644)
+    with pytest.raises(ToolchainError, match=rf"^cannot run nvcc {nvcc}: Permission denied$"):
+        build.toolchain()
+    nvcc.write_text("#!/bin/sh\necho 'libcuda: broken install' >&2\nexit 7\n")
+    nvcc.chmod(0o755)
+    build.toolchain.cache_clear()
+    with pytest.raises(ToolchainError, match=rf"^nvcc {nvcc} --version failed \(exit 7\): libcuda: broken install$"):
+        build.toolchain()
+    nvcc.write_text("#!/bin/sh\nsleep 100 &\nsleep 100\n")  # a child holds the pipe open too
+    monkeypatch.setattr(build, "VERSION_TIMEOUT_S", 0.5)
+    build.toolchain.cache_clear()
+    t0 = time.monotonic()
+    with pytest.raises(ToolchainError, match=rf"^nvcc {nvcc} did not answer `--version` within 0.5s$"):
+        build.toolchain()
+    with pytest.raises(ToolchainError):  # remembered: a lookup per module does not wait again
+        build.toolchain()
+    assert time.monotonic() - t0 < 5
+
+
+def test_serving_and_cache_checks_do_not_need_a_working_nvcc(vg_env, tmp_path, fresh_toolchain):
+    """With an nvcc that cannot run, a JIT-disabled lookup of a precompiled module raised a raw
+    PermissionError, `precompile --check` printed it, probe(runtime=False) said "internal error"
+    and `doctor` stopped at it. A cache lookup needs no toolchain; doctor reports nvcc as
+    unusable and goes on."""
+    from click.testing import CliRunner
+
+    from variantgen.cache import Cache
+    from variantgen.cli import expand_matrix, main
+    from variantgen.probing import probe
+    from variantgen.rowplan import planner_configs
+
+    cache = Cache(vg_env.cache_dir)
+    configs, _ = expand_matrix(["causal"], [128], ["bf16"], None, None, ["9.0a"], ["fa3"])
+    for config in [*configs, *planner_configs(configs)]:
+        procs.publish_fake(cache, build.module_key(config.render(), procs.fake_toolchain()))
+    home = fake_cuda(tmp_path / "cuda")
+    (home / "bin" / "nvcc").chmod(0o644)
+    vg_env.set(CUDA_HOME=home, VARIANTGEN_DISABLE_JIT="1")
+    found = build.build_module(configs[0], cache)
+    assert not found.built and found.entry.uri.startswith(configs[0].uri_prefix)
+    answer = probe("causal", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", backend="fa3", arch="9.0a",
+                   runtime=False)
+    assert answer.ok and answer.source == "cache", answer.reason
+    r = CliRunner().invoke(main, ["precompile", "causal", "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a",
+                                  "--backend", "fa3", "--check"])
+    assert r.exit_code == 0 and "2 of 2 module(s)" in r.output, r.output
+    r = CliRunner().invoke(main, ["doctor", "--need", "build"])
+    assert r.exit_code == 1 and r.exception is None or isinstance(r.exception, SystemExit), r.output
+    assert f"cannot run nvcc {home / 'bin' / 'nvcc'}: Permission denied" in r.output
+    assert "build: no (missing: nvcc" in r.output and "JIT " in r.output

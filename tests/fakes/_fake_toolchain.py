@@ -5,6 +5,7 @@ exist, so a path that ninja or the shell split shows up) and write small output 
 Behaviour is steered by environment variables the build passes on to the compilers:
 VG_FAKE_NVCC_SLEEP (seconds per compile), VG_FAKE_NVCC_FAIL (a source name part that fails
 to compile), VG_FAKE_PIDS (a file the compilers append their pids to, and their sleep's).
+nvcc prints the NVCC_APPEND_FLAGS and NVCC_CCBIN it was given into the build output.
 Own module (no pytest import), so that spawned child processes can use it too.
 """
 
@@ -22,6 +23,7 @@ while [ $# -gt 0 ]; do
     --version) printf 'Cuda compilation tools, release 12.8, V12.8.93\n'; exit 0 ;;
     -o) out="$2"; shift ;;
     -MF) dep="$2"; shift ;;
+    -ccbin) [ -x "$2" ] || { echo "fake nvcc: -ccbin $2: not an executable"; exit 3; }; shift ;;
     -c) src="$2"; shift ;;
     -isystem) [ -d "$2" ] || { echo "fake nvcc: -isystem $2: no such directory"; exit 3; }; shift ;;
     -I*) [ -d "${1#-I}" ] || { echo "fake nvcc: $1: no such directory"; exit 3; } ;;
@@ -30,6 +32,8 @@ while [ $# -gt 0 ]; do
 done
 [ -n "$VG_FAKE_PIDS" ] && echo $$ >> "$VG_FAKE_PIDS"
 echo "fake nvcc: compiling $src"
+[ -z "$NVCC_APPEND_FLAGS" ] || echo "fake nvcc: NVCC_APPEND_FLAGS=$NVCC_APPEND_FLAGS"
+[ -z "$NVCC_CCBIN" ] || echo "fake nvcc: NVCC_CCBIN=$NVCC_CCBIN"
 [ -f "$src" ] || { echo "fake nvcc: $src: no such file"; exit 3; }
 if [ -n "$VG_FAKE_NVCC_SLEEP" ]; then
   sleep "$VG_FAKE_NVCC_SLEEP" &
@@ -77,7 +81,8 @@ def make_toolchain(root: Path) -> tuple[Toolchain, FlashInferInfo]:
         d.mkdir(parents=True, exist_ok=True)
     for host in ("batch_prefill_paged.cu", "batch_prefill_ragged.cu", "batch_decode.cu"):
         (csrc / host).write_text("// FlashInfer host code (fake)\n")
-    tc = Toolchain(cuda, cuda / "bin" / "nvcc", "V12.8.93", str(cuda / "bin" / "c++"), "fake c++ 1.0")
+    cxx = str(cuda / "bin" / "c++")  # links, and is nvcc's host compiler (-ccbin)
+    tc = Toolchain(cuda, cuda / "bin" / "nvcc", "V12.8.93", cxx, "fake c++ 1.0", cxx, "fake c++ 1.0")
     info = FlashInferInfo(version="0.7.2.post1", include_dirs=(include, csrc), system_include_dirs=(system,),
                           csrc_dir=csrc, tvm_ffi_version="0.1.15.post2")
     return tc, info
