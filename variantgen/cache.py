@@ -139,7 +139,9 @@ class Lookup:
 
 class Cache:
     def __init__(self, root: str | Path):
-        self.root = Path(root).expanduser()
+        # Absolute once: ninja runs in a staging folder (`ninja -C`), where a relative root
+        # would name another folder, and a later chdir must not move the cache.
+        self.root = Path(os.path.abspath(Path(root).expanduser()))
 
     # -- paths
     def entry_dir(self, uri: str) -> Path:

@@ -44,7 +44,7 @@ def _flag(name: str) -> bool:
 @dataclass(frozen=True)
 class Settings:
     cache_dir: Path
-    """Root of the module cache (VARIANTGEN_CACHE_DIR; default: <checkout>/cache)."""
+    """Root of the module cache (VARIANTGEN_CACHE_DIR, made absolute; default: <checkout>/cache)."""
     jit_disabled: bool
     """VARIANTGEN_DISABLE_JIT=1 or FLASHINFER_DISABLE_JIT=1: load from the cache, never build."""
     jit_disabled_by: str | None
@@ -124,7 +124,7 @@ def _read() -> Settings:
         disabled_by = None
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     return Settings(
-        cache_dir=Path(os.environ["VARIANTGEN_CACHE_DIR"]).expanduser()
+        cache_dir=Path(os.path.abspath(Path(os.environ["VARIANTGEN_CACHE_DIR"]).expanduser()))
         if os.environ.get("VARIANTGEN_CACHE_DIR")
         else _default_cache_dir(),
         jit_disabled=disabled_by is not None,

@@ -406,3 +406,17 @@ def test_nvcc_flag_variables_are_part_of_the_key_and_reach_nvcc(toolchain, cache
     assert not again.built and again.entry.uri == plain.entry.uri
     assert "NVCC_APPEND_FLAGS" not in (plain.entry.path / "build.log").read_text()
 
+
+def test_a_relative_cache_dir_builds(toolchain, tmp_path, vg_env, monkeypatch):
+    """VARIANTGEN_CACHE_DIR=../x or --cache-dir rel made every build fail (`ninja: fatal: chdir
+    to ...`: ninja -C went into the staging folder, then looked for a path relative to it)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    vg_env.set(VARIANTGEN_CACHE_DIR="../rel cache")
+    assert vg_env.settings.cache_dir == tmp_path / "rel cache"
+    result = build.build_module(causal_config(), build.default_cache())
+    assert result.built and result.entry.path == tmp_path / "rel cache" / result.entry.uri
+    cache = Cache("again")
+    monkeypatch.chdir(tmp_path)  # a later chdir does not move a cache
+    assert cache.root == work / "again" and build.build_module(causal_config(), cache).built
