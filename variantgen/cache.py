@@ -33,6 +33,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -482,7 +483,29 @@ def _manifest_problem(manifest: object, uri: str) -> str | None:
             return f"manifest lacks {key}"
     if "/" in manifest["module_file"] or manifest["module_file"].startswith("."):
         return "manifest names a module file outside the entry"
+    # Optional fields readers use (list, clear, --check, JIT-off lookups): of the type they expect
+    # if present, so a hand-edited manifest is a damaged entry, not a crash of its reader.
+    for key, kind, what in _OPTIONAL_FIELDS:
+        if key in manifest and not kind(manifest[key]):
+            return f"manifest field {key!r} is {json.dumps(manifest[key])[:40]}, not {what}"
     return None
+
+
+def _string_map(value: object) -> bool:
+    return isinstance(value, dict) and all(isinstance(v, str) for v in value.values())
+
+
+_OPTIONAL_FIELDS: tuple[tuple[str, Callable[[object], bool], str], ...] = (
+    ("config", lambda v: isinstance(v, dict) and isinstance(v.get("spec", ""), str),
+     "an object naming its spec as a string"),
+    ("inputs", _string_map, "an object of strings"),
+    ("toolchain", _string_map, "an object of strings"),
+    ("shared_objects", _string_map, "an object of strings"),
+    ("inputs_digest", lambda v: isinstance(v, str), "a string"),
+    ("key_digest", lambda v: isinstance(v, str), "a string"),
+    ("built_at", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+     "a time in seconds"),
+)
 
 
 def age_seconds(manifest: dict) -> float:

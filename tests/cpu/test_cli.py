@@ -19,7 +19,7 @@ import variantgen
 from variantgen import build
 from variantgen.cache import MANIFEST, Cache, Entry, ModuleKey
 from variantgen.cli import main
-from variantgen.errors import BuildError
+from variantgen.errors import BuildError, JitDisabledError
 from variantgen.render import ModuleConfig, render_module
 from variantgen.rowplan import PlannerConfig
 
@@ -499,6 +499,33 @@ def test_list_verifies_modules(filled, damage, reason):
     quick = run("list", "--no-verify")
     row = next(line for line in quick.stdout.splitlines() if line.startswith(entries["mm"].uri))
     assert ("damaged" in row) == (damage != "flip")  # a same-size bit flip needs the hash
+
+
+@pytest.mark.parametrize("field, value", [("config", "oops"), ("toolchain", None), ("built_at", "yesterday"),
+                                          ("inputs", ["x"]), ("config", {"spec": ["causal"]}),
+                                          ("inputs_digest", 7)])
+def test_manifest_fields_of_the_wrong_type_are_a_damaged_entry(filled, field, value, vg_env):
+    """A manifest whose fields have the wrong types crashed list, clear, precompile --check and
+    JIT-off lookups (AttributeError, ValueError): it is a damaged entry, named with its path."""
+    cache, entries, _ = filled
+    entry = entries["causal"]
+    manifest = json.loads((entry.path / MANIFEST).read_text())
+    manifest[field] = value
+    (entry.path / MANIFEST).write_text(json.dumps(manifest))
+    r = run("list")
+    assert r.exit_code == 0, r.output
+    row = next(line for line in r.stdout.splitlines() if line.startswith(entry.uri))
+    assert f"damaged: entry {entry.path}: manifest field {field!r} is " in row
+    assert f"4 module(s) in {cache.root}, 2 damaged" in r.stdout
+    r = run("precompile", CAUSAL, "--head-dim", "64", "--dtype", "bf16", "--arch", "8.0", "--backend", "fa2", "--check")
+    assert r.exit_code == 1 and f"corrupted: entry {entry.path}: manifest field {field!r}" in r.stdout, r.output
+    vg_env.set(VARIANTGEN_DISABLE_JIT="1")
+    with pytest.raises(JitDisabledError, match="manifest field"):
+        build.build_module(config(CAUSAL, hd=64, arch="8.0"), cache)
+    r = run("clear", "--yes")
+    assert r.exit_code == 0, r.output
+    assert f"note: removed damaged entry {entry.uri} (entry {entry.path}: manifest field" in r.stdout
+    assert "removed 4 modules" in r.stdout and not entry.path.exists()
 
 
 def test_list_shows_planner_modules(clean):
