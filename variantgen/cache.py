@@ -371,6 +371,8 @@ class Cache:
         if not path.exists():
             return False
         with self.lock(uri, timeout=timeout):
+            if not path.exists():  # removed by another process while we waited for the lock
+                return False
             self._discard(path)
         return True
 

@@ -6,6 +6,7 @@ No nvcc runs here: builds are replaced by a fake builder that writes a dummy mod
 from __future__ import annotations
 
 import builtins
+import contextlib
 import io
 import json
 import multiprocessing
@@ -341,6 +342,25 @@ def test_remove(cache):
     assert cache.remove(k.uri) is True
     assert not entry.path.exists() and not cache.lookup(k.uri)
     assert cache.remove(k.uri) is False
+
+
+def test_remove_an_entry_another_process_removed_meanwhile(cache, monkeypatch):
+    """Two `variantgen clear --yes` at once: the second saw the entry, waited for its lock while
+    the first removed it, then failed with "No such file or directory". Checked again under the
+    lock: an entry already gone is simply not removed."""
+    k, entry = _published(cache)
+    real_lock = cache.lock
+
+    @contextlib.contextmanager
+    def lock_taken_after_the_other_clear(uri, **kwargs):
+        with real_lock(uri, **kwargs):  # the other clear, holding the lock first
+            cache._discard(entry.path)
+        with real_lock(uri, **kwargs):
+            yield
+
+    monkeypatch.setattr(cache, "lock", lock_taken_after_the_other_clear)
+    assert cache.remove(k.uri) is False
+    assert not entry.path.exists() and not list((cache.root / ".locks").iterdir())
 
 
 def test_keep_failed(cache):
