@@ -317,8 +317,9 @@ def _ninja_file(rendered: RenderedModule, tc: Toolchain, src_dir: Path, out_name
                 shared: dict[str, tuple[ModuleKey, Path]] | None = None, store: Path | None = None) -> str:
     """The module's build.ninja. Every path is escaped (ninja's ``$ ``, ``$:``, ``$$`` in build
     lines; shell quoting and ``$$`` in command variables): cache and toolkit paths may hold
-    spaces, colons and dollars. ``shared``: unit file -> (object key, its description file) for
-    the units compiled once per cache (objects.py) in ``store``."""
+    spaces, colons and dollars. ``src_dir``: the rendered sources as the file names them (builds
+    pass ``src``, relative to the folder ninja runs in). ``shared``: unit file -> (object key, its
+    description file) for the units compiled once per cache (objects.py) in ``store``."""
     fi = flashinfer_info()
     flags = semantic_flags(rendered.config)
     includes = [f"-I{src_dir}"] + [f"-I{p}" for p in fi.include_dirs]
@@ -523,12 +524,14 @@ def _build_in(staging: Path, rendered: RenderedModule, key: ModuleKey, tc: Toolc
     shared: dict[str, tuple[ModuleKey, Path]] = {}
     for unit in rendered.shared_units:  # compiled once per cache, linked here (objects.py)
         unit_key = shared_object_key(rendered, unit, tc)
-        describe = staging / f"{Path(unit.file).stem}.object.json"
-        _write(describe, json.dumps({"unit": unit.file, "inputs": dict(unit_key.inputs),
+        describe = Path(f"{Path(unit.file).stem}.object.json")  # relative to the staging folder, as in src_dir
+        _write(staging / describe, json.dumps({"unit": unit.file, "inputs": dict(unit_key.inputs),
                                      "inputs_digest": unit_key.inputs_digest, "toolchain": dict(unit_key.toolchain),
                                      "key_digest": unit_key.digest, "first_module": key.uri}, indent=1))
         shared[unit.file] = (unit_key, describe)
-    _write(staging / "build.ninja", _ninja_file(rendered, tc, src_dir, out_name, shared, store.root))
+    # Paths inside the folder are written relative to it (ninja runs in it): a failed build kept
+    # in .failed/<uri>, or a published entry, re-runs there as it is.
+    _write(staging / "build.ninja", _ninja_file(rendered, tc, Path("src"), out_name, shared, store.root))
     cmd = [_ninja(), "-C", str(staging), "-f", "build.ninja"]
     s = settings()
     jobs = jobs or s.build_jobs
@@ -558,9 +561,8 @@ def _build_in(staging: Path, rendered: RenderedModule, key: ModuleKey, tc: Toolc
         raise BuildError(
             message + (f"; {run.log_problem}" if run.log_problem else ""),
             log_path=str(kept / "build.log"),
-            command=f"ninja -C {shlex.quote(str(kept))} -f build.ninja  "
-                    "(paths inside point at the original staging folder; re-run the variantgen command "
-                    "to regenerate)",
+            command="".join(f"{name}={shlex.quote(value)} " for name, value in s.nvcc_env)
+                    + f"ninja -C {shlex.quote(str(kept))} -f build.ninja",
             output=run.output,
         )
     if run.log_problem:

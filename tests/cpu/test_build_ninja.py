@@ -121,8 +121,8 @@ def test_build_in_paths_with_spaces_dollars_and_colons(toolchain, cache, caplog)
     assert seen[-1] == ("closed", True) and seen[-2] == (units + 1, units + 1)  # the link is an edge too
     assert [d for d, _ in seen[:-1]] == sorted(d for d, _ in seen[:-1])
     log_text = (result.entry.path / "build.log").read_text()
-    for unit in rendered.compile_units:
-        assert f"fake nvcc: compiling {cache.root / '.staging'}" in log_text and unit in log_text
+    for unit in rendered.compile_units:  # in the staging folder, which the ninja file names relatively
+        assert f"fake nvcc: compiling src/{unit}\n" in log_text
     assert "fake c++: linking" in log_text
     assert leftovers(cache) == {".staging": [], ".locks": []}
     assert not (result.entry.path / ninja.PID_FILE).exists() and not (result.entry.path / "obj").exists()
@@ -162,6 +162,32 @@ def test_compile_error_is_kept_with_the_whole_log(toolchain, cache, monkeypatch)
     record = json.loads((kept / "failure.json").read_text())
     assert record["pid"] == os.getpid() and record["first_error"] == err.first_error
     assert leftovers(cache) == {".staging": [], ".locks": []}
+
+
+def test_the_printed_command_reproduces_a_failed_build(toolchain, cache, monkeypatch, vg_env):
+    """The kept build.ninja named the staging folder, deleted after the failure: "reproduce with:
+    ninja -C .../.failed/<uri> -f build.ninja" could not run. Paths inside the folder are
+    relative now, and the command (with the nvcc variables the build had) re-runs the compile."""
+    import shlex
+    import subprocess
+
+    vg_env.set(NVCC_APPEND_FLAGS="-lineinfo")
+    monkeypatch.setenv("VG_FAKE_NVCC_FAIL", "binding")
+    with pytest.raises(BuildError) as e:
+        build.build_module(causal_config(), cache)
+    kept = Path(e.value.log_path).parent
+    assert e.value.command == f"NVCC_APPEND_FLAGS=-lineinfo ninja -C {shlex.quote(str(kept))} -f build.ninja"
+    assert f"reproduce with: {e.value.command}" in str(e.value)
+    assert ".staging" not in (kept / "build.ninja").read_text()
+    assert not (cache.root / ".staging").exists() or not list((cache.root / ".staging").iterdir())
+    env = {k: v for k, v in os.environ.items() if k != "NVCC_APPEND_FLAGS"}
+    again = subprocess.run(e.value.command, shell=True, env=env, capture_output=True, text=True, timeout=60)
+    assert again.returncode != 0 and "binding.cu(3): error: fake failure" in again.stdout, again.stdout
+    assert "fake nvcc: NVCC_APPEND_FLAGS=-lineinfo" in again.stdout
+    del env["VG_FAKE_NVCC_FAIL"]  # the compile error fixed: the kept folder builds the module
+    fixed = subprocess.run(e.value.command, shell=True, env=env, capture_output=True, text=True, timeout=60)
+    assert fixed.returncode == 0, fixed.stdout
+    assert (kept / f"{Path(kept).name}.so").is_file()
 
 
 def _gone(all_pids: list[int], timeout: float = 10.0) -> bool:
