@@ -9,14 +9,18 @@ piped into a reader that stops early (``| head``) ends the command quietly.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import errno
 import itertools
 import json
 import logging
 import os
 import random
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -407,7 +411,7 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
     from tqdm import tqdm
 
     with tqdm(total=len(mine), desc="precompile", unit="module", file=sys.stderr, disable=None) as bar, \
-            concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            _interruptible_builds(jobs) as pool:
         futures = [pool.submit(one, cfg) for cfg in longest_first(mine)]
         for done, fut in enumerate(concurrent.futures.as_completed(futures), 1):
             cfg, r, seconds, err = fut.result()
@@ -433,6 +437,43 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
             head = uris[0] if len(uris) == 1 else f"{len(uris)} modules ({', '.join(uris)})"
             click.echo(f"\nFAILED {head}:\n{err}", err=True)
         sys.exit(1)
+
+
+ABORT_WAIT_S = 30.0
+"""How long an interrupted precompile waits for its running builds to end their compilers."""
+
+
+@contextlib.contextmanager
+def _interruptible_builds(jobs: int) -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    """A pool for module builds that an interrupt ends at once: Ctrl-C (or SIGTERM, turned into
+    one here) cancels the builds not started, ends the running ones' ninja trees (ninja.ABORT:
+    the worker threads get no signal) and their staging folders go, instead of waiting for every
+    queued build before "Aborted!"."""
+    from . import ninja
+
+    def terminate(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    old = signal.signal(signal.SIGTERM, terminate) if main_thread else None
+    ninja.ABORT.clear()
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        ninja.ABORT.set()
+        ending = threading.Thread(target=pool.shutdown, name="variantgen-abort", daemon=True)
+        ending.start()
+        ending.join(ABORT_WAIT_S)  # bounded: a build waiting for another process's lock ends later
+        if not ending.is_alive():
+            ninja.ABORT.clear()  # builds later in this process (an API caller's) run normally
+        raise
+    else:
+        pool.shutdown(wait=True)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
 
 
 def longest_first(configs: list[Any]) -> list[Any]:

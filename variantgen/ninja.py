@@ -6,8 +6,10 @@
 * ninja runs in its own session (process group), so a terminal's Ctrl-C reaches only us:
   on an error, an interrupt or the build timeout we end ninja and every compiler below it
   (ninja gives each command its own process group, so the group of ninja alone is not
-  enough: the tree is read from /proc first). The pid is recorded in the staging folder, so
-  that the next build of the module ends the compilers of a builder that was killed.
+  enough: the tree is read from /proc first); after ninja failed or was killed, whatever is
+  left in its session. Builds in worker threads (precompile) are ended through ABORT. The
+  pid is recorded in the staging folder, so that the next build of the module ends the
+  compilers of a builder that was killed.
 * ninja's ``[done/total]`` status lines are read as they come, for the progress bar; every
   line goes to ``build.log`` as it arrives (a long build's log can be followed live).
 """
@@ -69,7 +71,8 @@ def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, t
         on_status: Callable[[int, int], None] | None = None) -> NinjaRun:
     """Run ninja ``cmd`` in ``cwd`` (the staging folder); stream its output into ``log_path``
     and ``on_status(done, total)``. Ends the whole process tree if this returns by an exception
-    (KeyboardInterrupt included) or the timeout."""
+    (KeyboardInterrupt, BuildAborted included) or the timeout; what is left of ninja's session if
+    ninja exits non-zero."""
     t0 = time.perf_counter()
     lines: list[str] = []
     log_problem = ""
@@ -121,12 +124,14 @@ def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, t
     reader.start()
     timed_out = False
     try:
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
+        timed_out = _wait(proc, timeout)
+        if timed_out:
             end_tree(proc.pid)
             proc.wait()
+        elif proc.returncode != 0:
+            # ninja failed or was killed (kill -9 leaves its compilers and shared_compile
+            # helpers running, now children of init): end what is left of its session
+            end_session(proc.pid)
     except BaseException:
         end_tree(proc.pid)
         proc.wait()
@@ -138,6 +143,32 @@ def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, t
         except OSError:
             pass
     return NinjaRun(proc.returncode, "".join(lines), time.perf_counter() - t0, timed_out, log_problem)
+
+
+ABORT = threading.Event()
+"""Set: every build running in this process ends its ninja tree and raises BuildAborted (an
+interrupted `variantgen precompile`, whose builds run in worker threads that no signal reaches)."""
+_POLL_S = 0.2
+
+
+class BuildAborted(KeyboardInterrupt):
+    """A build ended because ABORT was set (Ctrl-C or SIGTERM of the command running it)."""
+
+
+def _wait(proc: subprocess.Popen, timeout: float | None) -> bool:
+    """Wait for ``proc``; True if ``timeout`` passed first. BuildAborted once ABORT is set."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if ABORT.is_set():
+            raise BuildAborted("build interrupted")
+        step = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+        if step <= 0:
+            return True
+        try:
+            proc.wait(timeout=step)
+            return False
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def end_recorded(staging: Path) -> bool:
@@ -168,6 +199,20 @@ def end_tree(pid: int) -> None:
             _signal(p, signal.SIGKILL)
 
 
+def end_session(sid: int) -> None:
+    """End every process left in session ``sid`` (ninja's, after ninja exited: the commands it
+    started keep its session when their parent is gone), SIGTERM then SIGKILL after GRACE_S."""
+    members = [pid for pid, fields in _processes() if int(fields[3]) == sid and pid != sid]
+    for p in members:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline and any(_alive(p) for p in members):
+        time.sleep(0.05)
+    for p in members:
+        if _alive(p):
+            _signal(p, signal.SIGKILL)
+
+
 def _signal(pid: int, sig: int) -> None:
     try:
         os.kill(pid, sig)
@@ -194,13 +239,21 @@ def _start_ticks(pid: int) -> int | None:
     return int(fields[19]) if fields is not None else None  # field 22 of stat: start time
 
 
-def _descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
+def _processes() -> list[tuple[int, list[str]]]:
+    """(pid, stat fields) of every process now."""
+    out = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             fields = _stat_fields(int(entry.name))
             if fields is not None:
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
+                out.append((int(entry.name), fields))
+    return out
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for child, fields in _processes():
+        children.setdefault(int(fields[1]), []).append(child)
     out, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

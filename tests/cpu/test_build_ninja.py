@@ -235,6 +235,66 @@ def test_interrupt_ends_every_compiler_and_cleans_up(toolchain, cache, monkeypat
     assert not (cache.root / ".failed").exists()  # an interrupt is not a failed build
 
 
+def test_a_killed_ninja_leaves_no_compiler_running(toolchain, cache, monkeypatch, tmp_path):
+    """kill -9 of ninja (the OOM killer) left its compilers running, children of init: the build
+    failed, its compilers did not end. What is left of ninja's session is ended on any non-zero
+    exit."""
+    import threading
+
+    record = tmp_path / "pids"
+    monkeypatch.setenv("VG_FAKE_NVCC_SLEEP", "120")
+    monkeypatch.setenv("VG_FAKE_PIDS", str(record))
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            build.build_module(causal_config(), cache)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    builder = threading.Thread(target=run)
+    builder.start()
+    started = wait_for_pids(record, 2)
+    staging = next((cache.root / ".staging").iterdir())
+    os.kill(json.loads((staging / ninja.PID_FILE).read_text())["pid"], signal.SIGKILL)
+    builder.join(60)
+    assert not builder.is_alive()
+    assert isinstance(errors[0], BuildError) and "ninja exit -9" in str(errors[0])
+    assert _gone(started, timeout=1.0), [p for p in started if ninja._alive(p)]
+    assert leftovers(cache) == {".staging": [], ".locks": []}
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_precompile_ends_its_builds_at_once(tmp_path, sig, monkeypatch):
+    """Ctrl-C of `variantgen precompile` waited for every queued build (its builds run in worker
+    threads) before "Aborted!"; SIGTERM left ninja and the compilers running and staging folders
+    behind. Both cancel the queued builds, end the running ones and leave nothing."""
+    import subprocess
+    import sys
+
+    cache = Cache(tmp_path / "cache")
+    record = tmp_path / "pids"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VARIANTGEN_", "VG_FAKE_", "NVCC_"))}
+    env.update(VG_FAKE_NVCC_SLEEP="120", VG_FAKE_PIDS=str(record), VARIANTGEN_BUILD_JOBS="1",
+               PYTHONPATH=str(Path(build.__file__).resolve().parents[1]))
+    cmd = [sys.executable, fake.__file__, str(tmp_path / "tools"), "--cache-dir", str(cache.root), "precompile",
+           "causal", "--head-dim", "64,128,256", "--dtype", "bf16", "--arch", "8.0", "--backend", "fa2", "-j", "2"]
+    child = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        started = wait_for_pids(record, 4)  # a compile (and its sleep) in each of two builds
+        t0 = time.monotonic()
+        child.send_signal(sig)
+        _, err = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert time.monotonic() - t0 < 15 and child.returncode != 0
+    assert "Aborted!" in err, err
+    assert _gone(started, timeout=1.0), [p for p in started if ninja._alive(p)]
+    assert len(pids(record)) == len(started) or _gone(pids(record), timeout=1.0)
+    assert leftovers(cache) == {".staging": [], ".locks": []}
+    assert not list(cache.entries()) and not (cache.root / ".failed").exists()
+
+
 def test_next_build_ends_a_killed_builders_compilers(toolchain, cache, monkeypatch, tmp_path):
     """kill -9 of a builder leaves ninja and its compilers running (their own session); the next
     build of the module ends them before it starts."""

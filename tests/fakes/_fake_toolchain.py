@@ -104,3 +104,12 @@ def build_in_child(tool_root: str, cache_root: str) -> None:
 
     patch(Path(tool_root))
     build.build_module(causal_config(), Cache(cache_root))
+
+
+if __name__ == "__main__":  # python _fake_toolchain.py TOOL_ROOT ARGS...: the CLI over the fake toolchain
+    import sys
+
+    from variantgen.cli import main
+
+    patch(Path(sys.argv[1]))
+    main(sys.argv[2:], prog_name="variantgen")
