@@ -65,8 +65,10 @@ def _cache(cache_dir: str | None) -> Cache:
     return default_cache()
 
 
-def _csv(values: tuple[str, ...] | str | None) -> list[str]:
-    """'64,128' / ('64', '128') / ('64,128', '256') -> ['64', '128', '256'] (order kept, no repeats)."""
+def _csv(values: tuple[str, ...] | str | None, option: str | None = None) -> list[str]:
+    """'64,128' / ('64', '128') / ('64,128', '256') -> ['64', '128', '256'] (order kept, no repeats).
+    With ``option``: an option given with nothing in it (``--dtype ""``, ``--dtype ,``: an unset
+    shell variable) is a usage error, not the default or an empty matrix."""
     if values is None:
         return []
     if isinstance(values, str):
@@ -77,13 +79,16 @@ def _csv(values: tuple[str, ...] | str | None) -> list[str]:
             part = part.strip()
             if part and part not in out:
                 out.append(part)
+    if option is not None and values and not out:
+        raise click.BadParameter(f"{', '.join(repr(v) for v in values)}: expected a comma list of values, got none",
+                                 param_hint=option)
     return out
 
 
 def _head_dims(values: Any, option: str) -> list[tuple[int, int]]:
     """'64,128,192/128' -> [(64, 64), (128, 128), (192, 128)]: qk head dim, or qk/vo."""
     out = []
-    for v in _csv(values):
+    for v in _csv(values, option):
         qk, _, vo = v.partition("/")
         try:
             pair = (int(qk), int(vo or qk))
@@ -96,7 +101,7 @@ def _head_dims(values: Any, option: str) -> list[tuple[int, int]]:
 
 
 def _choices(values: Any, allowed: Any, option: str, default: list[str]) -> list[str]:
-    out = _csv(values) or default
+    out = _csv(values, option) or default
     bad = [v for v in out if v not in allowed]
     if bad:
         raise click.BadParameter(f"{', '.join(bad)}: expected one of {', '.join(allowed)}", param_hint=option)
@@ -275,7 +280,7 @@ def render(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dty
 
 
 def _parse_shard(value: str | None) -> tuple[int, int]:
-    if not value:
+    if value is None:
         return 0, 1
     try:
         i_text, n_text = value.split("/")
@@ -359,18 +364,21 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
             click.echo("nothing to build")
             return
     shard_i, shard_n = _parse_shard(shard)
-    arch_list = _csv(archs)
+    arch_list = _csv(archs, "--arch")
     if not arch_list:
         default = _default_arch()
         if default is None:
             raise click.UsageError("no --arch given, VARIANTGEN_ARCH is unset and no CUDA GPU is visible; "
                                    "pass e.g. --arch 8.0,9.0a")
         arch_list = [default]
-    configs, skipped = expand_matrix(list(specs), _head_dims(head_dims, "--head-dim"), _csv(dtypes),
-                                     _csv(kv_dtypes) or None, _csv(o_dtypes) or None, arch_list, backend_list,
+    configs, skipped = expand_matrix(list(specs), _head_dims(head_dims, "--head-dim"), _csv(dtypes, "--dtype"),
+                                     _csv(kv_dtypes, "--kv-dtype") or None, _csv(o_dtypes, "--o-dtype") or None,
+                                     arch_list, backend_list,
                                      _choices(kinds, list(KINDS), "--kind", ["prefill"]))
     for label, reason in skipped:
         click.echo(f"skip  {label}: {reason}")
+    if not configs:  # a gate (--check) must not pass on a matrix of nothing
+        raise click.UsageError("the matrix has no module: every combination was skipped (reasons above)")
     from .rowplan import planner_configs
 
     # plan()'s row kernel for each spec with paged prefill modules (small: ~10 s to build)

@@ -198,7 +198,8 @@ def _cache(root: Path) -> Check:
     detail = f"{where}: {entries} module(s)"
     if writable:
         return Check("cache", OK, detail + ", writable", needed_for=(BUILD,))
-    return Check("cache", WARN if root.is_dir() else MISSING, detail + ", not writable (a read-only deployed cache "
+    # missing, not a warning: `--need build` must not pass where no build can publish
+    return Check("cache", MISSING, detail + ", not writable (a read-only deployed cache "
                  "serves modules; building needs a writable one)", "set VARIANTGEN_CACHE_DIR (or --cache-dir) to a "
                  "writable folder to build", (BUILD,))
 

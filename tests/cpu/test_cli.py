@@ -4,6 +4,7 @@ are replaced by fakes, caches are filled with dummy modules."""
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import logging
 import re
@@ -302,7 +303,7 @@ def test_precompile_sharding_is_a_deterministic_partition(fake_builds):
     assert r.exit_code == 0 and sorted(c[0] for c in calls + state["planners"]) == shards[2]
 
 
-@pytest.mark.parametrize("shard", ["5/5", "-1/2", "1", "a/b", "0/0"])
+@pytest.mark.parametrize("shard", ["5/5", "-1/2", "1", "a/b", "0/0", ""])
 def test_precompile_bad_shard(shard):
     r = run(*MATRIX, "--shard", shard, "--dry-run")
     assert r.exit_code == 2 and "--shard" in r.output
@@ -342,7 +343,7 @@ def test_precompile_bad_inputs(fake_builds, tmp_path):
     r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "float64", "--arch", "9.0a")
     assert r.exit_code == 1 and r.stderr.startswith("error: --dtype='float64': unsupported dtype")
     r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "float32", "--arch", "9.0a", "--dry-run")
-    assert r.exit_code == 0 and r.stdout.startswith(
+    assert r.exit_code == 2 and "every combination was skipped" in r.output and r.stdout.startswith(
         "skip  causal hd=128 q=fp32 kv=fp32 o=fp32 arch=9.0a backend=auto kind=prefill: no backend can run it here: "
         "fa3: --dtype=fp32: fa3 modules take bf16, fp16 | fa2: ")
     bad = tmp_path / "bad.yaml"
@@ -669,6 +670,21 @@ def test_precompile_check_lists_what_is_missing(clean, fake_builds):
     assert r.exit_code == 1 and "3 of 4 module(s)" in r.stdout
     assert f"corrupted: entry {fa3.path}: module file size differs" in r.stdout
     assert run(*args, "--dry-run").exit_code == 2
+
+
+@pytest.mark.parametrize("option, value", [("--head-dim", ""), ("--dtype", ","), ("--arch", ""),
+                                           ("--kv-dtype", " , "), ("--backend", ""), ("--kind", ",")])
+def test_precompile_check_of_an_empty_matrix_is_a_usage_error(clean, option, value):
+    """`precompile --check --head-dim "$UNSET"` printed "0 of 0 ... 0 missing" and exited 0: a
+    deploy gate fed an empty variable passed. An option given empty names itself; a matrix
+    whose every combination is skipped is refused too."""
+    args = {"--head-dim": "128", "--dtype": "bf16", "--arch": "8.0", option: value}
+    r = run("precompile", CAUSAL, *itertools.chain(*args.items()), "--check")
+    assert r.exit_code == 2 and option in r.output and "expected a comma list of values, got none" in r.output
+    r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "fp32", "--arch", "8.0", "--backend", "fa3",
+            "--check")
+    assert r.exit_code == 2 and "the matrix has no module: every combination was skipped" in r.output
+    assert "of 0 module(s)" not in r.output
 
 
 def test_precompile_check_accepts_another_toolchains_build(clean, monkeypatch):

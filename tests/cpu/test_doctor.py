@@ -121,13 +121,19 @@ def test_a_serving_box_with_jit_disabled_needs_to_run_only(vg_env, tmp_path, gpu
     assert r.output.rstrip().endswith("needed here: run -> ok (exit 0)")
 
 
-def test_a_read_only_cache_is_a_warning(vg_env, fake_tools, gpu, monkeypatch):
+def test_a_read_only_cache_rules_out_building_only(vg_env, fake_tools, gpu, monkeypatch):
+    """`doctor --need build` said "build: yes" (a warning) where no build could publish."""
     vg_env.cache_dir.mkdir()
     real_access = os.access
     monkeypatch.setattr(doctor.os, "access", lambda path, mode: False if str(path) == str(vg_env.cache_dir)
                         else real_access(path, mode))
-    checks = lines_of(run().output)
-    assert checks["cache"].startswith("warn ") and "not writable" in checks["cache"]
+    monkeypatch.setattr(doctor, "_headers", lambda backend, fi, tc: doctor.Check(f"{backend} headers", doctor.OK,
+                                                                                  "found", needed_for=("build",)))
+    r = run("--need", "build")
+    checks = lines_of(r.output)
+    assert checks["cache"].startswith("missing ") and "not writable (a read-only deployed cache" in checks["cache"]
+    assert r.exit_code == 1 and "build: no (missing: cache)" in r.output
+    assert run("--need", "run").exit_code == 0  # a read-only deployed cache serves modules
 
 
 def test_old_nvcc_is_a_warning(fake_tools, vg_env, gpu, monkeypatch):
