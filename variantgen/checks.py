@@ -21,10 +21,12 @@ Where the bounds are known, bad entries are refused before any launch: negative 
 plan(), the rest by run() - and by plan() in CUDA-graph mode, against the cache the graph was
 captured with (replays run no host code). Where they are not known yet, run() guards on the
 device instead of waiting: it clamps the kernels' copy of the page list to the cache's pages
-(``clamp_(0, pages - 1)`` before the launch), so the kernels read nothing outside the cache,
-and notes the run and its cache's page count. The next plan() or run() of the wrapper asks the
-bounds' event (a query, never a wait) and, once they have landed, raises a LaunchError naming
-that run(): it read a clamped list, so its output is wrong. A run() captured into a CUDA graph
+(``clamp_(0, pages - 1)`` before the launch, after every other check of run()), so the kernels
+read nothing outside the cache, and notes the run and the page count its list was clamped to (the
+clamp is in place: a later run() of the plan over a larger cache reads the list clamped to the
+smaller one). The next plan() or run() of the wrapper asks the bounds' event (a query, never a
+wait) and, once they have landed, raises a LaunchError naming those run()s: they read a clamped
+list, so their output is wrong. A run() captured into a CUDA graph
 always records the clamp (against the captured cache's page count), since its replays read
 page lists of later plans; the next plan() reports a plan whose bounds landed outside that
 cache. A report comes after the fact - a clamped launch cannot be refused - and on a later call
@@ -117,6 +119,15 @@ class BoundsCopy:
         return low, high
 
 
+@dataclass(frozen=True)
+class ClampedRun:
+    """A run() that read a page list clamped on the device."""
+
+    run: int  # the wrapper's run() count
+    pages: int  # its cache's page count
+    clamp: int  # the page count the list was clamped to: an earlier run() of the plan may have clamped it further
+
+
 @dataclass
 class InFlight:
     """One plan()'s page bounds on their way, and who read its page list clamped meanwhile."""
@@ -124,7 +135,7 @@ class InFlight:
     plan: int  # the wrapper's plan() count
     entries: int
     copy: BoundsCopy
-    runs: list[tuple[int, int]] = field(default_factory=list)  # (run() count, its cache's page count)
+    runs: list[ClampedRun] = field(default_factory=list)
     graph_pages: int | None = None  # replays of a run() captured over a cache of this many pages read it
 
 
@@ -135,7 +146,7 @@ class PageGuard:
 
     def __init__(self) -> None:
         self._plans = 0  # plan()s that read a page list
-        self._runs = 0  # run()s checked against a cache
+        self._runs = 0  # run()s checked against a cache (a refused one is not counted: it left no trace)
         self._page_list: torch.Tensor | None = None  # the caller's tensor (for messages)
         self._bounds: PageBounds | None = NO_PAGES  # the current plan's; None while on their way
         self._current: InFlight | None = None  # ... on their way
@@ -188,8 +199,9 @@ class PageGuard:
     def check_run(self, num_pages: int, capturing: bool, page_lists: Callable[[], list[torch.Tensor]]) -> None:
         """run(), against a cache of ``num_pages`` pages: refuse a planned page list known to hold
         an entry outside it; clamp the kernels' lists (``page_lists()``, the wrapper's copies) where
-        the bounds are still on their way, and under CUDA-graph capture (replays read later plans)."""
-        self._runs += 1
+        the bounds are still on their way, and under CUDA-graph capture (replays read later plans).
+        The wrapper calls it last, after every other check of run(): a run() refused later would
+        have clamped the list and been recorded without a launch."""
         bounds = self._bounds
         if bounds is not None:
             check_pages("run()", bounds, self._page_list, num_pages, "the KV cache run() was given",
@@ -203,6 +215,7 @@ class PageGuard:
                 "the planned page list has entries"
             raise LaunchError(f"run(): the KV cache run() was given has no pages, and {what} (expected 0 <= page < "
                               "the cache's page count)")
+        self._runs += 1
         if bounds is not None and not capturing:
             return
         top = min(num_pages, INT32_PAGES) - 1
@@ -217,7 +230,9 @@ class PageGuard:
                 self._current.graph_pages = self.captured_pages
         else:
             assert self._current is not None
-            self._current.runs.append((self._runs, num_pages))
+            # (clamped in place: after a run() over a smaller cache, this one reads the list clamped to that)
+            clamp = num_pages if self._clamped is None else min(num_pages, self._clamped[1])
+            self._current.runs.append(ClampedRun(self._runs, num_pages, clamp))
             if self._clamped is None or num_pages < self._clamped[1]:
                 self._clamped = (self._runs, num_pages)
 
@@ -244,16 +259,28 @@ class PageGuard:
         self._spare.append(rec.copy)
         return bounds
 
+    def _which(self, run: int) -> str:
+        ago = self._runs - run
+        return "the last run()" if ago == 0 else f"the run() {ago} before the last"
+
     def _clamped_read(self, rec: InFlight, bounds: PageBounds) -> str | None:
         """What went wrong where a run() or replay read ``rec``'s list clamped to a cache it is not inside."""
-        for run, pages in rec.runs:
-            if not bounds.inside(pages):
-                ago = self._runs - run
-                which = "the last run()" if ago == 0 else f"the run() {ago} before the last"
-                return (f"{which} (#{run} of this wrapper) read a page list with entries outside its KV cache: "
-                        f"plan() #{rec.plan}'s paged_kv_indices held page "
-                        f"{bounds.worst()} (the cache had {pages} pages: expected 0 <= page < {pages}). "
-                        f"{_CLAMPED.format(what='That run()', was='is')}")
+        wrong = [r for r in rec.runs if not bounds.inside(r.clamp)]
+        if wrong:
+            first, later = wrong[0], wrong[1:]
+            pages = first.pages  # (the first such run() read the list clamped to its own cache)
+            message = (f"{self._which(first.run)} (#{first.run} of this wrapper) read a page list with entries "
+                       f"outside its KV cache: plan() #{rec.plan}'s paged_kv_indices held page {bounds.worst()} "
+                       f"(the cache had {pages} pages: expected 0 <= page < {pages}). "
+                       f"{_CLAMPED.format(what='That run()', was='is')}")
+            if later:
+                named = "; ".join(
+                    f"{self._which(r.run)} (#{r.run}): " + (
+                        f"its cache had {r.pages} pages" if r.clamp == r.pages else
+                        f"its cache had {r.pages} pages, but an earlier run() had clamped the list to {r.clamp}")
+                    for r in later)
+                message += f". Later run()s read the list clamped too, and their output is wrong as well: {named}"
+            return message
         pages = rec.graph_pages
         if pages is not None and not bounds.inside(pages):
             return (f"plan() #{rec.plan}'s paged_kv_indices held page {bounds.worst()}, which is not a page of "

@@ -352,9 +352,8 @@ class DecodeWrapper(WrapperBase):
                                      return_lse=return_lse, enable_pdl=enable_pdl, **spec_args)
         la = self._launch
         assert la is not None
-        k_cache, v_cache, args = self._check_paged_run(q, want, paged_kv_cache, (q_scale, k_scale, v_scale),
-                                                       spec_args)
-        out, lse = self._outputs(out, return_lse)
+        k_cache, v_cache, args, out, lse = self._check_paged_run(
+            q, want, paged_kv_cache, (q_scale, k_scale, v_scale), spec_args, out, return_lse)
         tensors, scalars = self._kernel_args(args, q_scale, k_scale, v_scale)
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
             enable_pdl = self._pdl_default()

@@ -396,9 +396,9 @@ class FlexPrefillWrapper(FlexWrapperBase):
         """VariantWrapper.run's arguments and outputs (``enable_pdl`` has no effect here)."""
         plan = self._check_planned()
         b, cfg = self._batch, self.config
-        k_cache, v_cache, args = self._check_paged_run(
-            q, (b.total_q, b.num_qo_heads, cfg.head_dim_qk), paged_kv_cache, (q_scale, k_scale, v_scale), spec_args)
-        out, lse = self._outputs(out, return_lse)
+        k_cache, v_cache, args, out, lse = self._check_paged_run(
+            q, (b.total_q, b.num_qo_heads, cfg.head_dim_qk), paged_kv_cache, (q_scale, k_scale, v_scale), spec_args,
+            out, return_lse)
         if plan is None:
             return (out, lse) if return_lse else out
         self._check_pages(plan, k_cache.shape[0])
@@ -561,10 +561,9 @@ class FlexDecodeWrapper(FlexWrapperBase):
         plan = self._check_planned()
         assert plan is not None  # a decode batch has a query per request
         b, cfg = self._batch, self.config
-        k_cache, v_cache, args = self._check_paged_run(
+        k_cache, v_cache, args, out, lse = self._check_paged_run(
             q, (b.batch_size, b.num_qo_heads, cfg.head_dim_qk), paged_kv_cache, (q_scale, k_scale, v_scale),
-            spec_args)
-        out, lse = self._outputs(out, return_lse)
+            spec_args, out, return_lse)
         if not out.is_contiguous():
             raise LaunchError("run(): `out` must be contiguous (the decode kernel writes [batch, heads, head_dim] "
                               "rows back to back)")

@@ -57,6 +57,16 @@ LAYOUT_CODES = {"NHD": 0, "HND": 1}
 ALIGN_BYTES = 16  # the kernels move q/k/v/o rows in 16-byte vectors (cp.async, TMA)
 
 
+class PagedRun(NamedTuple):
+    """A paged run()'s checked arguments (WrapperBase._check_paged_run)."""
+
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    args: dict[str, Any]  # the spec's
+    out: torch.Tensor
+    lse: torch.Tensor | None
+
+
 class IntervalFacts(NamedTuple):
     form: IntervalForm  # intervals.analyze(spec)
     args: frozenset[str]  # spec arguments the intervals read
@@ -429,13 +439,17 @@ class WrapperBase:
         return out, lse
 
     def _check_paged_run(self, q: Any, q_shape: tuple[int, ...], paged_kv_cache: Any,
-                         scales: tuple[Any, Any, Any], spec_args: dict[str, Any],
-                         ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """run()'s checks over a paged KV cache, in order: q, the cache, q/k/v scales, the
-        spec's arguments (and that they are what plan() planned with). Returns (k_cache,
-        v_cache, checked spec arguments). First, a report of an earlier run() that read a page
-        list clamped by the guard (checks.py)."""
-        if not self._capturing():  # (no event queries under capture)
+                         scales: tuple[Any, Any, Any], spec_args: dict[str, Any], out: torch.Tensor | None,
+                         return_lse: bool) -> PagedRun:
+        """run()'s checks over a paged KV cache, in order: q (``q_shape``; its rows are the
+        outputs'), the cache, q/k/v scales, the spec's arguments (and that they are what plan()
+        planned with), the outputs; last, every planned page inside the cache (or, where plan()
+        left the page list's bounds on their way, the kernels' copies of the list clamped to it:
+        a run() refused after that would leave the list clamped and the run recorded without a
+        launch). First, a report of an earlier run() that read a page list clamped by the guard
+        (checks.py)."""
+        capturing = self._capturing()
+        if not capturing:  # (no event queries under capture)
             self._pages.poll("run()")
         self._check_rows("q", q, TORCH_DTYPES[self.config.q_dtype], q_shape)
         k_cache, v_cache = self._check_paged_cache(paged_kv_cache)
@@ -443,12 +457,13 @@ class WrapperBase:
         args = self._check_args(spec_args, where="run()")
         self._check_planned_args(args)
         self._verify_planned()
-        return k_cache, v_cache, args
+        out, lse = self._outputs(out, return_lse, q_shape[0])
+        self._pages.check_run(k_cache.shape[0], capturing, self._page_lists)
+        return PagedRun(k_cache, v_cache, args, out, lse)
 
     def _check_paged_cache(self, paged_kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) from a pair or a [pages, 2, ...] tensor, checked against the plan:
-        shapes, strides the kernel can take, and every planned page inside the cache (or, where
-        plan() left the bounds on their way, the kernels' page lists clamped to it)."""
+        shapes, strides the kernel can take, page counts (the planned pages are _check_paged_run's)."""
         b, cfg = self._batch, self.config
         kvdt = TORCH_DTYPES[cfg.kv_dtype]
         if isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
@@ -488,7 +503,6 @@ class WrapperBase:
         if v_cache.shape[0] != num_pages:
             raise LaunchError(f"run(): k_cache has {num_pages} pages and v_cache {v_cache.shape[0]}; expected the "
                               "same page count (a page number addresses both)")
-        self._pages.check_run(num_pages, self._capturing(), self._page_lists)
         return k_cache, v_cache
 
 
@@ -639,9 +653,9 @@ class VariantWrapper(WrapperBase):
             # fa3 run's packed copy of q).
             if b.total_q <= q.shape[0] <= self._graph.capacity.max_total_q:
                 rows = q.shape[0]
-        k_cache, v_cache, args = self._check_paged_run(
-            q, (rows, b.num_qo_heads, cfg.head_dim_qk), paged_kv_cache, (q_scale, k_scale, v_scale), spec_args)
-        out, lse = self._outputs(out, return_lse, rows)
+        k_cache, v_cache, args, out, lse = self._check_paged_run(
+            q, (rows, b.num_qo_heads, cfg.head_dim_qk), paged_kv_cache, (q_scale, k_scale, v_scale), spec_args, out,
+            return_lse)
         tensors, scalars = self._kernel_args(args, q_scale, k_scale, v_scale)
         layout = LAYOUT_CODES[self.kv_layout]
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults

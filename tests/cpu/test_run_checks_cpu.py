@@ -539,6 +539,58 @@ def test_guard_reports_at_the_next_call_once_the_bounds_landed(in_flight, kind):
     assert len(case.fake.run_calls) == calls
 
 
+def refused_arguments(case: GuardCase) -> list[tuple[dict, str]]:
+    """run() arguments refused after the cache was checked (outputs last), and the message's start."""
+    b = case.batch
+    wrong_out = torch.empty(b.q.shape, dtype=torch.float16)
+    cases = [({"out": wrong_out}, "run(): `out`: expected dtype torch.bfloat16"),
+             ({"q_scale": float("nan")}, "run(): `q_scale`: expected a finite float")]
+    if case.decode:
+        cases.append(({"window": 1.5}, "run(): `window`: expected an int"))
+    else:
+        cases.append(({"ranges": case.args["ranges"].long()}, "run(): `ranges`: expected dtype torch.int32"))
+    return cases
+
+
+@pytest.mark.parametrize("kind", GUARD_KINDS)
+def test_guard_clamps_only_for_a_run_that_launches(in_flight, kind):
+    """A run() refused for any argument leaves the page list as it was and is not recorded (a
+    regression: the guard clamped the list to the run()'s cache before the later checks, so the
+    next, correct run() read a list clamped to a cache too small and returned a wrong output,
+    and the report named the refused run())."""
+    case = GuardCase(kind)
+    case.plan()  # a good list; its bounds on their way
+    small = (case.batch.k_cache[:3], case.batch.v_cache[:3])  # the list has pages past these
+    for bad, message in refused_arguments(case):
+        with pytest.raises(LaunchError, match="^" + re.escape(message)):
+            case.w.run(case.batch.q, small, **{**case.args, **bad})
+    assert not case.fake.run_calls
+    case.check(case.run())  # the whole cache, the list as planned
+    in_flight.land()
+    case.check(case.run())  # nothing to report
+
+
+@pytest.mark.parametrize("kind", GUARD_KINDS)
+def test_guard_reports_every_run_that_read_the_list_clamped(in_flight, kind):
+    """A run() over a cache that has every page still reads the list an earlier run() of the plan
+    clamped to a smaller cache: it is recorded with that clamp, and the report names it too."""
+    case = GuardCase(kind)
+    pages, small = case.pages, 3
+    case.plan()
+    case.run((case.batch.k_cache[:small], case.batch.v_cache[:small]))  # run #1: clamped to 3 pages
+    out = case.run()  # run #2: the list as run #1 left it
+    case.check(out, case.batch.kv_indices.clamp(0, small - 1))
+    case.run(with_extra_page(case.batch))  # run #3: the same
+    in_flight.land()
+    high = int(case.batch.kv_indices[:int(case.batch.kv_indptr[-1])].max())
+    report = clamped_report("run()", "the run() 2 before the last", 1, 1, high, small)[:-1] + re.escape(
+        ". Later run()s read the list clamped too, and their output is wrong as well: the run() 1 before the last "
+        f"(#2): its cache had {pages} pages, but an earlier run() had clamped the list to {small}; the last run() "
+        f"(#3): its cache had {pages + 1} pages, but an earlier run() had clamped the list to {small}") + "$"
+    with pytest.raises(LaunchError, match=report):
+        case.run()
+
+
 def test_guard_refuses_a_cache_without_pages(in_flight):
     case = GuardCase("fa2-direct")
     case.plan()
