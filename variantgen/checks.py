@@ -67,6 +67,22 @@ import torch
 from .errors import LaunchError
 
 INT32_PAGES = 1 << 31  # int32 page numbers: a cache of more pages holds every one of them
+INT32_MAX = (1 << 31) - 1
+
+
+def check_total_keys(kv_lens: list[int], page_size: int) -> None:
+    """plan(): the batch's keys (the sum of its requests' kv lengths) fit the kernels' int32 key
+    positions and rows (vg_meta's kv lengths and KV_ROW_BASE, the row of a request's first key
+    among the batch's): past 2**31 - 1 they would wrap. The lengths come from page_size,
+    paged_kv_indptr and paged_kv_last_page_len, which a page list reusing pages can make large."""
+    total = sum(kv_lens)
+    if total > INT32_MAX:
+        longest = max(range(len(kv_lens)), key=kv_lens.__getitem__)
+        raise LaunchError(
+            f"plan(): the batch has {total} keys (request {longest}: {kv_lens[longest]}), expected at most "
+            f"2**31 - 1 = {INT32_MAX} (the kernels' key positions and rows are int32): check page_size={page_size}, "
+            "paged_kv_indptr and paged_kv_last_page_len (a request's keys: (its pages - 1) * page_size + its last "
+            "page's length)")
 
 
 @dataclass(frozen=True)

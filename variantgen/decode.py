@@ -44,6 +44,7 @@ from typing import Any
 
 import torch
 
+from .checks import check_total_keys
 from .errors import LaunchError
 from .graph import GraphCapacity, pin_plan_info
 from .intervals import analyze, args_read, row_intervals, tensors_read, usable_form
@@ -412,6 +413,7 @@ def decode_kv_lens(kvp_h: list[int], last_h: list[int], num_indices: int, page_s
         kv_lens.append((npages - 1) * page_size + lp)
     if kvp_h[-1] > num_indices:
         raise LaunchError(f"plan(): paged_kv_indices has {num_indices} entries, paged_kv_indptr needs {kvp_h[-1]}")
+    check_total_keys(kv_lens, page_size)
     return kv_lens
 
 

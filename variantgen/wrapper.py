@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .build import BuildResult
-from .checks import PageGuard, PlanCheck
+from .checks import INT32_MAX, PageGuard, PlanCheck, check_total_keys
 from .env import settings
 from .errors import LaunchError
 from .expr import FLOAT32_MAX
@@ -178,10 +178,11 @@ class WrapperBase:
     # ------------------------------------------------------------------ argument checks
     @staticmethod
     def _check_plan_sizes(**sizes: Any) -> None:
-        """plan()'s num_qo_heads, num_kv_heads (and page_size): positive ints, whole GQA groups."""
+        """plan()'s num_qo_heads, num_kv_heads (and page_size): positive ints within int32 (as the
+        kernels take them), whole GQA groups."""
         for name, value in sizes.items():
-            if not _is_int(value) or value <= 0:
-                raise LaunchError(f"plan(): {name}={value!r}: expected a positive int")
+            if not _is_int(value) or not 0 < value <= INT32_MAX:
+                raise LaunchError(f"plan(): {name}={value!r}: expected a positive int below 2**31")
         if sizes["num_qo_heads"] % sizes["num_kv_heads"]:
             raise LaunchError(f"plan(): num_qo_heads={sizes['num_qo_heads']} is not a multiple of "
                               f"num_kv_heads={sizes['num_kv_heads']}")
@@ -785,6 +786,7 @@ def paged_batch(qo_h: list[int], kvp_h: list[int], last_h: list[int], num_indice
         kv_lens.append(kl)
     if kvp_h[-1] > num_indices:
         raise LaunchError(f"plan(): paged_kv_indices has {num_indices} entries, paged_kv_indptr needs {kvp_h[-1]}")
+    check_total_keys(kv_lens, page_size)
     return Batch(len(qo_lens), qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size, tuple(qo_lens),
                  tuple(kv_lens))
 

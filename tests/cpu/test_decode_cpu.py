@@ -698,8 +698,8 @@ def causal_batch():
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(num_qo_heads=0), "plan(): num_qo_heads=0: expected a positive int"),
-    (dict(page_size=4.0), "plan(): page_size=4.0: expected a positive int"),
+    (dict(num_qo_heads=0), "plan(): num_qo_heads=0: expected a positive int below 2**31"),
+    (dict(page_size=4.0), "plan(): page_size=4.0: expected a positive int below 2**31"),
     (dict(num_kv_heads=3), "plan(): num_qo_heads=8 is not a multiple of num_kv_heads=3"),
     (dict(num_qo_heads=10), "plan(): GQA group size 5 (num_qo_heads=10 / num_kv_heads=2) is not one FlashInfer's "
                             "CUDA-core decode kernel supports [1, 2, 3, 4, 6, 8, 16]; build the wrapper with "

@@ -422,7 +422,7 @@ def test_run_before_plan(mm):
     ("decreasing", "plan(): `qo_indptr` decreases at request 1: indptrs must be non-decreasing"),
     ("too_many_queries", "plan(): request 0 has 7 queries but only 6 keys; the queries must be the last qo_len "
                          "tokens of the request's KV (qo_len <= kv_len)"),
-    ("heads", "plan(): num_kv_heads=0: expected a positive int"),
+    ("heads", "plan(): num_kv_heads=0: expected a positive int below 2**31"),
     ("group", "plan(): num_qo_heads=4 is not a multiple of num_kv_heads=3"),
     ("split", "plan(): disable_split_kv='yes': expected a bool"),
 ])

@@ -262,6 +262,65 @@ def test_decode_page_indptr_starts_at_zero(tensor_cores):
     assert fake.plan_calls == []
 
 
+# ----------------------------------------------------------------------------- lengths within int32
+
+PAGED_ROUTES = ["fa2-direct", "fa2-planner", "fa3-direct", "fa3-planner", "decode-cuda_cores",
+                "decode-tensor_cores", "flex-prefill", "flex-decode"]
+
+
+def plan_route(route: str, kv_indptr, kv_indices, last_page_len, page_size: int) -> None:
+    """plan() of a causal batch of one query per request on ``route`` (PAGED_ROUTES)."""
+    spec = spec_named("causal")
+    batch = kv_indptr.numel() - 1
+    if route.startswith("flex"):
+        from variantgen.flex_wrapper import make_flex_wrapper
+
+        kind = route.partition("-")[2]
+        w = make_flex_wrapper(spec, torch.empty(16, dtype=torch.uint8), head_dim_qk=HEAD_DIM, q_dtype="bf16",
+                              kv_dtype="bf16", kind=kind)
+    elif route.startswith("decode"):
+        w, _ = decoder(spec, tensor_cores=route.endswith("tensor_cores"))
+        kind = "decode"
+    else:
+        backend, _, path = route.partition("-")
+        w, _ = prefill(spec, backend)
+        kind = "prefill"
+    plan = (kv_indptr, kv_indices, last_page_len, HQ, HKV, page_size)
+    if kind == "decode":
+        w.plan(*plan)
+    else:
+        w.plan(torch.arange(batch + 1, dtype=torch.int32), *plan, skip_tiles=route.endswith("planner"))
+
+
+@pytest.mark.parametrize("route", PAGED_ROUTES)
+def test_plan_refuses_lengths_past_int32(route):
+    """A batch's keys (the sum of its kv lengths) must fit the kernels' int32 positions and rows
+    (a regression: fa2's vg_meta wrapped, fa3 raised from C++, CUDA-core decode raised from
+    torch, flex tried to allocate the keys)."""
+    i32 = dict(dtype=torch.int32)
+    with pytest.raises(LaunchError, match=exact("plan(): page_size=2147483648: expected a positive int below 2**31")):
+        plan_route(route, torch.tensor([0, 1], **i32), torch.zeros(1, **i32), torch.ones(1, **i32), 2**31)
+    # three pages of 2**30 keys: one request past int32
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): the batch has 2147483649 keys (request 0: 2147483649), expected at most 2**31 - 1 = 2147483647 "
+            "(the kernels' key positions and rows are int32): check page_size=1073741824, paged_kv_indptr and "
+            "paged_kv_last_page_len (a request's keys: (its pages - 1) * page_size + its last page's length)")):
+        plan_route(route, torch.tensor([0, 3], **i32), torch.tensor([0, 1, 2], **i32), torch.ones(1, **i32), 2**30)
+    # requests within int32, the batch past it (a page list reusing one page)
+    pages, page_size = 1024, 2**20
+    with pytest.raises(LaunchError, match=exact(
+            "plan(): the batch has 3221225472 keys (request 0: 1073741824), expected at most 2**31 - 1 = 2147483647 "
+            f"(the kernels' key positions and rows are int32): check page_size={page_size}, paged_kv_indptr and "
+            "paged_kv_last_page_len (a request's keys: (its pages - 1) * page_size + its last page's length)")):
+        plan_route(route, torch.arange(0, 4 * pages, pages, **i32), torch.zeros(3 * pages, **i32),
+                   torch.full((3,), page_size, **i32), page_size)
+    if route.startswith("flex"):
+        return  # (flex would lay out every key of the batch at the limit)
+    # at the limit: planned
+    plan_route(route, torch.tensor([0, pages, 2 * pages], **i32), torch.zeros(2 * pages, **i32),
+               torch.tensor([page_size, page_size - 1], **i32), page_size)
+
+
 # ----------------------------------------------------------------------------- out, q, the cache
 
 

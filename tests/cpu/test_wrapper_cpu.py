@@ -668,7 +668,7 @@ def test_plan_errors(mm):
             w.plan(qo, kvp, idx, torch.tensor([3, bad_last], dtype=torch.int32), *heads)
     with pytest.raises(LaunchError, match=exact("plan(): num_qo_heads=3 is not a multiple of num_kv_heads=2")):
         w.plan(qo, kvp, idx, last, 3, HKV, 4)
-    with pytest.raises(LaunchError, match=exact("plan(): page_size=0: expected a positive int")):
+    with pytest.raises(LaunchError, match=exact("plan(): page_size=0: expected a positive int below 2**31")):
         w.plan(qo, kvp, idx, last, HQ, HKV, 0)
     with pytest.raises(LaunchError, match=exact(
             "plan(): paged_kv_indices has 9 entries, paged_kv_indptr needs 10")):
