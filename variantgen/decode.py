@@ -338,9 +338,12 @@ class DecodeWrapper(WrapperBase):
                               "paged_kv_last_page_len, num_qo_heads, num_kv_heads, page_size) first")
         b, cfg = self._batch, self.config
         want = (b.total_q, b.num_qo_heads, cfg.head_dim_qk)
-        if (self._graph is not None and isinstance(q, torch.Tensor) and q.dim() == 3
+        # Graph mode on tensor cores: a static buffer of up to capacity rows (the prefill kernel
+        # reads the planned rows). On CUDA cores the kernel takes q's rows as the batch: exactly
+        # max_batch_size, which every plan() has.
+        if (self._prefill is not None and self._graph is not None and isinstance(q, torch.Tensor) and q.dim() == 3
                 and b.total_q <= q.shape[0] <= self._graph.max_total_q):
-            want = (q.shape[0], *want[1:])  # graph mode: a static buffer of up to capacity rows
+            want = (q.shape[0], *want[1:])
         if isinstance(q, torch.Tensor) and tuple(q.shape) != want:
             per = b.total_q // b.batch_size
             rows = (f"batch={b.batch_size}" if per == 1 else

@@ -440,6 +440,30 @@ def test_cuda_core_decode_replays_after_replanning():
         w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)
 
 
+def test_cuda_core_decode_q_is_the_batch():
+    """On CUDA cores the decode kernel takes q's rows as the batch: q must have exactly its rows,
+    also in graph mode (a regression: q of up to max_total_q rows was let through, as on tensor
+    cores, and reached the kernel)."""
+    spec = variantgen.load_spec(SPECS_DIR / "causal.yaml")
+    cap = GraphCapacity(max_batch_size=4, max_total_q=8, max_kv_pages=24)
+    b = random_paged_batch([1] * 4, [1, 3, 16, 17], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                           page_size=PAGE)
+    q = torch.zeros(6, HQ, HEAD_DIM, dtype=torch.bfloat16)
+    q[:4] = b.q
+    for tensor_cores in (False, True):
+        w, fake = fake_decode_wrapper(spec, cap, tensor_cores=tensor_cores)
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE)
+        if tensor_cores:  # a static buffer of up to max_total_q rows
+            w.run(q, (b.k_cache, b.v_cache))
+            continue
+        for out in (None, torch.empty(6, HQ, HEAD_DIM, dtype=torch.bfloat16)):
+            with pytest.raises(LaunchError, match=re.escape(
+                    f"run(): `q`: expected shape [batch=4, num_qo_heads={HQ}, head_dim={HEAD_DIM}] (one query per "
+                    "request), got [6, 4, 64]")):
+                w.run(q, (b.k_cache, b.v_cache), out=out)
+        assert not fake.run_calls
+
+
 # ----------------------------------------------------------------------------- fa3: window slots
 WIDTHS_SPEC = ("name: widths\ntensors:\n  w: {dtype: int32, shape: [batch]}\n"
                "mask: kv_pos <= q_pos and q_pos - kv_pos <= w[request]\n")
