@@ -61,6 +61,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -68,6 +69,17 @@ from .errors import LaunchError
 
 INT32_PAGES = 1 << 31  # int32 page numbers: a cache of more pages holds every one of them
 INT32_MAX = (1 << 31) - 1
+OPTIONAL_FLAGS = frozenset({"skip_tiles", "enable_pdl"})  # None: the default decides
+
+
+def check_flags(where: str, **flags: Any) -> None:
+    """plan()'s and run()'s bool arguments: True or False (skip_tiles and enable_pdl also None).
+    Not any truthy value: 0 or "false" would read as the opposite of what it says."""
+    for name, value in flags.items():
+        if isinstance(value, bool) or (value is None and name in OPTIONAL_FLAGS):
+            continue
+        want = "True, False or None" if name in OPTIONAL_FLAGS else "True or False"
+        raise LaunchError(f"{where}: `{name}`={value!r}: expected {want}")
 
 
 def check_total_keys(kv_lens: list[int], page_size: int) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .checks import check_total_keys
+from .checks import check_flags, check_total_keys
 from .errors import LaunchError
 from .graph import GraphCapacity, pin_plan_info
 from .intervals import analyze, args_read, row_intervals, tensors_read, usable_form
@@ -177,6 +177,7 @@ class DecodeWrapper(WrapperBase):
         # A plan() that fails must not leave the previous plan half-replaced.
         self._batch, self._launch, self._planned_args = None, None, {}
         self._check_replays()
+        check_flags("plan()", skip_tiles=skip_tiles)
         self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
         per = check_q_len_per_request(q_len_per_request, self.use_tensor_cores)
         group = num_qo_heads // num_kv_heads
@@ -357,7 +358,7 @@ class DecodeWrapper(WrapperBase):
         la = self._launch
         assert la is not None
         k_cache, v_cache, args, out, lse = self._check_paged_run(
-            q, want, paged_kv_cache, (q_scale, k_scale, v_scale), spec_args, out, return_lse)
+            q, want, paged_kv_cache, (q_scale, k_scale, v_scale), spec_args, out, return_lse, enable_pdl)
         tensors, scalars = self._kernel_args(args, q_scale, k_scale, v_scale)
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
             enable_pdl = self._pdl_default()

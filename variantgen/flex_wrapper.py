@@ -40,6 +40,7 @@ import torch
 
 from . import flex
 from .capabilities import FLEX, KINDS, canonical_dtype, graph_problem
+from .checks import check_flags
 from .errors import BackendError, LaunchError
 from .evaluate import Evaluator
 from .expr import names_used
@@ -367,6 +368,7 @@ class FlexPrefillWrapper(FlexWrapperBase):
         Flex does not split KV). ``skip_tiles``: the interval planner on/off (default: on where
         the spec's intervals are known and plan() was given the tensors they read)."""
         self._reset()
+        check_flags("plan()", skip_tiles=skip_tiles, disable_split_kv=disable_split_kv)
         paged = read_paged_batch(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                                  num_qo_heads, num_kv_heads, page_size)
         self._batch = b = paged.batch
@@ -398,7 +400,7 @@ class FlexPrefillWrapper(FlexWrapperBase):
         b, cfg = self._batch, self.config
         k_cache, v_cache, args, out, lse = self._check_paged_run(
             q, (b.total_q, b.num_qo_heads, cfg.head_dim_qk), paged_kv_cache, (q_scale, k_scale, v_scale), spec_args,
-            out, return_lse)
+            out, return_lse, enable_pdl)
         if plan is None:
             return (out, lse) if return_lse else out
         self._check_pages(plan, k_cache.shape[0])
@@ -459,7 +461,7 @@ class FlexRaggedWrapper(FlexWrapperBase):
         from .ragged import check_ragged_run
 
         plan = self._check_planned()
-        args = check_ragged_run(self, q, k, v, (q_scale, k_scale, v_scale), out, return_lse, spec_args)
+        args = check_ragged_run(self, q, k, v, (q_scale, k_scale, v_scale), out, return_lse, enable_pdl, spec_args)
         out, lse = self._outputs(out, return_lse)
         if plan is None:
             return (out, lse) if return_lse else out
@@ -500,6 +502,7 @@ class FlexDecodeWrapper(FlexWrapperBase):
 
         self._reset()
         self._multi = None
+        check_flags("plan()", skip_tiles=skip_tiles)
         self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
         per = check_q_len_per_request(q_len_per_request, tensor_cores=True)
         kvp_h, _, kv_lens = read_decode_batch(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
@@ -563,7 +566,7 @@ class FlexDecodeWrapper(FlexWrapperBase):
         b, cfg = self._batch, self.config
         k_cache, v_cache, args, out, lse = self._check_paged_run(
             q, (b.batch_size, b.num_qo_heads, cfg.head_dim_qk), paged_kv_cache, (q_scale, k_scale, v_scale),
-            spec_args, out, return_lse)
+            spec_args, out, return_lse, enable_pdl)
         if not out.is_contiguous():
             raise LaunchError("run(): `out` must be contiguous (the decode kernel writes [batch, heads, head_dim] "
                               "rows back to back)")

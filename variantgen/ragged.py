@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .checks import check_flags
 from .errors import LaunchError
 from .expr import Const
 from .plan import Batch
@@ -156,7 +157,7 @@ class RaggedWrapper(WrapperBase):
             raise LaunchError("run() called before plan(): call plan(qo_indptr, kv_indptr, num_qo_heads, "
                               "num_kv_heads) first")
         b = self._batch
-        args = check_ragged_run(self, q, k, v, (q_scale, k_scale, v_scale), out, return_lse, spec_args)
+        args = check_ragged_run(self, q, k, v, (q_scale, k_scale, v_scale), out, return_lse, enable_pdl, spec_args)
         out, lse = self._outputs(out, return_lse)
         if b.total_q == 0:
             return (out, lse) if return_lse else out
@@ -181,8 +182,7 @@ def read_ragged_batch(qo_indptr: Any, kv_indptr: Any, num_qo_heads: Any, num_kv_
     """plan()'s checks of a ragged batch, shared by every ragged route: the Batch and host copies
     of qo_indptr and kv_indptr; LaunchError naming the argument otherwise."""
     WrapperBase._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
-    if not isinstance(disable_split_kv, bool):
-        raise LaunchError(f"plan(): disable_split_kv={disable_split_kv!r}: expected a bool")
+    check_flags("plan()", disable_split_kv=disable_split_kv)
     for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
             got = f"{t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
@@ -209,9 +209,10 @@ def read_ragged_batch(qo_indptr: Any, kv_indptr: Any, num_qo_heads: Any, num_kv_
 
 
 def check_ragged_run(w: WrapperBase, q: Any, k: Any, v: Any, scales: tuple[Any, Any, Any], out: Any,
-                     return_lse: Any, spec_args: dict[str, Any]) -> dict[str, Any]:
-    """run()'s checks of a ragged batch (q, k, v in the wrapper's layout, return_lse, scales, the
-    spec's arguments, out), shared by every ragged route: the checked spec arguments."""
+                     return_lse: Any, enable_pdl: Any, spec_args: dict[str, Any]) -> dict[str, Any]:
+    """run()'s checks of a ragged batch (return_lse, enable_pdl, q, k, v in the wrapper's layout,
+    scales, the spec's arguments, out), shared by every ragged route: the checked spec arguments."""
+    check_flags("run()", return_lse=return_lse, enable_pdl=enable_pdl)
     b, cfg = w._batch, w.config
     w._check_rows("q", q, TORCH_DTYPES[cfg.q_dtype], (b.total_q, b.num_qo_heads, cfg.head_dim_qk),
                "[total_q, num_qo_heads, head_dim_qk]")
@@ -223,8 +224,6 @@ def check_ragged_run(w: WrapperBase, q: Any, k: Any, v: Any, scales: tuple[Any, 
         else:
             shape, text = (b.num_kv_heads, b.total_kv, hd), f"[num_kv_heads, total_kv, {hd_name}] (HND)"
         w._check_rows(name, t, kvdt, shape, text)
-    if not isinstance(return_lse, bool):
-        raise LaunchError(f"run(): return_lse={return_lse!r}: expected a bool")
     w._check_scales(*scales)
     return w._check_args(spec_args, where="run()")  # `out` is checked by _outputs
 

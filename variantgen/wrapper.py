@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .build import BuildResult
-from .checks import INT32_MAX, PageGuard, PlanCheck, check_total_keys
+from .checks import INT32_MAX, PageGuard, PlanCheck, check_flags, check_total_keys
 from .env import settings
 from .errors import LaunchError
 from .expr import FLOAT32_MAX
@@ -441,17 +441,18 @@ class WrapperBase:
 
     def _check_paged_run(self, q: Any, q_shape: tuple[int, ...], paged_kv_cache: Any,
                          scales: tuple[Any, Any, Any], spec_args: dict[str, Any], out: torch.Tensor | None,
-                         return_lse: bool) -> PagedRun:
-        """run()'s checks over a paged KV cache, in order: q (``q_shape``; its rows are the
-        outputs'), the cache, q/k/v scales, the spec's arguments (and that they are what plan()
-        planned with), the outputs; last, every planned page inside the cache (or, where plan()
-        left the page list's bounds on their way, the kernels' copies of the list clamped to it:
-        a run() refused after that would leave the list clamped and the run recorded without a
-        launch). First, a report of an earlier run() that read a page list clamped by the guard
-        (checks.py)."""
+                         return_lse: bool, enable_pdl: bool | None) -> PagedRun:
+        """run()'s checks over a paged KV cache, in order: return_lse and enable_pdl, q
+        (``q_shape``; its rows are the outputs'), the cache, q/k/v scales, the spec's arguments
+        (and that they are what plan() planned with), the outputs; last, every planned page
+        inside the cache (or, where plan() left the page list's bounds on their way, the kernels'
+        copies of the list clamped to it: a run() refused after that would leave the list clamped
+        and the run recorded without a launch). First, a report of an earlier run() that read a
+        page list clamped by the guard (checks.py)."""
         capturing = self._capturing()
         if not capturing:  # (no event queries under capture)
             self._pages.poll("run()")
+        check_flags("run()", return_lse=return_lse, enable_pdl=enable_pdl)
         self._check_rows("q", q, TORCH_DTYPES[self.config.q_dtype], q_shape)
         k_cache, v_cache = self._check_paged_cache(paged_kv_cache)
         self._check_scales(*scales)
@@ -588,6 +589,7 @@ class VariantWrapper(WrapperBase):
         # A plan() that fails must not leave the previous plan half-replaced.
         self._batch, self._launches, self._planned_args, self.last_plan = None, [], {}, None
         self._check_replays()
+        check_flags("plan()", skip_tiles=skip_tiles, disable_split_kv=disable_split_kv)
         check_paged_arguments(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
                               num_qo_heads, num_kv_heads, page_size)
         (qo_h, kvp_h, last_h), indices_h, folded = self._read_indptrs(
@@ -656,7 +658,7 @@ class VariantWrapper(WrapperBase):
                 rows = q.shape[0]
         k_cache, v_cache, args, out, lse = self._check_paged_run(
             q, (rows, b.num_qo_heads, cfg.head_dim_qk), paged_kv_cache, (q_scale, k_scale, v_scale), spec_args, out,
-            return_lse)
+            return_lse, enable_pdl)
         tensors, scalars = self._kernel_args(args, q_scale, k_scale, v_scale)
         layout = LAYOUT_CODES[self.kv_layout]
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults

@@ -424,7 +424,7 @@ def test_run_before_plan(mm):
                          "tokens of the request's KV (qo_len <= kv_len)"),
     ("heads", "plan(): num_kv_heads=0: expected a positive int below 2**31"),
     ("group", "plan(): num_qo_heads=4 is not a multiple of num_kv_heads=3"),
-    ("split", "plan(): disable_split_kv='yes': expected a bool"),
+    ("split", "plan(): `disable_split_kv`='yes': expected True or False"),
 ])
 def test_plan_errors(mm, case, message):
     w, _, batch, _ = mm
@@ -469,7 +469,7 @@ def test_plan_errors(mm, case, message):
     ("out_shape", "run(): `out`: expected shape [12, 4, 128], got [12, 4, 192]"),
     ("out_strided", "run(): `out` must be contiguous (the kernel writes rows of num_qo_heads * head_dim_vo "
                     "elements back to back; got strides [1024, 256, 1])"),
-    ("return_lse", "run(): return_lse=1: expected a bool"),
+    ("return_lse", "run(): `return_lse`=1: expected True or False"),
     ("missing", "run(): missing tensor argument `ranges` (int32, shape ['total_q', 2]: inclusive absolute key span "
                 "[start, end] each query token sees; (-1, -1) for none)"),
     ("unknown", "run(): unexpected argument(s) bogus; spec `mm_prefix` takes: ranges, causal_window_left, "

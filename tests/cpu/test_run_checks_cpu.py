@@ -321,6 +321,88 @@ def test_plan_refuses_lengths_past_int32(route):
                torch.tensor([page_size, page_size - 1], **i32), page_size)
 
 
+# ----------------------------------------------------------------------------- bool flags
+
+FLAG_ROUTES = ["fa2-prefill", "fa3-prefill", "graph-prefill", "decode-cuda_cores", "decode-tensor_cores",
+               "graph-decode-cuda_cores", "ragged-fa2", "ragged-fa3", "flex-prefill", "flex-decode", "flex-ragged"]
+
+
+class FlagRoute:
+    """A causal wrapper of one route (FLAG_ROUTES), its fake module (None on flex) and a batch,
+    with plan() and run() taking the flags as keywords."""
+
+    def __init__(self, route: str):
+        from _fake_kernel import FakeFa3RaggedModule, FakeRaggedModule
+
+        from variantgen.flex_wrapper import make_flex_wrapper
+        from variantgen.ragged import RaggedWrapper, random_ragged_batch
+
+        spec = spec_named("causal")
+        kind = "ragged" if "ragged" in route else "decode" if "decode" in route else "prefill"
+        self.kind, self.fake = kind, None
+        if kind == "ragged":
+            self.batch = random_ragged_batch([3, 5], [7, 5], num_qo_heads=HQ, num_kv_heads=HKV, head_dim_qk=HEAD_DIM)
+        else:
+            qo = [1, 1, 1] if kind == "decode" else [3, 5, 1]
+            self.batch = random_paged_batch(qo, [7, 5, 9], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                                            page_size=4)
+        if route.startswith("flex"):
+            self.w = make_flex_wrapper(spec, torch.empty(16, dtype=torch.uint8), head_dim_qk=HEAD_DIM,
+                                       q_dtype="bf16", kv_dtype="bf16", kind=kind)
+        elif kind == "ragged":
+            backend = route.partition("-")[2]
+            config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", backend,
+                                         kind="ragged")
+            self.fake = (FakeFa3RaggedModule if backend == "fa3" else FakeRaggedModule)(spec)
+            self.w = RaggedWrapper(spec, config, self.fake, fake_build(spec, config),
+                                   torch.empty(1 << 20, dtype=torch.uint8))
+        elif kind == "decode":
+            graph = GraphCapacity(max_batch_size=3, max_total_q=3, max_kv_pages=16) if route.startswith("graph") \
+                else None
+            self.w, self.fake = decoder(spec, tensor_cores=route.endswith("tensor_cores"), graph=graph)
+        else:
+            self.w, self.fake = prefill(spec, "fa3" if route.startswith("fa3") else "fa2",
+                                        graph=CAP if route.startswith("graph") else None)
+        self.plan_flags = {"decode": ["skip_tiles"], "ragged": ["disable_split_kv"]}.get(
+            kind, ["skip_tiles", "disable_split_kv"])
+
+    def plan(self, **flags) -> None:
+        b = self.batch
+        self.w.plan(*(b.plan_args()[1:] if self.kind == "decode" else b.plan_args()), **flags)
+
+    def run(self, **flags):
+        b = self.batch
+        kv = (b.k, b.v) if self.kind == "ragged" else ((b.k_cache, b.v_cache),)
+        return self.w.run(b.q, *kv, **flags)
+
+
+@pytest.mark.parametrize("route", FLAG_ROUTES)
+def test_bool_flags_are_bools(route):
+    """skip_tiles, disable_split_kv, return_lse and enable_pdl take True or False (skip_tiles and
+    enable_pdl also None), on every route: a truthy value is refused (a regression: skip_tiles=0
+    or "false" turned the planner on, disable_split_kv="false" and return_lse="no" read as True,
+    enable_pdl="no" reached the module)."""
+    case = FlagRoute(route)
+    for flag in case.plan_flags:
+        optional = flag == "skip_tiles"
+        for value in (0, 1, "false", torch.tensor(False), *(() if optional else (None,))):
+            want = "True, False or None" if optional else "True or False"
+            with pytest.raises(LaunchError, match=exact(f"plan(): `{flag}`={value!r}: expected {want}")):
+                case.plan(**{flag: value})
+        case.plan(**{flag: False})
+    case.plan()
+    for flag, optional in (("return_lse", False), ("enable_pdl", True)):
+        for value in (0, "no", *(() if optional else (None,))):
+            want = "True, False or None" if optional else "True or False"
+            with pytest.raises(LaunchError, match=exact(f"run(): `{flag}`={value!r}: expected {want}")):
+                case.run(**{flag: value})
+    if case.fake is not None:
+        assert not case.fake.run_calls
+    out, lse = case.run(return_lse=True, enable_pdl=False)
+    assert lse.shape == out.shape[:2]
+    assert isinstance(case.run(enable_pdl=None), torch.Tensor)
+
+
 # ----------------------------------------------------------------------------- out, q, the cache
 
 
