@@ -55,6 +55,7 @@ TORCH_DTYPES = {
 SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
 ALIGN_BYTES = 16  # the kernels move q/k/v/o rows in 16-byte vectors (cp.async, TMA)
+MAX_SM_SCALE = FLOAT32_MAX / math.log2(math.e)  # its product with log2(e) is a finite float32
 
 
 class PagedRun(NamedTuple):
@@ -392,11 +393,24 @@ class WrapperBase:
         if not self.spec.qkv_scales and any(x is not None for x in (q_scale, k_scale, v_scale)):
             raise LaunchError(f"run(): spec `{self.spec.name}` sets `scales.qkv_scales: false`; "
                               "q_scale/k_scale/v_scale are not accepted")
-        for name, value in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
-            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool)
-                                      or not math.isfinite(value)):
+        given = {n: v for n, v in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)) if v is not None}
+        for name, value in given.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or (
+                    isinstance(value, float) and not math.isfinite(value)):
                 raise LaunchError(f"run(): `{name}`: expected a finite float, got {value!r} "
                                   "(per-head scale tensors are not supported)")
+            if abs(value) > FLOAT32_MAX:  # (an int too: compared exactly)
+                raise LaunchError(f"run(): `{name}`={shown_value(value)}: expected a float in float32 range (|x| <= "
+                                  f"{FLOAT32_MAX:.7g}): the kernels take it as a float32")
+        # The kernels multiply the logits by the softmax scale times log2(e), in float32.
+        sm_scale = self._sm_scale(q_scale, k_scale)
+        if abs(sm_scale) > MAX_SM_SCALE:
+            folded = " and ".join(f"{n}={shown_value(v)}" for n, v in given.items() if n != "v_scale")
+            base = f"{self.spec.sm_scale:.7g}" if self.spec.sm_scale is not None else \
+                f"1/sqrt(head_dim_qk={self.config.head_dim_qk})"
+            raise LaunchError(f"run(): {folded or 'no scales'} fold into the softmax scale {sm_scale:.7g} (the spec's "
+                              f"{base} x q_scale x k_scale), which the kernels take as a float32 times log2(e): "
+                              f"expected |softmax scale| <= {MAX_SM_SCALE:.7g}")
 
     def _kernel_args(self, args: dict[str, Any], q_scale: float | None, k_scale: float | None,
                      v_scale: float | None) -> tuple[list[torch.Tensor], list[Any]]:

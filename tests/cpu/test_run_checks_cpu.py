@@ -403,6 +403,41 @@ def test_bool_flags_are_bools(route):
     assert isinstance(case.run(enable_pdl=None), torch.Tensor)
 
 
+# ----------------------------------------------------------------------------- q/k/v scales
+
+SCALE_ROUTES = ["fa2-prefill", "fa3-prefill", "decode-cuda_cores", "decode-tensor_cores", "ragged-fa2",
+                "flex-prefill", "flex-decode", "flex-ragged"]
+
+
+@pytest.mark.parametrize("route", SCALE_ROUTES)
+def test_scales_fit_float32(route):
+    """The kernels take the softmax scale (the spec's times q_scale times k_scale, by log2(e)) and
+    v_scale as float32: a scale outside float32 range, or a product outside it, is refused (a
+    regression: q_scale=1e20, k_scale=1e20 folded into inf, and the output was not finite)."""
+    case = FlagRoute(route)
+    case.plan()
+    for name, value in (("q_scale", 1e300), ("k_scale", -3.5e38), ("v_scale", 1e39)):
+        with pytest.raises(LaunchError, match=exact(
+                f"run(): `{name}`={value!r}: expected a float in float32 range (|x| <= 3.402823e+38): the kernels "
+                "take it as a float32")):
+            case.run(**{name: value})
+    with pytest.raises(LaunchError, match=re.escape("run(): `k_scale`=10000000000") + ".* characters\\): expected"):
+        case.run(k_scale=10**400)
+    for scales, product in (({"q_scale": 1e20, "k_scale": 1e20}, "1.25e+39"), ({"q_scale": 3e38, "k_scale": -8},
+                                                                                "-3e+38")):
+        named = " and ".join(f"{n}={v!r}" for n, v in scales.items())
+        with pytest.raises(LaunchError, match=exact(
+                f"run(): {named} fold into the softmax scale {product} (the spec's 1/sqrt(head_dim_qk=64) x q_scale x "
+                "k_scale), which the kernels take as a float32 times log2(e): expected |softmax scale| <= "
+                "2.358657e+38")):
+            case.run(**scales)
+    if case.fake is not None:
+        assert not case.fake.run_calls
+    # within range: accepted, 0 too (every visible key weighs the same, as in the reference)
+    for scales in ({"q_scale": 3.4e38, "k_scale": 5, "v_scale": -3.4e38}, {"q_scale": 0.0, "v_scale": 0.0}):
+        case.run(**scales)
+
+
 # ----------------------------------------------------------------------------- out, q, the cache
 
 
