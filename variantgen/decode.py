@@ -423,8 +423,8 @@ def decode_kv_lens(kvp_h: list[int], last_h: list[int], num_indices: int, page_s
 
 def read_decode_batch(paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any, page_size: int,
                       ) -> tuple[list[int], list[int], list[int]]:
-    """check_decode_arguments, host copies and decode_kv_lens, for a route without
-    DecodeWrapper's page-list guard (the flex route checks its pages itself): (paged_kv_indptr,
+    """check_decode_arguments, host copies and decode_kv_lens, for a route without DecodeWrapper's
+    reads of the page list (the flex route reads its bounds with its plan): (paged_kv_indptr,
     paged_kv_last_page_len, kv lengths)."""
     check_decode_arguments(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
     kvp_h, last_h = host_lists(paged_kv_indptr, paged_kv_last_page_len)

@@ -11,7 +11,10 @@ the generated kernels (flex.py).
 What plan() does (once per batch):
 
 * reads the batch as the other routes do (wrapper.read_paged_batch, decode.read_decode_batch,
-  ragged.read_ragged_batch: the same checks and messages);
+  ragged.read_ragged_batch: the same checks and messages), and its page list as they do
+  (checks.PageGuard, its bounds read back with the plan: every entry of
+  ``paged_kv_indices[:paged_kv_indptr[-1]]``, gathered or not, must be a page of run()'s cache;
+  plan() refuses negative ones, run() the rest);
 * with the interval planner on (the default where the spec's key intervals are known and
   plan() has the tensors they read; ``skip_tiles`` as for the FlashInfer wrappers) it evaluates
   each query row's key interval, gathers only the keys some query can see, and gives Flex its
@@ -101,8 +104,6 @@ class FlexPlan:
     dest: torch.Tensor | None  # per-request layouts: each key's row in the [batch * kv_len] buffer
     reach: RowBlocks
     blocks: Blocks | None
-    pages: tuple[int, int] | None = None  # smallest and largest page id read (paged kinds)
-    entries: torch.Tensor | None = None  # paged kinds: the paged_kv_indices entry of each gathered key
 
 
 class FlexWrapperBase(WrapperBase):
@@ -215,18 +216,21 @@ class FlexWrapperBase(WrapperBase):
             blocks = flex.blocks_from_intervals(layout, RowBlocks(reach.b, q_rows, lo, hi, iv.exact & seen))
         return FlexPlan(layout, gathered, source, None, reach, blocks)
 
-    def _finish_plan(self, plan: FlexPlan) -> None:
-        """Keep the plan; read back (in one copy) the page range run() checks and the block counts."""
+    def _finish_plan(self, plan: FlexPlan, kv_indices: torch.Tensor | None = None, entries: int = 0) -> None:
+        """Keep the plan; read back (in one copy) the block counts and, paged, the bounds of the
+        page list ``kv_indices[:entries]`` for _plan_pages."""
         self._staging.record()
         wanted = []
-        pages = plan.source[0] if plan.entries is not None and plan.gathered else None
-        if pages is not None:
-            wanted += [pages.min(), pages.max()]
+        folded = bool(entries) and kv_indices is not None and kv_indices.device == self.device
+        if folded:
+            wanted += [x.long() for x in torch.aminmax(kv_indices[:entries])]
         if plan.blocks is not None:
             wanted += [plan.blocks.kv_num.sum(), plan.blocks.full_num.sum()]
         values = torch.stack(wanted).cpu().tolist() if wanted else []
-        if pages is not None:
-            plan.pages, values = (values[0], values[1]), values[2:]
+        if kv_indices is not None:
+            bounds = values[:2] if folded else None
+            values = values[2:] if folded else values
+            self._plan_pages(kv_indices, entries, bounds)
         if plan.blocks is not None:
             total = plan.blocks.kv_num.numel() * plan.blocks.kv_idx.shape[-1]
             self.plan_stats["blocks"] = {"partial": values[0], "full": values[1], "total": total}
@@ -256,21 +260,25 @@ class FlexWrapperBase(WrapperBase):
             self.plan_stats["blocks"] = self._run_blocks[1].counts()
         return self._run_blocks[1]
 
-    def _check_pages(self, plan: FlexPlan, num_pages: int) -> None:
-        """Every page plan() will read lies in the cache run() was given (host values from plan())."""
-        if plan.pages is None or (0 <= plan.pages[0] and plan.pages[1] < num_pages):
-            return
-        pages, entries = plan.source[0], plan.entries
-        assert entries is not None
-        first = int(((pages < 0) | (pages >= num_pages)).nonzero()[0, 0])
-        raise LaunchError(f"run(): paged_kv_indices[{int(entries[first])}]={int(pages[first])} (as plan() read it) is "
-                          f"outside the KV cache's {num_pages} pages")
+    def _plan_pages(self, kv_indices: torch.Tensor, entries: int, bounds: list[int] | None) -> None:
+        """The batch's page list ``kv_indices[:entries]`` to the page guard, as on the FlashInfer
+        routes: every entry, gathered or not, must be a page of run()'s cache - negative ones are
+        refused here, the rest by run() (checks.py). ``bounds``: its (min, max) if read back
+        already. A failed plan() leaves no plan."""
+        if bounds is None and entries:
+            low, high = torch.aminmax(kv_indices[:entries])
+            bounds = [int(low), int(high)]
+        try:
+            self._pages.begin(kv_indices, entries, bounds or [])
+            self._pages.finish()
+        except BaseException:
+            self._reset()
+            raise
 
     def _set_pages(self, plan: FlexPlan, indices: torch.Tensor, entries: torch.Tensor, offsets: torch.Tensor) -> None:
-        """The page of each gathered key (read from paged_kv_indices now; their range is read back
-        by _finish_plan and checked in run())."""
+        """The page of each gathered key, read from paged_kv_indices now (run() gathers from this copy)."""
         pages = indices.to(self.device)[entries].to(torch.int64)
-        plan.source, plan.entries = (pages, offsets), entries
+        plan.source = (pages, offsets)
 
     def _gather(self, plan: FlexPlan, cache: torch.Tensor, rows_shape: tuple[int, ...], dtype: torch.dtype,
                 ) -> torch.Tensor:
@@ -374,12 +382,13 @@ class FlexPrefillWrapper(FlexWrapperBase):
         self._batch = b = paged.batch
         self._staging.begin()
         if b.total_q == 0:
+            self._plan_pages(paged_kv_indices, paged.kv_indptr[-1], None)
             self.plan_stats["launches"] = []
             return
         intervals = self._plan_intervals(paged.qo_indptr, list(b.kv_lens), skip_tiles, spec_args)
         plan = self._packed_plan(paged.qo_indptr, list(b.kv_lens), paged.kv_indptr[:-1], intervals, page_size)
         self._set_pages(plan, paged_kv_indices, *plan.source)
-        self._finish_plan(plan)
+        self._finish_plan(plan, paged_kv_indices, paged.kv_indptr[-1])
 
     def _plan_intervals(self, qo_h: list[int], kv_lens: list[int], skip_tiles: bool | None,
                         spec_args: dict[str, Any]):
@@ -403,7 +412,6 @@ class FlexPrefillWrapper(FlexWrapperBase):
             out, return_lse, enable_pdl)
         if plan is None:
             return (out, lse) if return_lse else out
-        self._check_pages(plan, k_cache.shape[0])
         return _run_packed(self, plan, q, k_cache, v_cache, args, q_scale, k_scale, v_scale, out, lse, return_lse)
 
 
@@ -551,7 +559,7 @@ class FlexDecodeWrapper(FlexWrapperBase):
             if exact is not None else None
         plan = FlexPlan(layout, sum(count), (), dest, reach, blocks)
         self._set_pages(plan, paged_kv_indices, entries, offs)
-        self._finish_plan(plan)
+        self._finish_plan(plan, paged_kv_indices, kvp_h[-1])
 
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
             k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
@@ -570,7 +578,6 @@ class FlexDecodeWrapper(FlexWrapperBase):
         if not out.is_contiguous():
             raise LaunchError("run(): `out` must be contiguous (the decode kernel writes [batch, heads, head_dim] "
                               "rows back to back)")
-        self._check_pages(plan, k_cache.shape[0])
         layout = plan.layout
         shape = (b.batch_size * layout.kv_len, b.num_kv_heads)
         kbuf = self._gather(plan, k_cache, (*shape, k_cache.shape[-1]), q.dtype)

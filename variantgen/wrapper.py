@@ -810,8 +810,8 @@ def paged_batch(qo_h: list[int], kvp_h: list[int], last_h: list[int], num_indice
 def read_paged_batch(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any,
                      num_qo_heads: Any, num_kv_heads: Any, page_size: Any) -> PagedBatchLists:
     """check_paged_arguments, the host copies (one device-to-host copy) and paged_batch: a route
-    that reads the batch without VariantWrapper's page-list guard (the flex route checks its pages
-    itself)."""
+    that reads the batch without VariantWrapper's reads of the page list (the flex route reads its
+    bounds with its plan)."""
     check_paged_arguments(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                           num_kv_heads, page_size)
     (qo_h, kvp_h, last_h), indices_h = host_indices(qo_indptr, paged_kv_indptr, paged_kv_last_page_len)

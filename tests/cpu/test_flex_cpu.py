@@ -420,15 +420,57 @@ def test_argument_checks_are_the_wrappers():
         w.run(batch.q, kv, out=torch.empty(7, HQ, HEAD_DIM, dtype=torch.float16), **args)
     small = (batch.k_cache[:2], batch.v_cache[:2])
     bad = int((batch.kv_indices >= 2).nonzero()[0, 0])
-    with pytest.raises(LaunchError, match=exact(f"run(): paged_kv_indices[{bad}]={int(batch.kv_indices[bad])} (as "
-                                                "plan() read it) is outside the KV cache's 2 pages")):
+    with pytest.raises(LaunchError, match=exact(f"run(): paged_kv_indices[{bad}]={int(batch.kv_indices[bad])} is not "
+                                                "a page of the KV cache run() was given (2 pages: expected 0 <= page < "
+                                                "2)")):
         w.run(batch.q, small, **args)
     negative = batch.kv_indices.clone()
     negative[1] = -1  # torch would read the last page for it
-    w.plan(batch.qo_indptr, batch.kv_indptr, negative, batch.last_page_len, HQ, HKV, 4, **args)
-    with pytest.raises(LaunchError, match=exact("run(): paged_kv_indices[1]=-1 (as plan() read it) is outside the KV "
-                                                f"cache's {batch.k_cache.shape[0]} pages")):
-        w.run(batch.q, kv, **args)
+    with pytest.raises(LaunchError, match=exact("plan(): paged_kv_indices[1]=-1 is not a page number (expected 0 <= "
+                                                "page < the KV cache's page count)")):
+        w.plan(batch.qo_indptr, batch.kv_indptr, negative, batch.last_page_len, HQ, HKV, 4, **args)
+    with pytest.raises(LaunchError, match=exact("run() called before plan(): call plan(...) first")):
+        w.run(batch.q, kv, **args)  # the failed plan() left none
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_every_planned_page_is_checked_gathered_or_not(kind):
+    """As on the FlashInfer routes, every entry of paged_kv_indices[:paged_kv_indptr[-1]] must be a
+    page of run()'s cache, also the ones key trimming does not gather (a regression: only the
+    gathered pages were checked, and negative entries only in run())."""
+    spec = shipped("sliding_window")
+    batch = random_paged_batch([1], [40], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=4,
+                               dtype=torch.float16)
+    w = variantgen.make_wrapper(spec, WS, head_dim_qk=HEAD_DIM, q_dtype="fp16", kv_dtype="fp16", backend="flex",
+                                kind=kind)
+    plan_args = batch.plan_args()[1:] if kind == "decode" else batch.plan_args()
+    kv = (batch.k_cache, batch.v_cache)
+
+    def plan(page0: int) -> None:  # page 0 of the request: outside the window, not gathered
+        indices = batch.kv_indices.clone()
+        indices[0] = page0
+        at = 1 if kind == "decode" else 2  # (paged_kv_indices)
+        w.plan(*plan_args[:at], indices, *plan_args[at + 1:], skip_tiles=True, window=3)
+        assert w.plan_stats["keys_gathered"] == 4
+
+    with pytest.raises(LaunchError, match=exact("plan(): paged_kv_indices[0]=-7 is not a page number (expected 0 <= "
+                                                "page < the KV cache's page count)")):
+        plan(-7)
+    pages = batch.k_cache.shape[0]
+    plan(pages)
+    with pytest.raises(LaunchError, match=exact(f"run(): paged_kv_indices[0]={pages} is not a page of the KV cache "
+                                                f"run() was given ({pages} pages: expected 0 <= page < {pages})")):
+        w.run(batch.q, kv, window=3)
+    plan(0)
+    w.run(batch.q, kv, window=3)
+    if kind == "prefill":  # a batch without queries reads no page, but its list is checked as well
+        empty = random_paged_batch([0], [8], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=4,
+                                   dtype=torch.float16)
+        indices = empty.kv_indices.clone()
+        indices[1] = -1
+        with pytest.raises(LaunchError, match=exact("plan(): paged_kv_indices[1]=-1 is not a page number (expected 0 "
+                                                    "<= page < the KV cache's page count)")):
+            w.plan(empty.qo_indptr, empty.kv_indptr, indices, empty.last_page_len, HQ, HKV, 4)
 
 
 def test_decode_and_ragged_checks_are_the_wrappers():
