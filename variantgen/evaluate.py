@@ -15,7 +15,6 @@ range are outside the language's contract.
 from __future__ import annotations
 
 import math
-
 from collections.abc import Mapping
 from typing import Any
 
