@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
@@ -106,6 +107,29 @@ class FlexPlan:
     blocks: Blocks | None
 
 
+ArgValues = tuple[tuple[str, Any], ...]  # spec arguments by name: scalars, and copies of tensors
+
+
+def _values_of(args: dict[str, Any], names: Collection[str]) -> ArgValues:
+    """The values of the arguments ``names`` as they are now (tensors copied): what a plan found
+    from them holds while run() gets equal ones. (A tensor's address and version would not do:
+    memory refilled outside torch - numpy, DLPack, another library's kernel - keeps both.)"""
+    return tuple((n, v.detach().clone() if isinstance(v, torch.Tensor) else v)
+                 for n, v in sorted(args.items()) if n in names)
+
+
+def _same_values(values: ArgValues, args: dict[str, Any]) -> bool:
+    for name, old in values:
+        new = args.get(name)
+        if isinstance(old, torch.Tensor):
+            if not (isinstance(new, torch.Tensor) and new.shape == old.shape and new.dtype == old.dtype
+                    and new.device == old.device and torch.equal(new, old)):
+                return False
+        elif new != old:
+            return False
+    return True
+
+
 class FlexWrapperBase(WrapperBase):
     """What the flex wrappers share: the layout tables, the block masks and the call."""
 
@@ -114,8 +138,9 @@ class FlexWrapperBase(WrapperBase):
         self._plan: FlexPlan | None = None
         self._qo_h: list[int] = []  # ragged: plan()'s host indptrs (run() plans the intervals)
         self._kv_h: list[int] = []
-        self._plans: dict[tuple, FlexPlan] = {}
-        self._run_blocks: tuple[tuple, Blocks] | None = None  # (arguments key, blocks) of the last run()
+        # (the argument values they were found for, what was found): kept while run() gets the same values
+        self._run_blocks: tuple[ArgValues, Blocks] | None = None  # the last run()'s blocks (planner off)
+        self._interval_plan_of: tuple[ArgValues, FlexPlan] | None = None  # ragged: the last run()'s plan
         self.compiled = config.compiled
         self.plan_stats["backend"] = "flex"
 
@@ -253,10 +278,8 @@ class FlexWrapperBase(WrapperBase):
         if plan.blocks is not None:
             return plan.blocks
         read = names_used(self.spec.mask)
-        key = tuple((n, v.data_ptr(), v._version, tuple(v.shape)) if isinstance(v, torch.Tensor) else (n, v)
-                    for n, v in sorted(args.items()) if n in read)
-        if self._run_blocks is None or self._run_blocks[0] != key:
-            self._run_blocks = (key, flex.blocks_from_mask(plan.layout, plan.reach, mods, self.spec))
+        if self._run_blocks is None or not _same_values(self._run_blocks[0], args):
+            self._run_blocks = (_values_of(args, read), flex.blocks_from_mask(plan.layout, plan.reach, mods, self.spec))
             self.plan_stats["blocks"] = self._run_blocks[1].counts()
         return self._run_blocks[1]
 
@@ -450,7 +473,7 @@ class FlexRaggedWrapper(FlexWrapperBase):
         if spec_args:
             self._check_args(spec_args, where="plan()", require_tensors_from="plan")
         self._staging.begin()
-        self._qo_h, self._kv_h, self._plans = qo_h, kv_h, {}
+        self._qo_h, self._kv_h, self._interval_plan_of = qo_h, kv_h, None
         if self._batch.total_q == 0:
             self.plan_stats["launches"] = []
             return
@@ -478,14 +501,12 @@ class FlexRaggedWrapper(FlexWrapperBase):
         return _run_packed(self, plan, q, k, v, args, q_scale, k_scale, v_scale, out, lse, return_lse)
 
     def _interval_plan(self, args: dict[str, Any]) -> FlexPlan:
-        read = self._interval_facts.args
-        key = tuple((n, v.data_ptr(), v._version, tuple(v.shape)) if isinstance(v, torch.Tensor) else (n, v)
-                    for n, v in sorted(args.items()) if n in read)
-        if key not in self._plans:
+        if self._interval_plan_of is None or not _same_values(self._interval_plan_of[0], args):
             self._staging.begin()
-            self._plans = {key: self._ragged_plan(self._row_intervals(self._qo_h, list(self._batch.kv_lens), args))}
-            self._finish_plan(self._plans[key])
-        return self._plans[key]
+            plan = self._ragged_plan(self._row_intervals(self._qo_h, list(self._batch.kv_lens), args))
+            self._finish_plan(plan)
+            self._interval_plan_of = (_values_of(args, self._interval_facts.args), plan)
+        return self._interval_plan_of[1]
 
 
 # ----------------------------------------------------------------------------- decode

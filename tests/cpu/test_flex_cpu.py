@@ -592,3 +592,34 @@ def test_cli_probe_and_precompile_flex():
                                    "bf16", "--backend", "flex", "--arch", "9.0a"])
     assert res.exit_code == 0, res.output
     assert "flex: nothing to precompile" in res.output and "nothing to build" in res.output
+
+
+def test_a_tensor_refilled_outside_torch_is_read_again():
+    """What run() finds from the spec's tensors (the ragged interval plan; the block lists with the
+    planner off) is kept only while they hold the same values: a server's staging buffer refilled
+    through numpy keeps its address and torch's version counter, and the old plan gave wrong output."""
+    import numpy as np
+
+    spec = variantgen.load_spec(SPECS_DIR / "mm_prefix.yaml")
+    rb = random_ragged_batch([8], [64], num_qo_heads=2, num_kv_heads=1, head_dim_qk=16, dtype=torch.float32, seed=0)
+    ragged = make_flex_wrapper(spec, torch.empty(0, dtype=torch.uint8), head_dim_qk=16, q_dtype="fp32",
+                               kv_dtype="fp32", kind="ragged")
+    ragged.plan(*rb.plan_args())
+    b = random_paged_batch([64], [64], num_qo_heads=2, num_kv_heads=1, head_dim=16, page_size=16,
+                           dtype=torch.float32, seed=0)
+    paged = make_flex_wrapper(spec, torch.empty(0, dtype=torch.uint8), head_dim_qk=16, q_dtype="fp32",
+                              kv_dtype="fp32", compile=True)  # (the compiled kernel obeys the block lists)
+    paged.plan(*b.plan_args(), skip_tiles=False)
+    host_r, host_p = np.empty((8, 2), dtype=np.int32), np.empty((64, 2), dtype=np.int32)
+    for span_r, span_p in (((-1, -1), (-1, -1)), ((0, 63), (40, 63))):
+        host_r[:], host_p[:] = span_r, span_p
+        ranges = torch.from_numpy(host_r)
+        args = {"ranges": ranges, "causal_window_left": 2}
+        out = ragged.run(rb.q, rb.k, rb.v, **args)
+        want = reference_ragged(spec, rb.q, rb.k, rb.v, rb.qo_indptr, rb.kv_indptr, args)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        ranges = torch.from_numpy(host_p)
+        out = paged.run(b.q, (b.k_cache, b.v_cache), ranges=ranges)
+        want = reference_attention(spec, b.q, (b.k_cache, b.v_cache), b.qo_indptr, b.kv_indptr, b.kv_indices,
+                                   b.last_page_len, {"ranges": ranges})
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
