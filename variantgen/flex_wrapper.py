@@ -133,6 +133,8 @@ def _same_values(values: ArgValues, args: dict[str, Any]) -> bool:
 class FlexWrapperBase(WrapperBase):
     """What the flex wrappers share: the layout tables, the block masks and the call."""
 
+    _equal_kv_strides = False  # (K and V are gathered each with its own strides: qk and vo dims may differ)
+
     def __init__(self, spec: VariantSpec, config: FlexConfig, workspace: torch.Tensor, kv_layout: str = "NHD"):
         super().__init__(spec, config, None, None, workspace, kv_layout)  # type: ignore[arg-type]
         self._plan: FlexPlan | None = None

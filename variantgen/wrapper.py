@@ -87,6 +87,9 @@ class WrapperBase:
     the spec tensors plan() planned from still hold what plan() saw (checks.PlanCheck; a
     device sync per run())."""
 
+    # The kernels take one set of strides for both caches (the flex route gathers each on its own)
+    _equal_kv_strides = True
+
     def __init__(self, spec: VariantSpec, config: ModuleConfig, module: Any, build: BuildResult | None,
                  float_workspace: torch.Tensor, kv_layout: str = "NHD", *, check_plan: bool | None = None):
         if kv_layout not in LAYOUT_CODES:
@@ -512,7 +515,7 @@ class WrapperBase:
                                   f"(data pointer and strides {list(strides)} in multiples of {unit} elements)")
             if max(outer) >= 2**32:
                 raise LaunchError(f"run(): `{name}`: strides {list(strides)} do not fit the kernel's 32-bit strides")
-        if k_cache.stride() != v_cache.stride():
+        if self._equal_kv_strides and k_cache.stride() != v_cache.stride():
             raise LaunchError(f"run(): k_cache and v_cache must have identical strides (got {k_cache.stride()} and "
                               f"{v_cache.stride()}); this module is compiled for equal K/V strides")
         num_pages = k_cache.shape[0]

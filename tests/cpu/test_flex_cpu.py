@@ -623,3 +623,26 @@ def test_a_tensor_refilled_outside_torch_is_read_again():
         want = reference_attention(spec, b.q, (b.k_cache, b.v_cache), b.qo_indptr, b.kv_indptr, b.kv_indices,
                                    b.last_page_len, {"ranges": ranges})
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_qk_and_vo_head_dims_may_differ_with_caches_of_their_own(kind):
+    """192/128 on paged kinds: K and V caches of their own widths have different strides, which
+    the module kernels refuse (one set of strides) but the flex route gathers separately; its
+    probe said no from that check."""
+    assert variantgen.probe("causal", head_dim_qk=192, head_dim_vo=128, q_dtype="fp32", kv_dtype="fp32",
+                            backend="flex", kind=kind).ok
+    spec = variantgen.load_spec(SPECS_DIR / "causal.yaml")
+    w = make_flex_wrapper(spec, torch.empty(0, dtype=torch.uint8), head_dim_qk=192, head_dim_vo=128,
+                          q_dtype="fp32", kv_dtype="fp32", kind=kind)
+    qo = [1, 1] if kind == "decode" else [5, 3]
+    b = random_paged_batch(qo, [40, 7], num_qo_heads=2, num_kv_heads=1, head_dim=192, page_size=16,
+                           dtype=torch.float32)
+    v = torch.randn(*b.k_cache.shape[:-1], 128)  # its own buffer: strides unlike K's
+    if kind == "decode":
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, 2, 1, 16)
+    else:
+        w.plan(*b.plan_args())
+    out = w.run(b.q, (b.k_cache, v))
+    want = reference_attention(spec, b.q, (b.k_cache, v), b.qo_indptr, b.kv_indptr, b.kv_indices, b.last_page_len)
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
