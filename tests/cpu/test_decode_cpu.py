@@ -162,9 +162,9 @@ def test_every_shipped_spec_renders_a_decode_module(path):
     assert "#define BatchDecodeWithPagedKVCacheRun BatchDecodeWithPagedKVCacheRunExact" in exact_host
     assert "struct Params : vg::DecodeFields<DTypeQ, DTypeKV, DTypeO, IdType> {" in config
     assert config.rstrip().endswith('#include "variant.cuh"')
-    # every run() extra argument: in the ABI in order, and a Params member
-    abi = [f"ffi::Tensor {a.name}" for a in module.tensor_args] + [f"{a.cpp_type} {a.name}"
-                                                                   for a in module.scalar_args]
+    # every run() extra argument: in the ABI in order (as vg_arg_<name>), and a Params member
+    abi = [f"ffi::Tensor vg_arg_{a.name}" for a in module.tensor_args] + [f"{a.cpp_type} vg_arg_{a.name}"
+                                                                          for a in module.scalar_args]
     func_params = re.search(r"#define ADDITIONAL_FUNC_PARAMS (.*)", config).group(1)
     assert [p.strip() for p in func_params.split(",") if p.strip()] == abi
     for a in (*module.tensor_args, *module.scalar_args):
