@@ -472,7 +472,8 @@ def build_module(config: Buildable, cache: Cache, *, jobs: int | None = None,
         log.info("waiting for %s: being built by %s", key.uri, holder.describe() if holder else "another process")
 
     waited_since = time.time()
-    with cache.lock(key.uri, timeout=s.lock_timeout_s if lock_timeout is None else lock_timeout, on_wait=waiting):
+    with cache.lock(key.uri, timeout=s.lock_timeout_s if lock_timeout is None else lock_timeout, on_wait=waiting,
+                    check=_ninja_run.check_abort):
         found = cache.lookup(key.uri)  # another process may have finished it meanwhile
         if found:
             return BuildResult(found.entry, key, False, time.perf_counter() - t0)

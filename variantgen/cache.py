@@ -252,15 +252,17 @@ class Cache:
 
     @contextlib.contextmanager
     def lock(self, uri: str, timeout: float = 1800.0, *,
-             on_wait: Callable[[LockHolder | None], None] | None = None) -> Iterator[None]:
+             on_wait: Callable[[LockHolder | None], None] | None = None,
+             check: Callable[[], None] | None = None) -> Iterator[None]:
         """Exclusive per-URI lock for ``timeout`` seconds at most (then LockTimeout, which names
-        the holder). ``on_wait(holder)`` is called once if another process holds it."""
+        the holder). ``on_wait(holder)`` is called once if another process holds it; ``check()``
+        between tries (it may raise to stop waiting: an interrupted build)."""
         path = self.lock_path(uri)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise CacheError(f"cannot create lock directory {path.parent}: {e.strerror or e}") from None
-        fd = _acquire(path, uri, timeout, on_wait)
+        fd = _acquire(path, uri, timeout, on_wait, check)
         try:
             try:
                 os.ftruncate(fd, 0)
@@ -429,7 +431,8 @@ def _read_holder(path: Path) -> LockHolder | None:
         return None
 
 
-def _acquire(path: Path, uri: str, timeout: float, on_wait: Callable[[LockHolder | None], None] | None) -> int:
+def _acquire(path: Path, uri: str, timeout: float, on_wait: Callable[[LockHolder | None], None] | None,
+             check: Callable[[], None] | None = None) -> int:
     """Open and flock ``path`` within ``timeout`` seconds; the fd of the locked file."""
     start = time.monotonic()
     delay, told = 0.01, False
@@ -447,6 +450,8 @@ def _acquire(path: Path, uri: str, timeout: float, on_wait: Callable[[LockHolder
             if not told and on_wait is not None:
                 on_wait(holder)
                 told = True
+            if check is not None:
+                check()
             if waited >= timeout:
                 who = f"held by {holder.describe()}" if holder else "held by another process"
                 raise LockTimeout(f"timed out after {timeout:.0f}s waiting for another build of {uri} "

@@ -155,6 +155,12 @@ class BuildAborted(KeyboardInterrupt):
     """A build ended because ABORT was set (Ctrl-C or SIGTERM of the command running it)."""
 
 
+def check_abort() -> None:
+    """BuildAborted once ABORT is set (a build waiting for a lock asks between tries)."""
+    if ABORT.is_set():
+        raise BuildAborted("build interrupted")
+
+
 def _wait(proc: subprocess.Popen, timeout: float | None) -> bool:
     """Wait for ``proc``; True if ``timeout`` passed first. BuildAborted once ABORT is set."""
     deadline = None if timeout is None else time.monotonic() + timeout

@@ -506,3 +506,31 @@ def test_a_relative_cache_dir_builds(toolchain, tmp_path, vg_env, monkeypatch):
     cache = Cache("again")
     monkeypatch.chdir(tmp_path)  # a later chdir does not move a cache
     assert cache.root == work / "again" and build.build_module(causal_config(), cache).built
+
+
+def test_a_build_waiting_for_a_lock_ends_on_an_interrupt(cache):
+    """An interrupted precompile's worker waiting for another build's lock stopped waiting only at
+    the lock timeout (the interpreter's exit waited for it): the wait asks ninja.ABORT between tries."""
+    import threading
+
+    outcome: list[BaseException] = []
+
+    def wait_for_it() -> None:
+        try:
+            with cache.lock("vg_x_0123456789ab", timeout=60, check=ninja.check_abort):
+                pass
+        except BaseException as e:  # noqa: BLE001 - checked below
+            outcome.append(e)
+
+    with cache.lock("vg_x_0123456789ab"):
+        waiter = threading.Thread(target=wait_for_it)
+        waiter.start()
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        ninja.ABORT.set()
+        try:
+            waiter.join(10)
+        finally:
+            ninja.ABORT.clear()
+    assert not waiter.is_alive() and time.monotonic() - t0 < 2
+    assert isinstance(outcome[0], ninja.BuildAborted)
