@@ -66,9 +66,9 @@ from typing import Any
 import torch
 
 from .errors import LaunchError
+from .expr import INT32_MAX
 
 INT32_PAGES = 1 << 31  # int32 page numbers: a cache of more pages holds every one of them
-INT32_MAX = (1 << 31) - 1
 OPTIONAL_FLAGS = frozenset({"skip_tiles", "enable_pdl"})  # None: the default decides
 
 

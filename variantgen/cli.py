@@ -419,9 +419,9 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
     from tqdm import tqdm
 
     with tqdm(total=len(mine), desc="precompile", unit="module", file=sys.stderr, disable=None) as bar, \
-            _interruptible_builds(jobs) as builds:
-        futures = [builds.pool.submit(one, cfg) for cfg in longest_first(mine)]
-        for done, fut in enumerate(builds.completed(futures), 1):
+            _interruptible_builds(jobs) as pool:
+        futures = [pool.submit(one, cfg) for cfg in longest_first(mine)]
+        for done, fut in enumerate(_completed(futures), 1):
             cfg, r, seconds, err = fut.result()
             if err is None:
                 status = "built" if r.built else "cached"
@@ -451,56 +451,51 @@ ABORT_WAIT_S = 30.0
 """How long an interrupted precompile waits for its running builds to end their compilers."""
 
 
-class _Builds:
-    """precompile's pool of module builds and the interrupt that ends them (_interruptible_builds)."""
+def _completed(futures: list[concurrent.futures.Future]) -> Iterator[concurrent.futures.Future]:
+    """``futures`` as they finish; KeyboardInterrupt here, between waits, once an interrupt set
+    ninja.ABORT (_interruptible_builds)."""
+    from . import ninja
 
-    def __init__(self, jobs: int):
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
-        self.stop = threading.Event()
-
-    def completed(self, futures: list[concurrent.futures.Future]) -> Iterator[concurrent.futures.Future]:
-        """``futures`` as they finish; KeyboardInterrupt here, between waits, once interrupted."""
-        pending = set(futures)
-        while pending:
-            done, pending = concurrent.futures.wait(pending, timeout=0.2,
-                                                    return_when=concurrent.futures.FIRST_COMPLETED)
-            if self.stop.is_set():
-                raise KeyboardInterrupt("interrupted")
-            yield from done
+    pending = set(futures)
+    while pending:
+        done, pending = concurrent.futures.wait(pending, timeout=0.2, return_when=concurrent.futures.FIRST_COMPLETED)
+        if ninja.ABORT.is_set():
+            raise KeyboardInterrupt("interrupted")
+        yield from done
 
 
 @contextlib.contextmanager
-def _interruptible_builds(jobs: int) -> Iterator[_Builds]:
+def _interruptible_builds(jobs: int) -> Iterator[concurrent.futures.ThreadPoolExecutor]:
     """A pool for module builds that an interrupt ends at once: Ctrl-C or SIGTERM cancels the
     builds not started, ends the running ones' ninja trees (ninja.ABORT: the worker threads get
     no signal) and their staging folders go, instead of waiting for every queued build before
-    "Aborted!". The signals only set flags: a KeyboardInterrupt raised inside concurrent.futures'
-    waiting (which holds the futures' locks) could leave a lock held, and the workers, then the
-    interpreter's exit, waiting on it for ever. The interrupt is raised between waits instead."""
+    "Aborted!". The signals only set ninja.ABORT: a KeyboardInterrupt raised inside
+    concurrent.futures' waiting (which holds the futures' locks) could leave a lock held, and the
+    workers, then the interpreter's exit, waiting on it for ever. _completed raises the interrupt
+    between waits instead."""
     from . import ninja
 
-    builds = _Builds(jobs)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=jobs)
 
     def interrupted(signum: int, frame: Any) -> None:
-        builds.stop.set()
         ninja.ABORT.set()
 
     main_thread = threading.current_thread() is threading.main_thread()
     old = {sig: signal.signal(sig, interrupted) for sig in (signal.SIGINT, signal.SIGTERM)} if main_thread else {}
     ninja.ABORT.clear()
     try:
-        yield builds
+        yield pool
     except BaseException:
-        builds.pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown(wait=False, cancel_futures=True)
         ninja.ABORT.set()
-        ending = threading.Thread(target=builds.pool.shutdown, name="variantgen-abort", daemon=True)
+        ending = threading.Thread(target=pool.shutdown, name="variantgen-abort", daemon=True)
         ending.start()
-        ending.join(ABORT_WAIT_S)  # bounded: a build waiting for another process's lock ends later
+        ending.join(ABORT_WAIT_S)  # bounded: running builds end their compilers at their next poll
         if not ending.is_alive():
             ninja.ABORT.clear()  # builds later in this process (an API caller's) run normally
         raise
     else:
-        builds.pool.shutdown(wait=True)
+        pool.shutdown(wait=True)
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)

@@ -598,9 +598,6 @@ class FlexDecodeWrapper(FlexWrapperBase):
         k_cache, v_cache, args, out, lse = self._check_paged_run(
             q, (b.batch_size, b.num_qo_heads, cfg.head_dim_qk), paged_kv_cache, (q_scale, k_scale, v_scale),
             spec_args, out, return_lse, enable_pdl)
-        if not out.is_contiguous():
-            raise LaunchError("run(): `out` must be contiguous (the decode kernel writes [batch, heads, head_dim] "
-                              "rows back to back)")
         layout = plan.layout
         shape = (b.batch_size * layout.kv_len, b.num_kv_heads)
         kbuf = self._gather(plan, k_cache, (*shape, k_cache.shape[-1]), q.dtype)

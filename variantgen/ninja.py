@@ -194,27 +194,23 @@ def end_recorded(staging: Path) -> bool:
 def end_tree(pid: int) -> None:
     """SIGTERM ``pid`` (a session leader we started) and its descendants, SIGKILL what is left
     after GRACE_S."""
-    tree = [pid, *_descendants(pid)]
-    for p in tree:
-        _signal(p, signal.SIGTERM)
-    deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline and any(_alive(p) for p in tree):
-        time.sleep(0.05)
-    for p in tree:
-        if _alive(p):
-            _signal(p, signal.SIGKILL)
+    _terminate([pid, *_descendants(pid)])
 
 
 def end_session(sid: int) -> None:
     """End every process left in session ``sid`` (ninja's, after ninja exited: the commands it
     started keep its session when their parent is gone), SIGTERM then SIGKILL after GRACE_S."""
-    members = [pid for pid, fields in _processes() if int(fields[3]) == sid and pid != sid]
-    for p in members:
+    _terminate([pid for pid, fields in _processes() if int(fields[3]) == sid and pid != sid])
+
+
+def _terminate(pids: list[int]) -> None:
+    """SIGTERM ``pids``, then SIGKILL those still alive after GRACE_S."""
+    for p in pids:
         _signal(p, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
-    while time.monotonic() < deadline and any(_alive(p) for p in members):
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.05)
-    for p in members:
+    for p in pids:
         if _alive(p):
             _signal(p, signal.SIGKILL)
 
