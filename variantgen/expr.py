@@ -462,6 +462,9 @@ def to_float32(x: float) -> float:
 def float32_of_decimal(text: str) -> float:
     """The float32 nearest to the decimal ``text`` (ties to even), rounded once from the exact
     value; ``text`` a finite literal within the float32 range."""
+    if float(text) == 0.0:  # below half the smallest double, so below any float32 tie: 0
+        # (and no exact value: Fraction("1e-999999999") would build a billion-digit power of ten)
+        return 0.0
     exact = fractions.Fraction(text)
     guess = to_float32(float(exact))  # off by at most one float32 step (rounded twice)
     bits = struct.unpack("<i", struct.pack("<f", guess))[0]
