@@ -294,18 +294,23 @@ class DecodeWrapper(WrapperBase):
                        args: dict[str, Any]) -> tuple[list[int], list[int], list[int], list[int]]:
         """Per request, [lo, hi]: a key range holding every key its (last-token) query sees, and
         [vis_lo, vis_hi]: keys it provably sees (the intervals' dense run; empty: vis_hi < vis_lo),
-        where the variant skips the mask. The intervals come from the planner module's row pass
-        where the wrapper has it, else from torch ops: on the host unless they read spec tensors
-        (then one device sync). One read-back either way."""
+        where the variant skips the mask. Intervals that read no spec tensor come from torch ops
+        on the host: no read-back, so plan() does not wait for a busy GPU (FlashInfer's decode
+        plan() with host indptrs does not either). Those that read spec tensors come from the
+        planner module's row pass where the wrapper has it, else from torch ops on the GPU: one
+        read-back, which waits for the work queued before it."""
         form = usable_form(self.spec, args, "key intervals")
-        if self._row_planner is not None:
+        on_device = bool(tensors_read(form, self.spec))
+        kernel = on_device and self._row_planner is not None
+        self._plan_stats["intervals"] = "row kernel" if kernel else "torch ops on the GPU" if on_device else "host"
+        if kernel:
             rows = plan_rows(self._row_planner, self.spec, form, args, list(range(len(kv_lens) + 1)), kv_lens,
                              self._batch.page_size, self.device, staging=self._staging, buffers=self._row_buffers)
             # (the row pass has no "provably empty": such a request keeps its hull; the mask decides)
             lo_iv, hi_iv, _, dense_hi = rows.rec[RecField.LO:RecField.DENSE_HI + 1].cpu().tolist()
             empty = [0] * len(kv_lens)
         else:
-            dev = self.device if tensors_read(form, self.spec) else torch.device("cpu")
+            dev = self.device if on_device else torch.device("cpu")
             i64 = torch.int64
             kv = self._staging.to_device(kv_lens, i64) if dev.type == "cuda" else torch.tensor(kv_lens, dtype=i64)
             request = torch.arange(len(kv_lens), dtype=i64, device=dev)

@@ -66,6 +66,30 @@ def device_arch(device: Any = None) -> str | None:
     return arch_of_capability(major, minor)
 
 
+def arch_mismatch(explicit: str, gpu: str, gpu_name: str = "the visible GPU") -> str:
+    """Why modules for ``explicit`` (an arch= given) cannot run on ``gpu``, the arch of the GPU
+    they would run on; "" where they can. probe() and make_wrapper() both refuse such a request
+    rather than serve it some other way: the caller asked about that arch."""
+    if explicit == gpu:
+        return ""
+    return f"arch={explicit} was given, but {gpu_name} is {gpu}: a module for {explicit} does not run here"
+
+
+def workspace_arch(arch: str | None, cuda_device: Any) -> str | None:
+    """The arch make_wrapper builds for: ``arch`` when given, else that of the workspace's GPU
+    (``cuda_device``; None for a workspace elsewhere). ValueError for an ``arch`` that is not the
+    workspace GPU's: the module could not run on it."""
+    if arch is None:
+        return device_arch(cuda_device) if cuda_device is not None else None
+    target = canonical_arch(arch)
+    if cuda_device is not None:  # (a CPU workspace with arch=: a wrapper over modules for another GPU)
+        wrong = arch_mismatch(target, device_arch(cuda_device), "the workspace's GPU")
+        if wrong:
+            raise ValueError(f"make_wrapper(): {wrong} (leave arch= out to build for the workspace's GPU; "
+                             "`variantgen precompile --arch` builds for another)")
+    return target
+
+
 def target_arch(arch: str | None = None, device: Any = None) -> str | None:
     """The arch to build or look up modules for: ``arch`` when given, else the visible GPU's
     (``device``), else VARIANTGEN_ARCH (the target of build boxes and CI, which have no GPU);
@@ -122,7 +146,8 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     JIT disabled or ``build=False`` a precompiled fa2 module rather than a missing fa3 one,
     with a warning - the choice probe() reports). ``workspace`` is the float workspace
     (uint8, on the target GPU; 128 MiB is plenty); ``arch`` (default: the workspace's GPU)
-    builds for another GPU. ``use_tensor_cores`` (decode only): run fa2's
+    must be the workspace GPU's where the workspace is on one (ValueError otherwise); with a
+    workspace elsewhere it names the GPU the module is built for. ``use_tensor_cores`` (decode only): run fa2's
     decode through the spec's prefill module (one query per request) instead of the
     CUDA-core decode kernel - FlashInfer's advice for large GQA groups (fa3's decode always
     runs its prefill module). ``graph``
@@ -144,7 +169,7 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
                          kv_dtype=kv_dtype, o_dtype=o_dtype, backend=backend, graph=graph is not None,
                          tensor_cores=use_tensor_cores)
     on_cuda = isinstance(workspace, torch.Tensor) and workspace.device.type == "cuda"
-    target = canonical_arch(arch) if arch is not None else device_arch(workspace.device) if on_cuda else None
+    target = workspace_arch(arch, workspace.device if on_cuda else None)
     cache = cache or _build.default_cache()
     no_gpu = "workspace: expected a CUDA tensor (or pass arch= to build for another GPU)" if target is None else ""
     site = module_site(target, cache, build=build, no_modules=no_gpu)

@@ -62,7 +62,7 @@ from . import capabilities, env, render
 from .cache import Cache, LockTimeout
 from .capabilities import BACKENDS, ArgNames, Request, Site, canonical_arch
 from .errors import BuildError, CacheError, JitDisabledError, SpecError, ToolchainError
-from .factory import device_arch, module_site, target_arch
+from .factory import arch_mismatch, device_arch, module_site, target_arch
 from .library import resolve_spec
 from .render import ModuleConfig
 from .resolver import Resolution, resolve
@@ -325,10 +325,10 @@ def _module_target(request: Request, explicit: str | None, device: Any, runtime:
     probe at once, unless a module-less route could still serve the request here."""
     fallback = bool(routes) and bool(resolve(request, Site(modules=False, routes=routes)))
 
-    def unusable(reason: str, gpu: str | None = None) -> _Where:
+    def unusable(reason: str) -> _Where:
         if not fallback:
             raise _Fail(reason)
-        return _Where(explicit, reason, "", gpu)
+        return _Where(explicit, reason, "", None)
 
     problem = flashinfer_problem()
     if problem:
@@ -356,9 +356,9 @@ def _module_target(request: Request, explicit: str | None, device: Any, runtime:
         raise _Fail(_query_failure(device, e)) from None
     if gpu is None:
         return unusable(NO_GPU_REASON)
-    if explicit is not None and explicit != gpu:
-        return unusable(f"arch={explicit} was given, but the visible GPU is {gpu}: a module for {explicit} does not "
-                        "run here (probe(..., runtime=False) checks a cache for another GPU)", gpu)
+    wrong = arch_mismatch(explicit, gpu) if explicit is not None else ""
+    if wrong:  # a question about that arch: not one a module-less route answers
+        raise _Fail(f"{wrong} (probe(..., runtime=False) checks a cache for another GPU)")
     return _Where(gpu, "", "" if explicit is not None else "the visible GPU's", gpu)
 
 

@@ -853,11 +853,15 @@ def test_tensor_core_decode_plans_with_the_row_kernel_it_is_given():
     assert torch.equal(w.run(batch.q, kv, window=9), plain.run(batch.q, kv, window=9))
 
 
-@pytest.mark.parametrize("spec_name", ["sliding_window", "document", "mm_prefix", "tree_verify", "causal"])
-def test_cuda_core_decode_trims_keys_with_the_row_kernel_it_is_given(spec_name):
-    """make_wrapper hands the CUDA-core decode wrapper the spec's planner module too: key
-    trimming's intervals come from its row pass (one call) rather than torch ops, with the same
-    pages, known-visible keys and output."""
+@pytest.mark.parametrize("spec_name, source", [("document", "row kernel"), ("mm_prefix", "row kernel"),
+                                               ("tree_verify", "host"), ("sliding_window", "host"),
+                                               ("causal", "host")])
+def test_cuda_core_decode_trims_keys_with_the_row_kernel_it_is_given(spec_name, source):
+    """make_wrapper hands the CUDA-core decode wrapper the spec's planner module too: where key
+    trimming's intervals read spec tensors (a read-back either way) they come from its row pass
+    (one call) rather than torch ops on the GPU, with the same pages, known-visible keys and
+    output. Intervals that read no tensor stay on the host: the row pass's read-back would make
+    plan() wait for the GPU's queued work (tests/gpu/test_gpu_checks.py times that)."""
     spec = shipped(spec_name)
     batch = decode_batch([1, 7, 16, 17, 90, 130], 4, seed=11)
     args = {"window": 9} if spec_name == "sliding_window" else random_spec_args(spec, batch, seed=11)
@@ -867,7 +871,9 @@ def test_cuda_core_decode_trims_keys_with_the_row_kernel_it_is_given(spec_name):
     kernel_path.set_row_planner(planner)
     kernel_path.plan(*plan_args(batch), **args)
     got = kernel_path.run(batch.q, cache_of(batch, "NHD"), **args)
-    assert planner.calls == 1
+    assert planner.calls == (source == "row kernel")
+    assert kernel_path.plan_stats["intervals"] == source
+    assert torch_path.plan_stats["intervals"] == ("host" if source == "host" else "torch ops on the GPU")
     ours, theirs = fake.run_calls[-1], torch_fake.run_calls[-1]
     assert (ours.kv_indptr, ours.kv_indices, ours.meta) == (theirs.kv_indptr, theirs.kv_indices, theirs.meta)
     assert torch.equal(got, want)

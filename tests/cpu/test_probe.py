@@ -35,6 +35,7 @@ CAUSAL = REPO / "specs" / "causal.yaml"
 FAKE_TC = build.Toolchain(Path("/opt/fake-cuda"), Path("/opt/fake-cuda/bin/nvcc"), "V13.0.88", "/usr/bin/c++",
                           "c++ (fake) 12.2.0")
 REAL_TOOLCHAIN = build.toolchain
+REAL_ROUTES = capabilities.installed_routes
 BASE = dict(head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", backend="fa2")
 
 
@@ -317,6 +318,29 @@ def test_explicit_arch_must_be_the_gpus(clean, fake_build):
     assert fake_build == []
     r = probe(MM, **BASE, arch="sm_90a")  # the GPU's own arch, spelled another way
     assert r and "_sm90a_" in r.uri and r.details["loaded"] is True
+
+
+def test_explicit_arch_is_refused_where_a_route_could_serve(monkeypatch, clean, fake_build):
+    """With the flex route installed (it runs on any GPU) an arch= that is not the GPU's is still
+    refused: the caller asked about modules for that arch. The probe had answered "flex", while
+    make_wrapper built the module for the other arch."""
+    monkeypatch.setattr(capabilities, "installed_routes", REAL_ROUTES)
+    assert "flex" in REAL_ROUTES()
+    r = probe(MM, **{**BASE, "backend": None}, arch="8.0")
+    assert not r and r.reason == ("arch=8.0 was given, but the visible GPU is 9.0a: a module for 8.0 does not run "
+                                  "here (probe(..., runtime=False) checks a cache for another GPU)")
+    assert fake_build == []
+
+
+def test_make_wrapper_refuses_an_arch_that_is_not_the_workspaces_gpu():
+    from variantgen.factory import workspace_arch
+
+    cuda = torch.device("cuda", 0)  # (the autouse fixture's fake sm90 GPU)
+    with pytest.raises(ValueError, match=r"^make_wrapper\(\): arch=8\.0 was given, but the workspace's GPU is 9\.0a: "
+                                         r"a module for 8\.0 does not run here \(leave arch= out"):
+        workspace_arch("8.0", cuda)
+    assert workspace_arch("sm_90a", cuda) == "9.0a" and workspace_arch(None, cuda) == "9.0a"
+    assert workspace_arch("8.0", None) == "8.0" and workspace_arch(None, None) is None  # a CPU workspace
 
 
 # ----------------------------------------------------------------------------- runtime=False

@@ -13,6 +13,7 @@ from _gpu import ALL_SPECS, KV_LENS, QO_LENS, SPECS
 
 import variantgen
 from variantgen.build import default_cache
+from variantgen.errors import JitDisabledError
 from variantgen.intervals import analyze
 from variantgen.plan_abi import RecField
 from variantgen.rowplan import load_planner, plan_rows, read_segments
@@ -40,6 +41,8 @@ def load_spec(name: str) -> variantgen.VariantSpec:
 
 def compare(spec, args, qo_lens, kv_lens, page_size, label):
     module, why = load_planner(spec, "9.0a", default_cache())
+    if module is None and analyze(spec).planner_ready:  # not precompiled (JIT off): a skip where the run says so
+        raise JitDisabledError(why)
     assert module is not None, why
     qo_indptr = [0]
     for n in qo_lens:

@@ -45,6 +45,8 @@ def test_probe_answers_for_this_gpu_and_make_wrapper_agrees(workspace, fresh):
     assert w.config.backend == r.details["backend"] and w.uri == r.uri
     other = variantgen.probe(MM, **ARGS, arch="8.0")
     assert not other and other.reason.startswith("arch=8.0 was given, but the visible GPU is 9.0a")
+    with pytest.raises(ValueError, match=r"arch=8\.0 was given, but the workspace's GPU is 9\.0a"):
+        variantgen.make_wrapper(MM, workspace, **ARGS, arch="8.0")  # (it built the sm80 module and loaded it)
     check = variantgen.probe(MM, **ARGS, arch="8.0", runtime=False, build=False)
     assert check.details.get("loaded", False) is False and "_sm80_" in (check.uri or "")
 

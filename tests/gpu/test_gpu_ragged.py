@@ -17,6 +17,7 @@ import torch
 from _gpu import ALL_SPECS, SPECS, rel_error
 
 import variantgen
+from variantgen.errors import JitDisabledError
 from variantgen.ragged import RaggedWrapper, random_ragged_batch, reference_ragged
 from variantgen.testing import random_spec_args
 
@@ -248,6 +249,10 @@ def test_fa3_hnd_strided_v_and_scales(wrappers, sm90):
 
 
 def test_make_wrapper_picks_fa3_for_ragged_on_sm90(workspace, sm90):
+    fa3 = variantgen.probe("causal", head_dim_qk=192, head_dim_vo=128, q_dtype="bf16", kv_dtype="bf16", kind="ragged",
+                           backend="fa3")
+    if not fa3 and "is not precompiled" in fa3.reason:  # JIT off: the choice falls back (a skip where the run says so)
+        raise JitDisabledError(fa3.reason)
     w = variantgen.make_wrapper(SPECS / "causal.yaml", workspace, head_dim_qk=192, head_dim_vo=128, q_dtype="bf16",
                                 kv_dtype="bf16", kind="ragged")
     assert w.config.backend == "fa3"
