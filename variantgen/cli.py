@@ -568,6 +568,16 @@ def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_
     built, and loaded) or why not (exit 1), per backend and kind."""
     from .probing import probe_backends
 
+    try:
+        parsed = resolve_spec(spec)
+    except (VariantgenError, OSError, TypeError):
+        parsed = None  # (the probe's answer says why)
+    if parsed is not None:
+        try:  # the arguments' own errors, named as typed here (the probe's reasons name Python's)
+            Request.of(parsed, head_dim_qk=head_dim, head_dim_vo=head_dim_vo, q_dtype=dtype, kv_dtype=kv_dtype,
+                       o_dtype=o_dtype, names=CLI_NAMES)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
     results = probe_backends(
         spec, kinds=tuple(_choices(kinds, list(KINDS), "--kind", ["prefill"])),
         backends=tuple(None if b == "auto" else b for b in _choices(backends, (*BACKENDS, "auto"),

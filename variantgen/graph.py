@@ -37,12 +37,15 @@ from typing import Any
 import torch
 
 from .errors import LaunchError
+from .expr import INT32_MAX
 from .plan_abi import FA3_MAX_WINDOW_LAUNCHES
 
 
 def _positive(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise LaunchError(f"GraphCapacity: {name}={value!r}: expected a positive int")
+    """A count that sizes int32 buffers (indptrs, page lists) and their entries."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= INT32_MAX:
+        raise LaunchError(f"GraphCapacity: {name}={value!r}: expected a positive int below 2**31 "
+                          "(the buffers index it in int32)")
     return value
 
 
@@ -129,7 +132,7 @@ class GraphCapacity:
 
     @property
     def launch_pages(self) -> int:
-        return self.max_launch_pages if self.max_launch_pages is not None else 8 * self.max_kv_pages
+        return self.max_launch_pages if self.max_launch_pages is not None else min(8 * self.max_kv_pages, INT32_MAX)
 
 
 SLOT_NAMES = ("custom", "causal", "none")  # the first launch slots, in order; fa3 then one per window width

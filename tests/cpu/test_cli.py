@@ -429,6 +429,19 @@ def test_probe_unsupported_combination():
     assert r.exit_code == 1 and "arch=8.0: fa3 modules run on sm90 (Hopper) only" in r.stdout
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--head-dim", "0", "--dtype", "bf16"], "--head-dim=0: expected a whole number > 0"),
+    (["--head-dim", "128", "--head-dim-vo", "-1", "--dtype", "bf16"], "--head-dim-vo=-1: expected a whole number > 0"),
+    (["--head-dim", "128", "--dtype", "bf17"], "--dtype='bf17': unsupported dtype"),
+    (["--head-dim", "128", "--dtype", "bf16", "--kv-dtype", "int8"], "--kv-dtype='int8': unsupported dtype"),
+])
+def test_probe_names_the_options_as_typed(args, message):
+    """A malformed option is a usage error naming the option (the reasons of probe() name its
+    Python arguments, head_dim_qk=0)."""
+    r = run("probe", MM, *args)
+    assert r.exit_code == 2 and message in r.output and "head_dim" not in r.output
+
+
 def test_probe_reports_per_backend_and_kind():
     r = run("probe", MM, "--head-dim", "96", "--dtype", "bf16", "--backend", "fa2,fa3", "--kind", "prefill,decode",
             "--arch", "9.0a", "--json")

@@ -316,6 +316,10 @@ def test_heads_and_page_size_stay_those_of_the_first_plan():
 
 @pytest.mark.parametrize("kwargs, pattern", [
     (dict(max_batch_size=0, max_total_q=8, max_kv_pages=8), r"max_batch_size=0: expected a positive int"),
+    (dict(max_batch_size=2, max_total_q=8, max_kv_pages=2**31), r"max_kv_pages=2147483648: expected a positive int "
+                                                                  r"below 2\*\*31 \(the buffers index it in int32\)"),
+    (dict(max_batch_size=2, max_total_q=2**40, max_kv_pages=8), r"max_total_q=1099511627776: expected a positive int "
+                                                                 r"below 2\*\*31"),
     (dict(max_batch_size=2, max_total_q=True, max_kv_pages=8), r"max_total_q=True: expected a positive int"),
     (dict(max_batch_size=9, max_total_q=8, max_kv_pages=8), r"max_batch_size=9 exceeds max_total_q=8"),
     (dict(max_batch_size=2, max_total_q=8, max_kv_pages=8, max_launch_requests=9),
@@ -337,6 +341,8 @@ def test_capacity_defaults():
     assert cap.longest_request == 65536 - 8 + 1  # every other request one row
     assert GraphCapacity(max_batch_size=8, max_total_q=64, max_kv_pages=1, max_qo_len=8).longest_request == 8
     assert variantgen.GraphCapacity is GraphCapacity
+    big = GraphCapacity(max_batch_size=8, max_total_q=64, max_kv_pages=2**30)  # (8x would pass int32)
+    assert big.launch_pages == 2**31 - 1
 
 
 def test_graph_mode_refusals():
