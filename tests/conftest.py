@@ -181,3 +181,12 @@ def toolchain(vg_env):
     assert (tc.cuda_home / "lib64").is_dir(), (
         f"CUDA_HOME was discovered as {tc.cuda_home}, which has no lib64/ (libcudart): set CUDA_HOME")
     return tc
+
+
+@pytest.fixture
+def host_modules(monkeypatch):
+    """make_wrapper may wrap a module over a CPU workspace: the CPU tests' fake modules run on the
+    host (make_wrapper refuses that for a real module, whose kernels run on a GPU)."""
+    from variantgen import factory
+
+    monkeypatch.setattr(factory, "module_workspace_problem", lambda workspace: "")

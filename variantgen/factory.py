@@ -75,6 +75,19 @@ def arch_mismatch(explicit: str, gpu: str, gpu_name: str = "the visible GPU") ->
     return f"arch={explicit} was given, but {gpu_name} is {gpu}: a module for {explicit} does not run here"
 
 
+def module_workspace_problem(workspace: Any) -> str:
+    """Why no compiled module can run over ``workspace`` ("" where one can): its kernels run on a
+    CUDA GPU, reading the workspace there. (Building modules for a machine without a GPU is
+    `variantgen precompile --arch`'s job. The CPU tests replace this check to run fake modules.)"""
+    import torch
+
+    if isinstance(workspace, torch.Tensor) and workspace.device.type == "cuda":
+        return ""
+    where = f"a tensor on {workspace.device}" if isinstance(workspace, torch.Tensor) else type(workspace).__name__
+    return (f"workspace: expected a CUDA tensor for a compiled module, got {where} (to build modules for another "
+            "machine: `variantgen precompile --arch`)")
+
+
 def workspace_arch(arch: str | None, cuda_device: Any) -> str | None:
     """The arch make_wrapper builds for: ``arch`` when given, else that of the workspace's GPU
     (``cuda_device``; None for a workspace elsewhere). ValueError for an ``arch`` that is not the
@@ -82,7 +95,7 @@ def workspace_arch(arch: str | None, cuda_device: Any) -> str | None:
     if arch is None:
         return device_arch(cuda_device) if cuda_device is not None else None
     target = canonical_arch(arch)
-    if cuda_device is not None:  # (a CPU workspace with arch=: a wrapper over modules for another GPU)
+    if cuda_device is not None:  # (a workspace elsewhere: module_workspace_problem refuses the modules)
         wrong = arch_mismatch(target, device_arch(cuda_device), "the workspace's GPU")
         if wrong:
             raise ValueError(f"make_wrapper(): {wrong} (leave arch= out to build for the workspace's GPU; "
@@ -145,9 +158,10 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     (resolver.resolve: fa3 where an fa3 module runs - for decode fa2 first -, else fa2, else the flex route; with
     JIT disabled or ``build=False`` a precompiled fa2 module rather than a missing fa3 one,
     with a warning - the choice probe() reports). ``workspace`` is the float workspace
-    (uint8, on the target GPU; 128 MiB is plenty); ``arch`` (default: the workspace's GPU)
-    must be the workspace GPU's where the workspace is on one (ValueError otherwise); with a
-    workspace elsewhere it names the GPU the module is built for. ``use_tensor_cores`` (decode only): run fa2's
+    (uint8, on the GPU the kernels run on; 128 MiB is plenty: a compiled module needs a CUDA
+    workspace, so with one elsewhere backend=None takes the flex route and "fa2"/"fa3" raise);
+    ``arch`` (default: the workspace's GPU) must be the workspace GPU's (ValueError otherwise:
+    `variantgen precompile --arch` builds modules for another GPU). ``use_tensor_cores`` (decode only): run fa2's
     decode through the spec's prefill module (one query per request) instead of the
     CUDA-core decode kernel - FlashInfer's advice for large GQA groups (fa3's decode always
     runs its prefill module). ``graph``
@@ -171,8 +185,7 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     on_cuda = isinstance(workspace, torch.Tensor) and workspace.device.type == "cuda"
     target = workspace_arch(arch, workspace.device if on_cuda else None)
     cache = cache or _build.default_cache()
-    no_gpu = "workspace: expected a CUDA tensor (or pass arch= to build for another GPU)" if target is None else ""
-    site = module_site(target, cache, build=build, no_modules=no_gpu)
+    site = module_site(target, cache, build=build, no_modules=module_workspace_problem(workspace))
     resolution = resolve(request, site)
     if not resolution:
         raise ValueError(resolution.reason)

@@ -514,6 +514,7 @@ AGREEMENT = [  # (capability, kind, head dims, q / kv dtypes, graph)
 @pytest.mark.parametrize("capability, kind, dims, dtypes, graph", AGREEMENT)
 @pytest.mark.parametrize("cached", [(), ("fa2",), ("fa3",), ("fa2", "fa3")])
 @pytest.mark.parametrize("jit", ["on", "off"])
+@pytest.mark.usefixtures("host_modules")
 def test_probe_make_wrapper_and_the_command_agree_with_the_resolver(gpu, capability, kind, dims, dtypes, graph,
                                                                     cached, jit):
     """The same request on the same machine: probe's backend and note, `variantgen probe`'s,

@@ -646,6 +646,7 @@ def test_what_reaches_the_module():
     assert w.plan_stats["launches"] == [("decode", 3)]
 
 
+@pytest.mark.usefixtures("host_modules")
 def test_make_wrapper_builds_the_right_module(monkeypatch):
     built = []
 

@@ -133,6 +133,7 @@ def test_an_installation_without_specs_says_so(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- Python entry points
 
 
+@pytest.mark.usefixtures("host_modules")
 def test_make_wrapper_takes_a_name(monkeypatch):
     built = []
 

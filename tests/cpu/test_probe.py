@@ -808,6 +808,7 @@ def test_cuda_graph_probe_follows_what_graph_mode_supports(monkeypatch):
 
 
 @pytest.mark.parametrize("cached", [(), ("fa2",), ("fa3",), ("fa2", "fa3")])
+@pytest.mark.usefixtures("host_modules")
 def test_jit_off_serves_a_precompiled_fa2_module_when_fa3_is_missing(clean, monkeypatch, cached):
     """backend=None on sm90 prefers fa3; a server that cannot build, whose cache has only the fa2
     module, serves that (and says so) instead of demoting the layer. make_wrapper(backend=None)

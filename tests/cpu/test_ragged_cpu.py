@@ -367,6 +367,7 @@ def test_plan_takes_spec_arguments_and_checks_them():
 
 @pytest.mark.parametrize("arch, backend, fake_class", [("9.0a", "fa3", FakeFa3RaggedModule),
                                                        ("8.0", "fa2", FakeRaggedModule)])
+@pytest.mark.usefixtures("host_modules")
 def test_make_wrapper_builds_a_ragged_module(monkeypatch, arch, backend, fake_class):
     """backend=None: fa3's ragged module on sm90 (192/128 included), fa2's elsewhere."""
     built = []

@@ -31,6 +31,7 @@ from variantgen import codegen, render
 from variantgen.build import BuildResult
 from variantgen.cache import Entry
 from variantgen.errors import LaunchError
+from variantgen.flex_wrapper import FlexPrefillWrapper
 from variantgen.intervals import analyze
 from variantgen.plan_abi import FA2_TAIL_RUN_CODE, META_COLUMNS, MetaColumn, PrefillPlanInfo, Schedule
 from variantgen.reference import reference_attention
@@ -722,6 +723,31 @@ def test_run_must_use_what_plan_planned_with(mm):
         w.run(batch.q, kv, ranges=args["ranges"], causal_window_left=3)
 
 
+def test_make_wrapper_refuses_a_module_over_a_cpu_workspace(monkeypatch):
+    """A compiled module's kernels run on a GPU: make_wrapper with a CPU workspace and arch= built
+    the module (minutes with JIT on) and returned a wrapper whose plan() failed with a raw CUDA
+    error. Now backend="fa2"/"fa3" are refused before any build, and backend=None takes the flex
+    route, as it does without arch=."""
+    def no_build(*a, **k):
+        pytest.fail("make_wrapper built a module for a CPU workspace")
+
+    monkeypatch.setattr(build_mod, "build_module", no_build)
+    monkeypatch.setattr(build_mod, "load_module", no_build)
+    ws = torch.empty(1 << 20, dtype=torch.uint8)
+    for backend in ("fa2", "fa3"):
+        with pytest.raises(ValueError, match=exact(
+                "workspace: expected a CUDA tensor for a compiled module, got a tensor on cpu (to build modules for "
+                "another machine: `variantgen precompile --arch`)")):
+            variantgen.make_wrapper(shipped("causal"), ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
+                                    arch="9.0a", backend=backend)
+    w = variantgen.make_wrapper(shipped("causal"), ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", arch="9.0a")
+    assert isinstance(w, FlexPrefillWrapper)
+    with pytest.raises(ValueError, match="got list"):
+        variantgen.make_wrapper(shipped("causal"), [0] * 16, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16",
+                                arch="9.0a", backend="fa2")
+
+
+@pytest.mark.usefixtures("host_modules")
 def test_make_wrapper_refuses_fp8_queries_before_building(monkeypatch):
     def no_build(*a, **k):
         pytest.fail("make_wrapper built a module for an invalid configuration")
