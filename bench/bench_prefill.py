@@ -5,7 +5,9 @@
 events (median of --iters runs after warm-up). Experiments (``experiments_ms``): split-KV and
 PDL on the causal rows, and each fa2 planned row again with its exact causal launches on the
 units that have the spec's mask compiled in (``_exact_runs_on_masked_variant``, evaluated on no
-tile: the difference is what compiling the mask into the kernel costs). Writes
+tile: the difference is what compiling the mask into the kernel costs). ``vs_best``: each shipped
+mask's variantgen row over the faster of FlashInfer's built-in kernels for that mask and
+FlexAttention (torch.compile, contiguous KV) - issue 17's yardstick. Writes
 bench/results/prefill-<date>-<gpu>.json (or --out). Run on the GPU machine:  python bench/bench_prefill.py
 """
 
@@ -27,6 +29,7 @@ import variantgen  # noqa: E402
 from variantgen.testing import (  # noqa: E402
     PREFILL_BENCH_SHAPE,
     PREFILL_BENCH_SPANS,
+    alibi_slopes,
     cuda_median_ms,
     mask_exact_launches,
     prefill_bench_batch,
@@ -36,7 +39,13 @@ from variantgen.testing import (  # noqa: E402
 
 B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
 SPANS = PREFILL_BENCH_SPANS
-CASES = ("causal", "mm_prefix", "sliding_window", "document", "prefix_lm", "softcap")  # variantgen rows
+CASES = ("causal", "mm_prefix", "sliding_window", "document", "prefix_lm", "softcap", "alibi", "chunked_local",
+         "streaming_sink")  # variantgen rows
+# FlashInfer's built-in kernels for the same mask, per case (its fa2 and fa3 rows); the cases not
+# named have none (FlashInfer's ALiBi is an fa2 positional encoding not timed here).
+SAME_MASK_FLASHINFER = {"causal": "flashinfer_causal", "sliding_window": "flashinfer_sliding_window",
+                        "softcap": "flashinfer_softcap"}
+CHUNK, NUM_SINK, SINK_WINDOW = 2048, 4, 1023  # chunked_local's chunk_size; streaming_sink's scalars
 
 
 def main() -> None:
@@ -117,6 +126,7 @@ def main() -> None:
     # keep their names (variantgen_<spec>_<mode>); fa3 rows are variantgen_fa3_<spec>_<mode>.
     doc_len = L // 8
     doc_ids = (torch.arange(L, device=dev, dtype=torch.int32) // doc_len).repeat(B).contiguous()
+    slopes = alibi_slopes(HQ).to(dev)
     prefix = torch.full((B,), 2048, dtype=torch.int32, device=dev)
     cases = (
         ("causal", {}, (False, True)),
@@ -125,6 +135,9 @@ def main() -> None:
         ("document", {"doc_ids": doc_ids}, (True,)),
         ("prefix_lm", {"prefix_len": prefix}, (True,)),
         ("softcap", {"soft_cap": cap, "window": -1}, (False, True)),
+        ("alibi", {"slopes": slopes}, (False, True)),
+        ("chunked_local", {"chunk_size": CHUNK}, (True,)),
+        ("streaming_sink", {"num_sink": NUM_SINK, "window": SINK_WINDOW}, (True,)),
     )
     planned_mm_prefix = {}  # backend -> output, to compare the backends
     exp = res.setdefault("experiments_ms", {})
@@ -225,15 +238,36 @@ def main() -> None:
             def plm_mask(b, h, qi, ki):
                 return ki <= torch.maximum(qi, prefix[b] - 1)
 
+            def causal_mask(b, h, qi, ki):
+                return ki <= qi
+
+            def chunk_mask(b, h, qi, ki):
+                return (ki <= qi) & (ki // CHUNK == qi // CHUNK)
+
+            def sink_mask(b, h, qi, ki):
+                return (ki <= qi) & ((ki < NUM_SINK) | (qi - ki <= SINK_WINDOW))
+
+            def softcap_score(score, b, h, qi, ki):
+                return cap * torch.tanh(score / cap)
+
+            def alibi_score(score, b, h, qi, ki):
+                return score + slopes[h] * (ki - qi)
+
             fc = torch.compile(flex_attention)
-            for name, mask_mod in (("mm_prefix", mm_mask), ("sliding_window", sw_mask), ("document", doc_mask),
-                                   ("prefix_lm", plm_mask)):
+            for name, mask_mod, score_mod in (
+                    ("mm_prefix", mm_mask, None), ("sliding_window", sw_mask, None), ("document", doc_mask, None),
+                    ("prefix_lm", plm_mask, None), ("causal", causal_mask, None),
+                    ("softcap", causal_mask, softcap_score), ("alibi", causal_mask, alibi_score),
+                    ("chunked_local", chunk_mask, None), ("streaming_sink", sink_mask, None)):
+                if name not in wanted:
+                    continue
                 t = time.perf_counter()
                 bm = create_block_mask(mask_mod, B, None, L, L, device=dev)
-                fc(qd, kd, vd, block_mask=bm, enable_gqa=True)
+                fc(qd, kd, vd, score_mod=score_mod, block_mask=bm, enable_gqa=True)
                 torch.cuda.synchronize()
                 res["notes"][f"flex_{name}_first_call_s"] = round(time.perf_counter() - t, 1)
-                record(f"flex_{name}", lambda bm=bm: fc(qd, kd, vd, block_mask=bm, enable_gqa=True))
+                record(f"flex_{name}", lambda bm=bm, sm=score_mod: fc(qd, kd, vd, score_mod=sm, block_mask=bm,
+                                                                      enable_gqa=True))
         except Exception as e:  # report, do not hide: the row is simply missing
             res["notes"]["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
 
@@ -272,13 +306,35 @@ def main() -> None:
         "document_planned_vs_flex": ratio("variantgen_document_planned", "flex_document"),
         "prefix_lm_planned_vs_flex": ratio("variantgen_prefix_lm_planned", "flex_prefix_lm"),
     }
+    res["vs_best"] = vs_best(ms, wanted, args.backends.split(","))
     print(json.dumps(res["ratios"], indent=1))
+    print(json.dumps(res["vs_best"], indent=1))
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / result_file_name("prefill", res)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], out.name).write_text(json.dumps(res, indent=1))
     print("wrote", out)
+
+
+def vs_best(ms: dict[str, float], cases: set[str], backends: list[str]) -> dict[str, dict]:
+    """Per case and backend: variantgen's row (planned where it has one) over the faster of
+    FlashInfer's built-in kernels for that mask (fa2, fa3) and FlexAttention's row, with the
+    yardstick's name; None where either side is missing."""
+    out = {}
+    for case in sorted(cases):
+        base = SAME_MASK_FLASHINFER.get(case)
+        yardsticks = [f"{base}_{be}" for be in ("fa2", "fa3")] if base else []
+        yardsticks.append(f"flex_{case}")
+        timed = [(ms[n], n) for n in yardsticks if n in ms]
+        best = min(timed) if timed else None
+        row = {"best": best[1] if best else None}
+        for backend in backends:
+            head = "variantgen_" + ("" if backend == "fa2" else f"{backend}_") + case
+            ours = ms.get(head + "_planned", ms.get(head + "_direct"))
+            row[backend] = round(ours / best[0], 3) if ours is not None and best else None
+        out[case] = row
+    return out
 
 
 if __name__ == "__main__":
