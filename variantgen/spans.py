@@ -27,6 +27,16 @@ def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _lengths(name: str, value: Any) -> Any:
+    """A 1-D integer tensor of lengths (e.g. an engine's sequence lengths) as a list."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise ValueError(f"spans_to_ranges: {name}: expected a 1-D integer tensor (or a list), got a "
+                             f"{value.dim()}-D {value.dtype} tensor")
+        return value.tolist()
+    return value
+
+
 def spans_to_ranges(qo_lens: Sequence[int], kv_lens: Sequence[int], spans: Sequence[Sequence[tuple[int, int]]],
                     *, device: str | torch.device | None = None) -> torch.Tensor:
     """int32 ``[sum(qo_lens), 2]``: each query's inclusive span ``(start, end)`` if its position
@@ -35,6 +45,10 @@ def spans_to_ranges(qo_lens: Sequence[int], kv_lens: Sequence[int], spans: Seque
     ``spans[i]`` lists request ``i``'s spans as ``(start, end)`` key positions with
     ``0 <= start <= end < kv_lens[i]``; spans of one request must not overlap (a query holds one
     span). Raises ValueError naming the offending argument and entry."""
+    qo_lens, kv_lens = _lengths("qo_lens", qo_lens), _lengths("kv_lens", kv_lens)
+    for name, value in (("qo_lens", qo_lens), ("kv_lens", kv_lens), ("spans", spans)):
+        if not hasattr(value, "__len__") or not hasattr(value, "__iter__"):
+            raise ValueError(f"spans_to_ranges: {name}={value!r}: expected a sequence with one entry per request")
     if len(qo_lens) != len(kv_lens) or len(spans) != len(kv_lens):
         raise ValueError(f"spans_to_ranges: qo_lens, kv_lens and spans must have one entry per request "
                          f"(got {len(qo_lens)}, {len(kv_lens)} and {len(spans)})")
@@ -43,6 +57,8 @@ def spans_to_ranges(qo_lens: Sequence[int], kv_lens: Sequence[int], spans: Seque
         if not _whole(ql) or not _whole(kl) or not 0 <= ql <= kl:
             raise ValueError(f"spans_to_ranges: request {i}: qo_lens[{i}]={ql!r}, kv_lens[{i}]={kl!r}: expected "
                              "whole numbers with 0 <= qo_len <= kv_len")
+        if not hasattr(req_spans, "__iter__"):
+            raise ValueError(f"spans_to_ranges: spans[{i}]={req_spans!r}: expected the request's (start, end) spans")
         checked = []
         for j, span in enumerate(req_spans):
             where = f"spans[{i}][{j}]={span!r}"

@@ -40,8 +40,13 @@ def tree_bits(parents: Sequence[Sequence[int]], *, words: int = TREE_WORDS,
     specs/tree_verify.yaml). Raises ValueError naming the offending request and node."""
     if not _whole(words) or words < 1:
         raise ValueError(f"tree_bits: words={words!r}: expected a positive int")
+    if not isinstance(parents, Sequence) or isinstance(parents, (str, bytes)):
+        raise ValueError(f"tree_bits: parents: expected a list with one list of parent indices per request, got "
+                         f"{type(parents).__name__}")
     rows: list[list[int]] = []
     for i, nodes in enumerate(parents):
+        if isinstance(nodes, torch.Tensor) and nodes.dim() == 1 and not nodes.dtype.is_floating_point:
+            nodes = nodes.tolist()  # (an engine's parent indices)
         if not isinstance(nodes, Sequence) or isinstance(nodes, (str, bytes)):
             raise ValueError(f"tree_bits: parents[{i}]: expected a list of parent indices, got {type(nodes).__name__}")
         if len(nodes) > 32 * words:
@@ -50,8 +55,9 @@ def tree_bits(parents: Sequence[Sequence[int]], *, words: int = TREE_WORDS,
         masks: list[int] = []
         for k, parent in enumerate(nodes):
             if not _whole(parent) or not -1 <= parent < k:
-                raise ValueError(f"tree_bits: parents[{i}][{k}]={parent!r}: expected -1 (a root) or an earlier node "
-                                 f"0..{k - 1} (nodes are in topological order)")
+                earlier = f"or an earlier node 0..{k - 1}" if k else "(node 0 has no earlier node)"
+                raise ValueError(f"tree_bits: parents[{i}][{k}]={parent!r}: expected -1 (a root) {earlier} (nodes "
+                                 "are in topological order)")
             masks.append((masks[parent] if parent >= 0 else 0) | (1 << k))
         for m in masks:
             # each word as the int32 the kernel reads (two's complement: bit 31 makes it negative)

@@ -101,11 +101,25 @@ def test_spans_to_ranges_agrees_with_the_reference_mask():
     (([2], [5], [[(True, 2)]]), "expected a pair of whole numbers"),
     (([2], [5], [[5]]), "spans[0][0]=5: expected a pair"),
     (([2, 2], [5, 9], [[], [(4, 6), (0, 1), (6, 8)]]), "spans[1][0]=(4, 6) and spans[1][2]=(6, 8) overlap"),
+    (([2], [5], None), "spans=None: expected a sequence with one entry per request"),
+    ((None, [5], [[]]), "qo_lens=None: expected a sequence"),
+    (([2], [5], [None]), "spans[0]=None: expected the request's (start, end) spans"),
+    (([2], [5], [7]), "spans[0]=7: expected the request's (start, end) spans"),
+    ((torch.tensor([[2]]), [5], [[]]), "qo_lens: expected a 1-D integer tensor (or a list), got a 2-D torch.int64"),
+    (([2], torch.tensor([5.0]), [[]]), "kv_lens: expected a 1-D integer tensor (or a list), got a 1-D torch.float32"),
 ])
 def test_spans_to_ranges_names_bad_input(args, message):
     with pytest.raises(ValueError, match="^spans_to_ranges: ") as e:
         variantgen.spans_to_ranges(*args)
     assert message in str(e.value)
+
+
+def test_spans_to_ranges_takes_length_tensors():
+    """An engine's sequence lengths are often int tensors (they raised a raw TypeError or 'expected
+    whole numbers' before)."""
+    want = variantgen.spans_to_ranges([3, 2], [5, 4], [[(1, 2)], []])
+    got = variantgen.spans_to_ranges(torch.tensor([3, 2], dtype=torch.int32), torch.tensor([5, 4]), [[(1, 2)], []])
+    assert torch.equal(got, want) and want.tolist() == [[1, 2], [-1, -1], [-1, -1], [-1, -1], [-1, -1]]
 
 
 # ----------------------------------------------------------------------------- tree_bits
@@ -119,10 +133,12 @@ def test_tree_bits_sets_each_node_and_its_ancestors():
     assert chain[31].tolist() == [-1, 0] and chain[32].tolist() == [-1, 1] and chain[63].tolist() == [-1, -1]
     assert variantgen.tree_bits([[], []]).shape == (0, 2)
     assert variantgen.tree_bits([[-1, 0]], words=1, device="cpu").tolist() == [[1], [3]]
+    assert torch.equal(variantgen.tree_bits([torch.tensor([-1, 0, 0, 1, -1]), [-1]]),
+                       variantgen.tree_bits([[-1, 0, 0, 1, -1], [-1]]))  # (an engine's index tensors)
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (([[0]],), "tree_bits: parents[0][0]=0: expected -1 (a root) or an earlier node 0..-1 (nodes are in "
+    (([[0]],), "tree_bits: parents[0][0]=0: expected -1 (a root) (node 0 has no earlier node) (nodes are in "
                "topological order)"),
     (([[-1, 1]],), "tree_bits: parents[0][1]=1: expected -1 (a root) or an earlier node 0..0"),
     (([[-1], [-1, -2]],), "tree_bits: parents[1][1]=-2: expected -1 (a root)"),
@@ -130,7 +146,10 @@ def test_tree_bits_sets_each_node_and_its_ancestors():
     (([list(range(-1, 64))],), "tree_bits: request 0 has 65 draft nodes; 2 word(s) per row hold at most 64"),
     (([[-1]] * 2, ), None),
     (([["a"]],), "tree_bits: parents[0][0]='a'"),
-    (("x",), "tree_bits: parents[0]: expected a list of parent indices, got str"),
+    (("x",), "tree_bits: parents: expected a list with one list of parent indices per request, got str"),
+    ((None,), "tree_bits: parents: expected a list with one list of parent indices per request, got NoneType"),
+    ((["x"],), "tree_bits: parents[0]: expected a list of parent indices, got str"),
+    (([torch.tensor([-1.0])],), "tree_bits: parents[0]: expected a list of parent indices, got Tensor"),
 ])
 def test_tree_bits_names_bad_input(args, message):
     if message is None:
