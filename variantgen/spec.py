@@ -282,7 +282,25 @@ _YAML_HINTS = (
 )
 
 
+_YAML_BREAK = re.compile("\r\n|[\r\n\x85\u2028\u2029]")
+
+
+def _reader_error(e: yaml.reader.ReaderError, path: str, text: str) -> SpecError:
+    """A character YAML refuses before it scans anything (a control character): PyYAML gives
+    only its offset, so the line and column are counted here, the way its marks count them."""
+    pos = max(0, min(e.position, len(text)))
+    before = _YAML_BREAK.split(text[:pos])
+    mark = yaml.Mark(path, pos, len(before) - 1, len(before[-1]) - before[-1].count("\ufeff"), None, None)
+    if not isinstance(e.character, int):
+        return _marked_error(text, path, mark, f"invalid YAML: {e.reason}")
+    escape = f"\\x{e.character:02x}" if e.character < 0x100 else f"\\u{e.character:04x}"
+    return _marked_error(text, path, mark, f"invalid YAML: character U+{e.character:04X} is not allowed in a YAML "
+                         "file", f"remove it; inside double quotes it can be written as the escape {escape}")
+
+
 def _yaml_error(e: yaml.YAMLError, path: str, text: str) -> SpecError:
+    if isinstance(e, yaml.reader.ReaderError):
+        return _reader_error(e, path, text)
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
     context = getattr(e, "context", None)

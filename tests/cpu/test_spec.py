@@ -613,6 +613,23 @@ def test_non_printable_characters():
     assert str(err).startswith("spec.yaml") and "invalid YAML" in str(err)
 
 
+@pytest.mark.parametrize("text, where, source, escape", [
+    ("name: x\nmask: kv_pos <= q_pos\x07\n", "spec.yaml:2:22", "mask: kv_pos <= q_pos\x07", "\\x07"),
+    ("name: x\r\ndescription: a\rb: \x7f\nmask: kv_pos <= q_pos\n", "spec.yaml:3:4", "b: \x7f", "\\x7f"),
+    ('name: x\nmask: "kv_pos <= q_pos"\ndescription: "\u2029a\x9b"\n', "spec.yaml:4:2", 'a\x9b"', "\\x9b"),
+])
+def test_characters_yaml_refuses_are_located(text, where, source, escape):
+    # PyYAML's reader refuses them before scanning, with an offset but no line: the message
+    # used to name the file only, with a hint about indentation.
+    err = fails(text)
+    code = f"U+{int(escape[2:], 16):04X}"
+    assert str(err.location) == where
+    assert err.message == f"invalid YAML: character {code} is not allowed in a YAML file"
+    assert err.source_line == source
+    assert str(err).splitlines()[2].strip() == "^"
+    assert err.hint == f"remove it; inside double quotes it can be written as the escape {escape}"
+
+
 # ----------------------------------------------------------------------------- expressions in specs
 
 
