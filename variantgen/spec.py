@@ -63,6 +63,13 @@ RESERVED_NAMES = frozenset(
 )
 # (The last lines: members FlashInfer's kernels test for by name, DEFINE_HAS_MEMBER, and use
 # where a Params has one - a spec argument so named would switch on a scale or a RoPE offset.)
+# The parameters of the wrappers' plan() and run(), which take spec arguments as **kwargs: an
+# argument so named could not be passed (`got multiple values`), or would set the wrapper's own
+# option instead. (Those already reserved above - q, k, v, out, num_qo_heads ... - are left out.)
+WRAPPER_PARAMS = frozenset(
+    """qo_indptr paged_kv_indptr paged_kv_indices paged_kv_last_page_len page_size skip_tiles disable_split_kv
+    q_len_per_request paged_kv_cache""".split()
+)
 
 
 @dataclass(frozen=True)
@@ -614,6 +621,10 @@ def _check_arg_name(r: _Reader, key_node: yaml.Node, name: str, where: str, take
     if name in CPP_KEYWORDS or name in RESERVED_NAMES or name in expr.KEYWORDS:
         r.error(key_node, field_name, f"`{name}` is reserved (a C++ keyword or a FlashInfer kernel "
                 "parameter it would shadow); choose another name")
+        return False
+    if name in WRAPPER_PARAMS:
+        r.error(key_node, field_name, f"`{name}` is a parameter of the wrappers' plan() or run(), which take spec "
+                "arguments by name: it could not be passed; choose another name")
         return False
     if name in taken:
         r.error(key_node, field_name, f"`{name}` is already declared as a {taken[name]}")

@@ -377,6 +377,42 @@ def test_names_flashinfer_or_the_params_struct_use_are_reserved():
             assert err.message == RESERVED_MSG.format(name), name
 
 
+WRAPPER_PARAM_MSG = ("`{}` is a parameter of the wrappers' plan() or run(), which take spec arguments by name: "
+                     "it could not be passed; choose another name")
+
+
+def _wrapper_parameters() -> set[str]:
+    """Every named parameter of the wrappers' plan() and run() (they take spec arguments as **kwargs)."""
+    import inspect
+
+    from variantgen import decode, flex_wrapper, ragged, wrapper
+
+    names: set[str] = set()
+    for module in (wrapper, decode, ragged, flex_wrapper):
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            for method in ("plan", "run"):
+                params = inspect.signature(getattr(cls, method)).parameters.values() if hasattr(cls, method) else ()
+                if any(p.kind is p.VAR_KEYWORD for p in params):  # a wrapper's: spec arguments by name
+                    names |= {p.name for p in params if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+    return names - {"self"}
+
+
+@pytest.mark.parametrize("section", ["tensors", "scalars"])
+def test_names_of_wrapper_parameters_are_refused(section):
+    # A tensor `paged_kv_cache` or a scalar `page_size` validated, then run() / plan() raised a raw
+    # TypeError (got multiple values for argument ...); `skip_tiles` set the planner option instead.
+    names = _wrapper_parameters()
+    assert {"page_size", "paged_kv_cache", "skip_tiles", "q_len_per_request", "qo_indptr"} <= names
+    decl = "{dtype: int32, shape: [batch]}" if section == "tensors" else "{dtype: int, default: 0}"
+    for name in sorted(names):
+        err = one(f"{CAUSAL}{section}:\n  {name}: {decl}\n")
+        assert str(err.location) == "spec.yaml:4:3" and err.field == f"{section}.{name}"
+        if name not in spec_mod.WRAPPER_PARAMS:  # already reserved as a kernel parameter or keyword
+            assert err.message == RESERVED_MSG.format(name), name
+        else:
+            assert err.message == WRAPPER_PARAM_MSG.format(name), name
+
+
 def test_name_declared_twice_across_sections():
     err = one(CAUSAL + "tensors:\n  a: {dtype: int32, shape: [batch]}\nscalars:\n  a: {dtype: int, default: 1}\n")
     assert err.field == "scalars.a" and err.message == "`a` is already declared as a tensor"
