@@ -850,10 +850,14 @@ class _Checker:
                     raise self.err(side, f"'{op}' needs int operands, got {side.ty}")
             if isinstance(right, Const) and right.value == 0:
                 raise self.err(right, f"'{op}' by zero")
+            if constant_int(right) == 0:
+                raise self.err(right, f"'{op}' by zero: `{_shorten(_shown_expr(right), 60)}` is 0")
             return replace(node, left=left, right=right, ty=Type.INT)
         if op == "/":
             if isinstance(right, Const) and right.value == 0:
                 raise self.err(right, "division by zero")
+            if constant_int(right) == 0:
+                raise self.err(right, f"division by zero: `{_shorten(_shown_expr(right), 60)}` is 0")
             return replace(node, left=left, right=right, ty=Type.FLOAT)
         ty = Type.FLOAT if Type.FLOAT in (left.ty, right.ty) else Type.INT
         return replace(node, left=left, right=right, ty=ty)

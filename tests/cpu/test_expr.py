@@ -359,6 +359,23 @@ def test_division_by_constant_zero(text, message, offset):
     assert where(err) == at(offset)
 
 
+@pytest.mark.parametrize(
+    ("text", "message", "offset"),
+    [
+        ("kv_pos // (1 - 1) == 0", "'//' by zero: `1 - 1` is 0", 13),
+        ("kv_pos % min(0, 5) == 0", "'%' by zero: `min(0, 5)` is 0", 9),
+        ("kv_pos / (2 * 3 % 3) > 0", "division by zero: `(2 * 3) % 3` is 0", 16),
+        ("kv_pos // -(4 // 8) == 0", "'//' by zero: `-(4 // 8)` is 0", 10),
+    ],
+)
+def test_division_by_a_constant_expression_that_is_zero(text, message, offset):
+    # The language promises a constant zero divisor is an error at load time; one written as an
+    # expression of constants (`(1 - 1)`) used to pass and divide by zero at run time.
+    err = error(text)
+    assert err.message == message
+    assert where(err) == at(offset)
+
+
 def test_division_by_a_variable_is_allowed():
     assert typed("kv_pos // w == 0").ty is Type.BOOL
     assert typed("kv_pos % (w - w) == 0").ty is Type.BOOL
