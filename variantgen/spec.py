@@ -835,7 +835,8 @@ def _scalar(r: _Reader, name: str, node: yaml.Node) -> ScalarArg | None:
     if not value_fits(default, dtype):
         in_range = dtype == "int" and isinstance(default, int) and not isinstance(default, bool)
         r.error(dnode, f"{field_name}.default", f"default must be {_article(dtype)} {dtype}"
-                + (" in 32-bit range" if in_range else "") + f", got {_pytype(default)} {shown_value(default)}")
+                + (" in 32-bit range" if in_range else "") + f", got {_pytype(default)} {shown_value(default)}",
+                _number_hint(dnode, default))
         return None
     if dtype == "float":
         default = float(default)
@@ -871,7 +872,7 @@ def _scalar_range(r: _Reader, field_name: str, dtype: str, got: dict) -> tuple |
         elif not value_fits(v, dtype) or (dtype == "float" and isinstance(v, bool)):
             want = "an int in 32-bit range" if dtype == "int" else "a number in 32-bit float range"
             r.error(vnode, f"{field_name}.{key}", f"{key} of {_article(dtype)} {dtype} scalar must be {want}, got "
-                    f"{_pytype(v)} {shown_value(v)}")
+                    f"{_pytype(v)} {shown_value(v)}", _number_hint(vnode, v))
             ok = False
         else:
             bound[key] = float(v) if dtype == "float" else v
@@ -889,6 +890,20 @@ def _scalar_range(r: _Reader, field_name: str, dtype: str, got: dict) -> tuple |
         r.error(got["max"][1], f"{field_name}.max", f"max {hi!r} with {why} leaves no valid value")
         ok = False
     return (lo, hi, positive) if ok else None
+
+
+# A number YAML 1.1 (PyYAML) reads as text: its floats need a '.' and a signed exponent (1e-3, 1.5e5).
+_TEXT_NUMBER = re.compile(r"([-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))[eE]([-+]?)([0-9]+)")
+
+
+def _number_hint(node: yaml.Node, value: Any) -> str | None:
+    """A hint for a number written so that YAML read it as text (`1e-3`): how to write it."""
+    m = _TEXT_NUMBER.fullmatch(value) if isinstance(value, str) else None
+    if m is None or not isinstance(node, yaml.ScalarNode) or node.style is not None:
+        return None
+    mantissa, sign, digits = m.groups()
+    fixed = f"{mantissa if '.' in mantissa else mantissa + '.0'}e{sign or '+'}{digits}"
+    return f"YAML reads {value} as text (its floats need a '.' and a signed exponent); write {fixed}"
 
 
 def _article(dtype: str) -> str:
@@ -938,7 +953,8 @@ def _scales(r: _Reader, entry) -> tuple[float | None, bool]:
                 sm_scale = float(v)
             elif v is not _MISSING:
                 r.error(vn, "scales.sm_scale",
-                        f"expected a positive number or `default` (1/sqrt(head_dim_qk)), got {shown_value(v)}")
+                        f"expected a positive number or `default` (1/sqrt(head_dim_qk)), got {shown_value(v)}",
+                        _number_hint(vn, v))
         elif key == "qkv_scales":
             v = r.scalar(vn, "scales.qkv_scales")
             if isinstance(v, bool):

@@ -413,6 +413,25 @@ def test_names_of_wrapper_parameters_are_refused(section):
             assert err.message == WRAPPER_PARAM_MSG.format(name), name
 
 
+@pytest.mark.parametrize(("decl", "field", "message"), [
+    ("scalars:\n  w: {dtype: float, default: 1e-3}\n", "scalars.w.default", "default must be a float, got text '1e-3'"),
+    ("scalars:\n  w: {dtype: float, default: 0, max: 1e-3}\n", "scalars.w.max",
+     "max of a float scalar must be a number in 32-bit float range, got text '1e-3'"),
+    ("scales: {sm_scale: 1e-3}\n", "scales.sm_scale",
+     "expected a positive number or `default` (1/sqrt(head_dim_qk)), got '1e-3'"),
+])
+def test_a_number_yaml_reads_as_text_says_how_to_write_it(decl, field, message):
+    # YAML 1.1 reads 1e-3 as text: "must be a float, got text '1e-3'" alone left the author puzzled.
+    err = one(CAUSAL + decl)
+    assert (err.field, err.message) == (field, message)
+    assert err.hint == "YAML reads 1e-3 as text (its floats need a '.' and a signed exponent); write 1.0e-3"
+    fixed = variantgen.parse_spec(CAUSAL + decl.replace("1e-3", "1.0e-3"), "spec.yaml")
+    values = [fixed.sm_scale] + [v for s in fixed.scalars for v in (s.default, s.maximum)]
+    assert 1e-3 in values
+    assert one(CAUSAL + "scalars:\n  w: {dtype: float, default: 2E5}\n").hint.endswith("write 2.0e+5")
+    assert one(CAUSAL + "scalars:\n  w: {dtype: float, default: '1e-3'}\n").hint is None  # quoted: text meant
+
+
 def test_name_declared_twice_across_sections():
     err = one(CAUSAL + "tensors:\n  a: {dtype: int32, shape: [batch]}\nscalars:\n  a: {dtype: int, default: 1}\n")
     assert err.field == "scalars.a" and err.message == "`a` is already declared as a tensor"
