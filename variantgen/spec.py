@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import struct
 from dataclasses import dataclass, field, fields, replace
@@ -553,7 +554,10 @@ def _expr_source(node: yaml.ScalarNode, text: str, path: str, field_name: str) -
 
 
 def load_spec(path: str | Path) -> VariantSpec:
-    """Read and validate one spec file. Raises SpecError (SpecErrors for several)."""
+    """Read and validate one spec file. Raises SpecError (SpecErrors for several); TypeError
+    for a ``path`` that is not a str or os.PathLike."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_spec: path: expected a spec file path (str or os.PathLike), got {type(path).__name__}")
     p = Path(path)
     shown = str(path)
     try:
@@ -579,7 +583,11 @@ def load_spec(path: str | Path) -> VariantSpec:
 
 
 def parse_spec(text: str, path: str = "<string>") -> VariantSpec:
-    """Validate spec text. All independent field errors are reported together."""
+    """Validate spec text. All independent field errors are reported together. TypeError for a
+    ``text`` that is not a str (a file's bytes: decode them, or use load_spec)."""
+    if not isinstance(text, str):
+        raise TypeError(f"parse_spec: text: expected the spec's YAML as a str, got {type(text).__name__}"
+                        + (" (decode it, or pass the file to load_spec)" if isinstance(text, bytes) else ""))
     if len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise SpecError(f"spec is larger than {MAX_SPEC_BYTES} bytes", Location(path))
     if "\0" in text:

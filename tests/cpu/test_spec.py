@@ -1086,3 +1086,23 @@ def test_shipped_scalar_ranges():
         ("softcap", "soft_cap"): "> 0", ("softcap", "window"): ">= -1",
         ("attention_sink_learned", "window"): ">= -1", ("gemma4_sliding", "window"): "> 0",
     }
+
+
+@pytest.mark.parametrize("value,got", [(None, "NoneType"), (5, "int")])
+def test_load_spec_names_a_path_that_is_not_one(value, got):
+    """A regression: None or an int reached pathlib, whose TypeError named no argument."""
+    with pytest.raises(TypeError, match=re.escape(f"load_spec: path: expected a spec file path (str or os.PathLike), "
+                                                  f"got {got}")):
+        variantgen.load_spec(value)
+
+
+@pytest.mark.parametrize("value,message", [
+    (None, "parse_spec: text: expected the spec's YAML as a str, got NoneType"),
+    (5, "parse_spec: text: expected the spec's YAML as a str, got int"),
+    (b"name: x\nmask: kv_pos <= q_pos\n", "parse_spec: text: expected the spec's YAML as a str, got bytes (decode it, "
+                                          "or pass the file to load_spec)"),
+])
+def test_parse_spec_names_text_that_is_not_a_str(value, message):
+    """A regression: a non-str text raised AttributeError ('NoneType' object has no attribute 'encode')."""
+    with pytest.raises(TypeError, match="^" + re.escape(message) + "$"):
+        variantgen.parse_spec(value)
