@@ -69,11 +69,12 @@ from .errors import LaunchError
 from .expr import INT32_MAX
 
 INT32_PAGES = 1 << 31  # int32 page numbers: a cache of more pages holds every one of them
-OPTIONAL_FLAGS = frozenset({"skip_tiles", "enable_pdl"})  # None: the default decides
+OPTIONAL_FLAGS = frozenset({"skip_tiles", "enable_pdl", "check_plan"})  # None: the default decides
 
 
 def check_flags(where: str, **flags: Any) -> None:
-    """plan()'s and run()'s bool arguments: True or False (skip_tiles and enable_pdl also None).
+    """plan()'s, run()'s and make_wrapper()'s bool arguments: True or False (skip_tiles, enable_pdl
+    and check_plan also None).
     Not any truthy value: 0 or "false" would read as the opposite of what it says."""
     for name, value in flags.items():
         if isinstance(value, bool) or (value is None and name in OPTIONAL_FLAGS):

@@ -178,6 +178,14 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     """
     import torch
 
+    from .checks import check_flags
+
+    check_flags("make_wrapper()", build=build, use_tensor_cores=use_tensor_cores, check_plan=check_plan)
+    if cache is not None and not isinstance(cache, Cache):
+        raise ValueError(f"make_wrapper(): cache={cache!r}: expected a variantgen.cache.Cache (e.g. Cache(path)), or "
+                         "None for the default cache (VARIANTGEN_CACHE_DIR)")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise ValueError(f"make_wrapper(): jobs={jobs!r}: expected a positive int (parallel compile jobs), or None")
     spec = resolve_spec(spec)
     request = Request.of(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
                          kv_dtype=kv_dtype, o_dtype=o_dtype, backend=backend, graph=graph is not None,

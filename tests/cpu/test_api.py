@@ -158,3 +158,27 @@ def test_tree_bits_names_bad_input(args, message):
     with pytest.raises(ValueError) as info:
         variantgen.tree_bits(*args)
     assert str(info.value).startswith(message)
+
+
+# ----------------------------------------------------------------------------- make_wrapper's own arguments
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"build": "no"}, "make_wrapper(): `build`='no': expected True or False"),
+    ({"build": None}, "make_wrapper(): `build`=None: expected True or False"),
+    ({"use_tensor_cores": "yes", "kind": "decode"}, "make_wrapper(): `use_tensor_cores`='yes': expected True or "
+                                                    "False"),
+    ({"check_plan": "no"}, "make_wrapper(): `check_plan`='no': expected True, False or None"),
+    ({"cache": "/tmp/cache"}, "make_wrapper(): cache='/tmp/cache': expected a variantgen.cache.Cache (e.g. "
+                              "Cache(path)), or None for the default cache (VARIANTGEN_CACHE_DIR)"),
+    ({"jobs": "4"}, "make_wrapper(): jobs='4': expected a positive int (parallel compile jobs), or None"),
+    ({"jobs": 0}, "make_wrapper(): jobs=0: expected a positive int (parallel compile jobs), or None"),
+])
+def test_make_wrapper_names_malformed_settings(kw, message):
+    """A regression: build= and use_tensor_cores= were read as truthy ("no" built, "yes"/1 chose tensor cores),
+    check_plan="no" was reported as check_plan=True, a cache path raised AttributeError ('str' object has no
+    attribute 'root'), and jobs= reached ninja's command line unchecked."""
+    workspace = torch.empty(1 << 20, dtype=torch.uint8)
+    with pytest.raises(ValueError) as info:
+        variantgen.make_wrapper("causal", workspace, head_dim_qk=64, q_dtype="fp16", kv_dtype="fp16", **kw)
+    assert str(info.value) == message
