@@ -83,6 +83,18 @@ def check_flags(where: str, **flags: Any) -> None:
         raise LaunchError(f"{where}: `{name}`={value!r}: expected {want}")
 
 
+def to_device(where: str, tensor: torch.Tensor, device: Any) -> torch.Tensor:
+    """``tensor`` on ``device`` (None: where it is), for a helper's ``device=`` argument;
+    ValueError naming it where torch takes it for no device, or one it cannot reach."""
+    if device is None:
+        return tensor
+    try:
+        return tensor.to(torch.device(device))
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{where}: device={device!r}: expected a torch device this process can use ('cpu', "
+                         f"'cuda', 'cuda:0', ...): {e}") from None
+
+
 def check_total_keys(kv_lens: list[int], page_size: int) -> None:
     """plan(): the batch's keys (the sum of its requests' kv lengths) fit the kernels' int32 key
     positions and rows (vg_meta's kv lengths and KV_ROW_BASE, the row of a request's first key

@@ -22,6 +22,9 @@ from typing import Any
 
 import torch
 
+from .checks import to_device
+from .expr import INT32_MAX
+
 
 def _whole(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -57,6 +60,9 @@ def spans_to_ranges(qo_lens: Sequence[int], kv_lens: Sequence[int], spans: Seque
         if not _whole(ql) or not _whole(kl) or not 0 <= ql <= kl:
             raise ValueError(f"spans_to_ranges: request {i}: qo_lens[{i}]={ql!r}, kv_lens[{i}]={kl!r}: expected "
                              "whole numbers with 0 <= qo_len <= kv_len")
+        if kl > INT32_MAX:
+            raise ValueError(f"spans_to_ranges: request {i}: kv_lens[{i}]={kl}: expected at most 2**31 - 1 (ranges "
+                             "holds int32 key positions)")
         if not hasattr(req_spans, "__iter__"):
             raise ValueError(f"spans_to_ranges: spans[{i}]={req_spans!r}: expected the request's (start, end) spans")
         checked = []
@@ -82,4 +88,4 @@ def spans_to_ranges(qo_lens: Sequence[int], kv_lens: Sequence[int], spans: Seque
             r[inside, 1] = e
         rows.append(r)
     out = torch.cat(rows) if rows else torch.empty(0, 2, dtype=torch.int32)
-    return out.to(device) if device is not None else out
+    return to_device("spans_to_ranges", out, device)

@@ -23,6 +23,7 @@ from .errors import MAX_SPEC_ERRORS, Location, SpecError, SpecErrors
 from .expr import BUILTINS, DIMS, FLOAT32_MAX, FUNCTIONS, SourceText, TensorSig, Type, TypeEnv
 
 MAX_SPEC_BYTES = 256 * 1024
+MAX_FIXED_DIM = 65536  # a tensor's fixed dimension (shape: [total_q, 2]): at most this
 MAX_YAML_NODES = 20_000
 MAX_YAML_DEPTH = 32  # nested collections; a spec needs 4
 # Matched with fullmatch: `$` would also accept a trailing newline ("causal\n").
@@ -783,8 +784,9 @@ def _tensor(r: _Reader, name: str, node: yaml.Node) -> TensorArg | None:
                     if isinstance(d, bool):
                         r.error(dnode, f"{field_name}.shape[{i}]", "expected a dimension name or a size, got a bool")
                 elif isinstance(d, int):
-                    if not 1 <= d <= 65536:
-                        r.error(dnode, f"{field_name}.shape[{i}]", f"fixed size must be 1..65536, got {shown_value(d)}")
+                    if not 1 <= d <= MAX_FIXED_DIM:
+                        r.error(dnode, f"{field_name}.shape[{i}]",
+                                f"fixed size must be 1..{MAX_FIXED_DIM}, got {shown_value(d)}")
                         ok = False
                     shape.append(d)
                 elif isinstance(d, str) and d in SYMBOLIC_DIMS:

@@ -21,6 +21,9 @@ from collections.abc import Sequence
 
 import torch
 
+from .checks import to_device
+from .spec import MAX_FIXED_DIM
+
 TREE_WORDS = 2  # int32 words per node row in specs/tree_verify.yaml
 MAX_TREE_NODES = 32 * TREE_WORDS  # draft nodes per request the spec can describe
 
@@ -38,8 +41,9 @@ def tree_bits(parents: Sequence[Sequence[int]], *, words: int = TREE_WORDS,
     (``0 <= parents[i][k] < k``), or ``-1`` for a node whose parent is the cached context (the
     tree's root; a request may have several). A request has at most ``32 * words`` nodes (64 for
     specs/tree_verify.yaml). Raises ValueError naming the offending request and node."""
-    if not _whole(words) or words < 1:
-        raise ValueError(f"tree_bits: words={words!r}: expected a positive int")
+    if not _whole(words) or not 1 <= words <= MAX_FIXED_DIM:
+        raise ValueError(f"tree_bits: words={words!r}: expected a positive int of at most {MAX_FIXED_DIM} (a spec "
+                         "tensor's fixed dimension)")
     if not isinstance(parents, Sequence) or isinstance(parents, (str, bytes)):
         raise ValueError(f"tree_bits: parents: expected a list with one list of parent indices per request, got "
                          f"{type(parents).__name__}")
@@ -63,7 +67,7 @@ def tree_bits(parents: Sequence[Sequence[int]], *, words: int = TREE_WORDS,
             # each word as the int32 the kernel reads (two's complement: bit 31 makes it negative)
             rows.append([(m >> (32 * w) & 0xFFFFFFFF) - ((m >> (32 * w + 31) & 1) << 32) for w in range(words)])
     out = torch.tensor(rows, dtype=torch.int32) if rows else torch.empty(0, words, dtype=torch.int32)
-    return out.to(device) if device is not None else out
+    return to_device("tree_bits", out, device)
 
 
 def random_tree_parents(num_nodes: int, generator: torch.Generator, shape: str = "random") -> list[int]:

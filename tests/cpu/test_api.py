@@ -182,3 +182,31 @@ def test_make_wrapper_names_malformed_settings(kw, message):
     with pytest.raises(ValueError) as info:
         variantgen.make_wrapper("causal", workspace, head_dim_qk=64, q_dtype="fp16", kv_dtype="fp16", **kw)
     assert str(info.value) == message
+
+
+# ----------------------------------------------------------------------------- spans_to_ranges / tree_bits: limits
+
+
+def test_spans_to_ranges_refuses_keys_past_int32():
+    """A regression: a kv_len past 2**31 - 1 with a span there raised torch's 'value cannot be converted to
+    type int without overflow' from filling the int32 tensor."""
+    with pytest.raises(ValueError, match=r"^spans_to_ranges: request 0: kv_lens\[0\]=4294967296: expected at most "
+                                         r"2\*\*31 - 1 \(ranges holds int32 key positions\)$"):
+        variantgen.spans_to_ranges([1], [1 << 32], [[(1 << 31, (1 << 31) + 5)]])
+
+
+def test_tree_bits_words_is_bounded():
+    """A regression: words=2**40 built a row of 2**40 ints (the process ran out of memory)."""
+    with pytest.raises(ValueError, match=r"^tree_bits: words=1099511627776: expected a positive int of at most 65536 "
+                                         r"\(a spec tensor's fixed dimension\)$"):
+        variantgen.tree_bits([[-1]], words=1 << 40)
+
+
+@pytest.mark.parametrize("helper", ["spans_to_ranges", "tree_bits"])
+def test_helpers_name_a_bad_device(helper):
+    """A regression: device='bogus' raised torch's RuntimeError, which names no argument."""
+    call = {"spans_to_ranges": lambda **kw: variantgen.spans_to_ranges([1], [2], [[]], **kw),
+            "tree_bits": lambda **kw: variantgen.tree_bits([[-1]], **kw)}[helper]
+    with pytest.raises(ValueError, match=f"^{helper}: device='bogus': expected a torch device this process can use "):
+        call(device="bogus")
+    assert call(device=torch.device("cpu")).device.type == "cpu"
