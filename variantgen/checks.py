@@ -69,18 +69,6 @@ from .errors import LaunchError
 from .expr import INT32_MAX
 
 INT32_PAGES = 1 << 31  # int32 page numbers: a cache of more pages holds every one of them
-OPTIONAL_FLAGS = frozenset({"skip_tiles", "enable_pdl", "check_plan"})  # None: the default decides
-
-
-def check_flags(where: str, **flags: Any) -> None:
-    """plan()'s, run()'s and make_wrapper()'s bool arguments: True or False (skip_tiles, enable_pdl
-    and check_plan also None).
-    Not any truthy value: 0 or "false" would read as the opposite of what it says."""
-    for name, value in flags.items():
-        if isinstance(value, bool) or (value is None and name in OPTIONAL_FLAGS):
-            continue
-        want = "True, False or None" if name in OPTIONAL_FLAGS else "True or False"
-        raise LaunchError(f"{where}: `{name}`={value!r}: expected {want}")
 
 
 def to_device(where: str, tensor: torch.Tensor, device: Any) -> torch.Tensor:

@@ -44,8 +44,9 @@ from typing import Any
 
 import torch
 
-from .checks import check_flags, check_total_keys
+from .checks import check_total_keys
 from .errors import LaunchError
+from .flags import check_flags
 from .graph import GraphCapacity, pin_plan_info
 from .intervals import analyze, args_read, row_intervals, tensors_read, usable_form
 from .plan import Batch, Plan

@@ -178,7 +178,7 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     """
     import torch
 
-    from .checks import check_flags
+    from .flags import check_flags
 
     check_flags("make_wrapper()", build=build, use_tensor_cores=use_tensor_cores, check_plan=check_plan)
     if cache is not None and not isinstance(cache, Cache):

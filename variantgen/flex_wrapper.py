@@ -44,10 +44,10 @@ import torch
 
 from . import flex
 from .capabilities import FLEX, KINDS, canonical_dtype, graph_problem
-from .checks import check_flags
 from .errors import BackendError, LaunchError
 from .evaluate import Evaluator
 from .expr import names_used
+from .flags import check_flags
 from .flex import BLOCK, Blocks, FlexLayout, RowBlocks
 from .intervals import row_intervals, usable_form
 from .library import resolve_spec

@@ -63,6 +63,7 @@ from .cache import Cache, LockTimeout
 from .capabilities import BACKENDS, ArgNames, Request, Site, canonical_arch
 from .errors import BuildError, CacheError, JitDisabledError, SpecError, ToolchainError
 from .factory import arch_mismatch, device_arch, module_site, target_arch
+from .flags import flag_problem
 from .library import resolve_spec
 from .render import ModuleConfig
 from .resolver import Resolution, resolve
@@ -247,13 +248,16 @@ def probe_backends(spec: VariantSpec | str | Path, *, kinds: tuple[str, ...] = (
 def _probe(spec_arg: Any, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, kv_dtype: Any, o_dtype: Any,
            backend: Any, page_size: Any, device: Any, build: bool, cache_dir: Any, arch: Any, kind: Any,
            cuda_graph: Any, runtime: Any, use_tensor_cores: Any = False) -> ProbeResult:
-    runtime, build = bool(runtime), bool(build)
     # 1. the spec and the arguments
+    for name, value in (("build", build), ("runtime", runtime), ("cuda_graph", cuda_graph),
+                        ("use_tensor_cores", use_tensor_cores)):
+        if flag_problem(name, value):  # (not any truthy value: cuda_graph="no" asked for CUDA-graph mode)
+            raise _Fail(flag_problem(name, value))
     spec = _load(spec_arg)
     try:
         request = Request.of(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
-                             kv_dtype=kv_dtype, o_dtype=o_dtype, backend=backend, graph=bool(cuda_graph),
-                             tensor_cores=bool(use_tensor_cores), names=PROBE_NAMES)
+                             kv_dtype=kv_dtype, o_dtype=o_dtype, backend=backend, graph=cuda_graph,
+                             tensor_cores=use_tensor_cores, names=PROBE_NAMES)
         explicit_arch = canonical_arch(arch) if arch is not None else None
     except ValueError as e:
         raise _Fail(str(e)) from None

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from .checks import check_flags
 from .errors import LaunchError
 from .expr import Const
+from .flags import check_flags
 from .plan import Batch
 from .plan_abi import META_COLUMNS, meta_rows
 from .render import MASK_MODES

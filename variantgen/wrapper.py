@@ -30,10 +30,11 @@ from typing import Any, NamedTuple
 import torch
 
 from .build import BuildResult
-from .checks import PageGuard, PlanCheck, check_flags, check_total_keys
+from .checks import PageGuard, PlanCheck, check_total_keys
 from .env import settings
 from .errors import LaunchError
 from .expr import FLOAT32_MAX, INT32_MAX
+from .flags import check_flags
 from .graph import GraphCapacity
 from .intervals import IntervalForm, analyze, args_read, tensors_read, usable_form
 from .plan import Batch, Launch, Plan

@@ -332,6 +332,16 @@ def test_explicit_arch_is_refused_where_a_route_could_serve(monkeypatch, clean, 
     assert fake_build == []
 
 
+@pytest.mark.parametrize("flag, value", [("cuda_graph", "no"), ("build", 1), ("runtime", None),
+                                         ("use_tensor_cores", "yes"), ("build", "false")])
+def test_probe_flags_must_be_bools(clean, fake_build, flag, value):
+    """probe() read its flags as truthy: cuda_graph="no" asked for CUDA-graph mode, build="false"
+    allowed a build. Now the reason names the flag (probe never raises)."""
+    r = probe(MM, **BASE, **{flag: value})
+    assert not r and r.reason == f"`{flag}`={value!r}: expected True or False"
+    assert fake_build == []
+
+
 def test_make_wrapper_refuses_an_arch_that_is_not_the_workspaces_gpu():
     from variantgen.factory import workspace_arch
 
