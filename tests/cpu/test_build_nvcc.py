@@ -24,6 +24,7 @@ from variantgen.cache import Cache
 from variantgen.errors import BuildError
 from variantgen.render import FA2_CTA_TILES_Q, ModuleConfig
 from variantgen.resolver import choose_backend
+from variantgen.spec import WRAPPER_PARAMS
 
 pytestmark = pytest.mark.nvcc
 
@@ -230,6 +231,7 @@ LOCAL_NAMES = ("a b args batch batch_size capacity counts desc device_guard firs
                "mask_mode mask_mode_code n options p pack_gqa page_size plan_info plan_info_vec rec row s scratch "
                "seg spec starts status stream total_kv total_q kv_start q_start maybe_lse float_workspace_buffer "
                "int_workspace_buffer paged_k_cache paged_kv_indices qo_indptr kv_indices kv_layout").split()
+LOCAL_NAMES = [n for n in LOCAL_NAMES if n not in WRAPPER_PARAMS]  # (those the validator refuses: plan()'s own)
 COLLIDING = ("name: colliding\ntensors:\n  keys: {dtype: int32, shape: [total_kv]}\nscalars:\n"
              + "".join(f"  {n}: {{dtype: int, default: 0}}\n" for n in LOCAL_NAMES)
              + 'mask: "kv_pos <= q_pos + ' + " + ".join(LOCAL_NAMES) + ' and keys[kv_row] == keys[q_kv_row]"\n')
