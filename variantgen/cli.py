@@ -579,7 +579,7 @@ def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_
         except ValueError as e:
             raise click.UsageError(str(e)) from None
     results = probe_backends(
-        spec, kinds=tuple(_choices(kinds, list(KINDS), "--kind", ["prefill"])),
+        parsed if parsed is not None else spec, kinds=tuple(_choices(kinds, list(KINDS), "--kind", ["prefill"])),
         backends=tuple(None if b == "auto" else b for b in _choices(backends, (*BACKENDS, "auto"),
                                                                    "--backend", ["auto"])), head_dim_qk=head_dim,
         head_dim_vo=head_dim_vo, q_dtype=dtype, kv_dtype=kv_dtype or dtype, o_dtype=o_dtype, page_size=page_size,

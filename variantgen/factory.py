@@ -24,6 +24,7 @@ from . import capabilities
 from .cache import Cache
 from .capabilities import Request, Site, arch_of_capability, canonical_arch
 from .env import settings
+from .flags import check_flags
 from .library import resolve_spec
 from .resolver import resolve
 from .spec import VariantSpec
@@ -177,8 +178,6 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     call variantgen.probe() first to get a reason instead of an exception.
     """
     import torch
-
-    from .flags import check_flags
 
     check_flags("make_wrapper()", build=build, use_tensor_cores=use_tensor_cores, check_plan=check_plan)
     if cache is not None and not isinstance(cache, Cache):

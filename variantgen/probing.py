@@ -249,10 +249,10 @@ def _probe(spec_arg: Any, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, k
            backend: Any, page_size: Any, device: Any, build: bool, cache_dir: Any, arch: Any, kind: Any,
            cuda_graph: Any, runtime: Any, use_tensor_cores: Any = False) -> ProbeResult:
     # 1. the spec and the arguments
-    for name, value in (("build", build), ("runtime", runtime), ("cuda_graph", cuda_graph),
-                        ("use_tensor_cores", use_tensor_cores)):
-        if flag_problem(name, value):  # (not any truthy value: cuda_graph="no" asked for CUDA-graph mode)
-            raise _Fail(flag_problem(name, value))
+    flags = {"build": build, "runtime": runtime, "cuda_graph": cuda_graph, "use_tensor_cores": use_tensor_cores}
+    problem = next(filter(None, (flag_problem(n, v) for n, v in flags.items())), "")
+    if problem:  # (not any truthy value: cuda_graph="no" asked for CUDA-graph mode)
+        raise _Fail(problem)
     spec = _load(spec_arg)
     try:
         request = Request.of(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
