@@ -217,8 +217,6 @@ def main() -> None:
     # FlexAttention (torch.compile, BlockMask) on the same masks, contiguous KV (Flex has no paged KV).
     if "flex" not in skip:
         try:
-            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
             qd = batch.q.view(B, L, HQ, D).transpose(1, 2).contiguous()
             pg = batch.kv_indices.long().view(B, -1)
             kd = batch.k_cache[pg].reshape(B, L, HKV, D).transpose(1, 2).contiguous()
@@ -253,31 +251,11 @@ def main() -> None:
             def alibi_score(score, b, h, qi, ki):
                 return score + slopes[h] * (ki - qi)
 
-            # Every mask_mod is a new code object and a recompile of one compiled flex_attention;
-            # past dynamo's recompile limit (8) torch runs Flex unfused, materializing the whole
-            # score matrix (the ninth mask ran out of memory). Each mask gets a fresh compile, and
-            # the fallback is an error, never a slow row.
-            fc = torch.compile(flex_attention)
-            if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
-                torch._dynamo.config.fail_on_recompile_limit_hit = True
-            for name, mask_mod, score_mod in (
-                    ("mm_prefix", mm_mask, None), ("sliding_window", sw_mask, None), ("document", doc_mask, None),
-                    ("prefix_lm", plm_mask, None), ("causal", causal_mask, None),
-                    ("softcap", causal_mask, softcap_score), ("alibi", causal_mask, alibi_score),
-                    ("chunked_local", chunk_mask, None), ("streaming_sink", sink_mask, None)):
-                if name not in wanted:
-                    continue
-                try:
-                    torch._dynamo.reset()
-                    t = time.perf_counter()
-                    bm = create_block_mask(mask_mod, B, None, L, L, device=dev)
-                    fc(qd, kd, vd, score_mod=score_mod, block_mask=bm, enable_gqa=True)
-                    torch.cuda.synchronize()
-                    res["notes"][f"flex_{name}_first_call_s"] = round(time.perf_counter() - t, 1)
-                    record(f"flex_{name}", lambda bm=bm, sm=score_mod: fc(qd, kd, vd, score_mod=sm, block_mask=bm,
-                                                                          enable_gqa=True))
-                except Exception as e:  # report, do not hide: this mask's row is missing
-                    res["notes"][f"flex_{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            masks = (("mm_prefix", mm_mask, None), ("sliding_window", sw_mask, None), ("document", doc_mask, None),
+                     ("prefix_lm", plm_mask, None), ("causal", causal_mask, None),
+                     ("softcap", causal_mask, softcap_score), ("alibi", causal_mask, alibi_score),
+                     ("chunked_local", chunk_mask, None), ("streaming_sink", sink_mask, None))
+            flex_rows([m for m in masks if m[0] in wanted], qd, kd, vd, record, res["notes"])
         except Exception as e:  # report, do not hide: the Flex rows are missing
             res["notes"]["flex_error"] = f"{type(e).__name__}: {str(e)[:300]}"
 
@@ -325,6 +303,35 @@ def main() -> None:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], out.name).write_text(json.dumps(res, indent=1))
     print("wrote", out)
+
+
+def flex_rows(masks, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, record, notes: dict,
+              backend: str = "inductor") -> None:
+    """Flex's row for each (name, mask_mod, score_mod) of ``masks``: ``record("flex_<name>", fn)``
+    times it; a mask that fails leaves ``notes["flex_<name>_error"]`` and loses only its row.
+    Every mask_mod is a new code object, so a recompile of one compiled flex_attention; past
+    dynamo's recompile limit (8) torch would run Flex unfused, materializing the whole score
+    matrix (a ninth mask ran out of memory on the H100). So each mask gets a fresh compile, and
+    the fallback is an error, never a slow row."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, _, Lq, _ = q.shape
+    fc = torch.compile(flex_attention, backend=backend)
+    with torch._dynamo.config.patch(**({"fail_on_recompile_limit_hit": True} if hasattr(
+            torch._dynamo.config, "fail_on_recompile_limit_hit") else {})):
+        for name, mask_mod, score_mod in masks:
+            try:
+                torch._dynamo.reset()
+                t = time.perf_counter()
+                bm = create_block_mask(mask_mod, B, None, Lq, k.shape[2], device=q.device)
+                fc(q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=True)
+                if q.device.type == "cuda":
+                    torch.cuda.synchronize()
+                notes[f"flex_{name}_first_call_s"] = round(time.perf_counter() - t, 1)
+                record(f"flex_{name}", lambda bm=bm, sm=score_mod: fc(q, k, v, score_mod=sm, block_mask=bm,
+                                                                      enable_gqa=True))
+            except Exception as e:  # report, do not hide: this mask's row is missing
+                notes[f"flex_{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
 
 
 def vs_best(ms: dict[str, float], cases: set[str], backends: list[str]) -> dict[str, dict]:
