@@ -318,6 +318,28 @@ class RowIntervals:
     dense_hi: torch.Tensor | None = None
 
 
+def decided_terms(form: IntervalForm, spec: VariantSpec, args: Mapping[str, Any]) -> tuple[Term, ...]:
+    """``form``'s terms for one plan's scalar values. A condition that reads only scalars and
+    constants holds for every row or for none, so it is decided here, once, on the host: a term
+    whose condition fails is dropped, one whose condition holds loses it. The rows then evaluate
+    only the terms that can hold: sliding_window's ``window < 0 or q_pos - kv_pos <= window``
+    is one interval term for a window >= 0, not a union of two (a union costs the per-row sort
+    and merge below). The result is the same as evaluating every term per row."""
+    scalars = {s.name for s in spec.scalars}
+    uniform_ev: Evaluator | None = None
+    out = []
+    for t in form.terms:
+        uniform = [c for c in t.conds if names_used(c) <= scalars]
+        if not uniform:
+            out.append(t)
+            continue
+        if uniform_ev is None:  # (a host env: deciding a condition reads nothing back from a GPU)
+            uniform_ev = Evaluator(spec, {"vg_uniform": torch.zeros((), dtype=torch.int64)}, args)
+        if all(bool(uniform_ev.ev(c)) for c in uniform):
+            out.append(replace(t, conds=tuple(c for c in t.conds if names_used(c) - scalars)))
+    return tuple(out)
+
+
 def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch.Tensor],
                   args: Mapping[str, Any]) -> RowIntervals:
     """Evaluate ``form`` for rows described by ``env`` (q_pos, q_idx, q_row, q_kv_row,
@@ -326,8 +348,13 @@ def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch
     kv_len = env["kv_len"]
     n = kv_len.shape[0]
     dev = kv_len.device
+    terms = decided_terms(form, spec, args)
+    if not terms:  # no term can hold: no row sees a key (what the terms' union gives, sooner)
+        none = torch.zeros(n, dtype=torch.bool, device=dev)
+        lo = torch.zeros(n, dtype=torch.int64, device=dev)
+        return RowIntervals(lo=lo, hi=kv_len - 1, exact=none, empty=~none, dense_hi=lo - 1)
     los, his, oks, exacts = [], [], [], []
-    for t in form.terms:
+    for t in terms:
         lo = torch.zeros(n, dtype=torch.int64, device=dev)
         hi = kv_len - 1
         ok = torch.ones(n, dtype=torch.bool, device=dev)

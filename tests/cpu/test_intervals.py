@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from variantgen import parse_spec
-from variantgen.intervals import analyze, row_intervals, tensors_read
+from variantgen.intervals import analyze, decided_terms, row_intervals, tensors_read
 from variantgen.reference import RequestGrid, mask_for_request
 from variantgen.spec import load_spec
 from variantgen.testing import random_paged_batch, random_spec_args
@@ -314,3 +314,70 @@ def test_random_masks_are_sound(seed):
         check_sound(spec, qo, kv, args)
         checked += 1
     assert checked >= 20
+
+
+def test_a_scalar_only_condition_is_decided_once_per_plan():
+    """sliding_window's `window < 0 or q_pos - kv_pos <= window`: for a window >= 0 the rows
+    evaluate one interval term, not a union of two (plan()'s host work); for -1 the decided
+    condition is gone from the term that holds."""
+    spec = load_spec(Path(__file__).resolve().parents[2] / "specs" / "sliding_window.yaml")
+    form = analyze(spec)
+    assert len(form.terms) == 2
+    (bounded,) = decided_terms(form, spec, {"window": 7})
+    assert not bounded.conds and bounded.lows
+    unbounded = decided_terms(form, spec, {"window": -1})
+    assert len(unbounded) == 2 and not any(t.conds for t in unbounded)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_deciding_scalar_conditions_changes_no_interval(seed, monkeypatch):
+    """row_intervals with the scalar-only conditions decided up front gives exactly what
+    evaluating every term on every row gives, for random masks (their `flag`, `w`, `c` and
+    constant conditions) and every shipped spec."""
+    import random
+
+    from variantgen import intervals
+    from variantgen.errors import SpecError
+
+    def both(spec, qo, kv, args):
+        form = analyze(spec)
+        env = row_env(qo, kv)
+        decided = row_intervals(form, spec, env, args)
+        with monkeypatch.context() as m:
+            m.setattr(intervals, "decided_terms", lambda form, spec, args: form.terms)
+            every = row_intervals(form, spec, env, args)
+        for field in ("lo", "hi", "exact", "empty", "dense_hi"):
+            assert torch.equal(getattr(decided, field), getattr(every, field)), (spec.name, field, args)
+
+    r = random.Random(seed)
+    compared = 0
+    for _ in range(60):
+        try:
+            spec = parse_spec(_RANDOM_HEADER + f'mask: "{_random_mask(r, r.randint(1, 3))}"\n')
+        except SpecError:
+            continue
+        if not analyze(spec).planner_ready:
+            continue
+        qo, kv = [r.randint(1, 6), r.randint(1, 6)], [r.randint(6, 14), r.randint(6, 14)]
+        g = torch.Generator().manual_seed(r.randrange(1 << 30))
+        total_q, total_kv = sum(qo), sum(kv)
+        ids = torch.randint(-2, 4, (total_kv,), generator=g, dtype=torch.int32)
+        args = {"t": torch.randint(-3, 16, (total_q, 2), generator=g, dtype=torch.int32),
+                "d": ids.sort().values, "g": torch.randint(0, 6, (total_kv,), generator=g).float() / 2.0,
+                "w": r.randint(-2, 6), "c": r.randint(-3, 5), "x": r.choice([1.5, 2.0, 0.0]),
+                "flag": r.random() < 0.5}
+        both(spec, qo, kv, args)
+        compared += 1
+    assert compared >= 20
+    qo_lens, kv_lens = [5, 40, 1, 33], [5, 90, 61, 33]
+    for path in SPECS:
+        spec = load_spec(path)
+        if not analyze(spec).planner_ready:
+            continue
+        batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=2, num_kv_heads=1, head_dim=8, page_size=4,
+                                   dtype=torch.float32, seed=seed)
+        args = random_spec_args(spec, batch, seed=seed)
+        for s in spec.scalars:
+            if s.dtype == "int":
+                args[s.name] = [-1, 7, 0][seed]
+        both(spec, qo_lens, kv_lens, args)
