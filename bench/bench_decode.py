@@ -274,7 +274,7 @@ def main() -> None:
                 notes[f"{name}_plan_ms_median"] = plan_median_ms(
                     lambda w=w, kw=plan_kw: w.plan(*plan_pos, HQ, HKV, PS, **kw))
                 stats = {k: v for k, v in w.plan_stats.items()
-                         if k in ("pages", "launches", "planner_off", "pack_gqa", "variant")}
+                         if k in ("pages", "launches", "planner_off", "pack_gqa", "variant", "intervals")}
                 notes[f"{name}_plan_stats"] = json.loads(json.dumps(stats, default=str))
                 if not trimmed and "untrimmed" in skip:
                     continue
