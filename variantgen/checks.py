@@ -83,6 +83,26 @@ def to_device(where: str, tensor: torch.Tensor, device: Any) -> torch.Tensor:
                          f"'cuda', 'cuda:0', ...): {e}") from None
 
 
+# Index tensors' shapes, for messages (paged_kv_indices may run past the batch's entries)
+INDEX_SHAPES = {"qo_indptr": " [batch + 1]", "kv_indptr": " [batch + 1]", "paged_kv_indptr": " [batch + 1]",
+                "paged_kv_last_page_len": " [batch]"}
+READABLE_DEVICES = ("cpu", "cuda")  # where plan() can read an index tensor's values from
+
+
+def check_index_tensors(where: str, **tensors: Any) -> None:
+    """A batch's index tensors (indptrs, page list, last-page lengths), before their values are
+    read on the host: 1-D torch.int32 on the CPU or any CUDA device. LaunchError naming the
+    argument otherwise (torch's own error for a meta tensor comes from deep inside the copy)."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
+            got = f"{t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise LaunchError(f"{where}: `{name}`: expected a 1-D torch.int32 tensor{INDEX_SHAPES.get(name, '')}, "
+                              f"got {got}")
+        if t.device.type not in READABLE_DEVICES:
+            raise LaunchError(f"{where}: `{name}` is on {t.device}: expected a tensor on the CPU or a CUDA device "
+                              f"({where} reads its values)")
+
+
 def check_total_keys(kv_lens: list[int], page_size: int) -> None:
     """plan(): the batch's keys (the sum of its requests' kv lengths) fit the kernels' int32 key
     positions and rows (vg_meta's kv lengths and KV_ROW_BASE, the row of a request's first key

@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .checks import check_total_keys
+from .checks import check_index_tensors, check_total_keys
 from .errors import LaunchError
 from .flags import check_flags
 from .graph import GraphCapacity, pin_plan_info
@@ -397,8 +397,8 @@ def check_queries_fit(kv_lens: list[int], per: int) -> None:
 def check_decode_arguments(paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any) -> None:
     """plan()'s checks of a decode batch's index tensors before their values are read (after its
     sizes were checked), shared by every decode route."""
-    WrapperBase._check_index_tensors(paged_kv_indptr=paged_kv_indptr, paged_kv_indices=paged_kv_indices,
-                                     paged_kv_last_page_len=paged_kv_last_page_len)
+    check_index_tensors("plan()", paged_kv_indptr=paged_kv_indptr, paged_kv_indices=paged_kv_indices,
+                        paged_kv_last_page_len=paged_kv_last_page_len)
     batch = paged_kv_indptr.numel() - 1
     if batch < 1 or paged_kv_last_page_len.numel() != batch:
         raise LaunchError(

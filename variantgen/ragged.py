@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .checks import check_index_tensors
 from .errors import LaunchError
 from .expr import Const
 from .flags import check_flags
@@ -183,10 +184,7 @@ def read_ragged_batch(qo_indptr: Any, kv_indptr: Any, num_qo_heads: Any, num_kv_
     of qo_indptr and kv_indptr; LaunchError naming the argument otherwise."""
     WrapperBase._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
     check_flags("plan()", disable_split_kv=disable_split_kv)
-    for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
-            got = f"{t.dtype} tensor of shape {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise LaunchError(f"plan(): `{name}`: expected a 1-D torch.int32 tensor [batch + 1], got {got}")
+    check_index_tensors("plan()", qo_indptr=qo_indptr, kv_indptr=kv_indptr)
     batch = qo_indptr.numel() - 1
     if batch < 1 or kv_indptr.numel() != batch + 1:
         raise LaunchError(f"plan(): inconsistent batch: `qo_indptr` has {qo_indptr.numel()} entries and "

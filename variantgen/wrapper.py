@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .build import BuildResult
-from .checks import PageGuard, PlanCheck, check_total_keys
+from .checks import PageGuard, PlanCheck, check_index_tensors, check_total_keys
 from .env import settings
 from .errors import LaunchError
 from .expr import FLOAT32_MAX, INT32_MAX
@@ -191,14 +191,6 @@ class WrapperBase:
         if sizes["num_qo_heads"] % sizes["num_kv_heads"]:
             raise LaunchError(f"plan(): num_qo_heads={sizes['num_qo_heads']} is not a multiple of "
                               f"num_kv_heads={sizes['num_kv_heads']}")
-
-    @staticmethod
-    def _check_index_tensors(**tensors: Any) -> None:
-        """plan()'s paged index tensors: 1-D torch.int32 (any device; read on the host)."""
-        for name, t in tensors.items():
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1:
-                got = f"{t.dtype} tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-                raise LaunchError(f"plan(): {name}: expected a 1-D torch.int32 tensor, got {got}")
 
     @staticmethod
     def _check_indptr_starts(**firsts: int) -> None:
@@ -586,7 +578,7 @@ class VariantWrapper(WrapperBase):
         passed here by name as well. Without the spec's planner module (JIT disabled and it is
         not precompiled, or a CPU wrapper) the plan is planner-off, and the Plan says why.
 
-        The index tensors (int32, any device; indptrs starting at 0) are read here, once:
+        The index tensors (int32, on the CPU or any CUDA device; indptrs starting at 0) are read here, once:
         the launches get their own copies of the indptrs, lengths and page list, so changing
         them after plan() changes nothing. Every entry of the batch's page list,
         ``paged_kv_indices[:paged_kv_indptr[-1]]``, must be a page of the KV cache run() is
@@ -743,8 +735,11 @@ def host_indices(*tensors: torch.Tensor) -> tuple[list[list[int]], torch.Tensor]
     """Host copies of small 1-D index tensors of one dtype: as int lists, and back to back in one
     CPU tensor. One device-to-host copy for all of them when they share a CUDA device (each
     copy is a sync)."""
-    if len({t.device for t in tensors}) == 1:
-        flat = torch.cat(tensors).cpu()
+    devices = {t.device for t in tensors}
+    if len(devices) == 1:
+        flat = torch.cat(tensors)
+        if next(iter(devices)).type != "cpu":  # (on the host already: no call; plan()'s torch calls are budgeted)
+            flat = flat.cpu()
     else:
         flat = torch.cat([t.cpu() for t in tensors])
     return split_values(flat.tolist(), tensors), flat
@@ -755,8 +750,9 @@ def split_values(values: list[int], tensors: tuple[torch.Tensor, ...]) -> list[l
     one list per tensor."""
     out, at = [], 0
     for t in tensors:
-        out.append(values[at:at + t.numel()])
-        at += t.numel()
+        n = t.numel()
+        out.append(values[at:at + n])
+        at += n
     return out
 
 
@@ -775,8 +771,8 @@ def check_paged_arguments(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices
     """plan()'s checks of a paged batch's arguments before their values are read (sizes, index
     tensor types, entry counts), shared by every paged-prefill route."""
     WrapperBase._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
-    WrapperBase._check_index_tensors(qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
-                                     paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
+    check_index_tensors("plan()", qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
+                        paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
     batch = qo_indptr.numel() - 1
     if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
         raise LaunchError(

@@ -706,8 +706,9 @@ def causal_batch():
                             "CUDA-core decode kernel supports [1, 2, 3, 4, 6, 8, 16]; build the wrapper with "
                             "use_tensor_cores=True"),
     (dict(paged_kv_indptr=torch.tensor([0, 2, 7, 8])),
-     "plan(): paged_kv_indptr: expected a 1-D torch.int32 tensor, got torch.int64 tensor of shape (4,)"),
-    (dict(paged_kv_indices=[0, 1]), "plan(): paged_kv_indices: expected a 1-D torch.int32 tensor, got list"),
+     "plan(): `paged_kv_indptr`: expected a 1-D torch.int32 tensor [batch + 1], got torch.int64 tensor of "
+     "shape [4]"),
+    (dict(paged_kv_indices=[0, 1]), "plan(): `paged_kv_indices`: expected a 1-D torch.int32 tensor, got list"),
     (dict(paged_kv_last_page_len=torch.tensor([1, 1], dtype=torch.int32)),
      "plan(): inconsistent batch: paged_kv_indptr has 4 entries, paged_kv_last_page_len 2 (expected batch+1 and "
      "batch, batch >= 1)"),

@@ -403,6 +403,30 @@ def test_bool_flags_are_bools(route):
     assert isinstance(case.run(enable_pdl=None), torch.Tensor)
 
 
+# ----------------------------------------------------------------------------- index tensors plan() reads
+
+
+@pytest.mark.parametrize("route", FLAG_ROUTES)
+def test_index_tensors_plan_cannot_read_are_refused(route):
+    """plan() reads its index tensors' values on the host: one on the meta device (no data) is
+    refused naming it, on every route (a regression: torch's NotImplementedError "Cannot copy out
+    of meta tensor" came from deep inside the read)."""
+    case = FlagRoute(route)
+    names = {"ragged": ["qo_indptr", "kv_indptr"], "decode": ["paged_kv_indptr", "paged_kv_indices",
+             "paged_kv_last_page_len"]}.get(case.kind, ["qo_indptr", "paged_kv_indptr", "paged_kv_indices",
+                                                        "paged_kv_last_page_len"])
+    given = case.batch.plan_args()[1:] if case.kind == "decode" else case.batch.plan_args()
+    for i, name in enumerate(names):
+        args = list(given)
+        args[i] = args[i].to("meta")
+        with pytest.raises(LaunchError, match=exact(
+                f"plan(): `{name}` is on meta: expected a tensor on the CPU or a CUDA device (plan() reads its "
+                "values)")):
+            case.w.plan(*args)
+    case.plan()  # the refused plans left nothing behind
+    assert isinstance(case.run(), torch.Tensor)
+
+
 # ----------------------------------------------------------------------------- q/k/v scales
 
 SCALE_ROUTES = ["fa2-prefill", "fa3-prefill", "decode-cuda_cores", "decode-tensor_cores", "ragged-fa2",

@@ -651,10 +651,10 @@ def test_plan_errors(mm):
     qo, kvp, idx, last = batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.last_page_len
     heads = (HQ, HKV, 4)
     with pytest.raises(LaunchError, match=exact(
-            "plan(): qo_indptr: expected a 1-D torch.int32 tensor, got torch.int64 tensor of shape (3,)")):
+            "plan(): `qo_indptr`: expected a 1-D torch.int32 tensor [batch + 1], got torch.int64 tensor of shape [3]")):
         w.plan(qo.long(), kvp, idx, last, *heads)
     with pytest.raises(LaunchError, match=exact(
-            "plan(): paged_kv_last_page_len: expected a 1-D torch.int32 tensor, got list")):
+            "plan(): `paged_kv_last_page_len`: expected a 1-D torch.int32 tensor [batch], got list")):
         w.plan(qo, kvp, idx, last.tolist(), *heads)
     with pytest.raises(LaunchError, match=exact(
             "plan(): inconsistent batch: qo_indptr has 3 entries, paged_kv_indptr 4, paged_kv_last_page_len 2 "
