@@ -1,5 +1,7 @@
 """What a wrapper's run() relies on from plan(): the page list's bounds, and the tensors the
-plan was computed from.
+plan was computed from; and the checks of a batch's arguments every route shares with the dense
+reference (reference.reference_attention): sizes, index tensors, per-request lengths, the spec's
+arguments. ``where`` names the caller in their messages ("plan()", "run()", "reference_attention()").
 
 Page bounds. The kernels read ``k_cache[paged_kv_indices[i]]`` unchecked, so an entry outside
 the KV cache is an out-of-bounds read on the GPU. plan() takes the smallest and largest entry
@@ -59,16 +61,22 @@ tensor, where the output alone would only be wrong.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import difflib
+import math
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from .errors import LaunchError
-from .expr import INT32_MAX
+from .expr import FLOAT32_MAX, INT32_MAX
+from .plan import Batch
+from .spec import VariantSpec, shown_value, value_fits
 
 INT32_PAGES = 1 << 31  # int32 page numbers: a cache of more pages holds every one of them
+SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
+KV_LAYOUTS = ("NHD", "HND")
 
 
 def to_device(where: str, tensor: torch.Tensor, device: Any) -> torch.Tensor:
@@ -103,8 +111,70 @@ def check_index_tensors(where: str, **tensors: Any) -> None:
                               f"({where} reads its values)")
 
 
-def check_total_keys(kv_lens: list[int], page_size: int) -> None:
-    """plan(): the batch's keys (the sum of its requests' kv lengths) fit the kernels' int32 key
+def check_plan_sizes(where: str, **sizes: Any) -> None:
+    """num_qo_heads, num_kv_heads (and page_size): positive ints within int32 (as the kernels
+    take them), whole GQA groups."""
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= INT32_MAX:
+            raise LaunchError(f"{where}: {name}={value!r}: expected a positive int below 2**31")
+    if sizes["num_qo_heads"] % sizes["num_kv_heads"]:
+        raise LaunchError(f"{where}: num_qo_heads={sizes['num_qo_heads']} is not a multiple of "
+                          f"num_kv_heads={sizes['num_kv_heads']}")
+
+
+def check_indptr_starts(where: str, **firsts: int) -> None:
+    """Indptrs start at 0: the kernels index q / o rows and the page list from the first row and
+    entry of their tensors (an offset would be applied nowhere)."""
+    for name, first in firsts.items():
+        if first != 0:
+            what = ("page lists are packed from the first entry of `paged_kv_indices`" if name == "paged_kv_indptr"
+                    else "rows are packed from the first row of the tensor")
+            raise LaunchError(f"{where}: `{name}`[0]={first}: expected 0 ({what})")
+
+
+def check_paged_arguments(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any,
+                          num_qo_heads: Any, num_kv_heads: Any, page_size: Any, *, where: str = "plan()") -> None:
+    """A paged batch's arguments before their values are read (sizes, index tensor types, entry
+    counts), shared by every paged-prefill route and the reference."""
+    check_plan_sizes(where, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
+    check_index_tensors(where, qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
+                        paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
+    batch = qo_indptr.numel() - 1
+    if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
+        raise LaunchError(
+            f"{where}: inconsistent batch: qo_indptr has {qo_indptr.numel()} entries, paged_kv_indptr "
+            f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
+            "(expected batch+1, batch+1, batch)")
+
+
+def paged_batch(qo_h: list[int], kvp_h: list[int], last_h: list[int], num_indices: int, num_qo_heads: int,
+                num_kv_heads: int, page_size: int, *, where: str = "plan()") -> Batch:
+    """The Batch of a paged batch from host copies of its indptrs and last-page lengths (after
+    check_paged_arguments), its per-request lengths checked; ``num_indices``: entries of
+    paged_kv_indices. LaunchError naming the argument and request otherwise."""
+    check_indptr_starts(where, qo_indptr=qo_h[0], paged_kv_indptr=kvp_h[0])
+    qo_lens, kv_lens = [], []
+    for b in range(len(qo_h) - 1):
+        ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
+        kl = 0 if npages == 0 else (npages - 1) * page_size + lp
+        if ql < 0 or npages < 0:
+            raise LaunchError(f"{where}: request {b}: indptrs must be non-decreasing")
+        if npages and not 1 <= lp <= page_size:
+            raise LaunchError(f"{where}: paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
+        if ql > kl:
+            raise LaunchError(f"{where}: request {b} has {ql} queries but only {kl} keys; the queries must be "
+                              "the last qo_len tokens of the request's KV")
+        qo_lens.append(ql)
+        kv_lens.append(kl)
+    if kvp_h[-1] > num_indices:
+        raise LaunchError(f"{where}: paged_kv_indices has {num_indices} entries, paged_kv_indptr needs {kvp_h[-1]}")
+    check_total_keys(kv_lens, page_size, where)
+    return Batch(len(qo_lens), qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size, tuple(qo_lens),
+                 tuple(kv_lens))
+
+
+def check_total_keys(kv_lens: list[int], page_size: int, where: str = "plan()") -> None:
+    """The batch's keys (the sum of its requests' kv lengths) fit the kernels' int32 key
     positions and rows (vg_meta's kv lengths and KV_ROW_BASE, the row of a request's first key
     among the batch's): past 2**31 - 1 they would wrap. The lengths come from page_size,
     paged_kv_indptr and paged_kv_last_page_len, which a page list reusing pages can make large."""
@@ -112,10 +182,122 @@ def check_total_keys(kv_lens: list[int], page_size: int) -> None:
     if total > INT32_MAX:
         longest = max(range(len(kv_lens)), key=kv_lens.__getitem__)
         raise LaunchError(
-            f"plan(): the batch has {total} keys (request {longest}: {kv_lens[longest]}), expected at most "
+            f"{where}: the batch has {total} keys (request {longest}: {kv_lens[longest]}), expected at most "
             f"2**31 - 1 = {INT32_MAX} (the kernels' key positions and rows are int32): check page_size={page_size}, "
             "paged_kv_indptr and paged_kv_last_page_len (a request's keys: (its pages - 1) * page_size + its last "
             "page's length)")
+
+
+def check_kv_layout(kv_layout: Any, where: str = "") -> None:
+    """``kv_layout`` is one the kernels take (``where``: the caller, for the message; none for a constructor)."""
+    if kv_layout not in KV_LAYOUTS:
+        raise LaunchError(f"{where}{': ' if where else ''}kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
+
+
+def split_paged_cache(where: str, paged_kv_cache: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache) of a paged KV cache given as a pair or as one [num_pages, 2, ...]
+    tensor, each a 4-D tensor (their shapes are the caller's to check)."""
+    if isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
+        k_cache, v_cache = paged_kv_cache
+    elif isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 5 and paged_kv_cache.shape[1] == 2:
+        k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
+    else:
+        raise LaunchError(f"{where}: `paged_kv_cache`: expected (k_cache, v_cache) or one tensor [num_pages, 2, ...]")
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise LaunchError(f"{where}: `{name}`: expected a 4-D tensor")
+    return k_cache, v_cache
+
+
+def check_scale_values(where: str, **scales: Any) -> None:
+    """Scales given (None: not given) are finite numbers in float32 range (the kernels take them as float32s)."""
+    for name, value in scales.items():
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or (
+                isinstance(value, float) and not math.isfinite(value)):
+            raise LaunchError(f"{where}: `{name}`: expected a finite float, got {value!r} "
+                              "(per-head scale tensors are not supported)")
+        if abs(value) > FLOAT32_MAX:  # (an int too: compared exactly)
+            raise LaunchError(f"{where}: `{name}`={shown_value(value)}: expected a float in float32 range (|x| <= "
+                              f"{FLOAT32_MAX:.7g}): the kernels take it as a float32")
+
+
+def spec_dims(batch: Batch) -> dict[str, int]:
+    """The sizes a spec tensor's named dimensions take for ``batch``."""
+    return {"total_q": batch.total_q, "total_kv": batch.total_kv, "batch": batch.batch_size,
+            "num_qo_heads": batch.num_qo_heads, "num_kv_heads": batch.num_kv_heads}
+
+
+def check_known(spec: VariantSpec, given: Mapping[str, Any], where: str, own: Collection[str] = (),
+                also: str = "") -> None:
+    """LaunchError for names in ``given`` that are no argument of ``spec``, with the closest name
+    (a spec argument, or one of ``own``: the caller's own keywords); ``also``: what else the
+    caller takes, for the message."""
+    known = [t.name for t in spec.tensors] + [s.name for s in spec.scalars]
+    extra = sorted(set(given) - set(known))
+    if not extra:
+        return
+    named = []
+    for name in extra:
+        close = difflib.get_close_matches(name, [*known, *own], n=1, cutoff=0.6)
+        named.append(f"{name} (did you mean `{close[0]}`?)" if close else name)
+    takes = ", ".join(known) or "no extra arguments"
+    raise LaunchError(f"{where}: unexpected argument(s) {', '.join(named)}; spec `{spec.name}` takes: {takes}{also}")
+
+
+def check_spec_args(spec: VariantSpec, given: Mapping[str, Any], dims: dict[str, int], device: torch.device, *,
+                    where: str, required: bool = True, caps: dict[str, int] | None = None,
+                    device_of: str = "the workspace", contiguous: bool = True) -> dict[str, Any]:
+    """The spec's arguments in ``given`` (names checked by check_known), checked: its tensors'
+    dtype, shape (``dims``: the named dimensions' sizes; ``caps``: CUDA-graph mode's largest),
+    device (``device``, ``device_of`` says whose) and, where ``contiguous`` (the kernels take
+    their addresses), contiguity, each tensor required unless ``required`` is False; its scalars
+    (their defaults where absent) of their type and range. The checked arguments by name."""
+    out: dict[str, Any] = {}
+    for t in spec.tensors:
+        if t.name not in given:
+            if not required:
+                continue
+            raise LaunchError(f"{where}: missing tensor argument `{t.name}` "
+                              f"({t.dtype}, shape {list(t.shape)}: {t.doc or 'see the spec'})")
+        value = given[t.name]
+        want_shape = tuple(dims[d] if isinstance(d, str) else d for d in t.shape)
+        shape_text = "[" + ", ".join(f"{d}={dims[d]}" if isinstance(d, str) else str(d) for d in t.shape) + "]"
+        if caps and any(d in caps for d in t.shape if isinstance(d, str)):
+            # Graph mode: a static buffer sized for the capacity is fine (rows past this
+            # batch are not read).
+            shape_text += " (batch-sized dims up to the CUDA-graph capacity)"
+            if isinstance(value, torch.Tensor) and value.dim() == len(t.shape) and all(
+                    want <= got <= caps.get(d, want) if isinstance(d, str) else want == got
+                    for d, want, got in zip(t.shape, want_shape, value.shape)):
+                want_shape = tuple(value.shape)
+        if not isinstance(value, torch.Tensor):
+            raise LaunchError(f"{where}: `{t.name}`: expected a torch.{t.dtype} tensor of shape {shape_text}, "
+                              f"got {type(value).__name__}")
+        if value.dtype != SPEC_TENSOR_DTYPES[t.dtype]:
+            raise LaunchError(f"{where}: `{t.name}`: expected dtype torch.{t.dtype}, got {value.dtype}")
+        if tuple(value.shape) != want_shape:
+            raise LaunchError(f"{where}: `{t.name}`: expected shape {shape_text}, got {list(value.shape)}")
+        if value.device != device:
+            raise LaunchError(f"{where}: `{t.name}` is on {value.device}, expected {device} (the device of "
+                              f"{device_of})")
+        if contiguous and not value.is_contiguous():
+            raise LaunchError(f"{where}: `{t.name}` must be contiguous (call .contiguous(); it is not copied "
+                              "implicitly so that CUDA-graph pointers stay stable)")
+        out[t.name] = value
+    for s in spec.scalars:
+        value = given.get(s.name, s.default)
+        if not value_fits(value, s.dtype):
+            want = {"bool": "a bool", "int": "an int in 32-bit range",
+                    "float": f"a float in 32-bit float range (|x| <= {FLOAT32_MAX:.7g})"}[s.dtype]
+            raise LaunchError(f"{where}: `{s.name}`: expected {want}, got {shown_value(value)} "
+                              f"({type(value).__name__})")
+        problem = s.out_of_range(value)
+        if problem:
+            raise LaunchError(f"{where}: `{s.name}`: {problem}")
+        out[s.name] = float(value) if s.dtype == "float" else value
+    return out
 
 
 @dataclass(frozen=True)
@@ -136,6 +318,14 @@ class PageBounds:
 
 
 NO_PAGES = PageBounds(0, 0, -1)
+
+
+def read_bounds(kv_indices: torch.Tensor, entries: int) -> PageBounds:
+    """The bounds of ``kv_indices[:entries]`` read on the host (for a device tensor: a copy, which waits)."""
+    if entries == 0:
+        return NO_PAGES
+    low, high = torch.aminmax(kv_indices[:entries].cpu())
+    return PageBounds(entries, int(low), int(high))
 
 
 class BoundsCopy:
@@ -223,8 +413,7 @@ class PageGuard:
         elif folded:
             self._bounds = PageBounds(entries, folded[0], folded[1])
         elif not BoundsCopy.needed(kv_indices):
-            low, high = torch.aminmax(kv_indices[:entries].cpu())
-            self._bounds = PageBounds(entries, int(low), int(high))
+            self._bounds = read_bounds(kv_indices, entries)
         else:  # on their way: landed by finish() where plan() read something back after this
             copy = self._spare.pop() if self._spare else BoundsCopy(kv_indices.device)
             copy.start(kv_indices[:entries])

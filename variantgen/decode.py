@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .checks import check_index_tensors, check_total_keys
+from .checks import check_index_tensors, check_indptr_starts, check_plan_sizes, check_total_keys
 from .errors import LaunchError
 from .flags import check_flags
 from .graph import GraphCapacity, pin_plan_info
@@ -179,7 +179,7 @@ class DecodeWrapper(WrapperBase):
         self._batch, self._launch, self._planned_args = None, None, {}
         self._check_replays()
         check_flags("plan()", skip_tiles=skip_tiles)
-        self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
+        check_plan_sizes("plan()", num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
         per = check_q_len_per_request(q_len_per_request, self.use_tensor_cores)
         group = num_qo_heads // num_kv_heads
         if not self.use_tensor_cores and group not in DECODE_GROUP_SIZES:
@@ -409,7 +409,7 @@ def check_decode_arguments(paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv
 def decode_kv_lens(kvp_h: list[int], last_h: list[int], num_indices: int, page_size: int) -> list[int]:
     """The requests' kv lengths from host copies of paged_kv_indptr and paged_kv_last_page_len,
     checked (``num_indices``: entries of paged_kv_indices); LaunchError naming the argument."""
-    WrapperBase._check_indptr_starts(paged_kv_indptr=kvp_h[0])
+    check_indptr_starts("plan()", paged_kv_indptr=kvp_h[0])
     kv_lens = []
     for b in range(len(last_h)):
         npages, lp = kvp_h[b + 1] - kvp_h[b], last_h[b]

@@ -44,6 +44,7 @@ import torch
 
 from . import flex
 from .capabilities import FLEX, KINDS, canonical_dtype, graph_problem
+from .checks import check_plan_sizes
 from .errors import BackendError, LaunchError
 from .evaluate import Evaluator
 from .expr import names_used
@@ -534,7 +535,7 @@ class FlexDecodeWrapper(FlexWrapperBase):
         self._reset()
         self._multi = None
         check_flags("plan()", skip_tiles=skip_tiles)
-        self._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
+        check_plan_sizes("plan()", num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
         per = check_q_len_per_request(q_len_per_request, tensor_cores=True)
         kvp_h, _, kv_lens = read_decode_batch(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, page_size)
         batch = len(kv_lens)

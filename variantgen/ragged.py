@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .checks import check_index_tensors
+from .checks import check_index_tensors, check_indptr_starts, check_plan_sizes
 from .errors import LaunchError
 from .expr import Const
 from .flags import check_flags
@@ -182,7 +182,7 @@ def read_ragged_batch(qo_indptr: Any, kv_indptr: Any, num_qo_heads: Any, num_kv_
                       ) -> tuple[Batch, list[int], list[int]]:
     """plan()'s checks of a ragged batch, shared by every ragged route: the Batch and host copies
     of qo_indptr and kv_indptr; LaunchError naming the argument otherwise."""
-    WrapperBase._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
+    check_plan_sizes("plan()", num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads)
     check_flags("plan()", disable_split_kv=disable_split_kv)
     check_index_tensors("plan()", qo_indptr=qo_indptr, kv_indptr=kv_indptr)
     batch = qo_indptr.numel() - 1
@@ -190,7 +190,7 @@ def read_ragged_batch(qo_indptr: Any, kv_indptr: Any, num_qo_heads: Any, num_kv_
         raise LaunchError(f"plan(): inconsistent batch: `qo_indptr` has {qo_indptr.numel()} entries and "
                           f"`kv_indptr` {kv_indptr.numel()} (expected batch + 1 each, batch >= 1)")
     qo_h, kv_h = host_lists(qo_indptr, kv_indptr)
-    WrapperBase._check_indptr_starts(qo_indptr=qo_h[0], kv_indptr=kv_h[0])
+    check_indptr_starts("plan()", qo_indptr=qo_h[0], kv_indptr=kv_h[0])
     qo_lens, kv_lens = [], []
     for b in range(batch):
         ql, kl = qo_h[b + 1] - qo_h[b], kv_h[b + 1] - kv_h[b]

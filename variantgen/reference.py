@@ -4,7 +4,8 @@ Every GPU test compares against this. It evaluates the mask (the logits transfor
 logit of each head) for each request over a [heads, qo_len, kv_len] grid with evaluate.Evaluator, whose semantics
 are the ones codegen.py promises the kernels have.
 
-It runs on whatever device the inputs are on (CPU in CI, the GPU in GPU tests).
+It runs on whatever device the inputs are on (CPU in CI, the GPU in GPU tests). Its inputs are
+checked as the wrappers check theirs (checks.py), so a bad one raises a LaunchError that names it.
 """
 
 from __future__ import annotations
@@ -16,8 +17,25 @@ from typing import Any
 
 import torch
 
+from .checks import (
+    check_known,
+    check_kv_layout,
+    check_paged_arguments,
+    check_pages,
+    check_scale_values,
+    check_spec_args,
+    paged_batch,
+    read_bounds,
+    spec_dims,
+    split_paged_cache,
+)
+from .errors import LaunchError
 from .evaluate import Evaluator
+from .flags import check_flags
+from .plan import Batch
 from .spec import VariantSpec
+
+WHERE = "reference_attention()"  # (its messages' prefix)
 
 
 @dataclass(frozen=True)
@@ -81,19 +99,45 @@ def transform_logits(spec: VariantSpec, grid: RequestGrid, args: Mapping[str, An
 
 def split_kv_cache(paged_kv_cache, kv_layout: str = "NHD") -> tuple[torch.Tensor, torch.Tensor]:
     """(k, v) pages as [num_pages, page_size, num_kv_heads, head_dim] whatever the input form."""
-    if isinstance(paged_kv_cache, (tuple, list)):
-        k, v = paged_kv_cache
-    else:
-        k, v = paged_kv_cache.unbind(1)
+    check_kv_layout(kv_layout, WHERE)
+    k, v = split_paged_cache(WHERE, paged_kv_cache)
     if kv_layout == "HND":
         k, v = k.transpose(1, 2), v.transpose(1, 2)
     return k, v
 
 
-def kv_lengths(paged_kv_indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) -> list[int]:
-    pages = (paged_kv_indptr[1:] - paged_kv_indptr[:-1]).tolist()
-    last = last_page_len.tolist()
-    return [0 if n == 0 else (n - 1) * page_size + lp for n, lp in zip(pages, last)]
+def _check_inputs(q: Any, k_pages: torch.Tensor, v_pages: torch.Tensor, qo_indptr: Any, paged_kv_indptr: Any,
+                  paged_kv_indices: Any, paged_kv_last_page_len: Any, kv_layout: str,
+                  ) -> tuple[Batch, list[int], list[int]]:
+    """reference_attention's q, cache (``k_pages`` / ``v_pages`` from split_kv_cache) and batch,
+    checked with the wrappers' checks: the Batch and host copies of qo_indptr and paged_kv_indptr."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3 or not q.is_floating_point():
+        got = f"{q.dtype} tensor of shape {list(q.shape)}" if isinstance(q, torch.Tensor) else type(q).__name__
+        raise LaunchError(f"{WHERE}: `q`: expected a floating-point tensor [total_q, num_qo_heads, head_dim_qk], "
+                          f"got {got}")
+    layout = "[pages, page_size, kv_heads, head_dim]" if kv_layout == "NHD" else \
+        "[pages, kv_heads, page_size, head_dim]"
+    for name, t in (("k_cache", k_pages), ("v_cache", v_pages)):
+        if not t.is_floating_point():
+            raise LaunchError(f"{WHERE}: `{name}`: expected a floating-point tensor {layout}, got {t.dtype}")
+        if t.device != q.device:
+            raise LaunchError(f"{WHERE}: `{name}` is on {t.device}, expected {q.device} (the device of q)")
+    if v_pages.shape[:3] != k_pages.shape[:3]:  # (k_pages / v_pages are NHD: the caller's shapes for the message)
+        shapes = [list(t.transpose(1, 2).shape if kv_layout == "HND" else t.shape) for t in (k_pages, v_pages)]
+        raise LaunchError(f"{WHERE}: `k_cache` {shapes[0]} and `v_cache` {shapes[1]}: expected the same pages, page "
+                          f"size and heads ({layout})")
+    if q.shape[2] != k_pages.shape[3]:
+        raise LaunchError(f"{WHERE}: `q`: head_dim_qk={q.shape[2]}, but `k_cache` has head_dim={k_pages.shape[3]}")
+    num_pages, page_size, num_kv_heads = k_pages.shape[:3]
+    check_paged_arguments(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, q.shape[1],
+                          num_kv_heads, page_size, where=WHERE)
+    qo, kvp, last = qo_indptr.tolist(), paged_kv_indptr.tolist(), paged_kv_last_page_len.tolist()
+    batch = paged_batch(qo, kvp, last, paged_kv_indices.numel(), q.shape[1], num_kv_heads, page_size, where=WHERE)
+    check_pages(WHERE, read_bounds(paged_kv_indices, kvp[-1]), paged_kv_indices, num_pages, "the KV cache")
+    if q.shape[0] != batch.total_q:
+        raise LaunchError(f"{WHERE}: `q`: expected shape [total_q={batch.total_q}, num_qo_heads, head_dim_qk], got "
+                          f"{list(q.shape)}")
+    return batch, qo, kvp
 
 
 def softmax_attention(scores: torch.Tensor, v: torch.Tensor, sink: torch.Tensor | None = None,
@@ -137,19 +181,26 @@ def reference_attention(
     v_scale: float | None = None,
     return_lse: bool = False,
 ):
-    """Dense float32 attention for ``spec`` over a paged KV cache; returns [total_q, H, D_vo]."""
-    args = dict(args or {})
+    """Dense float32 attention for ``spec`` over a paged KV cache; returns [total_q, H, D_vo]
+    (with ``return_lse``: and the LSE, base 2). The arguments are the paged wrappers' (``args``:
+    the spec's arguments by name), checked as they check them: LaunchError naming the argument."""
     k_pages, v_pages = split_kv_cache(paged_kv_cache, kv_layout)
-    page_size = k_pages.shape[1]
+    batch, qo, kvp = _check_inputs(q, k_pages, v_pages, qo_indptr, paged_kv_indptr, paged_kv_indices,
+                                 paged_kv_last_page_len, kv_layout)
+    args = {} if args is None else args
+    if not isinstance(args, Mapping):
+        raise LaunchError(f"{WHERE}: `args`: expected the spec's arguments by name (a dict), got {type(args).__name__}")
+    check_known(spec, args, WHERE, also=" (by name in `args`)")
+    args = check_spec_args(spec, args, spec_dims(batch), q.device, where=WHERE, device_of="q", contiguous=False)
+    check_scale_values(WHERE, sm_scale=sm_scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+    check_flags(WHERE, return_lse=return_lse)
     num_qo_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_pages.shape[2]
     group = num_qo_heads // num_kv_heads
     base_scale = sm_scale if sm_scale is not None else (
         spec.sm_scale if spec.sm_scale is not None else 1.0 / math.sqrt(head_dim))
     scale = base_scale * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0)
-    qo = qo_indptr.tolist()
-    kvp = paged_kv_indptr.tolist()
-    kv_lens = kv_lengths(paged_kv_indptr, paged_kv_last_page_len, page_size)
+    kv_lens = batch.kv_lens
     out = torch.zeros(q.shape[0], num_qo_heads, v_pages.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full((q.shape[0], num_qo_heads), -math.inf, dtype=torch.float32, device=q.device)
     kv_row_base = 0
@@ -158,7 +209,7 @@ def reference_attention(
         if qo_len == 0:
             kv_row_base += kv_len
             continue
-        pages = paged_kv_indices[kvp[b]:kvp[b + 1]].long()
+        pages = paged_kv_indices[kvp[b]:kvp[b + 1]].long().to(k_pages.device)
         k = k_pages[pages].reshape(-1, num_kv_heads, k_pages.shape[-1])[:kv_len].float()
         v = v_pages[pages].reshape(-1, num_kv_heads, v_pages.shape[-1])[:kv_len].float()
         k = k.repeat_interleave(group, dim=1)

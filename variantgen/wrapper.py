@@ -15,12 +15,11 @@ launches, each built by the one launch builder (templates/plan/) - with the spec
 module (the default on CUDA) after its row pass, in one C++ call; otherwise planner-off, one
 custom launch per request, and the Plan says why. run() runs the plan's launches. Graph mode
 (graph.py) fixes the launches and their buffers at a capacity. Decode and ragged KV have
-their own wrappers (decode.py, ragged.py) on the shared checks of WrapperBase.
+their own wrappers (decode.py, ragged.py) on the shared checks of WrapperBase and checks.py.
 """
 
 from __future__ import annotations
 
-import difflib
 import functools
 import inspect
 import logging
@@ -30,10 +29,21 @@ from typing import Any, NamedTuple
 import torch
 
 from .build import BuildResult
-from .checks import PageGuard, PlanCheck, check_index_tensors, check_total_keys
+from .checks import (
+    PageGuard,
+    PlanCheck,
+    check_known,
+    check_kv_layout,
+    check_paged_arguments,
+    check_scale_values,
+    check_spec_args,
+    paged_batch,
+    spec_dims,
+    split_paged_cache,
+)
 from .env import settings
 from .errors import LaunchError
-from .expr import FLOAT32_MAX, INT32_MAX
+from .expr import FLOAT32_MAX
 from .flags import check_flags
 from .graph import GraphCapacity
 from .intervals import IntervalForm, analyze, args_read, tensors_read, usable_form
@@ -41,7 +51,7 @@ from .plan import Batch, Launch, Plan
 from .plan_abi import FA2_TAIL_RUN_CODE, READ_INDICES_EXTRA, MaskMode
 from .planner import Planner
 from .render import ModuleConfig
-from .spec import VariantSpec, shown_value, value_fits
+from .spec import VariantSpec, shown_value
 from .staging import HostStaging, IntWorkspaces
 
 log = logging.getLogger("variantgen.wrapper")
@@ -53,7 +63,6 @@ TORCH_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
     "fp32": torch.float32,  # the flex route only (FlashInfer modules take 16-bit queries)
 }
-SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
 LAYOUT_CODES = {"NHD": 0, "HND": 1}
 ALIGN_BYTES = 16  # the kernels move q/k/v/o rows in 16-byte vectors (cp.async, TMA)
 MAX_SM_SCALE = FLOAT32_MAX / math.log2(math.e)  # its product with log2(e) is a finite float32
@@ -75,10 +84,6 @@ class IntervalFacts(NamedTuple):
     tensors: frozenset[str]  # ... of them the tensors (plan() needs them)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 class WrapperBase:
     """What every kernel kind's wrapper shares: the module, the float workspace, and the
     checks of the spec's named arguments, scales, outputs and (paged kinds) page list.
@@ -93,8 +98,7 @@ class WrapperBase:
 
     def __init__(self, spec: VariantSpec, config: ModuleConfig, module: Any, build: BuildResult | None,
                  float_workspace: torch.Tensor, kv_layout: str = "NHD", *, check_plan: bool | None = None):
-        if kv_layout not in LAYOUT_CODES:
-            raise LaunchError(f"kv_layout={kv_layout!r}: expected 'NHD' or 'HND'")
+        check_kv_layout(kv_layout)
         if not isinstance(float_workspace, torch.Tensor) or float_workspace.dtype != torch.uint8:
             raise LaunchError("workspace: expected a torch.uint8 tensor (e.g. 128 MiB on the GPU)")
         if not float_workspace.is_contiguous():  # the kernels take its address and byte count
@@ -181,27 +185,6 @@ class WrapperBase:
         return float(base * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0))
 
     # ------------------------------------------------------------------ argument checks
-    @staticmethod
-    def _check_plan_sizes(**sizes: Any) -> None:
-        """plan()'s num_qo_heads, num_kv_heads (and page_size): positive ints within int32 (as the
-        kernels take them), whole GQA groups."""
-        for name, value in sizes.items():
-            if not _is_int(value) or not 0 < value <= INT32_MAX:
-                raise LaunchError(f"plan(): {name}={value!r}: expected a positive int below 2**31")
-        if sizes["num_qo_heads"] % sizes["num_kv_heads"]:
-            raise LaunchError(f"plan(): num_qo_heads={sizes['num_qo_heads']} is not a multiple of "
-                              f"num_kv_heads={sizes['num_kv_heads']}")
-
-    @staticmethod
-    def _check_indptr_starts(**firsts: int) -> None:
-        """plan()'s indptrs start at 0: the kernels index q / o rows and the page list from the
-        first row and entry of their tensors (an offset would be applied nowhere)."""
-        for name, first in firsts.items():
-            if first != 0:
-                what = ("page lists are packed from the first entry of `paged_kv_indices`" if name == "paged_kv_indptr"
-                        else "rows are packed from the first row of the tensor")
-                raise LaunchError(f"plan(): `{name}`[0]={first}: expected 0 ({what})")
-
     # ------------------------------------------------------------------ the page list (checks.py)
     def _read_indptrs(self, kv_indices: torch.Tensor, kv_indptr: torch.Tensor, *indptrs: torch.Tensor,
                       ) -> tuple[list[list[int]], torch.Tensor, list[int]]:
@@ -276,10 +259,8 @@ class WrapperBase:
             self._plan_check.verify(self._capturing())
 
     def _dims(self) -> dict[str, int]:
-        b = self._batch
-        assert b is not None
-        return {"total_q": b.total_q, "total_kv": b.total_kv, "batch": b.batch_size,
-                "num_qo_heads": b.num_qo_heads, "num_kv_heads": b.num_kv_heads}
+        assert self._batch is not None
+        return spec_dims(self._batch)
 
     def _dim_capacity(self) -> dict[str, int]:
         """Graph mode: the largest size each batch-dependent dim may have (static buffers)."""
@@ -288,70 +269,16 @@ class WrapperBase:
     def _check_known(self, given: dict[str, Any], where: str) -> None:
         """LaunchError for keywords that are no spec argument, with the closest name (a spec
         argument, or the method's own keyword: `skip_tile=` for skip_tiles)."""
-        known = self._tensor_names + self._scalar_names
-        extra = sorted(set(given) - set(known))
-        if not extra:
-            return
         method = getattr(type(self), where.removesuffix("()"), None)
         own = [n for n, p in inspect.signature(method).parameters.items()
                if p.kind is inspect.Parameter.KEYWORD_ONLY] if method is not None else []
-        named = []
-        for name in extra:
-            close = difflib.get_close_matches(name, [*known, *own], n=1, cutoff=0.6)
-            named.append(f"{name} (did you mean `{close[0]}`?)" if close else name)
-        takes = ", ".join(known) or "no extra arguments"
-        raise LaunchError(f"{where}: unexpected argument(s) {', '.join(named)}; spec `{self.spec.name}` takes: "
-                          f"{takes} (plus q_scale, k_scale, v_scale, out, return_lse in run())")
+        check_known(self.spec, given, where, own, " (plus q_scale, k_scale, v_scale, out, return_lse in run())")
 
     def _check_args(self, given: dict[str, Any], *, where: str, require_tensors_from: str | None = None,
                     ) -> dict[str, Any]:
         self._check_known(given, where)
-        dims = self._dims()
-        out: dict[str, Any] = {}
-        for t in self.spec.tensors:
-            if t.name not in given:
-                if require_tensors_from is not None:
-                    continue  # plan(): only what the intervals read is required (checked by the planner)
-                raise LaunchError(f"{where}: missing tensor argument `{t.name}` "
-                                  f"({t.dtype}, shape {list(t.shape)}: {t.doc or 'see the spec'})")
-            value = given[t.name]
-            want_shape = tuple(dims[d] if isinstance(d, str) else d for d in t.shape)
-            shape_text = "[" + ", ".join(f"{d}={dims[d]}" if isinstance(d, str) else str(d) for d in t.shape) + "]"
-            caps = self._dim_capacity()
-            if caps and any(d in caps for d in t.shape if isinstance(d, str)):
-                # Graph mode: a static buffer sized for the capacity is fine (rows past this
-                # batch are not read).
-                shape_text += " (batch-sized dims up to the CUDA-graph capacity)"
-                if isinstance(value, torch.Tensor) and value.dim() == len(t.shape) and all(
-                        want <= got <= caps.get(d, want) if isinstance(d, str) else want == got
-                        for d, want, got in zip(t.shape, want_shape, value.shape)):
-                    want_shape = tuple(value.shape)
-            if not isinstance(value, torch.Tensor):
-                raise LaunchError(f"{where}: `{t.name}`: expected a torch.{t.dtype} tensor of shape {shape_text}, "
-                                  f"got {type(value).__name__}")
-            if value.dtype != SPEC_TENSOR_DTYPES[t.dtype]:
-                raise LaunchError(f"{where}: `{t.name}`: expected dtype torch.{t.dtype}, got {value.dtype}")
-            if tuple(value.shape) != want_shape:
-                raise LaunchError(f"{where}: `{t.name}`: expected shape {shape_text}, got {list(value.shape)}")
-            if value.device != self.device:
-                raise LaunchError(f"{where}: `{t.name}` is on {value.device}, expected {self.device} "
-                                  "(the device of the workspace)")
-            if not value.is_contiguous():
-                raise LaunchError(f"{where}: `{t.name}` must be contiguous (call .contiguous(); it is not copied "
-                                  "implicitly so that CUDA-graph pointers stay stable)")
-            out[t.name] = value
-        for s in self.spec.scalars:
-            value = given.get(s.name, s.default)
-            if not value_fits(value, s.dtype):
-                want = {"bool": "a bool", "int": "an int in 32-bit range",
-                        "float": f"a float in 32-bit float range (|x| <= {FLOAT32_MAX:.7g})"}[s.dtype]
-                raise LaunchError(f"{where}: `{s.name}`: expected {want}, got {shown_value(value)} "
-                                  f"({type(value).__name__})")
-            problem = s.out_of_range(value)
-            if problem:
-                raise LaunchError(f"{where}: `{s.name}`: {problem}")
-            out[s.name] = float(value) if s.dtype == "float" else value
-        return out
+        return check_spec_args(self.spec, given, self._dims(), self.device, where=where,
+                               required=require_tensors_from is None, caps=self._dim_capacity())
 
     def _check_tensor(self, name: str, t: Any, dtype: torch.dtype, shape: tuple[int, ...],
                       layout_text: str = "") -> torch.Tensor:
@@ -390,14 +317,7 @@ class WrapperBase:
             raise LaunchError(f"run(): spec `{self.spec.name}` sets `scales.qkv_scales: false`; "
                               "q_scale/k_scale/v_scale are not accepted")
         given = {n: v for n, v in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)) if v is not None}
-        for name, value in given.items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or (
-                    isinstance(value, float) and not math.isfinite(value)):
-                raise LaunchError(f"run(): `{name}`: expected a finite float, got {value!r} "
-                                  "(per-head scale tensors are not supported)")
-            if abs(value) > FLOAT32_MAX:  # (an int too: compared exactly)
-                raise LaunchError(f"run(): `{name}`={shown_value(value)}: expected a float in float32 range (|x| <= "
-                                  f"{FLOAT32_MAX:.7g}): the kernels take it as a float32")
+        check_scale_values("run()", **given)
         # The kernels multiply the logits by the softmax scale times log2(e), in float32.
         sm_scale = self._sm_scale(q_scale, k_scale)
         if abs(sm_scale) > MAX_SM_SCALE:
@@ -478,16 +398,8 @@ class WrapperBase:
         shapes, strides the kernel can take, page counts (the planned pages are _check_paged_run's)."""
         b, cfg = self._batch, self.config
         kvdt = TORCH_DTYPES[cfg.kv_dtype]
-        if isinstance(paged_kv_cache, (tuple, list)) and len(paged_kv_cache) == 2:
-            k_cache, v_cache = paged_kv_cache
-        elif isinstance(paged_kv_cache, torch.Tensor) and paged_kv_cache.dim() == 5 and paged_kv_cache.shape[1] == 2:
-            k_cache, v_cache = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
-        else:
-            raise LaunchError("run(): `paged_kv_cache`: expected (k_cache, v_cache) or one tensor "
-                              "[num_pages, 2, ...]")
+        k_cache, v_cache = split_paged_cache("run()", paged_kv_cache)
         for name, t, head_dim in (("k_cache", k_cache, cfg.head_dim_qk), ("v_cache", v_cache, cfg.head_dim_vo)):
-            if not isinstance(t, torch.Tensor) or t.dim() != 4:
-                raise LaunchError(f"run(): `{name}`: expected a 4-D tensor")
             page_dim, head_axis = (1, 2) if self.kv_layout == "NHD" else (2, 1)
             if t.shape[page_dim] != b.page_size or t.shape[head_axis] != b.num_kv_heads or t.shape[3] != head_dim:
                 layout = "[pages, page_size, kv_heads, head_dim]" if self.kv_layout == "NHD" else \
@@ -764,47 +676,6 @@ class PagedBatchLists(NamedTuple):
     kv_indptr: list[int]
     last_page_len: list[int]
     host: torch.Tensor  # the three back to back on the host (host_indices)
-
-
-def check_paged_arguments(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any,
-                          num_qo_heads: Any, num_kv_heads: Any, page_size: Any) -> None:
-    """plan()'s checks of a paged batch's arguments before their values are read (sizes, index
-    tensor types, entry counts), shared by every paged-prefill route."""
-    WrapperBase._check_plan_sizes(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
-    check_index_tensors("plan()", qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
-                        paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
-    batch = qo_indptr.numel() - 1
-    if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
-        raise LaunchError(
-            f"plan(): inconsistent batch: qo_indptr has {qo_indptr.numel()} entries, paged_kv_indptr "
-            f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
-            "(expected batch+1, batch+1, batch)")
-
-
-def paged_batch(qo_h: list[int], kvp_h: list[int], last_h: list[int], num_indices: int, num_qo_heads: int,
-                num_kv_heads: int, page_size: int) -> Batch:
-    """The Batch of a paged batch from host copies of its indptrs and last-page lengths (after
-    check_paged_arguments), its per-request lengths checked; ``num_indices``: entries of
-    paged_kv_indices. LaunchError naming the argument and request otherwise."""
-    WrapperBase._check_indptr_starts(qo_indptr=qo_h[0], paged_kv_indptr=kvp_h[0])
-    qo_lens, kv_lens = [], []
-    for b in range(len(qo_h) - 1):
-        ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
-        kl = 0 if npages == 0 else (npages - 1) * page_size + lp
-        if ql < 0 or npages < 0:
-            raise LaunchError(f"plan(): request {b}: indptrs must be non-decreasing")
-        if npages and not 1 <= lp <= page_size:
-            raise LaunchError(f"plan(): paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
-        if ql > kl:
-            raise LaunchError(f"plan(): request {b} has {ql} queries but only {kl} keys; the queries must be "
-                              "the last qo_len tokens of the request's KV")
-        qo_lens.append(ql)
-        kv_lens.append(kl)
-    if kvp_h[-1] > num_indices:
-        raise LaunchError(f"plan(): paged_kv_indices has {num_indices} entries, paged_kv_indptr needs {kvp_h[-1]}")
-    check_total_keys(kv_lens, page_size)
-    return Batch(len(qo_lens), qo_h[-1], sum(kv_lens), num_qo_heads, num_kv_heads, page_size, tuple(qo_lens),
-                 tuple(kv_lens))
 
 
 def read_paged_batch(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices: Any, paged_kv_last_page_len: Any,

@@ -5,6 +5,7 @@ modulo, zero divisors, index clamping)."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
@@ -14,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import variantgen
-from variantgen import evaluate, reference
+from variantgen import checks, evaluate
+from variantgen.errors import LaunchError
 from variantgen.reference import RequestGrid, mask_for_request, reference_attention, transform_logits
 
 H_QO, H_KV, D, PAGE = 4, 2, 8, 4
@@ -385,10 +387,98 @@ def test_empty_request_keeps_kv_rows_aligned():
     torch.testing.assert_close(out.double(), want, atol=2e-5, rtol=1e-5)
 
 
-def test_kv_lengths_helper():
-    indptr = torch.tensor([0, 2, 2, 5])
-    last = torch.tensor([3, 0, 4])
-    assert reference.kv_lengths(indptr, last, 4) == [7, 0, 12]
+def test_request_lengths_are_the_wrappers():
+    """The reference reads a batch's lengths with the wrappers' checks.paged_batch."""
+    assert checks.paged_batch([0, 0, 0, 0], [0, 2, 2, 5], [3, 0, 4], 5, 1, 1, 4).kv_lens == (7, 0, 12)
+
+
+# ----------------------------------------------------------------------------- argument checks
+
+MM_ARGS = ARGS["mm_prefix"]
+REF = "reference_attention(): "
+
+
+def with_pages(batch: Batch, i: int, page: int) -> torch.Tensor:
+    indices = batch.kv_indices.clone()
+    indices[i] = page
+    return indices
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda b: dict(q=b.q.tolist()),
+     "`q`: expected a floating-point tensor [total_q, num_qo_heads, head_dim_qk], got list"),
+    (lambda b: dict(q=b.q[0]),
+     "`q`: expected a floating-point tensor [total_q, num_qo_heads, head_dim_qk], got torch.float32 tensor of "
+     "shape [4, 8]"),
+    (lambda b: dict(q=b.q[:4]), "`q`: expected shape [total_q=5, num_qo_heads, head_dim_qk], got [4, 4, 8]"),
+    (lambda b: dict(q=b.q[:, :3]), "num_qo_heads=3 is not a multiple of num_kv_heads=2"),
+    (lambda b: dict(q=b.q[..., :4]), "`q`: head_dim_qk=4, but `k_cache` has head_dim=8"),
+    (lambda b: dict(paged_kv_cache=b.kv_cache[:, 0]),
+     "`paged_kv_cache`: expected (k_cache, v_cache) or one tensor [num_pages, 2, ...]"),
+    (lambda b: dict(paged_kv_cache=(b.kv_cache[:, 0], b.kv_cache[:, 1, :, :1])),
+     "`k_cache` [7, 4, 2, 8] and `v_cache` [7, 4, 1, 8]: expected the same pages, page size and heads "
+     "([pages, page_size, kv_heads, head_dim])"),
+    (lambda b: dict(paged_kv_cache=(b.kv_cache[:, 0], b.kv_cache[:, 1].to("meta"))),
+     "`v_cache` is on meta, expected cpu (the device of q)"),
+    (lambda b: dict(kv_layout="NDH"), "kv_layout='NDH': expected 'NHD' or 'HND'"),
+    (lambda b: dict(qo_indptr=b.qo_indptr.long()),
+     "`qo_indptr`: expected a 1-D torch.int32 tensor [batch + 1], got torch.int64 tensor of shape [3]"),
+    (lambda b: dict(paged_kv_indices=b.kv_indices.to("meta")),
+     "`paged_kv_indices` is on meta: expected a tensor on the CPU or a CUDA device (reference_attention() reads "
+     "its values)"),
+    (lambda b: dict(paged_kv_last_page_len=b.last_page_len[:1]),
+     "inconsistent batch: qo_indptr has 3 entries, paged_kv_indptr 3, paged_kv_last_page_len 1 (expected batch+1, "
+     "batch+1, batch)"),
+    (lambda b: dict(paged_kv_last_page_len=torch.tensor([0, 1], dtype=torch.int32)),
+     "paged_kv_last_page_len[0]=0: expected 1..4"),
+    (lambda b: dict(paged_kv_indptr=b.kv_indptr + 1), "`paged_kv_indptr`[0]=1: expected 0 (page lists are packed "
+                                                      "from the first entry of `paged_kv_indices`)"),
+    (lambda b: dict(paged_kv_indices=with_pages(b, 3, 7)),
+     "paged_kv_indices[3]=7 is not a page of the KV cache (7 pages: expected 0 <= page < 7)"),
+    (lambda b: dict(paged_kv_indices=with_pages(b, 0, -1)),
+     "paged_kv_indices[0]=-1 is not a page of the KV cache (7 pages: expected 0 <= page < 7)"),
+    (lambda b: dict(args={"causal_window_left": 1}), "missing tensor argument `ranges` (int32, shape ['total_q', 2]: "
+                                                     "inclusive absolute key span [start, end] each query token sees; "
+                                                     "(-1, -1) for none)"),
+    (lambda b: dict(args=dict(MM_ARGS, ranges=MM_ARGS["ranges"][:4])),
+     "`ranges`: expected shape [total_q=5, 2], got [4, 2]"),
+    (lambda b: dict(args=dict(MM_ARGS, ranges=MM_ARGS["ranges"].long())),
+     "`ranges`: expected dtype torch.int32, got torch.int64"),
+    (lambda b: dict(args=dict(MM_ARGS, ranges=MM_ARGS["ranges"].to("meta"))),
+     "`ranges` is on meta, expected cpu (the device of q)"),
+    (lambda b: dict(args=dict(MM_ARGS, causal_windw_left=2)),
+     "unexpected argument(s) causal_windw_left (did you mean `causal_window_left`?); spec `mm_prefix` takes: "
+     "ranges, causal_window_left, range_window_left (by name in `args`)"),
+    (lambda b: dict(args=dict(MM_ARGS, causal_window_left=1.5)),
+     "`causal_window_left`: expected an int in 32-bit range, got 1.5 (float)"),
+    (lambda b: dict(args=[("ranges", MM_ARGS["ranges"])]),
+     "`args`: expected the spec's arguments by name (a dict), got list"),
+    (lambda b: dict(q_scale=torch.ones(1)),
+     "`q_scale`: expected a finite float, got tensor([1.]) (per-head scale tensors are not supported)"),
+    (lambda b: dict(sm_scale=math.nan), "`sm_scale`: expected a finite float, got nan (per-head scale tensors are "
+                                        "not supported)"),
+    (lambda b: dict(return_lse="yes"), "`return_lse`='yes': expected True or False"),
+])
+def test_bad_arguments_are_named(change, message):
+    """reference_attention checks its arguments with the wrappers' checks (checks.py), prefixed with
+    its name (a regression: a bad q, a page outside the cache or a missing spec tensor raised
+    AttributeError, IndexError or KeyError from deep inside; a negative page or an int64 indptr
+    was read, a misspelt scalar ignored)."""
+    spec, batch = shipped("mm_prefix"), make_batch()
+    kw = dict(q=batch.q, paged_kv_cache=batch.kv_cache, qo_indptr=batch.qo_indptr, paged_kv_indptr=batch.kv_indptr,
+              paged_kv_indices=batch.kv_indices, paged_kv_last_page_len=batch.last_page_len, args=MM_ARGS)
+    kw.update(change(batch))
+    with pytest.raises(LaunchError, match="^" + re.escape(REF + message) + "$"):
+        reference_attention(spec, **kw)
+
+
+def test_spec_tensors_may_be_strided_views():
+    """Unlike a kernel, the reference reads spec tensors through their strides: a view is fine."""
+    spec, batch = shipped("mm_prefix"), make_batch()
+    wide = torch.stack([MM_ARGS["ranges"], MM_ARGS["ranges"]], dim=1)[:, 0]
+    assert not wide.is_contiguous()
+    torch.testing.assert_close(run_reference(spec, batch, dict(MM_ARGS, ranges=wide)),
+                               run_reference(spec, batch, MM_ARGS))
 
 
 # ----------------------------------------------------------------------------- integer semantics
