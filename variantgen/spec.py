@@ -239,11 +239,18 @@ class _SpecLoader(yaml.SafeLoader):
         return added
 
 
+def _shown_lines(text: str) -> list[str]:
+    """The file's lines as an error shows them under its message, the caret at a YAML mark's
+    column: YAML counts no byte-order mark (U+FEFF) as a column, so none is shown (a file saved
+    with a BOM had the caret of an error on line 1 one column left)."""
+    return text.replace("\ufeff", "").splitlines()
+
+
 def _marked_error(text: str, path: str, mark: yaml.Mark | None, message: str, hint: str | None = None) -> SpecError:
     """A file-level error at a YAML mark, with the file's line and a caret like every other."""
     if mark is None:
         return SpecError(message, Location(path), hint=hint)
-    lines = text.splitlines()
+    lines = _shown_lines(text)
     # A mark just past the last line (end of the stream) gets an empty line to point at.
     line = lines[mark.line] if 0 <= mark.line < len(lines) else "" if mark.line == len(lines) else None
     return SpecError(message, Location(path, mark.line + 1, mark.column + 1), source_line=line, hint=hint)
@@ -329,7 +336,7 @@ class _Reader:
 
     def __init__(self, path: str, text: str):
         self.path = path
-        self.lines = text.splitlines()
+        self.lines = _shown_lines(text)
         self.errors: list[SpecError] = []
         self.more = 0  # errors past MAX_SPEC_ERRORS: counted, not kept
         self.nodes = 0

@@ -959,6 +959,24 @@ def test_refused_yaml_features_show_their_line():
     assert str(err).splitlines()[1:] == ["    description: *m", "                 ^"]
 
 
+@pytest.mark.parametrize(("text", "where", "shown"), [
+    ("name: 7bad\nmask: 'true'\n", "1:7", ["    name: 7bad", "          ^"]),  # a field's value
+    ("description: *m\nname: x\nmask: 'true'\n", "1:14", ["    description: *m", "                 ^"]),  # YAML
+    ("name: x\x01\nmask: 'true'\n", "1:8", ["    name: x?", "           ^"]),  # a character YAML refuses
+    ("mask: kv_pos <= q_po\nname: x\n", "1:17", ["    kv_pos <= q_po", "              ^"]),  # an expression
+])
+def test_a_byte_order_mark_moves_no_caret(spec_text, text, where, shown):
+    """A file saved with a UTF-8 byte-order mark: errors on its first line have their caret under
+    the column they name, as without one (a regression: the shown line counted the BOM, which
+    YAML's columns do not, and the caret sat one column left)."""
+    for raw, name in ((text.encode(), "plain.yaml"), (b"\xef\xbb\xbf" + text.encode(), "bom.yaml")):
+        with pytest.raises(SpecError) as info:
+            variantgen.load_spec(spec_text(raw, name))
+        err = all_errors(info.value)[0]
+        assert str(err.location).endswith(f"{name}:{where}")
+        assert str(err).splitlines()[1:3] == shown, name
+
+
 # ----------------------------------------------------------------------------- follow-on errors
 
 
