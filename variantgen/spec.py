@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import keyword
 import os
 import re
 import struct
@@ -637,6 +638,11 @@ def _check_arg_name(r: _Reader, key_node: yaml.Node, name: str, where: str, take
     if name in CPP_KEYWORDS or name in RESERVED_NAMES or name in expr.KEYWORDS:
         r.error(key_node, field_name, f"`{name}` is reserved (a C++ keyword or a FlashInfer kernel "
                 "parameter it would shadow); choose another name")
+        return False
+    if keyword.iskeyword(name):
+        r.error(key_node, field_name, f"`{name}` is a Python keyword: the wrappers' plan() and run() take spec "
+                f"arguments by name, and `{name}=...` is a syntax error (only **{{'{name}': ...}} could pass it); "
+                "choose another name")
         return False
     if name in WRAPPER_PARAMS:
         r.error(key_node, field_name, f"`{name}` is a parameter of the wrappers' plan() or run(), which take spec "

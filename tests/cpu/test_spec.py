@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import keyword
 import re
 import time
 import tracemalloc
@@ -411,6 +412,28 @@ def test_names_of_wrapper_parameters_are_refused(section):
             assert err.message == RESERVED_MSG.format(name), name
         else:
             assert err.message == WRAPPER_PARAM_MSG.format(name), name
+
+
+PYTHON_KEYWORD_MSG = ("`{0}` is a Python keyword: the wrappers' plan() and run() take spec arguments by name, and "
+                      "`{0}=...` is a syntax error (only **{{'{0}': ...}} could pass it); choose another name")
+
+
+@pytest.mark.parametrize("section", ["tensors", "scalars"])
+def test_python_keywords_are_refused(section):
+    # A scalar `lambda` validated, and then plan() / run() could only take it as **{"lambda": ...}.
+    decl = "{dtype: int32, shape: [batch]}" if section == "tensors" else "{dtype: int, default: 0}"
+    names = [k for k in keyword.kwlist if spec_mod.ARG_RE.fullmatch(k)]
+    assert {"lambda", "from", "class", "in"} <= set(names)
+    for name in names:
+        err = one(f"{CAUSAL}{section}:\n  {name}: {decl}\n")
+        assert str(err.location) == "spec.yaml:4:3" and err.field == f"{section}.{name}"
+        if name in spec_mod.CPP_KEYWORDS or name in expr.KEYWORDS:  # (refused as such first)
+            assert err.message == RESERVED_MSG.format(name), name
+        else:
+            assert err.message == PYTHON_KEYWORD_MSG.format(name), name
+    # soft keywords are names a keyword argument may have
+    spec = variantgen.parse_spec(f"{CAUSAL}{section}:\n  match: {decl}\n")
+    assert [a.name for a in (*spec.tensors, *spec.scalars)] == ["match"]
 
 
 @pytest.mark.parametrize(("decl", "field", "message"), [
