@@ -30,6 +30,7 @@ import torch
 
 from .build import BuildResult
 from .checks import (
+    KV_LAYOUTS,
     PageGuard,
     PlanCheck,
     check_known,
@@ -63,7 +64,7 @@ TORCH_DTYPES = {
     "fp8_e5m2": torch.float8_e5m2,
     "fp32": torch.float32,  # the flex route only (FlashInfer modules take 16-bit queries)
 }
-LAYOUT_CODES = {"NHD": 0, "HND": 1}
+LAYOUT_CODES = {layout: code for code, layout in enumerate(KV_LAYOUTS)}  # the kernels' kv_layout codes
 ALIGN_BYTES = 16  # the kernels move q/k/v/o rows in 16-byte vectors (cp.async, TMA)
 MAX_SM_SCALE = FLOAT32_MAX / math.log2(math.e)  # its product with log2(e) is a finite float32
 
