@@ -57,6 +57,23 @@ class _Group(click.Group):
             ctx.exit(1)
 
 
+class _Folder(click.Path):
+    """A folder option (click.Path, not a file). An empty value (``--cache-dir "$UNSET"``) is a
+    usage error: read as "not given", it named the default cache (``clear --yes`` emptied that
+    one) and ``-o ""`` printed instead of writing."""
+
+    def __init__(self) -> None:
+        super().__init__(file_okay=False)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not value.strip():
+            self.fail(f"{value!r}: expected a folder, got an empty value", param, ctx)
+        return super().convert(value, param, ctx)
+
+
+FOLDER = _Folder()
+
+
 def _cache(cache_dir: str | None) -> Cache:
     if cache_dir:
         return Cache(cache_dir)
@@ -179,7 +196,7 @@ def _module_config(spec: str | VariantSpec, head_dim: int, head_dim_vo: int | No
 @click.version_option(__version__, prog_name="variantgen")
 @click.option("--log-level", type=click.Choice(LOG_LEVELS, case_sensitive=False), default=None,
               help="Logging level of the variantgen.* loggers (default: warning).")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None,
+@click.option("--cache-dir", type=FOLDER, default=None,
               help="Module cache root (sets VARIANTGEN_CACHE_DIR for this run).")
 def main(log_level: str | None, cache_dir: str | None) -> None:
     """YAML attention-variant specs -> cached FlashInfer kernels.
@@ -242,7 +259,7 @@ def specs_cmd() -> None:
 @click.option("--kind", type=click.Choice(list(KINDS)), default="prefill", show_default=True,
               help="Kernel kind.")
 @click.option("--arch", default=None, help="Target arch (default: the visible GPU, VARIANTGEN_ARCH, else 9.0a).")
-@click.option("-o", "--output-dir", type=click.Path(file_okay=False), default=None,
+@click.option("-o", "--output-dir", type=FOLDER, default=None,
               help="Write the rendered files here instead of printing.")
 @click.option("--file", "file_name", default=None,
               help="File to print (default variant.cuh), or 'all'.")
@@ -339,7 +356,7 @@ def expand_matrix(spec_paths: list[str], head_dims: list[int] | list[tuple[int, 
               help="Modules built in parallel.")
 @click.option("--jobs-per-module", type=click.IntRange(min=1), default=None,
               help="ninja -j within one module (default: VARIANTGEN_BUILD_JOBS or ninja's).")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--cache-dir", type=FOLDER, default=None)
 @click.option("--shard", default=None, help="I/N: build every N-th module starting at I (0-based).")
 @click.option("--dry-run", is_flag=True, help="List the modules of the matrix (and this shard); build nothing.")
 @click.option("--check", is_flag=True, help="Say which modules of the matrix are missing from the cache or damaged "
@@ -558,7 +575,7 @@ def _check_matrix(configs: list, cache: Cache) -> None:
 @click.option("--no-build", is_flag=True, help="Only look in the cache.")
 @click.option("--cuda-graph", is_flag=True, help="For CUDA-graph mode (make_wrapper(graph=...)): paged prefill "
               "on fa2 and decode.")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--cache-dir", type=FOLDER, default=None)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dtype: str | None,
               o_dtype: str | None, backends: str, kinds: str, arch: str | None, device: str | None,
@@ -628,7 +645,7 @@ def _entry_row(uri: str, found, root: Path) -> list[str]:
 
 
 @main.command("list")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--cache-dir", type=FOLDER, default=None)
 @click.option("-v", "--verbose", is_flag=True, help="Also print every part of each module's key.")
 @click.option("--no-verify", is_flag=True, help="Do not read the module files to check their sha256 (their size "
               "and the manifests are still checked).")
@@ -671,7 +688,7 @@ def list_cmd(cache_dir: str | None, verbose: bool, no_verify: bool) -> None:
 @main.command()
 @click.argument("spec_name", required=False)
 @click.option("--older-than", type=click.FloatRange(min=0), default=None, help="Only entries older than DAYS.")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--cache-dir", type=FOLDER, default=None)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def clear(spec_name: str | None, older_than: float | None, cache_dir: str | None, yes: bool) -> None:
     """Remove cached modules (all, or those of SPEC_NAME / older than --older-than days).
@@ -769,7 +786,7 @@ def _random_lengths(batch_size: int, qo_len: int, kv_len: int, seed: int) -> tup
               help="Use the interval planner (skip_tiles) in plan().")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--tol", type=float, default=2e-2, show_default=True, help="Largest relative error accepted.")
-@click.option("--cache-dir", type=click.Path(file_okay=False), default=None)
+@click.option("--cache-dir", type=FOLDER, default=None)
 def check(spec: str, head_dim: int, dtype: str, kv_dtype: str | None, o_dtype: str | None, backend: str,
           batch_size: int, qo_len: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, page_size: int,
           planner: bool, seed: int, tol: float, cache_dir: str | None) -> None:

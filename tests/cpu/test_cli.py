@@ -612,6 +612,22 @@ def test_clear_by_spec_file(filled):
     assert entries["mm"].uri not in [uri for uri, _ in cache.entries()]
 
 
+@pytest.mark.parametrize("args", [
+    ["clear", "--yes", "--cache-dir", ""],
+    ["--cache-dir", "", "clear", "--yes"],
+    ["list", "--cache-dir", " "],
+    ["render", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "-o", ""],
+])
+def test_an_empty_folder_option_is_a_usage_error(filled, args):
+    """`--cache-dir "$UNSET"` names no cache: it was taken as not given, and `clear --yes` emptied
+    the default cache (VARIANTGEN_CACHE_DIR's); `-o ""` printed the sources instead of writing."""
+    cache, _, _ = filled
+    r = run(*args)
+    assert r.exit_code == 2 and "expected a folder, got an empty value" in r.output, r.output
+    assert ("'--cache-dir'" if "-o" not in args else "'-o' / '--output-dir'") in r.output
+    assert len(list(cache.entries())) == 4 and r.stdout == ""
+
+
 def test_clear_never_removes_what_is_not_a_module(filled):
     """A user's folder in the cache root (and files, and folders named almost like a module)
     survive `clear --yes`; they are listed. Damaged module folders go, with a note."""
