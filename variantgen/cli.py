@@ -14,6 +14,7 @@ import errno
 import itertools
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -72,6 +73,17 @@ class _Folder(click.Path):
 
 
 FOLDER = _Folder()
+
+
+class _Finite(click.FloatRange):
+    """A number >= ``min``, finite: nan passes click.FloatRange (every comparison with it is false),
+    and was taken: `clear --older-than nan` removed every module, `check --tol nan` failed every run."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r}: expected a finite number", param, ctx)
+        return number
 
 
 def _cache(cache_dir: str | None) -> Cache:
@@ -687,7 +699,7 @@ def list_cmd(cache_dir: str | None, verbose: bool, no_verify: bool) -> None:
 
 @main.command()
 @click.argument("spec_name", required=False)
-@click.option("--older-than", type=click.FloatRange(min=0), default=None, help="Only entries older than DAYS.")
+@click.option("--older-than", type=_Finite(min=0), default=None, help="Only entries older than DAYS.")
 @click.option("--cache-dir", type=FOLDER, default=None)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 def clear(spec_name: str | None, older_than: float | None, cache_dir: str | None, yes: bool) -> None:
@@ -785,7 +797,7 @@ def _random_lengths(batch_size: int, qo_len: int, kv_len: int, seed: int) -> tup
 @click.option("--planner/--no-planner", default=False, show_default=True,
               help="Use the interval planner (skip_tiles) in plan().")
 @click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--tol", type=float, default=2e-2, show_default=True, help="Largest relative error accepted.")
+@click.option("--tol", type=_Finite(min=0), default=2e-2, show_default=True, help="Largest relative error accepted.")
 @click.option("--cache-dir", type=FOLDER, default=None)
 def check(spec: str, head_dim: int, dtype: str, kv_dtype: str | None, o_dtype: str | None, backend: str,
           batch_size: int, qo_len: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, page_size: int,

@@ -585,6 +585,16 @@ def test_clear_older_than(filled):
     assert entries["causal"].uri not in [uri for uri, _ in cache.entries()]
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "1e999"])
+def test_clear_older_than_a_non_finite_number_is_a_usage_error(filled, value):
+    """nan passed click's range check (every comparison with it is false) and `clear --older-than
+    nan --yes` removed every module."""
+    cache, _, _ = filled
+    r = run("clear", "--older-than", value, "--yes")
+    assert r.exit_code == 2 and f"Invalid value for '--older-than': '{value}': expected a finite number" in r.output
+    assert len(list(cache.entries())) == 4
+
+
 def test_clear_asks_first(filled):
     cache, _, _ = filled
     r = run("clear", input="n\n")
@@ -752,6 +762,9 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
 def test_check_needs_a_gpu():
     r = run("check", MM, "--head-dim", "128", "--dtype", "bf16")
     assert r.exit_code == 2 and "check needs a CUDA GPU" in r.stderr
+    for tol in ("nan", "inf", "-0.1"):  # nan: every run a MISMATCH; inf / negative: meaningless
+        r = run("check", MM, "--head-dim", "128", "--dtype", "bf16", "--tol", tol)
+        assert r.exit_code == 2 and "Invalid value for '--tol'" in r.output and "CUDA" not in r.output
 
 
 def _publish_object(cache: Cache, name: str, *, built_at: float | None = None) -> str:
