@@ -366,7 +366,7 @@ def expand_matrix(spec_paths: list[str], head_dims: list[int] | list[tuple[int, 
               help="Kernel kinds, e.g. prefill,decode,ragged (default prefill).")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Modules built in parallel.")
-@click.option("--jobs-per-module", type=click.IntRange(min=1), default=None,
+@click.option("--jobs-per-module", type=click.IntRange(min=1, max=env.MAX_COUNT), default=None,
               help="ninja -j within one module (default: VARIANTGEN_BUILD_JOBS or ninja's).")
 @click.option("--cache-dir", type=FOLDER, default=None)
 @click.option("--shard", default=None, help="I/N: build every N-th module starting at I (0-based).")

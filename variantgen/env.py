@@ -32,6 +32,10 @@ TEMPLATES_DIR = _data_dir("templates")
 SPECS_DIR = _data_dir("specs")
 """The shipped specs (variantgen.library)."""
 
+MAX_COUNT = 2**31 - 1
+"""The largest job or thread count: ninja -j and nvcc --threads / --split-compile read a 32-bit int
+(a larger one failed every build in ninja or nvcc, naming neither the variable nor the option)."""
+
 _TRUE = {"1", "true", "yes", "on"}
 NVCC_FLAG_VARIABLES = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")
 """Variables nvcc itself reads and adds to its command line."""
@@ -98,6 +102,8 @@ def _int_or_none(name: str) -> int | None:
         raise ValueError(f"environment variable {name}={raw!r}: expected a whole number") from None
     if value < 1:
         raise ValueError(f"environment variable {name}={raw!r}: expected a number >= 1")
+    if value > MAX_COUNT:
+        raise ValueError(f"environment variable {name}={raw!r}: expected a number <= {MAX_COUNT}")
     return value
 
 

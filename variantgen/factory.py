@@ -23,7 +23,7 @@ from . import build as _build
 from . import capabilities
 from .cache import Cache
 from .capabilities import Request, Site, arch_of_capability, canonical_arch
-from .env import settings
+from .env import MAX_COUNT, settings
 from .flags import check_flags
 from .library import resolve_spec
 from .resolver import resolve
@@ -183,8 +183,9 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
     if cache is not None and not isinstance(cache, Cache):
         raise ValueError(f"make_wrapper(): cache={cache!r}: expected a variantgen.cache.Cache (e.g. Cache(path)), or "
                          "None for the default cache (VARIANTGEN_CACHE_DIR)")
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise ValueError(f"make_wrapper(): jobs={jobs!r}: expected a positive int (parallel compile jobs), or None")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= MAX_COUNT):
+        raise ValueError(f"make_wrapper(): jobs={jobs!r}: expected a positive int (parallel compile jobs, at most "
+                         f"{MAX_COUNT}), or None")
     spec = resolve_spec(spec)
     request = Request.of(spec, kind=kind, head_dim_qk=head_dim_qk, head_dim_vo=head_dim_vo, q_dtype=q_dtype,
                          kv_dtype=kv_dtype, o_dtype=o_dtype, backend=backend, graph=graph is not None,

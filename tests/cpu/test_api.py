@@ -171,13 +171,18 @@ def test_tree_bits_names_bad_input(args, message):
     ({"check_plan": "no"}, "make_wrapper(): `check_plan`='no': expected True, False or None"),
     ({"cache": "/tmp/cache"}, "make_wrapper(): cache='/tmp/cache': expected a variantgen.cache.Cache (e.g. "
                               "Cache(path)), or None for the default cache (VARIANTGEN_CACHE_DIR)"),
-    ({"jobs": "4"}, "make_wrapper(): jobs='4': expected a positive int (parallel compile jobs), or None"),
-    ({"jobs": 0}, "make_wrapper(): jobs=0: expected a positive int (parallel compile jobs), or None"),
+    ({"jobs": "4"}, "make_wrapper(): jobs='4': expected a positive int (parallel compile jobs, at most 2147483647), "
+                    "or None"),
+    ({"jobs": 0}, "make_wrapper(): jobs=0: expected a positive int (parallel compile jobs, at most 2147483647), or "
+                  "None"),
+    ({"jobs": 2**31}, "make_wrapper(): jobs=2147483648: expected a positive int (parallel compile jobs, at most "
+                      "2147483647), or None"),
 ])
 def test_make_wrapper_names_malformed_settings(kw, message):
     """A regression: build= and use_tensor_cores= were read as truthy ("no" built, "yes"/1 chose tensor cores),
     check_plan="no" was reported as check_plan=True, a cache path raised AttributeError ('str' object has no
-    attribute 'root'), and jobs= reached ninja's command line unchecked."""
+    attribute 'root'), and jobs= reached ninja's command line unchecked (2**31 and more: ninja's "invalid -j
+    parameter")."""
     workspace = torch.empty(1 << 20, dtype=torch.uint8)
     with pytest.raises(ValueError) as info:
         variantgen.make_wrapper("causal", workspace, head_dim_qk=64, q_dtype="fp16", kv_dtype="fp16", **kw)

@@ -350,6 +350,10 @@ def test_precompile_bad_inputs(fake_builds, tmp_path):
     bad.write_text("name: bad\n")
     r = run("precompile", bad, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a")
     assert r.exit_code == 1 and "missing required field `mask`" in r.stderr
+    r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a", "--jobs-per-module",
+            "2147483648")  # past what ninja -j reads: it failed every build ("invalid -j parameter")
+    assert r.exit_code == 2 and "Invalid value for '--jobs-per-module': 2147483648 is not in the range" in r.output
+    assert fake_builds[0] == []
 
 
 # ----------------------------------------------------------------------------- probe
