@@ -37,12 +37,21 @@ MAX_COUNT = 2**31 - 1
 (a larger one failed every build in ninja or nvcc, naming neither the variable nor the option)."""
 
 _TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
 NVCC_FLAG_VARIABLES = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS")
 """Variables nvcc itself reads and adds to its command line."""
 
 
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in _TRUE
+    """An on/off variable; any other value is an error (VARIANTGEN_DISABLE_JIT=Y or =disable was
+    read as off: the server built modules it was told not to)."""
+    raw = os.environ.get(name, "")
+    if raw.strip().lower() in _TRUE:
+        return True
+    if raw.strip().lower() in _FALSE:
+        return False
+    raise ValueError(f"environment variable {name}={raw!r}: expected 1, true, yes or on (or 0, false, no, off, "
+                     "or unset)")
 
 
 @dataclass(frozen=True)

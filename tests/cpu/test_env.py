@@ -17,3 +17,18 @@ def test_counts_fit_what_ninja_and_nvcc_read(vg_env, variable):
     with pytest.raises(ValueError, match=f"^environment variable {variable}='2147483648': expected a number "
                                          "<= 2147483647$"):
         vg_env.set(**{variable: str(env.MAX_COUNT + 1)})
+
+
+@pytest.mark.parametrize("variable", ["VARIANTGEN_DISABLE_JIT", "FLASHINFER_DISABLE_JIT", "VARIANTGEN_CHECK_PLAN"])
+def test_on_off_variables_refuse_other_values(vg_env, variable):
+    """A regression: any value but 1/true/yes/on was read as off, so VARIANTGEN_DISABLE_JIT=Y (or
+    =disable, =2) left JIT on and a server built the modules it was told not to."""
+    field = "check_plan" if variable == "VARIANTGEN_CHECK_PLAN" else "jit_disabled"
+    for value in ("1", "TRUE", " yes ", "on"):
+        assert getattr(vg_env.set(**{variable: value}), field) is True
+    for value in ("", "0", "False", "no", "OFF"):
+        assert getattr(vg_env.set(**{variable: value}), field) is False
+    for value in ("Y", "disable", "2"):
+        with pytest.raises(ValueError, match=f"^environment variable {variable}='{value}': expected 1, true, yes or "
+                                             r"on \(or 0, false, no, off, or unset\)$"):
+            vg_env.set(**{variable: value})
