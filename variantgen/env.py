@@ -101,6 +101,16 @@ def _default_cache_dir() -> Path:
     return Path(base) / "variantgen"
 
 
+def _cache_dir() -> Path:
+    raw = os.environ.get("VARIANTGEN_CACHE_DIR")
+    if not raw:
+        return _default_cache_dir()
+    path = Path(os.path.abspath(Path(raw).expanduser()))
+    if path.exists() and not path.is_dir():  # else `list` said "no modules" and builds "not writable"
+        raise ValueError(f"environment variable VARIANTGEN_CACHE_DIR={raw!r}: expected a folder, {path} is not one")
+    return path
+
+
 def _int_or_none(name: str) -> int | None:
     raw = os.environ.get(name, "").strip()
     if not raw:
@@ -139,9 +149,7 @@ def _read() -> Settings:
         disabled_by = None
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
     return Settings(
-        cache_dir=Path(os.path.abspath(Path(os.environ["VARIANTGEN_CACHE_DIR"]).expanduser()))
-        if os.environ.get("VARIANTGEN_CACHE_DIR")
-        else _default_cache_dir(),
+        cache_dir=_cache_dir(),
         jit_disabled=disabled_by is not None,
         jit_disabled_by=disabled_by,
         cuda_home=Path(cuda_home) if cuda_home else None,

@@ -32,3 +32,20 @@ def test_on_off_variables_refuse_other_values(vg_env, variable):
         with pytest.raises(ValueError, match=f"^environment variable {variable}='{value}': expected 1, true, yes or "
                                              r"on \(or 0, false, no, off, or unset\)$"):
             vg_env.set(**{variable: value})
+
+
+def test_cache_dir_naming_a_file_is_an_error(vg_env, tmp_path):
+    """A regression: VARIANTGEN_CACHE_DIR naming a file was taken - `variantgen list` said "no
+    modules in" it (exit 0) and builds "cache directory ... is not writable (File exists)"."""
+    from click.testing import CliRunner
+
+    from variantgen.cli import main
+
+    (tmp_path / "notes.txt").write_text("not a cache")
+    for value in (tmp_path / "notes.txt", "/dev/null"):
+        with pytest.raises(ValueError, match=f"^environment variable VARIANTGEN_CACHE_DIR='{value}': expected a "
+                                             f"folder, {value} is not one$"):
+            vg_env.set(VARIANTGEN_CACHE_DIR=value)
+    r = CliRunner().invoke(main, ["list"])
+    assert r.exit_code == 1 and r.output.startswith("error: environment variable VARIANTGEN_CACHE_DIR=")
+    assert vg_env.set(VARIANTGEN_CACHE_DIR=tmp_path / "not yet").cache_dir == tmp_path / "not yet"  # made by a build
