@@ -65,8 +65,8 @@ def canonical_dtype(value: object, arg: str) -> str:
     raise ValueError(f"{arg}={value!r}: unsupported dtype; expected one of {sorted(DTYPE_NAMES)}")
 
 
-def canonical_arch(value: str) -> str:
-    """'9.0a' / '90a' / 'sm_90a' -> '9.0a'; ValueError naming the value otherwise."""
+def canonical_arch(value: str, name: str = "arch") -> str:
+    """'9.0a' / '90a' / 'sm_90a' -> '9.0a'; ValueError naming the value (as ``name``) otherwise."""
     raw = str(value).strip().lower().removeprefix("sm_").removeprefix("sm").removeprefix("compute_")
     suffix = raw[-1] if raw and raw[-1] in "af" else ""
     digits = raw[:-1] if suffix else raw
@@ -77,7 +77,7 @@ def canonical_arch(value: str) -> str:
     else:
         major, minor = "", ""
     if not (major.isdigit() and minor.isdigit()):
-        raise ValueError(f"arch={value!r}: expected a compute capability such as 8.0, 9.0a or 10.0a")
+        raise ValueError(f"{name}={value!r}: expected a compute capability such as 8.0, 9.0a or 10.0a")
     return f"{int(major)}.{int(minor)}{suffix}"
 
 

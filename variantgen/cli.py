@@ -137,6 +137,19 @@ def _choices(values: Any, allowed: Any, option: str, default: list[str]) -> list
     return out
 
 
+def _arch(value: str, option: str = "--arch") -> str:
+    """An --arch value, canonical; a usage error naming the option (canonical_arch's ValueError
+    named Python's `arch=`, with exit 1; an empty --arch was taken as not given)."""
+    try:
+        return canonical_arch(value, option)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _arch_option(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    return None if value is None else _arch(value)
+
+
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
     cells = [headers] + [[str(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
@@ -270,7 +283,8 @@ def specs_cmd() -> None:
               help="auto: what make_wrapper picks on a GPU of --arch.")
 @click.option("--kind", type=click.Choice(list(KINDS)), default="prefill", show_default=True,
               help="Kernel kind.")
-@click.option("--arch", default=None, help="Target arch (default: the visible GPU, VARIANTGEN_ARCH, else 9.0a).")
+@click.option("--arch", default=None, callback=_arch_option,
+              help="Target arch (default: the visible GPU, VARIANTGEN_ARCH, else 9.0a).")
 @click.option("-o", "--output-dir", type=FOLDER, default=None,
               help="Write the rendered files here instead of printing.")
 @click.option("--file", "file_name", default=None,
@@ -393,7 +407,7 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
             click.echo("nothing to build")
             return
     shard_i, shard_n = _parse_shard(shard)
-    arch_list = _csv(archs, "--arch")
+    arch_list = [_arch(a) for a in _csv(archs, "--arch")]
     if not arch_list:
         default = _default_arch()
         if default is None:
@@ -580,10 +594,10 @@ def _check_matrix(configs: list, cache: Cache) -> None:
                    "a list such as fa2,fa3,flex: one answer per backend and kind.")
 @click.option("--kind", "kinds", default="prefill", show_default=True,
               help="Kernel kind(s): prefill, ragged, decode (comma list).")
-@click.option("--arch", default=None, help="The arch the GPU must have (the probe answers for this machine: to "
-              "check a cache for another GPU, use `precompile ... --check`).")
+@click.option("--arch", default=None, callback=_arch_option, help="The arch the GPU must have (the probe answers "
+              "for this machine: to check a cache for another GPU, use `precompile ... --check`).")
 @click.option("--device", default=None, help="CUDA device, e.g. cuda:1 (default: the current one).")
-@click.option("--page-size", type=int, default=None)
+@click.option("--page-size", type=click.IntRange(min=1), default=None)
 @click.option("--no-build", is_flag=True, help="Only look in the cache.")
 @click.option("--cuda-graph", is_flag=True, help="For CUDA-graph mode (make_wrapper(graph=...)): paged prefill "
               "on fa2 and decode.")
@@ -850,7 +864,8 @@ def check(spec: str, head_dim: int, dtype: str, kv_dtype: str | None, o_dtype: s
 @click.argument("spec", type=click.Path())
 @click.option("--head-dim", type=int, default=128, show_default=True)
 @click.option("--dtype", default="bf16", show_default=True)
-@click.option("--arch", default=None, help="Target arch (default: the visible GPU, VARIANTGEN_ARCH, else 9.0a).")
+@click.option("--arch", default=None, callback=_arch_option,
+              help="Target arch (default: the visible GPU, VARIANTGEN_ARCH, else 9.0a).")
 @click.pass_context
 def demo(ctx: click.Context, spec: str, head_dim: int, dtype: str, arch: str | None) -> None:
     """The main job end to end: validate SPEC, render its CUDA, compile and cache the module

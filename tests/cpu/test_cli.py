@@ -438,12 +438,31 @@ def test_probe_unsupported_combination():
     (["--head-dim", "128", "--head-dim-vo", "-1", "--dtype", "bf16"], "--head-dim-vo=-1: expected a whole number > 0"),
     (["--head-dim", "128", "--dtype", "bf17"], "--dtype='bf17': unsupported dtype"),
     (["--head-dim", "128", "--dtype", "bf16", "--kv-dtype", "int8"], "--kv-dtype='int8': unsupported dtype"),
+    (["--head-dim", "128", "--dtype", "bf16", "--arch", "9.0b"], "--arch='9.0b': expected a compute capability"),
+    (["--head-dim", "128", "--dtype", "bf16", "--page-size", "0"], "'--page-size': 0 is not in the range x>=1"),
 ])
 def test_probe_names_the_options_as_typed(args, message):
     """A malformed option is a usage error naming the option (the reasons of probe() name its
     Python arguments, head_dim_qk=0)."""
     r = run("probe", MM, *args)
     assert r.exit_code == 2 and message in r.output and "head_dim" not in r.output
+
+
+@pytest.mark.parametrize("args", [
+    ["render", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "abc"],
+    ["render", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", ""],
+    ["precompile", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "8.0,abc", "--dry-run"],
+    ["demo", MM, "--arch", "abc"],
+    ["probe", MM, "--head-dim", "128", "--dtype", "bf16", "--arch", "abc"],
+])
+def test_a_malformed_arch_is_a_usage_error_naming_the_option(args):
+    """A regression: canonical_arch's error named Python's `arch='abc'` (exit 1; probe: its reason,
+    as for --page-size=0's `page_size=0`), and render took `--arch ""` as not given."""
+    r = run(*args)
+    value = args[args.index("--arch") + 1].split(",")[-1]
+    assert r.exit_code == 2 and f"Error: --arch={value!r}: expected a compute capability such as 8.0, 9.0a or " \
+        "10.0a" in r.output, r.output
+    assert "[1/4]" not in r.output  # demo: before any step
 
 
 def test_probe_reports_per_backend_and_kind():
