@@ -43,6 +43,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .errors import CacheError
 
@@ -77,6 +78,17 @@ def path_error(e: OSError, path: Path | str, doing: str) -> CacheError:
 
 def _digest(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _read_json(path: Path) -> Any:
+    """A JSON file's value: OSError if it cannot be read, ValueError if it is not JSON - nested
+    too deeply included (``[[[[...``: json raised RecursionError, a traceback from `variantgen
+    list` and from every lookup of the entry)."""
+    text = path.read_text()
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def file_sha256(path: Path) -> str:
@@ -165,7 +177,7 @@ class Cache:
         if not path.is_dir():
             return Lookup(None, "not in cache")
         try:
-            manifest = json.loads(manifest_path.read_text())
+            manifest = _read_json(manifest_path)
         except FileNotFoundError:
             return Lookup(None, f"entry {path} has no manifest (incomplete or damaged)")
         except (OSError, ValueError) as e:
@@ -216,7 +228,7 @@ class Cache:
             if found:
                 continue
             try:
-                digest = json.loads((path / MANIFEST).read_text()).get("inputs_digest")
+                digest = _read_json(path / MANIFEST).get("inputs_digest")
             except (OSError, ValueError, AttributeError):
                 digest = None  # cannot tell which inputs: it may be this module
             if digest in (None, inputs_digest):
@@ -359,7 +371,7 @@ class Cache:
     def failure(self, uri: str) -> FailureRecord | None:
         """The last failed build of ``uri``, if one was recorded."""
         try:
-            data = json.loads((self.failed_dir(uri) / FAILURE).read_text())
+            data = _read_json(self.failed_dir(uri) / FAILURE)
             return FailureRecord(uri=str(data["uri"]), key_digest=str(data["key_digest"]), pid=int(data["pid"]),
                                  host=str(data["host"]), failed_at=float(data["failed_at"]),
                                  message=str(data["message"]), first_error=data.get("first_error"),
@@ -425,7 +437,7 @@ class FailureRecord:
 
 def _read_holder(path: Path) -> LockHolder | None:
     try:
-        data = json.loads(path.read_text() or "null")
+        data = _read_json(path)
         return LockHolder(int(data["pid"]), str(data["host"]), float(data["since"]))
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -321,6 +321,20 @@ def test_manifest_fields_are_checked(cache, change, reason):
     assert cache.lookup(k.uri).reason == f"entry {entry.path}: {reason}"
 
 
+def test_a_manifest_nested_too_deeply_is_a_damaged_entry(cache):
+    """A regression: json raised RecursionError on `[[[[...` - a traceback from `variantgen list`,
+    every lookup (make_wrapper, JIT-disabled servers) and failure()."""
+    k, entry = _published(cache)
+    (entry.path / "manifest.json").write_text("[" * 100_000)
+    reason = f"entry {entry.path} has an unreadable manifest (JSON nested too deeply)"
+    assert cache.lookup(k.uri).reason == reason
+    assert [(uri, found.reason) for uri, found in cache.entries()] == [(k.uri, reason)]
+    assert cache.damaged_same_inputs(k.prefix, k.inputs_digest) == [reason]
+    cache.failed_dir(k.uri).mkdir(parents=True)
+    (cache.failed_dir(k.uri) / "failure.json").write_text("{" * 100_000)
+    assert cache.failure(k.uri) is None
+
+
 def test_damaged_entry_is_replaced_by_the_next_publish(cache):
     k, entry = _published(cache)
     entry.module_path.write_bytes(b"junk")
