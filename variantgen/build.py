@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from . import ninja as _ninja_run
 from . import objects as _objects
 from ._version import __version__
-from .cache import Cache, Entry, LockHolder, ModuleKey, path_error
+from .cache import Cache, Entry, LockHolder, LockTimeout, ModuleKey, path_error
 from .env import NVCC_FLAG_VARIABLES, settings
 from .errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error
 from .progress import BuildProgress
@@ -496,14 +496,40 @@ def _write(path: Path, text: str) -> None:
         raise path_error(e, path, "write") from None
 
 
+def _end_killed(cache: Cache, uri: str) -> list[Path]:
+    """The staging folders killed builds of ``uri`` left, their compilers ended where they still
+    run (call with the URI's lock held: no live build of it has one)."""
+    attempts = cache.attempts(uri)
+    for old in attempts:
+        if _ninja_run.end_recorded(old):
+            log.warning("ended the compilers of a killed build of %s (%s)", uri, old)
+    return attempts
+
+
+def discard_killed_builds(cache: Cache) -> int:
+    """Remove what killed builds left in ``cache`` (and in its shared objects' store): staging
+    folders, their compilers first, and lock files. Only of URIs no process builds now (their lock
+    is taken without waiting). How many URIs had something removed. (A later build of the same
+    URI removes them too, but a changed key - a new FlashInfer or nvcc - never builds it again.)"""
+    cleaned = 0
+    for store in (cache, _objects.object_cache(cache)):
+        for uri in store.in_flight():
+            try:
+                with store.lock(uri, timeout=0):
+                    for old in _end_killed(store, uri):
+                        store.discard_staging(old)
+            except LockTimeout:
+                continue  # being built
+            cleaned += 1
+    return cleaned
+
+
 def _build_locked(rendered: RenderedModule, key: ModuleKey, tc: Toolchain, cache: Cache,
                   jobs: int | None, progress: ProgressFactory | None = None) -> Entry:
     """Build ``key``'s module in a fresh staging folder and publish it; call with the lock held.
     Whatever happens, no staging folder and no compiler process outlives a failed call."""
-    for old in cache.attempts(key.uri):  # a killed builder's compilers may still be running
-        if _ninja_run.end_recorded(old):
-            log.warning("ended the compilers of a killed build of %s (%s)", key.uri, old)
-    staging = cache.new_staging(key.uri)
+    _end_killed(cache, key.uri)
+    staging = cache.new_staging(key.uri)  # removes the killed builds' folders
     try:
         return _build_in(staging, rendered, key, tc, cache, jobs, progress)
     except BaseException:

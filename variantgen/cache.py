@@ -299,6 +299,18 @@ class Cache:
         staging_root = self.root / ".staging"
         return sorted(staging_root.glob(f"{uri}.*")) if staging_root.is_dir() else []
 
+    def in_flight(self) -> list[str]:
+        """URIs with a staging folder or a lock file: built now, or left so by a killed build (its
+        staging folder stays until the next build of the URI; its lock file until the next lock)."""
+        uris = set()
+        for folder, suffix in ((".staging", None), (".locks", ".lock")):
+            with contextlib.suppress(OSError):
+                for p in (self.root / folder).iterdir():
+                    uri = p.name.split(".", 1)[0] if suffix is None else p.name.removesuffix(suffix)
+                    if looks_like_uri(uri):
+                        uris.add(uri)
+        return sorted(uris)
+
     def new_staging(self, uri: str) -> Path:
         """A fresh folder for one build attempt; call with the URI's lock held."""
         staging_root = self.root / ".staging"

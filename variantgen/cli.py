@@ -721,7 +721,8 @@ def clear(spec_name: str | None, older_than: float | None, cache_dir: str | None
 
     Only module entries are removed (folders named like a module URI: healthy ones, and damaged
     ones, which are named in a note), and without SPEC_NAME the shared kernel objects builds
-    link (.objects/); anything else in the cache folder is left and listed.
+    link (.objects/) and what killed builds left (staging folders, their compilers, lock files);
+    anything else in the cache folder is left and listed.
     A module being built is skipped (exit 1). SPEC_NAME with no module in the cache exits 1."""
     cache = _cache(cache_dir)
     if spec_name is not None and spec_name.endswith((".yaml", ".yml")):
@@ -775,6 +776,12 @@ def clear(spec_name: str | None, older_than: float | None, cache_dir: str | None
         if dropped:
             click.echo(f"removed {dropped} shared kernel object{'s' if dropped != 1 else ''} (rebuilt by the next "
                        "build that needs them)")
+        from .build import discard_killed_builds
+
+        killed = discard_killed_builds(cache)
+        if killed:
+            click.echo(f"removed what {killed} killed build{'s' if killed != 1 else ''} left (staging folders, lock "
+                       "files)")
     others = cache.others()
     if others and spec_name is None and older_than is None:
         shown = ", ".join(p.name + ("/" if p.is_dir() else "") for p in others)

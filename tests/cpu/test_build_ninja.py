@@ -317,6 +317,44 @@ def test_next_build_ends_a_killed_builders_compilers(toolchain, cache, monkeypat
     assert leftovers(cache) == {".staging": [], ".locks": []}
 
 
+def test_clear_removes_what_killed_builders_left(toolchain, cache, monkeypatch, tmp_path):
+    """A regression: `variantgen clear` left a killed builder's staging folders (its module's and
+    its shared object's), lock files and running compilers; only a later build of the same URI
+    removed them, and a new key (another FlashInfer or nvcc) never builds it again. A build
+    running now keeps its folder."""
+    from click.testing import CliRunner
+
+    from variantgen.cli import main
+
+    record = tmp_path / "pids"
+    monkeypatch.setenv("VG_FAKE_NVCC_SLEEP", "300")
+    monkeypatch.setenv("VG_FAKE_PIDS", str(record))
+    child = multiprocessing.get_context("spawn").Process(
+        target=fake.build_in_child, args=(str(tmp_path / ODD / "tools"), str(cache.root)), daemon=True)
+    child.start()
+    try:
+        orphans = wait_for_pids(record, 2)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(30)
+    store = objects.object_cache(cache)
+    killed = list((cache.root / ".staging").iterdir())
+    try:
+        assert killed and leftovers(cache)[".locks"]  # (and the shared object's, if its compile started)
+        busy = "vg_causal_fa2_prefill_qbf16_kvbf16_obf16_hd64x64_sm80_0123456789ab"
+        with cache.lock(busy):
+            running = cache.new_staging(busy)
+            r = CliRunner().invoke(main, ["clear", "--yes", "--cache-dir", str(cache.root)])
+        assert r.exit_code == 0 and re.search(r"^removed what [12] killed builds? left \(staging folders, lock "
+                                              r"files\)$", r.output, re.MULTILINE), r.output
+        assert _gone(orphans)
+    finally:  # (a failure must not leave the compilers running)
+        for staging in killed:
+            ninja.end_recorded(staging)
+    assert leftovers(cache) == {".staging": [running.name], ".locks": []}
+    assert leftovers(store) == {".staging": [], ".locks": []}
+
+
 @pytest.mark.parametrize("where", ["sources", "ninja file", "manifest"])
 def test_full_disk_names_the_path_and_cleans_up(toolchain, cache, monkeypatch, where):
     """ENOSPC gave `internal error: OSError: [Errno 28]` with no path and left a staging folder
