@@ -263,6 +263,9 @@ def _probe(spec_arg: Any, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, k
         raise _Fail(str(e)) from None
     if page_size is not None and (isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1):
         raise _Fail(f"page_size={page_size!r}: expected a positive whole number")
+    if cache_dir is not None and (not isinstance(cache_dir, (str, os.PathLike)) or not str(cache_dir).strip()):
+        # "" was the current folder (a build went there); an int an internal error's TypeError
+        raise _Fail(f"cache_dir={cache_dir!r}: expected a folder, or None for VARIANTGEN_CACHE_DIR")
     routes = capabilities.installed_routes() if runtime else ()
     no_route = "" if runtime else "runtime=False checks the module cache; the flex route has no module"
     # 2. a backend for it at all (the target arch, when given)

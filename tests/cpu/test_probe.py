@@ -228,6 +228,8 @@ def test_version_comparison():
     (dict(page_size=True), "page_size=True"),
     (dict(arch="7.5"), "fa2 needs sm80 or newer"),
     (dict(arch="hopper"), "expected a compute capability"),
+    (dict(cache_dir=""), "cache_dir='': expected a folder, or None for VARIANTGEN_CACHE_DIR"),
+    (dict(cache_dir=7), "cache_dir=7: expected a folder, or None for VARIANTGEN_CACHE_DIR"),
 ])
 def test_unsupported_combinations(kwargs, expected):
     args = dict(BASE, arch="9.0a")
