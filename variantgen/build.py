@@ -212,6 +212,7 @@ def _probe_toolchain() -> Toolchain:
     cxx_path = shutil.which(cxx)
     if cxx_path is None:
         raise ToolchainError(f"host C++ compiler {cxx!r} not found on PATH (set CXX)")
+    cxx_path = os.path.abspath(cxx_path)  # CXX=./g++: ninja links in the staging folder
     cxx_version = _run_version([cxx_path, "--version"], "host C++ compiler").splitlines()[0].strip()
     host_cc = nvcc_host_compiler()
     host_cc_version = _run_version([host_cc, "--version"], "nvcc's host compiler").splitlines()[0].strip()

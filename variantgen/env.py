@@ -63,7 +63,8 @@ class Settings:
     jit_disabled_by: str | None
     """Which variable disabled JIT, for reasons shown to users."""
     cuda_home: Path | None
-    """CUDA_HOME (or CUDA_PATH); None means: look for nvcc on PATH and /usr/local/cuda."""
+    """CUDA_HOME (or CUDA_PATH), made absolute (ninja runs the compilers in the staging folder);
+    None means: look for nvcc on PATH and /usr/local/cuda."""
     arch: str | None
     """VARIANTGEN_ARCH, e.g. '9.0a': the target when no GPU is visible (build boxes, CI)."""
     build_jobs: int | None
@@ -152,7 +153,7 @@ def _read() -> Settings:
         cache_dir=_cache_dir(),
         jit_disabled=disabled_by is not None,
         jit_disabled_by=disabled_by,
-        cuda_home=Path(cuda_home) if cuda_home else None,
+        cuda_home=Path(os.path.abspath(Path(cuda_home).expanduser())) if cuda_home else None,
         arch=os.environ.get("VARIANTGEN_ARCH") or None,
         build_jobs=_int_or_none("VARIANTGEN_BUILD_JOBS") or _int_or_none("MAX_JOBS"),
         nvcc_threads=_int_or_none("VARIANTGEN_NVCC_THREADS") or 1,

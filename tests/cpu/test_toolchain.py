@@ -49,6 +49,24 @@ def test_explicit_cuda_home(vg_env, tmp_path, fresh_toolchain):
     assert tc.cuda_home == home and tc.nvcc == home / "bin" / "nvcc" and tc.nvcc_version == "V12.8.93"
 
 
+def test_relative_cuda_home_and_cxx_are_made_absolute(vg_env, tmp_path, monkeypatch, fresh_toolchain):
+    """A regression: CUDA_HOME=../cuda or CXX=./bin/g++ (relative to where variantgen runs) went
+    into build.ninja as they were - doctor said ok, and every build failed with `/bin/sh:
+    ../cuda/bin/nvcc: not found`, ninja running the compilers in the staging folder."""
+    home = fake_cuda(tmp_path / "cuda-12.8")
+    cxx = _compiler(tmp_path / "bin", "g++", "g++ (fake) 12.2.0")
+    monkeypatch.setattr(build, "flashinfer_info", lambda: procs.FAKE_FLASHINFER)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("CXX", "./bin/g++")
+    for variable in ("CUDA_HOME", "CUDA_PATH"):
+        vg_env.set(**{name: "cuda-12.8" if name == variable else None for name in ("CUDA_HOME", "CUDA_PATH")})
+        build.toolchain.cache_clear()
+        tc = build.toolchain()
+        assert tc.cuda_home == home and tc.nvcc == home / "bin" / "nvcc" and tc.cxx == str(cxx)
+        text = build._ninja_file(render_module(_config()), tc, tmp_path / "src", "m.so")
+        assert f"nvcc = {home}/bin/nvcc" in text and f"cxx = {cxx}" in text
+
+
 def test_explicit_cuda_home_without_nvcc_is_an_error(vg_env, tmp_path, fresh_toolchain):
     empty = tmp_path / "no-cuda"
     empty.mkdir()
