@@ -118,9 +118,9 @@ def _head_dims(values: Any, option: str) -> list[tuple[int, int]]:
     """'64,128,192/128' -> [(64, 64), (128, 128), (192, 128)]: qk head dim, or qk/vo."""
     out = []
     for v in _csv(values, option):
-        qk, _, vo = v.partition("/")
+        qk, slash, vo = v.partition("/")
         try:
-            pair = (int(qk), int(vo or qk))
+            pair = (int(qk), int(vo if slash else qk))  # "128/" is no VO (it was taken as 128)
         except ValueError:
             raise click.BadParameter(f"{v!r}: expected a whole number or QK/VO, e.g. 128 or 192/128",
                                      param_hint=option) from None

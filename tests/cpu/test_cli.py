@@ -340,6 +340,8 @@ def test_precompile_arch_defaults(fake_builds, clean):
 def test_precompile_bad_inputs(fake_builds, tmp_path):
     r = run("precompile", CAUSAL, "--head-dim", "128,big", "--dtype", "bf16", "--arch", "9.0a")
     assert r.exit_code == 2 and "'big': expected a whole number or QK/VO" in r.output
+    r = run("precompile", CAUSAL, "--head-dim", "192/", "--dtype", "bf16", "--arch", "9.0a")  # was taken as 192
+    assert r.exit_code == 2 and "'192/': expected a whole number or QK/VO" in r.output
     r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "float64", "--arch", "9.0a")
     assert r.exit_code == 1 and r.stderr.startswith("error: --dtype='float64': unsupported dtype")
     r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "float32", "--arch", "9.0a", "--dry-run")
