@@ -124,6 +124,8 @@ def _head_dims(values: Any, option: str) -> list[tuple[int, int]]:
         except ValueError:
             raise click.BadParameter(f"{v!r}: expected a whole number or QK/VO, e.g. 128 or 192/128",
                                      param_hint=option) from None
+        if min(pair) < 1:  # (the request's own check would name --head-dim-vo, an option precompile lacks)
+            raise click.BadParameter(f"{v!r}: expected head dims > 0, e.g. 128 or 192/128", param_hint=option)
         if pair not in out:
             out.append(pair)
     return out

@@ -342,6 +342,9 @@ def test_precompile_bad_inputs(fake_builds, tmp_path):
     assert r.exit_code == 2 and "'big': expected a whole number or QK/VO" in r.output
     r = run("precompile", CAUSAL, "--head-dim", "192/", "--dtype", "bf16", "--arch", "9.0a")  # was taken as 192
     assert r.exit_code == 2 and "'192/': expected a whole number or QK/VO" in r.output
+    for dims in ("0", "192/0", "-64"):  # named as precompile's option (the message named --head-dim-vo)
+        r = run("precompile", CAUSAL, "--head-dim", dims, "--dtype", "bf16", "--arch", "9.0a")
+        assert r.exit_code == 2 and f"'{dims}': expected head dims > 0" in r.output and "head-dim-vo" not in r.output
     r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "float64", "--arch", "9.0a")
     assert r.exit_code == 1 and r.stderr.startswith("error: --dtype='float64': unsupported dtype")
     r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "float32", "--arch", "9.0a", "--dry-run")
