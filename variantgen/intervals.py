@@ -318,6 +318,18 @@ class RowIntervals:
     dense_hi: torch.Tensor | None = None
 
 
+@functools.lru_cache(maxsize=256)
+def _scalar_only_conds(form: IntervalForm, spec: VariantSpec) -> tuple[tuple[tuple[Node, ...], Term], ...]:
+    """Per term of ``form``: its conditions that read only scalars and constants, and the term
+    with the others alone (the same for every plan: decided_terms runs in plan()'s hot path)."""
+    scalars = {s.name for s in spec.scalars}
+    out = []
+    for t in form.terms:
+        uniform = tuple(c for c in t.conds if names_used(c) <= scalars)
+        out.append((uniform, replace(t, conds=tuple(c for c in t.conds if c not in uniform)) if uniform else t))
+    return tuple(out)
+
+
 def decided_terms(form: IntervalForm, spec: VariantSpec, args: Mapping[str, Any]) -> tuple[Term, ...]:
     """``form``'s terms for one plan's scalar values. A condition that reads only scalars and
     constants holds for every row or for none, so it is decided here, once, on the host: a term
@@ -325,18 +337,15 @@ def decided_terms(form: IntervalForm, spec: VariantSpec, args: Mapping[str, Any]
     only the terms that can hold: sliding_window's ``window < 0 or q_pos - kv_pos <= window``
     is one interval term for a window >= 0, not a union of two (a union costs the per-row sort
     and merge below). The result is the same as evaluating every term per row."""
-    scalars = {s.name for s in spec.scalars}
     uniform_ev: Evaluator | None = None
     out = []
-    for t in form.terms:
-        uniform = [c for c in t.conds if names_used(c) <= scalars]
-        if not uniform:
-            out.append(t)
-            continue
-        if uniform_ev is None:  # (a host env: deciding a condition reads nothing back from a GPU)
-            uniform_ev = Evaluator(spec, {"vg_uniform": torch.zeros((), dtype=torch.int64)}, args)
-        if all(bool(uniform_ev.ev(c)) for c in uniform):
-            out.append(replace(t, conds=tuple(c for c in t.conds if names_used(c) - scalars)))
+    for uniform, rest in _scalar_only_conds(form, spec):
+        if uniform:
+            if uniform_ev is None:  # (a host env: deciding a condition reads nothing back from a GPU)
+                uniform_ev = Evaluator(spec, {"vg_uniform": torch.zeros((), dtype=torch.int64)}, args)
+            if not all(bool(uniform_ev.ev(c)) for c in uniform):
+                continue
+        out.append(rest)
     return tuple(out)
 
 
