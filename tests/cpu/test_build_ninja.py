@@ -190,6 +190,22 @@ def test_the_printed_command_reproduces_a_failed_build(toolchain, cache, monkeyp
     assert (kept / f"{Path(kept).name}.so").is_file()
 
 
+def kill_a_builder_mid_compile(cache: Cache, monkeypatch, tmp_path: Path) -> list[int]:
+    """kill -9 of a process building the causal module while its compilers run (they sleep
+    until ended, VG_FAKE_NVCC_SLEEP stays set): the pids of the compilers it leaves running."""
+    record = tmp_path / "pids"
+    monkeypatch.setenv("VG_FAKE_NVCC_SLEEP", "300")
+    monkeypatch.setenv("VG_FAKE_PIDS", str(record))
+    child = multiprocessing.get_context("spawn").Process(
+        target=fake.build_in_child, args=(str(tmp_path / ODD / "tools"), str(cache.root)), daemon=True)
+    child.start()
+    try:
+        return wait_for_pids(record, 2)
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(30)
+
+
 def _gone(all_pids: list[int], timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -298,17 +314,7 @@ def test_an_interrupted_precompile_ends_its_builds_at_once(tmp_path, sig, monkey
 def test_next_build_ends_a_killed_builders_compilers(toolchain, cache, monkeypatch, tmp_path):
     """kill -9 of a builder leaves ninja and its compilers running (their own session); the next
     build of the module ends them before it starts."""
-    record = tmp_path / "pids"
-    monkeypatch.setenv("VG_FAKE_NVCC_SLEEP", "300")
-    monkeypatch.setenv("VG_FAKE_PIDS", str(record))
-    child = multiprocessing.get_context("spawn").Process(
-        target=fake.build_in_child, args=(str(tmp_path / ODD / "tools"), str(cache.root)), daemon=True)
-    child.start()
-    try:
-        orphans = wait_for_pids(record, 2)
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.join(30)
+    orphans = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path)
     time.sleep(0.5)
     assert all(ninja._alive(p) for p in orphans)  # still compiling, for nobody
     monkeypatch.delenv("VG_FAKE_NVCC_SLEEP")
@@ -326,17 +332,7 @@ def test_clear_removes_what_killed_builders_left(toolchain, cache, monkeypatch, 
 
     from variantgen.cli import main
 
-    record = tmp_path / "pids"
-    monkeypatch.setenv("VG_FAKE_NVCC_SLEEP", "300")
-    monkeypatch.setenv("VG_FAKE_PIDS", str(record))
-    child = multiprocessing.get_context("spawn").Process(
-        target=fake.build_in_child, args=(str(tmp_path / ODD / "tools"), str(cache.root)), daemon=True)
-    child.start()
-    try:
-        orphans = wait_for_pids(record, 2)
-    finally:
-        os.kill(child.pid, signal.SIGKILL)
-        child.join(30)
+    orphans = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path)
     store = objects.object_cache(cache)
     killed = list((cache.root / ".staging").iterdir())
     try:

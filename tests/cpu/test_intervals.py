@@ -289,13 +289,22 @@ def _random_mask(r, depth: int) -> str:
 def test_random_masks_are_sound(seed):
     """Every interval the analysis derives holds for random masks: a hull covers the visible
     keys, an exact one is exactly them, a dense prefix is all visible (check_sound)."""
+    checked = 0
+    for spec, qo, kv, args in _random_cases(seed, sorted_ids=0.7):
+        check_sound(spec, qo, kv, args)
+        checked += 1
+    assert checked >= 20
+
+
+def _random_cases(seed: int, sorted_ids: float, tries: int = 60):
+    """(spec, qo_lens, kv_lens, args) of random masks the analysis plans, with random batches and
+    arguments; ``sorted_ids``: the share of cases whose `d` ids are sorted."""
     import random
 
     from variantgen.errors import SpecError
 
     r = random.Random(seed)
-    checked = 0
-    for _ in range(60):
+    for _ in range(tries):
         try:
             spec = parse_spec(_RANDOM_HEADER + f'mask: "{_random_mask(r, r.randint(1, 3))}"\n')
         except SpecError:
@@ -307,13 +316,11 @@ def test_random_masks_are_sound(seed):
         total_q, total_kv = sum(qo), sum(kv)
         ids = torch.randint(-2, 4, (total_kv,), generator=g, dtype=torch.int32)
         args = {"t": torch.randint(-3, 16, (total_q, 2), generator=g, dtype=torch.int32),
-                "d": ids.sort().values if r.random() < 0.7 else ids,
+                "d": ids.sort().values if r.random() < sorted_ids else ids,
                 "g": torch.randint(0, 6, (total_kv,), generator=g).float() / 2.0,
                 "w": r.randint(-2, 6), "c": r.randint(-3, 5), "x": r.choice([1.5, 2.0, 0.0]),
                 "flag": r.random() < 0.5}
-        check_sound(spec, qo, kv, args)
-        checked += 1
-    assert checked >= 20
+        yield spec, qo, kv, args
 
 
 def test_a_scalar_only_condition_is_decided_once_per_plan():
@@ -334,10 +341,7 @@ def test_deciding_scalar_conditions_changes_no_interval(seed, monkeypatch):
     """row_intervals with the scalar-only conditions decided up front gives exactly what
     evaluating every term on every row gives, for random masks (their `flag`, `w`, `c` and
     constant conditions) and every shipped spec."""
-    import random
-
     from variantgen import intervals
-    from variantgen.errors import SpecError
 
     def both(spec, qo, kv, args):
         form = analyze(spec)
@@ -349,23 +353,8 @@ def test_deciding_scalar_conditions_changes_no_interval(seed, monkeypatch):
         for field in ("lo", "hi", "exact", "empty", "dense_hi"):
             assert torch.equal(getattr(decided, field), getattr(every, field)), (spec.name, field, args)
 
-    r = random.Random(seed)
     compared = 0
-    for _ in range(60):
-        try:
-            spec = parse_spec(_RANDOM_HEADER + f'mask: "{_random_mask(r, r.randint(1, 3))}"\n')
-        except SpecError:
-            continue
-        if not analyze(spec).planner_ready:
-            continue
-        qo, kv = [r.randint(1, 6), r.randint(1, 6)], [r.randint(6, 14), r.randint(6, 14)]
-        g = torch.Generator().manual_seed(r.randrange(1 << 30))
-        total_q, total_kv = sum(qo), sum(kv)
-        ids = torch.randint(-2, 4, (total_kv,), generator=g, dtype=torch.int32)
-        args = {"t": torch.randint(-3, 16, (total_q, 2), generator=g, dtype=torch.int32),
-                "d": ids.sort().values, "g": torch.randint(0, 6, (total_kv,), generator=g).float() / 2.0,
-                "w": r.randint(-2, 6), "c": r.randint(-3, 5), "x": r.choice([1.5, 2.0, 0.0]),
-                "flag": r.random() < 0.5}
+    for spec, qo, kv, args in _random_cases(seed, sorted_ids=1.0):
         both(spec, qo, kv, args)
         compared += 1
     assert compared >= 20
