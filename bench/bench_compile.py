@@ -10,7 +10,7 @@ against the span they ran in (how many ran at once, and what share of the cores 
 
 build.py deletes ``.ninja_log`` from the staging folder before it publishes a module, so the
 log is copied out of the staging folder as each ninja run returns: ``NinjaLogCapture`` wraps
-``variantgen.ninja.run`` (which build.py calls for every build) for the duration of the
+``variantgen.build.ninja.run`` (which build.py calls for every build) for the duration of the
 benchmark. variantgen itself is not changed.
 
 Options:
@@ -60,8 +60,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen import env as vg_env  # noqa: E402
-from variantgen.errors import VariantgenError  # noqa: E402
+from variantgen.core import env as vg_env  # noqa: E402
+from variantgen.core.errors import VariantgenError  # noqa: E402
 
 NINJA_LOG = ".ninja_log"
 BUILD_NINJA = "build.ninja"
@@ -279,7 +279,7 @@ class NinjaCapture:
 
 @dataclass
 class NinjaLogCapture:
-    """While entered: every ``variantgen.ninja.run`` call (one per module build; precompile's
+    """While entered: every ``variantgen.build.ninja.run`` call (one per module build; precompile's
     threads included) also saves the staging folder's .ninja_log and build.ninja as it returns,
     before build.py deletes the log. ``runs``: uri -> NinjaCapture (the last run of a uri)."""
 
@@ -288,17 +288,18 @@ class NinjaLogCapture:
     _original: Any = None
 
     def __enter__(self) -> NinjaLogCapture:
-        from variantgen import build, ninja
+        from variantgen.build import builder as build
+        from variantgen.build import ninja
 
         if getattr(build, "_ninja_run", None) is not ninja or not callable(getattr(ninja, "run", None)):
-            raise RuntimeError("variantgen.build no longer runs ninja through variantgen.ninja.run: "
+            raise RuntimeError("variantgen.build.builder no longer runs ninja through variantgen.build.ninja.run: "
                                "bench/bench_compile.py's NinjaLogCapture needs updating")
         self._original = ninja.run
         ninja.run = self._run
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from variantgen import ninja
+        from variantgen.build import ninja
 
         ninja.run = self._original
 
@@ -384,24 +385,24 @@ def _version_line(cmd: list[str]) -> str | None:
 
 
 def environment() -> dict[str, Any]:
-    """Where and with what the figures were measured: variantgen.testing.run_environment()
+    """Where and with what the figures were measured: variantgen.testing.harness.run_environment()
     (date, GPU, torch, CUDA, flashinfer, variantgen, host, nvcc) plus the commit, the time,
     the CPUs and the toolchain a build uses."""
     try:
-        from variantgen.testing import run_environment
+        from variantgen.testing.harness import run_environment
 
         env = run_environment()
     except Exception as e:  # noqa: BLE001 - a missing package is recorded, not fatal here
         env = {"date": datetime.date.today().isoformat(), "gpu": "unknown", "variantgen": variantgen.__version__,
                "host": platform.node(), "environment_error": f"{type(e).__name__}: {e}"}
-    from variantgen.testing import source_commit
+    from variantgen.testing.harness import source_commit
 
     env = {"commit": source_commit(), **env,
            "measured_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "cpu_count": os.cpu_count(), "cpus_usable": usable_cores(), "cpu_model": cpu_model(),
            "python": platform.python_version()}
     try:
-        from variantgen import build
+        from variantgen.build import builder as build
 
         tc = build.toolchain()
         env.update(cuda_home=str(tc.cuda_home), nvcc_version=tc.nvcc_version, cxx=tc.cxx_version)
@@ -410,7 +411,7 @@ def environment() -> dict[str, Any]:
     ninja = shutil.which("ninja") or str(Path(sys.executable).parent / "ninja")  # where build.py looks
     env["ninja"] = _version_line([ninja, "--version"])
     try:
-        from variantgen.build import package_versions
+        from variantgen.build.builder import package_versions
 
         env["tvm_ffi"] = package_versions()[1]
     except Exception:  # noqa: BLE001
@@ -431,7 +432,7 @@ def has_gpu() -> bool:
 
 def default_arch() -> str:
     """VARIANTGEN_ARCH, else the visible GPU's arch, else 9.0a."""
-    from variantgen.capabilities import canonical_arch
+    from variantgen.routing.capabilities import canonical_arch
 
     s = vg_env.settings()
     if s.arch:
@@ -473,11 +474,11 @@ def fresh_cache(path: Path) -> Iterator[Path]:
 def module_configs(specs: list[str], *, backends: list[str], kinds: list[str], head_dim: tuple[int, int],
                    dtype: str, arch: str, with_planner: bool) -> tuple[list[Any], list[tuple[str, str]]]:
     """The modules to build (variantgen precompile's matrix) and the skipped combinations."""
-    from variantgen.cli import expand_matrix
+    from variantgen.tools.cli import expand_matrix
 
     configs, skipped = expand_matrix(specs, [head_dim], [dtype], None, None, [arch], backends, kinds)
     if with_planner:
-        from variantgen.rowplan import planner_configs
+        from variantgen.planning.rowplan import planner_configs
 
         configs = [*configs, *planner_configs(configs)]
     return configs, skipped
@@ -492,7 +493,7 @@ def describe_config(cfg: Any) -> dict[str, Any]:
 def build_one(cfg: Any, cache: Any, capture: NinjaLogCapture, *, jobs: int | None, cores: int) -> dict[str, Any]:
     """Build ``cfg`` into the (empty) ``cache``; its JSON record. BenchError on a failure (the
     record, with what ninja finished, is in its ``record`` attribute)."""
-    from variantgen import build
+    from variantgen.build import builder as build
 
     cpu0, t0 = children_cpu_s(), time.perf_counter()
     error = None
@@ -522,7 +523,7 @@ def build_modules(configs: list[Any], cache_dir: Path, *, jobs: int | None, core
                   records: list[dict[str, Any]]) -> None:
     """Cold-build each config, one after another, into ``cache_dir``; records appended as they
     finish (a failed one too, then BenchError)."""
-    from variantgen.cache import Cache
+    from variantgen.build.cache import Cache
 
     with fresh_cache(cache_dir), NinjaLogCapture() as capture:
         cache = Cache(cache_dir)
@@ -543,8 +544,8 @@ def build_library(args: argparse.Namespace, arch: str, cache_dir: Path, cores: i
     process (so that each module's ninja log is captured), into an empty cache."""
     import click
 
-    from variantgen.cli import main as cli_main
-    from variantgen.library import shipped_specs
+    from variantgen.lang.library import shipped_specs
+    from variantgen.tools.cli import main as cli_main
 
     specs = [str(p) for _, p in sorted(shipped_specs().items())]
     argv = ["precompile", *specs, "--head-dim", args.head_dim, "--dtype", args.dtype, "--arch", arch,
@@ -635,7 +636,7 @@ print("FLASHINFER_RESULT " + json.dumps(out))
 def flashinfer_route(requested: str, arch: str) -> tuple[str | None, str]:
     """(route, note): 'plan' with a visible sm90 GPU, else 'build'; None (with the reason) when
     the requested route cannot run here."""
-    from variantgen.capabilities import canonical_arch
+    from variantgen.routing.capabilities import canonical_arch
 
     if canonical_arch(arch) != "9.0a":
         return None, f"FlashInfer's fa3 prefill module is built for sm90a only (--arch is {arch})"
@@ -664,7 +665,7 @@ def flashinfer_jit(args: argparse.Namespace, arch: str, workdir: Path, cores: in
     route, note = flashinfer_route(args.flashinfer_route, arch)
     if route is None:
         return {"skipped": note}
-    from variantgen.capabilities import canonical_dtype
+    from variantgen.routing.capabilities import canonical_dtype
 
     dtype = canonical_dtype(args.dtype, "--dtype")
     if dtype not in ("bf16", "fp16"):
@@ -681,7 +682,7 @@ def flashinfer_jit(args: argparse.Namespace, arch: str, workdir: Path, cores: in
         env["MAX_JOBS"] = str(args.jobs)  # FlashInfer's ninja -j
     if not env.get("CUDA_HOME"):
         with contextlib.suppress(Exception):
-            from variantgen import build
+            from variantgen.build import builder as build
 
             env["CUDA_HOME"] = str(build.toolchain().cuda_home)  # the nvcc variantgen's builds use
     cmd = [sys.executable, "-c", FLASHINFER_CHILD, route, "fa3", dtype, str(qk), str(vo)]
@@ -813,7 +814,7 @@ def write_json(result: dict[str, Any], out: str | None) -> list[Path]:
     if out:
         paths.append(Path(out))
     elif result["environment"].get("gpu") not in (None, "none", "unknown"):
-        from variantgen.testing import result_file_name
+        from variantgen.testing.harness import result_file_name
 
         paths.append(ROOT / "bench" / "results" / result_file_name("compile", result["environment"]))
     if os.environ.get("OUT"):
@@ -870,7 +871,7 @@ def _csv(text: str) -> list[str]:
 
 def run(args: argparse.Namespace) -> tuple[dict[str, Any], str | None]:
     """The benchmark; (result, error message or None). Builds stop at the first failure."""
-    from variantgen.capabilities import canonical_arch, canonical_dtype
+    from variantgen.routing.capabilities import canonical_arch, canonical_dtype
 
     arch = canonical_arch(args.arch) if args.arch else default_arch()
     cores = usable_cores()

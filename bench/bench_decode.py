@@ -42,8 +42,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.plan_abi import MetaColumn  # noqa: E402
-from variantgen.testing import cuda_median_ms, mask_exact_launches, run_environment, write_result  # noqa: E402
+from variantgen.abi.table import MetaColumn  # noqa: E402
+from variantgen.testing.harness import cuda_median_ms, mask_exact_launches, run_environment, write_result  # noqa: E402
 
 B, L, HQ, HKV, D, PS = 64, 8192, 32, 8, 128, 16
 WINDOW, SOFT_CAP, DOC_LEN = 1023, 50.0, 1024
@@ -107,9 +107,9 @@ def main() -> None:
     os.environ.setdefault("MAX_JOBS", str(per_build))  # FlashInfer's JIT ninja
     import flashinfer
 
-    from variantgen.build import build_module, default_cache
-    from variantgen.factory import device_arch
-    from variantgen.render import DEFAULT_MASK_MODES, ModuleConfig
+    from variantgen.api.factory import device_arch
+    from variantgen.build.builder import build_module, default_cache
+    from variantgen.codegen.render import DEFAULT_MASK_MODES, ModuleConfig
 
     dev = "cuda"
     res: dict = {

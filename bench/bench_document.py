@@ -17,13 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.reference import reference_attention  # noqa: E402
-from variantgen.testing import (  # noqa: E402
+from variantgen.testing.harness import (  # noqa: E402
     PREFILL_BENCH_SHAPE,
     cuda_median_ms,
     prefill_bench_batch,
     random_paged_batch,
 )
+from variantgen.wrappers.reference import reference_attention  # noqa: E402
 
 B, L, HQ, HKV, D, PS = PREFILL_BENCH_SHAPE
 

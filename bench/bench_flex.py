@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import (  # noqa: E402
+from variantgen.testing.harness import (  # noqa: E402
     PREFILL_BENCH_SHAPE,
     cuda_median_ms,
     prefill_bench_batch,

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import (  # noqa: E402
+from variantgen.testing.harness import (  # noqa: E402
     PREFILL_BENCH_SPANS,
     cuda_median_ms,
     random_paged_batch,
@@ -47,7 +47,7 @@ from variantgen.testing import (  # noqa: E402
     run_environment,
     spans_to_ranges,
 )
-from variantgen.trees import random_tree_parents, tree_bits  # noqa: E402
+from variantgen.wrappers.trees import random_tree_parents, tree_bits  # noqa: E402
 
 CASES = ("sinks", "tree", "gemma4")
 PS = 16
@@ -261,7 +261,7 @@ def list_modules() -> str:
     for spec, d, backends, kinds in MODULES:
         for be in backends:
             for kind in kinds:
-                lines.append(f"python -m variantgen.cli precompile specs/{spec}.yaml --head-dim {d} --dtype bf16 "
+                lines.append(f"python -m variantgen precompile specs/{spec}.yaml --head-dim {d} --dtype bf16 "
                              f"--backend {be} --kind {kind} --arch 9.0a -j 8")
     return "\n".join(lines)
 

@@ -1,4 +1,4 @@
-"""What the page-list guard (variantgen/checks.py) costs, on the GPU, for the plan benchmark's
+"""What the page-list guard (variantgen/wrappers/checks.py) costs, on the GPU, for the plan benchmark's
 page list (8 requests x 8192 tokens in pages of 16: 4096 entries).
 
 Where plan() gets the page list on the GPU and the indptrs on the host and reads nothing back,
@@ -34,8 +34,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from variantgen.checks import BoundsCopy, PageGuard  # noqa: E402
-from variantgen.errors import LaunchError  # noqa: E402
+from variantgen.core.errors import LaunchError  # noqa: E402
+from variantgen.wrappers.checks import BoundsCopy, PageGuard  # noqa: E402
 
 ENTRIES = 8 * 8192 // 16  # the plan benchmark's page list (bench_plan.py: 8 x 8192 tokens, page 16)
 PAGES = ENTRIES  # a cache of exactly those pages

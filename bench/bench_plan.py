@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import (  # noqa: E402
+from variantgen.testing.harness import (  # noqa: E402
     PREFILL_BENCH_SHAPE,
     cuda_median_ms,
     prefill_bench_batch,
@@ -91,7 +91,7 @@ def paired(runs: dict, rounds: int) -> dict:
 def graph_mode(out: dict, tag: str, batch, ws, name: str, planned: dict, iters: int, backend: str) -> None:
     """CUDA-graph mode (graph.py) at the workload's own size: plan() time, and the replay of a
     run() captured once (padded launches, split-KV off) against the eager run of that plan."""
-    from variantgen.graph import GraphCapacity
+    from variantgen.planning.graph import GraphCapacity
 
     cap = GraphCapacity(max_batch_size=len(batch.qo_lens), max_total_q=batch.q.shape[0],
                         max_kv_pages=batch.kv_indices.numel())

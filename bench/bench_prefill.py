@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import (  # noqa: E402
+from variantgen.testing.harness import (  # noqa: E402
     PREFILL_BENCH_SHAPE,
     PREFILL_BENCH_SPANS,
     alibi_slopes,

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import cuda_median_ms, run_environment, write_result  # noqa: E402
+from variantgen.testing.harness import cuda_median_ms, run_environment, write_result  # noqa: E402
 
 B, L, HQ, HKV, DQK, DVO = 8, 8192, 32, 32, 192, 128
 SPECS = {"causal": ROOT / "specs" / "causal.yaml", "full": ROOT / "tests" / "data" / "full.yaml"}

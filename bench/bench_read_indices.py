@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing import run_environment, write_result  # noqa: E402
+from variantgen.testing.harness import run_environment, write_result  # noqa: E402
 
 PAGE = 16
 

@@ -4,7 +4,7 @@
 Each case - a random batch over a module of the matrix below (the shipped specs, fa2 / fa3,
 paged prefill, decode on CUDA and tensor cores, ragged, CUDA-graph replays; page sizes 1-64,
 GQA groups 1-16, windows none / 0 / 1 / small / large, chunked prefill, random spec tensors,
-planner on / off) - is compared with the derived float32 reference (variantgen/fuzzing.py:
+planner on / off) - is compared with the derived float32 reference (variantgen/testing/fuzzing.py:
 tolerances by dtype, NaN never passes, outputs poisoned before each run) and, where FlashInfer
 has the same mask, with FlashInfer's own kernel; each plan runs twice, and a second run that
 writes other bits is a failure of its own ('nondeterministic': a race). Cases are spread over the targets by time so
@@ -44,9 +44,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from variantgen import fuzzing as fz  # noqa: E402
-from variantgen.fuzzing import TARGETS, FuzzCase, ModuleKey, Target  # noqa: E402
-from variantgen.testing import source_commit  # noqa: E402
+from variantgen.testing import fuzzing as fz  # noqa: E402
+from variantgen.testing.fuzzing import TARGETS, FuzzCase, ModuleKey, Target  # noqa: E402
+from variantgen.testing.harness import source_commit  # noqa: E402
 
 SPECS = tuple(sorted(p.stem for p in (REPO / "specs").glob("*.yaml")))
 M = ModuleKey
@@ -123,7 +123,7 @@ def list_modules(fmt: str, targets: list[Target], specs: tuple[str, ...]) -> str
     count = sum(len(v) for v in groups.values())
     lines.append(f"# {count} modules (+ the planner module of each spec with paged prefill or decode modules, built "
                  "with them)")
-    lines += [f"python -m variantgen.cli precompile {a} --arch {ARCH} -j 8" for a in args]
+    lines += [f"python -m variantgen precompile {a} --arch {ARCH} -j 8" for a in args]
     lines.append("# FlashInfer modules for the comparisons (JIT-built by FlashInfer in the setup, in this order):")
     lines += [f"#   {e.name}: {e.describe()}" for e in FI_ENTRIES]
     return "\n".join(lines)
@@ -632,7 +632,7 @@ def _failure_json(case: FuzzCase, v: fz.Verdict, mz: fz.Minimized | None, seed: 
 
 
 def environment(fake: bool) -> dict[str, Any]:
-    from variantgen.testing import run_environment
+    from variantgen.testing.harness import run_environment
 
     env = run_environment()
     if fake:
@@ -726,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"tool": "bench/fuzz_gpu.py", **environment(args.fake)}
     out = args.out
     if out is None:
-        from variantgen.testing import result_file_name
+        from variantgen.testing.harness import result_file_name
 
         out = REPO / "bench" / "results" / result_file_name(f"fuzz-gpu-seed{args.seed}", env)
     out.parent.mkdir(parents=True, exist_ok=True)

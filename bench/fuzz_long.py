@@ -2,8 +2,8 @@
 """Long fuzz run of the spec and expression front end (issue 6), outside pytest.
 
 Feeds N generated cases (default 10,000) to ``variantgen.parse_spec`` / ``load_spec`` /
-``variantgen.expr`` and counts the outcomes. A case may succeed or raise a
-``variantgen.errors.SpecError`` whose message starts with a location; anything else
+``variantgen.lang.expr`` and counts the outcomes. A case may succeed or raise a
+``variantgen.core.errors.SpecError`` whose message starts with a location; anything else
 (another exception, or an unlocated message) is a bug. Exits 1 if there is any.
 
 Generators (mixed at random): random unicode text, YAML token soup, mutations of the
@@ -34,10 +34,11 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "fakes"))
 
 import variantgen  # noqa: E402
-from variantgen import codegen, expr  # noqa: E402
-from variantgen.errors import MAX_SPEC_ERRORS, SpecError, SpecErrors  # noqa: E402
-from variantgen.expr import SourceText  # noqa: E402
-from variantgen.render import kernel_args  # noqa: E402
+from variantgen.codegen import expressions as codegen  # noqa: E402
+from variantgen.codegen.render import kernel_args  # noqa: E402
+from variantgen.core.errors import MAX_SPEC_ERRORS, SpecError, SpecErrors  # noqa: E402
+from variantgen.lang import expr  # noqa: E402
+from variantgen.lang.expr import SourceText  # noqa: E402
 
 PATH = "fuzz.yaml"
 LOCATED = re.compile(rf"^{re.escape(PATH)}(:\d+(:\d+)?)?: \S")

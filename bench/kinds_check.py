@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 
 import variantgen
-from variantgen.ragged import random_ragged_batch, reference_ragged
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args, result_file_name, run_environment
+from variantgen.testing.harness import random_paged_batch, random_spec_args, result_file_name, run_environment
+from variantgen.wrappers.ragged import random_ragged_batch, reference_ragged
+from variantgen.wrappers.reference import reference_attention
 
 ws = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
 res = {}

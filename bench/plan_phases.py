@@ -20,8 +20,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen import planner, staging, wrapper  # noqa: E402
-from variantgen.testing import PREFILL_BENCH_SHAPE, prefill_bench_batch  # noqa: E402
+from variantgen.core import staging  # noqa: E402
+from variantgen.planning import planner  # noqa: E402
+from variantgen.testing.harness import PREFILL_BENCH_SHAPE, prefill_bench_batch  # noqa: E402
+from variantgen.wrappers import paged as wrapper  # noqa: E402
 
 SECONDS: dict[str, float] = collections.defaultdict(float)
 CALLS: collections.Counter[str] = collections.Counter()

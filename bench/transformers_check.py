@@ -33,7 +33,7 @@ import transformers  # noqa: E402
 
 import variantgen  # noqa: E402
 from variantgen.integrations import transformers as vg_hf  # noqa: E402
-from variantgen.testing import source_commit  # noqa: E402
+from variantgen.testing.harness import source_commit  # noqa: E402
 
 DTYPE = torch.bfloat16
 

@@ -33,7 +33,7 @@ from itertools import accumulate
 import torch
 
 import variantgen
-from variantgen.reference import reference_attention
+from variantgen.wrappers.reference import reference_attention
 
 log = logging.getLogger("engine")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}

@@ -5,7 +5,7 @@
 # Modules go to VARIANTGEN_CACHE_DIR (default cache/). Extra arguments to precompile via PRECOMPILE_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VG=(python3 -m variantgen.cli precompile --arch 9.0a -j "${VG_PARALLEL:-4}" --jobs-per-module "${VG_JOBS:-4}" ${PRECOMPILE_ARGS:-})
+VG=(python3 -m variantgen precompile --arch 9.0a -j "${VG_PARALLEL:-4}" --jobs-per-module "${VG_JOBS:-4}" ${PRECOMPILE_ARGS:-})
 groups=("$@"); [ ${#groups[@]} -eq 0 ] && groups=(fa2 fa3 decode ragged masks)
 for g in "${groups[@]}"; do
   case $g in

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "fakes"))  # `from _fak
 import pytest
 
 import variantgen
-from variantgen import env as vg_env_mod
-from variantgen.env import REPO_DIR, SPECS_DIR, TEMPLATES_DIR  # noqa: F401 - tests import them from here
+from variantgen.core import env as vg_env_mod
+from variantgen.core.env import REPO_DIR, SPECS_DIR, TEMPLATES_DIR  # noqa: F401 - tests import them from here
 
 SPEC_FILES = sorted(SPECS_DIR.glob("*.yaml"))
 ALL_SPECS = [p.stem for p in SPEC_FILES]
@@ -46,7 +46,7 @@ CPU_SMALL_SCALARS = {
     "softcap": {"soft_cap": 2.0, "window": 17},
 }
 
-# Every variable variantgen.env reads: a test environment starts without them.
+# Every variable variantgen.core.env reads: a test environment starts without them.
 VG_VARIABLES = (
     "VARIANTGEN_CACHE_DIR", "VARIANTGEN_DISABLE_JIT", "FLASHINFER_DISABLE_JIT", "VARIANTGEN_ARCH",
     "VARIANTGEN_BUILD_JOBS", "MAX_JOBS", "VARIANTGEN_NVCC_THREADS", "VARIANTGEN_SPLIT_COMPILE",
@@ -83,7 +83,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if (call.excinfo is not None and report.failed and os.environ.get("VARIANTGEN_TEST_SKIP_UNBUILT") == "1"
-            and call.excinfo.errisinstance(variantgen.errors.JitDisabledError)):
+            and call.excinfo.errisinstance(variantgen.core.errors.JitDisabledError)):
         report.outcome = "skipped"
         message = str(call.excinfo.value).splitlines()[0]
         report.longrepr = (str(item.path), item.location[1] or 0, f"not precompiled: {message}")
@@ -169,8 +169,8 @@ def workspace():
 @pytest.fixture
 def toolchain(vg_env):
     """The real nvcc toolchain for the `nvcc`-marked builds; the test is skipped without one."""
-    from variantgen import build
-    from variantgen.errors import ToolchainError
+    from variantgen.build import builder as build
+    from variantgen.core.errors import ToolchainError
 
     try:
         tc = build.toolchain()
@@ -187,6 +187,6 @@ def toolchain(vg_env):
 def host_modules(monkeypatch):
     """make_wrapper may wrap a module over a CPU workspace: the CPU tests' fake modules run on the
     host (make_wrapper refuses that for a real module, whose kernels run on a GPU)."""
-    from variantgen import factory
+    from variantgen.api import factory
 
     monkeypatch.setattr(factory, "module_workspace_problem", lambda workspace: "")

@@ -19,12 +19,12 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_import_does_not_import_torch():
-    code = ("import sys, variantgen, variantgen.probing, variantgen.factory, variantgen.capabilities; "
+    code = ("import sys, variantgen, variantgen.api.probing, variantgen.api.factory, variantgen.routing.capabilities; "
             "print('torch' in sys.modules, callable(variantgen.probe), variantgen.probe.__module__, "
             "variantgen.make_wrapper.__module__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}).stdout.split()
-    assert out == ["False", "True", "variantgen.probing", "variantgen.factory"]
+    assert out == ["False", "True", "variantgen.api.probing", "variantgen.api.factory"]
 
 
 @pytest.mark.parametrize("name, params", [
@@ -46,9 +46,9 @@ def test_help_shows_the_real_signature_and_docstring(name, params):
 
 
 def test_probe_is_only_the_function():
-    """The module is variantgen.probing: no import can rebind `variantgen.probe` to a module of
+    """The module is variantgen.api.probing: no import can rebind `variantgen.probe` to a module of
     the same name, and nothing patches the package to keep it the function."""
-    module = importlib.import_module("variantgen.probing")
+    module = importlib.import_module("variantgen.api.probing")
     assert variantgen.probe is module.probe and variantgen.probe.cache_clear is module.cache_clear
     package = Path(variantgen.__file__).parent
     assert not (package / "probe.py").exists() and not (package / "probe").exists()
@@ -78,7 +78,7 @@ def test_spans_to_ranges_marks_each_query_of_a_span():
 
 def test_spans_to_ranges_agrees_with_the_reference_mask():
     """The spans it builds give the mm_prefix mask FlashInfer's ranges wrapper computes."""
-    from variantgen.reference import RequestGrid, mask_for_request
+    from variantgen.wrappers.reference import RequestGrid, mask_for_request
 
     spec = variantgen.load_spec(REPO / "specs" / "mm_prefix.yaml")
     ranges = variantgen.spans_to_ranges([4], [8], [[(2, 6)]])
@@ -169,7 +169,7 @@ def test_tree_bits_names_bad_input(args, message):
     ({"use_tensor_cores": "yes", "kind": "decode"}, "make_wrapper(): `use_tensor_cores`='yes': expected True or "
                                                     "False"),
     ({"check_plan": "no"}, "make_wrapper(): `check_plan`='no': expected True, False or None"),
-    ({"cache": "/tmp/cache"}, "make_wrapper(): cache='/tmp/cache': expected a variantgen.cache.Cache (e.g. "
+    ({"cache": "/tmp/cache"}, "make_wrapper(): cache='/tmp/cache': expected a variantgen.build.cache.Cache (e.g. "
                               "Cache(path)), or None for the default cache (VARIANTGEN_CACHE_DIR)"),
     ({"jobs": "4"}, "make_wrapper(): jobs='4': expected a positive int (parallel compile jobs, at most 2147483647), "
                     "or None"),

@@ -1,7 +1,7 @@
 """bench/bench_compile.py on the CPU: ninja-log and build.ninja parsing, the unit table and its
 summary from a fake build folder with a synthetic .ninja_log, the JSON and its metadata, and the
 whole benchmark through the real ninja with the fake compilers of tests/fakes/_fake_toolchain.py
-(no nvcc): the log capture around variantgen.ninja.run, a failed build, --library, and
+(no nvcc): the log capture around variantgen.build.ninja.run, a failed build, --library, and
 --flashinfer where its route cannot run.
 """
 
@@ -14,8 +14,9 @@ from pathlib import Path
 import _fake_toolchain as fake
 import pytest
 
-from variantgen import build, ninja
-from variantgen.testing import source_commit
+from variantgen.build import builder as build
+from variantgen.build import ninja
+from variantgen.testing.harness import source_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_compile as bc  # noqa: E402
@@ -198,7 +199,7 @@ def test_capture_saves_the_log_build_py_deletes(toolchain, tmp_path):
     """build.py removes .ninja_log before publishing; the capture has it, with every edge."""
     from _cache_procs import causal_config
 
-    from variantgen.cache import Cache
+    from variantgen.build.cache import Cache
 
     config = causal_config()
     rendered = config.render()
@@ -257,7 +258,7 @@ def test_a_failed_build_exits_1_and_keeps_its_log(toolchain, tmp_path, monkeypat
 
 
 def test_library_precompiles_every_shipped_spec(toolchain, tmp_path, monkeypatch, capsys):
-    from variantgen.library import shipped_specs
+    from variantgen.lang.library import shipped_specs
 
     out = tmp_path / "compile.json"
     rc = bc.main(["--library", "--library-jobs", "3", "--library-backend", "fa2", "--arch", "9.0a",

@@ -20,10 +20,11 @@ import _fake_toolchain as fake
 import pytest
 from _cache_procs import causal_config
 
-from variantgen import build, ninja, objects
-from variantgen.cache import Cache
-from variantgen.errors import BuildError, CacheError
-from variantgen.render import render_module
+from variantgen.build import builder as build
+from variantgen.build import ninja, objects
+from variantgen.build.cache import Cache
+from variantgen.codegen.render import render_module
+from variantgen.core.errors import BuildError, CacheError
 
 ODD = "dir with space, $dollar and a:colon"
 
@@ -100,7 +101,7 @@ def test_split_compile_reaches_nvcc_and_the_key(toolchain, tmp_path, vg_env):
 
 def test_build_in_paths_with_spaces_dollars_and_colons(toolchain, cache, caplog):
     """Every build broke when the cache path held a space, a $ or a colon."""
-    caplog.set_level(logging.INFO, logger="variantgen.build")
+    caplog.set_level(logging.INFO, logger="variantgen.build.builder")
     config = causal_config()
     rendered = render_module(config)
     seen: list[tuple[int, int]] = []
@@ -129,9 +130,9 @@ def test_build_in_paths_with_spaces_dollars_and_colons(toolchain, cache, caplog)
 
 
 def test_default_progress_logs_start_and_finish_off_a_terminal(toolchain, cache, caplog):
-    caplog.set_level(logging.INFO, logger="variantgen.build")
+    caplog.set_level(logging.INFO, logger="variantgen.build.builder")
     result = build.build_module(causal_config(), cache)
-    messages = [r.getMessage() for r in caplog.records if r.name == "variantgen.build"]
+    messages = [r.getMessage() for r in caplog.records if r.name == "variantgen.build.builder"]
     units = len(render_module(causal_config()).compile_units) + 1
     assert messages[0] == (f"building {result.entry.uri} ({units} compile units; a first build takes about a "
                            "minute)")
@@ -330,7 +331,7 @@ def test_clear_removes_what_killed_builders_left(toolchain, cache, monkeypatch, 
     running now keeps its folder."""
     from click.testing import CliRunner
 
-    from variantgen.cli import main
+    from variantgen.tools.cli import main
 
     orphans = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path)
     store = objects.object_cache(cache)
@@ -394,7 +395,7 @@ def test_a_failing_progress_display_does_not_stop_the_build(toolchain, cache):
 
 
 def test_ninja_that_cannot_run_is_a_toolchain_error(toolchain, cache, monkeypatch, tmp_path):
-    from variantgen.errors import ToolchainError
+    from variantgen.core.errors import ToolchainError
 
     not_executable = tmp_path / "ninja"
     not_executable.write_text("not a program")
@@ -409,7 +410,7 @@ def test_ninja_that_cannot_run_is_a_toolchain_error(toolchain, cache, monkeypatc
 
 def fa3_config(name: str):
     import variantgen
-    from variantgen.render import ModuleConfig
+    from variantgen.codegen.render import ModuleConfig
 
     return ModuleConfig(variantgen.resolve_spec(name), 128, 128, "bf16", "bf16", "bf16", "9.0a", "fa3")
 

@@ -19,12 +19,14 @@ import pytest
 from conftest import SPECS_DIR
 
 import variantgen
-from variantgen import build, codegen, kv_tile, render
-from variantgen.cache import Cache
-from variantgen.errors import BuildError
-from variantgen.render import FA2_CTA_TILES_Q, ModuleConfig
-from variantgen.resolver import choose_backend
-from variantgen.spec import WRAPPER_PARAMS
+from variantgen.build import builder as build
+from variantgen.build.cache import Cache
+from variantgen.codegen import expressions as codegen
+from variantgen.codegen import kv_tile, render
+from variantgen.codegen.render import FA2_CTA_TILES_Q, ModuleConfig
+from variantgen.core.errors import BuildError
+from variantgen.lang.spec import WRAPPER_PARAMS
+from variantgen.routing.resolver import choose_backend
 
 pytestmark = pytest.mark.nvcc
 
@@ -218,7 +220,7 @@ def test_sink_and_bit_kernels_compile(vg_env, toolchain, tmp_path, backend, kind
     with the module's own flags (a whole module is minutes more of the same)."""
     spec = variantgen.parse_spec(SINK_AND_BITS, "sink_and_bits.yaml")
     config = ModuleConfig(spec, 64, 64, "bf16", "bf16", "bf16", "9.0a", backend, kind=kind)
-    module = config.render()
+    module = render.render_module(config)
     assert unit in module.compile_units
     _compile_units(toolchain, tmp_path, module, config, [unit])
     assert (tmp_path / f"{Path(unit).stem}.o").stat().st_size > 0
@@ -242,7 +244,7 @@ COLLIDING = ("name: colliding\ntensors:\n  keys: {dtype: int32, shape: [total_kv
 def test_argument_names_never_meet_the_generated_codes_own(vg_env, toolchain, tmp_path, backend, kind):
     """A spec may name its arguments as anything the validator accepts: as a local of the run
     function its arguments are passed to, too (a scalar `stream` or `b` failed to compile)."""
-    from variantgen.rowplan import PlannerConfig
+    from variantgen.planning.rowplan import PlannerConfig
 
     spec = variantgen.parse_spec(COLLIDING, "colliding.yaml")
     if backend == "planner":

@@ -21,11 +21,12 @@ import pytest
 from conftest import SPECS_DIR
 
 import variantgen
-from variantgen import build, render
-from variantgen import cache as cache_mod
-from variantgen.cache import Cache, ModuleKey
-from variantgen.errors import BuildError, CacheError, JitDisabledError, ToolchainError
-from variantgen.render import ModuleConfig, render_module
+from variantgen.build import builder as build
+from variantgen.build import cache as cache_mod
+from variantgen.build.cache import Cache, ModuleKey
+from variantgen.codegen import render
+from variantgen.codegen.render import ModuleConfig, render_module
+from variantgen.core.errors import BuildError, CacheError, JitDisabledError, ToolchainError
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -100,7 +101,7 @@ def test_uri_does_not_depend_on_dict_order_or_process():
     import subprocess
     import sys
 
-    code = ("from variantgen.cache import ModuleKey; import json, sys; a = json.loads(sys.argv[1]); "
+    code = ("from variantgen.build.cache import ModuleKey; import json, sys; a = json.loads(sys.argv[1]); "
             "print(ModuleKey(a[0], tuple(map(tuple, a[1])), tuple(map(tuple, a[2]))).uri)")
     out = subprocess.run([sys.executable, "-c", code, json.dumps([PREFIX, INPUTS, TOOLCHAIN])],
                          capture_output=True, text=True, check=True).stdout.strip()

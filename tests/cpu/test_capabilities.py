@@ -1,6 +1,6 @@
 """The capability table and the resolver: every decision, table-driven against rules written
 out plainly here; the names (dtypes, archs); the flex route's wiring (a stand-in module in
-place of variantgen.flex_wrapper); and probe / make_wrapper / the command line agreeing with
+place of variantgen.wrappers.flex_wrapper); and probe / make_wrapper / the command line agreeing with
 the resolver on a fake GPU."""
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from click.testing import CliRunner
 from conftest import SPECS_DIR
 
 import variantgen
-from variantgen import build, capabilities
-from variantgen.capabilities import (
+from variantgen.api.probing import probe
+from variantgen.build import builder as build
+from variantgen.routing import capabilities
+from variantgen.routing.capabilities import (
     KINDS,
     TABLE,
     Request,
@@ -30,9 +32,8 @@ from variantgen.capabilities import (
     canonical_dtype,
     graph_problem,
 )
-from variantgen.cli import main
-from variantgen.probing import probe
-from variantgen.resolver import choose_backend, resolve
+from variantgen.routing.resolver import choose_backend, resolve
+from variantgen.tools.cli import main
 
 FAKE_TC = build.Toolchain(Path("/opt/fake-cuda"), Path("/opt/fake-cuda/bin/nvcc"), "V13.0.88", "/usr/bin/c++",
                           "c++ (fake) 12.2.0")
@@ -140,7 +141,7 @@ def test_the_table_is_the_one_description_of_the_backends():
     # CUDA-graph mode is one field per backend: fa2 and fa3 paged prefill and decode
     assert {name: b.graph_kinds for name, b in TABLE.items()} == {"fa3": ("prefill", "decode"),
                                                                  "fa2": ("prefill", "decode"), "flex": ()}
-    assert variantgen.spec.BACKENDS is capabilities.BACKENDS  # spec files name the same backends
+    assert variantgen.lang.spec.BACKENDS is capabilities.BACKENDS  # spec files name the same backends
 
 
 def test_graph_problems():
@@ -310,7 +311,7 @@ def test_the_reasons_a_backend_is_not_chosen():
     assert r.backend == "fa2" and r.note == "" and r.rejected == (
         ("fa3", "arch=8.6: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a"),
         ("flex", "the flex route (torch's FlexAttention, no compiled module) is not installed here "
-                 "(variantgen.flex_wrapper is missing)"))
+                 "(variantgen.wrappers.flex_wrapper is missing)"))
     r = resolve(request, Site(arch="9.0a", routes=("flex",)))
     assert r.backend == "fa3" and dict(r.rejected) == {"fa2": "fa3 comes first", "flex": "fa3 comes first"}
     r = resolve(Request.of(MM, head_dim_qk=96, q_dtype="bf16"), Site(arch="9.0a"))
@@ -321,7 +322,7 @@ def test_the_reasons_a_backend_is_not_chosen():
         "  fa2: head_dim_qk=96, head_dim_vo=96: fa2 prefill modules support head dims 64, 128, 256 (qk/vo where they "
         "differ)",
         "  flex: the flex route (torch's FlexAttention, no compiled module) is not installed here "
-        "(variantgen.flex_wrapper is missing)"]
+        "(variantgen.wrappers.flex_wrapper is missing)"]
     assert r.why(lines=False).startswith("no backend can run it here: fa3: head_dim_qk=96") and "\n" not in r.why(
         lines=False)
     one = resolve(Request.of(MM, head_dim_qk=96, q_dtype="bf16", backend="fa2"), Site(arch="9.0a"))
@@ -394,11 +395,11 @@ def test_choose_backend_respects_the_spec_and_says_when_nothing_serves(spec_from
 
 @pytest.fixture
 def flex_route(monkeypatch):
-    """A stand-in for variantgen.flex_wrapper (the flex route's module): records the calls of its
+    """A stand-in for variantgen.wrappers.flex_wrapper (the flex route's module): records the calls of its
     factory and probe with make_wrapper's / probe()'s arguments."""
     calls: dict[str, list] = {"factory": [], "probe": []}
-    module = types.ModuleType("variantgen.flex_wrapper")
-    module.__spec__ = importlib.machinery.ModuleSpec("variantgen.flex_wrapper", loader=None)
+    module = types.ModuleType("variantgen.wrappers.flex_wrapper")
+    module.__spec__ = importlib.machinery.ModuleSpec("variantgen.wrappers.flex_wrapper", loader=None)
 
     def make_flex_wrapper(spec, workspace, **kwargs):
         calls["factory"].append((spec.name, kwargs))
@@ -409,7 +410,7 @@ def flex_route(monkeypatch):
         return {"ok": True, "reason": "", "details": {"checked": "ran a 2-request batch"}}
 
     module.make_flex_wrapper, module.probe_flex = make_flex_wrapper, probe_flex
-    monkeypatch.setitem(sys.modules, "variantgen.flex_wrapper", module)
+    monkeypatch.setitem(sys.modules, "variantgen.wrappers.flex_wrapper", module)
     monkeypatch.setattr(capabilities, "installed_routes", lambda: ("flex",))
     return calls
 
@@ -425,12 +426,12 @@ def machine(vg_env, monkeypatch):
 
 
 def test_the_flex_route_is_found_without_importing_it():
-    """variantgen/flex_wrapper.py is the route's module: installed_routes() finds it, and asking
+    """variantgen/wrappers/flex_wrapper.py is the route's module: installed_routes() finds it, and asking
     imports neither it nor torch (probe's and make_wrapper's cheap paths stay cheap)."""
     import subprocess
 
-    code = ("import sys, variantgen.capabilities as c; print(c.installed_routes(), "
-            "'variantgen.flex_wrapper' in sys.modules, 'torch' in sys.modules)")
+    code = ("import sys, variantgen.routing.capabilities as c; print(c.installed_routes(), "
+            "'variantgen.wrappers.flex_wrapper' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=SPECS_DIR.parent, env={"PYTHONPATH": str(SPECS_DIR.parent), "PATH": "/usr/bin:/bin"})
     assert out.stdout.split() == ["('flex',)", "False", "False"]
@@ -519,9 +520,9 @@ def test_probe_make_wrapper_and_the_command_agree_with_the_resolver(gpu, capabil
                                                                     cached, jit):
     """The same request on the same machine: probe's backend and note, `variantgen probe`'s,
     and the module make_wrapper wraps are the resolver's."""
-    from variantgen.cache import Cache
-    from variantgen.factory import module_site
-    from variantgen.graph import GraphCapacity
+    from variantgen.api.factory import module_site
+    from variantgen.build.cache import Cache
+    from variantgen.planning.graph import GraphCapacity
 
     gpu.on(capability)
     if jit == "off":
@@ -563,9 +564,9 @@ def test_a_cache_check_of_the_flex_route_says_it_has_no_module(flex_route, machi
 def test_a_route_is_installed_only_inside_this_package(tmp_path, monkeypatch):
     """A module of the route's name elsewhere on the path (another checkout, an editable
     install's finder) is not this variantgen's route."""
-    from variantgen.capabilities import Route
+    from variantgen.routing.capabilities import Route
 
-    assert Route("variantgen.evaluate", "Evaluator", "x").installed()  # a file of the package
+    assert Route("variantgen.lang.evaluate", "Evaluator", "x").installed()  # a file of the package
     assert not Route("variantgen.no_such_route", "f", "p").installed()
     elsewhere = tmp_path / "variantgen_elsewhere"
     elsewhere.mkdir()

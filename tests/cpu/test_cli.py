@@ -17,14 +17,14 @@ import torch
 from click.testing import CliRunner
 
 import variantgen
-from variantgen import build
-from variantgen.cache import MANIFEST, Cache, Entry, ModuleKey
-from variantgen.cli import main
-from variantgen.errors import BuildError, JitDisabledError
-from variantgen.render import ModuleConfig, render_module
-from variantgen.rowplan import PlannerConfig
+from variantgen.build import builder as build
+from variantgen.build.cache import MANIFEST, Cache, Entry, ModuleKey
+from variantgen.codegen.render import ModuleConfig, render_module
+from variantgen.core.errors import BuildError, JitDisabledError
+from variantgen.planning.rowplan import PlannerConfig
+from variantgen.tools.cli import main
 
-probe_mod = importlib.import_module("variantgen.probing")
+probe_mod = importlib.import_module("variantgen.api.probing")
 REPO = Path(__file__).resolve().parents[2]
 SPECS = REPO / "specs"
 MM = SPECS / "mm_prefix.yaml"
@@ -49,7 +49,7 @@ def run(*args: str, input: str | None = None):
 
 
 def publish_fake(cache: Cache, cfg: ModuleConfig, *, built_at: float | None = None) -> Entry:
-    rendered = cfg.render()
+    rendered = render_module(cfg)
     key = build.module_key(rendered, FAKE_TC)
     staging = cache.new_staging(key.uri)
     (staging / f"{key.uri}.so").write_bytes(b"\x7fELF dummy " + key.uri.encode() + b"\0" * 4096)
@@ -777,7 +777,7 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="", VARIANTGEN_CACHE_DIR=str(tmp_path / "c"))
     read_end, write_end = os.pipe()
     os.close(read_end)  # nobody reads: the first write fails with EPIPE
-    proc = subprocess.run([sys.executable, "-m", "variantgen.cli", "probe", str(MM), "--head-dim", "128", "--dtype",
+    proc = subprocess.run([sys.executable, "-m", "variantgen", "probe", str(MM), "--head-dim", "128", "--dtype",
                            "bf16", "--backend", "fa2,fa3", "--kind", "prefill,decode"], stdout=write_end,
                           stderr=subprocess.PIPE, text=True, env=env, timeout=300)
     os.close(write_end)
@@ -796,7 +796,7 @@ def test_check_needs_a_gpu():
 
 
 def _publish_object(cache: Cache, name: str, *, built_at: float | None = None) -> str:
-    from variantgen.objects import OBJECT_FILE, object_cache
+    from variantgen.build.objects import OBJECT_FILE, object_cache
 
     store = object_cache(cache)
     uri = f"vg_fa3_plain_paged_{name}_qbf16_kvbf16_obf16_hd128x128_sm90a_{'0' * 11}{len(name) % 10}"
@@ -809,7 +809,7 @@ def _publish_object(cache: Cache, name: str, *, built_at: float | None = None) -
 def test_list_and_clear_take_the_shared_kernel_objects_along(filled):
     """The shared kernel objects (.objects/) are no module entries: `list` counts them on a line
     of their own; `clear` (all, or by age) removes them too, `clear SPEC` leaves them."""
-    from variantgen.objects import object_cache
+    from variantgen.build.objects import object_cache
 
     cache, _, _ = filled
     _publish_object(cache, "none")
@@ -832,8 +832,8 @@ def test_precompile_starts_the_longest_builds_first():
     """precompile submits the modules with the most compile units of their own first (units
     shared through the object cache do not count), planner modules last: the long builds do not
     start late and stretch the tail."""
-    from variantgen.cli import expand_matrix, longest_first
-    from variantgen.rowplan import planner_configs
+    from variantgen.planning.rowplan import planner_configs
+    from variantgen.tools.cli import expand_matrix, longest_first
 
     configs, _ = expand_matrix(["causal", "softcap", "mm_prefix"], [(128, 128)], ["bf16"], None, None, ["9.0a"],
                                ["fa3"], ["prefill"])

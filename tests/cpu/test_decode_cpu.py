@@ -24,18 +24,19 @@ from conftest import ALL_SPECS, SPEC_FILES, SPECS_DIR
 from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
-import variantgen.build as build_mod
-import variantgen.wrapper as wrapper_mod
-from variantgen import capabilities, render
-from variantgen.build import BuildResult
-from variantgen.cache import Entry
-from variantgen.decode import DecodeWrapper, exact_window
-from variantgen.errors import LaunchError
-from variantgen.intervals import analyze
-from variantgen.plan_abi import META_COLUMNS
-from variantgen.reference import reference_attention
-from variantgen.render import ModuleConfig, kernel_args, render_module
-from variantgen.testing import random_paged_batch, random_spec_args
+import variantgen.build.builder as build_mod
+import variantgen.wrappers.paged as wrapper_mod
+from variantgen.abi.table import META_COLUMNS
+from variantgen.build.builder import BuildResult
+from variantgen.build.cache import Entry
+from variantgen.codegen import render
+from variantgen.codegen.render import ModuleConfig, kernel_args, render_module
+from variantgen.core.errors import LaunchError
+from variantgen.planning.intervals import analyze
+from variantgen.routing import capabilities
+from variantgen.testing.harness import random_paged_batch, random_spec_args
+from variantgen.wrappers.decode import DecodeWrapper, exact_window
+from variantgen.wrappers.reference import reference_attention
 
 HQ, HKV, HEAD_DIM = 8, 2, 64
 # kv_len 1, shorter than a page, exactly a page, a page + 1, long ones.
@@ -312,7 +313,7 @@ def test_fa3_decode_packs_gqa_groups(spec_name, q_len):
     plan = w.last_plan
     assert plan.pack_gqa == HQ // HKV and plan.stats()["pack_gqa"] == HQ // HKV
     assert "GQA-packed (4 query heads per row)" in repr(plan)
-    assert all(la.mode != variantgen.plan.MaskMode.CAUSAL for la in plan.launches)
+    assert all(la.mode != variantgen.planning.plan.MaskMode.CAUSAL for la in plan.launches)
     # packing off: the same numbers from unpacked launches
     w._prefill.planner.pack_gqa_enabled = False
     w.plan(*plan_args(batch), **({"q_len_per_request": q_len} if q_len > 1 else {}), **args)
@@ -333,7 +334,7 @@ def test_fa3_packing_is_refused_where_it_would_be_wrong_or_slow():
     assert w.last_plan.pack_gqa == 1
     w, _, _, _ = check(shipped("causal"), decode_batch([60, 90], 4, seed=22, q_len=49), {}, backend="fa3",
                        label="fa3 49 x 4 rows")
-    assert w.last_plan.pack_gqa == 1 and any(la.mode == variantgen.plan.MaskMode.CAUSAL for la in w.last_plan.launches)
+    assert w.last_plan.pack_gqa == 1 and any(la.mode == variantgen.planning.plan.MaskMode.CAUSAL for la in w.last_plan.launches)
     w, _, _, _ = check(shipped("causal"), decode_batch([60, 90], 4, seed=22, q_len=48), {}, backend="fa3",
                        label="fa3 48 x 4 rows")
     assert w.last_plan.pack_gqa == 4
@@ -821,8 +822,8 @@ def test_scales_refused_where_the_spec_says_so():
 
 @pytest.mark.nvcc
 def test_build_a_real_decode_module(vg_env, toolchain):
-    from variantgen import build
-    from variantgen.cache import Cache
+    from variantgen.build import builder as build
+    from variantgen.build.cache import Cache
 
     vg_env.set(VARIANTGEN_BUILD_JOBS="2")
     config = ModuleConfig(shipped("mm_prefix"), 64, 64, "bf16", "bf16", "bf16", "9.0a", kind="decode")

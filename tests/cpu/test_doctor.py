@@ -11,9 +11,10 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from variantgen import build, doctor
-from variantgen.cli import main
-from variantgen.errors import ToolchainError
+from variantgen.build import builder as build
+from variantgen.core.errors import ToolchainError
+from variantgen.tools import doctor
+from variantgen.tools.cli import main
 
 
 def run(*args: str):

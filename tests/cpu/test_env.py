@@ -1,11 +1,11 @@
-"""The environment variables variantgen.env reads: a malformed value is a ValueError naming the
+"""The environment variables variantgen.core.env reads: a malformed value is a ValueError naming the
 variable and what it expects, never a silent default or an error from deep in a build."""
 
 from __future__ import annotations
 
 import pytest
 
-from variantgen import env
+from variantgen.core import env
 
 
 @pytest.mark.parametrize("variable", ["VARIANTGEN_BUILD_JOBS", "MAX_JOBS", "VARIANTGEN_NVCC_THREADS",
@@ -39,7 +39,7 @@ def test_cache_dir_naming_a_file_is_an_error(vg_env, tmp_path):
     modules in" it (exit 0) and builds "cache directory ... is not writable (File exists)"."""
     from click.testing import CliRunner
 
-    from variantgen.cli import main
+    from variantgen.tools.cli import main
 
     (tmp_path / "notes.txt").write_text("not a cache")
     for value in (tmp_path / "notes.txt", "/dev/null"):

@@ -15,7 +15,7 @@ EXAMPLE = REPO / "examples" / "serving_engine.py"
 # Makes the example's reference disagree with its kernels: every image span dropped.
 BROKEN_REFERENCE = f"""
 import runpy, sys
-import variantgen.reference as reference
+import variantgen.wrappers.reference as reference
 real = reference.reference_attention
 def without_spans(spec, q, kv, qo_indptr, kv_indptr, kv_indices, last_page_len, args):
     args = {{name: t.clone().fill_(-1) for name, t in args.items()}}

@@ -9,9 +9,9 @@ from click.testing import CliRunner
 from conftest import ALL_SPECS, SPECS_DIR
 
 import variantgen
-from variantgen import explain as ex
-from variantgen.cli import main
-from variantgen.reference import RequestGrid, mask_for_request
+from variantgen.tools import explain as ex
+from variantgen.tools.cli import main
+from variantgen.wrappers.reference import RequestGrid, mask_for_request
 
 MM = SPECS_DIR / "mm_prefix.yaml"
 

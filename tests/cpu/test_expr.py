@@ -8,9 +8,9 @@ import time
 import pytest
 
 import variantgen
-from variantgen import expr
-from variantgen.errors import Location, SpecError
-from variantgen.expr import (
+from variantgen.core.errors import Location, SpecError
+from variantgen.lang import expr
+from variantgen.lang.expr import (
     Binary,
     Call,
     Cond,
@@ -688,8 +688,8 @@ def test_an_int_expression_of_constants_must_fit_int32():
 def test_a_float_literal_is_rounded_once():
     """1.0000000596046448 is just above the tie between 1 and 1 + 2^-23: C++ rounds `...f` up,
     while rounding through the double lands on the tie and rounds to even (1.0)."""
-    from variantgen import codegen
-    from variantgen.expr import float32_of_decimal, to_float32
+    from variantgen.codegen import expressions as codegen
+    from variantgen.lang.expr import float32_of_decimal, to_float32
 
     assert to_float32(float("1.0000000596046448")) == 1.0
     assert float32_of_decimal("1.0000000596046448") == 1.0000001192092896 == 1 + 2**-23

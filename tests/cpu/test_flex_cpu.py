@@ -25,13 +25,13 @@ from conftest import CPU_QO_LENS as QO_LENS
 from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
-from variantgen import flex
-from variantgen.cli import main as cli_main
-from variantgen.errors import LaunchError
-from variantgen.flex_wrapper import FlexDecodeWrapper, FlexPrefillWrapper, FlexRaggedWrapper, make_flex_wrapper
-from variantgen.ragged import random_ragged_batch, reference_ragged
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args
+from variantgen.core.errors import LaunchError
+from variantgen.testing.harness import random_paged_batch, random_spec_args
+from variantgen.tools.cli import main as cli_main
+from variantgen.wrappers import flex_blocks as flex
+from variantgen.wrappers.flex_wrapper import FlexDecodeWrapper, FlexPrefillWrapper, FlexRaggedWrapper, make_flex_wrapper
+from variantgen.wrappers.ragged import random_ragged_batch, reference_ragged
+from variantgen.wrappers.reference import reference_attention
 
 HQ, HKV, HEAD_DIM = 4, 2, 32
 WS = torch.empty(0, dtype=torch.uint8)  # Flex needs no workspace; the API takes one

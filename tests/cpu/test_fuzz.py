@@ -20,12 +20,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import variantgen
-from variantgen import codegen, expr
-from variantgen import spec as spec_mod
-from variantgen.cli import main as cli_main
-from variantgen.errors import MAX_SPEC_ERRORS, SpecError, SpecErrors
-from variantgen.expr import SourceText, Type, TypeEnv
-from variantgen.render import ModuleConfig, kernel_args, render_module
+from variantgen.codegen import expressions as codegen
+from variantgen.codegen.render import ModuleConfig, kernel_args, render_module
+from variantgen.core.errors import MAX_SPEC_ERRORS, SpecError, SpecErrors
+from variantgen.lang import expr
+from variantgen.lang import spec as spec_mod
+from variantgen.lang.expr import SourceText, Type, TypeEnv
+from variantgen.tools.cli import main as cli_main
 
 _COMMON = dict(
     deadline=None,
@@ -545,7 +546,7 @@ def test_probe_keeps_a_bounded_reason_for_a_hostile_file(tmp_path, vg_env):
     """probe() memoizes the reason: it is the capped error text, not megabytes of it."""
     import importlib
 
-    probe_mod = importlib.import_module("variantgen.probing")
+    probe_mod = importlib.import_module("variantgen.api.probing")
     path = tmp_path / "hostile.yaml"
     path.write_text(fuzz_corpus.HOSTILE_SPECS["many bad keys on one line"])
     probe_mod.cache_clear()

@@ -1,4 +1,4 @@
-"""The GPU differential fuzzer's harness on the CPU (bench/fuzz_gpu.py, variantgen/fuzzing.py).
+"""The GPU differential fuzzer's harness on the CPU (bench/fuzz_gpu.py, variantgen/testing/fuzzing.py).
 
 Cases are drawn, run through the fake modules of tests/fakes/_fake_kernel.py / _fake_decode.py
 (tests/fakes/_fake_modules.py makes the wrappers), compared with the reference, minimized and written
@@ -21,10 +21,11 @@ from _fake_kernel import FakeModule
 from _fake_modules import FakeModules
 from click.testing import CliRunner
 
-from variantgen import capabilities, render
-from variantgen import fuzzing as fz
-from variantgen.cli import main as cli_main
-from variantgen.fuzzing import TARGETS, Batch, FuzzCase, ModuleKey, Ranges
+from variantgen.codegen import render
+from variantgen.routing import capabilities
+from variantgen.testing import fuzzing as fz
+from variantgen.testing.fuzzing import TARGETS, Batch, FuzzCase, ModuleKey, Ranges
+from variantgen.tools.cli import main as cli_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import fuzz_gpu  # noqa: E402
@@ -92,7 +93,7 @@ def test_list_modules_commands_are_the_matrix(capsys):
     modules, under the ~72 modules a build box precompiles for the fuzzer; every kind gets head
     dims 64, 128 and 256."""
     assert fuzz_gpu.main(["--list-modules"]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python -m variantgen.cli")]
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("python -m variantgen")]
     uris = []
     for line in lines:
         args = line.split()[3:] + ["--dry-run"]
@@ -112,7 +113,7 @@ def test_list_modules_commands_are_the_matrix(capsys):
     assert len(capsys.readouterr().out.strip().splitlines()) == 1 + len(matrix)
     assert fuzz_gpu.main(["--list-modules", "args"]) == 0  # what scripts/precompile_gpu_tests.sh fuzz reads
     args = capsys.readouterr().out.strip().splitlines()
-    assert [f"python -m variantgen.cli precompile {a} --arch 9.0a -j 8" for a in args] == lines
+    assert [f"python -m variantgen precompile {a} --arch 9.0a -j 8" for a in args] == lines
 
 
 def test_cases_round_trip_through_json_and_their_literal():

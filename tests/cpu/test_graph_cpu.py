@@ -19,16 +19,16 @@ from _fake_kernel import FakeFa3Module, FakeModule, FakeRowPlanner
 from conftest import SPECS_DIR
 
 import variantgen
-from variantgen import render
-from variantgen.build import BuildResult
-from variantgen.cache import Entry
-from variantgen.errors import LaunchError
-from variantgen.graph import SLOT_NAMES, GraphCapacity, slot_name
-from variantgen.intervals import analyze
-from variantgen.plan_abi import PlanOption, PrefillPlanInfo, Schedule
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
-from variantgen.wrapper import VariantWrapper
+from variantgen.abi.table import PlanOption, PrefillPlanInfo, Schedule
+from variantgen.build.builder import BuildResult
+from variantgen.build.cache import Entry
+from variantgen.codegen import render
+from variantgen.core.errors import LaunchError
+from variantgen.planning.graph import SLOT_NAMES, GraphCapacity, slot_name
+from variantgen.planning.intervals import analyze
+from variantgen.testing.harness import random_paged_batch, random_spec_args, spans_to_ranges
+from variantgen.wrappers.paged import VariantWrapper
+from variantgen.wrappers.reference import reference_attention
 
 HQ, HKV, HEAD_DIM, PAGE = 4, 2, 64, 16
 
@@ -370,7 +370,7 @@ def fake_decode_wrapper(spec, cap: GraphCapacity, *, tensor_cores: bool):
     """A graph-mode DecodeWrapper on a fake module: the prefill one (tensor cores) or decode."""
     from _fake_decode import FakeDecodeModule
 
-    from variantgen.decode import DecodeWrapper
+    from variantgen.wrappers.decode import DecodeWrapper
 
     config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2",
                                  kind="prefill" if tensor_cores else "decode")

@@ -17,9 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from variantgen import expr, render
-from variantgen.evaluate import Evaluator
-from variantgen.spec import parse_spec
+from variantgen.codegen import render
+from variantgen.lang import expr
+from variantgen.lang.evaluate import Evaluator
+from variantgen.lang.spec import parse_spec
 
 CXX = shutil.which("c++") or shutil.which("g++")
 pytestmark = pytest.mark.skipif(CXX is None, reason="needs a host C++ compiler (c++ or g++)")
@@ -165,8 +166,8 @@ def test_the_planners_bounds_do_not_wrap_at_int32(tmp_path):
     computed as -((-q_pos) + (-w)), which leaves the int32 range for w = INT32_MAX though the
     mask's own values do not. The row kernel computes them in int64, as the torch rules do (a
     wrapped bound emptied every row: no key attended)."""
-    from variantgen import codegen
-    from variantgen.intervals import analyze
+    from variantgen.codegen import expressions as codegen
+    from variantgen.planning.intervals import analyze
 
     spec = parse_spec("name: b\nscalars:\n  w: {dtype: int, default: 3, min: 0}\n"
                       "mask: q_pos - kv_pos <= w and kv_pos - q_pos <= w and kv_pos < kv_len\n")

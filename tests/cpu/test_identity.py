@@ -17,14 +17,14 @@ from click.testing import CliRunner
 from conftest import SPECS_DIR
 
 import variantgen
-from variantgen import build
-from variantgen.cache import Cache
-from variantgen.cli import main
-from variantgen.errors import JitDisabledError, ToolchainError
-from variantgen.render import ModuleConfig
-from variantgen.rowplan import PlannerConfig
+from variantgen.build import builder as build
+from variantgen.build.cache import Cache
+from variantgen.codegen.render import ModuleConfig
+from variantgen.core.errors import JitDisabledError, ToolchainError
+from variantgen.planning.rowplan import PlannerConfig
+from variantgen.tools.cli import main
 
-probe_mod = importlib.import_module("variantgen.probing")
+probe_mod = importlib.import_module("variantgen.api.probing")
 TEXT = (SPECS_DIR / "mm_prefix.yaml").read_text()
 
 

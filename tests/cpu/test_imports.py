@@ -1,7 +1,11 @@
 """The package's modules import each other in one direction only: an ast walk of
 variantgen/**/*.py collects every import (module level, function level, under TYPE_CHECKING,
 relative ones resolved), and the graph must have no cycle - an import circle hidden behind a
-function-level import or TYPE_CHECKING is one all the same."""
+function-level import or TYPE_CHECKING is one all the same.
+
+The subpackages are layers along the pipeline (LAYERS, bottom first): a module imports only
+from its own subpackage or from layers below it, never the package root (which re-exports the
+public API and so imports the top layers) and never a subpackage's ``__init__``."""
 
 from __future__ import annotations
 
@@ -85,11 +89,46 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+# The pipeline's layers, bottom first. testing/ (the harness of tests/ and bench/, not in the
+# wheel) may import any layer; no product module may import it.
+LAYERS = ("_version", "core", "abi", "lang", "routing", "codegen", "build", "planning", "wrappers", "api",
+          "tools", "integrations")
+HARNESS = "testing"
+ENTRY_POINTS = {"variantgen", "variantgen.__main__"}  # the root's re-exports, `python -m variantgen`
+
+
+def layer_of(module: str) -> str:
+    return module.split(".")[1]
+
+
 def test_the_package_has_no_import_cycle():
+    # root edges count: a module importing the package root closes a circle through its re-exports
+    assert cycles(import_graph()) == [], "import cycles (modules that import each other, directly or through others)"
+
+
+def test_every_module_sits_in_a_layer():
     graph = import_graph()
-    # the package's __init__ re-exports its surface (lazily); it is the root, not a link in a chain
-    graph = {m: {t for t in deps if t != "variantgen"} for m, deps in graph.items()}
-    assert cycles(graph) == [], "import cycles (modules that import each other, directly or through others)"
+    stray = [m for m in graph if m not in ENTRY_POINTS and layer_of(m) not in (*LAYERS, HARNESS)]
+    assert stray == [], "modules outside the layers (add the subpackage to LAYERS where it belongs)"
+
+
+def test_imports_point_down_the_layers():
+    graph = import_graph()
+    packages = {m for m in graph if (PACKAGE.parent / m.replace(".", "/") / "__init__.py").is_file()}
+    wrong = []
+    for source, targets in sorted(graph.items()):
+        if source in ENTRY_POINTS:
+            continue
+        for target in sorted(targets):
+            if target in packages:  # the root or a subpackage's __init__
+                wrong.append(f"{source} -> {target} (import the module that defines the name)")
+            elif layer_of(source) == HARNESS:
+                continue
+            elif layer_of(target) == HARNESS:
+                wrong.append(f"{source} -> {target} (the harness is not part of the product)")
+            elif LAYERS.index(layer_of(target)) > LAYERS.index(layer_of(source)):
+                wrong.append(f"{source} -> {target} (up from {layer_of(source)} to {layer_of(target)})")
+    assert wrong == [], "imports against the layers:\n" + "\n".join(wrong)
 
 
 def test_the_walk_sees_function_level_and_type_checking_imports(tmp_path):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from variantgen import parse_spec
-from variantgen.intervals import analyze, decided_terms, row_intervals, tensors_read
-from variantgen.reference import RequestGrid, mask_for_request
-from variantgen.spec import load_spec
-from variantgen.testing import random_paged_batch, random_spec_args
+from variantgen.lang.spec import load_spec
+from variantgen.planning.intervals import analyze, decided_terms, row_intervals, tensors_read
+from variantgen.testing.harness import random_paged_batch, random_spec_args
+from variantgen.wrappers.reference import RequestGrid, mask_for_request
 
 SPECS = sorted((Path(__file__).resolve().parents[2] / "specs").glob("*.yaml"))
 
@@ -186,7 +186,7 @@ def test_offset_rows_in_bounds_are_sound():
 def _tree_case(sizes, shapes, context, seed=0):
     """A batch of tree-verify requests: per request a draft tree of sizes[i] nodes after
     `context` cached keys; (qo_lens, kv_lens, args, parents)."""
-    from variantgen.trees import random_tree_parents, tree_bits
+    from variantgen.wrappers.trees import random_tree_parents, tree_bits
 
     g = torch.Generator().manual_seed(seed)
     parents = [random_tree_parents(n, g, s) for n, s in zip(sizes, shapes)]
@@ -217,7 +217,7 @@ def test_tree_verify_context_is_dense_and_the_drafts_a_small_hull():
 def test_tree_verify_mask_is_context_plus_ancestors(seed):
     """Random trees of 1-64 nodes (chains, stars, random parents, forests): a node sees every
     cached key, itself and its ancestors, nothing else; a chain is causal attention."""
-    from variantgen.reference import RequestGrid, mask_for_request
+    from variantgen.wrappers.reference import RequestGrid, mask_for_request
 
     spec = load_spec(Path(SPECS[0]).parent / "tree_verify.yaml")
     g = torch.Generator().manual_seed(100 + seed)
@@ -301,7 +301,7 @@ def _random_cases(seed: int, sorted_ids: float, tries: int = 60):
     arguments; ``sorted_ids``: the share of cases whose `d` ids are sorted."""
     import random
 
-    from variantgen.errors import SpecError
+    from variantgen.core.errors import SpecError
 
     r = random.Random(seed)
     for _ in range(tries):
@@ -341,7 +341,7 @@ def test_deciding_scalar_conditions_changes_no_interval(seed, monkeypatch):
     """row_intervals with the scalar-only conditions decided up front gives exactly what
     evaluating every term on every row gives, for random masks (their `flag`, `w`, `c` and
     constant conditions) and every shipped spec."""
-    from variantgen import intervals
+    from variantgen.planning import intervals
 
     def both(spec, qo, kv, args):
         form = analyze(spec)

@@ -8,10 +8,10 @@ import itertools
 import pytest
 
 import variantgen
-from variantgen import kv_tile
-from variantgen.capabilities import FA2
-from variantgen.capabilities import HEAD_DIMS as HEAD_DIMS_OF
-from variantgen.render import DTYPES, FA2_CTA_TILES_Q, ModuleConfig
+from variantgen.codegen import kv_tile
+from variantgen.codegen.render import DTYPES, FA2_CTA_TILES_Q, ModuleConfig
+from variantgen.routing.capabilities import FA2
+from variantgen.routing.capabilities import HEAD_DIMS as HEAD_DIMS_OF
 
 HEAD_DIMS = sorted({*HEAD_DIMS_OF["fa2", "prefill"], *HEAD_DIMS_OF["fa2", "ragged"]})
 CONFIGS = list(itertools.product(FA2_CTA_TILES_Q, HEAD_DIMS, sorted({DTYPES[q][1] for q in FA2.q_dtypes}),

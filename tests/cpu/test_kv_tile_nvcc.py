@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 import variantgen
-from variantgen import build, kv_tile
-from variantgen.capabilities import FA2
-from variantgen.capabilities import HEAD_DIMS as HEAD_DIMS_OF
-from variantgen.env import TEMPLATES_DIR
-from variantgen.render import DTYPES, FA2_CTA_TILES_Q, ModuleConfig
+from variantgen.build import builder as build
+from variantgen.codegen import kv_tile
+from variantgen.codegen.render import DTYPES, FA2_CTA_TILES_Q, ModuleConfig
+from variantgen.core.env import TEMPLATES_DIR
+from variantgen.routing.capabilities import FA2
+from variantgen.routing.capabilities import HEAD_DIMS as HEAD_DIMS_OF
 
 pytestmark = pytest.mark.nvcc
 

@@ -16,8 +16,7 @@ from _fake_kernel import fa2_cta_tile_q
 from conftest import SPECS_DIR
 from torch.overrides import TorchFunctionMode
 
-from variantgen.errors import LaunchError
-from variantgen.plan_abi import (
+from variantgen.abi.table import (
     DESC_FIELDS,
     FA3_MAX_WINDOW_LAUNCHES,
     HEADER_FIELDS,
@@ -38,9 +37,10 @@ from variantgen.plan_abi import (
     SM90PlanInfo,
     Status,
 )
-from variantgen.planner import fa3_cta_tile_q
-from variantgen.spec import load_spec
-from variantgen.testing import random_paged_batch, random_spec_args
+from variantgen.core.errors import LaunchError
+from variantgen.lang.spec import load_spec
+from variantgen.planning.planner import fa3_cta_tile_q
+from variantgen.testing.harness import random_paged_batch, random_spec_args
 
 HQ, HKV, SMS = 32, 8, 132  # the H200-sized schedules of the direct build_launches tests
 DENSE, CAUSAL, WINDOW, CUSTOM, TAIL = RowClass
@@ -578,7 +578,7 @@ def test_the_workspace_grows_when_the_builder_asks():
 def test_a_workspace_that_never_fits_is_named(monkeypatch):
     from test_wrapper_cpu import HEAD_DIM, HKV, HQ, check
 
-    from variantgen.planner import Planner
+    from variantgen.planning.planner import Planner
 
     def never_large_enough(self, nbytes):  # a broken grow: always 256 bytes
         self._workspace = (torch.empty(256, dtype=torch.uint8), torch.empty(256, dtype=torch.uint8))

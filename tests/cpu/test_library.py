@@ -11,11 +11,12 @@ from click.testing import CliRunner
 from conftest import SPEC_FILES, SPECS_DIR
 
 import variantgen
-from variantgen import build, library
-from variantgen.cli import main
-from variantgen.errors import SpecError
+from variantgen.build import builder as build
+from variantgen.core.errors import SpecError
+from variantgen.lang import library
+from variantgen.tools.cli import main
 
-probe_mod = importlib.import_module("variantgen.probing")
+probe_mod = importlib.import_module("variantgen.api.probing")
 SHIPPED = ", ".join(p.stem for p in SPEC_FILES)
 
 
@@ -57,7 +58,7 @@ def test_a_name_resolves_to_the_shipped_file(name):
 def test_a_renamed_spec_still_resolves(caplog):
     """`attention_sink` (StreamingLLM's kept first tokens) is `streaming_sink` now, apart from the
     learned sinks of `attention_sink_learned`; the old name still works, with a warning."""
-    with caplog.at_level("WARNING", logger="variantgen.library"):
+    with caplog.at_level("WARNING", logger="variantgen.lang.library"):
         spec = variantgen.resolve_spec("attention_sink")
     assert spec.name == "streaming_sink" and spec == variantgen.load_spec(SPECS_DIR / "streaming_sink.yaml")
     assert "`attention_sink` is now called `streaming_sink`" in caplog.text

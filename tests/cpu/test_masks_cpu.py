@@ -28,12 +28,18 @@ from test_wrapper_cpu import make as make_wrapper_for
 
 import variantgen
 from variantgen import probe as probe_mod
-from variantgen.capabilities import TABLE, Request, Site
-from variantgen.plan_abi import FA2_TAIL_RUN_CODE, MaskMode, MetaColumn
-from variantgen.reference import RequestGrid, mask_for_request, reference_attention, sink_for_request, softmax_attention
-from variantgen.render import ModuleConfig
-from variantgen.testing import mask_exact_launches, random_paged_batch, random_spec_args
-from variantgen.trees import random_tree_parents, tree_bits
+from variantgen.abi.table import FA2_TAIL_RUN_CODE, MaskMode, MetaColumn
+from variantgen.codegen.render import ModuleConfig
+from variantgen.routing.capabilities import TABLE, Request, Site
+from variantgen.testing.harness import mask_exact_launches, random_paged_batch, random_spec_args
+from variantgen.wrappers.reference import (
+    RequestGrid,
+    mask_for_request,
+    reference_attention,
+    sink_for_request,
+    softmax_attention,
+)
+from variantgen.wrappers.trees import random_tree_parents, tree_bits
 
 
 def shipped(name: str) -> variantgen.VariantSpec:
@@ -153,8 +159,8 @@ def test_learned_sink_on_the_flex_route():
     """The flex route applies the sink from Flex's LSE (o *= sigmoid(lse - s), lse = logaddexp(lse, s)):
     the reference's output and LSE, with v_scale applied after it, for sinks large, small and -inf
     (no sink) and windows down to one key; torch's compiled CPU kernel (no LSE) is refused by name."""
-    from variantgen.errors import LaunchError
-    from variantgen.flex_wrapper import make_flex_wrapper
+    from variantgen.core.errors import LaunchError
+    from variantgen.wrappers.flex_wrapper import make_flex_wrapper
 
     spec = shipped("attention_sink_learned")
     batch = random_paged_batch([9, 1, 30, 0, 5], [9, 40, 77, 3, 5], num_qo_heads=HQ, num_kv_heads=HKV,
@@ -284,7 +290,7 @@ def test_fa2_tail_launch_runs_the_masked_variant():
 def run_with_meta_changed(monkeypatch, w, spec, batch, args, change):
     """Plan again with ``change(meta)`` applied to every launch's vg_meta as plan() lays it out,
     run, and return (that output, the reference): what a wrong vg_meta column does to the output."""
-    from variantgen import planner as planner_mod
+    from variantgen.planning import planner as planner_mod
     real = planner_mod.Planner._launches
 
     def changed(self, *a):
@@ -340,7 +346,7 @@ def test_an_exact_fa2_run_skips_the_mask_but_not_its_window(spec_name, args, mon
     kernel window there, which FlashInfer's fa2 kernel leaves to it. The output stays the
     reference's; and a launch request that loses its window in vg_meta shows as a wrong output
     (the fake applies the window only through the variant, as the kernel does)."""
-    from variantgen.plan_abi import VIS_EVERY_KEY
+    from variantgen.abi.table import VIS_EVERY_KEY
     spec = shipped(spec_name)
     batch = unshuffled_batch([150, 1, 300], [400, 90, 300], 16, seed=3)
     args = args if args is not None else random_spec_args(spec, batch, seed=3)
@@ -564,7 +570,7 @@ def test_bench_masks_modules_are_valid_precompile_commands(capsys):
 
     from click.testing import CliRunner
 
-    from variantgen.cli import main as cli_main
+    from variantgen.tools.cli import main as cli_main
 
     sys.path.insert(0, str(SPECS_DIR.parent / "bench"))
     import bench_masks

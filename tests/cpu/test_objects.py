@@ -1,5 +1,5 @@
-"""The object cache of shared compile units (variantgen/objects.py), without ninja: what one
-`python -m variantgen.shared_compile` call does (test_build_ninja.py builds modules through it)."""
+"""The object cache of shared compile units (variantgen/build/objects.py), without ninja: what one
+`python -m variantgen.build.shared_compile` call does (test_build_ninja.py builds modules through it)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from variantgen import objects
-from variantgen.cache import Cache
+from variantgen.build import objects
+from variantgen.build.cache import Cache
 
 URI = "vg_fa3_plain_paged_causal_qbf16_kvbf16_obf16_hd128x128_sm90a_0123456789ab"
 

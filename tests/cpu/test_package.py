@@ -24,8 +24,8 @@ from conftest import REPO_DIR, SPEC_FILES, SPECS_DIR, TEMPLATES_DIR
 from packaging.version import Version
 
 import variantgen
-from variantgen import build
-from variantgen.render import ModuleConfig, render_module
+from variantgen.build import builder as build
+from variantgen.codegen.render import ModuleConfig, render_module
 
 # What the wheel is built from (what an sdist or a clean clone has); copied so that the build's
 # own folders (build/, *.egg-info) never land in the checkout.
@@ -92,11 +92,11 @@ def test_the_wheel_carries_templates_and_specs(wheel):
     meta = {n.rsplit("/", 1)[-1] for n in names - package}
     assert {"METADATA", "WHEEL", "RECORD", "entry_points.txt"} <= meta
     dist_info = next(n for n in names if n.endswith("entry_points.txt"))
-    assert "variantgen = variantgen.cli:main" in zipfile.ZipFile(wheel).read(dist_info).decode()
+    assert "variantgen = variantgen.tools.cli:main" in zipfile.ZipFile(wheel).read(dist_info).decode()
 
 
 def test_the_installed_package_uses_its_own_data(installed, tmp_path):
-    probe = ("import json, variantgen, variantgen.env as e; print(json.dumps([variantgen.__file__, "
+    probe = ("import json, variantgen, variantgen.core.env as e; print(json.dumps([variantgen.__file__, "
              "str(e.TEMPLATES_DIR), str(e.SPECS_DIR), e.IN_CHECKOUT, str(e.settings().cache_dir)]))")
     proc = _run(installed, tmp_path, sys.executable, "-c", probe)
     assert proc.returncode == 0, proc.stderr
@@ -126,13 +126,13 @@ def test_the_installed_command_renders_shipped_specs_by_name(installed, tmp_path
 
 def test_a_module_key_is_the_same_installed_or_checked_out(installed, tmp_path):
     """Same sources and template digest: a cache precompiled from a checkout serves the wheel."""
-    code = ("import variantgen; from variantgen import build; from variantgen.render import ModuleConfig; "
-            "from variantgen.rowplan import PlannerConfig; s = variantgen.resolve_spec('mm_prefix'); "
+    code = ("import variantgen; from variantgen import build; from variantgen.codegen.render import ModuleConfig; "
+            "from variantgen.planning.rowplan import PlannerConfig; s = variantgen.resolve_spec('mm_prefix'); "
             "print(build.module_key(ModuleConfig(s, 128, 128, 'bf16', 'bf16', 'bf16', '9.0a', 'fa3').render(), None)"
             ".uri); print(build.module_key(PlannerConfig(s, '9.0a').render(), None).uri)")
     proc = _run(installed, tmp_path, sys.executable, "-c", code)
     assert proc.returncode == 0, proc.stderr
-    from variantgen.rowplan import PlannerConfig
+    from variantgen.planning.rowplan import PlannerConfig
 
     spec = variantgen.resolve_spec("mm_prefix")
     here = [build.module_key(ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a", "fa3").render(), None).uri,
@@ -144,7 +144,7 @@ def test_a_broken_installation_names_its_template_folder(installed, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(installed / "variantgen", broken / "variantgen",
                     ignore=shutil.ignore_patterns("templates", "__pycache__"))
-    proc = _run(broken, tmp_path, sys.executable, "-m", "variantgen.cli", *RENDER)
+    proc = _run(broken, tmp_path, sys.executable, "-m", "variantgen", *RENDER)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     missing = broken / "variantgen" / "templates"
     assert proc.stderr == (f"error: template folder {missing} (this variantgen installation lacks its templates: "

@@ -1,4 +1,4 @@
-"""The Plan value (variantgen/plan.py) on the CPU: what plan() returns and keeps as
+"""The Plan value (variantgen/planning/plan.py) on the CPU: what plan() returns and keeps as
 ``last_plan``, its summary, its launch requests and ``to_dense()`` - checked against the
 reference mask: an element a launch shows as VISIBLE (no mask evaluated) must be visible, and
 no visible element may be left unvisited."""
@@ -11,10 +11,10 @@ from conftest import ALL_SPECS, SPECS_DIR
 from test_wrapper_cpu import batch_of, make
 
 import variantgen
-from variantgen.plan import MASKED, NOT_VISITED, VISIBLE, LaunchRequest
-from variantgen.plan_abi import MaskMode, RowClass
-from variantgen.reference import RequestGrid, mask_for_request
-from variantgen.testing import random_spec_args, spans_to_ranges
+from variantgen.abi.table import MaskMode, RowClass
+from variantgen.planning.plan import MASKED, NOT_VISITED, VISIBLE, LaunchRequest
+from variantgen.testing.harness import random_spec_args, spans_to_ranges
+from variantgen.wrappers.reference import RequestGrid, mask_for_request
 
 
 def reference_masks(spec, batch, args) -> list[torch.Tensor]:
@@ -125,8 +125,8 @@ def test_mm_prefix_on_the_benchmark_spans_costs_the_query_tiles_causal_does(back
     rows of 2 query heads) - not three part-filled ones more per request (6% of the kernel)."""
     from _fake_modules import FakeModules
 
-    from variantgen.fuzzing import ModuleKey, Target
-    from variantgen.testing import PREFILL_BENCH_SPANS, random_paged_batch
+    from variantgen.testing.fuzzing import ModuleKey, Target
+    from variantgen.testing.harness import PREFILL_BENCH_SPANS, random_paged_batch
 
     lens = [8192, 8192]
     batch = random_paged_batch(lens, lens, num_qo_heads=2, num_kv_heads=1, head_dim=128, page_size=16, seed=4)

@@ -1,4 +1,4 @@
-"""The plan ABI's one table (variantgen/plan_abi.py) against what the generated modules use: the
+"""The plan ABI's one table (variantgen/abi/table.py) against what the generated modules use: the
 rendered header says what the table says, every module carries the same header among its
 sources (hashed into its key), and no template spells one of its constants itself."""
 
@@ -10,8 +10,8 @@ import pytest
 from conftest import SPECS_DIR, TEMPLATES_DIR
 
 import variantgen
-from variantgen import build, plan_abi, render
-from variantgen.plan_abi import (
+from variantgen.abi import table as plan_abi
+from variantgen.abi.table import (
     HEADER_NAME,
     META_COLUMNS,
     HeaderField,
@@ -25,7 +25,9 @@ from variantgen.plan_abi import (
     SegField,
     SM90PlanInfo,
 )
-from variantgen.rowplan import PlannerConfig
+from variantgen.build import builder as build
+from variantgen.codegen import render
+from variantgen.planning.rowplan import PlannerConfig
 
 CONSTANT = re.compile(r"^constexpr int(?:32_t|64_t)? (k\w+) = (.+);$", re.M)
 DEFINE = re.compile(r"^#define (VG_META_\w+) (\d+)", re.M)

@@ -20,14 +20,15 @@ import pytest
 import torch
 
 import variantgen
-from variantgen import build, capabilities
-from variantgen.cache import Cache, LockHolder, LockTimeout, ModuleKey
-from variantgen.errors import BuildError
-from variantgen.probing import ProbeResult, probe
-from variantgen.render import ModuleConfig, render_module
+from variantgen.api.probing import ProbeResult, probe
+from variantgen.build import builder as build
+from variantgen.build.cache import Cache, LockHolder, LockTimeout, ModuleKey
+from variantgen.codegen.render import ModuleConfig, render_module
+from variantgen.core.errors import BuildError
+from variantgen.routing import capabilities
 
 # `variantgen.probe` is both the package's function and the submodule; take the module.
-probe_mod = importlib.import_module("variantgen.probing")
+probe_mod = importlib.import_module("variantgen.api.probing")
 
 REPO = Path(__file__).resolve().parents[2]
 MM = REPO / "specs" / "mm_prefix.yaml"
@@ -158,14 +159,14 @@ def test_flashinfer_not_installed(monkeypatch):
     def missing():
         raise ImportError("flashinfer is not installed")
 
-    monkeypatch.setattr(variantgen.build, "flashinfer_package_dir", missing)
+    monkeypatch.setattr(variantgen.build.builder, "flashinfer_package_dir", missing)
     r = probe(MM, **BASE, arch="9.0a")
     assert not r
     assert "flashinfer is not installed" in r.reason and ">= 0.7.2" in r.reason
 
 
 def test_flashinfer_too_old(monkeypatch):
-    monkeypatch.setattr(variantgen.build, "package_versions", lambda: ("0.6.1", "0.1.15.post2"))
+    monkeypatch.setattr(variantgen.build.builder, "package_versions", lambda: ("0.6.1", "0.1.15.post2"))
     r = probe(MM, **BASE, arch="9.0a")
     assert not r
     assert "flashinfer 0.6.1 is too old" in r.reason and ">= 0.7.2" in r.reason
@@ -182,14 +183,14 @@ def _fake_package(tmp_path, *, host: bool, plan: bool):
 
 
 def test_flashinfer_without_sources(monkeypatch, tmp_path):
-    monkeypatch.setattr(variantgen.build, "flashinfer_package_dir",
+    monkeypatch.setattr(variantgen.build.builder, "flashinfer_package_dir",
                         lambda: _fake_package(tmp_path, host=False, plan=True))
     r = probe(MM, **BASE, arch="9.0a")
     assert not r and "batch_prefill_paged.cu" in r.reason and ">= 0.7.2" in r.reason
 
 
 def test_flashinfer_without_prefill_plan(monkeypatch, tmp_path):
-    monkeypatch.setattr(variantgen.build, "flashinfer_package_dir",
+    monkeypatch.setattr(variantgen.build.builder, "flashinfer_package_dir",
                         lambda: _fake_package(tmp_path, host=True, plan=False))
     r = probe(MM, **BASE, arch="9.0a")
     assert not r and "PrefillPlan" in r.reason
@@ -345,7 +346,7 @@ def test_probe_flags_must_be_bools(clean, fake_build, flag, value):
 
 
 def test_make_wrapper_refuses_an_arch_that_is_not_the_workspaces_gpu():
-    from variantgen.factory import workspace_arch
+    from variantgen.api.factory import workspace_arch
 
     cuda = torch.device("cuda", 0)  # (the autouse fixture's fake sm90 GPU)
     with pytest.raises(ValueError, match=r"^make_wrapper\(\): arch=8\.0 was given, but the workspace's GPU is 9\.0a: "
@@ -619,7 +620,7 @@ def test_never_raises_on_garbage(kwargs):
 
 
 def test_bad_environment_is_a_reason(monkeypatch):
-    from variantgen import env
+    from variantgen.core import env
 
     monkeypatch.setenv("VARIANTGEN_BUILD_JOBS", "lots")
     env.settings.cache_clear()  # settings() now raises ValueError; probe must not
@@ -671,7 +672,7 @@ def test_probe_backends_answers_per_backend_and_kind(fake_build):
                                     q_dtype="bf16", kv_dtype="bf16", arch="9.0a")
     assert set(out) == {(b, k) for b in ("fa2", "fa3", "flex") for k in ("prefill", "ragged")}
     assert not out["flex", "ragged"] and "the flex route (torch's FlexAttention, no compiled module) is not " \
-        "installed here (variantgen.flex_wrapper is missing)" == out["flex", "ragged"].reason
+        "installed here (variantgen.wrappers.flex_wrapper is missing)" == out["flex", "ragged"].reason
     assert out["fa2", "ragged"].ok
     assert not out["fa2", "prefill"] and "fa2 prefill modules support head dims" in out["fa2", "prefill"].reason
     assert out["fa3", "ragged"].ok and "_fa3_ragged_qbf16_kvbf16_obf16_hd192x128_sm90a_" in out["fa3", "ragged"].uri
@@ -769,7 +770,7 @@ def test_precompiled_cache_is_relocatable(clean, tmp_path, monkeypatch):
 def test_row_planner_status_is_reported_never_a_failure(clean, fake_build):
     """plan()'s planner module: built by make_wrapper, cached, or (JIT disabled, not precompiled)
     none - plans run planner-off, slower kernels, so the probe still says yes (and says why)."""
-    from variantgen.rowplan import PlannerConfig
+    from variantgen.planning.rowplan import PlannerConfig
 
     r = probe(MM, **BASE, arch="9.0a")
     assert r and r.details["row_planner"].startswith("built by make_wrapper on first use: vg_mm_prefix_planner_sm90a_")

@@ -26,14 +26,14 @@ from conftest import CPU_QO_LENS as QO_LENS
 from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
-import variantgen.build as build_mod
-from variantgen import render
-from variantgen.build import BuildResult
-from variantgen.cache import Entry
-from variantgen.errors import LaunchError
-from variantgen.plan_abi import META_COLUMNS
-from variantgen.ragged import RaggedWrapper, launch_mask_mode, random_ragged_batch, reference_ragged
-from variantgen.testing import random_spec_args
+import variantgen.build.builder as build_mod
+from variantgen.abi.table import META_COLUMNS
+from variantgen.build.builder import BuildResult
+from variantgen.build.cache import Entry
+from variantgen.codegen import render
+from variantgen.core.errors import LaunchError
+from variantgen.testing.harness import random_spec_args
+from variantgen.wrappers.ragged import RaggedWrapper, launch_mask_mode, random_ragged_batch, reference_ragged
 
 HQ, HKV = 4, 2
 
@@ -542,8 +542,8 @@ def test_scales_refused_without_qkv_scales(spec_from):
 @pytest.mark.nvcc
 def test_build_a_real_ragged_module(vg_env, toolchain):
     """hd 192/128 with one mask mode (the CPU box compiles 3 kernel units + host code)."""
-    from variantgen import build
-    from variantgen.cache import Cache
+    from variantgen.build import builder as build
+    from variantgen.build.cache import Cache
 
     vg_env.set(VARIANTGEN_BUILD_JOBS="2")
     config = ragged_config(shipped("softcap"), 192, 128, mask_modes=("custom",))

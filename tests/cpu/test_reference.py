@@ -15,9 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import variantgen
-from variantgen import checks, evaluate
-from variantgen.errors import LaunchError
-from variantgen.reference import RequestGrid, mask_for_request, reference_attention, transform_logits
+from variantgen.core.errors import LaunchError
+from variantgen.lang import evaluate
+from variantgen.wrappers import checks
+from variantgen.wrappers.reference import RequestGrid, mask_for_request, reference_attention, transform_logits
 
 H_QO, H_KV, D, PAGE = 4, 2, 8, 4
 QO_LENS = (3, 2)
@@ -659,7 +660,7 @@ def test_logits_transform_sees_scaled_scores():
 def test_the_evaluator_over_query_rows_agrees_with_the_grid():
     """evaluate.Evaluator is the one evaluator: over one entry per (query, key) pair it gives
     the mask the reference computes over the request's grid."""
-    from variantgen.evaluate import Evaluator
+    from variantgen.lang.evaluate import Evaluator
 
     spec = shipped("mm_prefix")
     qo_len, kv_len = 3, 7
@@ -676,7 +677,7 @@ def test_the_evaluator_over_query_rows_agrees_with_the_grid():
 
 
 def test_the_evaluator_needs_an_environment():
-    from variantgen.evaluate import Evaluator
+    from variantgen.lang.evaluate import Evaluator
 
     with pytest.raises(ValueError, match="^Evaluator: env must hold the builtin tensors"):
         Evaluator(shipped("causal"), {}, {})

@@ -10,8 +10,10 @@ import pytest
 from conftest import SPEC_FILES, SPECS_DIR
 
 import variantgen
-from variantgen import codegen, plan_abi, render
-from variantgen.render import ModuleConfig, kernel_args, render_module
+from variantgen.abi import table as plan_abi
+from variantgen.codegen import expressions as codegen
+from variantgen.codegen import render
+from variantgen.codegen.render import ModuleConfig, kernel_args, render_module
 
 
 def config(spec, **overrides) -> ModuleConfig:
@@ -275,7 +277,7 @@ def test_offset_rows_in_every_kernel(spec_from, backend, kind):
 
 def test_offset_rows_in_the_planner_row_kernel(spec_from):
     """The interval planner evaluates row-only bounds (here qt[q_row + 1, 0]) with the same clamp."""
-    from variantgen import intervals, rowplan
+    from variantgen.planning import intervals, rowplan
 
     spec = spec_from(OFFSETS_SPEC)
     assert intervals.analyze(spec).planner_ready
@@ -504,7 +506,7 @@ STATIC_FILES = {
 
 
 def test_module_kinds_are_the_table():
-    assert set(MODULE_KINDS) == set(render.RENDERERS) == set(variantgen.capabilities.HEAD_DIMS)
+    assert set(MODULE_KINDS) == set(render.RENDERERS) == set(variantgen.routing.capabilities.HEAD_DIMS)
 
 
 @pytest.mark.parametrize("dims", [(128, 128), (192, 128)], ids=["hd128", "hd192x128"])
@@ -619,7 +621,7 @@ def test_the_mask_comment_keeps_the_spec_text_next_to_the_canonical_form():
         assert text_lines[0].startswith("(kv_pos <= q_pos and (causal_window_left < 0 or")
         assert f"// mask:   {text_lines[0]}\n" in header
         assert all(f"//         {line}\n" in header for line in text_lines[1:])
-        assert f"//   i.e.  {codegen.comment_lines(variantgen.expr.to_source(spec.mask))[0]}\n" in header
+        assert f"//   i.e.  {codegen.comment_lines(variantgen.lang.expr.to_source(spec.mask))[0]}\n" in header
         # and in the hook, above the code
         hook = variant[variant.index("REGISTER_LOGITS_"):]
         assert all(f"// {line}\n" in hook for line in text_lines)

@@ -1,4 +1,4 @@
-"""The interval planner's generated row kernel (variantgen/rowplan.py) on the CPU: what it
+"""The interval planner's generated row kernel (variantgen/planning/rowplan.py) on the CPU: what it
 renders for every shipped spec, its cache identity, planner-off plans without it, and a real
 nvcc build. Its results are compared with the reference rules (rowrules.py) on the GPU
 (tests/gpu/test_gpu_planner.py)."""
@@ -12,10 +12,12 @@ import torch
 from conftest import ALL_SPECS, SPECS_DIR
 
 import variantgen
-from variantgen import build, codegen, render
-from variantgen.cache import Cache
-from variantgen.intervals import analyze
-from variantgen.rowplan import PlannerConfig, load_planner, planner_configs, render_planner
+from variantgen.build import builder as build
+from variantgen.build.cache import Cache
+from variantgen.codegen import expressions as codegen
+from variantgen.codegen import render
+from variantgen.planning.intervals import analyze
+from variantgen.planning.rowplan import PlannerConfig, load_planner, planner_configs, render_planner
 
 
 @pytest.fixture(autouse=True)

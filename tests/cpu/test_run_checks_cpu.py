@@ -1,4 +1,4 @@
-"""What reaches a kernel is checked (variantgen/checks.py), on the CPU through the fake kernels.
+"""What reaches a kernel is checked (variantgen/wrappers/checks.py), on the CPU through the fake kernels.
 
 * every entry of the planned page list is a page of the KV cache run() is given (run()
   raises; plan() for negative entries, and in CUDA-graph mode against the captured cache);
@@ -29,16 +29,17 @@ from _fake_kernel import FakeFa3Module, FakeModule, FakeRowPlanner
 from conftest import SPECS_DIR
 
 import variantgen
-from variantgen import checks, render
-from variantgen.build import BuildResult
-from variantgen.cache import Entry
-from variantgen.checks import NO_PAGES, PageBounds, PageGuard
-from variantgen.decode import DecodeWrapper
-from variantgen.errors import LaunchError
-from variantgen.graph import GraphCapacity
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
-from variantgen.wrapper import VariantWrapper, WrapperBase
+from variantgen.build.builder import BuildResult
+from variantgen.build.cache import Entry
+from variantgen.codegen import render
+from variantgen.core.errors import LaunchError
+from variantgen.planning.graph import GraphCapacity
+from variantgen.testing.harness import random_paged_batch, random_spec_args, spans_to_ranges
+from variantgen.wrappers import checks
+from variantgen.wrappers.checks import NO_PAGES, PageBounds, PageGuard
+from variantgen.wrappers.decode import DecodeWrapper
+from variantgen.wrappers.paged import VariantWrapper, WrapperBase
+from variantgen.wrappers.reference import reference_attention
 
 HQ, HKV, HEAD_DIM = 4, 2, 64
 PREFILL_PATHS = [("fa2", False), ("fa2", True), ("fa3", False), ("fa3", True)]
@@ -273,7 +274,7 @@ def plan_route(route: str, kv_indptr, kv_indices, last_page_len, page_size: int)
     spec = spec_named("causal")
     batch = kv_indptr.numel() - 1
     if route.startswith("flex"):
-        from variantgen.flex_wrapper import make_flex_wrapper
+        from variantgen.wrappers.flex_wrapper import make_flex_wrapper
 
         kind = route.partition("-")[2]
         w = make_flex_wrapper(spec, torch.empty(16, dtype=torch.uint8), head_dim_qk=HEAD_DIM, q_dtype="bf16",
@@ -334,8 +335,8 @@ class FlagRoute:
     def __init__(self, route: str):
         from _fake_kernel import FakeFa3RaggedModule, FakeRaggedModule
 
-        from variantgen.flex_wrapper import make_flex_wrapper
-        from variantgen.ragged import RaggedWrapper, random_ragged_batch
+        from variantgen.wrappers.flex_wrapper import make_flex_wrapper
+        from variantgen.wrappers.ragged import RaggedWrapper, random_ragged_batch
 
         spec = spec_named("causal")
         kind = "ragged" if "ragged" in route else "decode" if "decode" in route else "prefill"

@@ -11,10 +11,10 @@ import pytest
 from conftest import SPEC_FILES, SPECS_DIR
 
 import variantgen
-from variantgen import expr
-from variantgen import spec as spec_mod
-from variantgen.errors import SpecError, SpecErrors
-from variantgen.expr import Type
+from variantgen.core.errors import SpecError, SpecErrors
+from variantgen.lang import expr
+from variantgen.lang import spec as spec_mod
+from variantgen.lang.expr import Type
 
 CAUSAL = "name: x\nmask: kv_pos <= q_pos\n"
 
@@ -346,7 +346,7 @@ def test_vg_prefix_is_reserved():
 def _fa2_params_members() -> set[str]:
     """Every field and member function of the fa2 kernels' Params (templates/fa2/kernel_params.cuh):
     a spec's arguments become fields of a struct derived from it, which would hide them."""
-    from variantgen.render import TEMPLATES_DIR
+    from variantgen.codegen.render import TEMPLATES_DIR
 
     text = re.sub(r"//.*", "", (TEMPLATES_DIR / "fa2" / "kernel_params.cuh").read_text())
     fields = re.findall(r"^\s+[\w:<>, ]+?[\s*]+(\w+)\s*;", text, re.M)
@@ -357,7 +357,7 @@ def _fa2_params_members() -> set[str]:
 def _flashinfer_member_probes() -> set[str]:
     """The Params members FlashInfer's kernels test for by name (DEFINE_HAS_MEMBER): an argument
     so named would switch on what FlashInfer does with it (a scale, a RoPE offset)."""
-    from variantgen.build import flashinfer_info
+    from variantgen.build.builder import flashinfer_info
 
     fi = flashinfer_info()
     found: set[str] = set()
@@ -386,7 +386,8 @@ def _wrapper_parameters() -> set[str]:
     """Every named parameter of the wrappers' plan() and run() (they take spec arguments as **kwargs)."""
     import inspect
 
-    from variantgen import decode, flex_wrapper, ragged, wrapper
+    from variantgen.wrappers import decode, flex_wrapper, ragged
+    from variantgen.wrappers import paged as wrapper
 
     names: set[str] = set()
     for module in (wrapper, decode, ragged, flex_wrapper):

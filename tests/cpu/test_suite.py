@@ -28,7 +28,7 @@ def test_skip_unbuilt_turns_a_missing_module_into_a_skip(tmp_path):
     error still fails."""
     (tmp_path / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
     (tmp_path / "test_x.py").write_text(
-        "import pytest\nfrom variantgen.errors import JitDisabledError\n\n"
+        "import pytest\nfrom variantgen.core.errors import JitDisabledError\n\n"
         "@pytest.fixture(scope='module')\ndef wrapper():\n"
         "    raise JitDisabledError('module vg_x_fa3 is not precompiled')\n\n"
         "def test_missing():\n    raise JitDisabledError('module vg_y_fa2 is not precompiled')\n\n"

@@ -13,9 +13,9 @@ import pytest
 from conftest import SPECS_DIR
 
 import variantgen
-from variantgen import build
-from variantgen.errors import ToolchainError
-from variantgen.render import ModuleConfig, render_module
+from variantgen.build import builder as build
+from variantgen.codegen.render import ModuleConfig, render_module
+from variantgen.core.errors import ToolchainError
 
 VERSION_TEXT = "nvcc: NVIDIA (R) Cuda compiler driver\\nCuda compilation tools, release 12.8, V12.8.93\\n"
 
@@ -216,10 +216,10 @@ def test_serving_and_cache_checks_do_not_need_a_working_nvcc(vg_env, tmp_path, f
     unusable and goes on."""
     from click.testing import CliRunner
 
-    from variantgen.cache import Cache
-    from variantgen.cli import expand_matrix, main
-    from variantgen.probing import probe
-    from variantgen.rowplan import planner_configs
+    from variantgen.api.probing import probe
+    from variantgen.build.cache import Cache
+    from variantgen.planning.rowplan import planner_configs
+    from variantgen.tools.cli import expand_matrix, main
 
     cache = Cache(vg_env.cache_dir)
     configs, _ = expand_matrix(["causal"], [128], ["bf16"], None, None, ["9.0a"], ["fa3"])

@@ -5,7 +5,7 @@ mode, vg_meta, page lists, in-place o rows); its modes 0/1 are strictly geometri
 planner that sends a row to kNone/kCausal whose visible keys are not exactly what those
 modes show gives a wrong result here. The launches are the real launch builder's (an
 nvcc-built module, tests/fakes/_builder.py), the row pass the reference rules' (FakeRowPlanner).
-Every case is compared with the dense reference (variantgen.reference), with the planner
+Every case is compared with the dense reference (variantgen.wrappers.reference), with the planner
 off (one custom launch) and on.
 """
 
@@ -26,17 +26,18 @@ from conftest import CPU_QO_LENS as QO_LENS
 from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
-import variantgen.build as build_mod
-from variantgen import codegen, render
-from variantgen.build import BuildResult
-from variantgen.cache import Entry
-from variantgen.errors import LaunchError
-from variantgen.flex_wrapper import FlexPrefillWrapper
-from variantgen.intervals import analyze
-from variantgen.plan_abi import FA2_TAIL_RUN_CODE, META_COLUMNS, MetaColumn, PrefillPlanInfo, Schedule
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges, within_range
-from variantgen.wrapper import VariantWrapper
+import variantgen.build.builder as build_mod
+from variantgen.abi.table import FA2_TAIL_RUN_CODE, META_COLUMNS, MetaColumn, PrefillPlanInfo, Schedule
+from variantgen.build.builder import BuildResult
+from variantgen.build.cache import Entry
+from variantgen.codegen import expressions as codegen
+from variantgen.codegen import render
+from variantgen.core.errors import LaunchError
+from variantgen.planning.intervals import analyze
+from variantgen.testing.harness import random_paged_batch, random_spec_args, spans_to_ranges, within_range
+from variantgen.wrappers.flex_wrapper import FlexPrefillWrapper
+from variantgen.wrappers.paged import VariantWrapper
+from variantgen.wrappers.reference import reference_attention
 
 HQ, HKV, HEAD_DIM = 4, 2, 64
 PLAN_STATS: dict[str, object] = {}
@@ -853,8 +854,8 @@ def test_fa3_large_launches_stay_one_launch():
 
 
 def test_host_lists_and_staging_on_the_cpu():
-    from variantgen.staging import HostStaging
-    from variantgen.wrapper import host_indices, host_lists
+    from variantgen.core.staging import HostStaging
+    from variantgen.wrappers.paged import host_indices, host_lists
 
     a, b = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([5, 1], dtype=torch.int32)
     assert host_lists(a, b) == [[0, 3, 7], [5, 1]]

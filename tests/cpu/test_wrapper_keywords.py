@@ -13,13 +13,13 @@ from _fake_kernel import FakeModule
 from conftest import SPECS_DIR
 
 import variantgen
-from variantgen import render
-from variantgen.build import BuildResult
-from variantgen.cache import Entry
-from variantgen.decode import DecodeWrapper
-from variantgen.errors import LaunchError
-from variantgen.testing import random_paged_batch, random_spec_args
-from variantgen.wrapper import VariantWrapper
+from variantgen.build.builder import BuildResult
+from variantgen.build.cache import Entry
+from variantgen.codegen import render
+from variantgen.core.errors import LaunchError
+from variantgen.testing.harness import random_paged_batch, random_spec_args
+from variantgen.wrappers.decode import DecodeWrapper
+from variantgen.wrappers.paged import VariantWrapper
 
 MM = variantgen.load_spec(SPECS_DIR / "mm_prefix.yaml")
 

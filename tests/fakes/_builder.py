@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from variantgen.env import SPECS_DIR, reload_settings
-from variantgen.plan_abi import HeaderField, Status
+from variantgen.abi.table import HeaderField, Status
+from variantgen.core.env import SPECS_DIR, reload_settings
 
 JIT_VARIABLES = ("VARIANTGEN_DISABLE_JIT", "FLASHINFER_DISABLE_JIT", "VARIANTGEN_CACHE_DIR", "VARIANTGEN_TEMPLATE_DIR")
 
@@ -34,10 +34,10 @@ def cache_dir() -> Path:
 
 @functools.cache
 def _build() -> Any:
-    from variantgen import build
-    from variantgen.cache import Cache
-    from variantgen.rowplan import PlannerConfig
-    from variantgen.spec import load_spec
+    from variantgen.build import builder as build
+    from variantgen.build.cache import Cache
+    from variantgen.lang.spec import load_spec
+    from variantgen.planning.rowplan import PlannerConfig
 
     saved = {name: os.environ.pop(name, None) for name in JIT_VARIABLES}  # the checkout's templates, JIT on
     reload_settings()
@@ -53,8 +53,8 @@ def _build() -> Any:
 
 def plan_builder() -> Any:
     """The loaded module whose ``build_launches`` the fakes call (skips the test without nvcc)."""
-    from variantgen import build
-    from variantgen.errors import ToolchainError
+    from variantgen.build import builder as build
+    from variantgen.core.errors import ToolchainError
 
     try:
         build.toolchain()

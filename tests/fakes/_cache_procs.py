@@ -12,11 +12,11 @@ import signal
 import time
 from pathlib import Path
 
-from variantgen import build
-from variantgen.build import FlashInferInfo, Toolchain
-from variantgen.cache import Cache, Entry, ModuleKey
-from variantgen.env import REPO_DIR
-from variantgen.errors import BuildError
+from variantgen.build import builder as build
+from variantgen.build.builder import FlashInferInfo, Toolchain
+from variantgen.build.cache import Cache, Entry, ModuleKey
+from variantgen.core.env import REPO_DIR
+from variantgen.core.errors import BuildError
 
 FAKE_FLASHINFER = FlashInferInfo(
     version="0.7.2.post1",
@@ -103,7 +103,7 @@ def patch_build(record: str | None = None, delay: float = 0.0, hang_file: str | 
 
 def causal_config(arch: str = "9.0a"):
     import variantgen
-    from variantgen.render import ModuleConfig
+    from variantgen.codegen.render import ModuleConfig
 
     spec = variantgen.load_spec(REPO_DIR / "specs" / "causal.yaml")
     return ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", arch)

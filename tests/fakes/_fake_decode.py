@@ -35,8 +35,8 @@ from _fake_kernel import (
     variant_window,
 )
 
-from variantgen.reference import softmax_attention
-from variantgen.spec import VariantSpec
+from variantgen.lang.spec import VariantSpec
+from variantgen.wrappers.reference import softmax_attention
 
 
 @dataclass

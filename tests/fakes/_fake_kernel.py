@@ -55,8 +55,7 @@ from typing import Any
 import torch
 from _builder import finish_on_cpu, plan_builder
 
-from variantgen.evaluate import Evaluator
-from variantgen.plan_abi import (
+from variantgen.abi.table import (
     FA2_TAIL_RUN_CODE,
     META_COLUMNS,
     SEG_FIELDS,
@@ -65,9 +64,10 @@ from variantgen.plan_abi import (
     PrefillPlanInfo,
     SM90PlanInfo,
 )
-from variantgen.planner import fa3_cta_tile_q
-from variantgen.reference import softmax_attention
-from variantgen.spec import VariantSpec
+from variantgen.lang.evaluate import Evaluator
+from variantgen.lang.spec import VariantSpec
+from variantgen.planning.planner import fa3_cta_tile_q
+from variantgen.wrappers.reference import softmax_attention
 
 MODE_NAMES = {int(m): m.label for m in MaskMode}
 # fa2's paged_run codes: the mask modes, and the tail launch's causal with the spec's mask
@@ -682,10 +682,10 @@ class FakeRowPlanner:
 
     def plan_batch(self, indices, options, starts_page_locked, starts, rec, counts, seg, seg_host, scratch, kv_indices,
                    workspace, workspace_host, desc, *spec_values):
-        from variantgen.intervals import analyze
-        from variantgen.plan_abi import ROW_BLOCK, HeaderField, PlanOption, RecField, Status
-        from variantgen.rowplan import planner_inputs
-        from variantgen.rowrules import classify_rows, segments
+        from variantgen.abi.table import ROW_BLOCK, HeaderField, PlanOption, RecField, Status
+        from variantgen.planning.intervals import analyze
+        from variantgen.planning.rowplan import planner_inputs
+        from variantgen.planning.rowrules import classify_rows, segments
 
         self.calls += 1
         form = analyze(self.spec)
@@ -722,10 +722,10 @@ class FakeRowPlanner:
     def plan_rows(self, rec, starts_host, starts_page_locked, starts, scratch, counts, seg, *rest):
         """The row pass alone (what CUDA-core decode's key trimming calls): rec from the
         reference rules; the launch requests compacted into seg as plan_rows does."""
-        from variantgen.intervals import analyze
-        from variantgen.plan_abi import RecField
-        from variantgen.rowplan import planner_inputs
-        from variantgen.rowrules import classify_rows, segments
+        from variantgen.abi.table import RecField
+        from variantgen.planning.intervals import analyze
+        from variantgen.planning.rowplan import planner_inputs
+        from variantgen.planning.rowrules import classify_rows, segments
 
         self.calls += 1
         *spec_values, page_size = rest

@@ -1,4 +1,4 @@
-"""The GPU fuzzer's module factory on the CPU (variantgen.fuzzing.Modules over the fake kernels).
+"""The GPU fuzzer's module factory on the CPU (variantgen.testing.fuzzing.Modules over the fake kernels).
 
 ``FakeModules`` makes the same wrappers make_wrapper would (VariantWrapper, DecodeWrapper on
 CUDA or tensor cores, RaggedWrapper, graph mode with a GraphCapacity), each on a fake module
@@ -19,13 +19,13 @@ import torch
 from _fake_decode import FakeDecodeModule
 from _fake_kernel import FakeFa3Module, FakeFa3RaggedModule, FakeModule, FakeRaggedModule, FakeRowPlanner
 
-from variantgen import render
-from variantgen.build import BuildResult
-from variantgen.cache import Entry
-from variantgen.decode import DecodeWrapper
-from variantgen.fuzzing import ModuleKey, Target, shipped_spec
-from variantgen.ragged import RaggedWrapper
-from variantgen.wrapper import VariantWrapper
+from variantgen.build.builder import BuildResult
+from variantgen.build.cache import Entry
+from variantgen.codegen import render
+from variantgen.testing.fuzzing import ModuleKey, Target, shipped_spec
+from variantgen.wrappers.decode import DecodeWrapper
+from variantgen.wrappers.paged import VariantWrapper
+from variantgen.wrappers.ragged import RaggedWrapper
 
 
 class FakeModules:

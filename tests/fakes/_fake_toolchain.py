@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from variantgen import build
-from variantgen.build import FlashInferInfo, Toolchain
+from variantgen.build import builder as build
+from variantgen.build.builder import FlashInferInfo, Toolchain
 
 NVCC = r"""#!/bin/sh
 out=""; dep=""; src=""
@@ -100,7 +100,7 @@ def build_in_child(tool_root: str, cache_root: str) -> None:
     """A builder process (killed by the parent midway through its compiles)."""
     from _cache_procs import causal_config
 
-    from variantgen.cache import Cache
+    from variantgen.build.cache import Cache
 
     patch(Path(tool_root))
     build.build_module(causal_config(), Cache(cache_root))
@@ -109,7 +109,7 @@ def build_in_child(tool_root: str, cache_root: str) -> None:
 if __name__ == "__main__":  # python _fake_toolchain.py TOOL_ROOT ARGS...: the CLI over the fake toolchain
     import sys
 
-    from variantgen.cli import main
+    from variantgen.tools.cli import main
 
     patch(Path(sys.argv[1]))
     main(sys.argv[2:], prog_name="variantgen")

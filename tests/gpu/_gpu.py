@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 import variantgen
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args
+from variantgen.testing.harness import random_paged_batch, random_spec_args
+from variantgen.wrappers.reference import reference_attention
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 ALL_SPECS = sorted(p.stem for p in SPECS.glob("*.yaml"))

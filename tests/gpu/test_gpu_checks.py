@@ -1,4 +1,4 @@
-"""The run-time checks of what reaches a kernel (variantgen/checks.py) on the GPU, where the
+"""The run-time checks of what reaches a kernel (variantgen/wrappers/checks.py) on the GPU, where the
 page list's bounds come over from the device: folded into plan()'s copy of device indptrs,
 or through page-locked memory with the planner's read-back (indptrs on the host), or on the
 host - or, with a device page list, host indptrs and nothing read back, still on their way
@@ -20,11 +20,11 @@ import torch
 from _gpu import SPECS, mm_prefix_case, rel_error
 
 import variantgen
-from variantgen.errors import LaunchError
-from variantgen.graph import GraphCapacity
-from variantgen.plan_abi import READ_INDICES_EXTRA
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args
+from variantgen.abi.table import READ_INDICES_EXTRA
+from variantgen.core.errors import LaunchError
+from variantgen.planning.graph import GraphCapacity
+from variantgen.testing.harness import random_paged_batch, random_spec_args
+from variantgen.wrappers.reference import reference_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HQ, HKV, HD, PAGE = 32, 8, 128, 16

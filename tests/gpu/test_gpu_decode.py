@@ -15,8 +15,8 @@ import torch
 from _gpu import ALL_SPECS, SPECS, assert_graph_replays, rel_error
 
 import variantgen
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args
+from variantgen.testing.harness import random_paged_batch, random_spec_args
+from variantgen.wrappers.reference import reference_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 TORCH = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8_e4m3": torch.float8_e4m3fn}

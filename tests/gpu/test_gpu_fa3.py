@@ -11,8 +11,8 @@ import torch
 from _gpu import ALL_SPECS, SPECS, check, mm_prefix_case, rel_error
 
 import variantgen
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, spans_to_ranges
+from variantgen.testing.harness import random_paged_batch, spans_to_ranges
+from variantgen.wrappers.reference import reference_attention
 
 pytestmark = [
     pytest.mark.gpu,

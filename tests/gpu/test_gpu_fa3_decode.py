@@ -16,8 +16,8 @@ from _gpu import SPECS, rel_error
 
 import variantgen
 from variantgen import GraphCapacity
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args
+from variantgen.testing.harness import random_paged_batch, random_spec_args
+from variantgen.wrappers.reference import reference_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

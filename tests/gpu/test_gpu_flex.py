@@ -14,9 +14,9 @@ import torch
 from _gpu import ALL_SPECS, SPECS, rel_error
 
 import variantgen
-from variantgen.ragged import random_ragged_batch, reference_ragged
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args
+from variantgen.testing.harness import random_paged_batch, random_spec_args
+from variantgen.wrappers.ragged import random_ragged_batch, reference_ragged
+from variantgen.wrappers.reference import reference_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -14,9 +14,9 @@ import torch
 from _gpu import KV_LENS, QO_LENS, SPECS, rel_error
 
 import variantgen
-from variantgen.graph import GraphCapacity
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args
+from variantgen.planning.graph import GraphCapacity
+from variantgen.testing.harness import random_paged_batch, random_spec_args
+from variantgen.wrappers.reference import reference_attention
 
 pytestmark = pytest.mark.gpu
 

@@ -11,9 +11,9 @@ import torch
 from _gpu import KV_LENS, QO_LENS, check, rel_error
 
 import variantgen
-from variantgen.ragged import random_ragged_batch, reference_ragged
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch
+from variantgen.testing.harness import random_paged_batch
+from variantgen.wrappers.ragged import random_ragged_batch, reference_ragged
+from variantgen.wrappers.reference import reference_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

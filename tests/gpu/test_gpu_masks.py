@@ -25,11 +25,11 @@ import torch
 from _gpu import SPECS, rel_error
 
 import variantgen
-from variantgen.graph import GraphCapacity
-from variantgen.ragged import random_ragged_batch, reference_ragged
-from variantgen.reference import reference_attention, softmax_attention
-from variantgen.testing import random_paged_batch
-from variantgen.trees import random_tree_parents, tree_bits
+from variantgen.planning.graph import GraphCapacity
+from variantgen.testing.harness import random_paged_batch
+from variantgen.wrappers.ragged import random_ragged_batch, reference_ragged
+from variantgen.wrappers.reference import reference_attention, softmax_attention
+from variantgen.wrappers.trees import random_tree_parents, tree_bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 HQ, HKV, PAGE = 32, 8, 16  # GQA 4 (gpt-oss: 64 query heads over 8; Gemma 4 E4B: 8 over 2)

@@ -1,4 +1,4 @@
-"""The interval planner's generated row kernel (variantgen/rowplan.py) on the GPU: it must
+"""The interval planner's generated row kernel (variantgen/planning/rowplan.py) on the GPU: it must
 give exactly what the reference rules (rowrules.classify_rows, rowrules.segments) give, row
 for row and segment for segment, for every shipped spec with intervals; plan() must use it,
 and its launches must be the ones the launch builder lays out from the reference's segments.
@@ -12,13 +12,13 @@ from _fake_kernel import FakeRowPlanner
 from _gpu import ALL_SPECS, KV_LENS, QO_LENS, SPECS
 
 import variantgen
-from variantgen.build import default_cache
-from variantgen.errors import JitDisabledError
-from variantgen.intervals import analyze
-from variantgen.plan_abi import RecField
-from variantgen.rowplan import load_planner, plan_rows, read_segments
-from variantgen.rowrules import classify_rows, segments
-from variantgen.testing import random_paged_batch, random_spec_args, spans_to_ranges
+from variantgen.abi.table import RecField
+from variantgen.build.builder import default_cache
+from variantgen.core.errors import JitDisabledError
+from variantgen.planning.intervals import analyze
+from variantgen.planning.rowplan import load_planner, plan_rows, read_segments
+from variantgen.planning.rowrules import classify_rows, segments
+from variantgen.testing.harness import random_paged_batch, random_spec_args, spans_to_ranges
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -12,11 +12,11 @@ import torch
 from _gpu import SPECS, rel_error
 
 import variantgen
-from variantgen import env
-from variantgen.build import default_cache
-from variantgen.cache import Cache
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch, random_spec_args
+from variantgen.build.builder import default_cache
+from variantgen.build.cache import Cache
+from variantgen.core import env
+from variantgen.testing.harness import random_paged_batch, random_spec_args
+from variantgen.wrappers.reference import reference_attention
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,9 +17,9 @@ import torch
 from _gpu import ALL_SPECS, SPECS, rel_error
 
 import variantgen
-from variantgen.errors import JitDisabledError
-from variantgen.ragged import RaggedWrapper, random_ragged_batch, reference_ragged
-from variantgen.testing import random_spec_args
+from variantgen.core.errors import JitDisabledError
+from variantgen.testing.harness import random_spec_args
+from variantgen.wrappers.ragged import RaggedWrapper, random_ragged_batch, reference_ragged
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -28,8 +28,8 @@ from _fake_kernel import FakeRowPlanner
 from _gpu import SPECS, rel_error
 
 import variantgen
-from variantgen.reference import reference_attention
-from variantgen.testing import random_paged_batch
+from variantgen.testing.harness import random_paged_batch
+from variantgen.wrappers.reference import reference_attention
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -129,7 +129,7 @@ def test_window_0_softcap_alibi_hd256_fp16(workspace, backend):
 def test_fa3_output_rows_are_never_read_back_stale(workspace):
     """The fuzzer's case (qo [73, 1, 292, 139], 64/4 heads, page size 5, planner off: one
     custom launch, 7 query tiles on 132 x 64 CTAs), run 400 times on the same inputs."""
-    from variantgen import fuzzing as fz
+    from variantgen.testing import fuzzing as fz
 
     case = fz.FuzzCase(
         target="fa3/prefill", module=fz.ModuleKey("mm_prefix"),

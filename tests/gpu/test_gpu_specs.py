@@ -11,8 +11,8 @@ import pytest
 import torch
 from _gpu import ALL_SPECS, assert_graph_replays, check, mm_prefix_case, rel_error
 
-from variantgen.reference import reference_attention
-from variantgen.testing import mask_exact_launches, spans_to_ranges
+from variantgen.testing.harness import mask_exact_launches, spans_to_ranges
+from variantgen.wrappers.reference import reference_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from ..library import resolve_spec
+from ..lang.library import resolve_spec
 
 log = logging.getLogger("variantgen.transformers")
 
@@ -222,9 +222,8 @@ class Session:
 
     def add_route(self, spec_name: str, kind: str) -> Route:
         """Probe the route and make its wrapper (or keep the reason)."""
-        import variantgen
-
-        from ..factory import make_wrapper
+        from ..api.factory import make_wrapper
+        from ..api.probing import probe
 
         backend = self.kind_backend(kind)
         route = Route(spec_name, kind, backend)
@@ -235,7 +234,7 @@ class Session:
             route.reason = (f"the model is on {self.device}; the {backend or 'FlashInfer'} routes run on CUDA GPUs "
                             "(backend='flex' runs here)")
         else:
-            result = variantgen.probe(spec, head_dim_qk=self.head_dim, q_dtype=dtype, kv_dtype=dtype,
+            result = probe(spec, head_dim_qk=self.head_dim, q_dtype=dtype, kv_dtype=dtype,
                                       backend=backend, kind=kind, device=self.device)
             route.reason = result.reason
         if not route.reason:

@@ -26,7 +26,7 @@ import flashinfer  # noqa: E402
 from bench_plan import paired  # noqa: E402
 
 import variantgen  # noqa: E402
-from variantgen.testing import prefill_bench_batch, run_environment  # noqa: E402
+from variantgen.testing.harness import prefill_bench_batch, run_environment  # noqa: E402
 
 
 def decode_pair(ws: torch.Tensor) -> tuple[dict, torch.Tensor, torch.Tensor, list]:

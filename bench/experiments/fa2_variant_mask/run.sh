@@ -16,7 +16,7 @@ export VARIANTGEN_CACHE_DIR=$PWD/$WORK/cache
 rm -rf "$WORK/copies" && mkdir -p "$WORK/copies" "$RESULTS"
 for k in $KINDS; do python3 "$HERE/make_copy.py" "$k" "$WORK/copies/$k"; done
 for k in $KINDS; do
-  ( cd "$WORK/copies/$k" && PYTHONPATH=$PWD:${PYTHONPATH:-} python3 -m variantgen.cli precompile causal --backend fa2 $KIND_ARGS \
+  ( cd "$WORK/copies/$k" && PYTHONPATH=$PWD:${PYTHONPATH:-} python3 -m variantgen precompile causal --backend fa2 $KIND_ARGS \
       --head-dim 128 --dtype bf16 --arch 9.0a -j 1 --jobs-per-module 5 > "$RESULTS/build-$TAG$k.log" 2>&1 ) &
 done
 wait

@@ -18,7 +18,7 @@ text = text.replace("@TILE_Q@", tq).replace("@TILE_KV@", tkv).replace("@STAGES@"
 open(dest, "w").write(text)
 PY
 done
-python3 - "$DEST/variantgen/planner.py" "$TQ" <<'PY'
+python3 - "$DEST/variantgen/planning/planner.py" "$TQ" <<'PY'
 import sys
 path, tq = sys.argv[1:]
 text = open(path).read()

@@ -23,7 +23,7 @@ w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(torch.empty(128 << 20, dtype=t
 w.plan(b['kv_indptr'], b['kv_indices'], b['last_page_len'], bd.HQ, bd.HKV, bd.D, bd.PS,
        q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)" > "$RESULTS/flashinfer-build.log" 2>&1 ) &
 for c in base $CONFIGS; do  # every copy's modules at once (the cache's locks share what is the same)
-  ( cd "$WORK/copies/$c" && PYTHONPATH=$PWD:${PYTHONPATH:-} python3 -m variantgen.cli precompile causal sliding_window \
+  ( cd "$WORK/copies/$c" && PYTHONPATH=$PWD:${PYTHONPATH:-} python3 -m variantgen precompile causal sliding_window \
       mm_prefix --backend fa3 --kind decode --head-dim 128 --dtype bf16 --arch 9.0a -j 3 --jobs-per-module 2 \
       > "$RESULTS/build-$c.log" 2>&1 ) &
 done

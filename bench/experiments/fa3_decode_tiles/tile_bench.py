@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.getcwd(), "bench"))
 import bench_decode as bd  # noqa: E402
 
 import variantgen  # noqa: E402
-from variantgen.testing import cuda_median_ms, run_environment  # noqa: E402
+from variantgen.testing.harness import cuda_median_ms, run_environment  # noqa: E402
 
 SPECS = ("causal", "mm_prefix", "sliding_window")
 ITERS = 200

@@ -1,0 +1,1 @@
+"""The entry points: make_wrapper and probe."""

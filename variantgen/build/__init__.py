@@ -1,0 +1,1 @@
+"""Building and caching modules: the content-addressed cache, ninja, shared objects."""

@@ -1,0 +1,1 @@
+"""Code generation: spec expressions to CUDA, and modules rendered from templates/."""

@@ -1,0 +1,1 @@
+"""The spec language: expressions, spec files, the torch evaluator and the shipped library."""

@@ -1,0 +1,1 @@
+"""The interval planner: per-row key intervals, the row pass, plan assembly and Plan values."""

@@ -1,0 +1,288 @@
+"""A plan as a value: what plan() decided for a batch, to run and to look at.
+
+``Plan`` holds the batch, its kernel launches (``Launch``: a mask mode, the device views
+run() passes, the schedule's plan_info) and how it was planned: by the spec's planner module
+(the interval planner's row pass) or planner-off, and then why. Printing it gives a summary
+in the spirit of FlexAttention's BlockMask: launches by mask mode, their launch requests and
+rows, the pages and (query, key) pairs visited against the full rectangle, the share of work
+skipped and the share that evaluates the mask. ``launch_requests`` lists what the launch
+builder laid out (``LaunchRequest``: rows, request, class, keys, pages, window) and
+``to_dense()`` draws, per request, which elements the kernel visits and how - for debugging
+small batches. ``stats()`` is the dict that ``wrapper.plan_stats`` shows.
+
+The launch requests are read from the plan's metadata in the workspace's host mirror, which
+the next plan() rewrites; a Plan that is still referenced then takes a copy first
+(planner.Planner does that), so every Plan stays readable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..abi.table import META_COLUMNS, LaunchArray, MaskMode, MetaColumn, RowClass, Schedule, SegField
+
+NOT_VISITED, VISIBLE, MASKED = 0, 1, 2  # to_dense(): the kernel skips / visits, all visible / evaluates the mask
+DENSE_LIMIT = 1 << 24  # query-key pairs to_dense() draws at most
+
+
+@dataclass(frozen=True)
+class Batch:
+    """The caller's batch as plan() saw it (host copies), to check run() against."""
+
+    batch_size: int
+    total_q: int
+    total_kv: int
+    num_qo_heads: int
+    num_kv_heads: int
+    page_size: int
+    qo_lens: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+
+    @property
+    def q_starts(self) -> list[int]:
+        out = [0]
+        for n in self.qo_lens:
+            out.append(out[-1] + n)
+        return out
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """Rows of one request the kernel sees as one request of a launch: rows [first, end) of the
+    batch, keys [kv_begin, kv_end) of the request (its page list), and how they are masked."""
+
+    rows: tuple[int, int]
+    request: int
+    cls: RowClass
+    mode: MaskMode  # of the launch it runs in
+    window: int  # the kernel's left window (causal mode), -1: none
+    keys: tuple[int, int]
+    pages: int
+    q_pos: int  # position of its first query
+    visible: tuple[int, int] = (0, -1)  # keys every row sees (custom, tail): custom mode skips the mask there
+
+    @classmethod
+    def from_segment(cls, seg: list[int], page_size: int) -> LaunchRequest:
+        """A segment of the row pass (SegField order) as fa2 runs it: the mask mode of its class."""
+        c = RowClass(seg[SegField.CLASS])
+        begin, end = seg[SegField.KV_BEGIN], seg[SegField.KV_END]
+        return cls((seg[SegField.FIRST_ROW], seg[SegField.END_ROW]), seg[SegField.REQUEST], c, c.mode,
+                   seg[SegField.WINDOW], (begin, end), -(-(end - begin) // page_size), seg[SegField.Q_POS],
+                   (seg[SegField.VIS_LO], seg[SegField.VIS_HI]))
+
+    def masked(self) -> int:
+        """The pairs of visited() the mask is evaluated on: all in custom mode; a tail run's keys
+        from its first query position on (its diagonal tile); none in the others."""
+        if self.mode == MaskMode.CUSTOM:  # less the keys known visible to every row
+            n = self.rows[1] - self.rows[0]
+            return self.visited() - n * max(0, self.visible[1] - self.visible[0] + 1)
+        if self.cls == RowClass.TAIL:
+            n = self.rows[1] - self.rows[0]
+            return n * (n + 1) // 2
+        return 0
+
+    def visited(self) -> int:
+        """(query, key) pairs its mode lets the kernel see (tiles further trim causal ones)."""
+        n, kb, ke, q0 = self.rows[1] - self.rows[0], self.keys[0], self.keys[1], self.q_pos
+        if self.mode != MaskMode.CAUSAL:
+            return n * (ke - kb)
+        if self.window < 0:  # row q sees [kb, q]
+            return n * (q0 - kb + 1) + n * (n - 1) // 2
+        # row q sees [max(kb, q - w), q]: q - kb + 1 keys until q reaches kb + w, then w + 1
+        head = min(max(kb + self.window - q0, 0), n)
+        return head * (q0 - kb + 1) + head * (head - 1) // 2 + (n - head) * (self.window + 1)
+
+
+@dataclass
+class Launch:
+    """One kernel launch: launch requests that share a mask mode (and, fa3, a window).
+    The tensors are views of the plan's device workspace; in CUDA-graph mode they are the same
+    every plan (a launch slot) and hold ``meta.shape[0]`` launch requests, the first
+    ``num_requests`` real, the rest empty."""
+
+    mode: MaskMode
+    window_left: int  # fa3: the launch's left window (-1: none); fa2 takes it per launch request (vg_meta)
+    num_requests: int
+    num_rows: int  # query rows of its launch requests
+    q_starts: torch.Tensor  # the kernel's q_indptr: first row of each launch request in q / o
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    last_page_len: torch.Tensor
+    meta: torch.Tensor  # [launch requests, META_COLUMNS] int32
+    plan_info: Any
+    int_workspace: torch.Tensor
+    float_workspace: torch.Tensor
+    schedule: Schedule = Schedule.FLASHINFER
+    tail: bool = False  # fa2's tail launch: causal, the mask on each launch request's diagonal tile
+
+    @property
+    def mask_mode(self) -> str:
+        return self.mode.label
+
+    @property
+    def exact(self) -> bool:
+        """Its mode and window are its launch requests' whole mask (not custom, not fa2's tail
+        launch): vg_meta marks every key known visible, so no spec mask is evaluated."""
+        return self.mode != MaskMode.CUSTOM and not self.tail
+
+
+@dataclass(frozen=True)
+class LaunchLayout:
+    """Where a launch's metadata lies in the workspace's host mirror (the launch builder's
+    descriptor): byte offset, launch requests laid out and real ones."""
+
+    offset: int
+    slot: int
+    requests: int
+
+
+class Plan:
+    """The plan of one batch (see the module docstring). ``planner``: "module" (the spec's
+    planner module classified the rows) or "off" (one custom launch per request: the spec's
+    mask on every element), ``reason``: why it is off."""
+
+    def __init__(self, batch: Batch, launches: list[Launch], *, backend: str, planner: str, reason: str = "",
+                 counts: dict[str, int] | None = None, host: torch.Tensor | None = None,
+                 layouts: tuple[LaunchLayout, ...] = (), pages_given: int = 0, graph: bool = False,
+                 pack_gqa: int = 1):
+        self.batch = batch
+        self.launches = launches
+        self.backend = backend
+        self.planner = planner
+        self.reason = reason
+        self.counts = dict(counts or {})  # launch requests per row class, custom rows (planner on)
+        self.pages_given = pages_given
+        self.graph = graph
+        # fa3 GQA packing: the launches see q / o as [rows x pack_gqa, num_kv_heads, dim] (1: off)
+        self.pack_gqa = pack_gqa
+        self._host = host  # the workspace's host mirror (shared with the next plan) or this plan's copy
+        self._layouts = layouts
+        self._requests: list[LaunchRequest] | None = None
+
+    # ------------------------------------------------------------------ what plan_stats shows
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"launches": [(la.mask_mode, la.num_requests) for la in self.launches if la.num_requests]}
+        if self.pack_gqa > 1:
+            out["pack_gqa"] = self.pack_gqa
+        if self.planner == "module":
+            out["row_planner"] = "kernel"
+            out["segments"] = dict(self.counts)
+        else:
+            out["planner_off"] = self.reason
+        return out
+
+    # ------------------------------------------------------------------ launch requests
+    def keep(self) -> None:
+        """Copy what launch_requests reads out of the shared host mirror (the planner calls it
+        before the next plan() rewrites the mirror, when this Plan is still referenced)."""
+        if self._host is None or self._requests is not None or not self._layouts:
+            return
+        end = max(la.offset + 4 * _metadata_ints(la.slot) for la in self._layouts)
+        self._host = self._host[:end].clone()
+
+    @property
+    def launch_requests(self) -> list[LaunchRequest]:
+        """Every launch request, in row order, as the launch builder laid it out."""
+        if self._requests is None:
+            self._requests = self._read_requests()
+        return self._requests
+
+    def _read_requests(self) -> list[LaunchRequest]:
+        if self._host is None:
+            return []
+        ints = self._host.view(torch.int32)
+        ps = self.batch.page_size
+        out = []
+        for launch, lay in zip(self.launches, self._layouts):
+            at, n = lay.offset // 4, lay.slot
+            arrays = ints[at:at + _metadata_ints(n)].split([a.ints(n) for a in LaunchArray])
+            kv_indptr = arrays[LaunchArray.KV_INDPTR].tolist()
+            last = arrays[LaunchArray.LAST_PAGE_LEN].tolist()
+            meta = arrays[LaunchArray.META].view(n, META_COLUMNS).tolist()
+            for b in range(lay.requests):
+                row = meta[b]
+                pages = kv_indptr[b + 1] - kv_indptr[b]
+                begin = row[MetaColumn.KV_POS_BASE]
+                end = begin + (pages - 1) * ps + last[b] if pages else begin
+                window = row[MetaColumn.KERNEL_WINDOW]  # a window run's width (fa3: its launch's, or custom)
+                mode = launch.mode
+                cls = (RowClass.DENSE if mode == MaskMode.NONE else RowClass.WINDOW if window >= 0
+                       else RowClass.TAIL if launch.tail
+                       else RowClass.CAUSAL if mode == MaskMode.CAUSAL else RowClass.CUSTOM)
+                first = row[MetaColumn.Q_ROW_BASE]
+                # (an exact run's row says every key: its mode and window are its whole mask)
+                visible = (row[MetaColumn.VIS_LO], row[MetaColumn.VIS_HI]) if mode == MaskMode.CUSTOM else (0, -1)
+                out.append(LaunchRequest((first, first + row[MetaColumn.LAUNCH_QO_LEN]), row[MetaColumn.REQUEST], cls,
+                                         mode, window if mode == MaskMode.CAUSAL else -1, (begin, end), pages,
+                                         row[MetaColumn.Q_POS_BASE], visible))
+        out.sort(key=lambda r: r.rows)
+        return out
+
+    # ------------------------------------------------------------------ looking at it
+    def work(self) -> dict[str, int]:
+        """(query, key) pairs: of the full rectangles, visited, visited in custom launches."""
+        full = sum(q * k for q, k in zip(self.batch.qo_lens, self.batch.kv_lens))
+        reqs = self.launch_requests
+        visited = sum(r.visited() for r in reqs)
+        masked = sum(r.masked() for r in reqs)
+        return {"full": full, "visited": visited, "masked": masked,
+                "pages_read": sum(r.pages for r in reqs), "pages_given": self.pages_given}
+
+    def __repr__(self) -> str:
+        b = self.batch
+        how = "interval planner (planner module)" if self.planner == "module" else f"planner off: {self.reason}"
+        packed = f", GQA-packed ({self.pack_gqa} query heads per row)" if self.pack_gqa > 1 else ""
+        lines = [f"Plan({b.batch_size} requests, {b.total_q} query rows, {b.num_qo_heads}/{b.num_kv_heads} heads, "
+                 f"page size {b.page_size}; {self.backend}{', CUDA-graph slots' if self.graph else ''}{packed}; {how})"]
+        for i, la in enumerate(self.launches):
+            window = f", window {la.window_left}" if la.window_left >= 0 else ""
+            lines.append(f"  launch {i}: {la.mask_mode:6} {la.num_requests:5} launch requests, {la.num_rows} rows"
+                         f"{window}")
+        if self.counts:
+            lines.append("  launch requests by class: " + ", ".join(f"{k} {v}" for k, v in self.counts.items()))
+        if b.total_q:
+            w = self.work()
+            skipped = 1 - w["visited"] / w["full"] if w["full"] else 0.0
+            lines.append(f"  pages read {w['pages_read']} of {w['pages_given']} given; (query, key) pairs visited "
+                         f"{w['visited']} of {w['full']} ({skipped:.1%} skipped), {w['masked']} of them evaluate the "
+                         "mask")
+        return "\n".join(lines)
+
+    __str__ = __repr__
+
+    def to_dense(self) -> list[torch.Tensor]:
+        """Per request, int8 [qo_len, kv_len]: NOT_VISITED (0), VISIBLE (1: visited, every key
+        visible by the plan), MASKED (2: visited, the mask evaluated) - element by element what
+        each launch request's mode shows the kernel (its tiles skip more). Small batches only."""
+        b = self.batch
+        pairs = sum(q * k for q, k in zip(b.qo_lens, b.kv_lens))
+        if pairs > DENSE_LIMIT:
+            raise ValueError(f"Plan.to_dense(): {pairs} query-key pairs; it draws at most {DENSE_LIMIT} (a small "
+                             "batch, for debugging)")
+        grids = [torch.zeros(q, k, dtype=torch.int8) for q, k in zip(b.qo_lens, b.kv_lens)]
+        starts = b.q_starts
+        for r in self.launch_requests:
+            grid = grids[r.request]
+            i0, i1 = r.rows[0] - starts[r.request], r.rows[1] - starts[r.request]
+            kb, ke = r.keys
+            value = MASKED if r.mode == MaskMode.CUSTOM else VISIBLE
+            if r.mode != MaskMode.CAUSAL:
+                grid[i0:i1, kb:ke] = value
+                if r.visible[1] >= r.visible[0]:  # a custom launch request skips the mask on these keys
+                    grid[i0:i1, r.visible[0]:r.visible[1] + 1] = VISIBLE
+                continue
+            q = torch.arange(r.q_pos, r.q_pos + i1 - i0).view(-1, 1)
+            k = torch.arange(kb, ke).view(1, -1)
+            seen = (k <= q) & ((k >= q - r.window) if r.window >= 0 else torch.ones((), dtype=torch.bool))
+            grid[i0:i1, kb:ke][seen] = value
+            if r.cls == RowClass.TAIL:  # its diagonal tile: the mask from its first query position on
+                grid[i0:i1, kb:ke][seen & (k >= r.q_pos)] = MASKED
+        return grids
+
+
+def _metadata_ints(n: int) -> int:
+    return sum(a.ints(n) for a in LaunchArray)
+

@@ -1,0 +1,1 @@
+"""What can run where: the backend table, module configurations and the one resolver."""

@@ -1,0 +1,134 @@
+"""The tests' and benchmarks' harness: timing, the benchmark workload, run metadata and result
+files; the random batches (variantgen.wrappers.batches) are re-exported here for them."""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..abi.table import MaskMode
+from ..wrappers.batches import (  # noqa: F401 (re-exported for tests and bench/)
+    PagedBatch,
+    alibi_slopes,
+    random_paged_batch,
+    random_spec_args,
+    within_range,
+)
+from ..wrappers.spans import spans_to_ranges  # noqa: F401
+from ..wrappers.trees import random_tree_parents, tree_bits  # noqa: F401
+
+
+def mask_exact_launches(plan: Any) -> int:
+    """fa2's same-process A/B of the benchmarks and GPU tests: ``plan``'s exact causal launches
+    (mode and kernel window are their whole mask) marked as the tail launch, so that run() passes
+    them the tail launch's code and they run on the kernel units with the spec's mask compiled in
+    - evaluated on no tile, vg_meta still saying every key is visible: the output must not
+    change. Plan again to undo. Returns how many launches it marked."""
+    exact = [la for la in plan.launches if la.exact and la.mode == MaskMode.CAUSAL]
+    for la in exact:
+        la.tail = True
+    return len(exact)
+
+
+def cuda_median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Median device time of ``fn`` in milliseconds (CUDA events, after ``warmup`` calls)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+# The prefill workload of DESIGN.md that the benchmarks share: batch, tokens per request,
+# query / KV heads, head dim, page size; and three 1024-token image spans per request.
+PREFILL_BENCH_SHAPE = (8, 8192, 32, 8, 128, 16)
+PREFILL_BENCH_SPANS = [(1024 + 2048 * i, 1024 + 2048 * i + 1023) for i in range(3)]
+
+
+def prefill_bench_batch(device: str | torch.device = "cuda", seed: int = 2) -> tuple[PagedBatch, torch.Tensor]:
+    """The benchmark workload's batch (full prefill, shuffled pages) and its spans as mm_prefix
+    ``ranges`` [total_q, 2]."""
+    b, length, hq, hkv, d, ps = PREFILL_BENCH_SHAPE
+    batch = random_paged_batch([length] * b, [length] * b, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d,
+                               page_size=ps, device=device, seed=seed)
+    return batch, spans_to_ranges(batch.qo_lens, batch.kv_lens, [PREFILL_BENCH_SPANS] * b).to(device)
+
+
+def source_commit() -> str:
+    """The commit a measurement ran: VARIANTGEN_COMMIT (set it where the checkout's git history
+    did not travel, e.g. on a lent GPU machine), else the checkout's HEAD (12 hex digits,
+    '-dirty' with changes to tracked files), else 'unknown'."""
+    import os
+
+    return os.environ.get("VARIANTGEN_COMMIT") or _checkout_commit()
+
+
+@functools.cache
+def _checkout_commit() -> str:
+    # once per process: a fuzzer names it in every failure it reports
+    import subprocess
+
+    from ..core.env import REPO_DIR
+
+    try:
+        head = subprocess.run(["git", "-C", str(REPO_DIR), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO_DIR), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("-dirty" if dirty else "")) if head else "unknown"
+
+
+def run_environment() -> dict[str, Any]:
+    """What a benchmark's JSON records about where it ran: commit, date, GPU, versions, host, nvcc."""
+    import datetime
+    import platform
+    import subprocess
+
+    import flashinfer
+
+    from .._version import __version__
+
+    try:
+        nvcc = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout.splitlines()[-1]
+    except (OSError, IndexError):
+        nvcc = None
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {"commit": source_commit(), "date": datetime.date.today().isoformat(), "gpu": gpu,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "flashinfer": flashinfer.__version__,
+            "variantgen": __version__, "host": platform.node(), "nvcc": nvcc}
+
+
+def result_file_name(kind: str, env: dict[str, Any]) -> str:
+    """bench/results/ naming: '<kind>-<date>-<GPU name>.json'."""
+    return f"{kind}-{env['date']}-{env['gpu'].replace(' ', '_')}.json"
+
+
+def write_result(kind: str, res: dict[str, Any], out: str | None = None) -> Path:
+    """A benchmark's JSON: to ``out``, else bench/results/<result_file_name>; also into $OUT when set
+    (the GPU machine's return folder). Returns the path written."""
+    import json
+    import os
+
+    from ..core.env import REPO_DIR
+
+    path = Path(out) if out else REPO_DIR / "bench" / "results" / result_file_name(kind, res)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(res, indent=1)
+    path.write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], path.name).write_text(text)
+    return path
