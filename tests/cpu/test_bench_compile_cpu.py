@@ -16,6 +16,7 @@ import pytest
 
 from variantgen.build import builder as build
 from variantgen.build import ninja
+from variantgen.build.builder import rendered_sources
 from variantgen.testing.harness import source_commit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -202,7 +203,7 @@ def test_capture_saves_the_log_build_py_deletes(toolchain, tmp_path):
     from variantgen.build.cache import Cache
 
     config = causal_config()
-    rendered = config.render()
+    rendered = rendered_sources(config)
     cache = Cache(tmp_path / "c")
     with bc.NinjaLogCapture() as capture:
         assert ninja.run == capture._run

@@ -20,6 +20,7 @@ from conftest import SPECS_DIR
 
 import variantgen
 from variantgen.build import builder as build
+from variantgen.build.builder import rendered_sources
 from variantgen.build.cache import Cache
 from variantgen.codegen import expressions as codegen
 from variantgen.codegen import kv_tile, render
@@ -249,11 +250,11 @@ def test_argument_names_never_meet_the_generated_codes_own(vg_env, toolchain, tm
     spec = variantgen.parse_spec(COLLIDING, "colliding.yaml")
     if backend == "planner":
         config = PlannerConfig(spec, "9.0a")
-        module = config.render()
+        module = rendered_sources(config)
         units = list(module.compile_units)
     else:
         config = ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a", backend, kind=kind)
-        module = config.render()
+        module = rendered_sources(config)
         # the functions that take the arguments: FlashInfer's run functions (fa2), the binding (fa3)
         units = list(module.host_sources) if backend == "fa2" else ["binding.cu"]
     _compile_units(toolchain, tmp_path, module, config, units)

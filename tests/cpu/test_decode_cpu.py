@@ -334,7 +334,8 @@ def test_fa3_packing_is_refused_where_it_would_be_wrong_or_slow():
     assert w.last_plan.pack_gqa == 1
     w, _, _, _ = check(shipped("causal"), decode_batch([60, 90], 4, seed=22, q_len=49), {}, backend="fa3",
                        label="fa3 49 x 4 rows")
-    assert w.last_plan.pack_gqa == 1 and any(la.mode == variantgen.planning.plan.MaskMode.CAUSAL for la in w.last_plan.launches)
+    causal = variantgen.planning.plan.MaskMode.CAUSAL
+    assert w.last_plan.pack_gqa == 1 and any(la.mode == causal for la in w.last_plan.launches)
     w, _, _, _ = check(shipped("causal"), decode_batch([60, 90], 4, seed=22, q_len=48), {}, backend="fa3",
                        label="fa3 48 x 4 rows")
     assert w.last_plan.pack_gqa == 4

@@ -18,6 +18,7 @@ from conftest import SPECS_DIR
 
 import variantgen
 from variantgen.build import builder as build
+from variantgen.build.builder import rendered_sources
 from variantgen.build.cache import Cache
 from variantgen.codegen.render import ModuleConfig
 from variantgen.core.errors import JitDisabledError, ToolchainError
@@ -58,15 +59,15 @@ def config(spec: variantgen.VariantSpec) -> ModuleConfig:
 def test_same_content_same_uri(box):
     first, others = box
     tc = procs.fake_toolchain()
-    key = build.module_key(config(variantgen.load_spec(first)).render(), tc)
-    planner_key = build.module_key(PlannerConfig(variantgen.load_spec(first), "9.0a").render(), tc)
+    key = build.module_key(rendered_sources(config(variantgen.load_spec(first))), tc)
+    planner_key = build.module_key(rendered_sources(PlannerConfig(variantgen.load_spec(first), "9.0a")), tc)
     for spec in others:
         assert spec.path != str(first)
-        assert build.module_key(config(spec).render(), tc) == key
+        assert build.module_key(rendered_sources(config(spec)), tc) == key
         assert build.module_key(PlannerConfig(spec, "9.0a").render(), tc) == planner_key
     # ... while a change of meaning is another module
     changed = variantgen.parse_spec(TEXT.replace("kv_pos <= q_pos", "kv_pos < q_pos"))
-    assert build.module_key(config(changed).render(), tc).uri != key.uri
+    assert build.module_key(rendered_sources(config(changed)), tc).uri != key.uri
 
 
 def test_precompiled_from_one_file_is_found_for_the_others_with_jit_off(box, vg_env, monkeypatch):

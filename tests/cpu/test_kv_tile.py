@@ -8,6 +8,7 @@ import itertools
 import pytest
 
 import variantgen
+from variantgen.build.builder import rendered_sources
 from variantgen.codegen import kv_tile
 from variantgen.codegen.render import DTYPES, FA2_CTA_TILES_Q, ModuleConfig
 from variantgen.routing.capabilities import FA2
@@ -45,7 +46,8 @@ def test_sm90_tiles_hold_for_any_shared_memory_from_224_to_255_kb(monkeypatch):
 def test_units_follow_the_pinning(arch):
     """A pinned module has one kernel unit per CTA tile with every run() code; an unpinned one a
     unit per code and tile, without the pinned header."""
-    module = ModuleConfig(variantgen.resolve_spec("mm_prefix"), 128, 128, "bf16", "bf16", "bf16", arch).render()
+    config = ModuleConfig(variantgen.resolve_spec("mm_prefix"), 128, 128, "bf16", "bf16", "bf16", arch)
+    module = rendered_sources(config)
     kernels = [u for u in module.compile_units if u.startswith("paged_kernel_")]
     if arch == "9.0a":
         assert kernels == [f"paged_kernel_cta{c}.cu" for c in FA2_CTA_TILES_Q]

@@ -25,6 +25,7 @@ from packaging.version import Version
 
 import variantgen
 from variantgen.build import builder as build
+from variantgen.build.builder import rendered_sources
 from variantgen.codegen.render import ModuleConfig, render_module
 
 # What the wheel is built from (what an sdist or a clean clone has); copied so that the build's
@@ -126,16 +127,20 @@ def test_the_installed_command_renders_shipped_specs_by_name(installed, tmp_path
 
 def test_a_module_key_is_the_same_installed_or_checked_out(installed, tmp_path):
     """Same sources and template digest: a cache precompiled from a checkout serves the wheel."""
-    code = ("import variantgen; from variantgen import build; from variantgen.codegen.render import ModuleConfig; "
+    code = ("import variantgen; from variantgen.build import builder as build; "
+            "from variantgen.build.builder import rendered_sources; "
+            "from variantgen.codegen.render import ModuleConfig; "
             "from variantgen.planning.rowplan import PlannerConfig; s = variantgen.resolve_spec('mm_prefix'); "
-            "print(build.module_key(ModuleConfig(s, 128, 128, 'bf16', 'bf16', 'bf16', '9.0a', 'fa3').render(), None)"
+            "m = ModuleConfig(s, 128, 128, 'bf16', 'bf16', 'bf16', '9.0a', 'fa3'); "
+            "print(build.module_key(rendered_sources(m), None)"
             ".uri); print(build.module_key(PlannerConfig(s, '9.0a').render(), None).uri)")
     proc = _run(installed, tmp_path, sys.executable, "-c", code)
     assert proc.returncode == 0, proc.stderr
     from variantgen.planning.rowplan import PlannerConfig
 
     spec = variantgen.resolve_spec("mm_prefix")
-    here = [build.module_key(ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a", "fa3").render(), None).uri,
+    module = ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a", "fa3")
+    here = [build.module_key(rendered_sources(module), None).uri,
             build.module_key(PlannerConfig(spec, "9.0a").render(), None).uri]
     assert proc.stdout.split() == here
 

@@ -26,6 +26,7 @@ from variantgen.abi.table import (
     SM90PlanInfo,
 )
 from variantgen.build import builder as build
+from variantgen.build.builder import rendered_sources
 from variantgen.codegen import render
 from variantgen.planning.rowplan import PlannerConfig
 
@@ -117,8 +118,8 @@ def test_every_module_carries_the_header_and_declares_none_of_its_names():
 def test_the_table_is_part_of_every_modules_key(monkeypatch):
     spec = variantgen.load_spec(SPECS_DIR / "causal.yaml")
     configs = [render.ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a"), PlannerConfig(spec, "9.0a")]
-    before = [build.module_key(c.render(), None).uri for c in configs]
+    before = [build.module_key(rendered_sources(c), None).uri for c in configs]
     monkeypatch.setattr(plan_abi, "CUSTOM_ROWS", 64)
     assert "kCustomRows = 64;" in plan_abi.header_text()
-    after = [build.module_key(c.render(), None).uri for c in configs]
+    after = [build.module_key(rendered_sources(c), None).uri for c in configs]
     assert all(a != b for a, b in zip(before, after))

@@ -22,6 +22,7 @@ import torch
 import variantgen
 from variantgen.api.probing import ProbeResult, probe
 from variantgen.build import builder as build
+from variantgen.build.builder import rendered_sources
 from variantgen.build.cache import Cache, LockHolder, LockTimeout, ModuleKey
 from variantgen.codegen.render import ModuleConfig, render_module
 from variantgen.core.errors import BuildError
@@ -43,7 +44,7 @@ BASE = dict(head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", backend="fa2")
 def publish_fake(cache: Cache, cfg: ModuleConfig, tc: build.Toolchain | None = FAKE_TC,
                  toolchain_parts: tuple | None = None):
     """Publish a dummy module for ``cfg`` whose key matches what build_module computes."""
-    rendered = cfg.render()
+    rendered = rendered_sources(cfg)
     base = build.module_key(rendered, tc)
     key = ModuleKey(base.prefix, base.inputs, toolchain_parts) if toolchain_parts is not None else base
     staging = cache.new_staging(key.uri)

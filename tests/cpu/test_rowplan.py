@@ -13,6 +13,7 @@ from conftest import ALL_SPECS, SPECS_DIR
 
 import variantgen
 from variantgen.build import builder as build
+from variantgen.build.builder import rendered_sources
 from variantgen.build.cache import Cache
 from variantgen.codegen import expressions as codegen
 from variantgen.codegen import render
@@ -60,19 +61,19 @@ def test_identity_depends_on_spec_and_arch_only():
     configs.append(render.ModuleConfig(spec("mm_prefix"), 128, 128, "bf16", "bf16", "bf16", "9.0a", "fa2",
                                        kind="decode"))
     assert [p.uri_prefix for p in planner_configs(configs)] == ["vg_mm_prefix_planner_sm90a"]
-    key = build.module_key(mm.render(), None)
+    key = build.module_key(rendered_sources(mm), None)
     assert dict(key.inputs)["templates"] == render.template_digest("planner")
     assert key.uri != build.module_key(PlannerConfig(spec("causal"), "9.0a").render(), None).uri
 
 
 def test_template_change_changes_the_key(template_copy):
     cfg = PlannerConfig(spec("causal"), "9.0a")
-    before = build.module_key(cfg.render(), None).uri
+    before = build.module_key(rendered_sources(cfg), None).uri
     path = template_copy / "planner" / "planner.cu.jinja"
     path.write_text(path.read_text() + "\n// changed\n")
     render._template_digest.cache_clear()
     render._environment.cache_clear()
-    assert build.module_key(cfg.render(), None).uri != before
+    assert build.module_key(rendered_sources(cfg), None).uri != before
 
 
 def test_spec_without_intervals_has_no_planner(spec_from):

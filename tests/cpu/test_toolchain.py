@@ -14,6 +14,7 @@ from conftest import SPECS_DIR
 
 import variantgen
 from variantgen.build import builder as build
+from variantgen.build.builder import rendered_sources
 from variantgen.codegen.render import ModuleConfig, render_module
 from variantgen.core.errors import ToolchainError
 
@@ -224,7 +225,7 @@ def test_serving_and_cache_checks_do_not_need_a_working_nvcc(vg_env, tmp_path, f
     cache = Cache(vg_env.cache_dir)
     configs, _ = expand_matrix(["causal"], [128], ["bf16"], None, None, ["9.0a"], ["fa3"])
     for config in [*configs, *planner_configs(configs)]:
-        procs.publish_fake(cache, build.module_key(config.render(), procs.fake_toolchain()))
+        procs.publish_fake(cache, build.module_key(rendered_sources(config), procs.fake_toolchain()))
     home = fake_cuda(tmp_path / "cuda")
     (home / "bin" / "nvcc").chmod(0o644)
     vg_env.set(CUDA_HOME=home, VARIANTGEN_DISABLE_JIT="1")

@@ -675,10 +675,9 @@ def test_plan_errors(mm):
     with pytest.raises(LaunchError, match=exact(
             "plan(): paged_kv_indices has 9 entries, paged_kv_indptr needs 10")):
         w.plan(qo, kvp, idx[:-1], last, *heads)
-    with pytest.raises(LaunchError, match=exact(
-            "plan(): unexpected argument(s) ['ranges']: without the interval planner (skip_tiles=False) spec "
-            "arguments go to run() only")):
-        w.plan(*batch.plan_args(), skip_tiles=False, ranges=args["ranges"])
+    # planner off, plan() still checks the spec arguments it is given as run() would
+    with pytest.raises(LaunchError, match=exact("plan(): `ranges`: expected shape [total_q=12, 2], got [11, 2]")):
+        w.plan(*batch.plan_args(), skip_tiles=False, ranges=args["ranges"][:11].contiguous())
 
 
 def test_plan_planner_needs_the_tensors_its_intervals_read(mm):
@@ -893,3 +892,25 @@ def test_row_kernel_segment_read_back_grows_when_too_small():
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
     w.plan(*batch.plan_args(), **args)
     assert rows.calls == 3  # one per plan now
+
+
+@pytest.mark.parametrize("spec_name", ALL_SPECS)
+@pytest.mark.parametrize("skip_tiles", [False, None, True])
+def test_plan_takes_every_spec_argument_whatever_the_planner_decides(spec_name, skip_tiles):
+    """One plan() contract: engine code passes the same spec arguments to plan() and run() for
+    any spec, planner on, off or by default; the output is the reference's either way."""
+    spec = shipped(spec_name)
+    if skip_tiles and not analyze(spec).planner_ready:
+        pytest.skip("the planner cannot be forced on for this mask")
+    batch = batch_of([5, 1, 7], [9, 6, 20], 4, seed=3)
+    args = random_spec_args(spec, batch)
+    args.update({s.name: within_range(s, s.default if s.default is not None else 3) for s in spec.scalars})
+    w, _ = make(spec)
+    plan = w.plan(*batch.plan_args(), skip_tiles=skip_tiles, **args)
+    assert plan is w.last_plan
+    if skip_tiles is False:
+        assert plan.planner == "off"
+    out, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **args)
+    ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
+                                       batch.kv_indptr, batch.kv_indices, batch.last_page_len, args, return_lse=True)
+    assert_matches_reference(out, lse, ref, ref_lse, f"{spec_name} skip_tiles={skip_tiles}")

@@ -181,8 +181,8 @@ def make_wrapper(spec: VariantSpec | str | Path, workspace: torch.Tensor, *, hea
 
     check_flags("make_wrapper()", build=build, use_tensor_cores=use_tensor_cores, check_plan=check_plan)
     if cache is not None and not isinstance(cache, Cache):
-        raise ValueError(f"make_wrapper(): cache={cache!r}: expected a variantgen.build.cache.Cache (e.g. Cache(path)), or "
-                         "None for the default cache (VARIANTGEN_CACHE_DIR)")
+        raise ValueError(f"make_wrapper(): cache={cache!r}: expected a variantgen.build.cache.Cache (e.g. "
+                         "Cache(path)), or None for the default cache (VARIANTGEN_CACHE_DIR)")
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= MAX_COUNT):
         raise ValueError(f"make_wrapper(): jobs={jobs!r}: expected a positive int (parallel compile jobs, at most "
                          f"{MAX_COUNT}), or None")

@@ -1,1 +1,1 @@
-"""Foundations every layer uses: the error hierarchy, the environment variables, flags, progress and host staging buffers."""
+"""Foundations every layer uses: the error hierarchy, the environment variables, flags, progress, host staging."""

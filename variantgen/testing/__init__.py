@@ -1,1 +1,1 @@
-"""Test and benchmark harness (random batches, fuzzing, results): used by tests/ and bench/, not shipped in the wheel."""
+"""The harness of tests/ and bench/ (fuzzing, timing, result files): not shipped in the wheel."""

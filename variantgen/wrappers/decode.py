@@ -251,7 +251,7 @@ class DecodeWrapper(WrapperBase):
             if self._graph_buffers is None:  # (a captured launch keeps the variant it was captured with)
                 windows = exact_window(lo, vis_lo, vis_hi, hi if trimmed else [k - 1 for k in kv_lens])
         else:
-            self._refuse_plan_args(spec_args, off, "key trimming")
+            self._accept_unplanned_args(spec_args)
         kv_row = list(accumulate(kv_lens, initial=0))
         meta = meta_rows(q_row_base=list(range(batch)), q_pos_base=[k - 1 for k in kv_lens], kv_pos_base=kv_pos_base,
                          request=list(range(batch)), kv_row_base=kv_row[:-1], req_qo_len=[1] * batch,

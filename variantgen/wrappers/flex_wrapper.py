@@ -421,7 +421,7 @@ class FlexPrefillWrapper(FlexWrapperBase):
         off = self._off_reason(skip_tiles, spec_args, "interval planner")
         self._note_off(off)
         if off:
-            self._refuse_plan_args(spec_args, off, "the interval planner")
+            self._accept_unplanned_args(spec_args)
             return None
         checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
         self._planned_args = {k: v for k, v in checked.items() if k in self._interval_facts.args}
@@ -565,7 +565,7 @@ class FlexDecodeWrapper(FlexWrapperBase):
             base, count = self._key_ranges(env, iv, batch)
             exact = iv.exact & ~iv.empty & (iv.lo <= iv.hi)
         else:
-            self._refuse_plan_args(spec_args, off, "key trimming")
+            self._accept_unplanned_args(spec_args)
             base, count = [0] * batch, list(kv_lens)
         kv_len = -(-max(max(count), 1) // BLOCK) * BLOCK
         kv_row_base = list(accumulate(kv_lens, initial=0))[:-1]

@@ -172,13 +172,13 @@ class WrapperBase:
         it is on): skip_tiles=False, or its default (_intervals_off)."""
         return "skip_tiles=False" if skip_tiles is False else "" if skip_tiles else self._intervals_off(spec_args, what)
 
-    def _refuse_plan_args(self, spec_args: dict[str, Any], reason: str, what: str) -> None:
-        """plan() without ``what`` (off for ``reason``) reads no spec argument: a LaunchError if
-        it was given some (they go to run()) - a misspelt name first, as it may be why."""
+    def _accept_unplanned_args(self, spec_args: dict[str, Any]) -> None:
+        """One plan() contract whatever the planner decides: plan() takes every spec argument
+        run() takes. Without the interval planner (or decode's key trimming) it reads none of
+        them, but checks them as run() does (a misspelt name or a misshapen tensor is refused
+        here as well) and keeps none: run() gets its own."""
         if spec_args:
-            self._check_known(spec_args, "plan()")
-            raise LaunchError(f"plan(): unexpected argument(s) {sorted(spec_args)}: without {what} ({reason}) "
-                              "spec arguments go to run() only")
+            self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
 
     def _sm_scale(self, q_scale: float | None, k_scale: float | None) -> float:
         """The softmax scale of the logits: the spec's (default 1/sqrt(head_dim_qk)) times q_scale * k_scale."""
@@ -542,7 +542,7 @@ class VariantWrapper(WrapperBase):
         """(the checked spec arguments the interval planner reads, or None with the reason it is off)."""
         reason = self._off_reason(skip_tiles, spec_args, "interval planner")
         if reason:
-            self._refuse_plan_args(spec_args, reason, "the interval planner")
+            self._accept_unplanned_args(spec_args)
             return None, reason
         checked = self._check_args(spec_args, where="plan()", require_tensors_from="intervals")
         form, read, tensors = self._interval_facts
