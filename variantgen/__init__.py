@@ -7,12 +7,11 @@ the error classes. ``import variantgen`` does not import torch: GraphCapacity, s
 and tree_bits are imported on first access, make_wrapper imports it when called (the spec, probe and cache paths
 need none).
 
-The layout, by job: spec.py / expr.py (the spec language), capabilities.py / resolver.py (what can
-run where: the backend table and the resolver), factory.py (make_wrapper), probing.py (probe),
-render.py / codegen.py and templates/ (the generated sources), build.py / cache.py (compiling
-and the module cache), wrapper.py / ragged.py / decode.py (the wrappers), the planning
-modules (intervals.py, planner.py, plan_abi.py, plan.py, rowplan.py, graph.py), evaluate.py /
-reference.py (the torch evaluator and the dense reference), cli.py (the command).
+The subpackages are the pipeline's layers, bottom first: core, abi, lang (the spec
+language), routing (what can run where), codegen, build (compiling and the module cache),
+planning (the interval planner and Plan values), wrappers, api (make_wrapper, probe), tools
+(the CLI), integrations; a module imports only from its own layer or those below it.
+testing/ is the harness of the tests and benchmarks, not part of the wheel.
 """
 
 from ._version import __version__
