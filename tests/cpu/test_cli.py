@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 import variantgen
 from variantgen.build import builder as build
+from variantgen.build.builder import rendered_sources
 from variantgen.build.cache import MANIFEST, Cache, Entry, ModuleKey
 from variantgen.codegen.render import ModuleConfig, render_module
 from variantgen.core.errors import BuildError, JitDisabledError
@@ -49,7 +50,7 @@ def run(*args: str, input: str | None = None):
 
 
 def publish_fake(cache: Cache, cfg: ModuleConfig, *, built_at: float | None = None) -> Entry:
-    rendered = render_module(cfg)
+    rendered = rendered_sources(cfg)
     key = build.module_key(rendered, FAKE_TC)
     staging = cache.new_staging(key.uri)
     (staging / f"{key.uri}.so").write_bytes(b"\x7fELF dummy " + key.uri.encode() + b"\0" * 4096)

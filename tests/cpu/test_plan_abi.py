@@ -95,7 +95,7 @@ def every_module() -> list[render.RenderedModule]:
     spec = variantgen.load_spec(SPECS_DIR / "mm_prefix.yaml")
     configs = [render.ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a", backend, kind=kind)
                for backend, kind in render.RENDERERS]
-    return [c.render() for c in configs] + [PlannerConfig(spec, "9.0a").render()]
+    return [rendered_sources(c) for c in configs] + [PlannerConfig(spec, "9.0a").render()]
 
 
 def test_every_module_carries_the_header_and_declares_none_of_its_names():
