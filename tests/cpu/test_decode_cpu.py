@@ -101,7 +101,7 @@ def check(spec, batch, args, *, skip_tiles=None, tensor_cores=False, kv_layout="
     plan_kw = dict(plan_extra if plan_extra is not None else args)
     if skip_tiles is not None:
         plan_kw["skip_tiles"] = skip_tiles
-    if skip_tiles is False:
+    if skip_tiles is False and plan_extra is None:
         plan_kw = {"skip_tiles": False}
     n, per = len(batch.kv_lens), batch.qo_lens[0]
     if per > 1:
@@ -595,15 +595,16 @@ def test_no_visible_key_gives_zero_and_minus_inf_lse():
             assert [m[2] for m in fake.run_calls[0].meta] == [12, 8, 0]  # request 1: only its own key
 
 
-def test_spec_args_without_trimming_go_to_run_only():
+def test_spec_args_without_trimming_are_taken_by_plan_too():
+    """One plan() contract: without key trimming plan() reads no spec argument but takes (and
+    checks) the same ones run() takes."""
     spec = shipped("mm_prefix")
     batch = decode_batch(KV_LENS, 4)
     args = random_spec_args(spec, batch)
+    check(spec, batch, args, skip_tiles=False, plan_extra={"skip_tiles": False, **args}, label="plan args, untrimmed")
     w, _ = make(spec)
-    with pytest.raises(LaunchError, match=exact(
-            "plan(): unexpected argument(s) ['ranges']: without key trimming (skip_tiles=False) spec arguments go "
-            "to run() only")):
-        w.plan(*plan_args(batch), skip_tiles=False, ranges=args["ranges"])
+    with pytest.raises(LaunchError, match=exact("plan(): `ranges`: expected shape [total_q=7, 2], got [2, 2]")):
+        w.plan(*plan_args(batch), skip_tiles=False, ranges=args["ranges"][:2].contiguous())
     with pytest.raises(LaunchError, match=exact("run() called before plan(): call plan(paged_kv_indptr, "
                                                 "paged_kv_indices, paged_kv_last_page_len, num_qo_heads, "
                                                 "num_kv_heads, page_size) first")):
