@@ -637,6 +637,12 @@ def test_run_kv_with_different_strides(mm):
             "run(): `k_cache`: expected [pages, page_size, kv_heads, head_dim] with page_size=4, kv_heads=2, "
             "head_dim=64; got [10, 2, 2, 64]")):
         w.run(batch.q, (k[:, :2], batch.v_cache[:, :2]), **args)
+    # the right page size and head dim, one kv head of the two planned: the kernel would read past each token's heads
+    one_head = (k[:, :, :1].contiguous(), batch.v_cache[:, :, :1].contiguous())
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `k_cache`: expected [pages, page_size, kv_heads, head_dim] with page_size=4, kv_heads=2, "
+            "head_dim=64; got [10, 4, 1, 64]")):
+        w.run(batch.q, one_head, **args)
 
 
 def test_q_scale_refused_without_qkv_scales():
