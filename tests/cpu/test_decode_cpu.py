@@ -739,13 +739,19 @@ def test_plan_errors(causal_batch, change, message):
     assert fake.plan_calls == []
 
 
-def test_tensor_cores_take_any_group_size():
-    spec = shipped("causal")
-    batch = decode_batch([5, 17, 1], 4, seed=1, hq=10, hkv=2)
-    w, fake = make(spec, tensor_cores=True)
-    w.plan(*plan_args(batch))
-    w.run(batch.q, (batch.k_cache, batch.v_cache))
-    assert len(fake.run_calls) == 1
+@pytest.mark.parametrize("spec_name", ["causal", "alibi", "attention_sink_learned"])
+def test_tensor_cores_take_any_group_size(spec_name):
+    """Group 5 (10 query heads on 2 kv heads), which the CUDA-core kernel refuses: the output is the
+    reference's, per query head (alibi's slopes and the learned sinks read qo_head, so a head mapped
+    to the wrong slope or sink shows)."""
+    spec = shipped(spec_name)
+    batch = decode_batch([5, 17, 1, 40], 4, seed=1, hq=10, hkv=2)
+    args = random_spec_args(spec, batch, seed=3)
+    args.update(SMALL_SCALARS.get(spec_name, {}))
+    _, fake, out, _ = check(spec, batch, args, tensor_cores=True, label=f"{spec_name} group 5")
+    assert fake.run_calls, "the tensor-core (prefill) kernel ran"
+    # the heads of one group differ (the mapping is checked, not ten copies of one head)
+    assert (out[:, 0].float() - out[:, 4].float()).abs().max() > 1e-3
 
 
 def test_failed_plan_drops_the_previous_plan(causal_batch):

@@ -334,10 +334,24 @@ def test_graph_capacity_checks(kwargs, pattern):
         GraphCapacity(**kwargs)
 
 
+def test_graph_capacity_limits_are_inclusive():
+    """Each limit the checks above refuse past is itself accepted: as many launch pages as the
+    caller's pages, launch requests from max_batch_size to max_total_q, max_qo_len = max_total_q."""
+    cap = GraphCapacity(max_batch_size=2, max_total_q=8, max_kv_pages=8, max_launch_pages=8)
+    assert cap.launch_pages == 8
+    for n in (2, 8):
+        cap = GraphCapacity(max_batch_size=2, max_total_q=8, max_kv_pages=8, max_launch_requests=n)
+        assert cap.launch_requests == n
+    assert GraphCapacity(max_batch_size=2, max_total_q=8, max_kv_pages=8, max_qo_len=8).longest_request == 8
+
+
 def test_capacity_defaults():
     cap = GraphCapacity(max_batch_size=8, max_total_q=65536, max_kv_pages=4096)
     assert cap.launch_requests == 16 * 8 + 65536 // 64 and cap.launch_pages == 8 * 4096
     assert GraphCapacity(max_batch_size=2, max_total_q=4, max_kv_pages=1).launch_requests == 4
+    # one per 64 rows, a part of 64 rows counting as one: 100 rows are 2 (with the 16 of the one request)
+    assert GraphCapacity(max_batch_size=1, max_total_q=100, max_kv_pages=1).launch_requests == 16 + 2
+    assert GraphCapacity(max_batch_size=1, max_total_q=129, max_kv_pages=1).launch_requests == 16 + 3
     assert cap.longest_request == 65536 - 8 + 1  # every other request one row
     assert GraphCapacity(max_batch_size=8, max_total_q=64, max_kv_pages=1, max_qo_len=8).longest_request == 8
     assert variantgen.GraphCapacity is GraphCapacity

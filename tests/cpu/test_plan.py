@@ -161,3 +161,25 @@ def test_a_span_row_moved_into_the_dense_run_is_exact(backend):
     # request 2's (chunked: its rows at key positions 184..383), one 64-row tile each
     want = [(0, (0, 384), 192)] if backend == "fa3" else [(1, (0, 128), 64), (2, (0, 320), 64)]
     assert all(d in dense for d in want), dense
+
+
+def test_to_dense_shows_a_tail_run_masked_from_its_first_query_on():
+    """fa2's tail launch runs causal with the mask evaluated on each launch request's diagonal
+    tile: to_dense shows its context keys (before the run's first query position) VISIBLE and
+    every key from that position to the row's own MASKED - the first query's own key included,
+    which the kernel evaluates the mask on like any key of the draft."""
+    spec = variantgen.load_spec(SPECS_DIR / "tree_verify.yaml")
+    batch = batch_of([4, 5], [10, 40], 4, seed=5)
+    args = {"tree_bits": variantgen.tree_bits([[-1, 0, 0, 1], [-1, 0, 1, -1, 3]])}
+    w, _ = make(spec)
+    plan = w.plan(*batch.plan_args(), **args)
+    tails = [r for r in plan.launch_requests if r.cls == RowClass.TAIL]
+    assert {r.request for r in tails} == {0, 1}, plan.launch_requests
+    grids = plan.to_dense()
+    starts = batch.qo_indptr.tolist()
+    for r in tails:
+        grid, (kb, ke) = grids[r.request], r.keys
+        for i in range(r.rows[0] - starts[r.request], r.rows[1] - starts[r.request]):
+            q_pos = r.q_pos + i - (r.rows[0] - starts[r.request])
+            want = [VISIBLE if k < r.q_pos else MASKED if k <= q_pos else NOT_VISITED for k in range(kb, ke)]
+            assert grid[i, kb:ke].tolist() == want, (r, i)

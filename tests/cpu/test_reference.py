@@ -375,10 +375,12 @@ def test_layouts_and_cache_forms_agree():
 
 
 def test_empty_request_keeps_kv_rows_aligned():
-    # A request with no new queries still owns its [total_kv] rows.
+    # A request with no new queries still owns its [total_kv] rows. Request 2's documents are laid
+    # out so that reading its rows 4 too early (request 1's left out) changes which keys its
+    # queries see: rows 11..19 hold documents 5, 6, 7 of lengths 3, 2, 4.
     spec = shipped("document")
     batch = make_batch(qo_lens=(3, 0, 2), kv_lens=(7, 4, 9), seed=6)
-    doc_ids = torch.tensor([0, 0, 0, 1, 1, 1, 1] + [9, 9, 9, 9] + [5, 5, 6, 6, 6, 6, 7, 7, 7], dtype=torch.int32)
+    doc_ids = torch.tensor([0, 0, 0, 1, 1, 1, 1] + [9, 9, 9, 9] + [5, 5, 5, 6, 6, 7, 7, 7, 7], dtype=torch.int32)
     out = run_reference(spec, batch, {"doc_ids": doc_ids})
 
     def visible(p):

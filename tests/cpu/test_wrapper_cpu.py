@@ -125,6 +125,16 @@ def mode_rows(fake: FakeModule) -> dict[str, int]:
     return {c.mask_mode: c.rows for c in fake.run_calls}
 
 
+def assert_run_is_reference(w: VariantWrapper, batch, args: dict, label: str = "", **run_kw) -> None:
+    """run() on what was planned last gives the reference's output and LSE (an accepted call is
+    checked for its value, not only for raising nothing)."""
+    out, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **run_kw, **args)
+    ref, ref_lse = reference_attention(w.spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
+                                       batch.kv_indptr, batch.kv_indices, batch.last_page_len, args,
+                                       return_lse=True)
+    assert_matches_reference(out, lse, ref, ref_lse, label)
+
+
 # ----------------------------------------------------------------------------- every shipped spec
 
 
@@ -362,9 +372,13 @@ def test_planner_default_follows_what_plan_was_given():
     w.plan(*batch.plan_args())
     assert "ranges" in w.plan_stats["planner_off"]
     assert [m for m, _ in w.plan_stats["launches"]] == ["custom"]
+    assert_run_is_reference(w, batch, args, "planner off by default")
+    assert [c.mask_mode for c in fake.run_calls] == ["custom"]
+    fake.run_calls.clear()
     w.plan(*batch.plan_args(), ranges=args["ranges"])
     assert "planner_off" not in w.plan_stats and "segments" in w.plan_stats
-    w.run(batch.q, (batch.k_cache, batch.v_cache), **args)
+    assert_run_is_reference(w, batch, args, "planner on by default")
+    assert [c.mask_mode for c in fake.run_calls] == [m for m, _ in w.plan_stats["launches"]]
 
 
 # Rows 8..15 of a request are plain causal (kCausal); the others read every third key, by q_idx
@@ -556,8 +570,8 @@ def test_run_bad_float_scalar(value, shown):
     with pytest.raises(LaunchError, match=exact(f"run(): `soft_cap`: expected a float in 32-bit float range "
                                                 f"(|x| <= 3.402823e+38), got {shown}")):
         w.run(batch.q, (batch.k_cache, batch.v_cache), soft_cap=value)
-    w.run(batch.q, (batch.k_cache, batch.v_cache), soft_cap=3)  # an int is a fine float
-    w.run(batch.q, (batch.k_cache, batch.v_cache), soft_cap=3.4e38)
+    assert_run_is_reference(w, batch, {"soft_cap": 3}, "an int is a fine float")
+    assert_run_is_reference(w, batch, {"soft_cap": 3.4e38}, "the largest float32 range")
 
 
 @pytest.mark.parametrize(("spec_name", "name", "value", "message"), [
@@ -584,7 +598,7 @@ def test_scalars_outside_their_declared_range(spec_name, name, value, message, w
     with pytest.raises(LaunchError, match=exact(f"run(): `{name}`: {message}")):
         w.run(batch.q, (batch.k_cache, batch.v_cache), **args, **{name: value})
     assert not fake.run_calls
-    w.run(batch.q, (batch.k_cache, batch.v_cache), **args, **{name: ok})
+    assert_run_is_reference(w, batch, {**args, name: ok}, f"{name}={ok}")
 
 
 @pytest.mark.parametrize("case", ["dtype", "shape", "device", "out_shape"])
@@ -624,6 +638,12 @@ def test_run_kv_with_different_strides(mm):
             "run(): `k_cache`: expected [pages, page_size, kv_heads, head_dim] with page_size=4, kv_heads=2, "
             "head_dim=64; got [10, 2, 2, 64]")):
         w.run(batch.q, (k[:, :2], batch.v_cache[:, :2]), **args)
+    # the right page size and head dim, one kv head of the two planned: the kernel would read past each token's heads
+    one_head = (k[:, :, :1].contiguous(), batch.v_cache[:, :, :1].contiguous())
+    with pytest.raises(LaunchError, match=exact(
+            "run(): `k_cache`: expected [pages, page_size, kv_heads, head_dim] with page_size=4, kv_heads=2, "
+            "head_dim=64; got [10, 4, 1, 64]")):
+        w.run(batch.q, one_head, **args)
 
 
 def test_q_scale_refused_without_qkv_scales():
@@ -714,7 +734,7 @@ def test_run_must_use_what_plan_planned_with(mm):
             "run(): `range_window_left`=2 but plan() planned with -1 (the key intervals depend on it); pass "
             "range_window_left= to plan() as well, or plan again")):
         w.run(batch.q, kv, ranges=args["ranges"], causal_window_left=3, range_window_left=2)
-    w.run(batch.q, kv, ranges=args["ranges"], causal_window_left=3)
+    assert_run_is_reference(w, batch, {"ranges": args["ranges"], "causal_window_left": 3}, "as planned")
     # planned with the default window, run with another
     w.plan(*batch.plan_args(), skip_tiles=True, ranges=args["ranges"])
     with pytest.raises(LaunchError, match=exact(
