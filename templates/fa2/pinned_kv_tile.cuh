@@ -5,7 +5,7 @@
 //
 // FlashInfer's fa2 prefill dispatch picks its KV tile (NUM_MMA_KV: 8, 4, 2 or 1) from the
 // device's shared memory at run time, so it instantiates its kernel four times; on such an arch
-// it always picks the same one (variantgen/kv_tile.py says which). Its DISPATCH_NUM_MMA_KV is
+// it always picks the same one (variantgen/codegen/kv_tile.py says which). Its DISPATCH_NUM_MMA_KV is
 // replaced here, before its prefill.cuh is parsed, by one that instantiates that tile only - a
 // quarter of the kernels, about a quarter less build time per unit. Should a device still ask
 // for another tile, the launch is refused with an error naming both tiles: no kernel ever runs

@@ -4,7 +4,7 @@
 // (the interval planner's segments from the row pass, the planner-off path's one segment per
 // request, CUDA-graph mode's fixed launch slots). Static C++, copied as it is into the
 // planner module and every fa2/fa3 paged-prefill module (vg_plan_abi.h gives the layouts,
-// variantgen/planner.py reads the descriptor). Needs <flashinfer/attention/scheduler.cuh>
+// variantgen/planning/planner.py reads the descriptor). Needs <flashinfer/attention/scheduler.cuh>
 // and tvm_ffi_utils.h first.
 #pragma once
 

@@ -1,7 +1,7 @@
 // The launch builder's entry points, exported by every planning module: the planner module
 // (whose plan_batch runs the row pass first) and each fa2/fa3 paged-prefill module (plan.cu),
 // so that the planner-off path builds its launches with the same code. Static C++
-// (templates/plan/); variantgen/planner.py calls them.
+// (templates/plan/); variantgen/planning/planner.py calls them.
 //   build_launches: the host part alone (segments -> launches, metadata, schedules) - the CPU
 //                   tests call it, and the CPU fakes build their plans with it;
 //   plan_direct:    planner off: one custom launch request per request, built, copied to the
