@@ -124,7 +124,7 @@ def test_every_layout_of_the_table_is_in_the_header_in_order():
     assert [re.match(r"#define (\w+) (\d+)", line).groups() for line in meta] == (
         [(f"VG_META_{c.name}", str(int(c))) for c in MetaColumn] + [("VG_META_STRIDE", str(META_COLUMNS))])
     assert all("  // " in line for line in meta[:-1]), "a vg_meta column without its comment"
-    assert text.startswith("// The plan's ABI, generated from variantgen/plan_abi.py")
+    assert text.startswith("// The plan's ABI, generated from variantgen/abi/table.py")
     assert lines[lines.index("#pragma once") + 1] == "#include <cstdint>"
     assert text.count("namespace vg_abi {") == 1 and text.rstrip().endswith("}  // namespace vg_abi")
 
