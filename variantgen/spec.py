@@ -19,14 +19,13 @@ from typing import Any
 
 import yaml
 
-from . import expr
+from . import expr, yaml_loader
 from .errors import MAX_SPEC_ERRORS, Location, SpecError, SpecErrors
 from .expr import BUILTINS, DIMS, FLOAT32_MAX, FUNCTIONS, SourceText, TensorSig, Type, TypeEnv
+from .yaml_loader import MAX_YAML_DEPTH, MAX_YAML_NODES, YAML11_TAG, SpecYAMLError, yaml11_problem  # noqa: F401
 
 MAX_SPEC_BYTES = 256 * 1024
 MAX_FIXED_DIM = 65536  # a tensor's fixed dimension (shape: [total_q, 2]): at most this
-MAX_YAML_NODES = 20_000
-MAX_YAML_DEPTH = 32  # nested collections; a spec needs 4
 # Matched with fullmatch: `$` would also accept a trailing newline ("causal\n").
 NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,47}")
 ARG_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -216,30 +215,6 @@ def _loc(path: str, node: yaml.Node) -> Location:
     return Location(path, node.start_mark.line + 1, node.start_mark.column + 1)
 
 
-class _SpecLoader(yaml.SafeLoader):
-    """The safe loader, refusing deep nesting while scanning.
-
-    PyYAML's scanner does work proportional to the flow depth ([[[...) for every token, so
-    a 256 KiB file of brackets would keep it busy for hours; its composer recurses once per
-    level. Both stop at MAX_YAML_DEPTH, with the position of the offending bracket or line.
-    """
-
-    def _too_deep(self) -> None:
-        raise yaml.scanner.ScannerError(
-            None, None, f"collections are nested more than {MAX_YAML_DEPTH} levels deep", self.get_mark())
-
-    def fetch_flow_collection_start(self, TokenClass):  # PyYAML names the argument so
-        if self.flow_level >= MAX_YAML_DEPTH:
-            self._too_deep()
-        super().fetch_flow_collection_start(TokenClass)
-
-    def add_indent(self, column: int) -> bool:
-        added = super().add_indent(column)
-        if added and len(self.indents) > MAX_YAML_DEPTH:
-            self._too_deep()
-        return added
-
-
 def _shown_lines(text: str) -> list[str]:
     """The file's lines as an error shows them under its message, the caret at a YAML mark's
     column: YAML counts no byte-order mark (U+FEFF) as a column, so none is shown (a file saved
@@ -255,27 +230,6 @@ def _marked_error(text: str, path: str, mark: yaml.Mark | None, message: str, hi
     # A mark just past the last line (end of the stream) gets an empty line to point at.
     line = lines[mark.line] if 0 <= mark.line < len(lines) else "" if mark.line == len(lines) else None
     return SpecError(message, Location(path, mark.line + 1, mark.column + 1), source_line=line, hint=hint)
-
-
-def _scan_yaml(text: str, path: str) -> None:
-    """Refuse what a spec never needs and an attacker likes: anchors, aliases, tags."""
-    try:
-        for event in yaml.parse(text, Loader=_SpecLoader):
-            mark = event.start_mark
-            if isinstance(event, yaml.AliasEvent):
-                raise _marked_error(text, path, mark, "YAML aliases (*name) are not allowed in spec files; "
-                                    "write the value out")
-            anchor = getattr(event, "anchor", None)
-            if anchor:
-                raise _marked_error(text, path, mark, "YAML anchors (&name) are not allowed in spec files; "
-                                    "write the value out")
-            tag = getattr(event, "tag", None)
-            implicit = getattr(event, "implicit", True)
-            if tag and not (implicit is True or (isinstance(implicit, tuple) and any(implicit))):
-                raise _marked_error(text, path, mark, f"YAML tags ({shown_value(tag)[1:-1]}) are not allowed in "
-                                    "spec files", "quote the value if the '!' is part of it")
-    except yaml.YAMLError as e:
-        raise _yaml_error(e, path, text) from None
 
 
 # (substring of PyYAML's problem, hint); {open} is where the unclosed bracket or quote began.
@@ -316,6 +270,8 @@ def _reader_error(e: yaml.reader.ReaderError, path: str, text: str) -> SpecError
 
 
 def _yaml_error(e: yaml.YAMLError, path: str, text: str) -> SpecError:
+    if isinstance(e, SpecYAMLError):
+        return _marked_error(text, path, e.problem_mark, e.problem, e.hint)
     if isinstance(e, yaml.reader.ReaderError):
         return _reader_error(e, path, text)
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
@@ -386,6 +342,14 @@ class _Reader:
         self.count()
         if not isinstance(node, yaml.ScalarNode):
             self.error(node, field_name, f"expected a single value, got {_kind(node)}")
+            return _MISSING
+        if node.tag == YAML11_TAG:
+            what, write = yaml11_problem(node.value) or ("", "")
+            if what.startswith("a number too long"):  # (yaml11_problem did not convert it)
+                self.error(node, field_name, f"integer {expr._shorten(node.value)} is far too large", write)
+            else:
+                self.error(node, field_name, f"{what}: spec files refuse values that YAML versions read "
+                           "differently", write)
             return _MISSING
         if node.tag == "tag:yaml.org,2002:int" and len(node.value) > MAX_NUMBER_CHARS:
             # Converting it is slow, past 4300 digits it raises, and no spec value needs it.
@@ -602,9 +566,8 @@ def parse_spec(text: str, path: str = "<string>") -> VariantSpec:
     if "\0" in text:
         line = text[: text.index("\0")].count("\n") + 1
         raise SpecError("spec contains a NUL byte", Location(path, line))
-    _scan_yaml(text, path)
     try:
-        root = yaml.compose(text, Loader=_SpecLoader)
+        root = yaml_loader.compose(text)
     except yaml.YAMLError as e:
         raise _yaml_error(e, path, text) from None
     except RecursionError:
