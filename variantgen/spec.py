@@ -22,6 +22,7 @@ import yaml
 from . import expr, yaml_loader
 from .errors import MAX_SPEC_ERRORS, Location, SpecError, SpecErrors
 from .expr import BUILTINS, DIMS, FLOAT32_MAX, FUNCTIONS, SourceText, TensorSig, Type, TypeEnv
+from .reserved import RESERVED_PATTERN, reserved_reason
 from .yaml_loader import MAX_YAML_DEPTH, MAX_YAML_NODES, YAML11_TAG, SpecYAMLError, yaml11_problem  # noqa: F401
 
 MAX_SPEC_BYTES = 256 * 1024
@@ -587,6 +588,11 @@ def parse_spec(text: str, path: str = "<string>") -> VariantSpec:
 
 def _check_arg_name(r: _Reader, key_node: yaml.Node, name: str, where: str, taken: dict[str, str]) -> bool:
     field_name = f"{where}.{name}"
+    why = reserved_reason(name)
+    # (a name like _x: the pattern's message says what a name may be)
+    if why is not None and (ARG_RE.fullmatch(name) or not RESERVED_PATTERN.fullmatch(name)):
+        r.error(key_node, field_name, f"{why}; choose another name")
+        return False
     if not ARG_RE.fullmatch(name):
         r.error(key_node, field_name, f"argument name {shown_value(name)} must match {ARG_RE.pattern} "
                 "(lower case letters, digits, '_'; at most 32 characters)")

@@ -15,6 +15,7 @@ from variantgen import expr
 from variantgen import spec as spec_mod
 from variantgen.errors import SpecError, SpecErrors
 from variantgen.expr import Type
+from variantgen.reserved import reserved_reason
 
 CAUSAL = "name: x\nmask: kv_pos <= q_pos\n"
 
@@ -427,7 +428,9 @@ def test_python_keywords_are_refused(section):
     for name in names:
         err = one(f"{CAUSAL}{section}:\n  {name}: {decl}\n")
         assert str(err.location) == "spec.yaml:4:3" and err.field == f"{section}.{name}"
-        if name in spec_mod.CPP_KEYWORDS or name in expr.KEYWORDS:  # (refused as such first)
+        if reserved_reason(name) is not None:  # (a C++ macro: refused as such first)
+            assert err.message == f"{reserved_reason(name)}; choose another name", name
+        elif name in spec_mod.CPP_KEYWORDS or name in expr.KEYWORDS:  # (refused as such first)
             assert err.message == RESERVED_MSG.format(name), name
         else:
             assert err.message == PYTHON_KEYWORD_MSG.format(name), name
