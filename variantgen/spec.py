@@ -825,9 +825,12 @@ def _scalar(r: _Reader, name: str, node: yaml.Node) -> ScalarArg | None:
     if default is _MISSING:
         return None
     if not value_fits(default, dtype):
-        in_range = dtype == "int" and isinstance(default, int) and not isinstance(default, bool)
+        number = isinstance(default, (int, float)) and not isinstance(default, bool)
+        in_range = " in 32-bit range" if dtype == "int" and isinstance(default, int) and number else ""
+        if dtype == "float" and number:  # nan, inf, 1e300: not "a float, got a float nan"
+            in_range = " (finite, in 32-bit float range)"
         r.error(dnode, f"{field_name}.default", f"default must be {_article(dtype)} {dtype}"
-                + (" in 32-bit range" if in_range else "") + f", got {_pytype(default)} {shown_value(default)}",
+                + in_range + f", got {_pytype(default)} {shown_value(default)}",
                 _number_hint(dnode, default))
         return None
     if dtype == "float":
@@ -862,7 +865,7 @@ def _scalar_range(r: _Reader, field_name: str, dtype: str, got: dict) -> tuple |
         if v is _MISSING:
             ok = False
         elif not value_fits(v, dtype) or (dtype == "float" and isinstance(v, bool)):
-            want = "an int in 32-bit range" if dtype == "int" else "a number in 32-bit float range"
+            want = "an int in 32-bit range" if dtype == "int" else "a finite number in 32-bit float range"
             r.error(vnode, f"{field_name}.{key}", f"{key} of {_article(dtype)} {dtype} scalar must be {want}, got "
                     f"{_pytype(v)} {shown_value(v)}", _number_hint(vnode, v))
             ok = False
