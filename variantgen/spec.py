@@ -926,6 +926,10 @@ def _expression(r: _Reader, node: yaml.Node, field_name: str, env: TypeEnv, expe
         return expr.parse_typed(src, env, expect), text
     except expr.FollowOnError:
         return None, None  # the refused declaration it uses is reported already
+    except expr.ExprErrors as e:  # independent errors of the expression, each reported
+        for one in e.errors:
+            r.add(one)
+        return None, None
     except SpecError as e:
         r.add(e)
         return None, None

@@ -334,7 +334,8 @@ def check_expr(text: str, env: TypeEnv = ENV, expect: Type | None = None):
     try:
         typed = expr.typecheck(tree, env, src, expect)
     except SpecError as e:
-        assert EXPR_LOCATED.match(str(e)), str(e)
+        for one in getattr(e, "errors", [e]):  # (ExprErrors: every independent error, each located)
+            assert EXPR_LOCATED.match(str(one)), str(one)
         return None
     assert all(n.ty is not None for n in expr.walk(typed))
     return typed
