@@ -107,9 +107,10 @@ def test_validate_reports_every_error(tmp_path):
     r = run("validate", CAUSAL, bad)
     assert r.exit_code == 1
     assert f"ok  {CAUSAL} (causal)" in r.stdout
-    assert f"{bad}:1:7: name: spec name 'Bad'" in r.stdout
-    assert f"{bad}:2:17: mask: unknown name `qq_pos`" in r.stdout
-    assert f"{bad}:3:1: foo: unknown field" in r.stdout
+    assert f"{bad}: 3 errors\n" in r.stdout  # the file once, then each error at its line:col
+    assert "\n  1:7: name: spec name 'Bad'" in r.stdout
+    assert "\n  2:17: mask: unknown name `qq_pos`" in r.stdout
+    assert "\n  3:1: foo: unknown field" in r.stdout
     assert "hint: did you mean `q_pos`?" in r.stdout
     assert re.search(r"\n\s+\^", r.stdout)  # caret lines
     assert "1 of 2 spec file(s) have errors" in r.stderr

@@ -35,12 +35,21 @@ class Location:
 EXCERPT_CHARS = 100  # a longer source line is shown around the caret only
 MAX_TEXT_CHARS = 600  # a message or hint quoting more of a hostile file is cut in the middle
 MAX_SPEC_ERRORS = 20  # per file; the rest are counted ("and N more")
+MAX_ERRORS_CHARS = 12_000  # the errors of one file as printed, at most (the rest are counted)
 
 
 def printable(text: str) -> str:
     """``text`` safe to print anywhere: lone surrogates (from a YAML escape such as "\\ud83d"
     or a file name that is not UTF-8) become escapes instead of failing the UTF-8 encoder."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def user_text(text: str, limit: int = 200) -> str:
+    """Text from a spec file (a tensor's doc ...) as a message quotes it: one line, control
+    characters, odd line breaks and lone surrogates written as escapes, cut in the middle past
+    ``limit`` characters."""
+    out = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return out if len(out) <= limit else f"{out[:limit - 40]} ... ({len(out)} characters) ... {out[-20:]}"
 
 
 def _bounded(text: str) -> str:
@@ -84,8 +93,15 @@ class SpecError(VariantgenError):
         self.hint = hint
         super().__init__(self.render())
 
-    def render(self) -> str:
-        head = f"{self.location}: "
+    def render(self, show_file: bool = True) -> str:
+        """The message; ``show_file=False`` leaves the file out of the location (SpecErrors
+        names it once above its list)."""
+        loc = self.location
+        if show_file:
+            where = _bounded(str(loc))
+        else:
+            where = f"{loc.line}:{loc.col}" if loc.col > 0 else str(loc.line)
+        head = f"{where}: "
         if self.field:
             head += f"{_bounded(self.field)}: "
         text = head + _bounded(self.message)
@@ -115,14 +131,29 @@ class SpecErrors(SpecError):
             caret_col=first.caret_col,
         )
 
-    def render(self) -> str:  # type: ignore[override]
+    def render(self, show_file: bool = True) -> str:  # type: ignore[override]
+        """The file once (bounded: a 4 KB path used to be repeated per error), then each error
+        indented under it as line:col: ...; at most MAX_ERRORS_CHARS in all, the rest counted."""
         errors = getattr(self, "errors", [])
         if not errors:
-            return super().render()
-        text = "\n".join(e.render() for e in errors)
-        more = getattr(self, "more", 0)
+            return super().render(show_file)
+        file = errors[0].location.file
+        parts: list[str] = []
+        size = 0
+        shown = 0
+        for e in errors:
+            same = e.location.file == file and e.location.line > 0
+            body = e.render(show_file=not same)
+            if parts and size + len(body) > MAX_ERRORS_CHARS:
+                break
+            parts.append("  " + body.replace("\n", "\n  "))
+            size += len(body)
+            shown += 1
+        more = getattr(self, "more", 0) + len(errors) - shown
+        total = len(errors) + getattr(self, "more", 0)
+        text = f"{printable(_bounded(file))}: {total} errors\n" + "\n".join(parts)
         if more:
-            text += f"\n{printable(errors[0].location.file)}: ... and {more} more error(s)"
+            text += f"\n  ... and {more} more error(s)"
         return text
 
 

@@ -33,8 +33,9 @@ import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from ..core.errors import Location, SpecError
+from ..core.errors import Location, SpecError, SpecErrors
 
 MAX_EXPR_CHARS = 4096
 MAX_DEPTH = 64
@@ -686,10 +687,31 @@ def _suggest(name: str, candidates: list[str]) -> str | None:
     return f"did you mean `{close[0]}`?" if close else None
 
 
+class _Poison:
+    """The type of a subexpression with an error: whatever contains it takes this type too and
+    is not checked further, so one error does not cascade into follow-ups ('and' of an unknown
+    name is not also "'and' needs bool operands"); independent subexpressions still are."""
+
+    def __repr__(self) -> str:
+        return "POISON"
+
+
+POISON: Any = _Poison()
+
+
+class ExprErrors(SpecErrors):
+    """Several independent errors of one expression (each a located SpecError)."""
+
+
 class _Checker:
     def __init__(self, src: SourceText, env: TypeEnv):
         self.src = src
         self.env = env
+        self.errors: list[SpecError] = []  # follow-ons included (the loader drops those)
+
+    @staticmethod
+    def poisoned(*nodes: Node) -> bool:
+        return any(n.ty is POISON for n in nodes)
 
     def err(self, node: Node, message: str, hint: str | None = None) -> SpecError:
         return self.src.error(node.pos, message, hint)
@@ -700,13 +722,18 @@ class _Checker:
                              field=self.src.field, source_line=line, caret_col=col)
 
     def check(self, node: Node) -> Node:
+        """``node`` typed; an error is recorded and poisons the node (see _Poison)."""
         method = getattr(self, "_" + type(node).__name__.lower())
-        typed = method(node)
-        if typed.ty is Type.INT and not isinstance(typed, Const):
-            value = constant_int(typed)
-            if value is not None and not INT32_MIN <= value <= INT32_MAX:
-                raise self.err(typed, f"`{_shorten(to_source(typed), 60)}` is {value}, outside the 32-bit int range "
-                               "(the kernel would wrap it)")
+        try:
+            typed = method(node)
+            if typed.ty is Type.INT and not isinstance(typed, Const):
+                value = constant_int(typed)
+                if value is not None and not INT32_MIN <= value <= INT32_MAX:
+                    raise self.err(typed, f"`{_shorten(to_source(typed), 60)}` is {value}, outside the 32-bit int "
+                                   "range (the kernel would wrap it)")
+        except SpecError as e:
+            self.errors.append(e)
+            return replace(node, ty=POISON)
         return typed
 
     def _const(self, node: Const) -> Node:
@@ -746,6 +773,8 @@ class _Checker:
         )
 
     def _index(self, node: Index) -> Node:
+        # The indices first: their errors are independent of the tensor's.
+        indices = tuple(self.check(i) for i in node.indices)
         sig = self.env.tensors.get(node.tensor)
         if sig is None:
             if node.tensor in self.env.failed:
@@ -762,7 +791,8 @@ class _Checker:
                 node,
                 f"tensor `{node.tensor}` has {sig.ndim} dimension(s) but is indexed with {len(node.indices)}",
             )
-        indices = tuple(self.check(i) for i in node.indices)
+        if self.poisoned(*indices):
+            return replace(node, indices=indices, ty=POISON)
         for i in indices:
             if i.ty is not Type.INT:
                 raise self.err(i, f"index of `{node.tensor}` must be an int, got {i.ty}")
@@ -816,6 +846,8 @@ class _Checker:
 
     def _unary(self, node: Unary) -> Node:
         operand = self.check(node.operand)
+        if self.poisoned(operand):
+            return replace(node, operand=operand, ty=POISON)
         if node.op == "not":
             if operand.ty is not Type.BOOL:
                 raise self.err(node, f"'not' needs a bool, got {operand.ty}", "compare first, e.g. `not (x > 0)`")
@@ -826,6 +858,8 @@ class _Checker:
 
     def _binary(self, node: Binary) -> Node:
         left, right = self.check(node.left), self.check(node.right)
+        if self.poisoned(left, right):
+            return replace(node, left=left, right=right, ty=POISON)
         op = node.op
         if op in BOOL_OPS:
             for side in (left, right):
@@ -863,6 +897,7 @@ class _Checker:
         return replace(node, left=left, right=right, ty=ty)
 
     def _call(self, node: Call) -> Node:
+        args = tuple(self.check(a) for a in node.args)  # (their errors are independent of the call's)
         if node.func not in FUNCTIONS:
             if node.func in self.env.tensors:
                 raise self.err(node, f"tensor `{node.func}` is indexed with [...], not called",
@@ -875,7 +910,8 @@ class _Checker:
         if not lo <= len(node.args) <= hi:
             want = str(lo) if lo == hi else f"{lo} to {hi}"
             raise self.err(node, f"`{node.func}` takes {want} argument(s), got {len(node.args)}")
-        args = tuple(self.check(a) for a in node.args)
+        if self.poisoned(*args):
+            return replace(node, args=args, ty=POISON)
         for a in args:
             if a.ty is Type.BOOL:
                 raise self.err(a, f"`{node.func}` needs numbers, got bool")
@@ -895,6 +931,8 @@ class _Checker:
 
     def _cond(self, node: Cond) -> Node:
         test, then, orelse = self.check(node.test), self.check(node.then), self.check(node.orelse)
+        if self.poisoned(test, then, orelse):
+            return replace(node, test=test, then=then, orelse=orelse, ty=POISON)
         if test.ty is not Type.BOOL:
             raise self.err(test, f"the test of 'a if test else b' must be a bool, got {test.ty}")
         if (then.ty is Type.BOOL) != (orelse.ty is Type.BOOL):
@@ -907,7 +945,18 @@ class _Checker:
 def typecheck(node: Node, env: TypeEnv, src: SourceText | None = None, expect: Type | None = None) -> Node:
     """Return a copy of ``node`` with every ``ty`` filled in; raise SpecError on misuse."""
     src = src or SourceText("")
-    typed = _Checker(src, env).check(node)
+    checker = _Checker(src, env)
+    typed = checker.check(node)
+    if checker.errors:
+        # Every independent error, in the order of the text; uses of refused declarations only
+        # where nothing else is wrong (the loader drops those: their declaration is reported).
+        errors = sorted((e for e in checker.errors if not isinstance(e, FollowOnError)),
+                        key=lambda e: (e.location.line, e.location.col))
+        if not errors:
+            raise checker.errors[0]
+        if len(errors) == 1:
+            raise errors[0]
+        raise ExprErrors(errors)
     if expect is not None:
         ok = typed.ty is expect or (expect is Type.FLOAT and typed.ty is Type.INT)
         if not ok:

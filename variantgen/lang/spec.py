@@ -20,13 +20,13 @@ from typing import Any
 import yaml
 
 from ..core.errors import MAX_SPEC_ERRORS, Location, SpecError, SpecErrors
-from . import expr
+from . import expr, yaml_loader
 from .expr import BUILTINS, DIMS, FLOAT32_MAX, FUNCTIONS, SourceText, TensorSig, Type, TypeEnv
+from .reserved import RESERVED_PATTERN, reserved_reason
+from .yaml_loader import MAX_YAML_DEPTH, MAX_YAML_NODES, YAML11_TAG, SpecYAMLError, yaml11_problem  # noqa: F401
 
 MAX_SPEC_BYTES = 256 * 1024
 MAX_FIXED_DIM = 65536  # a tensor's fixed dimension (shape: [total_q, 2]): at most this
-MAX_YAML_NODES = 20_000
-MAX_YAML_DEPTH = 32  # nested collections; a spec needs 4
 # Matched with fullmatch: `$` would also accept a trailing newline ("causal\n").
 NAME_RE = re.compile(r"[a-z][a-z0-9_]{0,47}")
 ARG_RE = re.compile(r"[a-z][a-z0-9_]{0,31}")
@@ -216,30 +216,6 @@ def _loc(path: str, node: yaml.Node) -> Location:
     return Location(path, node.start_mark.line + 1, node.start_mark.column + 1)
 
 
-class _SpecLoader(yaml.SafeLoader):
-    """The safe loader, refusing deep nesting while scanning.
-
-    PyYAML's scanner does work proportional to the flow depth ([[[...) for every token, so
-    a 256 KiB file of brackets would keep it busy for hours; its composer recurses once per
-    level. Both stop at MAX_YAML_DEPTH, with the position of the offending bracket or line.
-    """
-
-    def _too_deep(self) -> None:
-        raise yaml.scanner.ScannerError(
-            None, None, f"collections are nested more than {MAX_YAML_DEPTH} levels deep", self.get_mark())
-
-    def fetch_flow_collection_start(self, TokenClass):  # PyYAML names the argument so
-        if self.flow_level >= MAX_YAML_DEPTH:
-            self._too_deep()
-        super().fetch_flow_collection_start(TokenClass)
-
-    def add_indent(self, column: int) -> bool:
-        added = super().add_indent(column)
-        if added and len(self.indents) > MAX_YAML_DEPTH:
-            self._too_deep()
-        return added
-
-
 def _shown_lines(text: str) -> list[str]:
     """The file's lines as an error shows them under its message, the caret at a YAML mark's
     column: YAML counts no byte-order mark (U+FEFF) as a column, so none is shown (a file saved
@@ -255,27 +231,6 @@ def _marked_error(text: str, path: str, mark: yaml.Mark | None, message: str, hi
     # A mark just past the last line (end of the stream) gets an empty line to point at.
     line = lines[mark.line] if 0 <= mark.line < len(lines) else "" if mark.line == len(lines) else None
     return SpecError(message, Location(path, mark.line + 1, mark.column + 1), source_line=line, hint=hint)
-
-
-def _scan_yaml(text: str, path: str) -> None:
-    """Refuse what a spec never needs and an attacker likes: anchors, aliases, tags."""
-    try:
-        for event in yaml.parse(text, Loader=_SpecLoader):
-            mark = event.start_mark
-            if isinstance(event, yaml.AliasEvent):
-                raise _marked_error(text, path, mark, "YAML aliases (*name) are not allowed in spec files; "
-                                    "write the value out")
-            anchor = getattr(event, "anchor", None)
-            if anchor:
-                raise _marked_error(text, path, mark, "YAML anchors (&name) are not allowed in spec files; "
-                                    "write the value out")
-            tag = getattr(event, "tag", None)
-            implicit = getattr(event, "implicit", True)
-            if tag and not (implicit is True or (isinstance(implicit, tuple) and any(implicit))):
-                raise _marked_error(text, path, mark, f"YAML tags ({shown_value(tag)[1:-1]}) are not allowed in "
-                                    "spec files", "quote the value if the '!' is part of it")
-    except yaml.YAMLError as e:
-        raise _yaml_error(e, path, text) from None
 
 
 # (substring of PyYAML's problem, hint); {open} is where the unclosed bracket or quote began.
@@ -316,6 +271,8 @@ def _reader_error(e: yaml.reader.ReaderError, path: str, text: str) -> SpecError
 
 
 def _yaml_error(e: yaml.YAMLError, path: str, text: str) -> SpecError:
+    if isinstance(e, SpecYAMLError):
+        return _marked_error(text, path, e.problem_mark, e.problem, e.hint)
     if isinstance(e, yaml.reader.ReaderError):
         return _reader_error(e, path, text)
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
@@ -386,6 +343,14 @@ class _Reader:
         self.count()
         if not isinstance(node, yaml.ScalarNode):
             self.error(node, field_name, f"expected a single value, got {_kind(node)}")
+            return _MISSING
+        if node.tag == YAML11_TAG:
+            what, write = yaml11_problem(node.value) or ("", "")
+            if what.startswith("a number too long"):  # (yaml11_problem did not convert it)
+                self.error(node, field_name, f"integer {expr._shorten(node.value)} is far too large", write)
+            else:
+                self.error(node, field_name, f"{what}: spec files refuse values that YAML versions read "
+                           "differently", write)
             return _MISSING
         if node.tag == "tag:yaml.org,2002:int" and len(node.value) > MAX_NUMBER_CHARS:
             # Converting it is slow, past 4300 digits it raises, and no spec value needs it.
@@ -602,9 +567,8 @@ def parse_spec(text: str, path: str = "<string>") -> VariantSpec:
     if "\0" in text:
         line = text[: text.index("\0")].count("\n") + 1
         raise SpecError("spec contains a NUL byte", Location(path, line))
-    _scan_yaml(text, path)
     try:
-        root = yaml.compose(text, Loader=_SpecLoader)
+        root = yaml_loader.compose(text)
     except yaml.YAMLError as e:
         raise _yaml_error(e, path, text) from None
     except RecursionError:
@@ -624,6 +588,11 @@ def parse_spec(text: str, path: str = "<string>") -> VariantSpec:
 
 def _check_arg_name(r: _Reader, key_node: yaml.Node, name: str, where: str, taken: dict[str, str]) -> bool:
     field_name = f"{where}.{name}"
+    why = reserved_reason(name)
+    # (a name like _x: the pattern's message says what a name may be)
+    if why is not None and (ARG_RE.fullmatch(name) or not RESERVED_PATTERN.fullmatch(name)):
+        r.error(key_node, field_name, f"{why}; choose another name")
+        return False
     if not ARG_RE.fullmatch(name):
         r.error(key_node, field_name, f"argument name {shown_value(name)} must match {ARG_RE.pattern} "
                 "(lower case letters, digits, '_'; at most 32 characters)")
@@ -856,9 +825,12 @@ def _scalar(r: _Reader, name: str, node: yaml.Node) -> ScalarArg | None:
     if default is _MISSING:
         return None
     if not value_fits(default, dtype):
-        in_range = dtype == "int" and isinstance(default, int) and not isinstance(default, bool)
+        number = isinstance(default, (int, float)) and not isinstance(default, bool)
+        in_range = " in 32-bit range" if dtype == "int" and isinstance(default, int) and number else ""
+        if dtype == "float" and number:  # nan, inf, 1e300: not "a float, got a float nan"
+            in_range = " (finite, in 32-bit float range)"
         r.error(dnode, f"{field_name}.default", f"default must be {_article(dtype)} {dtype}"
-                + (" in 32-bit range" if in_range else "") + f", got {_pytype(default)} {shown_value(default)}",
+                + in_range + f", got {_pytype(default)} {shown_value(default)}",
                 _number_hint(dnode, default))
         return None
     if dtype == "float":
@@ -893,7 +865,7 @@ def _scalar_range(r: _Reader, field_name: str, dtype: str, got: dict) -> tuple |
         if v is _MISSING:
             ok = False
         elif not value_fits(v, dtype) or (dtype == "float" and isinstance(v, bool)):
-            want = "an int in 32-bit range" if dtype == "int" else "a number in 32-bit float range"
+            want = "an int in 32-bit range" if dtype == "int" else "a finite number in 32-bit float range"
             r.error(vnode, f"{field_name}.{key}", f"{key} of {_article(dtype)} {dtype} scalar must be {want}, got "
                     f"{_pytype(v)} {shown_value(v)}", _number_hint(vnode, v))
             ok = False
@@ -954,6 +926,10 @@ def _expression(r: _Reader, node: yaml.Node, field_name: str, env: TypeEnv, expe
         return expr.parse_typed(src, env, expect), text
     except expr.FollowOnError:
         return None, None  # the refused declaration it uses is reported already
+    except expr.ExprErrors as e:  # independent errors of the expression, each reported
+        for one in e.errors:
+            r.add(one)
+        return None, None
     except SpecError as e:
         r.add(e)
         return None, None

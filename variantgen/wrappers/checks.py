@@ -69,7 +69,7 @@ from typing import Any
 
 import torch
 
-from ..core.errors import LaunchError
+from ..core.errors import LaunchError, user_text
 from ..lang.expr import FLOAT32_MAX, INT32_MAX
 from ..lang.spec import VariantSpec, shown_value, value_fits
 from ..planning.plan import Batch
@@ -260,7 +260,7 @@ def check_spec_args(spec: VariantSpec, given: Mapping[str, Any], dims: dict[str,
             if not required:
                 continue
             raise LaunchError(f"{where}: missing tensor argument `{t.name}` "
-                              f"({t.dtype}, shape {list(t.shape)}: {t.doc or 'see the spec'})")
+                              f"({t.dtype}, shape {list(t.shape)}: {user_text(t.doc) if t.doc else 'see the spec'})")
         value = given[t.name]
         want_shape = tuple(dims[d] if isinstance(d, str) else d for d in t.shape)
         shape_text = "[" + ", ".join(f"{d}={dims[d]}" if isinstance(d, str) else str(d) for d in t.shape) + "]"
