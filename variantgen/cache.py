@@ -33,11 +33,13 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -46,7 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CacheError
+from .safe_read import lstat_kind, open_regular, read_text_bounded
 
+log = logging.getLogger("variantgen.cache")
 MANIFEST = "manifest.json"
 FAILURE = "failure.json"
 MANIFEST_VERSION = 1
@@ -81,10 +85,11 @@ def _digest(obj: object) -> str:
 
 
 def _read_json(path: Path) -> Any:
-    """A JSON file's value: OSError if it cannot be read, ValueError if it is not JSON - nested
-    too deeply included (``[[[[...``: json raised RecursionError, a traceback from `variantgen
-    list` and from every lookup of the entry)."""
-    text = path.read_text()
+    """A JSON file's value: OSError if it cannot be read or is no regular file of a bounded size
+    (a FIFO hung `list` and lookups, a link to /dev/zero ran out of memory: safe_read.py),
+    ValueError if it is not JSON - nested too deeply included (``[[[[...``: json raised
+    RecursionError, a traceback from `variantgen list` and from every lookup of the entry)."""
+    text = read_text_bounded(path)
     try:
         return json.loads(text)
     except RecursionError:
@@ -93,7 +98,7 @@ def _read_json(path: Path) -> Any:
 
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(open_regular(path), "rb") as f:  # a regular file, not a link: never a FIFO or a device
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -174,25 +179,32 @@ class Cache:
         ``verify`` (reads the file: ~1 ms per MiB)."""
         path = self.entry_dir(uri)
         manifest_path = path / MANIFEST
+        if path.is_symlink():  # variantgen never makes one; its target may lie anywhere
+            return Lookup(None, f"entry {path} is a symbolic link (not followed)")
         if not path.is_dir():
             return Lookup(None, "not in cache")
         try:
             manifest = _read_json(manifest_path)
         except FileNotFoundError:
             return Lookup(None, f"entry {path} has no manifest (incomplete or damaged)")
-        except (OSError, ValueError) as e:
+        except OSError as e:
+            return Lookup(None, f"entry {path} has an unreadable manifest ({MANIFEST} {e.strerror or e})")
+        except ValueError as e:
             return Lookup(None, f"entry {path} has an unreadable manifest ({e})")
         problem = _manifest_problem(manifest, uri)
         if problem:
             return Lookup(None, f"entry {path}: {problem}")
         entry = Entry(self.root, uri, manifest)
         module = entry.module_path
+        kind = lstat_kind(module)  # not followed: the loader must read this very file
+        if kind == "missing":
+            return Lookup(None, f"entry {path}: module file {module.name} is missing")
+        if kind is not None:
+            return Lookup(None, f"entry {path}: module file {module.name} is {kind}, not a regular file")
         try:
-            size = module.stat().st_size if module.is_file() else None
+            size = module.stat().st_size
         except OSError as e:
             return Lookup(None, f"entry {path}: module file {module.name} is unreadable ({e.strerror or e})")
-        if size is None:
-            return Lookup(None, f"entry {path}: module file {module.name} is missing")
         if size != manifest["module_size"]:
             return Lookup(None, f"entry {path}: module file size differs from the manifest (truncated?)")
         if verify:
@@ -462,9 +474,11 @@ def _acquire(path: Path, uri: str, timeout: float, on_wait: Callable[[LockHolder
     delay, told = 0.01, False
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = _open_lock(path)
         except OSError as e:
             raise path_error(e, path, "open the build lock") from None
+        if fd is None:
+            continue  # something other than a lock file was there; removed
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -495,6 +509,33 @@ def _acquire(path: Path, uri: str, timeout: float, on_wait: Callable[[LockHolder
         if same:
             return fd
         os.close(fd)
+
+
+def _open_lock(path: Path) -> int | None:
+    """The lock file's descriptor, the file created if missing; None after removing something
+    that is no lock file (a link, a FIFO: variantgen only ever creates regular files there, and
+    opening a link would lock its target, a FIFO or /dev/zero would hang or fill a reader)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise
+        fd = None
+    if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    if fd is not None:
+        os.close(fd)
+    kind = lstat_kind(path)
+    log.warning("removing %s: %s where a build lock file belongs", path, kind)
+    try:
+        if kind == "a folder":
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return None
 
 
 def _check_uri(uri: str) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ToolchainError
+from .safe_read import read_text_bounded
 
 log = logging.getLogger("variantgen.build")
 STATUS = "[%f/%t] "  # NINJA_STATUS: finished / total edges
@@ -181,7 +182,7 @@ def end_recorded(staging: Path) -> bool:
     """End the ninja tree recorded in an old staging folder, if it still runs on this host
     (its builder was killed). True if one was ended."""
     try:
-        data = json.loads((staging / PID_FILE).read_text())
+        data = json.loads(read_text_bounded(staging / PID_FILE))
         pid, start, host = int(data["pid"]), data.get("start"), str(data["host"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
