@@ -248,15 +248,32 @@ class Cache:
         return out
 
     def entries(self, *, verify: bool = True) -> Iterator[tuple[str, Lookup]]:
-        """Every folder named like a URI, with its lookup (a damaged entry says why)."""
+        """Every entry variantgen wrote (is_ours), with its lookup (a damaged entry says why)."""
         for path in self._top_level():
-            if path.is_dir() and looks_like_uri(path.name):
+            if self.is_ours(path.name):
                 yield path.name, self.lookup(path.name, verify=verify)
 
     def others(self) -> list[Path]:
         """What else lies in the cache root (not an entry, not one of our hidden folders): a
-        user's files, a README. Listed, never removed."""
-        return [p for p in self._top_level() if not (p.is_dir() and looks_like_uri(p.name))]
+        user's files, a README, a folder that only looks like an entry. Listed, never removed."""
+        return [p for p in self._top_level() if not self.is_ours(p.name)]
+
+    def is_ours(self, name: str) -> bool:
+        """Whether top-level folder ``name`` is an entry variantgen wrote: named like a URI, a real
+        folder (not a link), and holding what a build writes (a manifest or its build.ninja), or
+        named by a failure record, a staging folder or a lock file of that URI. A user's folder
+        whose name merely looks like a URI (``vg_mydata_sm90a_0123456789ab``) is none of these:
+        `clear` removed it as a "damaged entry"."""
+        if not looks_like_uri(name):
+            return False
+        path = self.root / name
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return False
+        except OSError:
+            return False
+        return (_written_by_us(path) or os.path.lexists(self.failed_dir(name) / FAILURE)
+                or os.path.lexists(self.lock_path(name)) or bool(self.attempts(name)))
 
     def _top_level(self) -> list[Path]:
         if not self.root.is_dir():
@@ -365,7 +382,10 @@ class Cache:
                 os.fsync(f.fileno())
             os.replace(tmp, staging / MANIFEST)
             where = target
-            if target.exists():  # a damaged entry found by lookup; we hold the lock
+            if os.path.lexists(target):  # a damaged entry found by lookup; we hold the lock
+                if target.is_symlink() or not _written_by_us(target):
+                    raise CacheError(f"cannot publish module {uri}: {target} exists and is not a variantgen entry "
+                                     "(no manifest, no build.ninja); move it out of the cache folder")
                 self._discard(target)
             os.replace(staging, target)
         except OSError as e:
@@ -404,10 +424,13 @@ class Cache:
             return None
 
     def remove(self, uri: str, *, timeout: float = 1800.0) -> bool:
-        """Remove entry ``uri`` (under its lock: not while it is being built)."""
+        """Remove entry ``uri`` (under its lock: not while it is being built). A folder that is
+        not variantgen's (is_ours) is left: CacheError."""
         path = self.entry_dir(uri)
-        if not path.exists():
+        if not os.path.lexists(path):
             return False
+        if not self.is_ours(uri):  # judged before our own lock file exists
+            raise CacheError(f"{path} is not a variantgen entry (no manifest, no build record); not removed")
         with self.lock(uri, timeout=timeout):
             if not path.exists():  # removed by another process while we waited for the lock
                 return False
@@ -509,6 +532,12 @@ def _acquire(path: Path, uri: str, timeout: float, on_wait: Callable[[LockHolder
         if same:
             return fd
         os.close(fd)
+
+
+def _written_by_us(path: Path) -> bool:
+    """Whether entry folder ``path`` holds a file every build writes into it (whatever state
+    that file is in: a damaged manifest still marks the folder as ours)."""
+    return os.path.lexists(path / MANIFEST) or os.path.lexists(path / "build.ninja")
 
 
 def _open_lock(path: Path) -> int | None:

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from variantgen import cache as cache_mod
 from variantgen.cache import Cache, ModuleKey
 from variantgen.cli import main
+from variantgen.errors import CacheError
 from variantgen.safe_read import MAX_RECORD_BYTES, read_bounded
 
 KEY = ModuleKey("vg_causal_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a",
@@ -64,6 +65,86 @@ def user_folder(cache: Cache) -> Path:
     folder.mkdir(parents=True)
     (folder / "data.bin").write_bytes(b"precious")
     return folder
+
+
+# ----------------------------------------------------------------------------- whose entries
+
+
+def test_clear_leaves_a_users_folder_named_like_a_module(cache):
+    """`clear --yes` removed vg_mydata_sm90a_0123456789ab/ ("removed damaged entry"): a folder
+    without a manifest or a build record is not variantgen's, whatever its name."""
+    folder = user_folder(cache)
+    entry = procs.publish_fake(cache, KEY)
+    r = cli("clear", "--yes", "--cache-dir", cache.root)
+    assert r.exit_code == 0, r.output
+    assert (folder / "data.bin").read_bytes() == b"precious"
+    assert "damaged" not in r.output and "removed 1 module\n" in r.output
+    assert f"not variantgen modules: {LOOKALIKE}/" in r.output
+    assert not entry.path.exists()
+
+
+def test_list_names_a_lookalike_as_not_variantgens(cache):
+    user_folder(cache)
+    assert [uri for uri, _ in cache.entries()] == []
+    assert [p.name for p in cache.others()] == [LOOKALIKE]
+    r = cli("list", "--cache-dir", cache.root)
+    assert r.exit_code == 0, r.output
+    assert f"no modules in {cache.root}" in r.output and "damaged" not in r.output
+    assert f"not variantgen's (named like a module, without a manifest or build record; left alone): {LOOKALIKE}" \
+        in r.output
+    procs.publish_fake(cache, KEY)
+    r = cli("list", "--cache-dir", cache.root)
+    assert "1 module(s) in" in r.output and f"left alone): {LOOKALIKE}" in r.output
+
+
+@pytest.mark.parametrize("record", ["manifest", "failure", "lock", "staging"])
+def test_a_damaged_entry_is_still_ours(cache, record):
+    """A folder variantgen wrote stays an entry when its manifest is damaged or gone, if a record
+    of ours names its URI: the manifest (even unreadable), a failure record, a lock file or a
+    staging folder."""
+    folder = cache.root / KEY.uri
+    folder.mkdir(parents=True)
+    if record == "manifest":
+        (folder / cache_mod.MANIFEST).write_text("{not json")
+    elif record == "failure":
+        cache.failed_dir(KEY.uri).mkdir(parents=True)
+        (cache.failed_dir(KEY.uri) / cache_mod.FAILURE).write_text("{}")
+    elif record == "lock":
+        cache.lock_path(KEY.uri).parent.mkdir(parents=True)
+        cache.lock_path(KEY.uri).write_text("{}")
+    else:
+        cache.new_staging(KEY.uri)
+    assert cache.is_ours(KEY.uri)
+    [(uri, found)] = list(cache.entries())
+    assert uri == KEY.uri and not found
+    assert cache.remove(KEY.uri, timeout=1) and not folder.exists()
+
+
+def test_remove_refuses_a_folder_that_is_not_ours(cache):
+    folder = user_folder(cache)
+    with pytest.raises(CacheError, match=f"{LOOKALIKE} is not a variantgen entry .*; not removed"):
+        cache.remove(LOOKALIKE)
+    assert (folder / "data.bin").exists()
+
+
+def test_a_build_does_not_replace_a_users_folder_of_its_uri(cache):
+    """Publishing replaces a damaged entry, not a folder of someone else's that has its name."""
+    folder = cache.root / KEY.uri
+    folder.mkdir(parents=True)
+    (folder / "mine.txt").write_text("x")
+    with pytest.raises(CacheError, match="exists and is not a variantgen entry"):
+        procs.publish_fake(cache, KEY)
+    assert (folder / "mine.txt").read_text() == "x"
+
+
+def test_a_linked_entry_is_not_followed(cache, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    entry = procs.publish_fake(Cache(elsewhere), KEY)
+    cache.root.mkdir(parents=True)
+    (cache.root / KEY.uri).symlink_to(entry.path)
+    assert list(cache.entries()) == [] and [p.name for p in cache.others()] == [KEY.uri]
+    found = cache.lookup(KEY.uri)
+    assert not found and found.reason == f"entry {cache.root / KEY.uri} is a symbolic link (not followed)"
 
 
 # ----------------------------------------------------------------------------- what a record may be
