@@ -7,6 +7,7 @@ the build lock's re-check of the file it locked.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import threading
@@ -18,7 +19,7 @@ import pytest
 from click.testing import CliRunner
 
 from variantgen import cache as cache_mod
-from variantgen.cache import Cache, ModuleKey
+from variantgen.cache import Cache, LockTimeout, ModuleKey
 from variantgen.cli import main
 from variantgen.errors import CacheError
 from variantgen.safe_read import MAX_RECORD_BYTES, read_bounded
@@ -242,3 +243,36 @@ def test_read_bounded_reads_a_regular_file(tmp_path):
         read_bounded(tmp_path / "f", limit=99)
     with pytest.raises(OSError, match="is a folder, not a regular file"):
         read_bounded(tmp_path)
+
+
+# ----------------------------------------------------------------------------- the lock's re-check
+
+
+def test_a_lock_file_replaced_between_open_and_flock_is_detected(cache, monkeypatch):
+    """The lock re-checks, after flock, that the file it locked is still the one at the lock path.
+    Here, between our open and our flock, another process replaces the file (as a releasing
+    holder does by unlinking it) and locks the new one: our flock of the old file succeeds, but
+    holding it excludes nobody. Without the check both would hold the build lock; with it we
+    wait for the new file's holder (and time out)."""
+    path = cache.lock_path(KEY.uri)
+    path.parent.mkdir(parents=True)
+    real_flock = fcntl.flock
+    held: list[int] = []
+
+    def flock(fd, op):
+        if not held:  # the other process, between our open and our flock
+            os.unlink(path)
+            other = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            real_flock(other, fcntl.LOCK_EX)
+            held.append(other)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(cache_mod.fcntl, "flock", flock)
+    try:
+        with pytest.raises(LockTimeout, match="timed out after 0s waiting for another build"):
+            with cache.lock(KEY.uri, timeout=0.3):
+                pass
+        assert os.stat(path).st_ino == os.fstat(held[0]).st_ino  # the other holder's file is left alone
+    finally:
+        for fd in held:
+            os.close(fd)
