@@ -69,9 +69,10 @@ class NinjaRun:
 
 
 def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, timeout: float | None,
-        on_status: Callable[[int, int], None] | None = None) -> NinjaRun:
-    """Run ninja ``cmd`` in ``cwd`` (the staging folder); stream its output into ``log_path``
-    and ``on_status(done, total)``. Ends the whole process tree if this returns by an exception
+        on_status: Callable[[int, int], None] | None = None, record_dir: Path | None = None) -> NinjaRun:
+    """Run ninja ``cmd`` in ``cwd`` (the build folder); stream its output into ``log_path``
+    and ``on_status(done, total)``; ninja's pid is recorded in ``record_dir`` (the staging folder,
+    default ``cwd``: end_recorded). Ends the whole process tree if this returns by an exception
     (KeyboardInterrupt, BuildAborted included) or the timeout; what is left of ninja's session if
     ninja exits non-zero."""
     t0 = time.perf_counter()
@@ -89,7 +90,7 @@ def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, t
         if log_file is not None:
             log_file.close()
         raise ToolchainError(f"cannot run {cmd[0]}: {e.strerror or e}") from None
-    record = cwd / PID_FILE
+    record = (record_dir or cwd) / PID_FILE
     try:
         record.write_text(json.dumps({"pid": proc.pid, "start": _start_ticks(proc.pid), "host": socket.gethostname()}))
     except OSError:

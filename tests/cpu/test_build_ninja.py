@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ import _fake_toolchain as fake
 import pytest
 from _cache_procs import causal_config
 
-from variantgen import build, ninja, objects
+from variantgen import build, build_place, ninja, objects
 from variantgen.cache import Cache
 from variantgen.errors import BuildError, CacheError
 from variantgen.render import render_module
@@ -176,7 +177,8 @@ def test_the_printed_command_reproduces_a_failed_build(toolchain, cache, monkeyp
     with pytest.raises(BuildError) as e:
         build.build_module(causal_config(), cache)
     kept = Path(e.value.log_path).parent
-    assert e.value.command == f"NVCC_APPEND_FLAGS=-lineinfo ninja -C {shlex.quote(str(kept))} -f build.ninja"
+    assert e.value.command == build_place.reproduce_command(kept, "NVCC_APPEND_FLAGS=-lineinfo ")
+    assert f"cp -R {shlex.quote(str(kept))}/. " in e.value.command  # a $ in the cache path: run in a copy
     assert f"reproduce with: {e.value.command}" in str(e.value)
     assert ".staging" not in (kept / "build.ninja").read_text()
     assert not (cache.root / ".staging").exists() or not list((cache.root / ".staging").iterdir())
@@ -187,7 +189,10 @@ def test_the_printed_command_reproduces_a_failed_build(toolchain, cache, monkeyp
     del env["VG_FAKE_NVCC_FAIL"]  # the compile error fixed: the kept folder builds the module
     fixed = subprocess.run(e.value.command, shell=True, env=env, capture_output=True, text=True, timeout=60)
     assert fixed.returncode == 0, fixed.stdout
-    assert (kept / f"{Path(kept).name}.so").is_file()
+    # the cache path holds a $: the command builds in a plain-named copy (build_place.py), and says where
+    where = Path(re.search(r"^variantgen: build folder (.*)$", fixed.stdout, re.M).group(1))
+    assert (where / f"{Path(kept).name}.so").is_file()
+    shutil.rmtree(where)
 
 
 def kill_a_builder_mid_compile(cache: Cache, monkeypatch, tmp_path: Path) -> list[int]:

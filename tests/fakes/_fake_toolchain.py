@@ -5,6 +5,8 @@ exist, so a path that ninja or the shell split shows up) and write small output 
 Behaviour is steered by environment variables the build passes on to the compilers:
 VG_FAKE_NVCC_SLEEP (seconds per compile), VG_FAKE_NVCC_FAIL (a source name part that fails
 to compile), VG_FAKE_PIDS (a file the compilers append their pids to, and their sleep's).
+Like the real nvcc, the fake one hands the source's real path, the output path and TMPDIR to a
+shell in double quotes: a path holding ``$(...)`` runs it there, as it would with nvcc.
 nvcc prints the NVCC_APPEND_FLAGS and NVCC_CCBIN it was given into the build output.
 Own module (no pytest import), so that spawned child processes can use it too.
 """
@@ -35,6 +37,14 @@ echo "fake nvcc: compiling $src"
 [ -z "$NVCC_APPEND_FLAGS" ] || echo "fake nvcc: NVCC_APPEND_FLAGS=$NVCC_APPEND_FLAGS"
 [ -z "$NVCC_CCBIN" ] || echo "fake nvcc: NVCC_CCBIN=$NVCC_CCBIN"
 [ -f "$src" ] || { echo "fake nvcc: $src: no such file"; exit 3; }
+# As the real nvcc does: its sub-tools run through a shell, with the source's real absolute path,
+# the output path and the temporary folder in double quotes (where $VAR, $(...) and `...` expand).
+# Only for sources in the build folder: the toolkit's own files may lie under odd test paths.
+case "$src" in /*) ;; *)
+  abs="$(pwd -P)/$src"
+  sh -c "[ -f \"$abs\" ] && : \"$out\" \"${TMPDIR:-/tmp}/tmpxft\"" || {
+    echo "fake nvcc: the sub-tools' shell did not find $abs"; exit 4; } ;;
+esac
 if [ -n "$VG_FAKE_NVCC_SLEEP" ]; then
   sleep "$VG_FAKE_NVCC_SLEEP" &
   [ -n "$VG_FAKE_PIDS" ] && echo $! >> "$VG_FAKE_PIDS"
