@@ -401,7 +401,7 @@ class BuildResult:
 def _ninja() -> str:
     found = shutil.which("ninja")
     if found:
-        return found
+        return os.path.abspath(found)  # ninja starts in the build folder (ninja.run's wrapper)
     bindir = Path(sys.executable).parent / "ninja"
     if bindir.exists():
         return str(bindir)

@@ -3,6 +3,15 @@
 * Paths in a ninja file need ninja's escapes (``$ `` for a space, ``$:`` for a colon, ``$$``
   for a dollar) in build lines, and shell quoting plus ``$$`` in command variables: a cache
   under ``/data/my cache`` or ``/srv/$USER`` must build like any other.
+* ninja dies with its builder: it is started through a tiny exec wrapper that asks the kernel
+  for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``, Linux), and ninja answers SIGTERM by
+  sending it to the process group of every command it runs - which holds the compiler and the
+  sub-tools it started. A pdeathsig on ninja alone would not be enough with SIGKILL (ninja could
+  not pass it on); SIGTERM lets ninja do the passing. So ``kill -9`` of a builder no longer
+  leaves ninja and its compilers running (one of them holding a shared object's lock) until a
+  later build of the module. A compiler that ignores SIGTERM is still ended by that later build
+  (the pid record below). The wrapper, not ``preexec_fn``: builds run in worker threads, where
+  running Python code between fork and exec is unsafe.
 * ninja runs in its own session (process group), so a terminal's Ctrl-C reaches only us:
   on an error, an interrupt or the build timeout we end ninja and every compiler below it
   (ninja gives each command its own process group, so the group of ninja alone is not
@@ -17,6 +26,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -25,6 +35,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -83,7 +94,7 @@ def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, t
     except OSError as e:
         log_file, log_problem = None, f"cannot write {log_path}: {e.strerror or e}"
     try:
-        proc = subprocess.Popen(list(cmd), cwd=cwd, env=dict(env, NINJA_STATUS=STATUS), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(_dies_with_us(cmd), cwd=cwd, env=dict(env, NINJA_STATUS=STATUS), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
                                 bufsize=1, start_new_session=True)
     except OSError as e:
@@ -147,6 +158,35 @@ def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, t
     return NinjaRun(proc.returncode, "".join(lines), time.perf_counter() - t0, timed_out, log_problem)
 
 
+# argv: the builder's pid, then the command. Exits (never runs the command) if the builder died
+# before the request took effect; prctl's failure (not Linux) leaves the command to run as before.
+_PDEATHSIG_EXEC = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _dies_with_us(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` (its first item a path) started through the wrapper that ends it with our process
+    (see the module's doc); as it is where there is no Python to run the wrapper or no prctl."""
+    exe = str(cmd[0])
+    if os.sep in exe:  # what Popen would say, before the wrapper runs (its exec fails later, less clearly)
+        if not os.path.exists(exe):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), exe)
+        if os.path.isdir(exe) or not os.access(exe, os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), exe)
+    python = sys.executable
+    if not python or not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [python, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
+
+
 ABORT = threading.Event()
 """Set: every build running in this process ends its ninja tree and raises BuildAborted (an
 interrupted `variantgen precompile`, whose builds run in worker threads that no signal reaches)."""
@@ -187,8 +227,20 @@ def end_recorded(staging: Path) -> bool:
         pid, start, host = int(data["pid"]), data.get("start"), str(data["host"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    if host != socket.gethostname() or start is None or _start_ticks(pid) != start:
-        return False  # gone, or the pid now belongs to another process
+    if host != socket.gethostname() or start is None:
+        return False
+    fields = _stat_fields(pid)
+    now = int(fields[19]) if fields is not None else None
+    if now is None or (now == start and fields[0] == "Z"):
+        # ninja is gone, or a zombie nobody reaps (it ends on its builder's death, without waiting
+        # for a compiler that ignores SIGTERM); what it started keeps its session. The kernel does
+        # not reuse a pid while a process still has it as its session id, so these are ninja's.
+        left = [p for p, fields in _processes() if int(fields[3]) == pid]
+        if left:
+            _terminate(left)
+        return bool(left)
+    if now != start:
+        return False  # the pid now belongs to another process
     end_tree(pid)
     return True
 

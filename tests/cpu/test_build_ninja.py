@@ -195,17 +195,22 @@ def test_the_printed_command_reproduces_a_failed_build(toolchain, cache, monkeyp
     shutil.rmtree(where)
 
 
-def kill_a_builder_mid_compile(cache: Cache, monkeypatch, tmp_path: Path) -> list[int]:
+def kill_a_builder_mid_compile(cache: Cache, monkeypatch, tmp_path: Path, *, ignore_term: bool = False) -> list[int]:
     """kill -9 of a process building the causal module while its compilers run (they sleep
-    until ended, VG_FAKE_NVCC_SLEEP stays set): the pids of the compilers it leaves running."""
+    until ended, VG_FAKE_NVCC_SLEEP stays set): the pids of its ninja (first) and compilers.
+    ``ignore_term``: the compilers ignore SIGTERM (so survive their builder's death)."""
     record = tmp_path / "pids"
     monkeypatch.setenv("VG_FAKE_NVCC_SLEEP", "300")
     monkeypatch.setenv("VG_FAKE_PIDS", str(record))
+    if ignore_term:
+        monkeypatch.setenv("VG_FAKE_NVCC_IGNORE_TERM", "1")
     child = multiprocessing.get_context("spawn").Process(
         target=fake.build_in_child, args=(str(tmp_path / ODD / "tools"), str(cache.root)), daemon=True)
     child.start()
     try:
-        return wait_for_pids(record, 2)
+        compilers = wait_for_pids(record, 2)
+        staging = next((cache.root / ".staging").glob("vg_causal_*"))
+        return [json.loads((staging / ninja.PID_FILE).read_text())["pid"], *compilers]
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.join(30)
@@ -316,15 +321,27 @@ def test_an_interrupted_precompile_ends_its_builds_at_once(tmp_path, sig, monkey
     assert not list(cache.entries()) and not (cache.root / ".failed").exists()
 
 
+def test_a_killed_builder_takes_ninja_and_its_compilers_with_it(toolchain, cache, monkeypatch, tmp_path):
+    """kill -9 of a builder left ninja and its compilers running as orphans (one of them holding
+    the shared object's lock) until a later build of the module: ninja now gets SIGTERM when its
+    builder dies and passes it to every compiler's process group."""
+    left = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path)
+    assert _gone(left), [p for p in left if ninja._alive(p)]
+    store = objects.object_cache(cache)
+    for uri in store.in_flight():  # the shared object's lock, if its compile had started, is free
+        with store.lock(uri, timeout=1):
+            pass
+
+
 def test_next_build_ends_a_killed_builders_compilers(toolchain, cache, monkeypatch, tmp_path):
-    """kill -9 of a builder leaves ninja and its compilers running (their own session); the next
-    build of the module ends them before it starts."""
-    orphans = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path)
+    """Compilers that ignore SIGTERM outlive their killed builder (and ninja waits for them); the
+    next build of the module ends them (SIGKILL after the grace time) before it starts."""
+    orphans = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path, ignore_term=True)
     time.sleep(0.5)
-    assert all(ninja._alive(p) for p in orphans)  # still compiling, for nobody
+    assert all(ninja._alive(p) for p in orphans[1:])  # still compiling, for nobody (ninja may be gone)
     monkeypatch.delenv("VG_FAKE_NVCC_SLEEP")
     result = build.build_module(causal_config(), cache)
-    assert result.built and _gone(orphans)
+    assert result.built and _gone(orphans), [(p, ninja._stat_fields(p)[:4]) for p in orphans if ninja._alive(p)]
     assert leftovers(cache) == {".staging": [], ".locks": []}
 
 
@@ -337,7 +354,7 @@ def test_clear_removes_what_killed_builders_left(toolchain, cache, monkeypatch, 
 
     from variantgen.cli import main
 
-    orphans = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path)
+    orphans = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path, ignore_term=True)
     store = objects.object_cache(cache)
     killed = list((cache.root / ".staging").iterdir())
     try:

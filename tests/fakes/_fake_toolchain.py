@@ -4,7 +4,8 @@ exist, so a path that ninja or the shell split shows up) and write small output 
 
 Behaviour is steered by environment variables the build passes on to the compilers:
 VG_FAKE_NVCC_SLEEP (seconds per compile), VG_FAKE_NVCC_FAIL (a source name part that fails
-to compile), VG_FAKE_PIDS (a file the compilers append their pids to, and their sleep's).
+to compile), VG_FAKE_PIDS (a file the compilers append their pids to, and their sleep's),
+VG_FAKE_NVCC_IGNORE_TERM (the compiler and its sleep ignore SIGTERM, as a stuck one might).
 Like the real nvcc, the fake one hands the source's real path, the output path and TMPDIR to a
 shell in double quotes: a path holding ``$(...)`` runs it there, as it would with nvcc.
 nvcc prints the NVCC_APPEND_FLAGS and NVCC_CCBIN it was given into the build output.
@@ -19,6 +20,7 @@ from variantgen import build
 from variantgen.build import FlashInferInfo, Toolchain
 
 NVCC = r"""#!/bin/sh
+[ -z "$VG_FAKE_NVCC_IGNORE_TERM" ] || trap '' TERM
 out=""; dep=""; src=""
 while [ $# -gt 0 ]; do
   case "$1" in
