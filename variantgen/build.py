@@ -38,7 +38,7 @@ from . import objects as _objects
 from ._version import __version__
 from .cache import Cache, Entry, LockHolder, LockTimeout, ModuleKey, path_error
 from .env import NVCC_FLAG_VARIABLES, settings
-from .errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error
+from .errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error, system_failure
 from .progress import BuildProgress
 from .render import RenderedModule, SharedUnit, canonical_arch
 from .spec import VariantSpec
@@ -599,6 +599,9 @@ def _run_and_publish(where: Path, staging: Path, rendered: RenderedModule, key: 
         else:
             what = f"ninja exit {run.returncode} after {run.seconds:.1f}s"
         message = f"building module {key.uri} failed ({what})"
+        cause = system_failure(run.output)
+        if cause:  # the tools' last words ("ld returned 1 exit status") hide it
+            message += f": {cause} (in the cache {cache.root}, or the build's temporary folder {where})"
         kept = cache.keep_failed(key.uri, staging, {"key_digest": key.digest, "message": what,
                                                    "first_error": first_compiler_error(run.output)})
         raise BuildError(

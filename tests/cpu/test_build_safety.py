@@ -6,6 +6,7 @@ paths to a shell in double quotes, as the real one does), and once with the real
 
 from __future__ import annotations
 
+import re
 import subprocess
 import tempfile
 from pathlib import Path
@@ -119,6 +120,23 @@ def test_no_plain_temporary_root_is_a_clear_error(toolchain, tmp_path, markers, 
     with pytest.raises(build_place.CacheError, match="needs a temporary folder"):
         build.build_module(causal_config(), cache)
     assert list((cache.root / ".staging").iterdir()) == []
+
+
+def test_a_full_disk_at_link_time_is_reported_as_such(toolchain, tmp_path, monkeypatch):
+    """A full disk at link time reported `ld returned 1 exit status` and hid "No space left on
+    device" (ld says it first, then gcc's collect2 says it failed)."""
+    monkeypatch.setenv("VG_FAKE_LINK_ENOSPC", "1")
+    cache = Cache(tmp_path / "cache")
+    with pytest.raises(BuildError) as e:
+        build.build_module(causal_config(), cache)
+    first_line = str(e.value).splitlines()[0]
+    assert re.fullmatch(r"building module \S+ failed \(ninja exit 1 after [0-9.]+s\): /usr/bin/ld: final link failed: "
+                        rf"No space left on device \(in the cache {re.escape(str(cache.root))}, or the build's "
+                        r"temporary folder \S+\)", first_line), first_line
+    assert e.value.first_error == "/usr/bin/ld: final link failed: No space left on device"
+    assert "first error: /usr/bin/ld: final link failed: No space left on device" in str(e.value)
+    record = cache.failure(e.value.log_path.split("/")[-2])
+    assert record is not None and record.first_error == e.value.first_error
 
 
 @pytest.mark.nvcc

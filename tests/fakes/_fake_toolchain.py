@@ -5,7 +5,8 @@ exist, so a path that ninja or the shell split shows up) and write small output 
 Behaviour is steered by environment variables the build passes on to the compilers:
 VG_FAKE_NVCC_SLEEP (seconds per compile), VG_FAKE_NVCC_FAIL (a source name part that fails
 to compile), VG_FAKE_PIDS (a file the compilers append their pids to, and their sleep's),
-VG_FAKE_NVCC_IGNORE_TERM (the compiler and its sleep ignore SIGTERM, as a stuck one might).
+VG_FAKE_NVCC_IGNORE_TERM (the compiler and its sleep ignore SIGTERM, as a stuck one might),
+VG_FAKE_LINK_ENOSPC (the link fails as on a full disk, with ld's messages).
 Like the real nvcc, the fake one hands the source's real path, the output path and TMPDIR to a
 shell in double quotes: a path holding ``$(...)`` runs it there, as it would with nvcc.
 nvcc prints the NVCC_APPEND_FLAGS and NVCC_CCBIN it was given into the build output.
@@ -71,6 +72,11 @@ while [ $# -gt 0 ]; do
   shift
 done
 echo "fake c++: linking $out"
+if [ -n "$VG_FAKE_LINK_ENOSPC" ]; then  # what gcc and ld print when the disk fills during the link
+  echo "/usr/bin/ld: final link failed: No space left on device"
+  echo "collect2: error: ld returned 1 exit status"
+  exit 1
+fi
 printf '\177ELF fake module\n' > "$out"
 """
 
