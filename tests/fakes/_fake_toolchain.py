@@ -91,8 +91,9 @@ def make_toolchain(root: Path) -> tuple[Toolchain, FlashInferInfo]:
     (cuda / "lib64" / "libcudart.so").write_bytes(b"")
     for name, text in (("nvcc", NVCC), ("c++", CXX)):
         script = cuda / "bin" / name
-        script.write_text(text)
-        script.chmod(0o755)
+        if not script.is_file() or script.read_text() != text:  # as it is: processes may run it now
+            script.write_text(text)
+            script.chmod(0o755)
     fi = root / "flash infer"
     include, csrc, system = fi / "include", fi / "csrc", fi / "cutlass include"
     for d in (include, csrc, system):
