@@ -276,3 +276,27 @@ def test_a_lock_file_replaced_between_open_and_flock_is_detected(cache, monkeypa
     finally:
         for fd in held:
             os.close(fd)
+
+
+def test_a_jit_off_lookup_of_a_fifo_manifest_ends_with_the_reason(vg_env, monkeypatch, cache):
+    """The JIT-off lookup (a server's probe and make_wrapper) hung forever on a FIFO manifest."""
+    from variantgen import build
+    from variantgen.errors import JitDisabledError
+    from variantgen.render import render_module
+
+    monkeypatch.setattr(build, "flashinfer_info", lambda: procs.FAKE_FLASHINFER)
+    monkeypatch.setattr(build, "toolchain", lambda: procs.fake_toolchain())
+    config = procs.causal_config()
+    key = build.module_key(render_module(config), procs.fake_toolchain())
+    entry = procs.publish_fake(cache, key)
+    (entry.path / cache_mod.MANIFEST).unlink()
+    os.mkfifo(entry.path / cache_mod.MANIFEST)
+    vg_env.set(VARIANTGEN_DISABLE_JIT="1")
+
+    def look() -> None:
+        with pytest.raises(JitDisabledError, match="manifest.json is a FIFO, not a regular file") as e:
+            build.build_module(config, cache)
+        assert e.value.damaged == [f"entry {entry.path} has an unreadable manifest (manifest.json is a FIFO, "
+                                   "not a regular file)"]
+
+    bounded(look)
