@@ -339,8 +339,13 @@ def test_next_build_ends_a_killed_builders_compilers(toolchain, cache, monkeypat
     orphans = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path, ignore_term=True)
     time.sleep(0.5)
     assert all(ninja._alive(p) for p in orphans[1:])  # still compiling, for nobody (ninja may be gone)
+    # the cache path holds a $: it was building in a private temporary folder, left behind
+    killed = next((cache.root / ".staging").glob("vg_causal_*"))
+    build_dir = Path((killed / build_place.BUILD_DIR_RECORD).read_text())
+    assert build_dir.is_dir() and build_dir.name.startswith(build_place.PREFIX)
     monkeypatch.delenv("VG_FAKE_NVCC_SLEEP")
     result = build.build_module(causal_config(), cache)
+    assert not build_dir.exists()
     assert result.built and _gone(orphans), [(p, ninja._stat_fields(p)[:4]) for p in orphans if ninja._alive(p)]
     assert leftovers(cache) == {".staging": [], ".locks": []}
 
