@@ -327,6 +327,10 @@ def test_a_killed_builder_takes_ninja_and_its_compilers_with_it(toolchain, cache
     builder dies and passes it to every compiler's process group."""
     left = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path)
     assert _gone(left), [p for p in left if ninja._alive(p)]
+    killed = next((cache.root / ".staging").glob("vg_causal_*"))
+    build_dir = Path((killed / build_place.BUILD_DIR_RECORD).read_text())  # (the cache path holds a $)
+    assert build.discard_killed_builds(cache) >= 1  # what `clear` does: the staging and build folders go
+    assert not killed.exists() and not build_dir.exists()
     store = objects.object_cache(cache)
     for uri in store.in_flight():  # the shared object's lock, if its compile had started, is free
         with store.lock(uri, timeout=1):
