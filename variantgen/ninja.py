@@ -11,7 +11,8 @@
   leaves ninja and its compilers running (one of them holding a shared object's lock) until a
   later build of the module. A compiler that ignores SIGTERM is still ended by that later build
   (the pid record below). The wrapper, not ``preexec_fn``: builds run in worker threads, where
-  running Python code between fork and exec is unsafe.
+  running Python code between fork and exec is unsafe. (The kernel ties the signal to the thread
+  that started ninja; run() waits for ninja in that very thread, so it outlives the build.)
 * ninja runs in its own session (process group), so a terminal's Ctrl-C reaches only us:
   on an error, an interrupt or the build timeout we end ninja and every compiler below it
   (ninja gives each command its own process group, so the group of ninja alone is not
