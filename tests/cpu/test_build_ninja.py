@@ -186,6 +186,7 @@ def test_the_printed_command_reproduces_a_failed_build(toolchain, cache, monkeyp
     again = subprocess.run(e.value.command, shell=True, env=env, capture_output=True, text=True, timeout=60)
     assert again.returncode != 0 and "binding.cu(3): error: fake failure" in again.stdout, again.stdout
     assert "fake nvcc: NVCC_APPEND_FLAGS=-lineinfo" in again.stdout
+    shutil.rmtree(re.search(r"^variantgen: build folder (.*)$", again.stdout, re.M).group(1))
     del env["VG_FAKE_NVCC_FAIL"]  # the compile error fixed: the kept folder builds the module
     fixed = subprocess.run(e.value.command, shell=True, env=env, capture_output=True, text=True, timeout=60)
     assert fixed.returncode == 0, fixed.stdout

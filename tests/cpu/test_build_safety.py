@@ -7,6 +7,7 @@ paths to a shell in double quotes, as the real one does), and once with the real
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
@@ -106,6 +107,9 @@ def test_a_failed_build_in_a_hostile_path_is_kept_and_runs_nothing(toolchain, tm
     again = subprocess.run(e.value.command, shell=True, capture_output=True, text=True, timeout=60)
     assert again.returncode != 0 and "binding.cu(3): error: fake failure" in again.stdout, again.stdout
     assert list(markers.iterdir()) == []
+    copy = Path(re.search(r"^variantgen: build folder (.*)$", again.stdout, re.M).group(1))
+    assert copy.parent == temp_root and build_place.is_plain(copy)
+    shutil.rmtree(copy)
 
 
 def test_the_printed_command_of_a_plain_path_runs_ninja_there(tmp_path):
