@@ -12,6 +12,7 @@ import logging
 import multiprocessing
 import os
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -22,6 +23,7 @@ from _cache_procs import causal_config
 
 from variantgen.build import builder as build
 from variantgen.build import ninja, objects
+from variantgen.build import place as build_place
 from variantgen.build.cache import Cache
 from variantgen.codegen.render import render_module
 from variantgen.core.errors import BuildError, CacheError
@@ -177,7 +179,8 @@ def test_the_printed_command_reproduces_a_failed_build(toolchain, cache, monkeyp
     with pytest.raises(BuildError) as e:
         build.build_module(causal_config(), cache)
     kept = Path(e.value.log_path).parent
-    assert e.value.command == f"NVCC_APPEND_FLAGS=-lineinfo ninja -C {shlex.quote(str(kept))} -f build.ninja"
+    assert e.value.command == build_place.reproduce_command(kept, "NVCC_APPEND_FLAGS=-lineinfo ")
+    assert f"cp -R {shlex.quote(str(kept))}/. " in e.value.command  # a $ in the cache path: run in a copy
     assert f"reproduce with: {e.value.command}" in str(e.value)
     assert ".staging" not in (kept / "build.ninja").read_text()
     assert not (cache.root / ".staging").exists() or not list((cache.root / ".staging").iterdir())
@@ -185,23 +188,32 @@ def test_the_printed_command_reproduces_a_failed_build(toolchain, cache, monkeyp
     again = subprocess.run(e.value.command, shell=True, env=env, capture_output=True, text=True, timeout=60)
     assert again.returncode != 0 and "binding.cu(3): error: fake failure" in again.stdout, again.stdout
     assert "fake nvcc: NVCC_APPEND_FLAGS=-lineinfo" in again.stdout
+    shutil.rmtree(re.search(r"^variantgen: build folder (.*)$", again.stdout, re.M).group(1))
     del env["VG_FAKE_NVCC_FAIL"]  # the compile error fixed: the kept folder builds the module
     fixed = subprocess.run(e.value.command, shell=True, env=env, capture_output=True, text=True, timeout=60)
     assert fixed.returncode == 0, fixed.stdout
-    assert (kept / f"{Path(kept).name}.so").is_file()
+    # the cache path holds a $: the command builds in a plain-named copy (build_place.py), and says where
+    where = Path(re.search(r"^variantgen: build folder (.*)$", fixed.stdout, re.M).group(1))
+    assert (where / f"{Path(kept).name}.so").is_file()
+    shutil.rmtree(where)
 
 
-def kill_a_builder_mid_compile(cache: Cache, monkeypatch, tmp_path: Path) -> list[int]:
+def kill_a_builder_mid_compile(cache: Cache, monkeypatch, tmp_path: Path, *, ignore_term: bool = False) -> list[int]:
     """kill -9 of a process building the causal module while its compilers run (they sleep
-    until ended, VG_FAKE_NVCC_SLEEP stays set): the pids of the compilers it leaves running."""
+    until ended, VG_FAKE_NVCC_SLEEP stays set): the pids of its ninja (first) and compilers.
+    ``ignore_term``: the compilers ignore SIGTERM (so survive their builder's death)."""
     record = tmp_path / "pids"
     monkeypatch.setenv("VG_FAKE_NVCC_SLEEP", "300")
     monkeypatch.setenv("VG_FAKE_PIDS", str(record))
+    if ignore_term:
+        monkeypatch.setenv("VG_FAKE_NVCC_IGNORE_TERM", "1")
     child = multiprocessing.get_context("spawn").Process(
         target=fake.build_in_child, args=(str(tmp_path / ODD / "tools"), str(cache.root)), daemon=True)
     child.start()
     try:
-        return wait_for_pids(record, 2)
+        compilers = wait_for_pids(record, 2)
+        staging = next((cache.root / ".staging").glob("vg_causal_*"))
+        return [json.loads((staging / ninja.PID_FILE).read_text())["pid"], *compilers]
     finally:
         os.kill(child.pid, signal.SIGKILL)
         child.join(30)
@@ -312,15 +324,36 @@ def test_an_interrupted_precompile_ends_its_builds_at_once(tmp_path, sig, monkey
     assert not list(cache.entries()) and not (cache.root / ".failed").exists()
 
 
+def test_a_killed_builder_takes_ninja_and_its_compilers_with_it(toolchain, cache, monkeypatch, tmp_path):
+    """kill -9 of a builder left ninja and its compilers running as orphans (one of them holding
+    the shared object's lock) until a later build of the module: ninja now gets SIGTERM when its
+    builder dies and passes it to every compiler's process group."""
+    left = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path)
+    assert _gone(left), [p for p in left if ninja._alive(p)]
+    killed = next((cache.root / ".staging").glob("vg_causal_*"))
+    build_dir = Path((killed / build_place.BUILD_DIR_RECORD).read_text())  # (the cache path holds a $)
+    assert build.discard_killed_builds(cache) >= 1  # what `clear` does: the staging and build folders go
+    assert not killed.exists() and not build_dir.exists()
+    store = objects.object_cache(cache)
+    for uri in store.in_flight():  # the shared object's lock, if its compile had started, is free
+        with store.lock(uri, timeout=1):
+            pass
+
+
 def test_next_build_ends_a_killed_builders_compilers(toolchain, cache, monkeypatch, tmp_path):
-    """kill -9 of a builder leaves ninja and its compilers running (their own session); the next
-    build of the module ends them before it starts."""
-    orphans = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path)
+    """Compilers that ignore SIGTERM outlive their killed builder (and ninja waits for them); the
+    next build of the module ends them (SIGKILL after the grace time) before it starts."""
+    orphans = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path, ignore_term=True)
     time.sleep(0.5)
-    assert all(ninja._alive(p) for p in orphans)  # still compiling, for nobody
+    assert all(ninja._alive(p) for p in orphans[1:])  # still compiling, for nobody (ninja may be gone)
+    # the cache path holds a $: it was building in a private temporary folder, left behind
+    killed = next((cache.root / ".staging").glob("vg_causal_*"))
+    build_dir = Path((killed / build_place.BUILD_DIR_RECORD).read_text())
+    assert build_dir.is_dir() and build_dir.name.startswith(build_place.PREFIX)
     monkeypatch.delenv("VG_FAKE_NVCC_SLEEP")
     result = build.build_module(causal_config(), cache)
-    assert result.built and _gone(orphans)
+    assert not build_dir.exists()
+    assert result.built and _gone(orphans), [(p, ninja._stat_fields(p)[:4]) for p in orphans if ninja._alive(p)]
     assert leftovers(cache) == {".staging": [], ".locks": []}
 
 
@@ -333,7 +366,7 @@ def test_clear_removes_what_killed_builders_left(toolchain, cache, monkeypatch, 
 
     from variantgen.tools.cli import main
 
-    orphans = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path)
+    orphans = kill_a_builder_mid_compile(cache, monkeypatch, tmp_path, ignore_term=True)
     store = objects.object_cache(cache)
     killed = list((cache.root / ".staging").iterdir())
     try:

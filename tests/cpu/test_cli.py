@@ -499,6 +499,7 @@ def filled(clean):
     damaged = cache.root / "vg_causal_fa2_prefill_qfp16_kvfp16_ofp16_hd128x128_sm80_000000000000"
     damaged.mkdir()
     (damaged / "half-written.so").write_bytes(b"x")
+    (damaged / "build.ninja").write_text("")  # ours (every build writes one), its manifest lost
     return cache, entries, damaged
 
 

@@ -4,7 +4,11 @@ exist, so a path that ninja or the shell split shows up) and write small output 
 
 Behaviour is steered by environment variables the build passes on to the compilers:
 VG_FAKE_NVCC_SLEEP (seconds per compile), VG_FAKE_NVCC_FAIL (a source name part that fails
-to compile), VG_FAKE_PIDS (a file the compilers append their pids to, and their sleep's).
+to compile), VG_FAKE_PIDS (a file the compilers append their pids to, and their sleep's),
+VG_FAKE_NVCC_IGNORE_TERM (the compiler and its sleep ignore SIGTERM, as a stuck one might),
+VG_FAKE_LINK_ENOSPC (the link fails as on a full disk, with ld's messages).
+Like the real nvcc, the fake one hands the source's real path, the output path and TMPDIR to a
+shell in double quotes: a path holding ``$(...)`` runs it there, as it would with nvcc.
 nvcc prints the NVCC_APPEND_FLAGS and NVCC_CCBIN it was given into the build output.
 Own module (no pytest import), so that spawned child processes can use it too.
 """
@@ -17,6 +21,7 @@ from variantgen.build import builder as build
 from variantgen.build.builder import FlashInferInfo, Toolchain
 
 NVCC = r"""#!/bin/sh
+[ -z "$VG_FAKE_NVCC_IGNORE_TERM" ] || trap '' TERM
 out=""; dep=""; src=""
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -35,6 +40,14 @@ echo "fake nvcc: compiling $src"
 [ -z "$NVCC_APPEND_FLAGS" ] || echo "fake nvcc: NVCC_APPEND_FLAGS=$NVCC_APPEND_FLAGS"
 [ -z "$NVCC_CCBIN" ] || echo "fake nvcc: NVCC_CCBIN=$NVCC_CCBIN"
 [ -f "$src" ] || { echo "fake nvcc: $src: no such file"; exit 3; }
+# As the real nvcc does: its sub-tools run through a shell, with the source's real absolute path,
+# the output path and the temporary folder in double quotes (where $VAR, $(...) and `...` expand).
+# Only for sources in the build folder: the toolkit's own files may lie under odd test paths.
+case "$src" in /*) ;; *)
+  abs="$(pwd -P)/$src"
+  sh -c "[ -f \"$abs\" ] && : \"$out\" \"${TMPDIR:-/tmp}/tmpxft\"" || {
+    echo "fake nvcc: the sub-tools' shell did not find $abs"; exit 4; } ;;
+esac
 if [ -n "$VG_FAKE_NVCC_SLEEP" ]; then
   sleep "$VG_FAKE_NVCC_SLEEP" &
   [ -n "$VG_FAKE_PIDS" ] && echo $! >> "$VG_FAKE_PIDS"
@@ -59,6 +72,11 @@ while [ $# -gt 0 ]; do
   shift
 done
 echo "fake c++: linking $out"
+if [ -n "$VG_FAKE_LINK_ENOSPC" ]; then  # what gcc and ld print when the disk fills during the link
+  echo "/usr/bin/ld: final link failed: No space left on device"
+  echo "collect2: error: ld returned 1 exit status"
+  exit 1
+fi
 printf '\177ELF fake module\n' > "$out"
 """
 
@@ -73,8 +91,9 @@ def make_toolchain(root: Path) -> tuple[Toolchain, FlashInferInfo]:
     (cuda / "lib64" / "libcudart.so").write_bytes(b"")
     for name, text in (("nvcc", NVCC), ("c++", CXX)):
         script = cuda / "bin" / name
-        script.write_text(text)
-        script.chmod(0o755)
+        if not script.is_file() or script.read_text() != text:  # as it is: processes may run it now
+            script.write_text(text)
+            script.chmod(0o755)
     fi = root / "flash infer"
     include, csrc, system = fi / "include", fi / "csrc", fi / "cutlass include"
     for d in (include, csrc, system):

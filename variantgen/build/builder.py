@@ -35,11 +35,12 @@ from typing import Any, Protocol
 from .._version import __version__
 from ..codegen.render import RenderedModule, SharedUnit, canonical_arch, render_module
 from ..core.env import NVCC_FLAG_VARIABLES, settings
-from ..core.errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error
+from ..core.errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error, system_failure
 from ..core.progress import BuildProgress
 from ..lang.spec import VariantSpec
 from . import ninja as _ninja_run
 from . import objects as _objects
+from . import place as _place
 from .cache import Cache, Entry, LockHolder, LockTimeout, ModuleKey, path_error
 
 log = logging.getLogger("variantgen.build.builder")
@@ -407,7 +408,7 @@ class BuildResult:
 def _ninja() -> str:
     found = shutil.which("ninja")
     if found:
-        return found
+        return os.path.abspath(found)  # ninja starts in the build folder (ninja.run's wrapper)
     bindir = Path(sys.executable).parent / "ninja"
     if bindir.exists():
         return str(bindir)
@@ -511,6 +512,7 @@ def _end_killed(cache: Cache, uri: str) -> list[Path]:
     for old in attempts:
         if _ninja_run.end_recorded(old):
             log.warning("ended the compilers of a killed build of %s (%s)", uri, old)
+        _place.forget(old)
     return attempts
 
 
@@ -566,13 +568,23 @@ def _build_in(staging: Path, rendered: RenderedModule, key: ModuleKey, tc: Toolc
         shared[unit.file] = (unit_key, describe)
     # Paths inside the folder are written relative to it (ninja runs in it): a failed build kept
     # in .failed/<uri>, or a published entry, re-runs there as it is.
-    _write(staging / "build.ninja", _ninja_file(rendered, tc, Path("src"), out_name, shared, store.root))
-    cmd = [_ninja(), "-C", str(staging), "-f", "build.ninja"]
+    # The store through a link in the build folder: its path may hold anything (build_place.py)
+    _write(staging / "build.ninja", _ninja_file(rendered, tc, Path("src"), out_name, shared, Path(_place.STORE_LINK)))
+    with _place.compile_dir(staging, store.root) as where:
+        return _run_and_publish(where, staging, rendered, key, tc, cache, jobs, progress, out_name, shared)
+
+
+def _run_and_publish(where: Path, staging: Path, rendered: RenderedModule, key: ModuleKey, tc: Toolchain,
+                     cache: Cache, jobs: int | None, progress: ProgressFactory | None, out_name: str,
+                     shared: dict[str, tuple[ModuleKey, Path]]) -> Entry:
+    """Run ninja in ``where`` (the staging folder, or a plain-named copy of it: build_place.py);
+    publish the staging folder, or keep it as failed."""
+    cmd = [_ninja(), "-C", str(where), "-f", "build.ninja"]
     s = settings()
     jobs = jobs or s.build_jobs
     if jobs:
         cmd += ["-j", str(jobs)]
-    env = build_env(tc)
+    env = _place.build_env(build_env(tc), where)
     if s.nvcc_env:
         log.info("building %s with %s (part of its key)", key.uri,
                  ", ".join(f"{name}={value!r}" for name, value in s.nvcc_env))
@@ -580,31 +592,38 @@ def _build_in(staging: Path, rendered: RenderedModule, key: ModuleKey, tc: Toolc
     report = (progress or BuildProgress)(key.uri, units, rendered.config.kind)
     ok = False
     try:
-        run = _ninja_run.run(cmd, cwd=staging, env=env, log_path=staging / "build.log", timeout=s.build_timeout_s,
-                             on_status=report.update)
-        ok = run.returncode == 0 and not run.timed_out and (staging / out_name).is_file()
+        run = _ninja_run.run(cmd, cwd=where, env=env, log_path=staging / "build.log", timeout=s.build_timeout_s,
+                             on_status=report.update, record_dir=staging)
+        ok = run.returncode == 0 and not run.timed_out and (where / out_name).is_file()
+        if ok:
+            _place.bring_back(where, staging, out_name)
     finally:
         report.close(ok)
+    (staging / _place.BUILD_DIR_RECORD).unlink(missing_ok=True)  # for killed builds only; ours ends below
     if not ok:
         if run.timed_out:
             what = f"timed out after {run.seconds:.0f}s (VARIANTGEN_BUILD_TIMEOUT={s.build_timeout_s:g}); ended"
         else:
             what = f"ninja exit {run.returncode} after {run.seconds:.1f}s"
         message = f"building module {key.uri} failed ({what})"
+        cause = system_failure(run.output)
+        if cause:  # the tools' last words ("ld returned 1 exit status") hide it
+            message += f": {cause} (in the cache {cache.root}, or the build's temporary folder {where})"
         kept = cache.keep_failed(key.uri, staging, {"key_digest": key.digest, "message": what,
                                                    "first_error": first_compiler_error(run.output)})
         raise BuildError(
             message + (f"; {run.log_problem}" if run.log_problem else ""),
             log_path=str(kept / "build.log"),
-            command="".join(f"{name}={shlex.quote(value)} " for name, value in s.nvcc_env)
-                    + f"ninja -C {shlex.quote(str(kept))} -f build.ninja",
+            command=_place.reproduce_command(kept, "".join(f"{name}={shlex.quote(value)} "
+                                                           for name, value in s.nvcc_env)),
             output=run.output,
         )
     if run.log_problem:
         log.warning("module %s built; its build.log is incomplete: %s", key.uri, run.log_problem)
     # Keep what explains the module (sources, ninja file, log); drop the bulky objects.
     shutil.rmtree(staging / "obj", ignore_errors=True)
-    for junk in (".ninja_deps", ".ninja_log"):
+    shutil.rmtree(staging / "tmp", ignore_errors=True)
+    for junk in (".ninja_deps", ".ninja_log", _place.STORE_LINK):
         (staging / junk).unlink(missing_ok=True)
     manifest = {
         "module_file": out_name,

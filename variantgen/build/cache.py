@@ -33,11 +33,13 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import math
 import os
 import re
 import shutil
 import socket
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -46,7 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import CacheError
+from ..core.safe_read import lstat_kind, open_regular, read_text_bounded
 
+log = logging.getLogger("variantgen.build.cache")
 MANIFEST = "manifest.json"
 FAILURE = "failure.json"
 MANIFEST_VERSION = 1
@@ -81,10 +85,11 @@ def _digest(obj: object) -> str:
 
 
 def _read_json(path: Path) -> Any:
-    """A JSON file's value: OSError if it cannot be read, ValueError if it is not JSON - nested
-    too deeply included (``[[[[...``: json raised RecursionError, a traceback from `variantgen
-    list` and from every lookup of the entry)."""
-    text = path.read_text()
+    """A JSON file's value: OSError if it cannot be read or is no regular file of a bounded size
+    (a FIFO hung `list` and lookups, a link to /dev/zero ran out of memory: safe_read.py),
+    ValueError if it is not JSON - nested too deeply included (``[[[[...``: json raised
+    RecursionError, a traceback from `variantgen list` and from every lookup of the entry)."""
+    text = read_text_bounded(path)
     try:
         return json.loads(text)
     except RecursionError:
@@ -93,7 +98,7 @@ def _read_json(path: Path) -> Any:
 
 def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open(open_regular(path), "rb") as f:  # a regular file, not a link: never a FIFO or a device
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
@@ -174,25 +179,32 @@ class Cache:
         ``verify`` (reads the file: ~1 ms per MiB)."""
         path = self.entry_dir(uri)
         manifest_path = path / MANIFEST
+        if path.is_symlink():  # variantgen never makes one; its target may lie anywhere
+            return Lookup(None, f"entry {path} is a symbolic link (not followed)")
         if not path.is_dir():
             return Lookup(None, "not in cache")
         try:
             manifest = _read_json(manifest_path)
         except FileNotFoundError:
             return Lookup(None, f"entry {path} has no manifest (incomplete or damaged)")
-        except (OSError, ValueError) as e:
+        except OSError as e:
+            return Lookup(None, f"entry {path} has an unreadable manifest ({MANIFEST} {e.strerror or e})")
+        except ValueError as e:
             return Lookup(None, f"entry {path} has an unreadable manifest ({e})")
         problem = _manifest_problem(manifest, uri)
         if problem:
             return Lookup(None, f"entry {path}: {problem}")
         entry = Entry(self.root, uri, manifest)
         module = entry.module_path
+        kind = lstat_kind(module)  # not followed: the loader must read this very file
+        if kind == "missing":
+            return Lookup(None, f"entry {path}: module file {module.name} is missing")
+        if kind is not None:
+            return Lookup(None, f"entry {path}: module file {module.name} is {kind}, not a regular file")
         try:
-            size = module.stat().st_size if module.is_file() else None
+            size = module.stat().st_size
         except OSError as e:
             return Lookup(None, f"entry {path}: module file {module.name} is unreadable ({e.strerror or e})")
-        if size is None:
-            return Lookup(None, f"entry {path}: module file {module.name} is missing")
         if size != manifest["module_size"]:
             return Lookup(None, f"entry {path}: module file size differs from the manifest (truncated?)")
         if verify:
@@ -236,15 +248,32 @@ class Cache:
         return out
 
     def entries(self, *, verify: bool = True) -> Iterator[tuple[str, Lookup]]:
-        """Every folder named like a URI, with its lookup (a damaged entry says why)."""
+        """Every entry variantgen wrote (is_ours), with its lookup (a damaged entry says why)."""
         for path in self._top_level():
-            if path.is_dir() and looks_like_uri(path.name):
+            if self.is_ours(path.name):
                 yield path.name, self.lookup(path.name, verify=verify)
 
     def others(self) -> list[Path]:
         """What else lies in the cache root (not an entry, not one of our hidden folders): a
-        user's files, a README. Listed, never removed."""
-        return [p for p in self._top_level() if not (p.is_dir() and looks_like_uri(p.name))]
+        user's files, a README, a folder that only looks like an entry. Listed, never removed."""
+        return [p for p in self._top_level() if not self.is_ours(p.name)]
+
+    def is_ours(self, name: str) -> bool:
+        """Whether top-level folder ``name`` is an entry variantgen wrote: named like a URI, a real
+        folder (not a link), and holding what a build writes (a manifest or its build.ninja), or
+        named by a failure record, a staging folder or a lock file of that URI. A user's folder
+        whose name merely looks like a URI (``vg_mydata_sm90a_0123456789ab``) is none of these:
+        `clear` removed it as a "damaged entry"."""
+        if not looks_like_uri(name):
+            return False
+        path = self.root / name
+        try:
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                return False
+        except OSError:
+            return False
+        return (_written_by_us(path) or os.path.lexists(self.failed_dir(name) / FAILURE)
+                or os.path.lexists(self.lock_path(name)) or bool(self.attempts(name)))
 
     def _top_level(self) -> list[Path]:
         if not self.root.is_dir():
@@ -353,7 +382,10 @@ class Cache:
                 os.fsync(f.fileno())
             os.replace(tmp, staging / MANIFEST)
             where = target
-            if target.exists():  # a damaged entry found by lookup; we hold the lock
+            if os.path.lexists(target):  # a damaged entry found by lookup; we hold the lock
+                if target.is_symlink() or not _written_by_us(target):
+                    raise CacheError(f"cannot publish module {uri}: {target} exists and is not a variantgen entry "
+                                     "(no manifest, no build.ninja); move it out of the cache folder")
                 self._discard(target)
             os.replace(staging, target)
         except OSError as e:
@@ -392,10 +424,13 @@ class Cache:
             return None
 
     def remove(self, uri: str, *, timeout: float = 1800.0) -> bool:
-        """Remove entry ``uri`` (under its lock: not while it is being built)."""
+        """Remove entry ``uri`` (under its lock: not while it is being built). A folder that is
+        not variantgen's (is_ours) is left: CacheError."""
         path = self.entry_dir(uri)
-        if not path.exists():
+        if not os.path.lexists(path):
             return False
+        if not self.is_ours(uri):  # judged before our own lock file exists
+            raise CacheError(f"{path} is not a variantgen entry (no manifest, no build record); not removed")
         with self.lock(uri, timeout=timeout):
             if not path.exists():  # removed by another process while we waited for the lock
                 return False
@@ -462,9 +497,11 @@ def _acquire(path: Path, uri: str, timeout: float, on_wait: Callable[[LockHolder
     delay, told = 0.01, False
     while True:
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = _open_lock(path)
         except OSError as e:
             raise path_error(e, path, "open the build lock") from None
+        if fd is None:
+            continue  # something other than a lock file was there; removed
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -495,6 +532,39 @@ def _acquire(path: Path, uri: str, timeout: float, on_wait: Callable[[LockHolder
         if same:
             return fd
         os.close(fd)
+
+
+def _written_by_us(path: Path) -> bool:
+    """Whether entry folder ``path`` holds a file every build writes into it (whatever state
+    that file is in: a damaged manifest still marks the folder as ours)."""
+    return os.path.lexists(path / MANIFEST) or os.path.lexists(path / "build.ninja")
+
+
+def _open_lock(path: Path) -> int | None:
+    """The lock file's descriptor, the file created if missing; None after removing something
+    that is no lock file (a link, a FIFO: variantgen only ever creates regular files there, and
+    opening a link would lock its target, a FIFO or /dev/zero would hang or fill a reader)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o666)
+    except OSError as e:
+        if e.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise
+        fd = None
+    if fd is not None and stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    if fd is not None:
+        os.close(fd)
+    kind = lstat_kind(path)
+    log.warning("removing %s: %s where a build lock file belongs", path, kind)
+    try:
+        if kind == "a folder":
+            os.rmdir(path)
+        else:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return None
 
 
 def _check_uri(uri: str) -> None:

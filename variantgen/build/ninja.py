@@ -3,6 +3,16 @@
 * Paths in a ninja file need ninja's escapes (``$ `` for a space, ``$:`` for a colon, ``$$``
   for a dollar) in build lines, and shell quoting plus ``$$`` in command variables: a cache
   under ``/data/my cache`` or ``/srv/$USER`` must build like any other.
+* ninja dies with its builder: it is started through a tiny exec wrapper that asks the kernel
+  for SIGTERM when its parent dies (``PR_SET_PDEATHSIG``, Linux), and ninja answers SIGTERM by
+  sending it to the process group of every command it runs - which holds the compiler and the
+  sub-tools it started. A pdeathsig on ninja alone would not be enough with SIGKILL (ninja could
+  not pass it on); SIGTERM lets ninja do the passing. So ``kill -9`` of a builder no longer
+  leaves ninja and its compilers running (one of them holding a shared object's lock) until a
+  later build of the module. A compiler that ignores SIGTERM is still ended by that later build
+  (the pid record below). The wrapper, not ``preexec_fn``: builds run in worker threads, where
+  running Python code between fork and exec is unsafe. (The kernel ties the signal to the thread
+  that started ninja; run() waits for ninja in that very thread, so it outlives the build.)
 * ninja runs in its own session (process group), so a terminal's Ctrl-C reaches only us:
   on an error, an interrupt or the build timeout we end ninja and every compiler below it
   (ninja gives each command its own process group, so the group of ninja alone is not
@@ -17,6 +27,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -25,6 +36,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -32,6 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import ToolchainError
+from ..core.safe_read import read_text_bounded
 
 log = logging.getLogger("variantgen.build.builder")
 STATUS = "[%f/%t] "  # NINJA_STATUS: finished / total edges
@@ -68,9 +81,10 @@ class NinjaRun:
 
 
 def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, timeout: float | None,
-        on_status: Callable[[int, int], None] | None = None) -> NinjaRun:
-    """Run ninja ``cmd`` in ``cwd`` (the staging folder); stream its output into ``log_path``
-    and ``on_status(done, total)``. Ends the whole process tree if this returns by an exception
+        on_status: Callable[[int, int], None] | None = None, record_dir: Path | None = None) -> NinjaRun:
+    """Run ninja ``cmd`` in ``cwd`` (the build folder); stream its output into ``log_path``
+    and ``on_status(done, total)``; ninja's pid is recorded in ``record_dir`` (the staging folder,
+    default ``cwd``: end_recorded). Ends the whole process tree if this returns by an exception
     (KeyboardInterrupt, BuildAborted included) or the timeout; what is left of ninja's session if
     ninja exits non-zero."""
     t0 = time.perf_counter()
@@ -81,14 +95,14 @@ def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, t
     except OSError as e:
         log_file, log_problem = None, f"cannot write {log_path}: {e.strerror or e}"
     try:
-        proc = subprocess.Popen(list(cmd), cwd=cwd, env=dict(env, NINJA_STATUS=STATUS), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(_dies_with_us(cmd), cwd=cwd, env=dict(env, NINJA_STATUS=STATUS), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True, errors="replace",
                                 bufsize=1, start_new_session=True)
     except OSError as e:
         if log_file is not None:
             log_file.close()
         raise ToolchainError(f"cannot run {cmd[0]}: {e.strerror or e}") from None
-    record = cwd / PID_FILE
+    record = (record_dir or cwd) / PID_FILE
     try:
         record.write_text(json.dumps({"pid": proc.pid, "start": _start_ticks(proc.pid), "host": socket.gethostname()}))
     except OSError:
@@ -145,6 +159,35 @@ def run(cmd: Sequence[str], *, cwd: Path, env: dict[str, str], log_path: Path, t
     return NinjaRun(proc.returncode, "".join(lines), time.perf_counter() - t0, timed_out, log_problem)
 
 
+# argv: the builder's pid, then the command. Exits (never runs the command) if the builder died
+# before the request took effect; prctl's failure (not Linux) leaves the command to run as before.
+_PDEATHSIG_EXEC = """\
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+except (OSError, AttributeError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _dies_with_us(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` (its first item a path) started through the wrapper that ends it with our process
+    (see the module's doc); as it is where there is no Python to run the wrapper or no prctl."""
+    exe = str(cmd[0])
+    if os.sep in exe:  # what Popen would say, before the wrapper runs (its exec fails later, less clearly)
+        if not os.path.exists(exe):
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), exe)
+        if os.path.isdir(exe) or not os.access(exe, os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), exe)
+    python = sys.executable
+    if not python or not sys.platform.startswith("linux"):
+        return list(cmd)
+    return [python, "-I", "-S", "-c", _PDEATHSIG_EXEC, str(os.getpid()), *cmd]
+
+
 ABORT = threading.Event()
 """Set: every build running in this process ends its ninja tree and raises BuildAborted (an
 interrupted `variantgen precompile`, whose builds run in worker threads that no signal reaches)."""
@@ -181,12 +224,24 @@ def end_recorded(staging: Path) -> bool:
     """End the ninja tree recorded in an old staging folder, if it still runs on this host
     (its builder was killed). True if one was ended."""
     try:
-        data = json.loads((staging / PID_FILE).read_text())
+        data = json.loads(read_text_bounded(staging / PID_FILE))
         pid, start, host = int(data["pid"]), data.get("start"), str(data["host"])
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    if host != socket.gethostname() or start is None or _start_ticks(pid) != start:
-        return False  # gone, or the pid now belongs to another process
+    if host != socket.gethostname() or start is None:
+        return False
+    fields = _stat_fields(pid)
+    now = int(fields[19]) if fields is not None else None
+    if now is None or (now == start and fields[0] == "Z"):
+        # ninja is gone, or a zombie nobody reaps (it ends on its builder's death, without waiting
+        # for a compiler that ignores SIGTERM); what it started keeps its session. The kernel does
+        # not reuse a pid while a process still has it as its session id, so these are ninja's.
+        left = [p for p, fields in _processes() if int(fields[3]) == pid]
+        if left:
+            _terminate(left)
+        return bool(left)
+    if now != start:
+        return False  # the pid now belongs to another process
     end_tree(pid)
     return True
 

@@ -86,11 +86,16 @@ def _compile(store: Cache, uri: str, command: list[str], describe: dict) -> Entr
     """Compile object ``uri`` into a staging folder and publish it (the entry publish returns:
     its manifest has the sha256 it just computed, no need to read the object again)."""
     staging = store.new_staging(uri)
+    # The compiler writes into the module's build folder (our working folder, whose path is plain:
+    # build_place.py), by a relative name; the store's path may hold anything and must not reach
+    # nvcc's shell. We move the object into the store's staging folder ourselves.
+    local = Path(f".{uri}.{uuid.uuid4().hex[:8]}.o")
     try:
         target = staging / OBJECT_FILE
-        cmd = [str(target) if arg == PLACEHOLDER else arg for arg in command]
+        cmd = [str(local) if arg == PLACEHOLDER else arg for arg in command]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True, stdin=subprocess.DEVNULL)
+        shutil.move(local, target)
         return store.publish(uri, staging, {
             "module_file": OBJECT_FILE,
             **describe,
@@ -103,6 +108,8 @@ def _compile(store: Cache, uri: str, command: list[str], describe: dict) -> Entr
     except BaseException:
         store.discard_staging(staging)
         raise
+    finally:
+        local.unlink(missing_ok=True)
 
 
 def main(argv: list[str] | None = None) -> int:

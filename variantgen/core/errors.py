@@ -201,8 +201,27 @@ class LaunchError(VariantgenError, ValueError):
     """A wrapper call was given arguments the kernel cannot take (raised before launch)."""
 
 
+# What the system said when a build ran out of something: the real cause behind a tool's generic
+# failure line (a full disk at link time printed "ld: final link failed: No space left on device",
+# then "collect2: error: ld returned 1 exit status", and only the latter was reported).
+SYSTEM_FAILURES = ("No space left on device", "Disk quota exceeded", "Read-only file system",
+                   "Cannot allocate memory", "Too many open files", "File too large")
+
+
+def system_failure(output: str) -> str | None:
+    """The first line of build output naming one of SYSTEM_FAILURES, or None."""
+    for line in output.splitlines():
+        if any(cause in line for cause in SYSTEM_FAILURES):
+            return line.strip()[:400]
+    return None
+
+
 def first_compiler_error(output: str) -> str | None:
-    """The first line of compiler output that looks like an error, for short reasons."""
+    """The first line of compiler output that names a system failure (a full disk), else the
+    first that looks like an error, for short reasons."""
+    found = system_failure(output)
+    if found:
+        return found
     for line in output.splitlines():
         low = line.lower()
         if " error" in low or low.startswith("error") or "error:" in low or "fatal" in low:

@@ -28,7 +28,7 @@ from typing import Any
 import click
 
 from .._version import __version__
-from ..build.cache import Cache, LockTimeout, age_seconds, spec_of_uri
+from ..build.cache import Cache, LockTimeout, age_seconds, looks_like_uri, spec_of_uri
 from ..build.objects import OBJECTS_DIR, object_cache
 from ..codegen.render import ModuleConfig
 from ..core import env
@@ -684,14 +684,19 @@ def list_cmd(cache_dir: str | None, verbose: bool, no_verify: bool) -> None:
     or manifest) says why in its last column."""
     cache = _cache(cache_dir)
     entries = list(cache.entries(verify=not no_verify))
+    # Folders named like a module that variantgen did not write (no manifest, no build record):
+    # a user's, left alone by `clear` too
+    lookalikes = [p.name for p in cache.others() if looks_like_uri(p.name)]
     if not entries:
         click.echo(f"no modules in {cache.root}")
+        _echo_lookalikes(lookalikes)
         return
     headers = ["uri", "spec", "head dims", "q/kv/o", "backend", "size", "age", "flashinfer", "nvcc", "arch"]
     rows = [_entry_row(uri, found, cache.root) for uri, found in entries]
     click.echo(_table(headers, rows))
     damaged = sum(1 for _, found in entries if not found)
     click.echo(f"{len(entries)} module(s) in {cache.root}" + (f", {damaged} damaged" if damaged else ""))
+    _echo_lookalikes(lookalikes)
     shared = [found for _, found in object_cache(cache).entries(verify=False) if found]
     if shared:
         size = sum(f.entry.manifest.get("module_size", 0) for f in shared)
@@ -713,6 +718,12 @@ def list_cmd(cache_dir: str | None, verbose: bool, no_verify: bool) -> None:
                 click.echo(f"  toolchain.{k}: {v}")
             if "inputs_digest" in m:
                 click.echo(f"  inputs_digest: {m['inputs_digest']}")
+
+
+def _echo_lookalikes(names: list[str]) -> None:
+    if names:
+        click.echo(f"not variantgen's (named like a module, without a manifest or build record; left alone): "
+                   f"{', '.join(names)}")
 
 
 @main.command()
