@@ -148,7 +148,8 @@ def poison_keys(k: torch.Tensor, v: torch.Tensor, kv_lens: list[int], request: i
     """Write ``value`` (NaN, inf) into K and V of request ``request``'s first and last key, every
     KV head and element (in place): one bad request, for isolation tests. Paged caches ([pages,
     page_size, heads, dim], NHD) take ``kv_indptr`` (host list), ``kv_indices`` and ``page_size``;
-    ragged ones ([total_kv, heads, dim]) take neither. Returns the poisoned kv positions."""
+    ragged ones ([total_kv, heads, dim]) take neither. A value the cache's dtype cannot hold is
+    stored as torch converts it (fp8 e4m3 has no inf: 448). Returns the poisoned kv positions."""
     n = kv_lens[request]
     positions = sorted({0, n - 1}) if n else []
     for pos in positions:
