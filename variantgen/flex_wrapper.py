@@ -27,8 +27,9 @@ What plan() does (once per batch):
 run() gathers the pages (or ragged rows) of those keys into one contiguous buffer per K and V
 (Flex's paged-attention helper needs pages of its block size, 128, and caches use 1-64; on the
 H200 the gather of the benchmark workload's K and V took 0.17 ms against a ~11 ms kernel, see
-_gather), calls Flex, and writes o / lse. Inference only (no autograd); no CUDA-graph mode (plan() and run()
-sync with the host).
+_gather), calls Flex, and writes o / lse. run() is differentiable in q, k, v and float spec tensors
+(Flex's backward pass where it runs compiled, on CUDA; the dense path of flex_dense.py without
+compile=True, the CPU's default). No CUDA-graph mode (plan() and run() sync with the host).
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ class FlexWrapperBase(WrapperBase):
     """What the flex wrappers share: the layout tables, the block masks and the call."""
 
     _equal_kv_strides = False  # (K and V are gathered each with its own strides: qk and vo dims may differ)
+    _trains = True  # run() is differentiable: Flex's backward on the GPU, the dense path on the CPU
 
     def __init__(self, spec: VariantSpec, config: FlexConfig, workspace: torch.Tensor, kv_layout: str = "NHD"):
         super().__init__(spec, config, None, None, workspace, kv_layout)  # type: ignore[arg-type]

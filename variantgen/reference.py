@@ -245,7 +245,7 @@ def reference_attention(
         qb = q[qo[b]:qo[b + 1]].to(work)
         grid = RequestGrid(b, qo_len, kv_len, qo[b], kv_row_base, num_qo_heads, num_kv_heads, q.device)
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
-        scores = transform_logits(spec, grid, args, scores)
+        scores = transform_logits(spec, grid, args, scores).to(work)  # (the evaluator computes floats in float32)
         mask = mask_for_request(spec, grid, args)
         out[qo[b]:qo[b + 1]], lse[qo[b]:qo[b + 1]] = softmax_attention(scores.masked_fill(~mask, -math.inf), v,
                                                                        sink_for_request(spec, grid, args))
