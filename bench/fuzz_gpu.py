@@ -364,6 +364,7 @@ class Config:
     max_minimize: int = 12  # failure signatures (target, spec, kind) minimized
     session_reuse: float = 0.9  # graph targets: chance that a case replays in a live session
     max_sessions: int = 24  # live graph sessions (static buffers and a captured graph each)
+    poison: tuple[str, ...] = ()  # isolation cases: fz.POISONS values put into one request's K/V (--poison)
 
 
 @dataclass
@@ -518,7 +519,8 @@ class Fuzzer:
             self._lose(key, f"wrapper failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
             st.skip(m.spec, "module not available")
             return False
-        case = fz.draw_case(r, target, m, limits=self.cfg.limits, plans=plans, session=session)
+        case = fz.draw_case(r, target, m, limits=self.cfg.limits, plans=plans, session=session,
+                            poison=self.cfg.poison)
         result = runner.run(case)
         v, dt = result.verdict, time.perf_counter() - t1
         if _is_capacity_skip(target, v):
@@ -528,7 +530,9 @@ class Fuzzer:
         st.record(case, v, dt)
         if target.graph:
             st.coverage["graph"]["replayed in a live session" if session else "new session"] += 1
-        if self.flashinfer is not None and result.outcome is not None:
+        if case.poison:
+            st.coverage["poison"][case.poison] += 1
+        if self.flashinfer is not None and result.outcome is not None and not case.poison:  # (rows kept apart)
             self.flashinfer.compare(case, result.outcome)
         if not v.ok:
             self.failures.append((case, v))
@@ -684,6 +688,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="print the module matrix (precompile commands, their arguments, or a table) and exit")
     ap.add_argument("--fake", action="store_true",
                     help="run the harness on the CPU through the fake modules of tests/ (no GPU, no FlashInfer)")
+    ap.add_argument("--poison", default="", help="isolation cases: comma-separated values (nan, inf) put into K and V "
+                    "of one request's first and last key in every case of two requests or more; the other requests' "
+                    "rows must match the reference (finite), the poisoned request's are not compared")
     ap.add_argument("--out", type=Path, default=None, help="results JSON (default: bench/results/fuzz-gpu-...json)")
     args = ap.parse_args(argv)
 
@@ -714,7 +721,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("no CUDA GPU visible (use --fake to run the harness on the CPU)")
         modules = fz.CacheModules(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     cfg = Config(seconds=args.seconds, seed=args.seed, targets=targets, specs=specs, limits=limits,
-                 max_cases=args.max_cases, minimize_seconds=args.minimize_seconds, max_minimize=args.max_minimize)
+                 max_cases=args.max_cases, minimize_seconds=args.minimize_seconds, max_minimize=args.max_minimize,
+                 poison=names(args.poison, ["nan", "inf"], "poison") if args.poison else ())
     fi = None
     if fi_names:
         fi = FlashInferComparer(modules.device, fi_names)

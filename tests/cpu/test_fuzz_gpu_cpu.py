@@ -9,6 +9,7 @@ found, and the first two minimized into a regression test that names a smaller c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -455,3 +456,72 @@ def test_an_interrupted_run_keeps_what_it_found():
                                 FakeModules({("fa2", "prefill"): Interrupting}), log=quiet, checkpoint=seen.append)
     assert results["interrupted"] and not results["minimized"] and 3 <= results["cases"] < 40
     assert len(seen) == 1 and seen[0]["cases"] == results["cases"]
+
+
+# ----------------------------------------------------------------------------- isolation cases (--poison)
+
+
+class LeakingValues(FakeModule):
+    """A planted leak: every row of the batch meets every value of the cache (0 x NaN = NaN), as
+    a kernel whose tiles straddle two requests would."""
+
+    def paged_run(self, *a):
+        super().paged_run(*a)
+        a[10].add_(0 * a[5].float().sum().to(a[10].dtype))
+
+
+def test_poisoned_cases_keep_every_other_request_finite_on_every_fake_target():
+    """--poison: NaN / inf in one request's K and V; on every target (the fa2/fa3 prefill, decode and
+    ragged fakes, graph replays too) the other requests' rows match the reference, while the
+    poisoned request's reference rows do hold the NaN / inf."""
+    r = random.Random(5)
+    runner = fz.CaseRunner(FakeModules())
+    poisoned = set()
+    for target in TARGETS:
+        for _ in range(3):
+            m = r.choice(fuzz_gpu.modules_of(target, ("causal", "sliding_window", "document")))
+            case = fz.draw_case(r, target, m, limits=LIMITS, poison=("nan", "inf"))
+            if len(case.batch.qo_lens) < 2:
+                continue
+            assert case.poison in ("nan", "inf") and fz.from_json(fz.to_json(case)) == case
+            t = fz.make_tensors(case, case.batch, torch.device("cpu"))
+            ref = fz.reference(case, t)[0]
+            keep = fz.compared_rows(case)
+            held = not torch.isfinite(t.v.float()).all()  # (fp8 e4m3 has no inf: torch stores 448)
+            if held and (~keep).any():
+                assert not torch.isfinite(ref[~keep]).all(), case.label()  # the poison is there
+            assert torch.isfinite(ref[keep]).all(), case.label()
+            v = runner.run(case).verdict
+            assert v.ok, f"{case.label()} poison={case.poison}: {v.kind}: {v.message}"
+            poisoned.add((target.name, case.poison))
+    assert {t for t, _ in poisoned} == {t.name for t in TARGETS}
+    assert {p for _, p in poisoned} == {"nan", "inf"}
+
+
+def test_a_value_leaking_across_requests_is_found():
+    case = FuzzCase("fa2/prefill", ModuleKey("causal"), Batch((5, 1, 7), (9, 6, 20), (), seed=3), 4, 2, 4,
+                    poison="nan")
+    assert fz.CaseRunner(FakeModules()).run(case).verdict.ok
+    v = fz.CaseRunner(FakeModules({("fa2", "prefill"): LeakingValues})).run(case).verdict
+    assert v.kind == "nan" and "8 of 8 rows" in v.message, v.message
+    assert fz.CaseRunner(FakeModules({("fa2", "prefill"): LeakingValues})).run(
+        dataclasses.replace(case, poison="")).verdict.ok  # (no poison, nothing to leak)
+
+
+def test_compare_requires_the_reference_nan_positions():
+    ref = torch.tensor([[1.0, math.nan], [2.0, 3.0]])
+    assert fz.compare(ref.clone(), ref, "bf16").ok
+    v = fz.compare(torch.tensor([[1.0, 0.0], [2.0, 3.0]]), ref, "bf16")  # a NaN in, a number out
+    assert v.kind == "nan" and v.message.startswith("1 of 2 rows"), v.message
+
+
+def test_main_fake_mode_runs_isolation_cases(tmp_path):
+    out = tmp_path / "fuzz.json"
+    rc = fuzz_gpu.main(["--fake", "--seconds", "600", "--max-cases", "12", "--seed", "4", "--targets",
+                        "fa2/prefill,fa2/ragged", "--specs", "causal", "--poison", "nan,inf", "--out", str(out)])
+    results = json.loads(out.read_text())
+    assert rc == 0 and results["cases"] == 12 and not results["failures"]
+    counted = sum(sum(t["coverage"].get("poison", {}).values()) for t in results["targets"].values())
+    assert counted > 0
+    with pytest.raises(SystemExit):
+        fuzz_gpu.main(["--fake", "--poison", "zero"])

@@ -30,7 +30,7 @@ import torch
 
 from ..core.env import REPO_DIR
 from ..lang.spec import ScalarArg, VariantSpec, load_spec
-from .harness import within_range
+from .harness import nan_positions_differ, poison_keys, within_range
 
 # ----------------------------------------------------------------------------- what is fuzzed
 
@@ -57,6 +57,12 @@ PLAN_PATHS = {
     "trim": "CUDA-core decode with key trimming (the row pass of the spec's planner module where there is one)",
 }
 _PLANNED = ("off", "module", "nomodule")
+
+# Isolation cases: this value goes into K and V of one request's first and last key (every KV
+# head and element: the request the batch's first keys belong to, poisoned_request); the other
+# requests' rows must come out finite and equal to the reference, the poisoned request's rows are
+# not compared (a kernel computes whole tiles: a masked key's NaN may reach its own request's rows).
+POISONS = {"": 0.0, "nan": math.nan, "inf": math.inf}
 
 # Every (backend, kind) path the fuzzer covers, in one table. A (backend, kind) pair that
 # capabilities.HEAD_DIMS gains (say fa3 ragged) needs its row here (tests/cpu/test_fuzz_gpu_cpu.py checks).
@@ -238,6 +244,7 @@ class FuzzCase:
     return_lse: bool = False
     scales: tuple[float | None, float | None, float | None] = (None, None, None)  # q, k, v
     graph: GraphSetup | None = None
+    poison: str = ""  # a POISONS key: NaN / inf in one request's K and V (isolation), or "" for none
 
     def __post_init__(self) -> None:
         problem = self.problem()
@@ -257,6 +264,8 @@ class FuzzCase:
             return f"page_size={self.page_size}: expected >= 1"
         if len(self.scales) != 3:
             return f"scales={self.scales!r}: expected (q_scale, k_scale, v_scale)"
+        if self.poison not in POISONS:
+            return f"poison={self.poison!r}: expected one of {list(POISONS)}"
         if (self.graph is not None) != target.graph:
             return f"graph: target {self.target} {'needs' if target.graph else 'takes no'} GraphSetup"
         batches = [("batch", self.batch)] + ([("graph.capture", self.graph.capture)] if self.graph else [])
@@ -508,10 +517,13 @@ def graph_capacity(target: Target, limits: Limits, page_size: int, batch_size: i
 
 
 def draw_case(r: random.Random, target: Target, module: ModuleKey, *, limits: Limits = Limits(),
-              plans: tuple[str, ...] | None = None, session: FuzzCase | None = None) -> FuzzCase:
+              plans: tuple[str, ...] | None = None, session: FuzzCase | None = None,
+              poison: tuple[str, ...] = ()) -> FuzzCase:
     """A random case of ``target`` on ``module``. ``plans``: the plan paths available (default:
     the target's). ``session`` (graph targets): a case of an existing graph session - the new case
-    replays another batch in it (same heads, page size, plan path, scalars, scales, capacity)."""
+    replays another batch in it (same heads, page size, plan path, scalars, scales, capacity).
+    ``poison``: POISONS keys, one drawn for each case of two requests or more (isolation cases;
+    draws nothing more when empty, so a seed gives the same cases as without it)."""
     spec = shipped_spec(module.spec)
     if session is not None:
         if session.graph is None or session.target != target.name or session.module != module:
@@ -534,9 +546,12 @@ def draw_case(r: random.Random, target: Target, module: ModuleKey, *, limits: Li
         cap = graph_capacity(target, limits, page_size, len(batch.qo_lens))
         longest = limits.max_decode_q_len if target.kind == "decode" and target.tensor_cores else None
         graph = GraphSetup(batch, *cap, max_qo_len=longest)
-    return FuzzCase(target.name, module, batch, group * hkv, hkv, page_size, plan, scalars,
+    case = FuzzCase(target.name, module, batch, group * hkv, hkv, page_size, plan, scalars,
                     disable_split_kv=not target.graph and r.random() < 0.2, return_lse=r.random() < 0.5,
                     scales=scales, graph=graph)
+    if poison and len(batch.qo_lens) > 1:
+        case = replace(case, poison=r.choice(poison))
+    return case
 
 
 # ----------------------------------------------------------------------------- tensors of a case
@@ -661,6 +676,8 @@ def make_tensors(case: FuzzCase, batch: Batch, device: torch.device) -> CaseTens
             kv_indptr.append(kv_indptr[-1] + n)
         k = randn(kv_indptr[-1], hkv, m.head_dim_qk).to(kvdt)
         v = randn(kv_indptr[-1], hkv, m.head_dim_vo).to(kvdt)
+        if case.poison:
+            poison_keys(k, v, kv, poisoned_request(batch), POISONS[case.poison])
         return CaseTensors(q, k, v, _int_tensor(qo_indptr, device), _int_tensor(kv_indptr, device), None, None,
                            args)
     ps = case.page_size
@@ -683,8 +700,26 @@ def make_tensors(case: FuzzCase, batch: Batch, device: torch.device) -> CaseTens
     k = torch.where(owned, randn(pool, ps, hkv, m.head_dim_qk), POISON_K).to(kvdt)
     v = torch.where(owned, randn(pool, ps, hkv, m.head_dim_vo), POISON_V).to(kvdt)
     last = [(n - 1) % ps + 1 if n else 0 for n in kv]
+    if case.poison:
+        poison_keys(k, v, kv, poisoned_request(batch), POISONS[case.poison], kv_indptr=kv_indptr,
+                    kv_indices=torch.tensor(order[:used]), page_size=ps)
     return CaseTensors(q, k, v, _int_tensor(qo_indptr, device), _int_tensor(kv_indptr, device),
                        _int_tensor(order[:used], device), _int_tensor(last, device), args)
+
+
+def poisoned_request(batch: Batch) -> int:
+    """The request an isolation case poisons: the first one with keys (0 if none has any)."""
+    return next((i for i, n in enumerate(batch.kv_lens) if n), 0)
+
+
+def compared_rows(case: FuzzCase) -> torch.Tensor | None:
+    """Bool [total_q]: the rows compared with the reference (all but the poisoned request's in an
+    isolation case), or None for all."""
+    if not case.poison:
+        return None
+    from .harness import rows_of_requests
+
+    return ~rows_of_requests(list(case.batch.qo_lens), [poisoned_request(case.batch)])
 
 
 def reference(case: FuzzCase, t: CaseTensors) -> tuple[torch.Tensor, torch.Tensor]:
@@ -713,7 +748,7 @@ VERDICTS = {
     "pass": "matches the reference",
     "error": "plan() or run() raised",
     "unwritten": "output rows left as they were before the run",
-    "nan": "NaN or inf in the output",
+    "nan": "NaN or inf in the output where the reference has none (or the reverse)",
     "mismatch": "output off the reference beyond the tolerance",
     "lse": "LSE off the reference (or its -inf pattern differs)",
     "rows_past_batch": "graph replay wrote rows past the batch",
@@ -754,14 +789,16 @@ def compare(out: torch.Tensor, ref: torch.Tensor, o_dtype: str, lse: torch.Tenso
     flat = o.reshape(rows, -1)
     ref_flat = ref.reshape(rows, -1)
     unwritten = (flat == SENTINEL).all(dim=1)
-    nonfinite = ~torch.isfinite(flat).all(dim=1)
-    err = (flat - ref_flat).abs()
+    # NaN / inf where the reference has none, or none where it has one: a NaN in is NaN out
+    nonfinite = nan_positions_differ(flat, ref_flat)
+    both = torch.isfinite(flat) & torch.isfinite(ref_flat)
+    err = torch.where(both, (flat - ref_flat).abs(), torch.zeros_like(flat))
     bad = (err > atol + rtol * ref_flat.abs()).any(dim=1) | nonfinite
-    finite_err = torch.where(torch.isfinite(err), err, torch.zeros_like(err))
+    finite_err = err
     stats = torch.stack([unwritten.sum().float(), nonfinite.sum().float(), bad.sum().float(),
                          finite_err.max() if err.numel() else err.new_zeros(()),
                          # (floored for an all-zero reference: rows with no visible key)
-                         (flat - ref_flat).norm() / ref_flat.norm().clamp_min(atol * math.sqrt(err.numel()))])
+                         err.norm() / torch.where(both, ref_flat, 0).norm().clamp_min(atol * math.sqrt(err.numel()))])
     lse_bad = None
     if lse is not None and ref_lse is not None:
         fin = torch.isfinite(ref_lse)
@@ -777,7 +814,8 @@ def compare(out: torch.Tensor, ref: torch.Tensor, o_dtype: str, lse: torch.Tenso
     if n_unwritten:
         v.kind, v.message = "unwritten", f"{n_unwritten} of {rows} rows not written"
     elif n_nonfinite:
-        v.kind, v.message = "nan", f"{n_nonfinite} of {rows} rows have NaN/inf"
+        v.kind, v.message = "nan", f"{n_nonfinite} of {rows} rows have NaN/inf where the reference has none (or none " \
+                                   "where it has)"
     elif n_bad or not rel <= rel_tol:
         v.kind = "mismatch"
         v.message = (f"{n_bad} of {rows} rows off (max abs err {max_err:.3g}, tolerance {atol:g} + {rtol:g}|ref|); "
@@ -1050,6 +1088,11 @@ class CaseRunner:
                 _run(w, case, t.q, t.k, t.v, again, t.args)
                 past = 0
             ref, ref_lse = reference(case, t)
+            keep = compared_rows(case)
+            if keep is not None:  # (an isolation case: the poisoned request's rows are not compared)
+                keep = keep.to(out.device)
+                out, ref, again = out[keep], ref[keep], again[keep]
+                lse, ref_lse = (lse[keep], ref_lse[keep]) if lse is not None else (None, ref_lse)
             verdict = compare(out, ref, case.module.q_dtype, lse, ref_lse if lse is not None else None, past)
             if verdict.ok:
                 verdict = compare_runs(out, again, verdict)

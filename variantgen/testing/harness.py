@@ -23,6 +23,61 @@ from ..wrappers.spans import spans_to_ranges  # noqa: F401
 from ..wrappers.trees import random_tree_parents, tree_bits  # noqa: F401
 
 
+def poison_keys(k: torch.Tensor, v: torch.Tensor, kv_lens: list[int], request: int, value: float, *,
+                kv_indptr: list[int] | None = None, kv_indices: torch.Tensor | None = None,
+                page_size: int = 1) -> list[int]:
+    """Write ``value`` (NaN, inf) into K and V of request ``request``'s first and last key, every
+    KV head and element (in place): one bad request, for isolation tests. Paged caches ([pages,
+    page_size, heads, dim], NHD) take ``kv_indptr`` (host list), ``kv_indices`` and ``page_size``;
+    ragged ones ([total_kv, heads, dim]) take neither. A value the cache's dtype cannot hold is
+    stored as torch converts it (fp8 e4m3 has no inf: 448). Returns the poisoned kv positions."""
+    n = kv_lens[request]
+    positions = sorted({0, n - 1}) if n else []
+    for pos in positions:
+        if kv_indices is None:
+            row = sum(kv_lens[:request]) + pos
+            k[row], v[row] = value, value
+        else:
+            assert kv_indptr is not None
+            page = int(kv_indices[kv_indptr[request] + pos // page_size])
+            k[page, pos % page_size], v[page, pos % page_size] = value, value
+    return positions
+
+
+def rows_of_requests(qo_lens: list[int], requests: list[int] | set[int]) -> torch.Tensor:
+    """Bool [total_q]: the query rows of ``requests``."""
+    owner = torch.repeat_interleave(torch.arange(len(qo_lens)), torch.tensor(qo_lens, dtype=torch.int64))
+    return torch.isin(owner, torch.tensor(sorted(requests), dtype=torch.int64))
+
+
+def nan_positions_differ(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Bool, per row (first axis) of ``out`` vs ``ref``: whether a NaN or inf stands where the
+    other has a finite value, a NaN where the other has an inf, or infs of opposite sign (a NaN
+    in means NaN out: the positions must agree, the values elsewhere are compared as numbers)."""
+    a, b = out.float().reshape(out.shape[0], -1), ref.float().reshape(ref.shape[0], -1)
+    fa, fb = torch.isfinite(a), torch.isfinite(b)
+    same_special = (torch.isnan(a) & torch.isnan(b)) | (torch.isinf(a) & (a == b))
+    return ((~fa | ~fb) & ~same_special).any(dim=1)
+
+
+def assert_close_with_nans(out: torch.Tensor, ref: torch.Tensor, *, atol: float, rtol: float, label: str = "",
+                           ) -> None:
+    """``out`` matches ``ref``: NaN / inf at the same positions, the finite values within
+    ``atol`` + ``rtol`` * |ref|."""
+    differ = nan_positions_differ(out, ref)
+    if bool(differ.any()):
+        rows = differ.nonzero().flatten()[:8].tolist()
+        raise AssertionError(f"{label}: {int(differ.sum())} rows have NaN/inf where the reference does not (or the "
+                             f"reverse), rows {rows}")
+    a, b = out.float(), ref.float()
+    both = torch.isfinite(a) & torch.isfinite(b)
+    err = torch.where(both, (a - b).abs(), torch.zeros_like(a))
+    bound = atol + rtol * torch.where(both, b.abs(), torch.zeros_like(b))
+    if bool((err > bound).any()):
+        raise AssertionError(f"{label}: max abs error {float(err.max()):.3g} over atol {atol:g} + rtol {rtol:g}|ref| "
+                             f"({int((err > bound).sum())} elements)")
+
+
 def mask_exact_launches(plan: Any) -> int:
     """fa2's same-process A/B of the benchmarks and GPU tests: ``plan``'s exact causal launches
     (mode and kernel window are their whole mask) marked as the tail launch, so that run() passes

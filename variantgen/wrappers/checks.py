@@ -623,3 +623,16 @@ class PlanCheck:
                 raise LaunchError(f"run(): `{p.name}` changed since plan() read it (check_plan=True): the launches "
                                   f"were planned from its old values, so the output would be wrong. Call plan() "
                                   f"again after changing `{p.name}`; run() does not re-plan")
+
+
+def refuse_grad(where: str, route: str, tensors: dict[str, Any]) -> None:
+    """LaunchError naming the first of ``tensors`` (name -> value) that requires grad while
+    autograd records: the FlashInfer kernels have no backward pass, and their output would
+    silently drop the gradient."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            raise LaunchError(f"{where}: `{name}` requires grad, but the {route} route runs inference kernels with "
+                              "no backward pass; use the flex route (make_wrapper(..., backend=\"flex\")) to train, "
+                              "or run under torch.no_grad() / pass detached tensors")

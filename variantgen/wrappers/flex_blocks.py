@@ -18,7 +18,8 @@ This module holds what is specific to Flex:
   (:func:`blocks_from_intervals`: full blocks skip the mask, partial ones evaluate it), else by
   evaluating the mask over the blocks each request can reach (:func:`blocks_from_mask`).
 * :func:`flex_call`: flex_attention compiled with dynamic shapes (inductor on CUDA, dynamo
-  with the eager backend on CPU), under no_grad, LSE through ``return_aux``.
+  with the eager backend on CPU), recorded for autograd only when an input requires grad, LSE
+  through ``return_aux``. (Without ``compile=True`` the flex route computes in flex_dense.py.)
 
 A spec's learned sink (a per-head logit in the softmax denominator) applies after the call, from
 the LSE this module returns: ``o *= sigmoid(lse - sink[h])``, ``lse = logaddexp(lse, sink[h])``
@@ -83,7 +84,12 @@ class FlexLayout:
     (Flex kv index of its first gathered key; 0 in per-request layouts), ``key_base`` (kv_pos of
     that key: plan() gathers only the keys some query can see), ``key_count`` (keys gathered).
     Packed only: ``q_request`` [q_len] and ``key_request`` [kv_len], the request of every Flex
-    row (-1 / -2 for padding rows, which never match).
+    row (-1 / -2 for padding rows, which never match), and ``q_row_start`` (the caller's row of
+    the request's first query: q_start is its Flex row).
+
+    Packed layouts start every request's queries and keys at a multiple of BLOCK (see
+    align_starts): no block holds two requests' rows or keys, so no kernel tile ever puts one
+    request's values next to another's rows.
     """
 
     packed: bool
@@ -101,6 +107,7 @@ class FlexLayout:
     key_count: torch.Tensor
     q_request: torch.Tensor | None = None
     key_request: torch.Tensor | None = None
+    q_row_start: torch.Tensor | None = None
 
     def builtins(self, b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, kv: torch.Tensor,
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -114,9 +121,10 @@ class FlexLayout:
             r_raw = self.q_request[q].to(i64)
             r = r_raw.clamp(min=0)
             valid = (r_raw >= 0) & (self.key_request[kv].to(i64) == r_raw)
+            assert self.q_row_start is not None
             q_idx = q - self.q_start[r]
             kv_pos = kv - self.key_start[r] + self.key_base[r]
-            q_row = q
+            q_row = q_idx + self.q_row_start[r]
         else:
             r = b
             valid = kv < self.key_count[r]
@@ -131,6 +139,24 @@ class FlexLayout:
                "q_kv_row": base + q_pos, "request": r, "qo_head": h, "kv_head": h // group, "qo_len": qo_len,
                "kv_len": kv_len}
         return valid, env
+
+
+def align_starts(lengths: list[int]) -> list[int]:
+    """Each request's first Flex row (or key) when every request starts at a multiple of BLOCK,
+    then the total length (a multiple of BLOCK, at least one block).
+
+    Why: Flex computes whole tiles, and a masked key still enters a tile's P.V product with
+    weight 0 - where its value is NaN or inf, 0 x NaN = NaN lands on every row of the tile.
+    With requests packed back to back, a tile straddling two requests would carry one request's
+    bad value into the other's rows; aligned, a block's rows and keys belong to one request,
+    and a block pair of two requests is never visited (the block lists hold only blocks a row
+    can see). The cost: up to BLOCK - 1 padding rows and keys per request, in blocks that hold
+    a request's rows anyway (no extra block pairs are visited)."""
+    starts, at = [], 0
+    for n in lengths:
+        starts.append(at)
+        at += -(-n // BLOCK) * BLOCK
+    return starts + [max(at, BLOCK)]
 
 
 class _FlexEvaluator(Evaluator):
@@ -204,11 +230,11 @@ class Blocks:
         """From dense bool flags [B, H, nq, nkv]."""
         return cls(*_ordered(partial), *_ordered(full))
 
-    def block_mask(self, mask_mod: Callable, layout: FlexLayout):
+    def block_mask(self, mask_mod: Callable, layout: FlexLayout, backward: bool = False):
         from torch.nn.attention.flex_attention import BlockMask
 
         # Inference needs no query-block lists (the backward pass's): skip their dense transpose.
-        extra = {"compute_q_blocks": False} if _from_kv_blocks_takes_q() else {}
+        extra = {"compute_q_blocks": False} if _from_kv_blocks_takes_q() and not backward else {}
         return BlockMask.from_kv_blocks(self.kv_num, self.kv_idx, self.full_num, self.full_idx,
                                         BLOCK_SIZE=(BLOCK, BLOCK), mask_mod=mask_mod,
                                         seq_lengths=(layout.q_len, layout.kv_len), **extra)
@@ -353,11 +379,12 @@ def _compiled(backend: str, key: tuple) -> Callable:
 
 
 def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: FlexMods, block_mask: Any, scale: float,
-              compiled: bool, want_lse: bool, key: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+              compiled: bool, want_lse: bool, key: tuple, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """flex_attention over [B, H, L, D] tensors: (out [B, Hq, Lq, Dv] in q's dtype, natural-log LSE
     [B, Hq, Lq] float32, or an empty tensor without ``want_lse``). ``compiled``: inductor's kernel;
     else dynamo with the eager backend (the dense math; CPU's default, since torch's compiled CPU
-    kernel has no LSE). ``key``: what the compiled graphs are kept under (see _compiled)."""
+    kernel has no LSE). ``key``: what the compiled graphs are kept under (see _compiled). ``grad``:
+    record the call for autograd (Flex's backward pass; the block mask needs its query-block lists)."""
     from torch.nn.attention import flex_attention as fa
 
     fn = _compiled("inductor" if compiled else "eager", key)
@@ -368,7 +395,7 @@ def flex_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mods: FlexMods,
         kwargs.update({"return_aux": aux(lse=True)} if aux is not None else {"return_lse": True})
     limit = {"recompile_limit": RECOMPILE_LIMIT} if hasattr(torch._dynamo.config, "recompile_limit") else \
         {"cache_size_limit": RECOMPILE_LIMIT}
-    with torch.no_grad(), torch._dynamo.config.patch(**limit):
+    with torch.set_grad_enabled(grad), torch._dynamo.config.patch(**limit):
         result = fn(q, k, v, kwargs)
     if not want_lse:
         return result, result.new_empty(0, dtype=torch.float32)

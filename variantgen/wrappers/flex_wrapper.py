@@ -27,8 +27,9 @@ What plan() does (once per batch):
 run() gathers the pages (or ragged rows) of those keys into one contiguous buffer per K and V
 (Flex's paged-attention helper needs pages of its block size, 128, and caches use 1-64; on the
 H200 the gather of the benchmark workload's K and V took 0.17 ms against a ~11 ms kernel, see
-_gather), calls Flex, and writes o / lse. Inference only (no autograd); no CUDA-graph mode (plan() and run()
-sync with the host).
+_gather), calls Flex, and writes o / lse. run() is differentiable in q, k, v and float spec tensors
+(Flex's backward pass where it runs compiled, on CUDA; the dense path of flex_dense.py without
+compile=True, the CPU's default). No CUDA-graph mode (plan() and run() sync with the host).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from ..routing.capabilities import FLEX, KINDS, canonical_dtype, graph_problem
 from . import flex_blocks as flex
 from .checks import check_plan_sizes
 from .flex_blocks import BLOCK, Blocks, FlexLayout, RowBlocks
+from .flex_dense import dense_attend
 from .paged import TORCH_DTYPES, Batch, WrapperBase, read_paged_batch
 
 # The flex route's dtypes (its capability table entry): FlashInfer's names plus fp32 (CPU users
@@ -103,9 +105,10 @@ class FlexPlan:
     layout: FlexLayout
     gathered: int  # keys gathered (the rest of layout.kv_len is zero padding)
     source: tuple[torch.Tensor, ...]  # per key, on the device: (pages, offsets); ragged (rows,), or () for all
-    dest: torch.Tensor | None  # per-request layouts: each key's row in the [batch * kv_len] buffer
+    dest: torch.Tensor | None  # each gathered key's row in the [batch * kv_len] buffer
     reach: RowBlocks
     blocks: Blocks | None
+    q_rows: torch.Tensor | None = None  # packed: the Flex row of each of the caller's query rows
 
 
 ArgValues = tuple[tuple[str, Any], ...]  # spec arguments by name: scalars, and copies of tensors
@@ -135,6 +138,7 @@ class FlexWrapperBase(WrapperBase):
     """What the flex wrappers share: the layout tables, the block masks and the call."""
 
     _equal_kv_strides = False  # (K and V are gathered each with its own strides: qk and vo dims may differ)
+    _trains = True  # run() is differentiable: Flex's backward on the GPU, the dense path on the CPU
 
     def __init__(self, spec: VariantSpec, config: FlexConfig, workspace: torch.Tensor, kv_layout: str = "NHD"):
         super().__init__(spec, config, None, None, workspace, kv_layout)  # type: ignore[arg-type]
@@ -206,23 +210,28 @@ class FlexWrapperBase(WrapperBase):
             base, count = self._key_ranges(env, iv, batch)
         else:
             base, count = [0] * batch, list(kv_lens)
-        key_start = list(accumulate(count, initial=0))
-        gathered = key_start[-1]
-        q_len = -(-max(b.total_q, 1) // BLOCK) * BLOCK
-        kv_len = -(-max(gathered, 1) // BLOCK) * BLOCK
+        # Every request's queries and keys start at a multiple of BLOCK (flex.align_starts: no tile
+        # mixes two requests, so one request's NaN or inf never reaches another's rows).
+        key_start = flex.align_starts(count)
+        gathered = sum(count)
         qo_lens = [qo_h[r + 1] - qo_h[r] for r in range(batch)]
+        q_start = flex.align_starts(qo_lens)
+        q_len, kv_len = q_start[-1], key_start[-1]
         kv_row_base = list(accumulate(kv_lens, initial=0))[:-1]
-        t = self._tables([qo_lens, list(kv_lens), qo_h[:-1], kv_row_base, key_start[:-1], base, count, source_start])
+        t = self._tables([qo_lens, list(kv_lens), q_start[:-1], kv_row_base, key_start[:-1], base, count, source_start,
+                          qo_h[:-1]])
         qo_len, key_start_t, key_base, key_count, src0 = t[0], t[4], t[5], t[6], t[7]
         rows_req = torch.repeat_interleave(torch.arange(batch, device=dev), qo_len, output_size=qo_h[-1] - qo_h[0])
+        q_rows = t[2][rows_req] + torch.arange(qo_h[0], qo_h[-1], device=dev) - t[8][rows_req]
         q_request = torch.full((q_len,), -1, dtype=torch.int64, device=dev)
-        q_request[qo_h[0]:qo_h[-1]] = rows_req
+        q_request[q_rows] = rows_req
         key_r, local = self._keys(key_count, gathered)
+        key_rows = key_start_t[key_r] + local  # each gathered key's Flex key row
         key_request = torch.full((kv_len,), -2, dtype=torch.int64, device=dev)
-        key_request[:gathered] = key_r
+        key_request[key_rows] = key_r
         layout = FlexLayout(True, 1, q_len, kv_len, b.num_qo_heads, b.num_kv_heads, qo_len=qo_len, kv_len_req=t[1],
                             q_start=t[2], kv_row_base=t[3], key_start=key_start_t, key_base=key_base,
-                            key_count=key_count, q_request=q_request, key_request=key_request)
+                            key_count=key_count, q_request=q_request, key_request=key_request, q_row_start=t[8])
         pos = key_base[key_r] + local  # each gathered key's kv_pos
         if page_size is not None:  # (page-list entry, offset in the page)
             source: tuple[torch.Tensor, ...] = (src0[key_r] + pos // page_size, pos % page_size)
@@ -230,7 +239,6 @@ class FlexWrapperBase(WrapperBase):
             source = (src0[key_r] + pos,)
         else:  # every row of k in order: k is used as it is
             source = ()
-        q_rows = torch.arange(qo_h[0], qo_h[-1], device=dev)
         first = key_start_t[rows_req]
         reach = RowBlocks(torch.zeros_like(q_rows), q_rows, first, first + key_count[rows_req] - 1,
                           torch.zeros_like(q_rows, dtype=torch.bool))
@@ -242,7 +250,7 @@ class FlexWrapperBase(WrapperBase):
             lo = iv.lo + shift
             hi = torch.where(seen, iv.hi + shift, lo - 1)
             blocks = flex.blocks_from_intervals(layout, RowBlocks(reach.b, q_rows, lo, hi, iv.exact & seen))
-        return FlexPlan(layout, gathered, source, None, reach, blocks)
+        return FlexPlan(layout, gathered, source, key_rows, reach, blocks, q_rows)
 
     def _finish_plan(self, plan: FlexPlan, kv_indices: torch.Tensor | None = None, entries: int = 0) -> None:
         """Keep the plan; read back (in one copy) the block counts and, paged, the bounds of the
@@ -309,10 +317,11 @@ class FlexWrapperBase(WrapperBase):
     def _gather(self, plan: FlexPlan, cache: torch.Tensor, rows_shape: tuple[int, ...], dtype: torch.dtype,
                 ) -> torch.Tensor:
         """The planned keys of ``cache`` (paged, in the wrapper's layout; or ragged rows) in one
-        zero-padded ``dtype`` buffer of ``rows_shape`` rows (zeros: a masked key must still be
-        finite). Keys are read with one index_select where the cache's rows lie back to back
-        (NHD): on the H200 it gathered 8 x 8192 keys (K and V) in 0.17 ms, where the advanced
-        indexing of the other layouts took 1.0 ms (bench/results/2026-12-01-h200/flex-compile-standalone.log)."""
+        zero-padded ``dtype`` buffer of ``rows_shape`` rows, each at its Flex key row (plan.dest;
+        zeros: a padding key must still be finite). Keys are read with one index_select where
+        the cache's rows lie back to back (NHD): on the H200 it gathered 8 x 8192 keys (K and V)
+        in 0.17 ms, where the advanced indexing of the other layouts took 1.0 ms
+        (bench/results/2026-12-01-h200/flex-compile-standalone.log). Differentiable in ``cache``."""
         rows_view, index = None, None
         if len(plan.source) == 2:  # (pages, offsets)
             pages, offs = plan.source
@@ -320,42 +329,38 @@ class FlexWrapperBase(WrapperBase):
                 rows_view, index = cache.flatten(0, 1), pages * cache.shape[1] + offs
         elif self.kv_layout == "NHD":  # ragged rows (all of them, in order, when the source is empty)
             rows_view, index = cache, (plan.source[0] if plan.source else None)
-        if rows_view is not None and plan.dest is None:
-            out = torch.empty(rows_shape, dtype=dtype, device=self.device)
-            out[plan.gathered:].zero_()
-            if index is None:
-                out[:plan.gathered].copy_(rows_view)
-            elif rows_view.dtype == dtype:
-                torch.index_select(rows_view, 0, index, out=out[:plan.gathered])
-            else:  # fp8 keys: gathered as they are, widened in the copy
-                out[:plan.gathered].copy_(torch.index_select(rows_view, 0, index))
-            return out
-        if rows_view is not None:  # decode's per-request rows
+        if rows_view is not None:
             rows = rows_view if index is None else torch.index_select(rows_view, 0, index)
         elif len(plan.source) == 2:  # HND pages, or NHD pages not back to back
             rows = cache[pages, offs] if self.kv_layout == "NHD" else cache[pages, :, offs]
         else:  # ragged HND
             rows = (cache[:, plan.source[0]] if plan.source else cache).transpose(0, 1)
         out = torch.zeros(rows_shape, dtype=dtype, device=self.device)
-        if plan.dest is None:
-            out[:plan.gathered] = rows
-        else:
-            out[plan.dest] = rows.to(dtype)
+        out[plan.dest] = rows.to(dtype)  # (fp8 keys: widened here)
         return out
 
     def _attend(self, plan: FlexPlan, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, args: dict[str, Any],
                 q_scale: float | None, k_scale: float | None, want_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Flex over the laid-out tensors: (o, natural-log lse or an empty tensor)."""
         mods = flex.make_mods(self.spec, plan.layout, flex.capture_args(self.spec, args, self.device))
-        block_mask = self._blocks(plan, mods, args).block_mask(mods.mask_mod, plan.layout)
+        scale = self._sm_scale(q_scale, k_scale)
+        blocks = self._blocks(plan, mods, args)  # (also on the dense path: plan_stats report them, kept per args)
+        if not self.compiled:  # the dense path: isolated per request, differentiable (flex_dense.py)
+            return dense_attend(plan.layout, mods, q4, k4, v4, scale)
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q4, k4, v4, *args.values())
+                                               if isinstance(t, torch.Tensor))
+        if grad and self.device.type == "cpu":
+            raise LaunchError("run(): inputs that require grad: torch's compiled CPU FlexAttention has no backward "
+                              "pass; make the wrapper with compile=False on the CPU (the default) to train")
+        block_mask = blocks.block_mask(mods.mask_mod, plan.layout, backward=grad)
         want_lse = want_lse or self.spec.sink is not None  # the sink is applied from the LSE (_finish)
-        if want_lse and self.compiled and self.device.type == "cpu":
+        if want_lse and self.device.type == "cpu":
             why = (f"spec `{self.spec.name}` has a sink, which the flex route applies from the LSE"
                    if self.spec.sink is not None else "run(return_lse=True)")
             raise LaunchError(f"{why}: torch's compiled CPU FlexAttention returns no LSE; make the wrapper with "
                               "compile=False on the CPU (the default)")
-        return flex.flex_call(q4, k4, v4, mods, block_mask, self._sm_scale(q_scale, k_scale), self.compiled,
-                              want_lse, (self.spec.digest, plan.layout.packed))
+        return flex.flex_call(q4, k4, v4, mods, block_mask, scale, self.compiled, want_lse,
+                              (self.spec.digest, plan.layout.packed), grad=grad)
 
     def _sink_logits(self, args: dict[str, Any], device: torch.device) -> torch.Tensor:
         """The spec's sink logit for each output row and query head, float32 [rows, heads]: the
@@ -444,17 +449,17 @@ class FlexPrefillWrapper(FlexWrapperBase):
 def _run_packed(w: FlexWrapperBase, plan: FlexPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 args: dict[str, Any], q_scale: Any, k_scale: Any, v_scale: Any, out: torch.Tensor,
                 lse: torch.Tensor | None, return_lse: bool):
-    """A packed plan's run: q padded, K/V gathered, Flex, rows [0, total_q) written back."""
+    """A packed plan's run: q laid out (plan.q_rows), K/V gathered, Flex, the caller's rows written back."""
     b, layout = w._batch, plan.layout
     assert b is not None
     qbuf = q.new_zeros(layout.q_len, b.num_qo_heads, q.shape[-1])
-    qbuf[:b.total_q] = q
+    qbuf[plan.q_rows] = q
     kbuf = w._gather(plan, k, (layout.kv_len, b.num_kv_heads, k.shape[-1]), q.dtype)
     vbuf = w._gather(plan, v, (layout.kv_len, b.num_kv_heads, v.shape[-1]), q.dtype)
     o, lse_n = w._attend(plan, qbuf.transpose(0, 1)[None], kbuf.transpose(0, 1)[None], vbuf.transpose(0, 1)[None],
                          args, q_scale, k_scale, lse is not None)
-    o_rows = o[0].transpose(0, 1)[:b.total_q]
-    lse_rows = lse_n[0].t()[:b.total_q] if lse_n.numel() else lse_n
+    o_rows = o[0].transpose(0, 1)[plan.q_rows]
+    lse_rows = lse_n[0].t()[plan.q_rows] if lse_n.numel() else lse_n
     return w._finish(o_rows, lse_rows, out, lse, v_scale, return_lse, args)
 
 

@@ -51,6 +51,7 @@ from .checks import (
     check_scale_values,
     check_spec_args,
     paged_batch,
+    refuse_grad,
     spec_dims,
     split_paged_cache,
 )
@@ -96,6 +97,7 @@ class WrapperBase:
 
     # The kernels take one set of strides for both caches (the flex route gathers each on its own)
     _equal_kv_strides = True
+    _trains = False  # run() refuses inputs that require grad (the flex route, which has a backward, says True)
 
     def __init__(self, spec: VariantSpec, config: ModuleConfig, module: Any, build: BuildResult | None,
                  float_workspace: torch.Tensor, kv_layout: str = "NHD", *, check_plan: bool | None = None):
@@ -388,6 +390,8 @@ class WrapperBase:
         k_cache, v_cache = self._check_paged_cache(paged_kv_cache)
         self._check_scales(*scales)
         args = self._check_args(spec_args, where="run()")
+        if not self._trains:
+            refuse_grad("run()", self.config.backend, {"q": q, "k_cache": k_cache, "v_cache": v_cache, **args})
         self._check_planned_args(args)
         self._verify_planned()
         out, lse = self._outputs(out, return_lse, q_shape[0])

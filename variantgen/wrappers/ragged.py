@@ -35,7 +35,7 @@ from ..core.errors import LaunchError
 from ..core.flags import check_flags
 from ..lang.expr import Const
 from ..planning.plan import Batch
-from .checks import check_index_tensors, check_indptr_starts, check_plan_sizes
+from .checks import check_index_tensors, check_indptr_starts, check_plan_sizes, refuse_grad
 from .paged import LAYOUT_CODES, TORCH_DTYPES, WrapperBase, host_lists
 
 
@@ -223,7 +223,10 @@ def check_ragged_run(w: WrapperBase, q: Any, k: Any, v: Any, scales: tuple[Any, 
             shape, text = (b.num_kv_heads, b.total_kv, hd), f"[num_kv_heads, total_kv, {hd_name}] (HND)"
         w._check_rows(name, t, kvdt, shape, text)
     w._check_scales(*scales)
-    return w._check_args(spec_args, where="run()")  # `out` is checked by _outputs
+    args = w._check_args(spec_args, where="run()")  # `out` is checked by _outputs
+    if not w._trains:
+        refuse_grad("run()", w.config.backend, {"q": q, "k": k, "v": v, **args})
+    return args
 
 
 # ----------------------------------------------------------------------------- testing helpers

@@ -146,7 +146,11 @@ def softmax_attention(scores: torch.Tensor, v: torch.Tensor, sink: torch.Tensor 
     [kv, heads, d]: (out [q, heads, d], lse [q, heads]). ``sink`` (broadcastable to [heads, q]):
     one more logit per row that joins the denominator and has no value. A row with no visible
     key (or no keys) gives 0 and lse -inf (with a sink: lse = the sink), as the kernels do; the
-    LSE is base 2, FlashInfer's convention, and includes the sink."""
+    LSE is base 2, FlashInfer's convention, and includes the sink.
+
+    Non-finite input means what it says: a NaN score of a visible key makes its row NaN (out and
+    LSE), and a NaN or inf value of a visible key reaches the row as weight x value (NaN / inf);
+    a masked key (score -inf) never contributes, whatever its value holds. Differentiable."""
     heads, rows, _ = scores.shape
     if sink is not None:
         # the sink as a key whose value is 0: the same softmax, one column wider
@@ -155,13 +159,34 @@ def softmax_attention(scores: torch.Tensor, v: torch.Tensor, sink: torch.Tensor 
         v = torch.cat([v, v.new_zeros(1, *v.shape[1:])], dim=0)
     if scores.shape[-1] == 0:
         return (scores.new_zeros(rows, heads, v.shape[-1]), scores.new_full((rows, heads), -math.inf))
+    nan_score = torch.isnan(scores)
+    nan_row = nan_score.any(dim=-1)  # [heads, q]: masked keys are -inf here, so only visible ones count
+    scores = scores.masked_fill(nan_score, -math.inf)
     row_max = scores.amax(dim=-1, keepdim=True)
     probs = torch.exp(scores - torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)))
     denom = probs.sum(dim=-1, keepdim=True)
     weights = torch.where(denom > 0, probs / denom.clamp_min(1e-30), torch.zeros_like(probs))
+    weights = weights.masked_fill(nan_row.unsqueeze(-1), math.nan)
     d = denom.squeeze(-1)
-    lse = torch.where(d > 0, row_max.squeeze(-1) + d.log(), torch.full_like(d, -math.inf)) / math.log(2.0)
-    return torch.einsum("hqk,khd->qhd", weights, v), lse.transpose(0, 1)
+    # (log of the clamped sum: the branch not taken must not put an inf into the gradient)
+    lse = torch.where(d > 0, row_max.squeeze(-1) + d.clamp_min(1e-30).log(), torch.full_like(d, -math.inf))
+    lse = lse.masked_fill(nan_row, math.nan) / math.log(2.0)
+    return _weighted_values(weights, scores > -math.inf, v), lse.transpose(0, 1)
+
+
+def _weighted_values(weights: torch.Tensor, visible: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``weights`` [heads, q, kv] applied to ``v`` [kv, heads, d] -> [q, heads, d], where a
+    non-finite value counts only for the rows that see its key: a plain product would give
+    0 x NaN = NaN on every row, masked or not. Non-finite values (rare) are added one by one."""
+    bad = ~torch.isfinite(v)
+    out = torch.einsum("hqk,khd->qhd", weights, v.masked_fill(bad, 0.0))
+    if not bool(bad.any()):
+        return out
+    k, h, c = bad.nonzero(as_tuple=True)
+    w = weights[h, :, k]  # [n, q]
+    part = torch.where(visible[h, :, k], w * v[k, h, c].unsqueeze(1), torch.zeros_like(w))
+    rows, heads, dim = out.shape
+    return out.reshape(rows, heads * dim).index_add(1, h * dim + c, part.t()).view(rows, heads, dim)
 
 
 def reference_attention(
@@ -182,8 +207,10 @@ def reference_attention(
     return_lse: bool = False,
 ):
     """Dense float32 attention for ``spec`` over a paged KV cache; returns [total_q, H, D_vo]
-    (with ``return_lse``: and the LSE, base 2). The arguments are the paged wrappers' (``args``:
-    the spec's arguments by name), checked as they check them: LaunchError naming the argument."""
+    (with ``return_lse``: and the LSE, base 2). float64 inputs are computed in float64; the
+    result is differentiable in q, the cache and float spec tensors (torch autograd). The
+    arguments are the paged wrappers' (``args``: the spec's arguments by name), checked as they
+    check them: LaunchError naming the argument."""
     k_pages, v_pages = split_kv_cache(paged_kv_cache, kv_layout)
     batch, qo, kvp = _check_inputs(q, k_pages, v_pages, qo_indptr, paged_kv_indptr, paged_kv_indices,
                                  paged_kv_last_page_len, kv_layout)
@@ -201,8 +228,9 @@ def reference_attention(
         spec.sm_scale if spec.sm_scale is not None else 1.0 / math.sqrt(head_dim))
     scale = base_scale * (q_scale if q_scale is not None else 1.0) * (k_scale if k_scale is not None else 1.0)
     kv_lens = batch.kv_lens
-    out = torch.zeros(q.shape[0], num_qo_heads, v_pages.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full((q.shape[0], num_qo_heads), -math.inf, dtype=torch.float32, device=q.device)
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32  # (float64 in: gradient checks)
+    out = torch.zeros(q.shape[0], num_qo_heads, v_pages.shape[-1], dtype=work, device=q.device)
+    lse = torch.full((q.shape[0], num_qo_heads), -math.inf, dtype=work, device=q.device)
     kv_row_base = 0
     for b in range(len(qo) - 1):
         qo_len, kv_len = qo[b + 1] - qo[b], kv_lens[b]
@@ -210,14 +238,14 @@ def reference_attention(
             kv_row_base += kv_len
             continue
         pages = paged_kv_indices[kvp[b]:kvp[b + 1]].long().to(k_pages.device)
-        k = k_pages[pages].reshape(-1, num_kv_heads, k_pages.shape[-1])[:kv_len].float()
-        v = v_pages[pages].reshape(-1, num_kv_heads, v_pages.shape[-1])[:kv_len].float()
+        k = k_pages[pages].reshape(-1, num_kv_heads, k_pages.shape[-1])[:kv_len].to(work)
+        v = v_pages[pages].reshape(-1, num_kv_heads, v_pages.shape[-1])[:kv_len].to(work)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-        qb = q[qo[b]:qo[b + 1]].float()
+        qb = q[qo[b]:qo[b + 1]].to(work)
         grid = RequestGrid(b, qo_len, kv_len, qo[b], kv_row_base, num_qo_heads, num_kv_heads, q.device)
         scores = torch.einsum("qhd,khd->hqk", qb, k) * scale
-        scores = transform_logits(spec, grid, args, scores)
+        scores = transform_logits(spec, grid, args, scores).to(work)  # (the evaluator computes floats in float32)
         mask = mask_for_request(spec, grid, args)
         out[qo[b]:qo[b + 1]], lse[qo[b]:qo[b + 1]] = softmax_attention(scores.masked_fill(~mask, -math.inf), v,
                                                                        sink_for_request(spec, grid, args))
