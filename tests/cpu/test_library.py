@@ -235,11 +235,11 @@ def test_cli_probe_and_check_take_names(tmp_path):
     assert r.exit_code == 1 and "ok:      no" in r.stdout and "no CUDA device visible" in r.stdout
     r = run("probe", "mm_prefx", "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a")
     assert r.exit_code == 1 and f"reason:  {unknown('mm_prefx')}" in r.stdout
-    # check needs a GPU, but a wrong spec is reported first, wherever it runs
-    r = run("check", "mm_prefx", "--head-dim", "128", "--dtype", "bf16")
+    # fa2's check needs a GPU, but a wrong spec is reported first, wherever it runs
+    r = run("check", "mm_prefx", "--head-dim", "128", "--dtype", "bf16", "--backend", "fa2")
     assert r.exit_code == 1 and r.stderr.startswith(f"error: {unknown('mm_prefx')}")
-    r = run("check", "mm_prefix", "--head-dim", "128", "--dtype", "bf16")
-    assert r.exit_code == 2 and "check needs a CUDA GPU" in r.stderr
+    r = run("check", "mm_prefix", "--head-dim", "128", "--dtype", "bf16", "--backend", "fa2")
+    assert r.exit_code == 1 and r.stderr.startswith("error: --backend fa2: fa2 modules run on a CUDA GPU")
 
 
 
