@@ -18,10 +18,10 @@ reference.py (the torch evaluator and the dense reference), cli.py (the command)
 from ._version import __version__
 from .errors import BuildError, CacheError, LaunchError, SpecError, VariantgenError
 from .factory import make_wrapper
-from .library import resolve_spec, shipped_specs
+from .library import load_spec, resolve_spec, shipped_specs
 from .probing import ProbeResult, probe, probe_backends
 from .resolver import choose_backend
-from .spec import VariantSpec, load_spec, parse_spec
+from .spec import VariantSpec, parse_spec
 
 # name -> submodule that defines it; these import torch, so only when first asked for
 _TORCH_NAMES = {"GraphCapacity": "graph", "spans_to_ranges": "spans", "tree_bits": "trees"}

@@ -252,3 +252,14 @@ def test_a_name_too_long_to_be_a_path_is_an_unknown_name():
         variantgen.resolve_spec("specs/" + "x" * 5000 + ".yaml")
     r = variantgen.probe("y" * 5000, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
     assert not r and "not a spec file, nor the name of a shipped spec" in r.reason and "internal" not in r.reason
+
+
+def test_load_spec_takes_a_shipped_name_too(tmp_path, monkeypatch):
+    """The README: anywhere a spec is accepted its name works too - load_spec included (it said
+    `spec file not found` for "document")."""
+    monkeypatch.chdir(tmp_path)
+    assert variantgen.load_spec("document") == variantgen.load_spec(SPECS_DIR / "document.yaml")
+    with pytest.raises(variantgen.SpecError, match="ships a spec named `document`: pass that name"):
+        variantgen.load_spec("document.yaml")
+    (tmp_path / "document.yaml").write_text("name: mine\nmask: kv_pos <= q_pos\n")
+    assert variantgen.load_spec("document.yaml").name == "mine"  # a file of that name wins
