@@ -64,3 +64,16 @@ def test_demo_says_why_it_waits_before_the_build(fake_module_build, vg_env, monk
     assert err[1] == "building vg_mm_prefix_fa2_fake_0123abcd (2 compile units; a first build takes about a minute)"
     assert err[2].startswith("  mm_prefix_fa2_fake: 1/2 units, ") and err[2].endswith("s left")
     assert "[3/4] module vg_mm_prefix_fa2_fake_0123abcd built in " in r.stdout
+
+
+def test_the_first_flex_run_of_a_layout_says_it_traces(caplog):
+    import logging
+
+    from variantgen import flex
+
+    with caplog.at_level(logging.INFO, logger="variantgen.flex"):
+        flex._compiled("eager", ("a layout no test uses", 1))
+        flex._compiled("eager", ("a layout no test uses", 1))  # cached: said once
+    said = [r.getMessage() for r in caplog.records if "traces FlexAttention" in r.getMessage()]
+    assert said == ["flex route: the first run() of this spec and layout traces FlexAttention with torch.compile "
+                    "(eager backend): a few seconds, once per process"]
