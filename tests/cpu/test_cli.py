@@ -86,8 +86,32 @@ def test_errors_are_one_line_without_traceback():
 
 
 def test_usage_errors_exit_2():
-    assert run("render", MM, "--dtype", "bf16").exit_code == 2  # --head-dim missing
-    assert run("--log-level", "loud", "list").exit_code == 2
+    r = run("render", MM, "--dtype", "bf16")
+    assert r.exit_code == 2 and "Error: Missing option '--head-dim'." in r.stderr
+    r = run("--log-level", "loud", "list")
+    assert r.exit_code == 2
+    assert "Error: Invalid value for '--log-level': 'loud' is not one of 'debug', 'info', 'warning', 'error'." \
+        in r.stderr
+
+
+def _help(*command: str) -> str:
+    r = run(*command, "--help")
+    assert r.exit_code == 0, r.output
+    return " ".join(r.stdout.split())
+
+
+def test_probe_help_states_its_exit_status():
+    text = _help("probe")
+    assert "Exit status: 0 every backend and kind asked for runs here" in text
+    assert "or (the flex route) torch's FlexAttention runs it on this machine's device, the CPU included" in text
+    assert "1 at least one cannot run here; its `reason:` says why." in text
+
+
+def test_check_options_have_help():
+    text = _help("check")
+    assert "--head-dim INTEGER Head dim of q, k and v, e.g. 128." in text
+    assert "--dtype TEXT Query dtype: bf16, fp16 (fp32 on the flex route)." in text
+    assert "the flex route (FlexAttention) on a CPU" in text
 
 
 # ----------------------------------------------------------------------------- validate
@@ -332,8 +356,14 @@ def test_precompile_runs_modules_in_parallel(fake_builds):
 
 def test_precompile_arch_defaults(fake_builds, clean):
     calls, _ = fake_builds
-    r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "bf16")
-    assert r.exit_code == 2 and "no --arch given" in r.output and calls == []
+    r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "bf16")  # render's and demo's default too
+    assert r.exit_code == 0 and [c[0] for c in calls] == ["vg_causal_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a"]
+    assert r.stderr.startswith("note: no --arch, VARIANTGEN_ARCH or visible GPU: targeting 9.0a (Hopper); pass "
+                               "--arch to choose\n")
+    for command in ("precompile", "render"):
+        r = run(command, "--help")
+        assert "(default: the visible GPU, VARIANTGEN_ARCH, else 9.0a)" in " ".join(r.output.split()), command
+    calls.clear()
     clean.set(VARIANTGEN_ARCH="8.6")
     r = run("precompile", CAUSAL, "--head-dim", "128", "--dtype", "bf16")
     assert r.exit_code == 0 and [c[0] for c in calls] == ["vg_causal_fa2_prefill_qbf16_kvbf16_obf16_hd128x128_sm86"]
@@ -739,7 +769,8 @@ def test_precompile_check_lists_what_is_missing(clean, fake_builds):
     r = run(*args)
     assert r.exit_code == 1 and "3 of 4 module(s)" in r.stdout
     assert f"corrupted: entry {fa3.path}: module file size differs" in r.stdout
-    assert run(*args, "--dry-run").exit_code == 2
+    r = run(*args, "--dry-run")
+    assert r.exit_code == 2 and "Error: --dry-run and --check: pick one" in r.stderr
 
 
 @pytest.mark.parametrize("option, value", [("--head-dim", ""), ("--dtype", ","), ("--arch", ""),
@@ -790,9 +821,26 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
 # ----------------------------------------------------------------------------- check
 
 
-def test_check_needs_a_gpu():
-    r = run("check", MM, "--head-dim", "128", "--dtype", "bf16")
-    assert r.exit_code == 2 and "check needs a CUDA GPU" in r.stderr
+def test_check_runs_the_flex_route_on_a_cpu(monkeypatch):
+    """No GPU: check takes the flex route (backend auto or flex) against the reference; a
+    FlashInfer backend is refused naming the option and the route that runs here."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    small = ("--head-dim", "16", "--dtype", "bf16", "--batch-size", "2", "--qo-len", "8", "--kv-len", "24")
+    for backend in ("auto", "flex"):
+        r = run("check", MM, *small, "--backend", backend)
+        assert r.exit_code == 0, r.output
+        assert "checking through the flex route on the CPU" in r.stdout
+        assert "the flex route on cpu ready in " in r.stdout
+        last = r.stdout.splitlines()[-1]
+        assert last.startswith("mm_prefix: batch 2, q ") and last.endswith("(tolerance 0.02) -> ok"), last
+    for backend in ("fa2", "fa3"):
+        r = run("check", MM, *small, "--backend", backend)
+        assert r.exit_code == 1 and r.stderr == (
+            f"error: --backend {backend}: {backend} modules run on a CUDA GPU and none is visible here; --backend "
+            "flex (or auto) runs the check on the CPU through torch's FlexAttention\n")
+
+
+def test_check_refuses_bad_tolerances():
     for tol in ("nan", "inf", "-0.1"):  # nan: every run a MISMATCH; inf / negative: meaningless
         r = run("check", MM, "--head-dim", "128", "--dtype", "bf16", "--tol", tol)
         assert r.exit_code == 2 and "Invalid value for '--tol'" in r.output and "CUDA" not in r.output

@@ -74,16 +74,41 @@ def test_this_build_box_can_build(real_toolchain, vg_env, no_gpu):
         assert checks[name].startswith("ok "), checks
     assert str(real_toolchain.nvcc) in checks["nvcc"] and real_toolchain.nvcc_version in checks["nvcc"]
     assert f"{vg_env.cache_dir} (not created yet; " in checks["cache"]
-    assert checks["GPU"].startswith("missing ") and "build: yes" in r.output and "run:   no (missing: GPU)" in r.output
+    assert checks["GPU"].startswith("missing ") and "build: yes" in r.output
+    assert checks["flex route"].startswith("ok ") and "FlexAttention on cpu" in checks["flex route"]
+    assert "run:   yes: the flex route (FlashInfer modules: no, missing: GPU)" in r.output
     assert r.output.rstrip().endswith("needed here: build -> ok (exit 0)")
     assert not vg_env.cache_dir.exists()  # doctor writes nothing
-    # the default need (JIT on): build and run - and there is no GPU here
-    assert run().exit_code == 1
+    # the default need: run, which the flex route meets on the CPU (building is for GPU modules)
+    r = run()
+    assert r.exit_code == 0 and r.output.rstrip().endswith("needed here: run -> ok (exit 0)"), r.output
+    # a server that must run FlashInfer modules asks for the GPU
+    r = run("--need", "gpu")
+    assert r.exit_code == 1 and r.output.rstrip().endswith("needed here: gpu -> not ok (exit 1)"), r.output
+
+
+def test_the_slow_checks_are_announced_on_stderr(vg_env, no_gpu):
+    r = run("--need", "flex")
+    assert r.exit_code == 0, r.output
+    assert r.stderr == "checking the toolchain, FlashInfer's headers, the cache and the GPU (10-20 s)...\n"
+
+
+def test_no_route_to_run(vg_env, no_gpu, monkeypatch):
+    """No GPU and a torch without FlexAttention: nothing runs here, and both blockers are named."""
+    import variantgen.wrappers.flex_blocks as flex
+
+    monkeypatch.setattr(flex, "flex_problem", lambda: "torch 2.3.0 has no torch.nn.attention.flex_attention")
+    r = run("--json")
+    data = json.loads(r.stdout)
+    assert r.exit_code == 1 and data["can_run"] is False and data["can_run_flex"] is False
+    assert data["needed"] == ["run"] and data["can_run_modules"] is False
+    r = run("--need", "run")
+    assert r.exit_code == 1 and "run:   no (missing: GPU, flex route)" in r.stdout
 
 
 def test_missing_flashinfer_headers_are_named(fake_tools, vg_env, gpu):
     r = run("--json")
-    data = json.loads(r.output)
+    data = json.loads(r.stdout)
     assert r.exit_code == 1 and data["can_build"] is False and data["can_run"] is True
     by_name = {c["name"]: c for c in data["checks"]}
     fa2 = by_name["fa2 headers"]
@@ -147,4 +172,4 @@ def test_old_nvcc_is_a_warning(fake_tools, vg_env, gpu, monkeypatch):
 
 def test_bad_need_is_a_usage_error():
     r = run("--need", "serve")
-    assert r.exit_code == 2 and "serve: expected one of build, run" in r.output
+    assert r.exit_code == 2 and "serve: expected one of build, run, gpu, flex" in r.output

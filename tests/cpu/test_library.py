@@ -236,11 +236,11 @@ def test_cli_probe_and_check_take_names(tmp_path):
     assert r.exit_code == 1 and "ok:      no" in r.stdout and "no CUDA device visible" in r.stdout
     r = run("probe", "mm_prefx", "--head-dim", "128", "--dtype", "bf16", "--arch", "9.0a")
     assert r.exit_code == 1 and f"reason:  {unknown('mm_prefx')}" in r.stdout
-    # check needs a GPU, but a wrong spec is reported first, wherever it runs
-    r = run("check", "mm_prefx", "--head-dim", "128", "--dtype", "bf16")
+    # fa2's check needs a GPU, but a wrong spec is reported first, wherever it runs
+    r = run("check", "mm_prefx", "--head-dim", "128", "--dtype", "bf16", "--backend", "fa2")
     assert r.exit_code == 1 and r.stderr.startswith(f"error: {unknown('mm_prefx')}")
-    r = run("check", "mm_prefix", "--head-dim", "128", "--dtype", "bf16")
-    assert r.exit_code == 2 and "check needs a CUDA GPU" in r.stderr
+    r = run("check", "mm_prefix", "--head-dim", "128", "--dtype", "bf16", "--backend", "fa2")
+    assert r.exit_code == 1 and r.stderr.startswith("error: --backend fa2: fa2 modules run on a CUDA GPU")
 
 
 
@@ -253,3 +253,14 @@ def test_a_name_too_long_to_be_a_path_is_an_unknown_name():
         variantgen.resolve_spec("specs/" + "x" * 5000 + ".yaml")
     r = variantgen.probe("y" * 5000, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16")
     assert not r and "not a spec file, nor the name of a shipped spec" in r.reason and "internal" not in r.reason
+
+
+def test_load_spec_takes_a_shipped_name_too(tmp_path, monkeypatch):
+    """The README: anywhere a spec is accepted its name works too - load_spec included (it said
+    `spec file not found` for "document")."""
+    monkeypatch.chdir(tmp_path)
+    assert variantgen.load_spec("document") == variantgen.load_spec(SPECS_DIR / "document.yaml")
+    with pytest.raises(variantgen.SpecError, match="ships a spec named `document`: pass that name"):
+        variantgen.load_spec("document.yaml")
+    (tmp_path / "document.yaml").write_text("name: mine\nmask: kv_pos <= q_pos\n")
+    assert variantgen.load_spec("document.yaml").name == "mine"  # a file of that name wins

@@ -82,18 +82,35 @@ def _run(installed: Path, tmp_path: Path, *args: str) -> subprocess.CompletedPro
     return subprocess.run(list(args), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
 
 
+HARNESS = "testing"  # variantgen/testing/: the harness of tests/ and bench/, not shipped
+
+
 def test_the_wheel_carries_templates_and_specs(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     package = {n for n in names if not n.startswith("variantgen-")}
     expected = ({f"variantgen/templates/{f}" for f in _files(TEMPLATES_DIR)}
                 | {f"variantgen/specs/{p.name}" for p in SPEC_FILES}
-                | {f"variantgen/{p.name}" for p in (REPO_DIR / "variantgen").glob("*.py")})
+                | {f"variantgen/{p.relative_to(REPO_DIR / 'variantgen').as_posix()}"
+                   for p in (REPO_DIR / "variantgen").rglob("*.py")
+                   if "__pycache__" not in p.parts and HARNESS not in p.relative_to(REPO_DIR / "variantgen").parts})
     assert "variantgen/templates/fa3/cutlass_prelude.cuh" in expected  # static sources too, not only .jinja
+    assert "variantgen/integrations/transformers.py" in expected  # subpackages too (the docs import it)
+    assert "variantgen/testing/harness.py" not in expected  # the tests' harness stays out of the wheel
     assert package == expected, (sorted(expected - package), sorted(package - expected))
     meta = {n.rsplit("/", 1)[-1] for n in names - package}
     assert {"METADATA", "WHEEL", "RECORD", "entry_points.txt"} <= meta
     dist_info = next(n for n in names if n.endswith("entry_points.txt"))
     assert "variantgen = variantgen.tools.cli:main" in zipfile.ZipFile(wheel).read(dist_info).decode()
+
+
+def test_the_wheel_declares_what_the_package_imports(wheel):
+    """numpy (planner.py) and packaging (probing.py) were installed by the project's setup only:
+    from the wheel in a fresh environment make_wrapper raised ModuleNotFoundError."""
+    names = zipfile.ZipFile(wheel).namelist()
+    meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    requires = {line.split(":", 1)[1].split(";")[0].strip().split(" ")[0].split(">")[0].split("=")[0].split("<")[0]
+                for line in meta.splitlines() if line.startswith("Requires-Dist:") and "extra ==" not in line}
+    assert {"torch", "numpy", "packaging", "jinja2", "pyyaml", "filelock", "click", "tqdm", "ninja"} <= requires
 
 
 def test_the_installed_package_uses_its_own_data(installed, tmp_path):

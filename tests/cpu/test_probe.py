@@ -921,3 +921,13 @@ def test_full_disk_is_a_reason_naming_the_path(clean, monkeypatch):
     monkeypatch.setattr(build, "_build_locked", lambda rendered, key, tc, cache, jobs, progress=None:
                         publish_fake(cache, rendered.config, tc))
     assert probe(MM, **BASE)
+
+
+def test_every_answer_names_its_row_planner(vg_env, clean, fake_build):
+    """docs/serving.md has engines log details["row_planner"]: every backend's and kind's answer
+    has it (the flex route's and ragged modules' lacked the key)."""
+    ragged = probe(MM, **BASE, kind="ragged", arch="9.0a")
+    assert ragged, ragged.reason
+    assert ragged.details["row_planner"] == ("none: ragged modules have no interval planner (the mask on every "
+                                             "tile)")
+

@@ -317,6 +317,8 @@ def _probe(spec_arg: Any, *, head_dim_qk: Any, head_dim_vo: Any, q_dtype: Any, k
         details["loaded"] = True
     if config.kind in ("prefill", "decode"):
         details["row_planner"] = _row_planner_status(config, cache, build and runtime)
+    else:  # every answer has the key (an engine logs it whatever the kind)
+        details["row_planner"] = f"none: {config.kind} modules have no interval planner (the mask on every tile)"
     return ProbeResult(True, "", entry.uri, "built" if result.built else "cache", str(entry.module_path), 0.0,
                        details)
 
@@ -402,6 +404,9 @@ def _probe_route(request: Request, resolution: Resolution, device: Any, page_siz
         kv_dtype=request.kv_dtype, o_dtype=request.o_dtype, kind=request.kind, device=device,
         cuda_graph=request.graph, page_size=page_size)
     details = {**details, **answer.get("details", {})}
+    # the key every backend's details have, so an engine can log it whatever the route
+    details.setdefault("row_planner", f"none needed: the {resolution.backend} route has no planner module (plan() "
+                                      "builds its block mask in torch)")
     if not answer["ok"]:
         reason = answer["reason"] if not no_modules or request.backend is not None else (
             f"{no_modules}; and the {resolution.backend} route cannot run either: {answer['reason']}")

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ..core.env import SPECS_DIR
 from ..core.errors import Location, SpecError
-from .spec import VariantSpec, load_spec
+from .spec import VariantSpec
+from .spec import load_spec as load_spec_file
 
 log = logging.getLogger("variantgen.lang.library")
 
@@ -56,7 +57,7 @@ def resolve_spec(spec: SpecLike) -> VariantSpec:
     if isinstance(spec, VariantSpec):
         return spec
     if isinstance(spec, os.PathLike):
-        return load_spec(spec)
+        return load_spec_file(spec)
     if not isinstance(spec, str):
         raise TypeError(f"spec: expected a VariantSpec, a spec file path or a shipped spec name, "
                         f"got {type(spec).__name__}")
@@ -64,21 +65,31 @@ def resolve_spec(spec: SpecLike) -> VariantSpec:
         raise SpecError("empty spec argument: expected a spec file path or a shipped spec name", Location("<spec>"))
     path = Path(spec)
     if _exists(path, Path.is_file):
-        return load_spec(path)
+        return load_spec_file(path)
     shipped = dict(_shipped())
     if spec in shipped:
-        return load_spec(shipped[spec])
+        return load_spec_file(shipped[spec])
     if spec in RENAMED and RENAMED[spec] in shipped:
         log.warning("spec `%s` is now called `%s` (StreamingLLM sinks, the first tokens kept visible; learned "
                     "sink logits are `attention_sink_learned`): resolving it to that spec", spec, RENAMED[spec])
-        return load_spec(shipped[RENAMED[spec]])
+        return load_spec_file(shipped[RENAMED[spec]])
     looks_like_path = os.sep in spec or (os.altsep or os.sep) in spec or path.suffix in (".yaml", ".yml")
     if not looks_like_path and not _exists(path, Path.exists):
         raise _unknown_name(spec, list(shipped))
     if not _exists(path, Path.exists) and path.stem in shipped:
         raise SpecError("spec file not found", Location(spec),
                         hint=f"variantgen ships a spec named `{path.stem}`: pass that name to use it")
-    return load_spec(path)  # its errors name the path: not found, a folder, unreadable, not UTF-8
+    return load_spec_file(path)  # its errors name the path: not found, a folder, unreadable, not UTF-8
+
+
+def load_spec(path: str | os.PathLike) -> VariantSpec:
+    """Read and validate a spec file, or a shipped spec by its name (``load_spec("document")``),
+    as every entry point that takes a spec does (resolve_spec). SpecError (SpecErrors for
+    several) naming the file; TypeError for a ``path`` that is not a str or os.PathLike."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"load_spec: path: expected a spec file path (str or os.PathLike) or a shipped spec name, "
+                        f"got {type(path).__name__}")
+    return resolve_spec(path)
 
 
 def _exists(path: Path, test) -> bool:

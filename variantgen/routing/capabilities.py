@@ -12,14 +12,12 @@ ModuleConfig's validation (render.py), the resolver (and through it make_wrapper
 the command line) ask this table; none re-decides.
 
 ``backend=None`` prefers fa3 where an fa3 module can run (paged and ragged prefill on sm90,
-16-bit KV and output in the query's dtype: on the H200 it measured faster than fa2 for both
-plan routes, bench/results/2026-11-29-h200/prefill-fa3-5ec28f3.json, mm_prefix 8 x 8192:
-planned 9.40 vs 13.39 ms, direct 54.3 vs 81.2 ms; ragged 192/128 causal 8.91 vs 15.22 ms,
-ragged-f469c37.json), else fa2, else the flex route; for decode fa2 first (KIND_ORDER) (torch's
-FlexAttention: no module, any device). Where modules cannot be built (JIT disabled,
-``build=False``) the cache decides among the backends that could run: a precompiled fa2
-module rather than a missing fa3 one, the flex route rather than no module at all; with
-neither, the preferred module (the one to precompile).
+16-bit KV and output in the query's dtype: faster than fa2 on both plan routes, measured by
+bench/bench_prefill.py and bench/bench_ragged.py, results in bench/results/), else fa2, else the
+flex route; for decode fa2 first (KIND_ORDER) (torch's FlexAttention: no module, any device).
+Where modules cannot be built (JIT disabled, ``build=False``) the cache decides among the
+backends that could run: a precompiled fa2 module rather than a missing fa3 one, the flex route
+rather than no module at all; with neither, the preferred module (the one to precompile).
 """
 
 from __future__ import annotations
@@ -353,12 +351,9 @@ TABLE: dict[str, Backend] = {b.name: b for b in (FA3, FA2, FLEX)}  # in the orde
 assert tuple(sorted(TABLE)) == tuple(sorted(BACKENDS)), "spec.BACKENDS names the table's backends"
 MODULE_BACKENDS = tuple(b for b in BACKENDS if TABLE[b].module)
 # backend=None's order for a kind where it is not the table's, from measurements: decode prefers
-# fa2. On the H200 (64 requests x 8192 keys, 32/8 heads, hd 128) fa3's GQA-packed decode took
-# 0.66 ms for causal, 0.23 for a 1023-key window, 0.24 for documents
-# (bench/results/2026-12-03-h200/decode-5f16d61.json), fa2's 0.87 / 0.17 / 0.22 on CUDA cores and
-# 0.53 / 0.12 / 0.17 with use_tensor_cores=True (decode-f469c37.json in 2026-12-02-h200); and a
-# learned sink runs unpacked on fa3 (2.2 ms or so). A 64-row fa3 tile for packed decode was tried
-# and not kept: 0.62 ms causal (decode-e7bfc4f.json), for a third more build time per module.
+# fa2, whose tensor-core decode is faster than fa3's GQA-packed decode on the shipped masks, and a
+# learned sink runs unpacked on fa3. bench/bench_decode.py measures both (its results, with the
+# GPU and versions, are under bench/results/; the README's Speed table links the latest).
 KIND_ORDER = {"decode": ("fa2", "fa3", "flex")}
 
 

@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import os
-import random
 import signal
 import sys
 import threading
@@ -186,6 +185,22 @@ def _dir_size(path: Path) -> int:
     return total
 
 
+DEFAULT_ARCH = "9.0a"
+"""The build target of render, demo and precompile where no --arch, VARIANTGEN_ARCH or GPU names one."""
+
+
+def _target_arch(arch: str | None, say: bool = False) -> str:
+    """--arch, else the visible GPU's, else VARIANTGEN_ARCH, else DEFAULT_ARCH (with ``say``: a
+    note on stderr, for commands that build what they target)."""
+    if arch:
+        return arch
+    found = _default_arch()
+    if found is None and say:
+        click.echo(f"note: no --arch, VARIANTGEN_ARCH or visible GPU: targeting {DEFAULT_ARCH} (Hopper); pass --arch "
+                   "to choose", err=True)
+    return found or DEFAULT_ARCH
+
+
 def _default_arch() -> str | None:
     """The visible GPU's arch, else VARIANTGEN_ARCH, else None (factory.target_arch)."""
     from ..api.factory import target_arch
@@ -286,7 +301,7 @@ def specs_cmd() -> None:
 @click.option("--kind", type=click.Choice(list(KINDS)), default="prefill", show_default=True,
               help="Kernel kind.")
 @click.option("--arch", default=None, callback=_arch_option,
-              help="Target arch (default: the visible GPU, VARIANTGEN_ARCH, else 9.0a).")
+              help=f"Target arch (default: the visible GPU, VARIANTGEN_ARCH, else {DEFAULT_ARCH}).")
 @click.option("-o", "--output-dir", type=FOLDER, default=None,
               help="Write the rendered files here instead of printing.")
 @click.option("--file", "file_name", default=None,
@@ -299,7 +314,7 @@ def render(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_dty
     from ..codegen.render import render_module
 
     config = _module_config(spec, head_dim, head_dim_vo, dtype, kv_dtype, o_dtype, backend,
-                            arch or _default_arch() or "9.0a", kind)
+                            _target_arch(arch), kind)
     rendered = render_module(config)
     if file_name not in (None, "all") and file_name not in rendered.files:
         raise click.BadParameter(f"{file_name!r}: expected 'all' or one of {', '.join(rendered.files)}",
@@ -374,7 +389,7 @@ def expand_matrix(spec_paths: list[str], head_dims: list[int] | list[tuple[int, 
 @click.option("--kv-dtype", "kv_dtypes", multiple=True, help="KV dtypes (default: the query dtype).")
 @click.option("--o-dtype", "o_dtypes", multiple=True, help="Output dtypes (default: the query dtype).")
 @click.option("--arch", "archs", multiple=True, help="Target archs, e.g. 8.0,9.0a "
-              "(default: VARIANTGEN_ARCH or the visible GPU).")
+              f"(default: the visible GPU, VARIANTGEN_ARCH, else {DEFAULT_ARCH}).")
 @click.option("--backend", "backends", multiple=True,
               help="Backends: fa2, fa3, or auto (default: what make_wrapper picks for each arch and kind); flex "
                    "builds nothing.")
@@ -411,11 +426,7 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
     shard_i, shard_n = _parse_shard(shard)
     arch_list = [_arch(a) for a in _csv(archs, "--arch")]
     if not arch_list:
-        default = _default_arch()
-        if default is None:
-            raise click.UsageError("no --arch given, VARIANTGEN_ARCH is unset and no CUDA GPU is visible; "
-                                   "pass e.g. --arch 8.0,9.0a")
-        arch_list = [default]
+        arch_list = [_target_arch(None, say=True)]
     configs, skipped = expand_matrix(list(specs), _head_dims(head_dims, "--head-dim"), _csv(dtypes, "--dtype"),
                                      _csv(kv_dtypes, "--kv-dtype") or None, _csv(o_dtypes, "--o-dtype") or None,
                                      arch_list, backend_list,
@@ -449,7 +460,8 @@ def precompile(specs: tuple[str, ...], head_dims: tuple[str, ...], dtypes: tuple
     results: dict[str, tuple[str, str, float, str]] = {}  # prefix -> (uri, status, seconds, error)
 
     def module_progress(uri: str, units: int, kind: str) -> BuildProgress:
-        return BuildProgress(uri, units, kind, leave=False)  # the summary line below stays instead
+        # the summary line below stays instead of the bar; off a terminal, a line per compile unit
+        return BuildProgress(uri, units, kind, leave=False, lines=jobs == 1)
 
     def one(cfg: ModuleConfig):
         t0 = time.perf_counter()
@@ -611,8 +623,16 @@ def probe_cmd(spec: str, head_dim: int, head_dim_vo: int | None, dtype: str, kv_
               o_dtype: str | None, backends: str, kinds: str, arch: str | None, device: str | None,
               page_size: int | None, no_build: bool, cuda_graph: bool, cache_dir: str | None,
               as_json: bool) -> None:
-    """Say whether SPEC can run here, now (exit 0: a GPU is visible and the module was found or
-    built, and loaded) or why not (exit 1), per backend and kind."""
+    """Say whether SPEC can run here, now, or why not, per backend and kind.
+
+    \b
+    Exit status:
+      0  every backend and kind asked for runs here: its FlashInfer module was found or built and
+         loaded on a visible GPU, or (the flex route) torch's FlexAttention runs it on this
+         machine's device, the CPU included. --backend auto answers for what make_wrapper
+         would pick here, so on a CPU machine it is the flex route and exits 0.
+      1  at least one cannot run here; its `reason:` says why.
+      2  a usage error (an option's value)."""
     from ..api.probing import probe_backends
 
     try:
@@ -809,21 +829,14 @@ def clear(spec_name: str | None, older_than: float | None, cache_dir: str | None
 # ----------------------------------------------------------------------------- check
 
 
-def _random_lengths(batch_size: int, qo_len: int, kv_len: int, seed: int) -> tuple[list[int], list[int]]:
-    rng = random.Random(seed)
-    qo = [rng.randint(1, qo_len) for _ in range(batch_size)]
-    kv = [q + rng.randint(0, max(kv_len - q, 0)) for q in qo]
-    return qo, kv
-
-
 @main.command()
 @click.argument("spec", type=click.Path())
-@click.option("--head-dim", type=int, required=True)
-@click.option("--dtype", required=True)
-@click.option("--kv-dtype", default=None)
-@click.option("--o-dtype", default=None)
+@click.option("--head-dim", type=int, required=True, help="Head dim of q, k and v, e.g. 128.")
+@click.option("--dtype", required=True, help="Query dtype: bf16, fp16 (fp32 on the flex route).")
+@click.option("--kv-dtype", default=None, help="KV cache dtype (default: --dtype).")
+@click.option("--o-dtype", default=None, help="Output dtype (default: --dtype).")
 @click.option("--backend", type=click.Choice([*BACKENDS, "auto"]), default="auto", show_default=True,
-              help="auto: what make_wrapper picks on this GPU.")
+              help="auto: what make_wrapper picks here (on a CPU machine: flex, torch's FlexAttention).")
 @click.option("--batch-size", type=click.IntRange(min=1), default=4, show_default=True)
 @click.option("--qo-len", type=click.IntRange(min=1), default=128, show_default=True, help="Max queries per request.")
 @click.option("--kv-len", type=click.IntRange(min=1), default=512, show_default=True, help="Max keys per request.")
@@ -838,47 +851,18 @@ def _random_lengths(batch_size: int, qo_len: int, kv_len: int, seed: int) -> tup
 def check(spec: str, head_dim: int, dtype: str, kv_dtype: str | None, o_dtype: str | None, backend: str,
           batch_size: int, qo_len: int, kv_len: int, num_qo_heads: int, num_kv_heads: int, page_size: int,
           planner: bool, seed: int, tol: float, cache_dir: str | None) -> None:
-    """Build SPEC's module, run it on a random batch and compare with the reference (needs a GPU)."""
-    import torch
+    """Run SPEC on a random batch through a backend that runs here and compare it with the
+    derived reference: its module on a GPU, the flex route (FlexAttention) on a CPU. Exit 0 when
+    it matches, 1 when not."""
+    from .check import run_check
 
     variant = resolve_spec(spec)  # a wrong spec is reported wherever this runs
-    if not torch.cuda.is_available():
-        click.echo("check needs a CUDA GPU", err=True)
-        sys.exit(2)
-    from ..api.factory import make_wrapper
-    from ..wrappers.batches import random_paged_batch, random_spec_args
-    from ..wrappers.paged import TORCH_DTYPES
-    from ..wrappers.reference import reference_attention
-
-    request = Request.of(variant, head_dim_qk=head_dim, q_dtype=dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
-                         names=CLI_NAMES)
-    workspace = torch.empty(128 << 20, dtype=torch.uint8, device="cuda")
-    t0 = time.perf_counter()
-    wrapper = make_wrapper(variant, workspace, head_dim_qk=head_dim, q_dtype=request.q_dtype,
-                           kv_dtype=request.kv_dtype, o_dtype=request.o_dtype,
-                           backend=None if backend == "auto" else backend, cache=_cache(cache_dir))
-    label = f"module {wrapper.uri}" if wrapper.uri else f"the {wrapper.config.backend} route"  # flex: no module
-    click.echo(f"{label} ready in {time.perf_counter() - t0:.1f}s")
-    qo_lens, kv_lens = _random_lengths(batch_size, qo_len, max(kv_len, qo_len), seed)
-    batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                               head_dim=head_dim, page_size=page_size, dtype=TORCH_DTYPES[request.q_dtype],
-                               kv_dtype=TORCH_DTYPES[request.kv_dtype], device="cuda", seed=seed)
-    args = random_spec_args(variant, batch, seed=seed)
-    if planner:
-        wrapper.plan(*batch.plan_args(), skip_tiles=True, **args)
-    else:
-        wrapper.plan(*batch.plan_args(), skip_tiles=False)
-    out = wrapper.run(batch.q, (batch.k_cache, batch.v_cache), **args)
-    torch.cuda.synchronize()
-    ref = reference_attention(variant, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,
-                              batch.kv_indices, batch.last_page_len, args)
-    diff = (out.float() - ref).abs()
-    rel = float(diff.norm() / ref.norm().clamp_min(1e-12))
-    ok = rel <= tol and bool(torch.isfinite(out.float()).all())
-    click.echo(f"{variant.name}: batch {batch_size}, q {sum(qo_lens)} rows, kv {sum(kv_lens)} rows, "
-               f"heads {num_qo_heads}/{num_kv_heads}: max abs err {float(diff.max()):.3e}, "
-               f"rel err {rel:.3e} (tolerance {tol:g}) -> {'ok' if ok else 'MISMATCH'}")
-    sys.exit(0 if ok else 1)
+    result = run_check(variant, head_dim=head_dim, dtype=dtype, kv_dtype=kv_dtype, o_dtype=o_dtype,
+                       backend=None if backend == "auto" else backend, batch_size=batch_size, qo_len=qo_len,
+                       kv_len=kv_len, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size,
+                       planner=planner, seed=seed, tol=tol, cache=_cache(cache_dir), echo=click.echo)
+    click.echo(result.line(batch_size, num_qo_heads, num_kv_heads))
+    sys.exit(0 if result.ok else 1)
 
 
 
@@ -887,7 +871,7 @@ def check(spec: str, head_dim: int, dtype: str, kv_dtype: str | None, o_dtype: s
 @click.option("--head-dim", type=int, default=128, show_default=True)
 @click.option("--dtype", default="bf16", show_default=True)
 @click.option("--arch", default=None, callback=_arch_option,
-              help="Target arch (default: the visible GPU, VARIANTGEN_ARCH, else 9.0a).")
+              help=f"Target arch (default: the visible GPU, VARIANTGEN_ARCH, else {DEFAULT_ARCH}).")
 @click.pass_context
 def demo(ctx: click.Context, spec: str, head_dim: int, dtype: str, arch: str | None) -> None:
     """The main job end to end: validate SPEC, render its CUDA, compile and cache the module
@@ -900,13 +884,19 @@ def demo(ctx: click.Context, spec: str, head_dim: int, dtype: str, arch: str | N
     variant = resolve_spec(spec)
     click.echo(f"[1/4] {spec}: valid spec `{variant.name}` ({len(variant.tensors)} tensor(s), "
                f"{len(variant.scalars)} scalar(s))")
-    cfg = _module_config(variant, head_dim, None, dtype, None, None, "fa2", arch or _default_arch() or "9.0a")
+    cfg = _module_config(variant, head_dim, None, dtype, None, None, "fa2", _target_arch(arch))
     rendered = render_module(cfg)
     body = rendered.files["variant.cuh"]
     start = body.index("struct ")
     click.echo(f"[2/4] rendered {len(rendered.files)} files; the variant:\n" + body[start:start + 1800] + "\n  ...")
+    from ..core.progress import BuildProgress, first_build_takes
+
+    click.echo(f"[3/4] compiling the module with nvcc ({len(rendered.compile_units)} compile units; a first build "
+               f"takes {first_build_takes('fa2')} on 16 cores, several minutes on 2; the cache serves it after)",
+               err=True)
     t0 = time.perf_counter()
-    result = build_module(cfg, env.settings() and _cache(None))
+    result = build_module(cfg, env.settings() and _cache(None),
+                          progress=lambda uri, units, kind: BuildProgress(uri, units, kind, lines=True))
     status = "built" if result.built else "found in cache"
     click.echo(f"[3/4] module {result.entry.uri} {status} in {time.perf_counter() - t0:.1f}s "
                f"({result.entry.path})")
@@ -951,23 +941,31 @@ def explain(spec: str, qo_len: int, kv_len: int | None, arg_items: tuple[str, ..
 
 @main.command()
 @click.option("--need", "needs", default=None,
-              help="What this machine is for, comma list of build, run: exit 0 only if it can do all of it "
-                   "(default: run, and build unless JIT is disabled). A build box: --need build.")
+              help="What this machine is for, comma list of build, run, gpu, flex: exit 0 only if it can do all of "
+                   "it. run: a spec runs here on either route (FlashInfer modules on a GPU, or the flex route, "
+                   "FlexAttention, on any device); gpu: FlashInfer modules run here; flex: the flex route runs "
+                   "here. Default: run, and build too where a GPU runs modules and JIT is on. A build box: "
+                   "--need build; a GPU server: --need gpu.")
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
 def doctor(needs: str | None, as_json: bool) -> None:
     """Check that this machine can build modules (FlashInfer, nvcc, host compilers, ninja, CUDA
-    and FlashInfer headers, a writable cache) and run them (a GPU); each line says ok / missing
-    and the fix. Builds nothing."""
+    and FlashInfer headers, a writable cache) and run specs (FlashInfer modules on a GPU, the flex
+    route anywhere); each line says ok / missing and the fix. Builds nothing. Takes 10-20 s: it
+    runs nvcc and the compilers and renders a module to find the headers it includes."""
     from . import doctor as doc
 
-    wanted = tuple(_choices(needs, (doc.BUILD, doc.RUN), "--need",
-                            [doc.RUN] if env.settings().jit_disabled else [doc.BUILD, doc.RUN]))
+    if needs is not None:
+        _choices(needs, doc.NEEDS, "--need", [])  # a usage error before the slow checks
+    click.echo("checking the toolchain, FlashInfer's headers, the cache and the GPU (10-20 s)...", err=True)
     report = doc.run_checks()
+    default = [doc.RUN] + ([doc.BUILD] if report.can(doc.GPU) and not env.settings().jit_disabled else [])
+    wanted = tuple(_choices(needs, doc.NEEDS, "--need", default))
     ok = all(report.can(what) for what in wanted)
     if as_json:
         click.echo(json.dumps({"checks": [dict(name=c.name, status=c.status, detail=c.detail, fix=c.fix,
                                                needed_for=list(c.needed_for)) for c in report.checks],
                                "can_build": report.can(doc.BUILD), "can_run": report.can(doc.RUN),
+                               "can_run_modules": report.can(doc.GPU), "can_run_flex": report.can(doc.FLEX),
                                "needed": list(wanted), "ok": ok}, indent=1))
     else:
         click.echo(doc.render(report, wanted))

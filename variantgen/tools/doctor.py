@@ -5,6 +5,11 @@ build or a run here needs: FlashInfer and tvm-ffi, nvcc, the host compilers, nin
 CUDA runtime headers and library, every header the rendered fa2 and fa3 modules (and the
 FlashInfer host sources they compile) include, the cache folder, the JIT setting, the GPU.
 Nothing is built or written; the GPU is queried as probe() does (torch.cuda).
+
+Two routes run a spec: FlashInfer modules on a GPU (need "gpu") and torch's FlexAttention (the
+flex route, need "flex"), which runs every spec on any torch device, the CPU included. Need
+"run" is met by either, so a CPU machine can run (the flex route) and a serving box that must
+run modules asks for "gpu".
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from ..core import env
 from ..core.errors import ToolchainError
 
 OK, WARN, MISSING = "ok", "warn", "missing"
-BUILD, RUN = "build", "run"
+BUILD, RUN, GPU, FLEX = "build", "run", "gpu", "flex"
+NEEDS = (BUILD, RUN, GPU, FLEX)
 _INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*[<"]([^>"]+)[>"]', re.MULTILINE)
 _FALLBACK_INCLUDE_DIRS = (Path("/usr/include"), Path("/usr/local/include"))  # the host compiler's own
 
@@ -44,9 +50,13 @@ class Report:
     checks: tuple[Check, ...]
 
     def can(self, what: str) -> bool:
+        if what == RUN:  # either route runs a spec
+            return self.can(GPU) or self.can(FLEX)
         return all(c.status != MISSING for c in self.checks if what in c.needed_for)
 
     def blockers(self, what: str) -> list[Check]:
+        if what == RUN:
+            return [] if self.can(RUN) else self.blockers(GPU) + self.blockers(FLEX)
         return [c for c in self.checks if what in c.needed_for and c.status == MISSING]
 
 
@@ -69,6 +79,7 @@ def run_checks() -> Report:
     checks.append(Check("JIT", OK, f"disabled by {s.jit_disabled_by}: modules are loaded from the cache only"
                         if s.jit_disabled else "on: a module missing from the cache is built on first use"))
     checks.append(_gpu())
+    checks.append(_flex())
     return Report(tuple(checks))
 
 
@@ -81,10 +92,10 @@ def _flashinfer() -> Check:
     problem = flashinfer_problem()
     if problem:
         return Check("flashinfer", MISSING, problem, "pip install --no-deps flashinfer-python==0.7.2.post1 "
-                     "apache-tvm-ffi==0.1.15.post2", (BUILD, RUN))
+                     "apache-tvm-ffi==0.1.15.post2", (BUILD, GPU))
     fi_version, tvm_version = build.package_versions()
     return Check("flashinfer", OK, f"flashinfer-python {fi_version}, apache-tvm-ffi {tvm_version} "
-                 f"({build.flashinfer_package_dir()})", needed_for=(BUILD, RUN))
+                 f"({build.flashinfer_package_dir()})", needed_for=(BUILD, GPU))
 
 
 def _toolchain() -> tuple[build.Toolchain | None, list[Check]]:
@@ -214,21 +225,38 @@ def _gpu() -> Check:
             why = f" (CUDA_VISIBLE_DEVICES={visible!r})" if visible is not None else ""
             return Check("GPU", MISSING, f"no CUDA device visible to torch{why}", "run where an NVIDIA GPU (sm80 or "
                          "newer) and its driver are present; a build box needs none (variantgen doctor --need build)",
-                         (RUN,))
+                         (GPU,))
         index = torch.cuda.current_device()
         major, minor = torch.cuda.get_device_capability(index)
         name = torch.cuda.get_device_name(index)
     except Exception as e:  # noqa: BLE001 - a broken driver is a finding
         return Check("GPU", MISSING, f"cannot query the GPU: {type(e).__name__}: {e}", "check the NVIDIA driver",
-                     (RUN,))
+                     (GPU,))
     from ..routing.capabilities import arch_of_capability
 
     arch = arch_of_capability(major, minor)
     detail = f"cuda:{index} {name}, sm{major}{minor} (arch {arch}; {torch.cuda.device_count()} visible)"
     if major < 8:
-        return Check("GPU", MISSING, detail, "variantgen modules need sm80 or newer", (RUN,))
+        return Check("GPU", MISSING, detail, "variantgen modules need sm80 or newer", (GPU,))
     return Check("GPU", OK, detail + ("; fa3 and fa2 modules" if arch == "9.0a" else "; fa2 modules"),
-                 needed_for=(RUN,))
+                 needed_for=(GPU,))
+
+
+def _flex() -> Check:
+    """The flex route: torch's FlexAttention, on the GPU if one is visible, else on the CPU."""
+    import torch
+
+    from ..wrappers.flex_blocks import flex_problem
+
+    problem = flex_problem()
+    if problem:
+        return Check("flex route", MISSING, problem, "install torch 2.5 or newer", (FLEX,))
+    try:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 - a broken driver: the CPU still runs it
+        device = "cpu"
+    return Check("flex route", OK, f"torch {torch.__version__} FlexAttention on {device}: every spec runs "
+                 "(no module; slower than FlashInfer's kernels on a GPU)", needed_for=(FLEX,))
 
 
 # ----------------------------------------------------------------------------- report
@@ -244,6 +272,12 @@ def render(report: Report, needed: tuple[str, ...]) -> str:
     for what in (BUILD, RUN):
         blockers = report.blockers(what)
         verdict = "yes" if not blockers else "no (missing: " + ", ".join(c.name for c in blockers) + ")"
+        if what == RUN and verdict == "yes":  # which routes
+            routes = [name for need, name in ((GPU, "FlashInfer modules on the GPU"), (FLEX, "the flex route"))
+                      if report.can(need)]
+            missing = ", ".join(c.name for c in report.blockers(GPU))
+            verdict = "yes: " + " and ".join(routes) + ("" if report.can(GPU) else
+                                                        f" (FlashInfer modules: no, missing: {missing})")
         lines.append(f"{what + ':':6} {verdict}")
     ok = all(report.can(what) for what in needed)
     lines.append(f"needed here: {', '.join(needed)} -> {'ok' if ok else 'not ok'} (exit {0 if ok else 1})")

@@ -199,7 +199,28 @@ def resolve_args(spec: VariantSpec, items: Sequence[str], qo_len: int, kv_len: i
             out.setdefault(name, ArgValue(name, value, "random"))
     for s in spec.scalars:
         out.setdefault(s.name, ArgValue(s.name, s.default, "default"))
-    return {name: out[name] for name in [*spec.tensor_names, *spec.scalar_names]}
+    ordered = {name: out[name] for name in [*spec.tensor_names, *spec.scalar_names]}
+    check_args(spec, ordered, qo_len, kv_len, heads)
+    return ordered
+
+
+def check_args(spec: VariantSpec, args: dict[str, ArgValue], qo_len: int, kv_len: int, heads: int) -> None:
+    """The checks plan() and run() make of the spec's arguments (scalar ranges such as
+    ``positive: true``, tensor dtypes and shapes): a grid of arguments they would refuse is not
+    drawn. ValueError naming the --arg (or the argument, for one not given)."""
+    import torch
+
+    from ..core.errors import LaunchError
+    from ..wrappers.checks import check_spec_args
+
+    values = {name: a.value for name, a in args.items()}
+    try:
+        check_spec_args(spec, values, dims(qo_len, kv_len, heads), torch.device("cpu"), where="explain")
+    except LaunchError as e:
+        text = str(e).removeprefix("explain: ")
+        given = [a for a in args.values() if a.source == "given" and f"`{a.name}`" in text]
+        where = f"--arg {given[0].name}={_value_text(given[0].value)}" if given else "explain"
+        raise ValueError(f"{where}: {text} (plan() and run() refuse it too)") from None
 
 
 # ----------------------------------------------------------------------------- explain
@@ -216,6 +237,7 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
     from ..wrappers.reference import RequestGrid, mask_for_request
 
     check_request(qo_len, kv_len, page_size=page_size, heads=heads, head=head)
+    check_args(spec, args, qo_len, kv_len, heads)
     values = {name: a.value for name, a in args.items()}
     cpu = torch.device("cpu")
     grid = RequestGrid(0, qo_len, kv_len, 0, 0, heads, 1, cpu)
@@ -316,7 +338,7 @@ def render(e: Explanation) -> str:
 def _row_text(e: Explanation, info: RowInfo) -> str:
     if not e.form.planner_ready:
         return ""
-    if info.empty:
+    if info.empty or info.hi < info.lo:  # never an inverted pair such as "[4, 3] hull"
         interval = "no key (empty)"
     elif not info.exact and info.dense_hi >= info.lo:  # a dense start, then the hull
         interval = f"[{info.lo}, {info.dense_hi}] dense + [{info.dense_hi + 1}, {info.hi}] hull"

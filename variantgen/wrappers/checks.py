@@ -140,7 +140,11 @@ def check_paged_arguments(qo_indptr: Any, paged_kv_indptr: Any, paged_kv_indices
     check_index_tensors(where, qo_indptr=qo_indptr, paged_kv_indptr=paged_kv_indptr,
                         paged_kv_indices=paged_kv_indices, paged_kv_last_page_len=paged_kv_last_page_len)
     batch = qo_indptr.numel() - 1
-    if batch < 1 or paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
+    if batch < 1:  # as decode and ragged say: an empty batch is refused by name, not as "inconsistent"
+        raise LaunchError(f"{where}: empty batch: `qo_indptr` has {qo_indptr.numel()} "
+                          f"entr{'y' if qo_indptr.numel() == 1 else 'ies'}; expected at least one request "
+                          "(batch + 1 >= 2 entries)")
+    if paged_kv_indptr.numel() != batch + 1 or paged_kv_last_page_len.numel() != batch:
         raise LaunchError(
             f"{where}: inconsistent batch: qo_indptr has {qo_indptr.numel()} entries, paged_kv_indptr "
             f"{paged_kv_indptr.numel()}, paged_kv_last_page_len {paged_kv_last_page_len.numel()} "
@@ -157,8 +161,10 @@ def paged_batch(qo_h: list[int], kvp_h: list[int], last_h: list[int], num_indice
     for b in range(len(qo_h) - 1):
         ql, npages, lp = qo_h[b + 1] - qo_h[b], kvp_h[b + 1] - kvp_h[b], last_h[b]
         kl = 0 if npages == 0 else (npages - 1) * page_size + lp
-        if ql < 0 or npages < 0:
-            raise LaunchError(f"{where}: request {b}: indptrs must be non-decreasing")
+        if ql < 0 or npages < 0:  # named, with its values (a negative key count read as "only -4 keys")
+            name, ptr = ("qo_indptr", qo_h) if ql < 0 else ("paged_kv_indptr", kvp_h)
+            raise LaunchError(f"{where}: `{name}` decreases at request {b} ({name}[{b}]={ptr[b]}, "
+                              f"{name}[{b + 1}]={ptr[b + 1]}): indptrs must be non-decreasing")
         if npages and not 1 <= lp <= page_size:
             raise LaunchError(f"{where}: paged_kv_last_page_len[{b}]={lp}: expected 1..{page_size}")
         if ql > kl:

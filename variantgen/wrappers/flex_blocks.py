@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +45,8 @@ BLOCK = 128  # Flex's block size for queries and keys; lengths are padded to a m
 EVAL_CHUNK = 1 << 22  # mask elements evaluated per step when block masks come from the mask
 RECOMPILE_LIMIT = 64  # compiled graphs kept per spec and layout (see _compiled), while a flex route calls it
 HEAD_NAMES = {"qo_head", "kv_head"}
+
+log = logging.getLogger("variantgen.wrappers.flex_blocks")
 
 
 def flex_problem() -> str | None:
@@ -371,6 +374,9 @@ def _compiled(backend: str, key: tuple) -> Callable:
     def call(q, k, v, kwargs):
         return flex_attention(q, k, v, **kwargs)
 
+    # said before the wait: the first run() of a spec and layout traces (and on CUDA compiles) Flex
+    log.info("flex route: the first run() of this spec and layout traces FlexAttention with torch.compile "
+             "(%s backend): a few seconds, once per process", backend)
     code = call.__code__.replace(co_name=f"flex_attention_{len(key)}_{abs(hash(key)) % 10**8}")
     fn = types.FunctionType(code, call.__globals__, code.co_name, None, call.__closure__)
     # Dynamic shapes: one or two compiles serve every batch; lengths are padded to BLOCK, where
