@@ -126,3 +126,10 @@ def test_anchors_aliases_and_tags_are_refused_while_composing(text, message):
 def test_the_loader_is_still_safe():
     with pytest.raises(yaml.YAMLError):
         yaml_loader.compose("a: !!python/object:os.system 1\n")
+
+
+@pytest.mark.parametrize("value", ["yes", "010", "1:30"])
+def test_an_expression_field_with_a_yaml_1_1_form_is_one_error(value):
+    """`mask: yes` was reported twice: as the YAML 1.1 form and as "expected an expression"."""
+    err = one(f"name: x\nmask: {value}\n")
+    assert err.field == "mask" and err.message.startswith(f"YAML 1.1 reads {value} as ")

@@ -914,6 +914,8 @@ def _expression(r: _Reader, node: yaml.Node, field_name: str, env: TypeEnv, expe
     if not number and (not isinstance(node, yaml.ScalarNode) or node.tag not in ("tag:yaml.org,2002:str",)):
         if isinstance(node, yaml.ScalarNode):
             value = r.scalar(node, field_name)
+            if value is _MISSING:  # (reported: a YAML 1.1 form, a huge number ...)
+                return None, None
             if isinstance(value, bool) and field_name == "mask":
                 r.error(node, field_name, f"expected an expression, got the bool {value}",
                         "write `true` inside quotes, or `kv_pos <= q_pos` for causal")
