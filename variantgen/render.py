@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jinja2
 
-from . import codegen, expr, kv_tile, plan_abi
+from . import codegen, expr, fi_versions, kv_tile, plan_abi
 from ._version import __version__
 from .capabilities import KINDS, MODULE_BACKENDS, TABLE, Request, Site, canonical_arch
 from .env import TEMPLATES_DIR, settings
@@ -581,13 +581,27 @@ RENDERERS: dict[tuple[str, str], Renderer] = {
 }
 
 
+def flashinfer_facts() -> fi_versions.FlashInferFacts:
+    """The installed FlashInfer's facts (fi_versions). Where none is installed (`variantgen render`
+    on a machine that only previews the code) the sources are rendered for the newest checked
+    version, which their fi_facts.h says; a build needs FlashInfer and refuses before this."""
+    from importlib.metadata import PackageNotFoundError
+
+    try:
+        return fi_versions.installed_facts()
+    except PackageNotFoundError:
+        return fi_versions.facts(fi_versions.NEWEST_CHECKED)
+
+
 def render_module(config: ModuleConfig) -> RenderedModule:
     ctx, tensor_args, scalar_args = _variant_context(config)
     renderer = RENDERERS.get((config.backend, config.kind))
     if renderer is None:
         raise ValueError(f"backend={config.backend!r}, kind={config.kind!r}: not generated yet")
     files, units, host_sources, shared = renderer(config, ctx, environment())
-    files = {plan_abi.HEADER_NAME: plan_abi.header_text(), **files}  # every config includes it
+    # every config includes the plan ABI; the FlashInfer version's facts go to the sources that differ by version
+    files = {plan_abi.HEADER_NAME: plan_abi.header_text(),
+             fi_versions.HEADER_NAME: fi_versions.header_text(flashinfer_facts()), **files}
     return RenderedModule(
         config=config,
         files=files,

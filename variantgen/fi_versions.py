@@ -1,0 +1,105 @@
+"""The FlashInfer versions variantgen builds against, and what differs between them.
+
+Engines pin their own flashinfer-python, so a module is built against whichever one is
+installed (build.flashinfer_info; the module key names its version). The headers and host
+sources variantgen's templates include or adapt were compared between the versions below;
+where they differ, the difference is decided here, from the installed version, and rendered
+into every module as ``fi_facts.h`` (``header_text``) - the templates test its macros, never
+guess from FlashInfer's own headers.
+
+Checked (FlashInfer's include/ and csrc/ files the fa2 / fa3 templates use):
+  * 0.7.2.post1 -> 0.7.4: ``PrefillPlan`` (attention/scheduler.cuh) takes a new
+    ``bool fixed_uniform_q_len`` after ``uniform_q_len`` (false keeps 0.7.2's schedule); the
+    fa2 kernels (attention/prefill.cuh), decode.cuh, page.cuh, pos_enc.cuh and math.cuh changed
+    internally but not in what the templates name; variant_helper.cuh, mask.cuh, the params
+    headers and every sm90 header (attention/hopper/, the variant ABI, ``CollectiveEpilogue``)
+    are byte-identical.
+  * The sm90 epilogue's barrier (hopper/epilogue.cuh: consumers *arrive* at EpilogueBarrier, then
+    *sync* on it before the copy-out; see templates/fa3/epilogue_barrier.cuh) is the same in
+    0.7.2.post1 and 0.7.4, so both need the fixed store. A version newer than the newest checked
+    keeps it too until its header has been read: the fix costs one barrier, a stale row costs a
+    wrong answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from packaging.version import InvalidVersion, Version
+
+from .errors import ToolchainError
+
+OLDEST = "0.7.2.post1"
+"""The oldest flashinfer-python variantgen builds against (the one it was written on)."""
+NEWEST_CHECKED = "0.7.4"
+"""The newest flashinfer-python whose headers were compared with the templates (see above)."""
+CHECKED = (OLDEST, NEWEST_CHECKED)
+"""The versions CPU CI builds fa2 and fa3 modules against (tests/cpu/test_build_nvcc.py)."""
+
+_PLAN_FIXED_UNIFORM_Q_LEN_SINCE = Version("0.7.4")  # PrefillPlan's fixed_uniform_q_len argument
+# The newest version known to have the arrive-then-sync epilogue barrier; None: no version has
+# been seen with it fixed, so every version gets the fixed store.
+_EPILOGUE_BARRIER_FIXED_IN: Version | None = None
+
+
+class UnsupportedFlashInfer(ToolchainError):
+    """The installed flashinfer-python is outside the range variantgen builds against."""
+
+
+@dataclass(frozen=True)
+class FlashInferFacts:
+    """What the templates must know about one FlashInfer version."""
+
+    version: str
+    plan_fixed_uniform_q_len: bool
+    """PrefillPlan takes ``fixed_uniform_q_len`` (0.7.4 on)."""
+    fa3_epilogue_fix: bool
+    """The sm90 epilogue's output store needs variantgen's barrier fix (every version so far)."""
+    checked: bool
+    """Whether this version's headers were compared with the templates (else: newer than
+    NEWEST_CHECKED, built on the newest checked version's facts)."""
+
+
+def _parse(version: str) -> Version:
+    try:
+        return Version(version)
+    except InvalidVersion:
+        raise UnsupportedFlashInfer(f"flashinfer-python {version!r}: not a version number") from None
+
+
+def facts(version: str) -> FlashInferFacts:
+    """The facts of flashinfer-python ``version``; UnsupportedFlashInfer below OLDEST."""
+    v = _parse(version)
+    if v < Version(OLDEST):
+        raise UnsupportedFlashInfer(
+            f"flashinfer-python {version} is installed; variantgen builds against {OLDEST} or newer "
+            f"(checked: {', '.join(CHECKED)}): pip install 'flashinfer-python>={OLDEST}'")
+    return FlashInferFacts(
+        version=str(version),
+        plan_fixed_uniform_q_len=v >= _PLAN_FIXED_UNIFORM_Q_LEN_SINCE,
+        fa3_epilogue_fix=_EPILOGUE_BARRIER_FIXED_IN is None or v < _EPILOGUE_BARRIER_FIXED_IN,
+        checked=v <= Version(NEWEST_CHECKED),
+    )
+
+
+def installed_facts() -> FlashInferFacts:
+    """The facts of the installed flashinfer-python (from its metadata; no import)."""
+    from .build import package_versions
+
+    return facts(package_versions()[0])
+
+
+HEADER_NAME = "fi_facts.h"
+
+
+def header_text(f: FlashInferFacts) -> str:
+    """The module header the templates read the version's facts from."""
+    return "\n".join([
+        f"// The FlashInfer version this module is built against: {f.version}"
+        + ("" if f.checked else f" (newer than {NEWEST_CHECKED}, the newest checked: built on its facts)"),
+        "// Decided by variantgen/fi_versions.py from the installed version; do not edit.",
+        "#pragma once",
+        f"#define VG_FI_PLAN_FIXED_UNIFORM_Q_LEN {int(f.plan_fixed_uniform_q_len)}",
+        f"#define VG_FI_FA3_EPILOGUE_FIX {int(f.fa3_epilogue_fix)}",
+        "",
+    ])
