@@ -23,9 +23,8 @@ Checked (FlashInfer's include/ and csrc/ files the fa2 / fa3 templates use):
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-
-from packaging.version import InvalidVersion, Version
 
 from .errors import ToolchainError
 
@@ -36,10 +35,28 @@ NEWEST_CHECKED = "0.7.4"
 CHECKED = (OLDEST, NEWEST_CHECKED)
 """The versions CPU CI builds fa2 and fa3 modules against (tests/cpu/test_build_nvcc.py)."""
 
-_PLAN_FIXED_UNIFORM_Q_LEN_SINCE = Version("0.7.4")  # PrefillPlan's fixed_uniform_q_len argument
+# A PEP 440 version as FlashInfer publishes them (0.7.2.post1, 0.7.5rc1, 0.7.6.dev3+cu130): parsed
+# here rather than with `packaging`, which is not one of variantgen's dependencies.
+_VERSION = re.compile(r"(\d+(?:\.\d+)*)(?:(a|b|rc)(\d+))?(?:\.post(\d+))?(?:\.dev(\d+))?(?:\+[\w.]+)?")
+_PRE_RANK = {"dev": 0, "a": 1, "b": 2, "rc": 3, None: 4}  # a release sorts after its pre-releases
+
+
+def version_key(text: str) -> tuple:
+    """A sortable key of version ``text``; ValueError where it is not a version."""
+    m = _VERSION.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(text)
+    release, pre, pre_n, post, dev = m.groups()
+    parts = tuple(int(x) for x in release.split("."))
+    parts += (0,) * (4 - len(parts))
+    stage = pre if pre else ("dev" if dev is not None and post is None else None)
+    return parts, _PRE_RANK[stage], int(pre_n or dev or 0) if stage else 0, int(post or -1)
+
+
+_PLAN_FIXED_UNIFORM_Q_LEN_SINCE = version_key("0.7.4")  # PrefillPlan's fixed_uniform_q_len argument
 # The newest version known to have the arrive-then-sync epilogue barrier; None: no version has
 # been seen with it fixed, so every version gets the fixed store.
-_EPILOGUE_BARRIER_FIXED_IN: Version | None = None
+_EPILOGUE_BARRIER_FIXED_IN: tuple | None = None
 
 
 class UnsupportedFlashInfer(ToolchainError):
@@ -60,17 +77,17 @@ class FlashInferFacts:
     NEWEST_CHECKED, built on the newest checked version's facts)."""
 
 
-def _parse(version: str) -> Version:
+def _parse(version: str) -> tuple:
     try:
-        return Version(version)
-    except InvalidVersion:
+        return version_key(version)
+    except ValueError:
         raise UnsupportedFlashInfer(f"flashinfer-python {version!r}: not a version number") from None
 
 
 def facts(version: str) -> FlashInferFacts:
     """The facts of flashinfer-python ``version``; UnsupportedFlashInfer below OLDEST."""
     v = _parse(version)
-    if v < Version(OLDEST):
+    if v < version_key(OLDEST):
         raise UnsupportedFlashInfer(
             f"flashinfer-python {version} is installed; variantgen builds against {OLDEST} or newer "
             f"(checked: {', '.join(CHECKED)}): pip install 'flashinfer-python>={OLDEST}'")
@@ -78,7 +95,7 @@ def facts(version: str) -> FlashInferFacts:
         version=str(version),
         plan_fixed_uniform_q_len=v >= _PLAN_FIXED_UNIFORM_Q_LEN_SINCE,
         fa3_epilogue_fix=_EPILOGUE_BARRIER_FIXED_IN is None or v < _EPILOGUE_BARRIER_FIXED_IN,
-        checked=v <= Version(NEWEST_CHECKED),
+        checked=v <= version_key(NEWEST_CHECKED),
     )
 
 

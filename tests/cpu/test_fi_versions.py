@@ -68,3 +68,10 @@ def test_every_fa3_kernel_unit_reads_the_epilogue_fact(monkeypatch):
     assert "#define VG_FI_FA3_EPILOGUE_FIX 1" in rendered.files[fi_versions.HEADER_NAME]
     kernels = [u for u in rendered.compile_units if "kernel" in u]
     assert kernels and all(fi_versions.HEADER_NAME in rendered.includes(u) for u in kernels)
+
+
+def test_versions_sort_as_pip_sorts_them():
+    order = ["0.6.18.post1", "0.7.2", "0.7.2.post1", "0.7.4", "0.7.5.dev1", "0.7.5rc1", "0.7.5", "0.7.5.post2",
+             "0.7.10"]
+    assert sorted(order, key=fi_versions.version_key) == order
+    assert fi_versions.version_key("0.7.4+cu130") == fi_versions.version_key("0.7.4")
