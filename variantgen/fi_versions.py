@@ -9,9 +9,13 @@ guess from FlashInfer's own headers.
 
 Checked (FlashInfer's include/ and csrc/ files the fa2 / fa3 templates use):
   * 0.7.2.post1 -> 0.7.4: ``PrefillPlan`` (attention/scheduler.cuh) takes a new
-    ``bool fixed_uniform_q_len`` after ``uniform_q_len`` (false keeps 0.7.2's schedule); the
-    fa2 kernels (attention/prefill.cuh), decode.cuh, page.cuh, pos_enc.cuh and math.cuh changed
-    internally but not in what the templates name; variant_helper.cuh, mask.cuh, the params
+    ``bool fixed_uniform_q_len`` after ``uniform_q_len`` (false keeps 0.7.2's schedule); the fa2
+    prefill kernels (attention/prefill.cuh: ``BatchPrefillWith{Paged,Ragged}KVCacheDispatched``)
+    take a new template argument ``bool USE_TOKEN_HEAD_SF`` after the mask mode (per-token,
+    per-head KV scale factors; false for variantgen's modules) and FlashInfer's host sources
+    (csrc/batch_prefill*.cu) read a ``USE_TOKEN_HEAD_SF`` constant from the config; decode.cuh,
+    page.cuh, pos_enc.cuh and math.cuh changed internally but not in what the templates name;
+    variant_helper.cuh, mask.cuh, the params
     headers and every sm90 header (attention/hopper/, the variant ABI, ``CollectiveEpilogue``)
     are byte-identical.
   * The sm90 epilogue's barrier (hopper/epilogue.cuh: consumers *arrive* at EpilogueBarrier, then
@@ -54,6 +58,7 @@ def version_key(text: str) -> tuple:
 
 
 _PLAN_FIXED_UNIFORM_Q_LEN_SINCE = version_key("0.7.4")  # PrefillPlan's fixed_uniform_q_len argument
+_TOKEN_HEAD_SF_SINCE = version_key("0.7.4")  # the fa2 prefill kernels' USE_TOKEN_HEAD_SF template argument
 # The newest version known to have the arrive-then-sync epilogue barrier; None: no version has
 # been seen with it fixed, so every version gets the fixed store.
 _EPILOGUE_BARRIER_FIXED_IN: tuple | None = None
@@ -70,6 +75,8 @@ class FlashInferFacts:
     version: str
     plan_fixed_uniform_q_len: bool
     """PrefillPlan takes ``fixed_uniform_q_len`` (0.7.4 on)."""
+    kernel_token_head_sf: bool
+    """The fa2 prefill kernels take ``USE_TOKEN_HEAD_SF`` after the mask mode (0.7.4 on)."""
     fa3_epilogue_fix: bool
     """The sm90 epilogue's output store needs variantgen's barrier fix (every version so far)."""
     checked: bool
@@ -94,6 +101,7 @@ def facts(version: str) -> FlashInferFacts:
     return FlashInferFacts(
         version=str(version),
         plan_fixed_uniform_q_len=v >= _PLAN_FIXED_UNIFORM_Q_LEN_SINCE,
+        kernel_token_head_sf=v >= _TOKEN_HEAD_SF_SINCE,
         fa3_epilogue_fix=_EPILOGUE_BARRIER_FIXED_IN is None or v < _EPILOGUE_BARRIER_FIXED_IN,
         checked=v <= version_key(NEWEST_CHECKED),
     )
@@ -109,6 +117,16 @@ def installed_facts() -> FlashInferFacts:
 HEADER_NAME = "fi_facts.h"
 
 
+def template_context(f: FlashInferFacts) -> dict[str, object]:
+    """What the Jinja templates insert where a FlashInfer signature differs by version."""
+    return {
+        "fi": f,
+        # the fa2 prefill kernels' template arguments after the mask mode: an argument / a parameter
+        "fi_sf_arg": "/*USE_TOKEN_HEAD_SF=*/false, " if f.kernel_token_head_sf else "",
+        "fi_sf_param": "bool USE_TOKEN_HEAD_SF, " if f.kernel_token_head_sf else "",
+    }
+
+
 def header_text(f: FlashInferFacts) -> str:
     """The module header the templates read the version's facts from."""
     return "\n".join([
@@ -117,6 +135,7 @@ def header_text(f: FlashInferFacts) -> str:
         "// Decided by variantgen/fi_versions.py from the installed version; do not edit.",
         "#pragma once",
         f"#define VG_FI_PLAN_FIXED_UNIFORM_Q_LEN {int(f.plan_fixed_uniform_q_len)}",
+        f"#define VG_FI_KERNEL_TOKEN_HEAD_SF {int(f.kernel_token_head_sf)}",
         f"#define VG_FI_FA3_EPILOGUE_FIX {int(f.fa3_epilogue_fix)}",
         "",
     ])

@@ -598,10 +598,12 @@ def render_module(config: ModuleConfig) -> RenderedModule:
     renderer = RENDERERS.get((config.backend, config.kind))
     if renderer is None:
         raise ValueError(f"backend={config.backend!r}, kind={config.kind!r}: not generated yet")
-    files, units, host_sources, shared = renderer(config, ctx, environment())
+    facts = flashinfer_facts()
+    files, units, host_sources, shared = renderer(config, {**ctx, **fi_versions.template_context(facts)},
+                                                  environment())
     # every config includes the plan ABI; the FlashInfer version's facts go to the sources that differ by version
-    files = {plan_abi.HEADER_NAME: plan_abi.header_text(),
-             fi_versions.HEADER_NAME: fi_versions.header_text(flashinfer_facts()), **files}
+    files = {plan_abi.HEADER_NAME: plan_abi.header_text(), fi_versions.HEADER_NAME: fi_versions.header_text(facts),
+             **files}
     return RenderedModule(
         config=config,
         files=files,
