@@ -220,14 +220,16 @@ def _gpu() -> Check:
     except Exception as e:  # noqa: BLE001 - a broken driver is a finding
         return Check("GPU", MISSING, f"cannot query the GPU: {type(e).__name__}: {e}", "check the NVIDIA driver",
                      (RUN,))
-    from .capabilities import arch_of_capability
+    from .capabilities import MODULE_BACKENDS, TABLE, arch_of_capability
 
     arch = arch_of_capability(major, minor)
     detail = f"cuda:{index} {name}, sm{major}{minor} (arch {arch}; {torch.cuda.device_count()} visible)"
     if major < 8:
         return Check("GPU", MISSING, detail, "variantgen modules need sm80 or newer", (RUN,))
-    return Check("GPU", OK, detail + ("; fa3 and fa2 modules" if arch == "9.0a" else "; fa2 modules"),
-                 needed_for=(RUN,))
+    # the capability table's answer: which module backends run on this arch, and why the others not
+    runs = [b for b in MODULE_BACKENDS if not TABLE[b].archs or arch in TABLE[b].archs]
+    not_here = "".join(f" ({b}: {TABLE[b].arch_why})" for b in MODULE_BACKENDS if b not in runs and TABLE[b].arch_why)
+    return Check("GPU", OK, f"{detail}; {' and '.join(runs)} modules{not_here}", needed_for=(RUN,))
 
 
 # ----------------------------------------------------------------------------- report
