@@ -55,6 +55,7 @@ from typing import Any
 import torch
 from _builder import finish_on_cpu, plan_builder
 
+from variantgen import logits_fold
 from variantgen.evaluate import Evaluator
 from variantgen.plan_abi import (
     FA2_TAIL_RUN_CODE,
@@ -109,10 +110,12 @@ def launch_env(meta_row: list[int], qo_len: int, kv_len: int, hq: int, group: in
 
 
 def scores_with_logits(spec: VariantSpec, env: dict, args: dict, scores: torch.Tensor) -> torch.Tensor:
-    """The spec's logits transform applied to the scaled scores (unchanged without one)."""
+    """The spec's logits transform applied to the scaled scores (unchanged without one), the way
+    the generated variant computes it: launch-uniform factors folded into the score scale and the
+    softmax scale (variantgen/logits_fold.py), so the wrapper tests hold the fold to the reference."""
     if spec.logits is None:
         return scores
-    return Evaluator(spec, env, args, logits=scores).as_float(spec.logits).expand_as(scores)
+    return logits_fold.evaluate(logits_fold.fold(spec), spec, env, args, scores).expand_as(scores)
 
 
 def spec_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...]) -> torch.Tensor:
