@@ -200,3 +200,33 @@ def test_the_generated_cxx_of_both_forms_agrees(tmp_path, logits):
         assert len(pairs) == len(raws)
         for w, f in pairs:
             assert math.isclose(w, f, rel_tol=1e-5, abs_tol=1e-5), (logits, args, w, f)
+
+
+FOLDING = """
+name: folding
+scalars:
+  soft_cap: {dtype: float, default: 30.0, positive: true}
+  temp: {dtype: float, default: 2.0, min: 0.5}
+mask: kv_pos <= q_pos
+logits: soft_cap * tanh(logits / soft_cap + sqrt(temp))
+"""
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize(("backend", "kind", "unit"), [
+    ("fa2", "prefill", "paged_kernel_cta16.cu"), ("fa2", "decode", "decode_kernel.cu"),
+    ("fa3", "prefill", "paged_kernel_custom.cu")])
+def test_folded_variants_compile(vg_env, toolchain, tmp_path, backend, kind, unit):
+    """The folded scales and a hoisted member in each variant template, compiled by nvcc against
+    FlashInfer's headers with the module's flags (one kernel unit each)."""
+    from test_build_nvcc import _compile_units
+
+    spec = variantgen.parse_spec(FOLDING, "folding.yaml")
+    f = fold(spec)
+    assert (f.out_scale.source(), f.in_scale.source(), [expr.to_source(n) for n in f.hoisted]) == (
+        "soft_cap", "1 / soft_cap", ["sqrt(temp)"])
+    config = render.ModuleConfig(spec, 64, 64, "bf16", "bf16", "bf16", "9.0a", backend, kind=kind)
+    module = config.render()
+    assert unit in module.compile_units and "vg_uniform0 = vg_sqrt(arg_temp);" in module.files["variant.cuh"]
+    _compile_units(toolchain, tmp_path, module, config, [unit])
+    assert (tmp_path / f"{unit.removesuffix('.cu')}.o").stat().st_size > 0
