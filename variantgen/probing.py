@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from . import build as _build
-from . import capabilities, env, render
+from . import capabilities, env, fi_versions, render
 from .cache import Cache, LockTimeout
 from .capabilities import BACKENDS, ArgNames, Request, Site, canonical_arch
 from .errors import BuildError, CacheError, JitDisabledError, SpecError, ToolchainError
@@ -71,7 +71,7 @@ from .spec import VariantSpec
 
 log = logging.getLogger("variantgen.probe")
 
-NEEDED_FLASHINFER = "0.7.2"
+NEEDED_FLASHINFER = fi_versions.OLDEST  # the oldest FlashInfer the templates were checked against
 PROBE_LOCK_WAIT_S = 5.0  # how long probe() waits for another process's build of the module
 PROBE_NAMES = ArgNames(graph="cuda_graph=True")
 NO_GPU_REASON = ("no CUDA device visible: probe() answers whether the module runs here, and nothing can run "

@@ -171,6 +171,13 @@ def test_flashinfer_too_old(monkeypatch):
     assert "flashinfer 0.6.1 is too old" in r.reason and ">= 0.7.2" in r.reason
 
 
+def test_flashinfer_0_7_2_before_its_post_release_is_too_old(monkeypatch):
+    """The templates were checked against 0.7.2.post1 onwards (fi_versions.py): a build would refuse 0.7.2."""
+    monkeypatch.setattr(variantgen.build, "package_versions", lambda: ("0.7.2", "0.1.15.post2"))
+    r = probe(MM, **BASE, arch="9.0a")
+    assert not r and "flashinfer 0.7.2 is too old: variantgen needs flashinfer-python >= 0.7.2.post1" in r.reason
+
+
 def _fake_package(tmp_path, *, host: bool, plan: bool):
     (tmp_path / "data" / "csrc").mkdir(parents=True)
     if host:
