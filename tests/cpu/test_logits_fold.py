@@ -208,7 +208,7 @@ scalars:
   soft_cap: {dtype: float, default: 30.0, positive: true}
   temp: {dtype: float, default: 2.0, min: 0.5}
 mask: kv_pos <= q_pos
-logits: soft_cap * tanh(logits / soft_cap + sqrt(temp))
+logits: soft_cap * tanh(logits * (sqrt(temp) / soft_cap) + sqrt(temp))
 """
 
 
@@ -224,9 +224,13 @@ def test_folded_variants_compile(vg_env, toolchain, tmp_path, backend, kind, uni
     spec = variantgen.parse_spec(FOLDING, "folding.yaml")
     f = fold(spec)
     assert (f.out_scale.source(), f.in_scale.source(), [expr.to_source(n) for n in f.hoisted]) == (
-        "soft_cap", "1 / soft_cap", ["sqrt(temp)"])
+        "soft_cap", "(sqrt(temp) / soft_cap)", ["sqrt(temp)"])
     config = render.ModuleConfig(spec, 64, 64, "bf16", "bf16", "bf16", "9.0a", backend, kind=kind)
     module = config.render()
-    assert unit in module.compile_units and "vg_uniform0 = vg_sqrt(arg_temp);" in module.files["variant.cuh"]
+    variant = module.files["variant.cuh"]
+    assert unit in module.compile_units and "vg_uniform0 = vg_sqrt(arg_temp);" in variant
+    # a device helper in the score scale and a hoisted member: a __host__ __device__ constructor (fa2)
+    # computes them on the device only (calling vg_sqrt from the host side failed to compile)
+    assert "sm_scale = float(" in variant and ".sm_scale) * (vg_div(vg_sqrt(arg_temp), arg_soft_cap));" in variant
     _compile_units(toolchain, tmp_path, module, config, [unit])
     assert (tmp_path / f"{unit.removesuffix('.cu')}.o").stat().st_size > 0
