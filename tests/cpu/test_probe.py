@@ -311,7 +311,8 @@ def test_device_given_but_unusable(monkeypatch):
     assert not r and r.reason == "device='cpu' is not a CUDA device: the compiled modules run on NVIDIA GPUs"
 
 
-@pytest.mark.parametrize("capability, arch", [((9, 0), "9.0a"), ((8, 6), "8.6"), ((8, 0), "8.0"), ((10, 0), "10.0")])
+@pytest.mark.parametrize("capability, arch", [((9, 0), "9.0a"), ((8, 6), "8.6"), ((8, 0), "8.0"), ((10, 0), "10.0a"),
+                                                ((12, 0), "12.0a")])  # Blackwell: the arch-specific target
 def test_arch_from_device(monkeypatch, clean, capability, arch):
     _fake_gpu(monkeypatch, capability)
     clean.set(VARIANTGEN_DISABLE_JIT="1")
