@@ -411,7 +411,7 @@ def environment() -> dict[str, Any]:
     ninja = shutil.which("ninja") or str(Path(sys.executable).parent / "ninja")  # where build.py looks
     env["ninja"] = _version_line([ninja, "--version"])
     try:
-        from variantgen.build.builder import package_versions
+        from variantgen.codegen.fi_versions import package_versions
 
         env["tvm_ffi"] = package_versions()[1]
     except Exception:  # noqa: BLE001

@@ -89,6 +89,15 @@ fi
 "$VPY" -m pip install -q --no-deps --no-warn-conflicts "flashinfer-python==0.7.2.post1" "apache-tvm-ffi==0.1.15.post2"
 echo "flashinfer-python, apache-tvm-ffi: installed with --no-deps, without FlashInfer's GPU-only dependencies" \
      "(variantgen does not use them; \`pip check\` lists them as not installed)"
+# A second FlashInfer, the newest variantgen was checked against, in a folder of its own
+# (.fi/VERSION, not on the venv's path): the nvcc tests build modules against it too, since
+# engines pin their own FlashInfer (tests/cpu/test_build_nvcc.py puts it first on sys.path in a
+# subprocess). VARIANTGEN_SECOND_FLASHINFER=VERSION picks another; "" skips it.
+FI_SECOND=${VARIANTGEN_SECOND_FLASHINFER-0.7.4}
+if [ -n "$FI_SECOND" ] && [ ! -d ".fi/$FI_SECOND/flashinfer" ]; then
+  "$VPY" -m pip install -q --no-deps --no-warn-conflicts --target ".fi/$FI_SECOND" "flashinfer-python==$FI_SECOND"
+  echo "flashinfer-python $FI_SECOND: installed into .fi/$FI_SECOND for the build tests against a second version"
+fi
 gpu_only="cuda-python|cuda-tile|nccl-extensions|nccl4py|nvidia-cudnn-frontend|nvidia-cutlass-dsl"
 known="^No broken requirements found|^flashinfer-python [^ ]+ requires ($gpu_only)([<>=!~][^,]*)?, which is not installed"
 problems=$("$VPY" -m pip check 2>&1 | grep -v -E "$known" || true)

@@ -19,6 +19,10 @@ using namespace flashinfer;
 
 using IdType = int32_t;
 constexpr bool USE_FP16_QK_REDUCTION = false;
+#include "fi_facts.h"
+#if VG_FI_KERNEL_TOKEN_HEAD_SF
+constexpr bool USE_TOKEN_HEAD_SF = false;  // FlashInfer 0.7.4 on: no per-token, per-head KV scale factors
+#endif
 constexpr auto USE_LOGITS_SOFT_CAP = false;
 constexpr auto POS_ENCODING_MODE = PosEncodingMode::kNone;
 constexpr auto USE_SLIDING_WINDOW = false;

@@ -7,6 +7,8 @@
 #pragma once
 #include <flashinfer/attention/scheduler.cuh>
 
+#include "fi_facts.h"  // VG_FI_PLAN_FIXED_UNIFORM_Q_LEN: PrefillPlan's arguments in this FlashInfer version
+
 #include "tvm/ffi/container/array.h"
 #include "tvm_ffi_utils.h"
 
@@ -28,7 +30,11 @@ tvm::ffi::Array<int64_t> VariantgenPrefillPlan(
       static_cast<IdType*>(qo_indptr.data_ptr()), static_cast<IdType*>(kv_indptr.data_ptr()),
       total_num_rows, batch_size, num_qo_heads, num_kv_heads, HEAD_DIM_QK, HEAD_DIM_VO, page_size,
       enable_cuda_graph, /*sizeof_dtype_o=*/sizeof(DTypeO), window_left, fixed_split_size,
-      disable_split_kv, /*num_colocated_ctas=*/0, /*uniform_q_len=*/0, stream,
+      disable_split_kv, /*num_colocated_ctas=*/0, /*uniform_q_len=*/0,
+#if VG_FI_PLAN_FIXED_UNIFORM_Q_LEN
+      /*fixed_uniform_q_len=*/false,  // (FlashInfer 0.7.4 on) false: the schedule 0.7.2 computes
+#endif
+      stream,
       /*kv_dtype_bytes=*/sizeof(DTypeKV));
   TVM_FFI_ICHECK(status == cudaSuccess)
       << "variantgen plan failed: " << cudaGetErrorString(status);

@@ -16,7 +16,15 @@
 // twin of the traits, the same members under another type) with store() replaced. Needs
 // <flashinfer/attention/hopper/prefill_sm90.cuh> and the variant first; used by the kernel
 // units only (nothing else instantiates the epilogue).
+//
+// Which FlashInfer versions need it is decided in variantgen/fi_versions.py (every version so
+// far: 0.7.2.post1 and 0.7.4 have the same arrive-then-sync store) and rendered into fi_facts.h;
+// where VG_FI_FA3_EPILOGUE_FIX is 0, VG_FA3_EPILOGUE_FOR declares nothing and FlashInfer's own
+// epilogue runs.
 #pragma once
+#include "fi_facts.h"
+
+#if VG_FI_FA3_EPILOGUE_FIX
 
 namespace vg_fa3 {
 // The same kernel traits under a distinct type: FlashInfer's primary epilogue template,
@@ -87,3 +95,6 @@ struct VgCollectiveEpilogue : CollectiveEpilogue<vg_fa3::TwinTraits<Ktraits>> {
       : VgCollectiveEpilogue<AttentionKernelTraits<TMA_KV, HD_QK, HD_VO, TILE_Q, TILE_KV, STAGES, DQ, DKV, DO, ID, \
                                                    VARIANT_TEMPLATE<MASKED>>> {};                          \
   }
+#else
+#define VG_FA3_EPILOGUE_FOR(VARIANT_TEMPLATE)
+#endif  // VG_FI_FA3_EPILOGUE_FIX

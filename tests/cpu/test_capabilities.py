@@ -68,7 +68,7 @@ def test_canonical_arch_rejects(value):
 
 def test_the_gpu_arch_of_a_capability():
     assert [capabilities.arch_of_capability(*c) for c in ((9, 0), (8, 6), (8, 0), (10, 0), (12, 0))] == [
-        "9.0a", "8.6", "8.0", "10.0", "12.0"]
+        "9.0a", "8.6", "8.0", "10.0a", "12.0a"]
 
 
 @pytest.mark.parametrize(
@@ -282,7 +282,8 @@ def test_fa3_serves_ragged_and_decode_on_sm90(kind, dims, module_kind):
     request = dataclasses.replace(request, backend=None)
     old = resolve(request, Site(arch="8.0"))
     assert old.backend == "fa2" and (old.config.backend, old.config.kind) == ("fa2", kind)
-    assert dict(old.rejected)["fa3"] == "arch=8.0: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a"
+    assert dict(old.rejected)["fa3"] == ("arch=8.0: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a "
+                                         f"({capabilities.FA3.arch_why})")
     fp8 = Request.of(MM, kind=kind, head_dim_qk=dims[0], head_dim_vo=dims[1], q_dtype="bf16", kv_dtype="fp8_e4m3")
     why = "kv_dtype=fp8_e4m3: fa3 variant modules need kv_dtype == q_dtype (bf16); use backend fa2 for an fp8 KV cache"
     r = resolve(fp8, Site(arch="9.0a"))
@@ -309,7 +310,8 @@ def test_the_reasons_a_backend_is_not_chosen():
     request = Request.of(MM, head_dim_qk=128, q_dtype="bf16")
     r = resolve(request, Site(arch="8.6"))
     assert r.backend == "fa2" and r.note == "" and r.rejected == (
-        ("fa3", "arch=8.6: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a"),
+        ("fa3", "arch=8.6: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a "
+        f"({capabilities.FA3.arch_why})"),
         ("flex", "the flex route (torch's FlexAttention, no compiled module) is not installed here "
                  "(variantgen.wrappers.flex_wrapper is missing)"))
     r = resolve(request, Site(arch="9.0a", routes=("flex",)))
@@ -509,6 +511,10 @@ AGREEMENT = [  # (capability, kind, head dims, q / kv dtypes, graph)
     ((9, 0), "ragged", (64, 64), ("fp16", "fp16"), False),
     ((8, 6), "prefill", (256, 256), ("bf16", "bf16"), False),
     ((8, 0), "decode", (64, 64), ("bf16", "bf16"), True),
+    ((10, 0), "prefill", (128, 128), ("bf16", "bf16"), False),  # Blackwell: fa2 (fa3 is sm90-only)
+    ((10, 0), "decode", (128, 128), ("bf16", "fp8_e4m3"), True),
+    ((12, 0), "prefill", (128, 128), ("fp16", "fp16"), True),
+    ((12, 0), "ragged", (192, 128), ("bf16", "bf16"), False),
 ]
 
 
@@ -596,3 +602,27 @@ def test_probe_takes_tensor_core_decode_as_make_wrapper_does(tmp_path):
         assert "vg_mm_prefix_fa3_prefill_qbf16_kvbf16_obf16_hd128x128_sm90a_" in r.reason, r.reason
     r = probe(spec, kind="prefill", head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", use_tensor_cores=True)
     assert not r and r.reason == "use_tensor_cores=True: only for kind='decode' (got kind='prefill')"
+
+
+@pytest.mark.parametrize("capability", [(10, 0), (10, 3), (12, 0), (12, 1)])
+@pytest.mark.parametrize("kind", ["prefill", "ragged", "decode"])
+@pytest.mark.usefixtures("host_modules")
+def test_blackwell_runs_fa2_and_says_why_not_fa3(gpu, capability, kind):
+    """sm100 / sm120 (no Blackwell GPU was lent to run on: the answers, not the kernels, are
+    tested): modules for the arch-specific target (10.0a, 12.0a, as `precompile --arch 10.0a`
+    builds them), fa2 chosen, fa3 refused with the reason - probe, its command and the resolver."""
+    arch = capabilities.arch_of_capability(*capability)
+    assert arch == f"{capability[0]}.{capability[1]}a"
+    gpu.on(capability)
+    why = (f"arch={arch} (the visible GPU's): fa3 modules run on sm90 (Hopper) only, compiled for 9.0a "
+           f"(FlashInfer's FA3 kernel is sm90-only (wgmma); Blackwell (sm100 / sm120) and sm80 / sm89 run fa2)")
+    answer = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", kind=kind)
+    assert answer and answer.details["backend"] == "fa2", answer.reason
+    assert f"_sm{arch.replace('.', '')}_" in answer.uri
+    forced = probe(MM, head_dim_qk=128, q_dtype="bf16", kv_dtype="bf16", kind=kind, backend="fa3")
+    assert not forced and why in forced.reason, forced.reason
+    out = CliRunner().invoke(main, ["probe", MM.path, "--head-dim", "128", "--dtype", "bf16", "--kind", kind,
+                                    "--backend", "fa3"])
+    assert out.exit_code != 0 and "sm90-only" in out.output, out.output
+    r = resolve(Request.of(MM, kind=kind, head_dim_qk=128, q_dtype="bf16"), Site(arch=arch))
+    assert r.backend == "fa2" and dict(r.rejected)["fa3"].endswith(f"({capabilities.FA3.arch_why})")

@@ -136,7 +136,7 @@ def meta_defines(text: str) -> list[str]:
 def test_every_shipped_spec_renders_a_decode_module(path):
     spec = variantgen.load_spec(path)
     module = render_module(decode_config(spec))
-    assert set(module.files) == {"vg_plan_abi.h", "variant.cuh", "batch_decode_config.inc", "binding.cu",
+    assert set(module.files) == {"vg_plan_abi.h", "fi_facts.h", "variant.cuh", "batch_decode_config.inc", "binding.cu",
                                  "decode_kernel.cu", "vg_helpers.cuh", "config_prelude.cuh", "kernel_params.cuh",
                                  "read_indices.cuh", "decode_exact_host.cu"}
     assert module.files["binding.cu"] == render.static_source("fa2/decode_binding.cu")  # no Jinja in it

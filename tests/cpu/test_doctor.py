@@ -173,3 +173,21 @@ def test_old_nvcc_is_a_warning(fake_tools, vg_env, gpu, monkeypatch):
 def test_bad_need_is_a_usage_error():
     r = run("--need", "serve")
     assert r.exit_code == 2 and "serve: expected one of build, run, gpu, flex" in r.output
+
+
+@pytest.mark.parametrize(("capability", "name", "arch", "modules"), [
+    ((9, 0), "NVIDIA H200", "9.0a", "fa2 and fa3 modules"),
+    ((10, 0), "NVIDIA B200", "10.0a", "fa2 modules (fa3: FlashInfer's FA3 kernel is sm90-only (wgmma); Blackwell "
+                                      "(sm100 / sm120) and sm80 / sm89 run fa2)"),
+    ((12, 0), "NVIDIA RTX PRO 6000", "12.0a", "fa2 modules (fa3: FlashInfer's FA3 kernel is sm90-only"),
+    ((8, 6), "NVIDIA A10", "8.6", "fa2 modules (fa3: "),
+])
+def test_the_gpu_check_says_which_module_backends_run_on_it(gpu, monkeypatch, capability, name, arch, modules):
+    """The capability table's answer for the visible GPU, Blackwell included (sm100 / sm120: fa2;
+    answered from the table - no Blackwell GPU has run these modules)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    check = doctor._gpu()
+    assert check.status == doctor.OK
+    sm = f"sm{capability[0]}{capability[1]}"
+    assert check.detail.startswith(f"cuda:0 {name}, {sm} (arch {arch}; 8 visible); {modules}"), check.detail

@@ -24,6 +24,7 @@ from variantgen.api.probing import ProbeResult, probe
 from variantgen.build import builder as build
 from variantgen.build.builder import rendered_sources
 from variantgen.build.cache import Cache, LockHolder, LockTimeout, ModuleKey
+from variantgen.codegen import fi_versions
 from variantgen.codegen.render import ModuleConfig, render_module
 from variantgen.core.errors import BuildError
 from variantgen.routing import capabilities
@@ -167,10 +168,17 @@ def test_flashinfer_not_installed(monkeypatch):
 
 
 def test_flashinfer_too_old(monkeypatch):
-    monkeypatch.setattr(variantgen.build.builder, "package_versions", lambda: ("0.6.1", "0.1.15.post2"))
+    monkeypatch.setattr(fi_versions, "package_versions", lambda: ("0.6.1", "0.1.15.post2"))
     r = probe(MM, **BASE, arch="9.0a")
     assert not r
     assert "flashinfer 0.6.1 is too old" in r.reason and ">= 0.7.2" in r.reason
+
+
+def test_flashinfer_0_7_2_before_its_post_release_is_too_old(monkeypatch):
+    """The templates were checked against 0.7.2.post1 onwards (fi_versions.py): a build would refuse 0.7.2."""
+    monkeypatch.setattr(fi_versions, "package_versions", lambda: ("0.7.2", "0.1.15.post2"))
+    r = probe(MM, **BASE, arch="9.0a")
+    assert not r and "flashinfer 0.7.2 is too old: variantgen needs flashinfer-python >= 0.7.2.post1" in r.reason
 
 
 def _fake_package(tmp_path, *, host: bool, plan: bool):
@@ -306,7 +314,8 @@ def test_device_given_but_unusable(monkeypatch):
     assert not r and r.reason == "device='cpu' is not a CUDA device: the compiled modules run on NVIDIA GPUs"
 
 
-@pytest.mark.parametrize("capability, arch", [((9, 0), "9.0a"), ((8, 6), "8.6"), ((8, 0), "8.0"), ((10, 0), "10.0")])
+@pytest.mark.parametrize("capability, arch", [((9, 0), "9.0a"), ((8, 6), "8.6"), ((8, 0), "8.0"), ((10, 0), "10.0a"),
+                                                ((12, 0), "12.0a")])  # Blackwell: the arch-specific target
 def test_arch_from_device(monkeypatch, clean, capability, arch):
     _fake_gpu(monkeypatch, capability)
     clean.set(VARIANTGEN_DISABLE_JIT="1")

@@ -73,9 +73,9 @@ def test_every_shipped_spec_renders_ragged(spec_name, dims):
     assert module.compile_units[0] == "binding.cu"
     kernels = [f"ragged_kernel_cta{c}.cu" for c in (16, 64, 128)]  # sm90: every mode of a CTA tile in one unit
     assert list(module.compile_units[1:]) == kernels
-    assert set(module.files) == {"vg_plan_abi.h", "variant.cuh", "batch_prefill_config.inc", "binding.cu", *kernels,
-                                 "vg_helpers.cuh", "config_prelude.cuh", "kernel_params.cuh", "prefill_plan.cuh",
-                                 "pinned_kv_tile.cuh"}
+    assert set(module.files) == {"vg_plan_abi.h", "fi_facts.h", "variant.cuh", "batch_prefill_config.inc",
+                                 "binding.cu", *kernels, "vg_helpers.cuh", "config_prelude.cuh", "kernel_params.cuh",
+                                 "prefill_plan.cuh", "pinned_kv_tile.cuh"}
     text = "\n".join(module.files.values())
     assert "{{" not in text and "{%" not in text
     config = module.files["batch_prefill_config.inc"]

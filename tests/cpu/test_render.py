@@ -14,6 +14,9 @@ from variantgen.abi import table as plan_abi
 from variantgen.codegen import expressions as codegen
 from variantgen.codegen import render
 from variantgen.codegen.render import ModuleConfig, kernel_args, render_module
+from variantgen.routing.capabilities import FA3
+
+FA3_WHY = FA3.arch_why
 
 
 def config(spec, **overrides) -> ModuleConfig:
@@ -48,7 +51,7 @@ def test_every_shipped_spec_renders(path):
     assert "window_left =" in variant
     assert codegen.emit_mask(spec).broken().replace("\n", "\n        ") in variant  # return's continuation lines
     if spec.logits is not None:
-        assert codegen.emit_logits(spec).code in variant
+        assert codegen.emit_logits_folded(spec).code in variant  # as the kernel runs it (logits_fold.py)
     assert f"struct {render.struct_name(spec)}" in variant
     # on sm90 one kernel unit per CTA tile (every run() code in it, FlashInfer's KV tile pinned),
     # plus the binding and the launch builder
@@ -421,7 +424,8 @@ def test_template_files_listed():
         ({"backend": "fa3", "head_dim_qk": 192, "head_dim_vo": 128}, "head_dim_qk=192, head_dim_vo=128: fa3 prefill "
                                                                      "modules support head dims 64, 128, 256 (qk/vo "
                                                                      "where they differ)"),
-        ({"backend": "fa3", "arch": "8.0"}, "arch=8.0: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a"),
+        ({"backend": "fa3", "arch": "8.0"}, "arch=8.0: fa3 modules run on sm90 (Hopper) only, compiled for 9.0a "
+         f"({FA3_WHY})"),
         ({"backend": "fa3", "arch": "9.0a", "kv_dtype": "fp8_e4m3"}, "kv_dtype=fp8_e4m3: fa3 variant modules need "
                                                                      "kv_dtype == q_dtype (bf16); use backend fa2 for "
                                                                      "an fp8 KV cache"),
@@ -545,8 +549,9 @@ def test_static_sources_are_copied_as_they_are(backend, kind):
         assert module.files[name] == render.static_source(source), name
         assert "{{" not in module.files[name] and "{%" not in module.files[name]
     rendered = set(module.files) - set(STATIC_FILES[backend, kind])
-    # rendered: the variant, the config, the instantiations, and the plan ABI's generated header
-    generated = ("variant.cuh", "binding.cu", "vg_plan_abi.h")
+    # rendered: the variant, the config, the instantiations, the plan ABI's generated header and the
+    # installed FlashInfer's facts
+    generated = ("variant.cuh", "binding.cu", "vg_plan_abi.h", "fi_facts.h")
     assert all(name in generated or name.endswith((".inc", ".cu")) for name in rendered), rendered
 
 
@@ -736,7 +741,8 @@ def test_shared_plain_units_are_the_same_text_for_every_spec(kind):
             text = module.files[unit.file]
             digests.setdefault(unit.prefix, set()).add(module.unit_digest(unit.file))
             assert name not in text and render.struct_name(shipped(name)) not in text
-            assert set(module.includes(unit.file)) <= static, unit.file
+            # (fi_facts.h: rendered from the FlashInfer version, the same for every spec)
+            assert set(module.includes(unit.file)) <= static | {"fi_facts.h"}, unit.file
             assert "plain_variant.cuh" in module.includes(unit.file)
             assert unit.prefix.endswith("_qbf16_kvbf16_obf16_hd128x128_sm90a")
     assert digests and all(len(v) == 1 for v in digests.values()), {k: len(v) for k, v in digests.items()}

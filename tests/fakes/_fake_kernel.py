@@ -64,6 +64,7 @@ from variantgen.abi.table import (
     PrefillPlanInfo,
     SM90PlanInfo,
 )
+from variantgen.codegen import logits_fold
 from variantgen.lang.evaluate import Evaluator
 from variantgen.lang.spec import VariantSpec
 from variantgen.planning.planner import fa3_cta_tile_q
@@ -109,10 +110,12 @@ def launch_env(meta_row: list[int], qo_len: int, kv_len: int, hq: int, group: in
 
 
 def scores_with_logits(spec: VariantSpec, env: dict, args: dict, scores: torch.Tensor) -> torch.Tensor:
-    """The spec's logits transform applied to the scaled scores (unchanged without one)."""
+    """The spec's logits transform applied to the scaled scores (unchanged without one), the way
+    the generated variant computes it: launch-uniform factors folded into the score scale and the
+    softmax scale (variantgen/codegen/logits_fold.py), so the wrapper tests hold the fold to the reference."""
     if spec.logits is None:
         return scores
-    return Evaluator(spec, env, args, logits=scores).as_float(spec.logits).expand_as(scores)
+    return logits_fold.evaluate(logits_fold.fold(spec), spec, env, args, scores).expand_as(scores)
 
 
 def spec_mask(spec: VariantSpec, env: dict, args: dict, shape: tuple[int, ...]) -> torch.Tensor:

@@ -59,7 +59,7 @@ from typing import Any, NamedTuple
 
 from ..build import builder as _build
 from ..build.cache import Cache, LockTimeout
-from ..codegen import render
+from ..codegen import fi_versions, render
 from ..codegen.render import ModuleConfig
 from ..core import env
 from ..core.errors import BuildError, CacheError, JitDisabledError, SpecError, ToolchainError
@@ -73,7 +73,7 @@ from .factory import arch_mismatch, device_arch, module_site, target_arch
 
 log = logging.getLogger("variantgen.probe")
 
-NEEDED_FLASHINFER = "0.7.2"
+NEEDED_FLASHINFER = fi_versions.OLDEST  # the oldest FlashInfer the templates were checked against
 PROBE_LOCK_WAIT_S = 5.0  # how long probe() waits for another process's build of the module
 PROBE_NAMES = ArgNames(graph="cuda_graph=True")
 NO_GPU_REASON = ("no CUDA device visible: probe() answers whether the module runs here, and nothing can run "
@@ -584,7 +584,7 @@ def flashinfer_problem() -> str | None:
     # import time a serving engine's startup should not pay for a cache lookup).
     try:
         package = _build.flashinfer_package_dir()
-        found, _ = _build.package_versions()
+        found, _ = fi_versions.package_versions()
     except Exception as e:
         return (f"flashinfer is not installed ({type(e).__name__}: {e}); {needed} "
                 "(pip install --no-deps flashinfer-python==0.7.2.post1 apache-tvm-ffi==0.1.15.post2)")

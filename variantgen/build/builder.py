@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .._version import __version__
+from ..codegen import fi_versions
 from ..codegen.render import RenderedModule, SharedUnit, canonical_arch, render_module
 from ..core.env import NVCC_FLAG_VARIABLES, settings
 from ..core.errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error, system_failure
@@ -82,14 +83,6 @@ class FlashInferInfo:
 
 
 @functools.lru_cache(maxsize=1)
-def package_versions() -> tuple[str, str]:
-    """(flashinfer, tvm-ffi) versions from package metadata: no import, so a cache lookup on
-    a serving host stays cheap. PackageNotFoundError if either is missing."""
-    from importlib.metadata import version
-
-    return version("flashinfer-python"), version("apache-tvm-ffi")
-
-
 def flashinfer_package_dir() -> Path:
     """Where the flashinfer package lives, found without importing it."""
     import importlib.util
@@ -275,7 +268,7 @@ def semantic_flags(config: Buildable) -> dict[str, list[str]]:
 
 def module_key(rendered: RenderedModule, tc: Toolchain | None) -> ModuleKey:
     cfg = rendered.config
-    fi_version, tvm_ffi_version = package_versions()
+    fi_version, tvm_ffi_version = fi_versions.package_versions()
     inputs = (
         ("sources", rendered.source_digest()),
         ("templates", rendered.template_digest),

@@ -157,8 +157,11 @@ class _Emitter:
         self.scalars = {s.name: s for s in spec.scalars}
         self.logits_local = logits_local
         self.builtins: set[str] = set()
+        self.hoisted: dict[int, str] = {}  # id(node) -> the variant member computed from it once per CTA
 
     def emit(self, node: Node) -> str:
+        if id(node) in self.hoisted:
+            return self.hoisted[id(node)]
         return getattr(self, "_" + type(node).__name__.lower())(node)
 
     def as_float(self, node: Node) -> str:
@@ -309,6 +312,54 @@ def emit_logits(spec: VariantSpec, logits_local: str = "score", target: Target =
     e = _Emitter(spec, target, logits_local)
     code = e.as_float(spec.logits)
     return Snippet(code, frozenset(e.builtins))
+
+
+@dataclass(frozen=True)
+class LogitsCode:
+    """A logits transform folded (logits_fold.py) as C++: ``code`` per element, reading
+    ``score`` = logits x sm_scale ``score_scale``; the softmax's scale (``sm_scale_log2``) taken
+    ``softmax_scale`` times; ``hoisted``: (C++ type, member, its value) set once per CTA."""
+
+    code: str
+    builtins: frozenset[str]
+    score_scale: str  # "" or C++ factors, e.g. " / (arg_soft_cap)"
+    softmax_scale: str  # "" or a C++ product, e.g. "(arg_soft_cap)"
+    hoisted: tuple[tuple[str, str, str], ...]
+    folded: tuple[str, ...]  # what was folded, for comments
+
+
+_MEMBER_TYPES = {Type.FLOAT: "float", Type.INT: "int32_t", Type.BOOL: "bool"}
+
+
+def emit_logits_folded(spec: VariantSpec, logits_local: str = "score", target: Target = FA2_PAGED) -> LogitsCode | None:
+    """The spec's logits transform with its launch-uniform factors folded into the kernel's
+    scales and its launch-uniform subtrees hoisted (logits_fold.fold); None without one."""
+    from .logits_fold import fold
+
+    folded = fold(spec)
+    if folded is None:
+        return None
+    e = _Emitter(spec, target, logits_local)
+    hoisted = []
+    for i, node in enumerate(folded.hoisted):
+        value = e.emit(node)
+        e.hoisted[id(node)] = name = f"vg_uniform{i}"
+        hoisted.append((_MEMBER_TYPES[node.ty], name, value))
+    code = e.as_float(folded.body)
+
+    def factors(f) -> str:
+        return "".join(f" * ({e.as_float(n)})" for n in f.muls) + "".join(f" / ({e.as_float(n)})" for n in f.divs)
+
+    softmax = factors(folded.out_scale).removeprefix(" * ")
+    if softmax.startswith(" / "):
+        softmax = "1.f" + softmax
+    notes = []
+    if folded.out_scale:
+        notes.append(f"the outer factor {folded.out_scale.source()}: into the softmax scale (sm_scale_log2)")
+    if folded.in_scale:
+        notes.append(f"the factor of logits, {folded.in_scale.source()}: into the score scale (sm_scale)")
+    notes += [f"{name} = {describe(node)}, once per CTA" for (_, name, _), node in zip(hoisted, folded.hoisted)]
+    return LogitsCode(code, frozenset(e.builtins), factors(folded.in_scale), softmax, tuple(hoisted), tuple(notes))
 
 
 def emit_sink(spec: VariantSpec, target: Target = FA2_PAGED) -> Snippet | None:

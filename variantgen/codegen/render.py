@@ -37,7 +37,7 @@ from ..lang.spec import VariantSpec
 from ..routing.capabilities import KINDS, canonical_arch
 from ..routing.config import DEFAULT_MASK_MODES, DTYPES, FA2_CTA_TILES_Q, MASK_MODES, ModuleConfig  # noqa: F401 (re-exported)
 from . import expressions as codegen
-from . import kv_tile
+from . import fi_versions, kv_tile
 
 
 @dataclass(frozen=True)
@@ -211,12 +211,24 @@ CODEGEN_TARGETS = {("fa2", "prefill"): codegen.FA2_PAGED, ("fa2", "decode"): cod
                    ("fa3", "ragged"): codegen.FA3}
 
 
+def _logits_scales(logits: codegen.LogitsCode, params: str) -> str:
+    """The variant constructor's lines that set the transform's score scale, the softmax's scale
+    and the transform's launch-uniform members (after the scalars they read)."""
+    lines = ["    // The transform reads the scaled score; the softmax then exponentiates its result. Launch-uniform",
+             "    // factors of the transform are folded into the two scales, once per CTA (logits_fold.py):"]
+    lines += [f"    //   {note}" for note in logits.folded] or ["    //   none here"]
+    lines.append(f"    sm_scale = float({params}.sm_scale){logits.score_scale};")
+    lines.append(f"    sm_scale_log2 = {logits.softmax_scale + ' * ' if logits.softmax_scale else ''}math::log2e;")
+    lines += [f"    {name} = {value};" for _, name, value in logits.hoisted]
+    return "\n".join(lines)
+
+
 def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...], tuple[KernelArg, ...]]:
     """What every backend's variant template needs: the spec's mask/logits as C++, its args."""
     spec = config.spec
     target = CODEGEN_TARGETS[(config.backend, config.kind)]
     mask = codegen.emit_mask(spec, target)
-    logits = codegen.emit_logits(spec, target=target)
+    logits = codegen.emit_logits_folded(spec, target=target)
     sink = codegen.emit_sink(spec, target)
     tensor_args, scalar_args = kernel_args(spec)
     scalar_local = {"int": "int32_t", "float": "float", "bool": "bool"}
@@ -236,6 +248,8 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
         "logits_text": codegen.comment_lines(spec.logits_text or "") if logits else [],
         "logits_canonical": codegen.comment_lines(expr.to_source(spec.logits)) if logits else [],
         "logits_code": logits.code if logits else "",
+        "logits_hoisted": logits.hoisted if logits else (),
+        "logits_scales": _logits_scales(logits, "args" if config.backend == "fa3" else "params") if logits else "",
         "logits_locals": codegen.hook_locals(logits.builtins, target=target) if logits else "",
         # fa3's masked transform: the mask's locals the logits transform did not define already
         "mask_only_locals": codegen.hook_locals(mask.builtins, "      ", frozenset(
@@ -502,13 +516,29 @@ RENDERERS: dict[tuple[str, str], Renderer] = {
 }
 
 
+def flashinfer_facts() -> fi_versions.FlashInferFacts:
+    """The installed FlashInfer's facts (fi_versions). Where none is installed (`variantgen render`
+    on a machine that only previews the code) the sources are rendered for the newest checked
+    version, which their fi_facts.h says; a build needs FlashInfer and refuses before this."""
+    from importlib.metadata import PackageNotFoundError
+
+    try:
+        return fi_versions.installed_facts()
+    except PackageNotFoundError:
+        return fi_versions.facts(fi_versions.NEWEST_CHECKED)
+
+
 def render_module(config: ModuleConfig) -> RenderedModule:
     ctx, tensor_args, scalar_args = _variant_context(config)
     renderer = RENDERERS.get((config.backend, config.kind))
     if renderer is None:
         raise ValueError(f"backend={config.backend!r}, kind={config.kind!r}: not generated yet")
-    files, units, host_sources, shared = renderer(config, ctx, environment())
-    files = {plan_abi.HEADER_NAME: plan_abi.header_text(), **files}  # every config includes it
+    facts = flashinfer_facts()
+    files, units, host_sources, shared = renderer(config, {**ctx, **fi_versions.template_context(facts)},
+                                                  environment())
+    # every config includes the plan ABI; the FlashInfer version's facts go to the sources that differ by version
+    files = {plan_abi.HEADER_NAME: plan_abi.header_text(), fi_versions.HEADER_NAME: fi_versions.header_text(facts),
+             **files}
     return RenderedModule(
         config=config,
         files=files,

@@ -79,10 +79,17 @@ def canonical_arch(value: str, name: str = "arch") -> str:
     return f"{int(major)}.{int(minor)}{suffix}"
 
 
+# Majors whose GPUs get modules built for the architecture-specific target (9.0a, 10.0a, 12.0a), as
+# FlashInfer builds its own kernels for them: sm90's wgmma / TMA (fa3) need it, and on Blackwell
+# (sm100 / sm103 / sm110 / sm120 / sm121) a build box's `precompile --arch 10.0a` must be the
+# module a B200 looks up. fa2 uses no arch-specific instruction; its sm80 code runs unchanged there.
+ARCH_SPECIFIC_MAJORS = (9, 10, 11, 12)
+
+
 def arch_of_capability(major: int, minor: int) -> str:
-    """A GPU's compute capability -> the arch its modules are built for: sm90 gets the
-    architecture-specific 9.0a (the wgmma / TMA instructions fa3 needs), others their own."""
-    return canonical_arch(f"{major}.{minor}{'a' if major == 9 else ''}")
+    """A GPU's compute capability -> the arch its modules are built for: the architecture-specific
+    target on Hopper and Blackwell (ARCH_SPECIFIC_MAJORS: 9.0a, 10.0a, 12.0a), others their own."""
+    return canonical_arch(f"{major}.{minor}{'a' if major in ARCH_SPECIFIC_MAJORS else ''}")
 
 
 class ArgNames(NamedTuple):
@@ -233,6 +240,7 @@ class Backend:
     o_as_q: bool = False  # o is written in the query's dtype
     archs: tuple[str, ...] = ()  # the only target archs (with arch_text saying what they are); (): sm80 on
     arch_text: str = ""
+    arch_why: str = ""  # why only those, said where an arch is refused
     graph_kinds: tuple[str, ...] = ()  # kinds with a CUDA-graph mode
     no_graph: str = ""  # why the others have none here
     route: Route | None = None  # module-less: where its wrapper factory and probe live
@@ -318,7 +326,7 @@ class Backend:
                 out.append(f"{label}: {self.name} needs sm{MIN_ARCH}0 or newer")
             if arch is not None and self.archs and arch not in self.archs:
                 out.append(f"{label}: {self.name} modules run on {self.arch_text} only, compiled for "
-                           f"{'/'.join(self.archs)}")
+                           f"{'/'.join(self.archs)}" + (f" ({self.arch_why})" if self.arch_why else ""))
         if not site.modules:
             out.append(site.no_modules)
         return out
@@ -338,6 +346,9 @@ FA3 = Backend(
     head_dims={"prefill": _EQUAL_DIMS, "ragged": _EQUAL_DIMS + ((192, 128),)},
     q_dtypes=("bf16", "fp16"), kv_dtypes=("bf16", "fp16"), o_dtypes=("bf16", "fp16"), kv_as_q=True, o_as_q=True,
     archs=("9.0a",), arch_text="sm90 (Hopper)",
+    # Blackwell (sm100 / sm120) runs fa2: FlashInfer's Blackwell kernels (cute-dsl, trtllm-gen, cutlass)
+    # take no variant with a custom mask. Not run on a Blackwell GPU here: its modules are only built.
+    arch_why="FlashInfer's FA3 kernel is sm90-only (wgmma); Blackwell (sm100 / sm120) and sm80 / sm89 run fa2",
     # graph mode: a fixed launch set for a capacity (graph.py, GraphCapacity(window_widths=...)); decode
     # captures its prefill module's
     graph_kinds=("prefill", "decode"), decode_on_prefill=True)

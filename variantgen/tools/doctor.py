@@ -24,6 +24,7 @@ from pathlib import Path
 
 from .._version import __version__
 from ..build import builder as build
+from ..codegen import fi_versions
 from ..core import env
 from ..core.errors import ToolchainError
 
@@ -93,7 +94,7 @@ def _flashinfer() -> Check:
     if problem:
         return Check("flashinfer", MISSING, problem, "pip install --no-deps flashinfer-python==0.7.2.post1 "
                      "apache-tvm-ffi==0.1.15.post2", (BUILD, GPU))
-    fi_version, tvm_version = build.package_versions()
+    fi_version, tvm_version = fi_versions.package_versions()
     return Check("flashinfer", OK, f"flashinfer-python {fi_version}, apache-tvm-ffi {tvm_version} "
                  f"({build.flashinfer_package_dir()})", needed_for=(BUILD, GPU))
 
@@ -232,14 +233,16 @@ def _gpu() -> Check:
     except Exception as e:  # noqa: BLE001 - a broken driver is a finding
         return Check("GPU", MISSING, f"cannot query the GPU: {type(e).__name__}: {e}", "check the NVIDIA driver",
                      (GPU,))
-    from ..routing.capabilities import arch_of_capability
+    from ..routing.capabilities import MODULE_BACKENDS, TABLE, arch_of_capability
 
     arch = arch_of_capability(major, minor)
     detail = f"cuda:{index} {name}, sm{major}{minor} (arch {arch}; {torch.cuda.device_count()} visible)"
     if major < 8:
         return Check("GPU", MISSING, detail, "variantgen modules need sm80 or newer", (GPU,))
-    return Check("GPU", OK, detail + ("; fa3 and fa2 modules" if arch == "9.0a" else "; fa2 modules"),
-                 needed_for=(GPU,))
+    # the capability table's answer: which module backends run on this arch, and why the others not
+    runs = [b for b in MODULE_BACKENDS if not TABLE[b].archs or arch in TABLE[b].archs]
+    not_here = "".join(f" ({b}: {TABLE[b].arch_why})" for b in MODULE_BACKENDS if b not in runs and TABLE[b].arch_why)
+    return Check("GPU", OK, f"{detail}; {' and '.join(runs)} modules{not_here}", needed_for=(GPU,))
 
 
 def _flex() -> Check:
