@@ -30,6 +30,7 @@ import torch
 from .errors import LaunchError
 from .evaluate import Evaluator
 from .expr import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
+from .normalize import normalize
 from .plan_abi import NO_INTERVAL
 from .spec import VariantSpec
 
@@ -235,7 +236,10 @@ def analyze(spec: VariantSpec) -> IntervalForm:
         return IntervalForm((), False, "the mask depends on the head index: intervals differ per head")
     try:
         key_tensors = frozenset(t.name for t in spec.tensors if t.shape == ("total_kv",))
-        terms = tuple(_dnf(spec.mask, key_tensors))
+        try:  # equivalent forms plan alike (normalize.py); one that expands too far is read as written
+            terms = tuple(_dnf(normalize(spec.mask, spec), key_tensors))
+        except _TooComplex:
+            terms = tuple(_dnf(spec.mask, key_tensors))
     except _TooComplex:
         return IntervalForm((), False, f"the mask expands to more than {MAX_TERMS} interval terms")
     if not terms:
