@@ -231,6 +231,13 @@ class Plan:
         return {"full": full, "visited": visited, "masked": masked,
                 "pages_read": sum(r.pages for r in reqs), "pages_given": self.pages_given}
 
+    def cost(self, spec: Any, args: dict[str, Any]) -> Any:
+        """Keys its launch requests read against keys ``spec``'s mask shows for ``args`` (the
+        arguments given to plan()), per launch class and in total: a cost.Cost."""
+        from .cost import plan_cost
+
+        return plan_cost(self, spec, args)
+
     def __repr__(self) -> str:
         b = self.batch
         how = "interval planner (planner module)" if self.planner == "module" else f"planner off: {self.reason}"
