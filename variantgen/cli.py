@@ -256,9 +256,20 @@ def validate(specs: tuple[str, ...]) -> None:
             click.echo(str(e))
             continue
         click.echo(f"ok  {printable(path)} ({spec.name})")
+        _planner_notes(spec)
     if failed:
         click.echo(f"{failed} of {len(specs)} spec file(s) have errors", err=True)
         sys.exit(1)
+
+
+def _planner_notes(spec: VariantSpec) -> None:
+    """Where the interval planner cannot bound the mask: a note at the mask's line saying what it
+    needs and, where one exists, an equivalent form it plans (normalize.planner_notes)."""
+    from .normalize import planner_notes
+
+    where = spec.locations.get("mask") or spec.path
+    for note in planner_notes(spec):
+        click.echo(f"{where}: note: {note.message}" + (f"\n  hint: {note.hint}" if note.hint else ""))
 
 
 @main.command("specs")

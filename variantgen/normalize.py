@@ -201,7 +201,10 @@ class _Rewriter:
         op, pos = node.op, node.pos
         if op == "!=":
             lt, gt = replace(node, op="<"), replace(node, op=">")
-            return _or(self.compare(lt) or lt, self.compare(gt) or gt)
+            parts = [self.compare(lt), self.compare(gt)]
+            if any(p is None and not _is_linear_as_written(c) for p, c in zip(parts, (lt, gt))):
+                return None  # nothing bounds either half (t[kv_row] != 0): one hull atom, as written
+            return _or(parts[0] or lt, parts[1] or gt)
         if op == "==" and _is_chunk(node):
             return None  # kv_pos // c == r: intervals' chunk pattern
         terms: Terms = []
