@@ -303,3 +303,19 @@ def test_validate_prints_the_note_at_the_masks_line(tmp_path):
                     "mask: kv_pos // f <= q_pos // f\n")
     r = CliRunner().invoke(main, ["validate", str(path)])
     assert r.exit_code == 0 and "note:" not in r.stdout, r.output
+
+
+@pytest.mark.parametrize("path,text", [p for p in _bases() if analyze(load_spec(p.values[0])).planner_ready
+                                       or "bench" in str(p.values[0])])
+def test_the_planner_module_renders_every_normalized_form(path, text, vg_env):
+    """The rewritten bounds reach the GPU's row kernel as code: each form renders its terms."""
+    from variantgen import codegen
+    from variantgen.rowplan import PlannerConfig, render_planner
+
+    spec = with_mask(load_spec(path), text)
+    form = analyze(spec)
+    if not form.planner_ready:
+        pytest.skip(form.reason)
+    source = render_planner(PlannerConfig(spec, "9.0a")).files["planner.cu"]
+    for t in form.terms:
+        assert codegen.comment_text(t.describe()) in source
