@@ -178,7 +178,7 @@ def _read_written(path, seed: int):
 
 
 @pytest.mark.parametrize("path,text", _bases())
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31 - 1), rewrites=st.integers(1, 2))
 def test_random_equivalent_forms_are_sound_and_plan_no_worse(path, text, seed, rewrites):
     written = load_spec(path)
