@@ -264,8 +264,8 @@ def validate(specs: tuple[str, ...]) -> None:
 
 def _planner_notes(spec: VariantSpec) -> None:
     """Where the interval planner cannot bound the mask: a note at the mask's line saying what it
-    needs and, where one exists, an equivalent form it plans (normalize.planner_notes)."""
-    from .normalize import planner_notes
+    needs and, where one exists, an equivalent form it plans (planner_notes.py)."""
+    from .planner_notes import planner_notes
 
     where = spec.locations.get("mask") or spec.path
     for note in planner_notes(spec):

@@ -26,7 +26,7 @@ floor ``//`` and ``%``, 0 for a zero divisor, negative values allowed):
   scalar-only guard is decided once per plan (intervals.decided_terms).
 
 A comparison no rule fits is left as written (the planner keeps a hull for it, as before).
-``planner_notes`` says, for ``variantgen validate``, where the planner still cannot bound a
+planner_notes.py says, for ``variantgen validate``, where the planner still cannot bound a
 mask and what would let it.
 """
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from .expr import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, names_used, to_source
+from .expr import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, names_used
 from .spec import VariantSpec
 
 KEY_NAMES = frozenset({"kv_pos", "kv_row"})
@@ -138,7 +138,7 @@ def _sum(terms: Terms, pos: int) -> Node:
 
 
 @dataclass
-class _Rewriter:
+class Rewriter:
     positive: frozenset[str]  # int scalars known > 0
     assume_positive: bool = False  # planner_notes: what the mask would plan as with every divisor > 0
     guards: list[Node] | None = None  # divisors the rewrites assumed positive (planner_notes)
@@ -420,66 +420,11 @@ def _is_linear_as_written(node: Binary) -> bool:
     return linear(node.left) and linear(node.right)
 
 
-def _positive_scalars(spec: VariantSpec) -> frozenset[str]:
+def positive_scalars(spec: VariantSpec) -> frozenset[str]:
     return frozenset(s.name for s in spec.scalars
                      if s.dtype == "int" and (s.positive or (s.minimum is not None and s.minimum >= 1)))
 
 
 def normalize(node: Node, spec: VariantSpec) -> Node:
     """``node`` (a mask of ``spec``) rewritten into the forms the interval planner bounds."""
-    return _Rewriter(_positive_scalars(spec)).boolean(node)
-
-
-# ----------------------------------------------------------------------------- validate's notes
-
-
-@dataclass(frozen=True)
-class PlannerNote:
-    message: str
-    hint: str = ""
-
-
-def planner_notes(spec: VariantSpec) -> list[PlannerNote]:
-    """What ``variantgen validate`` tells the author about the mask's plan: nothing where the
-    planner bounds every row exactly; otherwise what it cannot bound, what it needs, and an
-    equivalent form it would plan where one exists."""
-    from .intervals import KEY_NAMES as _KEYS
-    from .intervals import _atom, analyze
-
-    form = analyze(spec)
-    scalars = {s.name: s for s in spec.scalars}
-    guards: list[Node] = []
-    assumed = _Rewriter(_positive_scalars(spec), assume_positive=True, guards=guards).boolean(spec.mask)
-    divisors = sorted({to_source(g) for g in guards})
-    unknown = [d for d in divisors if d in scalars]
-    declare = (f"declare {' and '.join(f'`{d}`' for d in unknown)} `positive: true` (or `min: 1`) under scalars"
-               if unknown else "")
-    notes: list[PlannerNote] = []
-    if not form.planner_ready:
-        hint = ("the planner needs every comparison that reads kv_pos to be linear in it (kv_pos <= q_pos + w), "
-                "kv_pos // c == r, or t[kv_row] == v on a sorted [total_kv] tensor, joined by and / or")
-        if declare:
-            hint = f"{declare}: the planner then plans it as {to_source(assumed)}"
-        notes.append(PlannerNote(f"the interval planner is off for this mask ({form.reason}): every row evaluates "
-                                 "the mask on every key", hint))
-        return notes
-    key_tensors = frozenset(t.name for t in spec.tensors if t.shape == ("total_kv",))
-    unbounded = []
-    for atom in _atoms(normalize(spec.mask, spec)):
-        if names_used(atom) & _KEYS and not _atom(atom, key_tensors).exact:
-            unbounded.append(to_source(atom))
-    if unbounded:
-        shown = ", ".join(f"`{a}`" for a in dict.fromkeys(unbounded))
-        hint = declare or ("rows that read the key only through linear comparisons (kv_pos <= q_pos + w) plan "
-                           "exactly; a sparse or data-dependent key set is evaluated over the rows' key hull")
-        notes.append(PlannerNote(f"the planner cannot bound {shown}: rows where it decides evaluate the mask over "
-                                 "their key hull", hint))
-    return notes
-
-
-def _atoms(node: Node):
-    if isinstance(node, Binary) and node.op in ("and", "or"):
-        yield from _atoms(node.left)
-        yield from _atoms(node.right)
-    else:
-        yield node
+    return Rewriter(positive_scalars(spec)).boolean(node)

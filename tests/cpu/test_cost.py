@@ -15,7 +15,7 @@ from test_wrapper_cpu import batch_of, make
 
 import variantgen
 from variantgen import parse_spec
-from variantgen.cost import BLOCK_ELEMENTS, batch_cost, visible_keys
+from variantgen.cost import BLOCK_ELEMENTS, batch_cost, plan_cost, visible_keys
 from variantgen.plan import NOT_VISITED
 from variantgen.reference import RequestGrid, mask_for_request
 from variantgen.testing import random_spec_args
@@ -59,14 +59,16 @@ def test_a_plans_cost_is_what_its_launches_visit(spec_name):
     args = random_spec_args(spec, batch, seed=3)
     w, _ = make(spec, backend="fa2")
     plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
-    cost = plan.cost(spec, args)
+    cost = plan_cost(plan, spec, args)
     grids = plan.to_dense()
-    assert cost.keys_read == sum(int((g != NOT_VISITED).sum()) for g in grids)
+    assert cost.keys_read == plan.keys_read()["total"] == sum(int((g != NOT_VISITED).sum()) for g in grids)
+    assert {k: v.keys_read for k, v in cost.by_class.items()} == {k: v for k, v in plan.keys_read().items()
+                                                                  if k != "total"}
     assert cost.keys_visible == sum(int(m.sum()) for m in reference_masks(spec, batch, args))
     # the CPU planner (rowrules: the row kernel's reference) plans what plan() planned
     assert batch_cost(spec, args, QO, KV, page_size=4).keys_read == cost.keys_read
     off = w.plan(*batch.plan_args(), skip_tiles=False)
-    off_cost = off.cost(spec, args)
+    off_cost = plan_cost(off, spec, args)
     assert off_cost.planner == "off" and off_cost.keys_read == off_cost.keys_total
 
 

@@ -26,7 +26,8 @@ from variantgen import parse_spec
 from variantgen.cost import batch_cost, visible_keys
 from variantgen.expr import Binary, Const, Node, Type, Unary, parse, to_source
 from variantgen.intervals import analyze, row_intervals
-from variantgen.normalize import normalize, planner_notes
+from variantgen.normalize import normalize
+from variantgen.planner_notes import planner_notes
 from variantgen.reference import RequestGrid, mask_for_request
 from variantgen.rowrules import row_env
 from variantgen.spec import load_spec
