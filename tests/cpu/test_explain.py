@@ -3,6 +3,8 @@ classes, and the launch requests - all on the CPU, from the same trees the kerne
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -104,7 +106,7 @@ def test_a_mask_without_intervals_says_the_planner_is_off(spec_text):
     (["--arg", "causal_window_left=1.5"], "--arg causal_window_left=1.5: expected a whole number (int scalar)"),
     (["--arg", "range_window_left=2", "--arg", "range_window_left=3"], "--arg range_window_left= is given twice"),
     (["--qo", "13"], "--qo=13 > --kv=12: a request's queries are its last keys (qo <= kv)"),
-    (["--kv", "300"], "--kv=300: expected 1 <= kv <= 256"),
+    (["--kv", "70000"], "--kv=70000: expected 1 <= kv <= 65536"),
     (["--page-size", "0"], "--page-size=0: expected 1 <= page-size"),
     (["--head", "1"], "--head=1: expected 0 <= head < --heads=1"),
 ])
@@ -140,3 +142,33 @@ def test_tree_verify_shows_a_dense_context_and_a_draft_hull():
     # a longer context: the tail rows need the context dense up to the request's first query
     e = ex.explain(spec, 4, 40, {"tree_bits": ex.ArgValue("tree_bits", bits, "given")})
     assert [r.cls for r in e.rows] == ["tail"] * 4
+
+
+@pytest.mark.parametrize("qo,kv", [(65536, 65536), (4096, 65536)])
+def test_json_gives_the_cost_of_a_long_request_without_a_grid(qo, kv):
+    r = run(str(SPECS_DIR / "sliding_window.yaml"), "--qo", str(qo), "--kv", str(kv), "--arg", "window=1023", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert "grid" not in out and "row_intervals" not in out and out["rows"] == qo
+    # window + 1 keys per row once the window is full, fewer before
+    first = kv - qo
+    assert out["keys_visible"] == sum(min(q, 1023) + 1 for q in range(first, kv))
+    assert out["keys_visible"] <= out["keys_read"] <= 1.15 * out["keys_visible"]
+    assert sum(c["keys_read"] for c in out["by_class"].values()) == out["keys_read"]
+
+
+def test_json_of_a_small_request_has_the_grid_and_the_cost_of_every_class():
+    r = run(MM, "--qo", "8", "--kv", "12", "--json")
+    out = json.loads(r.stdout)
+    assert len(out["grid"]) == 8 and all(len(row) == 12 for row in out["grid"])
+    assert out["keys_visible"] == sum(row.count("#") for row in out["grid"])
+    assert out["keys_read"] == sum(c["keys_read"] for c in out["by_class"].values())
+    text = run(MM, "--qo", "8", "--kv", "12").stdout
+    assert f"cost: keys read {out['keys_read']} for {out['keys_visible']} visible" in text
+
+
+def test_text_of_a_long_request_skips_the_grid_and_lists_some_launches():
+    r = run(str(SPECS_DIR / "streaming_sink.yaml"), "--qo", "16384", "--kv", "16384")
+    assert r.exit_code == 0, r.output
+    assert "drawn for requests of up to 256" in r.stdout and "more launch requests" in r.stdout
+    assert "cost: keys read" in r.stdout

@@ -32,6 +32,7 @@ from ..core.errors import LaunchError
 from ..lang.evaluate import Evaluator
 from ..lang.expr import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
 from ..lang.spec import VariantSpec
+from .normalize import normalize
 
 KEY_NAMES = {"kv_pos", "kv_row"}
 HEAD_NAMES = {"qo_head", "kv_head"}
@@ -235,7 +236,10 @@ def analyze(spec: VariantSpec) -> IntervalForm:
         return IntervalForm((), False, "the mask depends on the head index: intervals differ per head")
     try:
         key_tensors = frozenset(t.name for t in spec.tensors if t.shape == ("total_kv",))
-        terms = tuple(_dnf(spec.mask, key_tensors))
+        try:  # equivalent forms plan alike (normalize.py); one that expands too far is read as written
+            terms = tuple(_dnf(normalize(spec.mask, spec), key_tensors))
+        except _TooComplex:
+            terms = tuple(_dnf(spec.mask, key_tensors))
     except _TooComplex:
         return IntervalForm((), False, f"the mask expands to more than {MAX_TERMS} interval terms")
     if not terms:

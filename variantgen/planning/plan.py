@@ -231,6 +231,14 @@ class Plan:
         return {"full": full, "visited": visited, "masked": masked,
                 "pages_read": sum(r.pages for r in reqs), "pages_given": self.pages_given}
 
+    def keys_read(self) -> dict[str, int]:
+        """Keys its launch requests read (the (query, key) pairs of visited()), per launch class and
+        in total ("total"); cost.plan_cost sets them against the keys the mask shows."""
+        out: dict[str, int] = {}
+        for r in self.launch_requests:
+            out[r.cls.label] = out.get(r.cls.label, 0) + r.visited()
+        return out | {"total": sum(out.values())}
+
     def __repr__(self) -> str:
         b = self.batch
         how = "interval planner (planner module)" if self.planner == "module" else f"planner off: {self.reason}"

@@ -271,9 +271,20 @@ def validate(specs: tuple[str, ...]) -> None:
             click.echo(str(e))
             continue
         click.echo(f"ok  {printable(path)} ({spec.name})")
+        _planner_notes(spec)
     if failed:
         click.echo(f"{failed} of {len(specs)} spec file(s) have errors", err=True)
         sys.exit(1)
+
+
+def _planner_notes(spec: VariantSpec) -> None:
+    """Where the interval planner cannot bound the mask: a note at the mask's line saying what it
+    needs and, where one exists, an equivalent form it plans (planner_notes.py)."""
+    from ..planning.notes import planner_notes
+
+    where = spec.locations.get("mask") or spec.path
+    for note in planner_notes(spec):
+        click.echo(f"{where}: note: {note.message}" + (f"\n  hint: {note.hint}" if note.hint else ""))
 
 
 @main.command("specs")
@@ -923,17 +934,22 @@ def demo(ctx: click.Context, spec: str, head_dim: int, dtype: str, arch: str | N
 @click.option("--heads", type=int, default=1, show_default=True, help="Query heads (num_qo_heads).")
 @click.option("--head", type=int, default=0, show_default=True, help="The query head whose mask is shown.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random tensors not given.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: keys_read, keys_visible (per launch class too), "
+              "the terms and launch requests, and the grid for small requests.")
 def explain(spec: str, qo_len: int, kv_len: int | None, arg_items: tuple[str, ...], page_size: int, heads: int,
-            head: int, seed: int) -> None:
+            head: int, seed: int, as_json: bool) -> None:
     """Show SPEC's mask for one request as a grid (queries x keys), the key intervals the planner
-    derives per row, and which rows run dense / causal / window / custom - on the CPU."""
+    derives per row, which rows run dense / causal / window / custom, and the cost: keys the
+    launches read against keys the mask shows - on the CPU. Requests of up to 65536 tokens; the
+    grid is drawn up to 256."""
     from . import explain as ex
 
     variant = resolve_spec(spec)
     kv = qo_len if kv_len is None else kv_len
     ex.check_request(qo_len, kv, page_size=page_size, heads=heads, head=head)
     args = ex.resolve_args(variant, arg_items, qo_len, kv, heads, seed)
-    click.echo(ex.render(ex.explain(variant, qo_len, kv, args, page_size=page_size, head=head, heads=heads)))
+    e = ex.explain(variant, qo_len, kv, args, page_size=page_size, head=head, heads=heads)
+    click.echo(json.dumps(ex.to_json(e), indent=1) if as_json else ex.render(e))
 
 
 # ----------------------------------------------------------------------------- doctor

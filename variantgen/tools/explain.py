@@ -9,7 +9,10 @@ chunked prefill) this shows:
 * the key intervals the planner derives (intervals.analyze: the mask as a union of terms,
   each row's interval [lo, hi] and whether it is exact or a hull);
 * which rows run dense / causal / window / custom, and the launch requests they form
-  (rowrules.py: the row rules the spec's planner module runs on the GPU, in torch ops).
+  (rowrules.py: the row rules the spec's planner module runs on the GPU, in torch ops);
+* the cost: keys the launch requests read against keys the mask shows, per launch class and in
+  total (cost.py). Requests of up to MAX_REQUEST tokens are planned and costed; the grid and the
+  rows are drawn only up to MAX_GRID.
 
 Spec arguments come from ``--arg name=value`` (parse_arg documents the forms); tensors not
 given get the random values the tests use (wrappers.batches.random_spec_args), scalars their defaults.
@@ -27,9 +30,12 @@ from ..lang.spec import ScalarArg, TensorArg, VariantSpec
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI's help reads ARG_FORMS from here
     import torch
 
+    from ..planning.cost import Cost
     from ..planning.intervals import IntervalForm
 
 MAX_GRID = 256  # queries or keys: a wider grid does not fit a terminal
+MAX_REQUEST = 65536  # queries or keys explain plans and costs (counting: no dense grid beyond MAX_GRID)
+MAX_LAUNCH_LINES = 64  # launch requests listed in the text
 VISIBLE, MASKED = "#", "."
 CLASS_NAMES = ("dense", "causal", "window", "custom", "tail")  # plan_abi.RowClass
 ARG_FORMS = """\
@@ -83,11 +89,12 @@ class Explanation:
     page_size: int
     head: int
     args: dict[str, ArgValue]
-    mask: torch.Tensor  # bool [qo_len, kv_len]
+    mask: torch.Tensor | None  # bool [qo_len, kv_len]; None beyond MAX_GRID (no grid drawn)
     form: IntervalForm
-    rows: tuple[RowInfo, ...]
+    rows: tuple[RowInfo, ...]  # () beyond MAX_GRID
     launches: tuple[LaunchRequest, ...]
     segment_counts: dict[str, int]
+    cost: Cost | None = None
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -166,9 +173,10 @@ def _number(text: str, arg: TensorArg, where: str) -> float:
         raise ValueError(f"{where}: {text!r} is not a number (`{arg.name}` holds {kind})") from None
 
 
-def check_request(qo_len: int, kv_len: int, *, page_size: int = 16, heads: int = 1, head: int = 0) -> None:
-    """ValueError naming the option unless the request fits a grid."""
-    for name, value, lo, hi in (("--qo", qo_len, 1, MAX_GRID), ("--kv", kv_len, 1, MAX_GRID),
+def check_request(qo_len: int, kv_len: int, *, page_size: int = 16, heads: int = 1, head: int = 0,
+                  limit: int = MAX_REQUEST) -> None:
+    """ValueError naming the option unless the request has at most ``limit`` queries and keys."""
+    for name, value, lo, hi in (("--qo", qo_len, 1, limit), ("--kv", kv_len, 1, limit),
                                 ("--page-size", page_size, 1, 1 << 20), ("--heads", heads, 1, 1 << 10)):
         if not lo <= value <= hi:
             raise ValueError(f"{name}={value}: expected {lo} <= {name[2:]} <= {hi}")
@@ -231,6 +239,7 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
     """The mask grid, per-row intervals and planner classes for one request (CPU)."""
     import torch
 
+    from ..planning.cost import cost_of, visible_keys
     from ..planning.intervals import analyze, row_intervals
     from ..planning.plan import LaunchRequest as Planned
     from ..planning.rowrules import classify_rows, segments
@@ -240,9 +249,11 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
     check_args(spec, args, qo_len, kv_len, heads)
     values = {name: a.value for name, a in args.items()}
     cpu = torch.device("cpu")
+    small = qo_len <= MAX_GRID and kv_len <= MAX_GRID
     grid = RequestGrid(0, qo_len, kv_len, 0, 0, heads, 1, cpu)
-    mask = mask_for_request(spec, grid, values)[head].clone()
+    mask = mask_for_request(spec, grid, values)[head].clone() if small else None
     form = analyze(spec)
+    planned: list[Planned] = []
     q_pos = torch.arange(kv_len - qo_len, kv_len, dtype=torch.int64)
     rows: list[RowInfo] = []
     launches: list[LaunchRequest] = []
@@ -255,7 +266,7 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
                "vg_kv_lens": torch.tensor([kv_len], dtype=i64)}
         iv = row_intervals(form, spec, env, values)
         rec = classify_rows(spec, form, [0, qo_len], [kv_len], page_size, values, cpu)
-        for r in range(qo_len):
+        for r in range(qo_len if small else 0):
             lo, hi = int(iv.lo[r]), int(iv.hi[r])
             visible = mask[r].nonzero().flatten().tolist()
             outside = sum(1 for k in visible if not lo <= k <= hi) if not bool(iv.empty[r]) else len(visible)
@@ -267,13 +278,18 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
         counts = dict.fromkeys(CLASS_NAMES, 0) | {"custom_rows": 0}
         for seg in segments(rec, page_size).tolist():  # the launch requests fa2 runs (fa3: a window launch each)
             la = Planned.from_segment(seg, page_size)
+            planned.append(la)
             launches.append(LaunchRequest(la.rows, la.cls.label, la.mode.label, la.keys, la.pages, la.window,
                                           la.visible))
             counts[la.cls.label] += 1
             counts["custom_rows"] += (la.rows[1] - la.rows[0]) if la.cls.label == "custom" else 0
-    else:
+    elif small:
         rows = [RowInfo(int(p), 0, kv_len - 1, False, False, "", 0, 0) for p in q_pos]
-    return Explanation(spec, qo_len, kv_len, page_size, head, args, mask, form, tuple(rows), tuple(launches), counts)
+    visible, hull_rows = visible_keys(spec, values, [qo_len], [kv_len])  # (query head 0 where the mask reads heads)
+    cost = cost_of(planned, visible, [qo_len], [kv_len], reason=form.reason, hull_rows=hull_rows,
+                   planner_on=form.planner_ready)
+    return Explanation(spec, qo_len, kv_len, page_size, head, args, mask, form, tuple(rows), tuple(launches), counts,
+                       cost)
 
 
 # ----------------------------------------------------------------------------- text
@@ -293,19 +309,14 @@ def render(e: Explanation) -> str:
         for a in e.args.values():
             out.append(f"  {a.name} = {_value_text(a.value)}  ({a.source})")
     out.append("")
-    out.append(f"mask grid ({VISIBLE} visible, {MASKED} masked); per row: the planner's key interval and row class")
-    tens = "".join(str(k // 10 % 10) if k % 10 == 0 and k >= 10 else " " for k in range(e.kv_len))
-    ones = "".join(str(k % 10) for k in range(e.kv_len))
-    pad = " " * len("q_pos 0000  ")
-    if e.kv_len > 10:
-        out.append(pad + tens.rstrip())
-    out.append("kv_pos".ljust(len(pad)) + ones)
-    for r, info in enumerate(e.rows):
-        cells = "".join(VISIBLE if v else MASKED for v in e.mask[r].tolist())
-        out.append(f"q_pos {info.q_pos:4d}  {cells}  {_row_text(e, info)}")
+    if e.mask is None:
+        out.append(f"(the mask grid and its rows are drawn for requests of up to {MAX_GRID} queries and keys)")
+    else:
+        out += _grid(e)
     out.append("")
     if not e.form.planner_ready:
         out.append(f"interval planner: off ({e.form.reason}); every row runs the custom mask over all its keys")
+        out += _cost_lines(e)
         return "\n".join(out)
     out.append("key intervals (the mask as a union of terms; per row the planner keeps their hull):")
     for i, term in enumerate(e.form.terms):
@@ -315,7 +326,7 @@ def render(e: Explanation) -> str:
         out.append(f"  WARNING: {len(wrong)} row(s) see keys outside their interval (an intervals bug: please report)")
     out.append("")
     out.append(f"launch requests (rows grouped by class; pages of {e.page_size} keys):")
-    for la in e.launches:
+    for la in e.launches[:MAX_LAUNCH_LINES]:
         rows = f"rows {la.rows[0]}-{la.rows[1] - 1}" if la.rows[1] - la.rows[0] > 1 else f"row {la.rows[0]}"
         qp = f"q_pos {first_q + la.rows[0]}-{first_q + la.rows[1] - 1}"
         window = f", kernel window {la.window}" if la.window >= 0 else ""
@@ -326,13 +337,71 @@ def render(e: Explanation) -> str:
             tail = f", the mask skipped on keys {la.visible[0]}-{la.visible[1]} (visible to every row)"
         out.append(f"  {rows:12} ({qp}): {la.cls:6}  keys {la.keys[0]}-{la.keys[1] - 1} ({la.pages} page(s)), "
                    f"mask mode {la.mode}{window}{tail}")
+    if len(e.launches) > MAX_LAUNCH_LINES:
+        out.append(f"  ... and {len(e.launches) - MAX_LAUNCH_LINES} more launch requests")
     c = e.segment_counts
     if c:
         tail = f"{c['tail']} tail, " if c.get("tail") else ""
         out.append(f"  {c.get('dense', 0)} dense, {c.get('causal', 0)} causal, {c.get('window', 0)} window, {tail}"
                    f"{c.get('custom', 0)} custom ({c.get('custom_rows', 0)} of {e.qo_len} rows evaluate the mask on "
                    "every key they read but those known visible)")
+    out += _cost_lines(e)
     return "\n".join(out)
+
+
+def _grid(e: Explanation) -> list[str]:
+    out = [f"mask grid ({VISIBLE} visible, {MASKED} masked); per row: the planner's key interval and row class"]
+    tens = "".join(str(k // 10 % 10) if k % 10 == 0 and k >= 10 else " " for k in range(e.kv_len))
+    ones = "".join(str(k % 10) for k in range(e.kv_len))
+    pad = " " * len("q_pos 0000  ")
+    if e.kv_len > 10:
+        out.append(pad + tens.rstrip())
+    out.append("kv_pos".ljust(len(pad)) + ones)
+    for r, info in enumerate(e.rows):
+        cells = "".join(VISIBLE if v else MASKED for v in e.mask[r].tolist())
+        out.append(f"q_pos {info.q_pos:4d}  {cells}  {_row_text(e, info)}")
+    return out
+
+
+def _cost_lines(e: Explanation) -> list[str]:
+    c = e.cost
+    if c is None:
+        return []
+    out = ["", f"cost: keys read {c.keys_read} for {c.keys_visible} visible ({_ratio(c.keys_read, c.keys_visible)} "
+           "read per visible key; 1.00: nothing read that the mask hides)"]
+    for name, k in c.by_class.items():
+        out.append(f"  {name:7} {k.launch_requests:5} launch request(s), {k.rows:6} rows: keys read {k.keys_read}, "
+                   f"visible {k.keys_visible} ({_ratio(k.keys_read, k.keys_visible)})")
+    return out
+
+
+def _ratio(read: int, visible: int) -> str:
+    return f"{read / visible:.2f}x" if visible else ("-" if not read else "inf")
+
+
+def to_json(e: Explanation) -> dict[str, Any]:
+    """What `variantgen explain --json` prints: the cost, the planner's terms and launch requests,
+    and (up to MAX_GRID) the grid's rows."""
+    args = {a.name: {"value": _json_value(a.value), "source": a.source} for a in e.args.values()}
+    out: dict[str, Any] = {"spec": e.spec.name, "qo_len": e.qo_len, "kv_len": e.kv_len, "page_size": e.page_size,
+                           "args": args}
+    out |= e.cost.to_json() if e.cost is not None else {}
+    out["terms"] = [t.describe() for t in e.form.terms] if e.form.planner_ready else []
+    out["launch_requests"] = [{"rows": list(la.rows), "class": la.cls, "mode": la.mode, "keys": list(la.keys),
+                               "pages": la.pages, "window": la.window} for la in e.launches]
+    if e.mask is not None:
+        out["grid"] = ["".join(VISIBLE if v else MASKED for v in row) for row in e.mask.tolist()]
+        out["row_intervals"] = [{"q_pos": r.q_pos, "lo": r.lo, "hi": r.hi, "exact": r.exact, "empty": r.empty,
+                                 "class": r.cls} for r in e.rows]
+    return out
+
+
+def _json_value(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.tolist() if value.numel() <= 64 else f"{list(value.shape)} tensor"
+    return value
 
 
 def _row_text(e: Explanation, info: RowInfo) -> str:
