@@ -376,6 +376,37 @@ def test_a_dense_run_one_row_short_of_a_query_tile_takes_the_next_causal_rows_fi
     assert sorted(la["META"][k][8] for la in launches for k in range(la[LaunchField.REQUESTS])) == [1, 2, 2]
 
 
+@pytest.mark.parametrize("fa3", [False, True], ids=["fa2", "fa3"])
+def test_a_dense_run_whose_keys_are_not_the_next_causal_rows_keeps_its_rows(builder, fa3):
+    """The same shape one key off: a dense run one row short of a query tile, then a causal run of
+    the same request from the same first key - but the dense run's keys are not what the causal
+    run's first row sees. A span of frozen rows in a user's spec makes it: the frozen rows see a
+    fixed [0, end) that stops before the next row's own key (prefix-LM's prefix rows, the row
+    after them sees one key more) or reaches past it (rows frozen on a longer span). Moving the
+    row would give it the dense run's keys: the builder must leave both runs as they are."""
+    cta = fa3_cta_tile_q(128) if fa3 else 128 // (HQ // HKV)
+    d0 = cta - 1  # one row short of a tile: moving a row would save a tile if it were allowed
+    n = 3 * cta
+    b = Batch([n, n], [n, n + 40], 16)
+    table = [
+        # request 0: rows 0..d0-1 frozen on keys [0, d0) - the next row (q_pos d0) sees [0, d0]
+        [0, d0, 0, int(DENSE), -1, 0, d0, 0],
+        [d0, n, 0, int(CAUSAL), -1, 0, n, d0],
+        # request 1: rows frozen on keys [0, q + 10) past their own position, then causal rows
+        [n, n + d0, 1, int(DENSE), -1, 0, 40 + d0 + 10, 40],
+        [n + d0, 2 * n, 1, int(CAUSAL), -1, 0, n + 40, 40 + d0],
+    ]
+    host, desc = build(builder, b, table, options(16, fa3))
+    head, launches = decode(host, desc)
+    assert head[HeaderField.STATUS] == Status.OK
+    want = aligned(table, fa3, cta)
+    assert want == [list(s) + [0, -1] for s in table]  # (the reference moves nothing either)
+    check_launches(b, want, head, launches, fa3, [])
+    check_pages(b, host, desc, launches)
+    rows = sorted((la["META"][k][0], la["META"][k][8]) for la in launches for k in range(la[LaunchField.REQUESTS]))
+    assert rows == [(0, d0), (d0, n - d0), (n, d0), (n + d0, n - d0)]
+
+
 def test_planner_off_is_one_custom_launch_request_per_request_with_rows(builder):
     b = Batch([5, 0, 300, 1], [40, 9, 300, 70], 16)
     host, desc = build(builder, b, [], options(16, False, direct=True))
