@@ -100,17 +100,21 @@ def row_pieces(form: IntervalForm, spec: VariantSpec, env: dict[str, torch.Tenso
 
 
 def piece_segments(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
-                   args: dict[str, Any], device: torch.device, max_pieces: int = MAX_PIECES) -> torch.Tensor:
+                   args: dict[str, Any], device: torch.device, max_pieces: int = MAX_PIECES,
+                   fa3_window_launches: int | None = None) -> torch.Tensor:
     """The launch requests of a batch with rows split into pieces, in the launch builder's order
     (read_segments): host int64 [n, SEG_FIELDS], first every row once (piece -1: in place, 0: a
-    split row's first interval) in row order, then piece 1, 2 ... each in row order."""
+    split row's first interval) in row order, then piece 1, 2 ... each in row order.
+    ``fa3_window_launches``: fa3's window widths given their own launch (the builder keeps the
+    smallest widths of pieces first; a piece's window run of another width runs custom); None: fa2,
+    whose window launches take any width."""
     env = row_env(qo_indptr, kv_lens, device)
     iv = row_intervals(form, spec, env, args)
     pieces = row_pieces(form, spec, env, args, max_pieces)
     split = pieces.count >= 2
     for _ in range(_SPLIT_ROUNDS):
         table = _tables(env, iv, pieces, split, page_size)
-        bad = _overreaching_rows(table, pieces, split.shape[0])
+        bad = _overreaching_rows(table, pieces, split.shape[0], fa3_window_launches)
         if not bad.any():
             return table
         split = split & ~bad.to(split.device)
@@ -149,13 +153,21 @@ def _with_piece(seg: torch.Tensor, split: torch.Tensor | None, piece: int) -> to
     return seg
 
 
-def _overreaching_rows(table: torch.Tensor, pieces: RowPieces, rows: int) -> torch.Tensor:
-    """bool [rows]: split rows in a launch request that may evaluate the mask (custom; window,
-    which fa3 runs custom beyond its kept widths) on keys of one of the row's other pieces."""
+def _overreaching_rows(table: torch.Tensor, pieces: RowPieces, rows: int,
+                       fa3_window_launches: int | None) -> torch.Tensor:
+    """bool [rows]: split rows in a launch request that may evaluate the mask on keys of one of
+    the row's other pieces: a custom run over its hull from its first page, or a window run that
+    fa3 runs custom (a width beyond the kept ones). A window run in a window launch sees each row's
+    keys from q_pos - window on only (the kernel window)."""
     bad = torch.zeros(rows, dtype=torch.bool)
     piece = table[:, SegField.PIECE]
     cls = table[:, SegField.CLASS]
-    pick = (piece >= 0) & ((cls == RowClass.CUSTOM) | (cls == RowClass.WINDOW))
+    window_run = (piece >= 0) & (cls == RowClass.WINDOW)
+    kept = torch.ones_like(window_run)
+    if fa3_window_launches is not None:
+        widths = table[window_run, SegField.WINDOW].unique().sort().values[:fa3_window_launches]
+        kept = torch.isin(table[:, SegField.WINDOW], widths)
+    pick = (piece >= 0) & ((cls == RowClass.CUSTOM) | (window_run & ~kept))
     if not bool(pick.any()):
         return bad
     seg = table[pick]
@@ -172,6 +184,19 @@ def _overreaching_rows(table: torch.Tensor, pieces: RowPieces, rows: int) -> tor
     next_lo = torch.where(p + 1 < count, lo.gather(1, (p + 1).clamp(max=width - 1).view(-1, 1)).squeeze(1), BIG)
     over = (begin <= prev_hi) | (last >= next_lo)
     bad[row[over]] = True
+    # window runs in a window launch: each row from its own window start (q_pos - window) on
+    exact_window = window_run & kept
+    if bool(exact_window.any()):
+        seg = table[exact_window]
+        first, lengths = seg[:, SegField.FIRST_ROW], seg[:, SegField.END_ROW] - seg[:, SegField.FIRST_ROW]
+        which = torch.repeat_interleave(torch.arange(seg.shape[0]), lengths)
+        step = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[which]
+        row = first[which] + step
+        p = seg[which, SegField.PIECE]
+        start = seg[which, SegField.Q_POS] + step - seg[which, SegField.WINDOW]
+        begin = torch.maximum(start, seg[which, SegField.KV_BEGIN])
+        prev_hi = torch.where(p >= 1, pieces.hi.cpu()[row].gather(1, (p - 1).clamp(min=0).view(-1, 1)).squeeze(1), -1)
+        bad[row[begin <= prev_hi]] = True  # (a window run ends at each row's own q_pos: its last piece)
     return bad
 
 

@@ -224,10 +224,14 @@ class Planner:
         o[PlanOption.MAX_PIECES] = min(self.max_pieces, MAX_PIECES) if pieces else 0
         kv_indices = self.staging.on_device(kv_indices).contiguous()  # (plan() never waits for the GPU)
         merge = None
-        if pieces:
+        values = self._build(batch, indices, kv_indices, args if row_pass else None)
+        # A row that sees several key intervals is a custom row of the row kernel's plan: only then
+        # is the batch planned again with such rows split (the row rules in torch ops, ms of host
+        # time at 64k rows: paid only by batches that have custom rows).
+        if pieces and values[HeaderField.CUSTOM]:
+            self.staging.record()
+            self.staging.begin()  # (the first plan's copies out of the mirror have run: it is free again)
             values, merge = self._build_pieces(batch, indices, kv_indices, args)
-        else:
-            values = self._build(batch, indices, kv_indices, args if row_pass else None)
         device_ws, host_ws = self._workspace_pair()
         launches, layouts = self._launches(values, device_ws, host_ws, batch, disable_split_kv)
         self.staging.record()  # the copies out of page-locked memory run before the next plan rewrites it
@@ -246,7 +250,8 @@ class Planner:
         their segments, then its copy and page gather in torch ops. The descriptor's values and
         the rows run() merges (None: no row was split)."""
         table = piece_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
-                               self.device, int(self._opt[PlanOption.MAX_PIECES]))
+                               self.device, int(self._opt[PlanOption.MAX_PIECES]),
+                               self.max_window_launches if self.fa3 else None)
         for _ in range(4):  # a too-small workspace is answered with the size it needs
             device_ws, host_ws = self._workspace_pair()
             self.module.build_launches(indices, table, self.options, host_ws, self.desc)

@@ -398,11 +398,23 @@ inline std::vector<int64_t> window_widths(const std::vector<Request>& reqs, cons
   std::vector<int64_t> widths;
   if (!c.fa3) return widths;
   if (c.graph() && c.window_count >= 0) return std::vector<int64_t>(c.windows, c.windows + c.window_count);
-  for (const Request& r : reqs)
-    if (r.cls == kWindow) widths.push_back(r.window);
-  std::sort(widths.begin(), widths.end());
-  widths.erase(std::unique(widths.begin(), widths.end()), widths.end());
+  // The smallest widths, those of pieces first: a piece's window run must not go custom beyond
+  // the kept widths, where the mask would see its rows' other pieces in its first page
+  // (variantgen/pieces.py splits rows knowing this order).
+  const auto smallest = [&](bool pieces) {
+    std::vector<int64_t> w;
+    for (const Request& r : reqs)
+      if (r.cls == kWindow && (r.piece >= 0) == pieces) w.push_back(r.window);
+    std::sort(w.begin(), w.end());
+    w.erase(std::unique(w.begin(), w.end()), w.end());
+    return w;
+  };
+  widths = smallest(true);
   if (int64_t(widths.size()) > c.max_window_launches) widths.resize(c.max_window_launches);
+  for (const int64_t w : smallest(false))
+    if (int64_t(widths.size()) < c.max_window_launches && std::find(widths.begin(), widths.end(), w) == widths.end())
+      widths.push_back(w);
+  std::sort(widths.begin(), widths.end());
   return widths;
 }
 
