@@ -149,6 +149,7 @@ inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, cons
                  r.first_row >= 0 && g[kSegEndRow] > r.first_row && g[kSegEndRow] <= b.total_q)
           << "segments: row " << i << " (piece " << r.piece << ", rows " << r.first_row << "-" << g[kSegEndRow]
           << ") is not after the rows' partition, in piece and row order";
+      if (pieces_of_row.empty()) pieces_of_row.assign(size_t(b.total_q), 0);  // (no row has piece 0)
       for (int64_t q = r.first_row; q < g[kSegEndRow]; ++q) {
         VG_REQUIRE(pieces_of_row[q] == r.piece)
             << "segments: row " << i << " (piece " << r.piece << ") covers row " << q << ", which has "

@@ -304,3 +304,66 @@ def test_pieces_stay_off_in_graph_mode_and_the_hull_runs_as_before():
     ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
                                        batch.kv_indptr, batch.kv_indices, batch.last_page_len, args, return_lse=True)
     assert_plan_matches_reference(out, lse, ref, ref_lse, None, 0.0, "graph mode")
+
+
+# ----------------------------------------------------------------------------- the launch builder
+
+
+def _build(table: list[list[int]], qo_lens, kv_lens, page_size: int, max_pieces: int, graph: bool = False):
+    from _builder import plan_builder
+
+    from variantgen.plan_abi import DESC_FIELDS, OPTION_FIELDS, PlanOption
+
+    q_start = [sum(qo_lens[:i]) for i in range(len(qo_lens) + 1)]
+    pages = [-(-k // page_size) for k in kv_lens]
+    page_start = [sum(pages[:i]) for i in range(len(pages) + 1)]
+    last = [(k - 1) % page_size + 1 if k else 0 for k in kv_lens]
+    indices = torch.tensor(q_start + page_start + last, dtype=torch.int32)
+    o = torch.zeros(OPTION_FIELDS, dtype=torch.int64)
+    for k, v in {PlanOption.PAGE_SIZE: page_size, PlanOption.NUM_SM: 8, PlanOption.FA3_CTA_TILE_Q: 128,
+                 PlanOption.NUM_QO_HEADS: HQ, PlanOption.NUM_KV_HEADS: HKV, PlanOption.HEAD_DIM_QK: 128,
+                 PlanOption.HEAD_DIM_VO: 128, PlanOption.KV_DTYPE_BYTES: 2, PlanOption.MAX_WINDOW_LAUNCHES: 4,
+                 PlanOption.WINDOW_COUNT: -1, PlanOption.MAX_PIECES: max_pieces}.items():
+        o[k] = v
+    if graph:
+        o[PlanOption.GRAPH_REQUESTS], o[PlanOption.GRAPH_PAGES], o[PlanOption.GRAPH_ROWS] = 8, 64, 64
+    host = torch.zeros(1 << 20, dtype=torch.uint8)
+    desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)
+    plan_builder().build_launches(indices, torch.tensor(table, dtype=torch.int64).view(-1, len(SegField)), o, host,
+                                  desc)
+    return desc
+
+
+D, C, W = int(RowClass.DENSE), int(RowClass.CAUSAL), int(RowClass.WINDOW)
+# one request of 40 rows over 40 keys: rows 0-11 causal in place, rows 12-39 sinks [0, 4) + window 7
+GOOD = [[0, 12, 0, C, -1, 0, 12, 0, 0, -1, -1], [12, 40, 0, D, -1, 0, 4, 12, 0, -1, 0],
+        [12, 40, 0, W, 7, 4, 40, 12, 0, -1, 1]]
+
+
+def test_the_builder_lays_pieces_out_after_the_rows_written_in_place():
+    from variantgen.plan_abi import HEADER_FIELDS, LAUNCH_FIELDS, HeaderField, LaunchField, Status
+
+    for fa3 in (False, True):
+        desc = _build(GOOD, [40], [40], 4, MAX_PIECES).tolist()
+        assert desc[HeaderField.STATUS] == Status.OK and desc[HeaderField.SEGMENTS] == 3
+        launches = [desc[HEADER_FIELDS + i * LAUNCH_FIELDS:HEADER_FIELDS + (i + 1) * LAUNCH_FIELDS]
+                    for i in range(desc[HeaderField.LAUNCHES])]
+        assert [(la[LaunchField.PIECE], la[LaunchField.ROWS]) for la in launches] == [(-1, 12), (0, 28), (1, 28)], fa3
+
+
+@pytest.mark.parametrize("case, table, max_pieces, pattern", [
+    ("pieces_off", GOOD, 0, "has piece 0 .pieces on: 0"),
+    ("piece_past_max", [GOOD[0], GOOD[1], [12, 40, 0, W, 7, 4, 40, 12, 0, -1, 1]], 1, "has piece 1 .pieces on: 1"),
+    ("piece_inside_partition", [GOOD[0], GOOD[2], GOOD[1]], MAX_PIECES, "is not after the rows' partition"),
+    ("piece_1_without_0", [[0, 40, 0, C, -1, 0, 40, 0, 0, -1, -1], GOOD[2]], MAX_PIECES,
+     "covers row 12, which has 0 pieces before it"),
+    ("piece_twice", GOOD + [GOOD[2]], MAX_PIECES, r"row 3 \(piece 1, rows 12-40\) is not after"),
+])
+def test_a_bad_piece_table_is_named(case, table, max_pieces, pattern):
+    with pytest.raises(Exception, match=pattern):
+        _build(table, [40], [40], 4, max_pieces)
+
+
+def test_pieces_are_refused_in_cuda_graph_mode():
+    with pytest.raises(Exception, match="max_pieces=4 .*0 in CUDA-graph mode"):
+        _build(GOOD, [40], [40], 4, MAX_PIECES, graph=True)
