@@ -219,16 +219,16 @@ class Planner:
             self.graph.rows.copy_(self.staging.to_device([batch.total_q], torch.int32))
         row_pass = planned and batch.total_q > 0  # (an empty graph-mode batch: plan_direct lays out its slots)
         o[PlanOption.DIRECT] = int(not row_pass)
-        pieces = (row_pass and self.graph is None and pack == 1 and self.max_pieces > 0
-                  and may_split(self.form, self.spec, args))
-        o[PlanOption.MAX_PIECES] = min(self.max_pieces, MAX_PIECES) if pieces else 0
+        pieces = row_pass and self.graph is None and pack == 1 and self.max_pieces > 0
+        o[PlanOption.MAX_PIECES] = 0
         kv_indices = self.staging.on_device(kv_indices).contiguous()  # (plan() never waits for the GPU)
         merge = None
         values = self._build(batch, indices, kv_indices, args if row_pass else None)
         # A row that sees several key intervals is a custom row of the row kernel's plan: only then
         # is the batch planned again with such rows split (the row rules in torch ops, ms of host
         # time at 64k rows: paid only by batches that have custom rows).
-        if pieces and values[HeaderField.CUSTOM]:
+        if pieces and values[HeaderField.CUSTOM] and may_split(self.form, self.spec, args):
+            o[PlanOption.MAX_PIECES] = min(self.max_pieces, MAX_PIECES)
             self.staging.record()
             self.staging.begin()  # (the first plan's copies out of the mirror have run: it is free again)
             values, merge = self._build_pieces(batch, indices, kv_indices, args)
