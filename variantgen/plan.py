@@ -73,7 +73,8 @@ class LaunchRequest:
         begin, end = seg[SegField.KV_BEGIN], seg[SegField.KV_END]
         return cls((seg[SegField.FIRST_ROW], seg[SegField.END_ROW]), seg[SegField.REQUEST], c, c.mode,
                    seg[SegField.WINDOW], (begin, end), -(-(end - begin) // page_size), seg[SegField.Q_POS],
-                   (seg[SegField.VIS_LO], seg[SegField.VIS_HI]), seg[SegField.PIECE])
+                   (seg[SegField.VIS_LO], seg[SegField.VIS_HI]),
+                   seg[SegField.PIECE] if len(seg) > SegField.PIECE else -1)  # (a segment of before pieces)
 
     def masked(self) -> int:
         """The pairs of visited() the mask is evaluated on: all in custom mode; a tail run's keys
