@@ -26,7 +26,8 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return -floor_div(-a, b); }
 struct Options {
   int64_t page_size, num_sm, fa3_cta_tile_q, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, kv_dtype_bytes,
       fa2_min_tiles, max_window_launches, read_expect, graph_requests, graph_pages, graph_rows, window_count,
-      pack;  // fa3 GQA packing: query heads per row group (1: off)
+      pack,  // fa3 GQA packing: query heads per row group (1: off)
+      max_pieces;  // key intervals a row's launch requests may read apart (0: every row one launch request)
   bool fa3, direct;
   int64_t windows[kFa3MaxWindowLaunches];
   bool graph() const { return graph_requests > 0; }
@@ -56,6 +57,7 @@ inline Options read_options(const int64_t* o, int64_t count) {
   c.graph_rows = o[kOptionGraphRows];
   c.window_count = o[kOptionWindowCount];
   c.pack = std::max<int64_t>(o[kOptionPackGqa], 1);
+  c.max_pieces = o[kOptionMaxPieces];
   for (int i = 0; i < kFa3MaxWindowLaunches; ++i) c.windows[i] = o[kOptionWindows + i];
   VG_REQUIRE(c.page_size > 0 && c.num_sm > 0 && c.fa3_cta_tile_q > 0) << "options: page_size, num_sm, cta tile";
   VG_REQUIRE(c.num_kv_heads > 0 && c.num_qo_heads > 0 && c.num_qo_heads % c.num_kv_heads == 0)
@@ -70,6 +72,11 @@ inline Options read_options(const int64_t* o, int64_t count) {
   VG_REQUIRE(c.pack == 1 || (c.fa3 && c.pack == c.num_qo_heads / c.num_kv_heads))
       << "options: pack_gqa=" << c.pack << " is neither off nor the fa3 GQA group "
       << c.num_qo_heads / c.num_kv_heads;
+  // (partial outputs live outside CUDA-graph mode's static workspace, and GQA packing's packed
+  // rows would need packed partial buffers: neither takes pieces yet)
+  VG_REQUIRE(c.max_pieces >= 0 && c.max_pieces <= kMaxPieces && (c.max_pieces == 0 || (!c.graph() && c.pack == 1)))
+      << "options: max_pieces=" << c.max_pieces << " (at most " << kMaxPieces
+      << "; 0 in CUDA-graph mode and with GQA packing)";
   return c;
 }
 
@@ -107,14 +114,20 @@ inline Batch read_batch(const int32_t* indices, int64_t count, int64_t page_size
 // One launch request, checked, with its page range.
 struct Request {
   int64_t first_row, rows, request, cls, window, kv_begin, kv_end, q_pos, vis_lo, vis_hi;
+  int64_t piece;  // -1: output in place; p: the rows' p-th key interval, into partial output p
   int64_t page_first, pages, last_page_len;
 };
 
-// The segments (kSegFields int64 each, in row order) as launch requests; every query row of
-// the batch must be in exactly one, and each must address only its request's keys and pages.
-inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, const Batch& b, int64_t page_size) {
+// The segments (kSegFields int64 each) as launch requests; each must address only its
+// request's keys and pages. First, in row order, the segments of piece -1 (output in place)
+// and 0 (a row's first key interval): every query row of the batch in exactly one. Then those
+// of piece 1, 2 ... up to max_pieces - 1, each piece in row order, over rows that have the
+// piece before it - so a row's pieces are 0 .. k-1 and run()'s merge reads exactly those.
+inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, const Batch& b, int64_t page_size,
+                                          int64_t max_pieces = 0) {
   std::vector<Request> out(nseg);
-  int64_t row = 0;
+  int64_t row = 0, piece_row = 0, last_piece = 0;
+  std::vector<int8_t> pieces_of_row;  // rows' pieces so far (only when some segment has pieces)
   for (int64_t i = 0; i < nseg; ++i) {
     const int64_t* g = seg + i * kSegFields;
     Request& r = out[i];
@@ -128,8 +141,31 @@ inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, cons
     r.q_pos = g[kSegQPos];
     r.vis_lo = g[kSegVisLo];
     r.vis_hi = g[kSegVisHi];
+    r.piece = g[kSegPiece];
+    VG_REQUIRE(r.piece >= -1 && r.piece < std::max<int64_t>(max_pieces, 0) + (r.piece == -1))
+        << "segments: row " << i << " has piece " << r.piece << " (pieces on: " << max_pieces << ")";
+    if (r.piece >= 1) {  // after the partition: rows of piece - 1, pieces in order, rows in order
+      VG_REQUIRE(row == b.total_q && (r.piece > last_piece || (r.piece == last_piece && r.first_row >= piece_row)) &&
+                 r.first_row >= 0 && g[kSegEndRow] > r.first_row && g[kSegEndRow] <= b.total_q)
+          << "segments: row " << i << " (piece " << r.piece << ", rows " << r.first_row << "-" << g[kSegEndRow]
+          << ") is not after the rows' partition, in piece and row order";
+      if (pieces_of_row.empty()) pieces_of_row.assign(size_t(b.total_q), 0);  // (no row has piece 0)
+      for (int64_t q = r.first_row; q < g[kSegEndRow]; ++q) {
+        VG_REQUIRE(pieces_of_row[q] == r.piece)
+            << "segments: row " << i << " (piece " << r.piece << ") covers row " << q << ", which has "
+            << int(pieces_of_row[q]) << " pieces before it";
+        pieces_of_row[q] = int8_t(r.piece + 1);
+      }
+      last_piece = r.piece;
+      piece_row = g[kSegEndRow];
+      row -= g[kSegEndRow] - r.first_row;  // (the partition's count below stays the batch's rows)
+    } else if (r.piece == 0) {
+      if (pieces_of_row.empty()) pieces_of_row.assign(size_t(b.total_q), 0);
+      VG_REQUIRE(r.first_row >= 0 && g[kSegEndRow] <= b.total_q) << "segments: row " << i << " is past the batch";
+      std::fill(pieces_of_row.begin() + r.first_row, pieces_of_row.begin() + g[kSegEndRow], int8_t(1));
+    }
     const bool in_batch = r.request >= 0 && r.request < b.batch && r.cls >= kDense && r.cls <= kTail;
-    VG_REQUIRE(in_batch && r.first_row == row && r.rows >= 1 && b.q_start[r.request] <= r.first_row &&
+    VG_REQUIRE(in_batch && (r.first_row == row || r.piece >= 1) && r.rows >= 1 && b.q_start[r.request] <= r.first_row &&
                    r.first_row + r.rows <= b.q_start[r.request + 1])
         << "segments: row " << i << " (rows " << r.first_row << "-" << r.first_row + r.rows << ", request "
         << r.request << ", class " << r.cls << ") is not the next run of rows of one request of this batch";
@@ -159,10 +195,10 @@ inline std::vector<int64_t> direct_segments(const Batch& b) {
   for (int64_t r = 0; r < b.batch; ++r) {
     if (b.qo_len(r) == 0) continue;
     const int64_t g[kSegFields] = {b.q_start[r], b.q_start[r + 1], r, kCustom, -1, 0, b.kv_len(r),
-                                   b.kv_len(r) - b.qo_len(r), 0, -1};  // (no keys known visible)
-    static_assert(kSegFields == 10 && kSegFirstRow == 0 && kSegEndRow == 1 && kSegRequest == 2 &&
+                                   b.kv_len(r) - b.qo_len(r), 0, -1, -1};  // (no keys known visible; in place)
+    static_assert(kSegFields == 11 && kSegFirstRow == 0 && kSegEndRow == 1 && kSegRequest == 2 &&
                   kSegClass == 3 && kSegWindow == 4 && kSegKvBegin == 5 && kSegKvEnd == 6 && kSegQPos == 7 &&
-                  kSegVisLo == 8 && kSegVisHi == 9, "segment layout");
+                  kSegVisLo == 8 && kSegVisHi == 9 && kSegPiece == 10, "segment layout");
     seg.insert(seg.end(), g, g + kSegFields);
   }
   return seg;
@@ -278,6 +314,7 @@ struct LaunchSet {
   int32_t mode, window;
   std::vector<int32_t> members;
   bool tail = false;
+  int32_t piece = -1;  // -1: writes in place; p: partial output p
 };
 
 // Whether a tail run is exact in fa2's tail launch: the kernel evaluates the mask from the
@@ -338,7 +375,8 @@ inline void align_query_tiles(std::vector<Request>& reqs, const Options& c) {
     Request& r = reqs[i];
     if (kept > 0 && r.cls == kCausal) {
       Request& d = reqs[kept - 1];
-      const bool movable = d.cls == kDense && d.request == r.request && d.first_row + d.rows == r.first_row &&
+      const bool movable = d.cls == kDense && d.request == r.request && d.piece == r.piece &&
+                           d.first_row + d.rows == r.first_row &&
                            d.kv_begin == r.kv_begin && d.kv_end == r.q_pos + 1;
       if (movable) {
         const int64_t t = query_tile(c, std::max(d.rows, r.rows));
@@ -361,20 +399,43 @@ inline std::vector<int64_t> window_widths(const std::vector<Request>& reqs, cons
   std::vector<int64_t> widths;
   if (!c.fa3) return widths;
   if (c.graph() && c.window_count >= 0) return std::vector<int64_t>(c.windows, c.windows + c.window_count);
-  for (const Request& r : reqs)
-    if (r.cls == kWindow) widths.push_back(r.window);
-  std::sort(widths.begin(), widths.end());
-  widths.erase(std::unique(widths.begin(), widths.end()), widths.end());
+  // The smallest widths, those of pieces first: a piece's window run must not go custom beyond
+  // the kept widths, where the mask would see its rows' other pieces in its first page
+  // (variantgen/pieces.py splits rows knowing this order).
+  const auto smallest = [&](bool pieces) {
+    std::vector<int64_t> w;
+    for (const Request& r : reqs)
+      if (r.cls == kWindow && (r.piece >= 0) == pieces) w.push_back(r.window);
+    std::sort(w.begin(), w.end());
+    w.erase(std::unique(w.begin(), w.end()), w.end());
+    return w;
+  };
+  widths = smallest(true);
   if (int64_t(widths.size()) > c.max_window_launches) widths.resize(c.max_window_launches);
+  for (const int64_t w : smallest(false))
+    if (int64_t(widths.size()) < c.max_window_launches && std::find(widths.begin(), widths.end(), w) == widths.end())
+      widths.push_back(w);
+  std::sort(widths.begin(), widths.end());
   return widths;
 }
 
 inline std::vector<LaunchSet> group_launches(const std::vector<Request>& reqs, const Options& c) {
   const std::vector<int64_t> widths = window_widths(reqs, c);
-  std::vector<LaunchSet> slots = {LaunchSet{kModeCustom, -1, {}}, LaunchSet{kModeCausal, -1, {}},
-                                  LaunchSet{kModeNone, -1, {}}};
-  if (!c.fa3) slots.push_back(LaunchSet{kModeCausal, -1, {}, true});
-  for (const int64_t w : widths) slots.push_back(LaunchSet{kModeCausal, int32_t(w), {}});
+  std::vector<LaunchSet> base = {LaunchSet{kModeCustom, -1, {}}, LaunchSet{kModeCausal, -1, {}},
+                                 LaunchSet{kModeNone, -1, {}}};
+  if (!c.fa3) base.push_back(LaunchSet{kModeCausal, -1, {}, true});
+  for (const int64_t w : widths) base.push_back(LaunchSet{kModeCausal, int32_t(w), {}});
+  // The same launches again per piece: a launch writes one output (o, or one partial output).
+  // Pieces come after the in-place launches, so run() merges once all of them have run.
+  int64_t pieces = 0;
+  for (const Request& r : reqs) pieces = std::max(pieces, r.piece + 1);
+  std::vector<LaunchSet> slots;
+  for (int64_t p = -1; p < pieces; ++p)
+    for (LaunchSet s : base) {
+      s.piece = int32_t(p);
+      slots.push_back(std::move(s));
+    }
+  const size_t per_piece = base.size();
   for (int32_t i = 0; i < int32_t(reqs.size()); ++i) {
     const Request& r = reqs[i];
     size_t slot = r.cls == kCustom ? 0 : r.cls == kDense ? 2 : 1;
@@ -383,9 +444,9 @@ inline std::vector<LaunchSet> group_launches(const std::vector<Request>& reqs, c
       const auto at = std::find(widths.begin(), widths.end(), r.window);
       slot = at == widths.end() ? 0 : 3 + size_t(at - widths.begin());
     }
-    slots[slot].members.push_back(i);
+    slots[size_t(r.piece + 1) * per_piece + slot].members.push_back(i);
   }
-  if (c.graph()) return slots;  // fixed slots, empty or not
+  if (c.graph()) return slots;  // fixed slots, empty or not (no pieces in CUDA-graph mode)
   std::vector<LaunchSet> out;
   for (LaunchSet& s : slots)
     if (!s.members.empty()) out.push_back(std::move(s));
@@ -587,6 +648,7 @@ inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options&
     d[kLaunchPages] = pages[l];
     d[kLaunchSlotPages] = graph ? c.graph_pages : d[kLaunchPages];
     d[kLaunchTail] = launches[l].tail;
+    d[kLaunchPiece] = launches[l].piece;
     d[kLaunchInfoLen] = int64_t(info.size());
     std::copy(info.begin(), info.end(), d + kLaunchInfo);
     if (!graph) page_at += pages[l];

@@ -91,7 +91,7 @@ void VgBuildLaunches(TensorView indices, TensorView segments, TensorView options
     seg = static_cast<const int64_t*>(segments.data_ptr());
     nseg = segments.size(0);
   }
-  auto reqs = vg_plan::read_segments(seg, nseg, a.batch, a.options.page_size);
+  auto reqs = vg_plan::read_segments(seg, nseg, a.batch, a.options.page_size, a.options.max_pieces);
   vg_plan::write_plan(std::move(reqs), a.batch, a.options, a.host, a.capacity, a.desc, a.desc_count);
 }
 

@@ -127,7 +127,7 @@ def random_segments(rng: random.Random, b: Batch) -> list[list[int]]:
 def build(builder, b: Batch, table, opts, capacity=1 << 22):
     host = torch.zeros(capacity, dtype=torch.uint8)
     desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)
-    table = [list(s) + [0, -1][len(s) - 8:] for s in table]  # (no keys known visible unless given)
+    table = [list(s) + [0, -1, -1][len(s) - 8:] for s in table]  # (no keys known visible unless given)
     segments = torch.tensor(table, dtype=torch.int64).view(-1, SEG_FIELDS)
     builder.build_launches(b.indices, segments, opts, host, desc)
     return host, desc
@@ -160,7 +160,7 @@ def aligned(table, fa3: bool, cta: int | None = None) -> list[list[int]]:
     group = 1 if fa3 else HQ // HKV
     out: list[list[int]] = []
     for seg in table:
-        s = list(seg) + [0, -1][len(seg) - 8:]
+        s = list(seg) + [0, -1, -1][len(seg) - 8:]
         d = out[-1] if out else None
         if (d is not None and s[SegField.CLASS] == CAUSAL and d[SegField.CLASS] == DENSE
                 and d[SegField.REQUEST] == s[SegField.REQUEST] and d[SegField.END_ROW] == s[SegField.FIRST_ROW]
@@ -362,7 +362,7 @@ def test_a_dense_run_one_row_short_of_a_query_tile_takes_the_next_causal_rows_fi
     want = aligned(table, fa3, cta)
     rows = [(s[0], s[1], RowClass(s[3])) for s in want]
     assert rows[:3] == [(0, cta, CAUSAL), (cta, 2 * cta, DENSE), (2 * cta, 4 * cta, CAUSAL)]
-    assert len(want) == len(table) - 1 and want[-2:] == [list(s) + [0, -1] for s in table[-2:]]
+    assert len(want) == len(table) - 1 and want[-2:] == [list(s) + [0, -1, -1] for s in table[-2:]]
     check_launches(b, want, head, launches, fa3, [])
     check_pages(b, host, desc, launches)
     # with GQA packing (fa3, one-tile requests) causal rows run custom: nothing moves
@@ -374,6 +374,37 @@ def test_a_dense_run_one_row_short_of_a_query_tile_takes_the_next_causal_rows_fi
     head, launches = decode(host, desc)
     assert head[HeaderField.STATUS] == Status.OK
     assert sorted(la["META"][k][8] for la in launches for k in range(la[LaunchField.REQUESTS])) == [1, 2, 2]
+
+
+@pytest.mark.parametrize("fa3", [False, True], ids=["fa2", "fa3"])
+def test_a_dense_run_whose_keys_are_not_the_next_causal_rows_keeps_its_rows(builder, fa3):
+    """The same shape one key off: a dense run one row short of a query tile, then a causal run of
+    the same request from the same first key - but the dense run's keys are not what the causal
+    run's first row sees. A span of frozen rows in a user's spec makes it: the frozen rows see a
+    fixed [0, end) that stops before the next row's own key (prefix-LM's prefix rows, the row
+    after them sees one key more) or reaches past it (rows frozen on a longer span). Moving the
+    row would give it the dense run's keys: the builder must leave both runs as they are."""
+    cta = fa3_cta_tile_q(128) if fa3 else 128 // (HQ // HKV)
+    d0 = cta - 1  # one row short of a tile: moving a row would save a tile if it were allowed
+    n = 3 * cta
+    b = Batch([n, n], [n, n + 40], 16)
+    table = [
+        # request 0: rows 0..d0-1 frozen on keys [0, d0) - the next row (q_pos d0) sees [0, d0]
+        [0, d0, 0, int(DENSE), -1, 0, d0, 0],
+        [d0, n, 0, int(CAUSAL), -1, 0, n, d0],
+        # request 1: rows frozen on keys [0, q + 10) past their own position, then causal rows
+        [n, n + d0, 1, int(DENSE), -1, 0, 40 + d0 + 10, 40],
+        [n + d0, 2 * n, 1, int(CAUSAL), -1, 0, n + 40, 40 + d0],
+    ]
+    host, desc = build(builder, b, table, options(16, fa3))
+    head, launches = decode(host, desc)
+    assert head[HeaderField.STATUS] == Status.OK
+    want = aligned(table, fa3, cta)
+    assert want == [list(s) + [0, -1, -1] for s in table]  # (the reference moves nothing either)
+    check_launches(b, want, head, launches, fa3, [])
+    check_pages(b, host, desc, launches)
+    rows = sorted((la["META"][k][0], la["META"][k][8]) for la in launches for k in range(la[LaunchField.REQUESTS]))
+    assert rows == [(0, d0), (d0, n - d0), (n, d0), (n + d0, n - d0)]
 
 
 def test_planner_off_is_one_custom_launch_request_per_request_with_rows(builder):

@@ -139,6 +139,11 @@ class SegField(IntEnum):
     # kv_begin; empty: VIS_HI < VIS_LO); the other classes: 0, -1
     VIS_LO = 8
     VIS_HI = 9
+    # -1: its rows see one key interval and the launch request writes their output in place;
+    # p >= 0: its rows see several disjoint key intervals (sinks + window, prefix + window ...),
+    # this launch request reads the p-th of them (by position) into partial output p, and run()
+    # merges a row's partial outputs by their LSE (variantgen/wrappers/merge.py)
+    PIECE = 10
 
 
 SEG_FIELDS = len(SegField)
@@ -173,7 +178,11 @@ class PlanOption(IntEnum):
     GRAPH_ROWS = 15  # query rows (max_total_q) the slots' schedules are sized for
     WINDOW_COUNT = 16  # fa3 graph mode: the pinned window widths (-1: choose them from this batch)
     PACK_GQA = 17  # fa3: > 1 folds each GQA group of that many query heads into rows (GQA packing; 0/1: off)
-    WINDOWS = 18  # then FA3_MAX_WINDOW_LAUNCHES widths
+    # the row pass: rows whose visible keys are a union of 2..MAX_PIECES disjoint exact intervals
+    # may be split into one launch request per interval (0: never; CUDA-graph mode and GQA
+    # packing: 0). The launch builder takes piece segments only where this is on.
+    MAX_PIECES = 18
+    WINDOWS = 19  # then FA3_MAX_WINDOW_LAUNCHES widths
 
 
 class Status(IntEnum):
@@ -222,8 +231,9 @@ class LaunchField(IntEnum):
     PAGES = 9  # entries its launch requests read
     SLOT_PAGES = 10  # entries laid out (CUDA-graph mode: the capacity)
     TAIL = 11  # 1: fa2's tail launch (causal, the mask on each launch request's one diagonal tile)
-    INFO_LEN = 12  # then INFO_LEN plan_info values
-    INFO = 13
+    PIECE = 12  # -1: writes o and lse in place; p >= 0: writes partial output p (SegField.PIECE)
+    INFO_LEN = 13  # then INFO_LEN plan_info values
+    INFO = 14
 
 
 class LaunchArray(IntEnum):
@@ -285,7 +295,11 @@ FA3_MAX_WINDOW_LAUNCHES = 4  # distinct window widths given their own fa3 launch
 # custom, causal, none; fa2 also its tail launch, fa3 a causal launch per window width (the other
 # widths run custom)
 FA2_LAUNCHES = 4
-MAX_LAUNCHES = max(FA2_LAUNCHES, 3 + FA3_MAX_WINDOW_LAUNCHES)
+# key intervals a row's launch requests may read apart (SegField.PIECE): sinks + window, documents +
+# global sinks, a tree's context + ancestors fit; rows with more run as one custom launch over the hull
+MAX_PIECES = 4
+# the launches of the rows written in place, then the same set again per piece
+MAX_LAUNCHES = max(FA2_LAUNCHES, 3 + FA3_MAX_WINDOW_LAUNCHES) * (1 + MAX_PIECES)
 OPTION_FIELDS = PlanOption.WINDOWS + FA3_MAX_WINDOW_LAUNCHES
 DESC_FIELDS = HEADER_FIELDS + LAUNCH_FIELDS * MAX_LAUNCHES
 ROW_BLOCK = 256  # query rows per block of the row kernels: one launch-request count each
@@ -357,6 +371,7 @@ def header_text() -> str:
         f"constexpr int kFa2Launches = {FA2_LAUNCHES};",
         f"constexpr int kFa3MaxWindowLaunches = {FA3_MAX_WINDOW_LAUNCHES};",
         f"constexpr int kMaxLaunches = {MAX_LAUNCHES};",
+        f"constexpr int kMaxPieces = {MAX_PIECES};",
         f"constexpr int kRowBlock = {ROW_BLOCK};",
         f"constexpr int64_t kNoInterval = int64_t(1) << {NO_INTERVAL.bit_length() - 1};",
         f"constexpr int kReadIndicesExtra = {READ_INDICES_EXTRA};",

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -353,21 +353,27 @@ def decided_terms(form: IntervalForm, spec: VariantSpec, args: Mapping[str, Any]
     return tuple(out)
 
 
-def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch.Tensor],
-                  args: Mapping[str, Any]) -> RowIntervals:
-    """Evaluate ``form`` for rows described by ``env`` (q_pos, q_idx, q_row, q_kv_row,
-    request, qo_len, kv_len as int64 tensors of shape [rows])."""
+class TermBounds(NamedTuple):
+    """Per decided term of a form (decided_terms), for every row: its interval [lo, hi] (BIG, -BIG
+    where the term shows the row no key), whether it shows the row any key, and whether the
+    keys it shows are exactly [lo, hi] (an empty term counts as exact: it contributes nothing)."""
+
+    lo: list[torch.Tensor]
+    hi: list[torch.Tensor]
+    ok: list[torch.Tensor]
+    exact: list[torch.Tensor]
+
+
+def term_bounds(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch.Tensor],
+                args: Mapping[str, Any]) -> TermBounds:
+    """``form``'s decided terms evaluated for rows described by ``env`` (see row_intervals): what
+    row_intervals folds into one hull per row, and pieces.py into disjoint intervals."""
     ev = Evaluator(spec, env, args)
     kv_len = env["kv_len"]
     n = kv_len.shape[0]
     dev = kv_len.device
-    terms = decided_terms(form, spec, args)
-    if not terms:  # no term can hold: no row sees a key (what the terms' union gives, sooner)
-        none = torch.zeros(n, dtype=torch.bool, device=dev)
-        lo = torch.zeros(n, dtype=torch.int64, device=dev)
-        return RowIntervals(lo=lo, hi=kv_len - 1, exact=none, empty=~none, dense_hi=lo - 1)
     los, his, oks, exacts = [], [], [], []
-    for t in terms:
+    for t in decided_terms(form, spec, args):
         lo = torch.zeros(n, dtype=torch.int64, device=dev)
         hi = kv_len - 1
         ok = torch.ones(n, dtype=torch.bool, device=dev)
@@ -395,6 +401,21 @@ def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch
         his.append(torch.where(nonempty, hi, torch.full_like(hi, -BIG)))
         oks.append(nonempty)
         exacts.append(exact | ~nonempty)  # an empty exact term contributes nothing
+    return TermBounds(los, his, oks, exacts)
+
+
+def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch.Tensor],
+                  args: Mapping[str, Any]) -> RowIntervals:
+    """Evaluate ``form`` for rows described by ``env`` (q_pos, q_idx, q_row, q_kv_row,
+    request, qo_len, kv_len as int64 tensors of shape [rows])."""
+    kv_len = env["kv_len"]
+    n = kv_len.shape[0]
+    dev = kv_len.device
+    los, his, oks, exacts = term_bounds(form, spec, env, args)
+    if not los:  # no term can hold: no row sees a key (what the terms' union gives, sooner)
+        none = torch.zeros(n, dtype=torch.bool, device=dev)
+        lo = torch.zeros(n, dtype=torch.int64, device=dev)
+        return RowIntervals(lo=lo, hi=kv_len - 1, exact=none, empty=~none, dense_hi=lo - 1)
     if len(los) == 1:  # one term: its interval is the answer (no union to check)
         any_ok, all_exact = oks[0], exacts[0]
         lo = torch.where(any_ok, los[0], torch.zeros_like(los[0]))

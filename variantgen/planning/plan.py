@@ -63,6 +63,8 @@ class LaunchRequest:
     pages: int
     q_pos: int  # position of its first query
     visible: tuple[int, int] = (0, -1)  # keys every row sees (custom, tail): custom mode skips the mask there
+    # -1: writes its rows' output in place; p: the rows' p-th key interval, a partial output run() merges
+    piece: int = -1
 
     @classmethod
     def from_segment(cls, seg: list[int], page_size: int) -> LaunchRequest:
@@ -71,7 +73,8 @@ class LaunchRequest:
         begin, end = seg[SegField.KV_BEGIN], seg[SegField.KV_END]
         return cls((seg[SegField.FIRST_ROW], seg[SegField.END_ROW]), seg[SegField.REQUEST], c, c.mode,
                    seg[SegField.WINDOW], (begin, end), -(-(end - begin) // page_size), seg[SegField.Q_POS],
-                   (seg[SegField.VIS_LO], seg[SegField.VIS_HI]))
+                   (seg[SegField.VIS_LO], seg[SegField.VIS_HI]),
+                   seg[SegField.PIECE] if len(seg) > SegField.PIECE else -1)  # (a segment of before pieces)
 
     def masked(self) -> int:
         """The pairs of visited() the mask is evaluated on: all in custom mode; a tail run's keys
@@ -117,6 +120,7 @@ class Launch:
     float_workspace: torch.Tensor
     schedule: Schedule = Schedule.FLASHINFER
     tail: bool = False  # fa2's tail launch: causal, the mask on each launch request's diagonal tile
+    piece: int = -1  # -1: writes o / lse in place; p: partial output p, merged by run() (pieces.py)
 
     @property
     def mask_mode(self) -> str:
@@ -147,7 +151,7 @@ class Plan:
     def __init__(self, batch: Batch, launches: list[Launch], *, backend: str, planner: str, reason: str = "",
                  counts: dict[str, int] | None = None, host: torch.Tensor | None = None,
                  layouts: tuple[LaunchLayout, ...] = (), pages_given: int = 0, graph: bool = False,
-                 pack_gqa: int = 1):
+                 pack_gqa: int = 1, merge: Any = None):
         self.batch = batch
         self.launches = launches
         self.backend = backend
@@ -158,6 +162,8 @@ class Plan:
         self.graph = graph
         # fa3 GQA packing: the launches see q / o as [rows x pack_gqa, num_kv_heads, dim] (1: off)
         self.pack_gqa = pack_gqa
+        # pieces.MergeRows: the rows whose key intervals ran as pieces, which run() merges (None: none)
+        self.merge = merge
         self._host = host  # the workspace's host mirror (shared with the next plan) or this plan's copy
         self._layouts = layouts
         self._requests: list[LaunchRequest] | None = None
@@ -167,6 +173,8 @@ class Plan:
         out: dict[str, Any] = {"launches": [(la.mask_mode, la.num_requests) for la in self.launches if la.num_requests]}
         if self.pack_gqa > 1:
             out["pack_gqa"] = self.pack_gqa
+        if self.merge is not None:
+            out["pieces"] = {"rows": int(self.merge.rows.numel()), "max": self.merge.pieces}
         if self.planner == "module":
             out["row_planner"] = "kernel"
             out["segments"] = dict(self.counts)
@@ -217,8 +225,8 @@ class Plan:
                 visible = (row[MetaColumn.VIS_LO], row[MetaColumn.VIS_HI]) if mode == MaskMode.CUSTOM else (0, -1)
                 out.append(LaunchRequest((first, first + row[MetaColumn.LAUNCH_QO_LEN]), row[MetaColumn.REQUEST], cls,
                                          mode, window if mode == MaskMode.CAUSAL else -1, (begin, end), pages,
-                                         row[MetaColumn.Q_POS_BASE], visible))
-        out.sort(key=lambda r: r.rows)
+                                         row[MetaColumn.Q_POS_BASE], visible, launch.piece))
+        out.sort(key=lambda r: (r.rows, r.piece))
         return out
 
     # ------------------------------------------------------------------ looking at it
@@ -247,10 +255,15 @@ class Plan:
                  f"page size {b.page_size}; {self.backend}{', CUDA-graph slots' if self.graph else ''}{packed}; {how})"]
         for i, la in enumerate(self.launches):
             window = f", window {la.window_left}" if la.window_left >= 0 else ""
+            piece = f", key interval {la.piece} of its rows (merged)" if la.piece >= 0 else ""
             lines.append(f"  launch {i}: {la.mask_mode:6} {la.num_requests:5} launch requests, {la.num_rows} rows"
-                         f"{window}")
+                         f"{window}{piece}")
         if self.counts:
             lines.append("  launch requests by class: " + ", ".join(f"{k} {v}" for k, v in self.counts.items()))
+        if self.merge is not None:
+            lines.append(f"  {self.merge.rows.numel()} rows see several key intervals (up to {self.merge.pieces}): "
+                         "one launch request per interval, merged by LSE")
+        lines += self._piece_lines()
         if b.total_q:
             w = self.work()
             skipped = 1 - w["visited"] / w["full"] if w["full"] else 0.0
@@ -260,6 +273,19 @@ class Plan:
         return "\n".join(lines)
 
     __str__ = __repr__
+
+    def _piece_lines(self) -> list[str]:
+        """Per launch class and piece of a plan with pieces: launch requests, rows and keys read."""
+        if self.merge is None:
+            return []
+        groups: dict[tuple[str, int], list[int]] = {}
+        for r in self.launch_requests:
+            g = groups.setdefault((r.cls.label, r.piece), [0, 0, 0])
+            g[0] += 1
+            g[1] += r.rows[1] - r.rows[0]
+            g[2] += r.visited()
+        return [f"    {cls:6} {'in place' if piece < 0 else f'piece {piece}':8}: {n} launch requests, {rows} rows, "
+                f"{keys} (query, key) pairs" for (cls, piece), (n, rows, keys) in sorted(groups.items())]
 
     def to_dense(self) -> list[torch.Tensor]:
         """Per request, int8 [qo_len, kv_len]: NOT_VISITED (0), VISIBLE (1: visited, every key

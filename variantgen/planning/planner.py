@@ -34,6 +34,7 @@ from ..abi.table import (
     FA3_MAX_WINDOW_LAUNCHES,
     HEADER_FIELDS,
     LAUNCH_FIELDS,
+    MAX_PIECES,
     OPTION_FIELDS,
     HeaderField,
     LaunchArray,
@@ -49,6 +50,7 @@ from ..core.staging import INT_WORKSPACE_BYTES, HostStaging, IntWorkspaces
 from ..lang.spec import VariantSpec
 from .graph import GraphBuffers, GraphCapacity, slot_name
 from .intervals import analyze
+from .pieces import MergeRows, may_split, merge_rows, piece_segments
 from .plan import Batch, Launch, LaunchLayout, Plan
 from .rowplan import call_layout, kept_buffer, row_buffers
 
@@ -121,6 +123,10 @@ class Planner:
         self._last: weakref.ref[Plan] | None = None
         # fa3 GQA packing for batches of short requests (pack_gqa below); a switch for comparisons.
         self.pack_gqa_enabled = True
+        # Rows that see several key intervals run one launch request per interval, merged by LSE
+        # (pieces.py): at most this many intervals per row (0: off, such rows run custom over their
+        # hull); a switch for comparisons. Not in CUDA-graph mode nor with GQA packing (yet).
+        self.max_pieces = MAX_PIECES
 
     def pack_gqa(self, batch: Batch) -> int:
         """Query heads folded into each packed row group of this batch's fa3 launches (1: none).
@@ -213,17 +219,55 @@ class Planner:
             self.graph.rows.copy_(self.staging.to_device([batch.total_q], torch.int32))
         row_pass = planned and batch.total_q > 0  # (an empty graph-mode batch: plan_direct lays out its slots)
         o[PlanOption.DIRECT] = int(not row_pass)
+        pieces = row_pass and self.graph is None and pack == 1 and self.max_pieces > 0
+        o[PlanOption.MAX_PIECES] = 0
         kv_indices = self.staging.on_device(kv_indices).contiguous()  # (plan() never waits for the GPU)
+        merge = None
         values = self._build(batch, indices, kv_indices, args if row_pass else None)
+        # A row that sees several key intervals is a custom row of the row kernel's plan: only then
+        # is the batch planned again with such rows split (the row rules in torch ops, ms of host
+        # time at 64k rows: paid only by batches that have custom rows).
+        if pieces and values[HeaderField.CUSTOM] and may_split(self.form, self.spec, args):
+            o[PlanOption.MAX_PIECES] = min(self.max_pieces, MAX_PIECES)
+            self.staging.record()
+            self.staging.begin()  # (the first plan's copies out of the mirror have run: it is free again)
+            values, merge = self._build_pieces(batch, indices, kv_indices, args)
         device_ws, host_ws = self._workspace_pair()
         launches, layouts = self._launches(values, device_ws, host_ws, batch, disable_split_kv)
         self.staging.record()  # the copies out of page-locked memory run before the next plan rewrites it
         counts = {name: values[i] for name, i in _COUNTS} if planned else {}
         plan = Plan(batch, launches, backend=self.backend, planner="module" if planned else "off", reason=reason,
                     counts=counts, host=host_ws, layouts=tuple(layouts),
-                    pages_given=pages_given, graph=self.graph is not None, pack_gqa=int(pack))
+                    pages_given=pages_given, graph=self.graph is not None, pack_gqa=int(pack), merge=merge)
         self._last = weakref.ref(plan)
         return plan
+
+    def _build_pieces(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor,
+                      args: dict[str, Any]) -> tuple[list[int], MergeRows | None]:
+        """plan() for a spec whose rows may see several key intervals: the row rules in torch ops
+        with rows split into pieces (pieces.py; the generated row kernel does not split rows yet,
+        so this costs the torch rules' dispatch, a few ms at 64k rows), the launch builder on
+        their segments, then its copy and page gather in torch ops. The descriptor's values and
+        the rows run() merges (None: no row was split)."""
+        table = piece_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
+                               self.device, int(self._opt[PlanOption.MAX_PIECES]),
+                               self.max_window_launches if self.fa3 else None)
+        for _ in range(4):  # a too-small workspace is answered with the size it needs
+            device_ws, host_ws = self._workspace_pair()
+            self.module.build_launches(indices, table, self.options, host_ws, self.desc)
+            values = self.desc.tolist()
+            if values[HeaderField.STATUS] == Status.WORKSPACE:
+                self._grow(values[HeaderField.NEED])
+                continue
+            if values[HeaderField.STATUS] != Status.OK:
+                raise LaunchError(f"internal: the launch builder answered status {values[HeaderField.STATUS]}")
+            finish_plan(values, host_ws, device_ws, kv_indices, self.staging)
+            found = merge_rows(table, batch.total_q)
+            if not found.pieces:
+                return values, None
+            return values, MergeRows(self.staging.to_device(found.rows, torch.int64),
+                                     self.staging.to_device(found.counts, torch.int64), found.pieces)
+        raise LaunchError("internal: the launch builder still asks for room after the workspace grew")
 
     def _build(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor,
                args: dict[str, Any] | None) -> list[int]:
@@ -356,6 +400,7 @@ class Planner:
                 graph.check_plan_info(i, [int(mode), d[LaunchField.WINDOW_LEFT], *plan_info])
             launches.append(Launch(
                 mode=mode, window_left=d[LaunchField.WINDOW_LEFT], num_requests=d[LaunchField.REQUESTS],
+                piece=d[LaunchField.PIECE],
                 num_rows=d[LaunchField.ROWS], q_starts=q_starts, kv_indptr=kv_indptr,
                 kv_indices=views[stride * n_launches + 2 + 2 * i], last_page_len=last_page_len,
                 meta=meta.view(n, -1), plan_info=plan_info, int_workspace=int_ws, float_workspace=chunks[i],
@@ -390,3 +435,23 @@ class Planner:
             int_ws[offset:offset + 4 * (n + 1)].view(torch.int32).copy_(q_starts)
         return int_ws, plan_info
 
+
+
+def finish_plan(values: list[int], host_ws: torch.Tensor, device_ws: torch.Tensor, kv_indices: torch.Tensor,
+                staging: HostStaging) -> None:
+    """What plan_batch does on the device after the launch builder (plan_module.h's finish_plan),
+    in torch ops: the host mirror's first COPY_BYTES into the workspace, then each launch's page
+    list gathered from ``kv_indices`` by the builder's table (first entry, shift, count)."""
+    n = values[HeaderField.COPY_BYTES]
+    device_ws[:n].copy_(host_ws[:n], non_blocking=True)
+    staging.queued()
+    ranges, at = values[HeaderField.RANGES], values[HeaderField.TABLE_OFFSET]
+    extent, pages_at = values[HeaderField.PAGES_EXTENT], values[HeaderField.PAGES_OFFSET]
+    if not ranges or not extent:
+        return
+    first, shift, count = host_ws[at:at + 12 * ranges].view(torch.int32).view(3, ranges).long()
+    which = torch.repeat_interleave(torch.arange(ranges), count)
+    dst = first[which] + torch.arange(int(count.sum())) - (torch.cumsum(count, 0) - count)[which]
+    src = dst + shift[which]
+    pages = device_ws[pages_at:pages_at + 4 * extent].view(torch.int32)
+    pages[staging.to_device(dst, torch.int64)] = kv_indices.to(torch.int32)[staging.to_device(src, torch.int64)]

@@ -37,7 +37,7 @@ import torch
 
 from ..abi.table import CUSTOM_ROWS, NO_INTERVAL, SEG_FIELDS, TAIL_MAX_QO_LEN, RecField, RowClass, SegField
 from ..lang.spec import VariantSpec
-from .intervals import IntervalForm, row_intervals
+from .intervals import IntervalForm, RowIntervals, row_intervals
 
 DENSE, CAUSAL, WINDOW, CUSTOM, TAIL = RowClass
 
@@ -67,11 +67,20 @@ def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], k
     (RecField order) whether it starts a launch request, its request, class, class parameter,
     interval [lo, hi] (on a custom run's first row: the run's hull), q_pos, the end of its dense
     prefix and (on a custom or tail run's first row) the keys every row of the run sees."""
-    dev, ps, i64 = device, page_size, torch.int64
-    total_q = qo_indptr[-1]
-    env = row_env(qo_indptr, kv_lens, dev)
+    env = row_env(qo_indptr, kv_lens, device)
+    return classify_intervals(env, row_intervals(form, spec, env, args), page_size)
+
+
+def classify_intervals(env: dict[str, torch.Tensor], iv: RowIntervals, page_size: int,
+                       run_key: torch.Tensor | None = None) -> torch.Tensor:
+    """classify_rows' record for rows ``env`` (row_env) whose key intervals are ``iv``.
+    ``run_key``: int64 [rows], rows with different values never share a launch request
+    (pieces.py: rows written in place, a piece of rows that see several intervals, rows without
+    that piece)."""
+    ps, i64 = page_size, torch.int64
     request, q_idx, q_pos = env["request"], env["q_idx"], env["q_pos"]
-    iv = row_intervals(form, spec, env, args)
+    dev = q_pos.device
+    total_q = q_pos.shape[0]
     lo, hi = iv.lo, iv.hi
 
     # Classify each row.
@@ -109,7 +118,7 @@ def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], k
     param_b = torch.where(cls == DENSE, hi, torch.where(cls == TAIL, mask_from, torch.zeros_like(hi)))
     chunk = torch.where(cls == CUSTOM, q_idx // CUSTOM_ROWS, torch.zeros_like(q_idx))
     param_a = torch.where(cls == CUSTOM, chunk, param_a)
-    key = torch.stack([request, cls, param_a, param_b], 1)
+    key = torch.stack([request, cls, param_a, param_b] + ([run_key] if run_key is not None else []), 1)
     starts = torch.ones(total_q, dtype=i64, device=dev)
     starts[1:] = (key[1:] != key[:-1]).any(1)
     # A custom launch request reads the hull of its rows: put it on the run's first row.
@@ -159,4 +168,5 @@ def segments(rec: torch.Tensor, page_size: int) -> torch.Tensor:
     out[SegField.Q_POS] = q_pos
     out[SegField.VIS_LO] = rec[RecField.VIS_LO, first]
     out[SegField.VIS_HI] = rec[RecField.VIS_HI, first]
+    out[SegField.PIECE] = -1  # every row's output in place (pieces.py splits rows that see several intervals)
     return out.t().contiguous().cpu()

@@ -55,6 +55,7 @@ from .checks import (
     spec_dims,
     split_paged_cache,
 )
+from .merge import merge_pieces, piece_buffers
 
 log = logging.getLogger("variantgen.wrappers.paged")
 
@@ -593,21 +594,27 @@ class VariantWrapper(WrapperBase):
         fa3 = self.config.backend == "fa3"
         pack = self.last_plan.pack_gqa if self.last_plan is not None else 1
         q_k, out_k, lse_k = (q, out, lse) if pack == 1 else gqa_packed(q, out, lse, pack)
+        merge = self.last_plan.merge if self.last_plan is not None else None
+        if merge is not None:  # rows that see several key intervals: a partial output per interval
+            parts, parts_lse = piece_buffers(out, merge.pieces)
         for la in self._launches:
             # fa2's tail launch: causal with the spec's mask on the tiles the kernel masks, a code
             # of its own (the other causal launches run units without the spec's mask)
             code = FA2_TAIL_RUN_CODE if la.tail and not fa3 else int(la.mode)
             if pack > 1 and la.mode == MaskMode.CAUSAL:  # (a graph's causal and window slots: always empty)
                 continue
+            o_l, lse_l = (out_k, lse_k) if la.piece < 0 else (parts[la.piece], parts_lse[la.piece])
             if fa3:
                 self.module.paged_run(
-                    la.float_workspace, la.int_workspace, la.plan_info, q_k, k_cache, v_cache, la.kv_indices, out_k,
-                    lse_k, code, layout, la.window_left, pack, enable_pdl, *tensors, la.meta, *scalars)
+                    la.float_workspace, la.int_workspace, la.plan_info, q_k, k_cache, v_cache, la.kv_indices, o_l,
+                    lse_l, code, layout, la.window_left, pack, enable_pdl, *tensors, la.meta, *scalars)
             else:
                 self.module.paged_run(
                     la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.q_starts,
-                    la.kv_indptr, la.kv_indices, la.last_page_len, out, lse, code, layout,
+                    la.kv_indptr, la.kv_indices, la.last_page_len, o_l, lse_l, code, layout,
                     -1, enable_pdl, *tensors, la.meta, *scalars)
+        if merge is not None:
+            merge_pieces(out, lse, parts, parts_lse, merge.rows, merge.counts)
         if pack > 1:  # (graph mode: only the planned rows; out's rows past them stay as they are)
             gqa_unpack(out, lse, out_k, lse_k, pack, self.planner.graph.rows if self._graph is not None else None)
         return (out, lse) if return_lse else out

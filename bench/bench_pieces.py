@@ -1,0 +1,121 @@
+"""GPU benchmark of rows that see several key intervals (variantgen/planning/pieces.py): streaming_sink
+against sliding_window with the same window, on fa3 and fa2.
+
+Workload (issue 41's): 8 requests x 8192 tokens of prefill, 32/8 heads, head dim 128, bf16, page
+16; streaming_sink with num_sink 4 and window 1023, sliding_window with window 1023. Per backend
+it times, in one process with CUDA events (median of --iters after warm-up):
+
+* ``sliding_window``: the bar (its rows see one interval: causal and window launches);
+* ``streaming_sink``: past the first window each row's sinks and window run as two pieces merged
+  by LSE (plan()'s default);
+* ``streaming_sink_hull``: the same rows planned with the pieces off (the planner's max_pieces =
+  0): one custom launch over each row's hull, what plan() did before;
+
+and records the ratio to sliding_window, plan()'s host time, the plan's summary and the largest
+difference between the pieces' and the hull's outputs (the same attention, two routes). Writes
+bench/results/pieces-<date>-<gpu>.json (or --out). Modules are loaded from VARIANTGEN_CACHE_DIR
+(--list-modules prints the precompile commands for a CPU build box). Run on the GPU machine:
+
+    python bench/bench_pieces.py --list-modules
+    python bench/bench_pieces.py                 # fa3 and fa2
+    python bench/bench_pieces.py --backends fa3 --iters 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import variantgen  # noqa: E402
+from variantgen.testing.harness import cuda_median_ms, random_paged_batch, run_environment, write_result  # noqa: E402
+
+WORKLOAD = dict(batch=8, tokens=8192, qo_heads=32, kv_heads=8, head_dim=128, page_size=16, num_sink=4, window=1023)
+SPECS = ("streaming_sink", "sliding_window")
+
+
+def list_modules() -> str:
+    return "\n".join(f"python -m variantgen.tools.cli precompile specs/{s}.yaml --head-dim {WORKLOAD['head_dim']} "
+                     f"--dtype bf16 --backend {be} --kind prefill --arch 9.0a -j 8"
+                     for s in SPECS for be in ("fa3", "fa2"))
+
+
+def plan_ms(plan, times: int = 5) -> float:
+    samples = []
+    for _ in range(times):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        plan()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t) * 1e3)
+    return round(sorted(samples)[len(samples) // 2], 3)
+
+
+def bench_backend(backend: str, iters: int, res: dict) -> None:
+    wl = WORKLOAD
+    n, hd = wl["tokens"], wl["head_dim"]
+    batch = random_paged_batch([n] * wl["batch"], [n] * wl["batch"], num_qo_heads=wl["qo_heads"],
+                               num_kv_heads=wl["kv_heads"], head_dim=hd, page_size=wl["page_size"],
+                               dtype=torch.bfloat16, device="cuda", seed=1)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    cases = {"sliding_window": ("sliding_window", {"window": wl["window"]}, None),
+             "streaming_sink": ("streaming_sink", {"num_sink": wl["num_sink"], "window": wl["window"]}, None),
+             "streaming_sink_hull": ("streaming_sink", {"num_sink": wl["num_sink"], "window": wl["window"]}, 0)}
+    outs = {}
+    for name, (spec, args, max_pieces) in cases.items():
+        key = f"{name}_{backend}"
+        w = variantgen.make_wrapper(ROOT / "specs" / f"{spec}.yaml", ws, head_dim_qk=hd, q_dtype="bf16",
+                                    kv_dtype="bf16", backend=backend)
+        if max_pieces is not None:
+            w.planner.max_pieces = max_pieces
+        plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+        res["notes"][f"{key}_plan"] = repr(plan)
+        res["notes"][f"{key}_plan_ms"] = plan_ms(lambda w=w, args=args: w.plan(*batch.plan_args(), skip_tiles=True,
+                                                                                 **args))
+        kv = (batch.k_cache, batch.v_cache)
+        outs[name] = w.run(batch.q, kv, **args).clone()
+        res["ms"][key] = round(cuda_median_ms(lambda w=w, args=args, kv=kv: w.run(batch.q, kv, **args), iters), 3)
+        print(f"{key:36s} {res['ms'][key]:8.3f} ms", flush=True)
+    bar = res["ms"][f"sliding_window_{backend}"]
+    for name in ("streaming_sink", "streaming_sink_hull"):
+        res["notes"][f"{name}_{backend}_over_sliding_window"] = round(res["ms"][f"{name}_{backend}"] / bar, 3)
+    a, b = outs["streaming_sink"].float(), outs["streaming_sink_hull"].float()
+    res["notes"][f"streaming_sink_{backend}_pieces_vs_hull_max_abs_diff"] = round((a - b).abs().max().item(), 5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--backends", default="fa3,fa2", help="comma list of fa3, fa2")
+    ap.add_argument("--list-modules", action="store_true", help="print the precompile commands and exit")
+    args = ap.parse_args(argv)
+    if args.list_modules:
+        print(list_modules())
+        return 0
+    backends = [b for b in args.backends.split(",") if b]
+    if not backends or set(backends) - {"fa2", "fa3"}:
+        ap.error(f"--backends={args.backends!r}: expected a comma list of fa3, fa2")
+    if args.iters < 1:
+        ap.error(f"--iters={args.iters}: expected at least 1")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (H100 / H200); --list-modules works anywhere")
+    res: dict = {**run_environment(), "workload": WORKLOAD, "ms": {}, "notes": {}}
+    for backend in backends:
+        try:
+            bench_backend(backend, args.iters, res)
+        except Exception as e:  # report, do not hide: that backend's rows are missing
+            res["notes"][f"{backend}_error"] = f"{type(e).__name__}: {str(e)[:600]}"
+            print(f"{backend}: {res['notes'][f'{backend}_error']}", flush=True)
+    print(f"results: {write_result('pieces', res, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,370 @@
+"""Rows that see several key intervals (variantgen/planning/pieces.py, merge.py): the intervals found per
+row against the mask itself, the LSE merge against one softmax over the union, and whole plans
+through the wrapper on the CPU fakes (fa2 and fa3, the real launch builder) against the derived
+reference - StreamingLLM's sinks + window, a prefix + window, documents + global sinks, and
+masks of three, four and (past MAX_PIECES) five intervals; chunked prefill, GQA, page sizes 1, 5
+and 16."""
+
+from __future__ import annotations
+
+import functools
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from _fake_kernel import FakeFa3Module, FakeModule, FakeRowPlanner, assert_plan_matches_reference
+from conftest import SPECS_DIR
+
+import variantgen
+from variantgen import GraphCapacity
+from variantgen.abi.table import MAX_PIECES, RowClass, SegField
+from variantgen.build.builder import BuildResult
+from variantgen.build.cache import Entry
+from variantgen.codegen import render
+from variantgen.lang.evaluate import Evaluator
+from variantgen.lang.spec import parse_spec
+from variantgen.planning.intervals import analyze
+from variantgen.planning.pieces import may_split, piece_segments, row_pieces
+from variantgen.planning.rowrules import row_env
+from variantgen.testing.harness import random_paged_batch
+from variantgen.wrappers.merge import merge_pieces
+from variantgen.wrappers.paged import VariantWrapper
+from variantgen.wrappers.reference import reference_attention
+
+HQ, HKV, HEAD_DIM = 8, 2, 64
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(vg_env):
+    """Render from the checkout's templates with a private cache dir."""
+
+
+def _spec(name: str, mask: str, scalars: dict[str, int], tensors: str = "") -> variantgen.VariantSpec:
+    lines = "".join(f"  {k}:\n    dtype: int\n    default: {v}\n    min: 0\n" for k, v in scalars.items())
+    return parse_spec(f"name: {name}\ndescription: test mask\n{tensors}scalars:\n{lines}mask: {mask}\n")
+
+
+@functools.cache
+def specs() -> dict[str, variantgen.VariantSpec]:
+    doc_tensor = "tensors:\n  doc_ids:\n    dtype: int32\n    shape: [total_kv]\n"
+    return {
+        "streaming_sink": variantgen.load_spec(SPECS_DIR / "streaming_sink.yaml"),
+        # a bidirectional prefix (a system prompt) every row sees, then a sliding window
+        "prefix_window": _spec("prefix_window", "kv_pos < prefix or (kv_pos <= q_pos and q_pos - kv_pos <= window)",
+                               {"prefix": 7, "window": 5}),
+        # packed documents, causal within each, and the first keys of the sequence seen by all
+        "document_sinks": _spec("document_sinks",
+                                "kv_pos <= q_pos and (doc_ids[kv_row] == doc_ids[q_kv_row] or kv_pos < num_global)",
+                                {"num_global": 3}, doc_tensor),
+        # sinks, a block of keys in the middle (a retrieved passage) and a window: three intervals
+        "three": _spec("three", "kv_pos <= q_pos and (kv_pos < sink or (kv_pos >= at and kv_pos < at + 4) "
+                                "or q_pos - kv_pos <= window)", {"sink": 2, "at": 20, "window": 6}),
+        # and a second block: four
+        "four": _spec("four", "kv_pos <= q_pos and (kv_pos < sink or (kv_pos >= at and kv_pos < at + 4) "
+                              "or (kv_pos >= at2 and kv_pos <= at2 + 2) or q_pos - kv_pos <= window)",
+                      {"sink": 2, "at": 20, "at2": 40, "window": 6}),
+        # five: more than MAX_PIECES, such rows run over their hull as before
+        "five": _spec("five", "kv_pos <= q_pos and (kv_pos < sink or (kv_pos >= at and kv_pos < at + 4) "
+                              "or (kv_pos >= at2 and kv_pos <= at2 + 2) or kv_pos == at3 "
+                              "or q_pos - kv_pos <= window)", {"sink": 2, "at": 20, "at2": 40, "at3": 50, "window": 6}),
+    }
+
+
+def doc_ids(kv_lens: list[int], seed: int) -> torch.Tensor:
+    """Sorted document ids per request (documents of 1-30 keys)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for k in kv_lens:
+        ids, doc = [], 0
+        while len(ids) < k:
+            ids += [doc] * int(torch.randint(1, 31, (1,), generator=g))
+            doc += 1
+        out += ids[:k]
+    return torch.tensor(out, dtype=torch.int32)
+
+
+def spec_args(name: str, kv_lens: list[int], seed: int = 0) -> dict:
+    args = {s.name: s.default for s in specs()[name].scalars}
+    if name == "document_sinks":
+        args["doc_ids"] = doc_ids(kv_lens, seed)
+    if name == "streaming_sink":  # (its default window, 1023, is longer than these requests)
+        args.update(num_sink=4, window=20)
+    return args
+
+
+# ----------------------------------------------------------------------------- intervals
+
+
+def visible_keys(spec, env: dict, args: dict, row: int, kv_len: int) -> torch.Tensor:
+    """The mask evaluated on every key of one row (the ground truth)."""
+    one = {k: v[row:row + 1].expand(kv_len) for k, v in env.items() if k != "vg_kv_lens"}
+    kv_pos = torch.arange(kv_len)
+    one.update(kv_pos=kv_pos, kv_row=one["q_kv_row"] - one["q_pos"] + kv_pos)
+    ev = Evaluator(spec, one, args)
+    return ev.ev(spec.mask).to(torch.bool).expand(kv_len).clone()
+
+
+@pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three", "four", "five"])
+def test_row_pieces_are_the_masks_visible_keys_as_disjoint_intervals(name):
+    spec, form = specs()[name], analyze(specs()[name])
+    qo, kv = [0, 37, 37 + 80], [90, 80]
+    args = spec_args(name, kv, seed=3)
+    env = row_env(qo, kv, torch.device("cpu"))
+    pieces = row_pieces(form, spec, env, args, MAX_PIECES)
+    split = 0
+    for row in range(qo[-1]):
+        kv_len = int(env["kv_len"][row])
+        want = visible_keys(spec, env, args, row, kv_len)
+        n = int(pieces.count[row])
+        if n == 0:
+            continue
+        split += 1
+        got = torch.zeros(kv_len, dtype=torch.bool)
+        for p in range(n):
+            lo, hi = int(pieces.lo[row, p]), int(pieces.hi[row, p])
+            assert lo <= hi and (p == 0 or lo > int(pieces.hi[row, p - 1]) + 1), (row, p, lo, hi)
+            got[lo:hi + 1] = True
+        assert torch.equal(got, want), f"row {row}: pieces {pieces.lo[row, :n].tolist()}-{pieces.hi[row, :n].tolist()}"
+        assert 2 <= n <= MAX_PIECES
+    if name == "five":  # rows past the third block see five intervals: not split
+        assert all(int(c) in (0, 2, 3, 4) for c in pieces.count)
+    assert split > 0, "no row was split"
+
+
+def test_only_specs_whose_rows_may_see_several_exact_intervals_are_split():
+    cases = {"causal": False, "sliding_window": False, "document": False, "prefix_lm": False,
+             "attention_sink_learned": False, "streaming_sink": True}
+    for name, want in cases.items():
+        spec = variantgen.load_spec(SPECS_DIR / f"{name}.yaml")
+        args = {s.name: s.default for s in spec.scalars}
+        assert may_split(analyze(spec), spec, args) is want, name
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_piece_segments_cover_every_row_once_then_each_piece_and_never_read_a_rows_other_pieces(page_size):
+    """The table's layout (the launch builder's contract), and no launch request of a piece that
+    evaluates the mask reaches into keys of another piece of one of its rows."""
+    spec, form = specs()["three"], analyze(specs()["three"])
+    qo, kv = [0, 64, 64 + 50], [64, 200]
+    args = spec_args("three", kv)
+    table = piece_segments(spec, form, qo, kv, page_size, args, torch.device("cpu"))
+    env = row_env(qo, kv, torch.device("cpu"))
+    pieces = row_pieces(form, spec, env, args)
+    rows = table[table[:, SegField.PIECE] <= 0]
+    assert rows[:, SegField.FIRST_ROW].tolist() == [0] + rows[:-1, SegField.END_ROW].tolist()
+    assert int(rows[-1, SegField.END_ROW]) == qo[-1]
+    order = [(int(p), int(f)) for p, f in table[len(rows):, [SegField.PIECE, SegField.FIRST_ROW]].tolist()]
+    assert order == sorted(order) and all(p >= 1 for p, _ in order)
+    for seg in table.tolist():
+        p = seg[SegField.PIECE]
+        if p < 0 or seg[SegField.CLASS] not in (RowClass.CUSTOM, RowClass.WINDOW):
+            continue
+        for row in range(seg[SegField.FIRST_ROW], seg[SegField.END_ROW]):
+            begin = seg[SegField.KV_BEGIN]
+            if seg[SegField.CLASS] == RowClass.WINDOW:  # (fa2's window launch: from each row's window start)
+                begin = max(begin, seg[SegField.Q_POS] + row - seg[SegField.FIRST_ROW] - seg[SegField.WINDOW])
+            if p >= 1:
+                assert begin > int(pieces.hi[row, p - 1]), (seg, row)
+            if p + 1 < int(pieces.count[row]):
+                assert seg[SegField.KV_END] - 1 < int(pieces.lo[row, p + 1]), (seg, row)
+    assert (table[:, SegField.PIECE] >= 2).any()  # some row ran as three pieces
+
+
+# ----------------------------------------------------------------------------- the merge
+
+
+def test_merging_partial_outputs_is_the_softmax_over_the_union():
+    g = torch.Generator().manual_seed(5)
+    rows, heads, dim, keys = 6, 3, 8, 40
+    scores = torch.randn(rows, heads, keys, generator=g) * 3
+    v = torch.randn(keys, dim, generator=g)
+    cuts = [0, 7, 19, 40]  # three disjoint key sets
+    parts = torch.full((3, rows, heads, dim), math.nan)
+    parts_lse = torch.full((3, rows, heads), math.nan)
+    for p in range(3):
+        s = scores[..., cuts[p]:cuts[p + 1]]
+        parts[p] = torch.softmax(s, -1) @ v[cuts[p]:cuts[p + 1]]
+        parts_lse[p] = torch.logsumexp(s, -1) / math.log(2)
+    counts = torch.tensor([3, 3, 2, 3, 1, 2])  # rows with fewer pieces: the rest never written (NaN)
+    for r in range(rows):
+        parts[int(counts[r]):, r] = math.nan
+        parts_lse[int(counts[r]):, r] = math.nan
+    out = torch.zeros(rows + 2, heads, dim)
+    lse = torch.zeros(rows + 2, heads)
+    at = torch.arange(1, rows + 1)
+    merge_pieces(out, lse, torch.cat([parts.new_zeros(3, 1, heads, dim), parts, parts.new_zeros(3, 1, heads, dim)], 1),
+                 torch.cat([parts_lse.new_zeros(3, 1, heads), parts_lse, parts_lse.new_zeros(3, 1, heads)], 1),
+                 at, counts)
+    for r in range(rows):
+        s = scores[r][..., :cuts[int(counts[r])]]
+        want = torch.softmax(s, -1) @ v[:cuts[int(counts[r])]]
+        torch.testing.assert_close(out[r + 1], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse[r + 1], torch.logsumexp(s, -1) / math.log(2), rtol=1e-5, atol=1e-5)
+    assert (out[0] == 0).all() and (out[-1] == 0).all()  # rows not merged: untouched
+
+
+def test_a_row_whose_every_piece_is_empty_merges_to_zero_and_minus_infinity():
+    parts = torch.full((2, 1, 1, 4), math.nan)
+    parts_lse = torch.full((2, 1, 1), -math.inf)
+    out, lse = torch.ones(1, 1, 4), torch.zeros(1, 1)
+    merge_pieces(out, lse, parts, parts_lse, torch.tensor([0]), torch.tensor([2]))
+    assert (out == 0).all() and lse.item() == -math.inf
+
+
+# ----------------------------------------------------------------------------- whole plans on the fakes
+
+
+def make(spec, backend: str, max_pieces: int = MAX_PIECES):
+    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", backend)
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]], "module_sha256": "x",
+                "module_file": "x.so"}
+    fake = (FakeFa3Module if backend == "fa3" else FakeModule)(spec)
+    build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
+                        built=False, seconds=0.0)
+    w = VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8))
+    w.set_row_planner(FakeRowPlanner(spec))
+    w.planner.max_pieces = max_pieces
+    return w, fake
+
+
+def run_plan(name: str, backend: str, qo_lens, kv_lens, page_size: int, seed: int = 0, max_pieces: int = MAX_PIECES,
+             **scalars):
+    spec = specs()[name]
+    batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                               page_size=page_size, seed=seed)
+    args = spec_args(name, kv_lens, seed) | scalars
+    w, fake = make(spec, backend, max_pieces)
+    plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    out = torch.full((batch.q.shape[0], HQ, HEAD_DIM), math.nan, dtype=torch.bfloat16)
+    fake.row_writes = None
+    got, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), out=out, return_lse=True, **args)
+    assert got is out
+    ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
+                                       batch.kv_indptr, batch.kv_indices, batch.last_page_len, args, return_lse=True)
+    label = f"{name} {backend} ps{page_size}"
+    assert_plan_matches_reference(out, lse, ref, ref_lse, plan.merge, float(batch.v_cache.abs().max()), label)
+    want = torch.ones(batch.q.shape[0], dtype=torch.int64)  # kernel writes per row: one per piece
+    if plan.merge is not None:
+        want[plan.merge.rows] = plan.merge.counts
+    assert torch.equal(fake.row_writes, want), label
+    return plan, fake
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three", "four", "five"])
+def test_rows_of_several_intervals_run_as_pieces_and_match_the_reference(name, page_size, backend):
+    # chunked prefill (keys before the queries), a decode-like row, a prefill from key 0
+    qo_lens, kv_lens = [70, 1, 45], [150, 97, 45]
+    plan, _ = run_plan(name, backend, qo_lens, kv_lens, page_size, seed=page_size)
+    assert plan.merge is not None and plan.merge.rows.numel() > 0
+    pieces = [la.piece for la in plan.launches]
+    assert pieces == sorted(pieces) and max(pieces) >= 1  # in-place launches first, then each piece's
+    if name in ("three", "four", "five"):
+        assert plan.merge.pieces >= 3
+    # a piece's launch requests are exact classes or custom over keys of that piece alone: every
+    # launch request of a piece reads only pages of the piece's keys, far fewer than the hull
+    text = repr(plan)
+    assert "rows see several key intervals" in text and "piece 1" in text
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_streaming_sink_pieces_read_the_sinks_and_the_window_not_the_gap(backend):
+    """The point of it: past its first window a streaming_sink row reads its sinks' page and its
+    window's pages, not the keys between (planned with the pieces off, the custom hull reads them)."""
+    qo_lens, kv_lens, window = [300], [300], 16
+    on, _ = run_plan("streaming_sink", backend, qo_lens, kv_lens, 16, num_sink=4, window=window)
+    off, _ = run_plan("streaming_sink", backend, qo_lens, kv_lens, 16, max_pieces=0, num_sink=4, window=window)
+    assert off.merge is None
+    work_on, work_off = on.work(), off.work()
+    live = sum(min(q + 1, 4 + window + 1) for q in range(300))  # keys visible, summed over rows
+    assert work_on["masked"] == 0 or backend == "fa3"
+    assert work_on["visited"] < 1.6 * live < work_off["visited"]
+    assert [r for r in on.launch_requests if r.piece >= 0 and r.mode.label == "custom"] == [] or backend == "fa3"
+
+
+def test_pieces_stay_off_in_graph_mode_and_the_hull_runs_as_before():
+    """CUDA-graph mode keeps its fixed launch slots (no partial outputs in its static workspace
+    yet): the rows of two intervals run custom over their hull there, still exact."""
+    spec = specs()["streaming_sink"]
+    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2")
+    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]], "module_sha256": "x",
+                "module_file": "x.so"}
+    fake = FakeModule(spec)
+    build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
+                        built=False, seconds=0.0)
+    w = VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8),
+                       graph=GraphCapacity(max_batch_size=2, max_total_q=128, max_kv_pages=32))
+    w.set_row_planner(FakeRowPlanner(spec))
+    batch = random_paged_batch([64], [100], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=5)
+    args = {"num_sink": 4, "window": 10}
+    plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    assert plan.merge is None and all(la.piece == -1 for la in plan.launches)
+    out, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **args)
+    ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
+                                       batch.kv_indptr, batch.kv_indices, batch.last_page_len, args, return_lse=True)
+    assert_plan_matches_reference(out, lse, ref, ref_lse, None, 0.0, "graph mode")
+
+
+# ----------------------------------------------------------------------------- the launch builder
+
+
+def _build(table: list[list[int]], qo_lens, kv_lens, page_size: int, max_pieces: int, graph: bool = False):
+    from _builder import plan_builder
+
+    from variantgen.abi.table import DESC_FIELDS, OPTION_FIELDS, PlanOption
+
+    q_start = [sum(qo_lens[:i]) for i in range(len(qo_lens) + 1)]
+    pages = [-(-k // page_size) for k in kv_lens]
+    page_start = [sum(pages[:i]) for i in range(len(pages) + 1)]
+    last = [(k - 1) % page_size + 1 if k else 0 for k in kv_lens]
+    indices = torch.tensor(q_start + page_start + last, dtype=torch.int32)
+    o = torch.zeros(OPTION_FIELDS, dtype=torch.int64)
+    for k, v in {PlanOption.PAGE_SIZE: page_size, PlanOption.NUM_SM: 8, PlanOption.FA3_CTA_TILE_Q: 128,
+                 PlanOption.NUM_QO_HEADS: HQ, PlanOption.NUM_KV_HEADS: HKV, PlanOption.HEAD_DIM_QK: 128,
+                 PlanOption.HEAD_DIM_VO: 128, PlanOption.KV_DTYPE_BYTES: 2, PlanOption.MAX_WINDOW_LAUNCHES: 4,
+                 PlanOption.WINDOW_COUNT: -1, PlanOption.MAX_PIECES: max_pieces}.items():
+        o[k] = v
+    if graph:
+        o[PlanOption.GRAPH_REQUESTS], o[PlanOption.GRAPH_PAGES], o[PlanOption.GRAPH_ROWS] = 8, 64, 64
+    host = torch.zeros(1 << 20, dtype=torch.uint8)
+    desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)
+    plan_builder().build_launches(indices, torch.tensor(table, dtype=torch.int64).view(-1, len(SegField)), o, host,
+                                  desc)
+    return desc
+
+
+D, C, W = int(RowClass.DENSE), int(RowClass.CAUSAL), int(RowClass.WINDOW)
+# one request of 40 rows over 40 keys: rows 0-11 causal in place, rows 12-39 sinks [0, 4) + window 7
+GOOD = [[0, 12, 0, C, -1, 0, 12, 0, 0, -1, -1], [12, 40, 0, D, -1, 0, 4, 12, 0, -1, 0],
+        [12, 40, 0, W, 7, 4, 40, 12, 0, -1, 1]]
+
+
+def test_the_builder_lays_pieces_out_after_the_rows_written_in_place():
+    from variantgen.abi.table import HEADER_FIELDS, LAUNCH_FIELDS, HeaderField, LaunchField, Status
+
+    for fa3 in (False, True):
+        desc = _build(GOOD, [40], [40], 4, MAX_PIECES).tolist()
+        assert desc[HeaderField.STATUS] == Status.OK and desc[HeaderField.SEGMENTS] == 3
+        launches = [desc[HEADER_FIELDS + i * LAUNCH_FIELDS:HEADER_FIELDS + (i + 1) * LAUNCH_FIELDS]
+                    for i in range(desc[HeaderField.LAUNCHES])]
+        assert [(la[LaunchField.PIECE], la[LaunchField.ROWS]) for la in launches] == [(-1, 12), (0, 28), (1, 28)], fa3
+
+
+@pytest.mark.parametrize("case, table, max_pieces, pattern", [
+    ("pieces_off", GOOD, 0, "has piece 0 .pieces on: 0"),
+    ("piece_past_max", [GOOD[0], GOOD[1], [12, 40, 0, W, 7, 4, 40, 12, 0, -1, 1]], 1, "has piece 1 .pieces on: 1"),
+    ("piece_inside_partition", [GOOD[0], GOOD[2], GOOD[1]], MAX_PIECES, "is not after the rows' partition"),
+    ("piece_1_without_0", [[0, 40, 0, C, -1, 0, 40, 0, 0, -1, -1], GOOD[2]], MAX_PIECES,
+     "covers row 12, which has 0 pieces before it"),
+    ("piece_twice", GOOD + [GOOD[2]], MAX_PIECES, r"row 3 \(piece 1, rows 12-40\) is not after"),
+])
+def test_a_bad_piece_table_is_named(case, table, max_pieces, pattern):
+    with pytest.raises(Exception, match=pattern):
+        _build(table, [40], [40], 4, max_pieces)
+
+
+def test_pieces_are_refused_in_cuda_graph_mode():
+    with pytest.raises(Exception, match="max_pieces=4 .*0 in CUDA-graph mode"):
+        _build(GOOD, [40], [40], 4, MAX_PIECES, graph=True)

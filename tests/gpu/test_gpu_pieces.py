@@ -1,0 +1,108 @@
+"""GPU correctness of rows that see several key intervals (variantgen/planning/pieces.py): their launch
+requests per interval, merged by LSE, against the derived reference and against the same batch
+planned with the pieces off (one custom launch over each row's hull), on fa2 and fa3 paged
+prefill. Run on the GPU machine with `pytest -m gpu tests/gpu/test_gpu_pieces.py`.
+
+The masks: StreamingLLM's sinks + window (the shipped streaming_sink), a bidirectional prefix +
+window, packed documents + global sinks (a sorted-id term and an interval), and sinks + a middle
+block + window (three intervals); chunked prefill, a decode-like row, GQA 32/8, page sizes 1, 5
+and 16. Modules: the first run builds them (or precompile on a build box: fa2 and fa3, hd 128,
+bf16, for streaming_sink and the three specs below).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _gpu import SPECS, rel_error
+
+import variantgen
+from variantgen.abi.table import MAX_PIECES
+from variantgen.lang.spec import parse_spec
+from variantgen.testing.harness import random_paged_batch
+from variantgen.wrappers.reference import reference_attention
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+HQ, HKV, HD = 32, 8, 128
+QO_LENS = [700, 1, 300, 64]
+KV_LENS = [1500, 900, 300, 2000]
+
+
+def _spec(name: str, mask: str, scalars: dict[str, int], tensors: str = "") -> variantgen.VariantSpec:
+    lines = "".join(f"  {k}:\n    dtype: int\n    default: {v}\n    min: 0\n" for k, v in scalars.items())
+    return parse_spec(f"name: {name}\ndescription: test mask\n{tensors}scalars:\n{lines}mask: {mask}\n")
+
+
+def specs() -> dict[str, variantgen.VariantSpec]:
+    return {
+        "streaming_sink": variantgen.load_spec(SPECS / "streaming_sink.yaml"),
+        "prefix_window": _spec("vg_test_prefix_window",
+                               "kv_pos < prefix or (kv_pos <= q_pos and q_pos - kv_pos <= window)",
+                               {"prefix": 100, "window": 127}),
+        "document_sinks": _spec("vg_test_document_sinks",
+                                "kv_pos <= q_pos and (doc_ids[kv_row] == doc_ids[q_kv_row] or kv_pos < num_global)",
+                                {"num_global": 4}, "tensors:\n  doc_ids:\n    dtype: int32\n    shape: [total_kv]\n"),
+        "three": _spec("vg_test_three", "kv_pos <= q_pos and (kv_pos < sink or (kv_pos >= at and kv_pos < at + 64) "
+                                        "or q_pos - kv_pos <= window)", {"sink": 4, "at": 400, "window": 100}),
+    }
+
+
+def spec_args(name: str, spec, kv_lens: list[int], seed: int) -> dict:
+    args = {s.name: s.default for s in spec.scalars}
+    if name == "streaming_sink":
+        args.update(num_sink=4, window=255)
+    if name == "document_sinks":  # sorted ids, documents of 1-600 keys
+        g = torch.Generator().manual_seed(seed)
+        ids = []
+        for k in kv_lens:
+            row, doc = [], 0
+            while len(row) < k:
+                row += [doc] * int(torch.randint(1, 600, (1,), generator=g))
+                doc += 1
+            ids += row[:k]
+        args["doc_ids"] = torch.tensor(ids, dtype=torch.int32, device="cuda")
+    return args
+
+
+@pytest.fixture(scope="module")
+def wrappers(workspace):
+    made = {}
+
+    def get(name, backend):
+        if (name, backend) not in made:
+            made[name, backend] = variantgen.make_wrapper(specs()[name], workspace, head_dim_qk=HD, q_dtype="bf16",
+                                                          kv_dtype="bf16", backend=backend)
+        return made[name, backend]
+
+    return get
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three"])
+def test_pieces_match_the_reference_and_the_hull(wrappers, name, page_size, backend):
+    spec = specs()[name]
+    w = wrappers(name, backend)
+    batch = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=page_size,
+                               dtype=torch.bfloat16, device="cuda", seed=page_size)
+    args = spec_args(name, spec, KV_LENS, page_size)
+    kv = (batch.k_cache, batch.v_cache)
+    ref, ref_lse = reference_attention(spec, batch.q, kv, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
+                                       batch.last_page_len, args, return_lse=True)
+    label = f"{name} {backend} page {page_size}"
+    try:
+        plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+        assert plan.merge is not None and plan.merge.rows.numel() > 0, f"{label}: no row ran as pieces\n{plan}"
+        out, lse = w.run(batch.q, kv, return_lse=True, **args)
+        assert rel_error(out, ref) < 1e-2, f"{label}: rel. error {rel_error(out, ref):.3e}\n{plan}"
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin), f"{label}: lse -inf pattern"
+        assert (lse[fin] - ref_lse[fin]).abs().max().item() < 2e-2, label
+        w.planner.max_pieces = 0  # the same batch over each row's hull
+        hull = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+        assert hull.merge is None
+        out_hull = w.run(batch.q, kv, **args)
+        assert rel_error(out, out_hull.float()) < 1e-2, label
+        assert plan.work()["visited"] < hull.work()["visited"], f"{label}: the pieces read no fewer keys"
+    finally:
+        w.planner.max_pieces = MAX_PIECES

@@ -1,0 +1,218 @@
+"""Rows that see several key intervals: one launch request per interval, merged by LSE.
+
+A row whose visible keys are a union of disjoint intervals - StreamingLLM's sinks and window
+past the first window, a prefix and a window, documents and global sinks, a tree's context and
+its ancestors - has one hull that covers the gaps too. Run as one custom launch over that hull
+it evaluates the mask on every key of the gap (streaming_sink at 8192 keys and window 1024:
+22.8 ms on an H100 against 3.0 ms for the window alone). Here such a row's intervals become
+*pieces*: the p-th interval (by position) of every row that has one is classified like any
+row's interval (dense, causal, window or custom over the run's hull, rowrules.py) and laid out
+by the launch builder as launch requests of piece p, which write partial output p and its LSE;
+run() merges a row's pieces into o (merge.py). Rows of one interval keep writing in place.
+
+Why separate launches merged by LSE, not one launch whose page list skips the gaps (the two
+mechanisms the planner could use; the cost model, per row of n visible keys in k intervals):
+
+* skipping the gaps in one launch reads ~n keys in one pass, but its keys are no longer at
+  their positions: the kernel's causal mask and window (which prune tiles and decide the
+  diagonal) compare virtual positions, so every such launch would have to run custom with a
+  key-position map the variant reads - the mask on every element of n keys, plus the map's
+  load per key. The custom variant costs about 2.5x a causal launch per visited key on fa3
+  (README's Speed table: causal 8.5 ms vs the custom hull's 22.8 at 4.3x the keys);
+* pieces read the same ~n keys (each piece rounded out to whole pages at its start: at most
+  page_size - 1 keys more per piece) in launches of the existing exact classes (sinks: dense,
+  the window: the kernel window), with no mask evaluated, plus per piece one more launch
+  (~5-10 us each) and the merge: one read of k partial rows and one write per merged row
+  (for 8 x 8192 rows, 32 heads, hd 128, two pieces: ~0.5 GB of traffic, ~0.2 ms on an H100),
+  and a tile of a short piece (4 sink keys) is mostly empty: its cost is that of one key
+  tile per query tile.
+  So pieces win wherever the intervals are exact classes, which is every shape listed above;
+  the gap-skipping launch would win only for rows of many short intervals, which the planner
+  does not split (more than MAX_PIECES intervals: the custom hull, as before).
+
+Where a custom piece run's hull (or a window run's first page, should fa3 run it custom) would
+reach into a row's neighbouring piece, the mask evaluated there would show those keys a second
+time: such rows are not split (they run as before, over their hull). Rows of an inexact term
+(the mask evaluated inside a hull) are never split.
+
+The planner module's generated row kernel does not split rows yet: plan() runs these rules in
+torch ops for specs whose rows can see several intervals (planner.py), and the launch builder
+(templates/plan/launches.h) lays them out as it does the row kernel's segments.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from ..abi.table import MAX_PIECES, SEG_FIELDS, RowClass, SegField
+from ..lang.spec import VariantSpec
+from .intervals import BIG, IntervalForm, RowIntervals, decided_terms, row_intervals, term_bounds
+from .rowrules import classify_intervals, row_env, segments
+
+_SPLIT_ROUNDS = 4  # rows unsplit where a custom piece run would overreach, then the table again
+
+
+class RowPieces(NamedTuple):
+    """Per row, its visible keys as disjoint intervals (sorted, none adjacent to the next)."""
+
+    lo: torch.Tensor  # int64 [rows, max_pieces]
+    hi: torch.Tensor  # int64 [rows, max_pieces]
+    count: torch.Tensor  # int64 [rows]: intervals, where 2..max_pieces and exact; else 0
+
+
+def may_split(form: IntervalForm, spec: VariantSpec, args: dict[str, Any]) -> bool:
+    """Whether rows of this spec may see several exact key intervals (for these scalar values):
+    at least two exact interval terms, and no learned sink (a sink joins each row's softmax
+    denominator once: merged partial outputs would count it once per piece)."""
+    if spec.sink is not None or not form.planner_ready:
+        return False
+    return sum(t.exact for t in decided_terms(form, spec, args)) >= 2
+
+
+def row_pieces(form: IntervalForm, spec: VariantSpec, env: dict[str, torch.Tensor], args: dict[str, Any],
+               max_pieces: int = MAX_PIECES) -> RowPieces:
+    """The disjoint intervals of every row's visible keys (``env``: rowrules.row_env's rows):
+    the terms' intervals sorted by their first key and merged where they overlap or touch."""
+    n = env["q_pos"].shape[0]
+    dev = env["q_pos"].device
+    bounds = term_bounds(form, spec, env, args)
+    none = RowPieces(torch.zeros(n, max_pieces, dtype=torch.int64, device=dev),
+                     torch.full((n, max_pieces), -1, dtype=torch.int64, device=dev),
+                     torch.zeros(n, dtype=torch.int64, device=dev))
+    if len(bounds.lo) < 2 or n == 0:
+        return none
+    lo, hi = torch.stack(bounds.lo, 1), torch.stack(bounds.hi, 1)
+    ok, exact = torch.stack(bounds.ok, 1), torch.stack(bounds.exact, 1)
+    order = lo.argsort(1)  # (empty terms have lo = BIG: last)
+    lo_s, hi_s, ok_s = lo.gather(1, order), hi.gather(1, order), ok.gather(1, order)
+    reach = hi_s.cummax(1).values
+    starts = ok_s.clone()
+    starts[:, 1:] &= lo_s[:, 1:] > reach[:, :-1] + 1  # a new interval: past the keys so far, not touching
+    group = starts.cumsum(1) - 1
+    count = starts.sum(1)
+    p_lo = torch.stack([torch.where(ok_s & (group == g), lo_s, BIG).amin(1) for g in range(max_pieces)], 1)
+    p_hi = torch.stack([torch.where(ok_s & (group == g), hi_s, -BIG).amax(1) for g in range(max_pieces)], 1)
+    usable = exact.all(1) & (count >= 2) & (count <= max_pieces)
+    return RowPieces(torch.where(usable.view(-1, 1), p_lo, none.lo), torch.where(usable.view(-1, 1), p_hi, none.hi),
+                     torch.where(usable, count, 0))
+
+
+def piece_segments(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
+                   args: dict[str, Any], device: torch.device, max_pieces: int = MAX_PIECES,
+                   fa3_window_launches: int | None = None) -> torch.Tensor:
+    """The launch requests of a batch with rows split into pieces, in the launch builder's order
+    (read_segments): host int64 [n, SEG_FIELDS], first every row once (piece -1: in place, 0: a
+    split row's first interval) in row order, then piece 1, 2 ... each in row order.
+    ``fa3_window_launches``: fa3's window widths given their own launch (the builder keeps the
+    smallest widths of pieces first; a piece's window run of another width runs custom); None: fa2,
+    whose window launches take any width."""
+    env = row_env(qo_indptr, kv_lens, device)
+    iv = row_intervals(form, spec, env, args)
+    pieces = row_pieces(form, spec, env, args, max_pieces)
+    split = pieces.count >= 2
+    for _ in range(_SPLIT_ROUNDS):
+        table = _tables(env, iv, pieces, split, page_size)
+        bad = _overreaching_rows(table, pieces, split.shape[0], fa3_window_launches)
+        if not bad.any():
+            return table
+        split = split & ~bad.to(split.device)
+    return _tables(env, iv, pieces, torch.zeros_like(split), page_size)
+
+
+def _tables(env: dict[str, torch.Tensor], iv: RowIntervals, pieces: RowPieces, split: torch.Tensor,
+            page_size: int) -> torch.Tensor:
+    """The segment table for rows ``split`` into their pieces (the others in place)."""
+    lo0, hi0 = pieces.lo[:, 0], pieces.hi[:, 0]
+    first = RowIntervals(lo=torch.where(split, lo0, iv.lo), hi=torch.where(split, hi0, iv.hi),
+                         exact=iv.exact | split, empty=iv.empty & ~split,
+                         dense_hi=torch.where(split, hi0, iv.dense_hi) if iv.dense_hi is not None else None)
+    tables = [_with_piece(segments(classify_intervals(env, first, page_size, split.long()), page_size), split, 0)]
+    for p in range(1, pieces.lo.shape[1]):
+        active = split & (pieces.count > p)
+        if not bool(active.any()):
+            break
+        lo, hi = torch.where(active, pieces.lo[:, p], iv.lo), torch.where(active, pieces.hi[:, p], iv.hi)
+        ivp = RowIntervals(lo=lo, hi=hi, exact=active, empty=torch.zeros_like(active),
+                           dense_hi=torch.where(active, hi, lo - 1))
+        seg = segments(classify_intervals(env, ivp, page_size, active.long()), page_size)
+        keep = active.cpu()[seg[:, SegField.FIRST_ROW]]
+        tables.append(_with_piece(seg[keep], None, p))
+    return torch.cat(tables) if tables else torch.empty(0, SEG_FIELDS, dtype=torch.int64)
+
+
+def _with_piece(seg: torch.Tensor, split: torch.Tensor | None, piece: int) -> torch.Tensor:
+    """``seg`` with its PIECE column: ``piece``, or (the partition) -1 for rows not ``split``."""
+    seg = seg.clone()
+    if split is None:
+        seg[:, SegField.PIECE] = piece
+    else:
+        on = split.cpu()[seg[:, SegField.FIRST_ROW]]
+        seg[:, SegField.PIECE] = torch.where(on, piece, -1)
+    return seg
+
+
+def _overreaching_rows(table: torch.Tensor, pieces: RowPieces, rows: int,
+                       fa3_window_launches: int | None) -> torch.Tensor:
+    """bool [rows]: split rows in a launch request that may evaluate the mask on keys of one of
+    the row's other pieces: a custom run over its hull from its first page, or a window run that
+    fa3 runs custom (a width beyond the kept ones). A window run in a window launch sees each row's
+    keys from q_pos - window on only (the kernel window)."""
+    bad = torch.zeros(rows, dtype=torch.bool)
+    piece = table[:, SegField.PIECE]
+    cls = table[:, SegField.CLASS]
+    window_run = (piece >= 0) & (cls == RowClass.WINDOW)
+    kept = torch.ones_like(window_run)
+    if fa3_window_launches is not None:
+        widths = table[window_run, SegField.WINDOW].unique().sort().values[:fa3_window_launches]
+        kept = torch.isin(table[:, SegField.WINDOW], widths)
+    pick = (piece >= 0) & ((cls == RowClass.CUSTOM) | (window_run & ~kept))
+    if not bool(pick.any()):
+        return bad
+    seg = table[pick]
+    first, end = seg[:, SegField.FIRST_ROW], seg[:, SegField.END_ROW]
+    lengths = end - first
+    which = torch.repeat_interleave(torch.arange(seg.shape[0]), lengths)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    row = first[which] + torch.arange(int(lengths.sum())) - offsets[which]
+    p = seg[which, SegField.PIECE]
+    begin, last = seg[which, SegField.KV_BEGIN], seg[which, SegField.KV_END] - 1
+    lo, hi, count = pieces.lo.cpu()[row], pieces.hi.cpu()[row], pieces.count.cpu()[row]
+    width = lo.shape[1]
+    prev_hi = torch.where(p >= 1, hi.gather(1, (p - 1).clamp(min=0).view(-1, 1)).squeeze(1), -1)
+    next_lo = torch.where(p + 1 < count, lo.gather(1, (p + 1).clamp(max=width - 1).view(-1, 1)).squeeze(1), BIG)
+    over = (begin <= prev_hi) | (last >= next_lo)
+    bad[row[over]] = True
+    # window runs in a window launch: each row from its own window start (q_pos - window) on
+    exact_window = window_run & kept
+    if bool(exact_window.any()):
+        seg = table[exact_window]
+        first, lengths = seg[:, SegField.FIRST_ROW], seg[:, SegField.END_ROW] - seg[:, SegField.FIRST_ROW]
+        which = torch.repeat_interleave(torch.arange(seg.shape[0]), lengths)
+        step = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[which]
+        row = first[which] + step
+        p = seg[which, SegField.PIECE]
+        start = seg[which, SegField.Q_POS] + step - seg[which, SegField.WINDOW]
+        begin = torch.maximum(start, seg[which, SegField.KV_BEGIN])
+        prev_hi = torch.where(p >= 1, pieces.hi.cpu()[row].gather(1, (p - 1).clamp(min=0).view(-1, 1)).squeeze(1), -1)
+        bad[row[begin <= prev_hi]] = True  # (a window run ends at each row's own q_pos: its last piece)
+    return bad
+
+
+class MergeRows(NamedTuple):
+    """The rows run() merges: their indices and how many pieces each has (int64, host)."""
+
+    rows: torch.Tensor
+    counts: torch.Tensor
+    pieces: int  # the most pieces of a row (partial outputs run() needs)
+
+
+def merge_rows(table: torch.Tensor, total_q: int) -> MergeRows:
+    """The split rows of a segment table and their piece counts."""
+    counts = torch.zeros(total_q, dtype=torch.int64)
+    seg = table[table[:, SegField.PIECE] >= 0]
+    for first, end, p in seg[:, [SegField.FIRST_ROW, SegField.END_ROW, SegField.PIECE]].tolist():
+        counts[first:end] = torch.clamp(counts[first:end], min=p + 1)
+    rows = counts.nonzero().flatten()
+    return MergeRows(rows, counts[rows], int(counts.max()) if total_q else 0)
