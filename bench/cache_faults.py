@@ -1,7 +1,7 @@
 """Cache faults, measured on the CPU: prints JSON counts (what tests/cpu/test_cache_fault_suite.py
 asserts), so the figures can be re-measured after a change.
 
-* corruptions of a published entry (tests/fakes/cache_faults.py CORRUPTIONS): detected by the
+* corruptions of a published entry (tests/fakes/_cache_faults.py CORRUPTIONS): detected by the
   lookup, loaded anyway, hung (over the per-case bound), other errors; `list` verdicts;
 * failure records and lock files that are FIFOs, links to /dev/zero or 4 GiB files: hung or not;
 * kill -9 of builders mid-compile (fake toolchain, real ninja): processes left after a bound;
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests" / "fakes"))
 
-import cache_faults as faults  # noqa: E402
+import _cache_faults as faults  # noqa: E402
 
 
 def main() -> int:

@@ -1,11 +1,11 @@
-"""The cache-fault suite (tests/fakes/cache_faults.py): every corruption of a published entry is
+"""The cache-fault suite (tests/fakes/_cache_faults.py): every corruption of a published entry is
 detected and never loaded, within a time bound; hostile records never hang a reader or the lock;
 kill -9 of builders leaves no process; concurrent builders build once. bench/cache_faults.py
 prints the same counts as JSON."""
 
 from __future__ import annotations
 
-import cache_faults as faults
+import _cache_faults as faults
 import pytest
 
 
