@@ -30,6 +30,7 @@ import jinja2
 
 from .._version import __version__
 from ..abi import table as plan_abi
+from ..abi.table import MaskMode
 from ..core.env import TEMPLATES_DIR, settings
 from ..core.errors import VariantgenError
 from ..lang import expr
@@ -412,14 +413,20 @@ def _fa3_launches(ctx: dict, *, ragged: bool = False) -> list[dict]:
     out = []
     for mode in ctx["mask_modes"]:
         name = mode["name"]
+        # run()'s code is the plan ABI's MaskMode; FA3 has no kCustom, so CUSTOM launches the masked
+        # variant with the kernel's kNone
         if name == "none":
-            out.append(dict(name="none", code=0, mask_literal="MaskMode::kNone", window="false", variant=plain))
-        elif name == "causal":
-            out.append(dict(name="causal", code=1, mask_literal="MaskMode::kCausal", window="false", variant=plain))
-            out.append(dict(name="causal_window", code=1, mask_literal="MaskMode::kCausal", window="true",
+            out.append(dict(name="none", code=int(MaskMode.NONE), mask_literal="MaskMode::kNone", window="false",
                             variant=plain))
+        elif name == "causal":
+            for window in ("false", "true"):
+                out.append(dict(name="causal" if window == "false" else "causal_window", code=int(MaskMode.CAUSAL),
+                                mask_literal="MaskMode::kCausal", window=window, variant=plain))
         else:
-            out.append(dict(name="custom", code=2, mask_literal="MaskMode::kNone", window="false", variant=masked))
+            out.append(dict(name="custom", code=int(MaskMode.CUSTOM), mask_literal="MaskMode::kNone",
+                            window="false", variant=masked))
+    for launch in out:
+        launch["causal"] = launch["code"] == int(MaskMode.CAUSAL)  # the binding picks by window_left within it
     if ragged:
         out = [la for la in out if la["name"] != "causal_window"]
     for launch in out:
