@@ -23,8 +23,7 @@ import variantgen
 from variantgen.codegen import expressions as codegen
 from variantgen.codegen.render import ModuleConfig, kernel_args, render_module
 from variantgen.core.errors import MAX_SPEC_ERRORS, SpecError, SpecErrors
-from variantgen.lang import expr
-from variantgen.lang import spec as spec_mod
+from variantgen.lang import expr, yaml_reader
 from variantgen.lang.expr import SourceText, Type, TypeEnv
 from variantgen.tools.cli import main as cli_main
 
@@ -417,7 +416,7 @@ def test_injection_in_argument_names_is_refused(payload, section):
     with pytest.raises(SpecError) as info:
         variantgen.parse_spec(text, PATH)
     err = errors_of(info.value)
-    assert len(err) == 1 and err[0].field == spec_mod._shown(f"{section}.{payload}"), str(info.value)
+    assert len(err) == 1 and err[0].field == yaml_reader._shown(f"{section}.{payload}"), str(info.value)
     assert "\n" not in err[0].field and all(ch.isprintable() for ch in err[0].field)
     assert LOCATED.match(str(info.value))
 

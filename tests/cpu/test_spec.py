@@ -13,7 +13,7 @@ from conftest import SPEC_FILES, SPECS_DIR
 import variantgen
 from variantgen.core import errors as errors_mod
 from variantgen.core.errors import SpecError, SpecErrors
-from variantgen.lang import expr
+from variantgen.lang import expr, yaml_loader, yaml_reader
 from variantgen.lang import spec as spec_mod
 from variantgen.lang.expr import Type
 from variantgen.lang.reserved import reserved_reason
@@ -624,8 +624,8 @@ def test_deep_flow_nesting_is_refused_quickly():
     start = time.perf_counter()
     err = fails("name: x\nmask: kv_pos <= q_pos\ndescription: " + "[" * 200_000 + "\n")
     assert time.perf_counter() - start < 5
-    assert str(err).splitlines()[0] == (f"spec.yaml:3:{14 + spec_mod.MAX_YAML_DEPTH}: invalid YAML: collections "
-                                        f"are nested more than {spec_mod.MAX_YAML_DEPTH} levels deep")
+    assert str(err).splitlines()[0] == (f"spec.yaml:3:{14 + yaml_loader.MAX_YAML_DEPTH}: invalid YAML: collections "
+                                        f"are nested more than {yaml_loader.MAX_YAML_DEPTH} levels deep")
     assert err.hint is None and len(str(err)) < 400  # the line is shown around the caret only
 
 
@@ -643,10 +643,10 @@ def test_nesting_within_the_limit_is_only_a_type_error():
 
 def test_too_many_yaml_nodes():
     err = fails("name: x\nmask: kv_pos <= q_pos\nbackends: [" + "fa2, " * 30_000 + "]\n")
-    assert err.message == f"spec has more than {spec_mod.MAX_YAML_NODES} YAML nodes"
+    assert err.message == f"spec has more than {yaml_loader.MAX_YAML_NODES} YAML nodes"
     # located at the first node past the limit, an item of the list: refused while the list was read
     assert err.location.line == 3 and err.source_line[err.location.col - 1:].startswith("fa2, ")
-    assert err.location.col < 5 * spec_mod.MAX_YAML_NODES + 20
+    assert err.location.col < 5 * yaml_loader.MAX_YAML_NODES + 20
 
 
 # ----------------------------------------------------------------------------- files
@@ -864,7 +864,7 @@ def test_a_long_path_is_printed_once_and_the_message_is_capped():
     rendered = str(err)
     assert len(rendered) < 8_000 and rendered.count("/spec.yaml") == 1
     assert rendered.splitlines()[1].startswith("  3:1: k0: unknown field")
-    assert rendered.endswith(f"  ... and {30 - spec_mod.MAX_SPEC_ERRORS} more error(s)")
+    assert rendered.endswith(f"  ... and {30 - errors_mod.MAX_SPEC_ERRORS} more error(s)")
     single = pytest.raises(SpecError, variantgen.parse_spec, CAUSAL + "k0: 1\n", path).value
     assert len(str(single)) < 1_500 and "/spec.yaml:3:1: k0: unknown field" in str(single)
 
@@ -883,8 +883,8 @@ def test_single_error_is_not_wrapped():
 
 
 def test_spec_errors_render_each_error():
-    a = SpecError("first", spec_mod.Location("f.yaml", 1, 2), field="x")
-    b = SpecError("second", spec_mod.Location("f.yaml", 3, 4), hint="try this")
+    a = SpecError("first", errors_mod.Location("f.yaml", 1, 2), field="x")
+    b = SpecError("second", errors_mod.Location("f.yaml", 3, 4), hint="try this")
     both = SpecErrors([a, b])
     assert str(both) == "f.yaml: 2 errors\n  1:2: x: first\n  3:4: second\n    hint: try this"
     assert both.message == "first" and both.errors == [a, b]
@@ -908,7 +908,7 @@ def test_spec_name_with_a_line_break_is_refused(text):
 def test_argument_name_with_a_trailing_newline_is_refused(section, name):
     decl = "{dtype: int32, shape: [batch]}" if section == "tensors" else "{dtype: int, default: 0}"
     err = one(f'{CAUSAL}{section}:\n  "{name}": {decl}\n')
-    assert err.field == spec_mod._shown(f"{section}.{name[:-2]}\n")
+    assert err.field == yaml_reader._shown(f"{section}.{name[:-2]}\n")
     assert err.message.startswith(f"argument name {name[:-2] + chr(10)!r} must match [a-z][a-z0-9_]{{0,31}}")
 
 
@@ -955,8 +955,8 @@ def test_errors_per_file_are_capped():
     finally:
         tracemalloc.stop()
     assert peak < 64 * 2**20  # the YAML tree; errors used to take gigabytes
-    assert isinstance(err, SpecErrors) and len(err.errors) == spec_mod.MAX_SPEC_ERRORS
-    assert err.more == 9_000 - spec_mod.MAX_SPEC_ERRORS
+    assert isinstance(err, SpecErrors) and len(err.errors) == errors_mod.MAX_SPEC_ERRORS
+    assert err.more == 9_000 - errors_mod.MAX_SPEC_ERRORS
     rendered = str(err)
     assert rendered.endswith(f"\n  ... and {err.more} more error(s)")
     assert rendered.startswith("spec.yaml: 9000 errors\n")
@@ -970,7 +970,7 @@ def test_errors_per_file_are_capped():
 def test_expression_errors_count_towards_the_cap():
     scalars = "".join(f"  s{i}: {{dtype: int, default: 1.5}}\n" for i in range(30))
     err = fails("name: x\nmask: nope\nscalars:\n" + scalars)
-    assert len(err.errors) == spec_mod.MAX_SPEC_ERRORS and err.more == 31 - spec_mod.MAX_SPEC_ERRORS
+    assert len(err.errors) == errors_mod.MAX_SPEC_ERRORS and err.more == 31 - errors_mod.MAX_SPEC_ERRORS
 
 
 def test_long_source_lines_are_shown_around_the_caret():

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..lang import expr
 from ..lang.expr import REQUEST_ROWS, Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, row_index
-from ..lang.spec import TensorArg, VariantSpec
+from ..lang.values import TensorArg, VariantSpec
 
 # Built-in name -> local variable of the generated hook that holds it.
 BUILTIN_LOCALS = {

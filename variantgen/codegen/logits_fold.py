@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ..lang import expr
 from ..lang.expr import Binary, Call, Const, Index, Name, Node, Unary
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ from ..abi import table as plan_abi
 from ..core.env import TEMPLATES_DIR, settings
 from ..core.errors import VariantgenError
 from ..lang import expr
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from ..routing.capabilities import KINDS, canonical_arch
 from ..routing.config import DEFAULT_MASK_MODES, DTYPES, FA2_CTA_TILES_Q, MASK_MODES, ModuleConfig  # noqa: F401 (re-exported)
 from . import expressions as codegen

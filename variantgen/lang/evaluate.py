@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .expr import REQUEST_ROWS, Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, row_index
-from .spec import VariantSpec
+from .values import VariantSpec
 
 _SCALAR_TORCH_TYPES = {Type.BOOL: torch.bool, Type.INT: torch.int64, Type.FLOAT: torch.float32}
 _FUNCTIONS = {"tanh": torch.tanh, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "sigmoid": torch.sigmoid}
