@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..lang.values import BACKENDS
 
 if TYPE_CHECKING:
-    from ..lang.spec import VariantSpec
+    from ..lang.values import VariantSpec
 
 KINDS = {
     "prefill": "paged-KV prefill",
