@@ -13,9 +13,9 @@ from conftest import SPEC_FILES, SPECS_DIR
 import variantgen
 from variantgen.core import errors as errors_mod
 from variantgen.core.errors import SpecError, SpecErrors
-from variantgen.lang import expr, yaml_loader, yaml_reader
+from variantgen.lang import nodes, parsing, yaml_loader, yaml_reader
 from variantgen.lang import spec as spec_mod
-from variantgen.lang.expr import Type
+from variantgen.lang.nodes import Type
 from variantgen.lang.reserved import reserved_reason
 
 CAUSAL = "name: x\nmask: kv_pos <= q_pos\n"
@@ -58,9 +58,9 @@ def test_every_shipped_spec_loads(path):
     assert spec.backends == ("fa2", "fa3", "flex")  # every backend of capabilities.TABLE by default
     if spec.logits is not None:
         assert spec.logits.ty in (Type.FLOAT, Type.INT)
-        assert "logits" in expr.names_used(spec.logits)
+        assert "logits" in nodes.names_used(spec.logits)
     # the canonical form is stable and re-parses to the same tree
-    assert expr.parse(spec.canonical()["mask"]) == spec.mask
+    assert parsing.parse(spec.canonical()["mask"]) == spec.mask
     assert len(spec.digest) == 64 and spec.digest == variantgen.load_spec(path).digest
     for name in spec.tensor_names + spec.scalar_names:
         assert spec_mod.ARG_RE.match(name)
@@ -74,7 +74,7 @@ def test_shipped_spec_details():
     assert [s.default for s in mm.scalars] == [-1, -1]
     softcap = variantgen.load_spec(SPECS_DIR / "softcap.yaml")
     assert softcap.scalars[0].default == 50.0 and isinstance(softcap.scalars[0].default, float)
-    assert expr.to_source(softcap.logits) == "(soft_cap * tanh((logits / soft_cap)))"
+    assert nodes.to_source(softcap.logits) == "(soft_cap * tanh((logits / soft_cap)))"
     assert softcap.uses("soft_cap") and softcap.uses("logits") and not softcap.uses("q_idx")
 
 
@@ -133,7 +133,7 @@ SINKS = "name: x\ntensors:\n  sinks: {dtype: float32, shape: [num_qo_heads]}\nma
 def test_sink_is_a_float_expression_per_head(spec_from):
     spec = spec_from(SINKS + "scalars:\n  bias: {dtype: float, default: 0.5}\nsink: sinks[qo_head] + bias\n")
     assert spec.sink.ty is Type.FLOAT and spec.sink_text == "sinks[qo_head] + bias"
-    assert expr.to_source(spec.sink) == "(sinks[qo_head] + bias)"
+    assert nodes.to_source(spec.sink) == "(sinks[qo_head] + bias)"
     assert spec.uses("sinks") and spec.uses("bias") and "sink" in spec.locations
     assert spec.canonical()["sink"] == "(sinks[qo_head] + bias)"
     # an int sink is a float logit; `request`, the lengths and kv_head are the same for a head's rows
@@ -152,8 +152,8 @@ def test_a_spec_without_a_sink_keeps_its_digest():
 
 def test_a_plain_number_is_a_constant_sink():
     """`sink: 0` is the "softmax + 1" denominator (a sink logit fixed at 0); numbers read as expressions."""
-    assert expr.to_source(variantgen.parse_spec(CAUSAL + "sink: 0\n").sink) == "0"
-    assert expr.to_source(variantgen.parse_spec(CAUSAL + "sink: -1.5e2\n").sink) == "-150.0"
+    assert nodes.to_source(variantgen.parse_spec(CAUSAL + "sink: 0\n").sink) == "0"
+    assert nodes.to_source(variantgen.parse_spec(CAUSAL + "sink: -1.5e2\n").sink) == "-150.0"
     err = one(CAUSAL + "sink: 0x1F\n")
     assert err.field == "sink" and str(err.location) == "spec.yaml:3:8"
     assert one(CAUSAL + "sink: [1]\n").message == "expected an expression (text), got a list"
@@ -432,7 +432,7 @@ def test_python_keywords_are_refused(section):
         assert str(err.location) == "spec.yaml:4:3" and err.field == f"{section}.{name}"
         if reserved_reason(name) is not None:  # (a C++ macro: refused as such first)
             assert err.message == f"{reserved_reason(name)}; choose another name", name
-        elif name in spec_mod.CPP_KEYWORDS or name in expr.KEYWORDS:  # (refused as such first)
+        elif name in spec_mod.CPP_KEYWORDS or name in parsing.KEYWORDS:  # (refused as such first)
             assert err.message == RESERVED_MSG.format(name), name
         else:
             assert err.message == PYTHON_KEYWORD_MSG.format(name), name
@@ -740,7 +740,7 @@ def test_mask_written_as_a_yaml_bool_or_number():
 
 
 def test_quoted_true_mask_is_fine(spec_from):
-    assert expr.to_source(spec_from("name: x\nmask: 'true'\n").mask) == "true"
+    assert nodes.to_source(spec_from("name: x\nmask: 'true'\n").mask) == "true"
 
 
 def test_logits_transform_that_never_reads_logits():
@@ -975,7 +975,7 @@ def test_expression_errors_count_towards_the_cap():
 
 def test_long_source_lines_are_shown_around_the_caret():
     text = "name: x\nmask: " + "kv_pos <= q_pos and " * 60 + "kv_poss > 0\n"
-    assert len(text) < expr.MAX_EXPR_CHARS
+    assert len(text) < parsing.MAX_EXPR_CHARS
     err = one(text)
     line, caret = str(err).splitlines()[1:3]
     assert line.startswith("    ...") and not line.endswith("...") and len(line) <= 4 + 3 + 100

@@ -17,8 +17,9 @@ from typing import Any
 import yaml
 
 from ..core.errors import Location, SpecError, SpecErrors
-from . import expr, yaml_loader
-from .expr import BUILTINS, DIMS, FLOAT32_MAX, FUNCTIONS, TensorSig, Type, TypeEnv
+from . import expr, nodes, parsing, yaml_loader
+from .expr import BUILTINS, DIMS, FUNCTIONS, TensorSig, TypeEnv
+from .nodes import FLOAT32_MAX, Type
 from .reserved import RESERVED_PATTERN, reserved_reason
 from .values import BACKENDS, SCALAR_DTYPES, TENSOR_DTYPES, ScalarArg, TensorArg, VariantSpec, shown_value, value_fits
 from .yaml_reader import MISSING, SpecReader, expr_source, node_kind, node_location, type_word, yaml_error
@@ -148,7 +149,7 @@ def _check_arg_name(r: SpecReader, key_node: yaml.Node, name: str, where: str, t
     if name in BUILTINS or name in FUNCTIONS or name == "logits":
         r.error(key_node, field_name, f"`{name}` is a built-in name of the expression language and cannot be declared")
         return False
-    if name in CPP_KEYWORDS or name in RESERVED_NAMES or name in expr.KEYWORDS:
+    if name in CPP_KEYWORDS or name in RESERVED_NAMES or name in parsing.KEYWORDS:
         r.error(key_node, field_name, f"`{name}` is reserved (a C++ keyword or a FlashInfer kernel "
                 "parameter it would shadow); choose another name")
         return False
@@ -211,7 +212,7 @@ def _build(r: SpecReader, root: yaml.Node) -> VariantSpec | None:
             r, fields["logits"][1], "logits",
             replace(env, allow_logits=True), Type.FLOAT,
         )
-        if logits is not None and "logits" not in expr.names_used(logits):
+        if logits is not None and "logits" not in nodes.names_used(logits):
             r.error(fields["logits"][1], "logits", "the logits transform never reads `logits`; "
                     "it would replace every score with a constant")
             logits = None

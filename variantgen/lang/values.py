@@ -14,8 +14,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ..core.errors import Location
-from . import expr
-from .expr import FLOAT32_MAX, TensorSig, Type, TypeEnv
+from . import nodes
+from .expr import TensorSig, TypeEnv
+from .nodes import FLOAT32_MAX, Type
 
 TENSOR_DTYPES = {"int32": Type.INT, "float32": Type.FLOAT}
 SCALAR_DTYPES = {"int": Type.INT, "float": Type.FLOAT, "bool": Type.BOOL}
@@ -90,13 +91,13 @@ class VariantSpec:
     description: str
     tensors: tuple[TensorArg, ...]
     scalars: tuple[ScalarArg, ...]
-    mask: expr.Node
+    mask: nodes.Node
     mask_text: str
-    logits: expr.Node | None = None
+    logits: nodes.Node | None = None
     logits_text: str | None = None
     # A learned attention sink (gpt-oss): a logit per query head that joins every row's softmax
     # denominator and has no value; float, in the domain of the (transformed) logits.
-    sink: expr.Node | None = None
+    sink: nodes.Node | None = None
     sink_text: str | None = None
     sm_scale: float | None = None  # None: 1/sqrt(head_dim_qk)
     qkv_scales: bool = True
@@ -135,13 +136,13 @@ class VariantSpec:
             "name": self.name,
             "tensors": [[t.name, t.dtype, list(t.shape)] for t in self.tensors],
             "scalars": [[s.name, s.dtype, s.default] for s in self.scalars],
-            "mask": expr.to_source(self.mask),
-            "logits": expr.to_source(self.logits) if self.logits is not None else None,
+            "mask": nodes.to_source(self.mask),
+            "logits": nodes.to_source(self.logits) if self.logits is not None else None,
             "sm_scale": self.sm_scale,
             "qkv_scales": self.qkv_scales,
         }
         if self.sink is not None:
-            out["sink"] = expr.to_source(self.sink)
+            out["sink"] = nodes.to_source(self.sink)
         return out
 
     @property
@@ -150,10 +151,10 @@ class VariantSpec:
         return hashlib.sha256(blob).hexdigest()
 
     def uses(self, name: str) -> bool:
-        used = expr.names_used(self.mask)
+        used = nodes.names_used(self.mask)
         for extra in (self.logits, self.sink):
             if extra is not None:
-                used |= expr.names_used(extra)
+                used |= nodes.names_used(extra)
         return name in used
 
 
@@ -174,7 +175,7 @@ def value_fits(value: Any, dtype: str) -> bool:
     if isinstance(value, bool):
         return False
     if dtype == "int":
-        return isinstance(value, int) and expr.INT32_MIN <= value <= expr.INT32_MAX
+        return isinstance(value, int) and nodes.INT32_MIN <= value <= nodes.INT32_MAX
     # abs() compares ints of any size exactly (math.isfinite overflows past a double); NaN fails it.
     return isinstance(value, (int, float)) and abs(value) <= FLOAT32_MAX
 

@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 
 from ..core.errors import MAX_SPEC_ERRORS, Location, SpecError
-from . import expr
-from .expr import SourceText
+from . import parsing
+from .parsing import SourceText
 from .values import shown_value
 from .yaml_loader import MAX_YAML_NODES, YAML11_TAG, SpecYAMLError, yaml11_problem
 
@@ -157,14 +157,14 @@ class SpecReader:
         if node.tag == YAML11_TAG:
             what, write = yaml11_problem(node.value) or ("", "")
             if what.startswith("a number too long"):  # (yaml11_problem did not convert it)
-                self.error(node, field_name, f"integer {expr._shorten(node.value)} is far too large", write)
+                self.error(node, field_name, f"integer {parsing.shorten(node.value)} is far too large", write)
             else:
                 self.error(node, field_name, f"{what}: spec files refuse values that YAML versions read "
                            "differently", write)
             return MISSING
         if node.tag == "tag:yaml.org,2002:int" and len(node.value) > MAX_NUMBER_CHARS:
             # Converting it is slow, past 4300 digits it raises, and no spec value needs it.
-            self.error(node, field_name, f"integer {expr._shorten(node.value)} is far too large",
+            self.error(node, field_name, f"integer {parsing.shorten(node.value)} is far too large",
                        "spec values are 32-bit ints and floats")
             return MISSING
         try:

@@ -30,7 +30,7 @@ import torch
 from ..abi.table import NO_INTERVAL
 from ..core.errors import LaunchError
 from ..lang.evaluate import Evaluator
-from ..lang.expr import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
+from ..lang.nodes import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
 from ..lang.values import VariantSpec
 from .normalize import normalize
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from ..lang.expr import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, names_used
+from ..lang.nodes import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, names_used
 from ..lang.values import VariantSpec
 
 KEY_NAMES = frozenset({"kv_pos", "kv_row"})

@@ -70,7 +70,7 @@ from typing import Any
 import torch
 
 from ..core.errors import LaunchError, user_text
-from ..lang.expr import FLOAT32_MAX, INT32_MAX
+from ..lang.nodes import FLOAT32_MAX, INT32_MAX
 from ..lang.values import VariantSpec, shown_value, value_fits
 from ..planning.plan import Batch
 

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ..lang.evaluate import Evaluator
-from ..lang.expr import Name, Type, names_used
+from ..lang.nodes import Name, Type, names_used
 from ..lang.values import VariantSpec
 
 BLOCK = 128  # Flex's block size for queries and keys; lengths are padded to a multiple of it
