@@ -41,7 +41,8 @@ sys.path.insert(0, str(ROOT))
 
 from variantgen import parse_spec  # noqa: E402
 from variantgen.lang.evaluate import Evaluator  # noqa: E402
-from variantgen.lang.spec import VariantSpec, load_spec  # noqa: E402
+from variantgen.lang.spec import load_spec  # noqa: E402
+from variantgen.lang.values import VariantSpec  # noqa: E402
 from variantgen.planning.cost import Cost, batch_cost  # noqa: E402
 from variantgen.planning.intervals import analyze  # noqa: E402
 from variantgen.planning.rowrules import row_env  # noqa: E402

@@ -2,7 +2,7 @@
 """Long fuzz run of the spec and expression front end (issue 6), outside pytest.
 
 Feeds N generated cases (default 10,000) to ``variantgen.parse_spec`` / ``load_spec`` /
-``variantgen.lang.expr`` and counts the outcomes. A case may succeed or raise a
+``variantgen.lang.parsing`` + ``expr`` and counts the outcomes. A case may succeed or raise a
 ``variantgen.core.errors.SpecError`` whose message starts with a location; anything else
 (another exception, or an unlocated message) is a bug. Exits 1 if there is any.
 
@@ -37,8 +37,8 @@ import variantgen  # noqa: E402
 from variantgen.codegen import expressions as codegen  # noqa: E402
 from variantgen.codegen.render import kernel_args  # noqa: E402
 from variantgen.core.errors import MAX_SPEC_ERRORS, SpecError, SpecErrors  # noqa: E402
-from variantgen.lang import expr  # noqa: E402
-from variantgen.lang.expr import SourceText  # noqa: E402
+from variantgen.lang import expr, parsing  # noqa: E402
+from variantgen.lang.parsing import SourceText  # noqa: E402
 
 PATH = "fuzz.yaml"
 LOCATED = re.compile(rf"^{re.escape(PATH)}(:\d+(:\d+)?)?: \S")
@@ -287,7 +287,7 @@ def run_spec(text: str) -> str:
 def run_expr(text: str) -> str:
     src = SourceText(text)
     try:
-        tree = expr.parse(src)
+        tree = parsing.parse(src)
         expr.typecheck(tree, ENV, src, None)
     except SpecError as e:
         if not EXPR_LOCATED.match(str(e)):

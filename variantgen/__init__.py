@@ -19,7 +19,8 @@ from .api.factory import make_wrapper
 from .api.probing import ProbeResult, probe, probe_backends
 from .core.errors import BuildError, CacheError, LaunchError, SpecError, VariantgenError
 from .lang.library import load_spec, resolve_spec, shipped_specs
-from .lang.spec import VariantSpec, parse_spec
+from .lang.spec import parse_spec
+from .lang.values import VariantSpec
 from .routing.resolver import choose_backend
 
 # name -> submodule that defines it; these import torch, so only when first asked for

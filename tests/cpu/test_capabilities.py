@@ -141,7 +141,7 @@ def test_the_table_is_the_one_description_of_the_backends():
     # CUDA-graph mode is one field per backend: fa2 and fa3 paged prefill and decode
     assert {name: b.graph_kinds for name, b in TABLE.items()} == {"fa3": ("prefill", "decode"),
                                                                  "fa2": ("prefill", "decode"), "flex": ()}
-    assert variantgen.lang.spec.BACKENDS is capabilities.BACKENDS  # spec files name the same backends
+    assert variantgen.lang.values.BACKENDS is capabilities.BACKENDS  # spec files name the same backends
 
 
 def test_graph_problems():

@@ -14,7 +14,7 @@ from _host_expr import CXX, build, mismatches, random_batch
 from conftest import SPEC_FILES
 
 from variantgen.codegen import expressions as codegen
-from variantgen.lang import expr
+from variantgen.lang import nodes
 from variantgen.lang.spec import load_spec, parse_spec
 
 pytestmark = pytest.mark.skipif(CXX is None, reason="needs a host C++ compiler (g++ or c++)")
@@ -70,7 +70,7 @@ def test_an_unclamped_constant_index_is_caught(tmp_path, monkeypatch):
     original = codegen._Emitter._subscript
 
     def unclamped(self, dim, idx):
-        if isinstance(dim, int) and isinstance(idx, expr.Const):
+        if isinstance(dim, int) and isinstance(idx, nodes.Const):
             return self.emit(idx)
         return original(self, dim, idx)
 

@@ -9,22 +9,10 @@ import pytest
 
 import variantgen
 from variantgen.core.errors import Location, SpecError
-from variantgen.lang import expr
-from variantgen.lang.expr import (
-    Binary,
-    Call,
-    Cond,
-    Const,
-    Index,
-    Name,
-    SourceText,
-    TensorSig,
-    Type,
-    TypeEnv,
-    Unary,
-    parse,
-    to_source,
-)
+from variantgen.lang import expr, nodes, parsing
+from variantgen.lang.expr import TensorSig, TypeEnv
+from variantgen.lang.nodes import Binary, Call, Cond, Const, Index, Name, Type, Unary, to_source
+from variantgen.lang.parsing import SourceText, parse
 
 ENV = TypeEnv(
     scalars={"w": Type.INT, "f": Type.FLOAT, "flag": Type.BOOL},
@@ -40,7 +28,7 @@ def src(text: str) -> SourceText:
     return SourceText(text, FILE, ((LINE, COL),), "mask")
 
 
-def typed(text: str, env: TypeEnv = ENV, expect: Type | None = None) -> expr.Node:
+def typed(text: str, env: TypeEnv = ENV, expect: Type | None = None) -> nodes.Node:
     return expr.parse_typed(src(text), env, expect)
 
 
@@ -184,7 +172,7 @@ def test_to_source_rejects_non_nodes():
 
 def test_names_used():
     node = parse("t[q_row, w] + s[kv_head] > f and flag")
-    assert expr.names_used(node) == {"t", "q_row", "w", "s", "kv_head", "f", "flag"}
+    assert nodes.names_used(node) == {"t", "q_row", "w", "s", "kv_head", "f", "flag"}
 
 
 # ----------------------------------------------------------------------------- typing
@@ -215,7 +203,7 @@ def test_expected_float_accepts_int():
 
 def test_typecheck_fills_every_node():
     node = typed("kv_pos <= q_pos and (w < 0 or q_pos - kv_pos <= w)")
-    assert all(n.ty is not None for n in expr.walk(node))
+    assert all(n.ty is not None for n in nodes.walk(node))
 
 
 def test_unknown_name_with_suggestion():
@@ -447,7 +435,7 @@ def test_non_ascii_digits_are_not_numbers():
 def test_too_deep_parentheses():
     text = "(" * 70 + "kv_pos" + ")" * 70 + " > 0"
     err = error(text)
-    assert err.message == f"expression is nested too deeply (more than {expr.MAX_DEPTH} levels)"
+    assert err.message == f"expression is nested too deeply (more than {parsing.MAX_DEPTH} levels)"
     assert where(err).startswith(f"{FILE}:{LINE}:")
 
 
@@ -466,7 +454,7 @@ def test_too_deep_unary_and_calls(text):
 )
 def test_long_operator_chains_are_refused_not_crashing(text):
     err = error(text)
-    assert err.message == f"expression is nested too deeply (more than {expr.MAX_TREE_DEPTH} levels of operations)"
+    assert err.message == f"expression is nested too deeply (more than {parsing.MAX_TREE_DEPTH} levels of operations)"
     assert err.hint == "group long chains with parentheses, e.g. (a or b) or (c or d)"
 
 
@@ -478,7 +466,7 @@ def test_moderate_chains_are_fine():
 def test_over_long_expression():
     text = "kv_pos <= q_pos and " * 250 + "true"
     err = error(text)
-    assert err.message == f"expression is {len(text)} characters long; the limit is {expr.MAX_EXPR_CHARS}"
+    assert err.message == f"expression is {len(text)} characters long; the limit is {parsing.MAX_EXPR_CHARS}"
     assert where(err) == at(0)
 
 
@@ -689,7 +677,8 @@ def test_a_float_literal_is_rounded_once():
     """1.0000000596046448 is just above the tie between 1 and 1 + 2^-23: C++ rounds `...f` up,
     while rounding through the double lands on the tie and rounds to even (1.0)."""
     from variantgen.codegen import expressions as codegen
-    from variantgen.lang.expr import float32_of_decimal, to_float32
+    from variantgen.lang.nodes import to_float32
+    from variantgen.lang.parsing import float32_of_decimal
 
     assert to_float32(float("1.0000000596046448")) == 1.0
     assert float32_of_decimal("1.0000000596046448") == 1.0000001192092896 == 1 + 2**-23

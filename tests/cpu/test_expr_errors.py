@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from variantgen.core.errors import SpecError
-from variantgen.lang import expr
+from variantgen.lang import expr, nodes, parsing
 from variantgen.lang.spec import parse_spec
 
 
@@ -66,13 +66,13 @@ def test_only_follow_on_uses_give_no_extra_error():
 
 def test_typecheck_outside_the_loader_raises_all_errors_in_order():
     env = expr.TypeEnv(scalars={}, tensors={})
-    src = expr.SourceText("b1 + a1 > c1", "f.yaml", ((1, 1),), "mask")
-    err = pytest.raises(expr.ExprErrors, expr.parse_typed, src, env, expr.Type.BOOL).value
+    src = parsing.SourceText("b1 + a1 > c1", "f.yaml", ((1, 1),), "mask")
+    err = pytest.raises(expr.ExprErrors, expr.parse_typed, src, env, nodes.Type.BOOL).value
     assert [e.location.col for e in err.errors] == [1, 6, 11]
     assert isinstance(err, SpecError)
 
 
 def test_a_valid_expression_still_types():
-    env = expr.TypeEnv(scalars={"w": expr.Type.INT}, tensors={})
-    node = expr.parse_typed(expr.SourceText("kv_pos <= q_pos and q_pos - kv_pos < w"), env, expr.Type.BOOL)
-    assert node.ty is expr.Type.BOOL and expr.POISON not in {n.ty for n in expr.walk(node)}
+    env = expr.TypeEnv(scalars={"w": nodes.Type.INT}, tensors={})
+    node = expr.parse_typed(parsing.SourceText("kv_pos <= q_pos and q_pos - kv_pos < w"), env, nodes.Type.BOOL)
+    assert node.ty is nodes.Type.BOOL and expr.POISON not in {n.ty for n in nodes.walk(node)}

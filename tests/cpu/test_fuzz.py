@@ -23,9 +23,10 @@ import variantgen
 from variantgen.codegen import expressions as codegen
 from variantgen.codegen.render import ModuleConfig, kernel_args, render_module
 from variantgen.core.errors import MAX_SPEC_ERRORS, SpecError, SpecErrors
-from variantgen.lang import expr
-from variantgen.lang import spec as spec_mod
-from variantgen.lang.expr import SourceText, Type, TypeEnv
+from variantgen.lang import expr, nodes, parsing, yaml_reader
+from variantgen.lang.expr import TypeEnv
+from variantgen.lang.nodes import Type
+from variantgen.lang.parsing import SourceText
 from variantgen.tools.cli import main as cli_main
 
 _COMMON = dict(
@@ -99,8 +100,8 @@ def exercise(spec) -> None:
         assert MARKER not in "\n".join(module.files.values())
 
 
-def shallow(node: expr.Node) -> bool:
-    return expr._deeper_than(node, ROUND_TRIP_DEPTH) is None
+def shallow(node: nodes.Node) -> bool:
+    return parsing._deeper_than(node, ROUND_TRIP_DEPTH) is None
 
 
 def _canonical_yaml(spec) -> str:
@@ -325,20 +326,20 @@ def test_binary_junk_files(tmp_path_factory, data):
 def check_expr(text: str, env: TypeEnv = ENV, expect: Type | None = None):
     src = SourceText(text)
     try:
-        tree = expr.parse(src)
+        tree = parsing.parse(src)
     except SpecError as e:
         assert EXPR_LOCATED.match(str(e)), str(e)
         return None
     # a parsed tree prints back to text that parses to the same tree
     if shallow(tree):
-        assert expr.parse(expr.to_source(tree)) == tree
+        assert parsing.parse(nodes.to_source(tree)) == tree
     try:
         typed = expr.typecheck(tree, env, src, expect)
     except SpecError as e:
         for one in getattr(e, "errors", [e]):  # (ExprErrors: every independent error, each located)
             assert EXPR_LOCATED.match(str(one)), str(one)
         return None
-    assert all(n.ty is not None for n in expr.walk(typed))
+    assert all(n.ty is not None for n in nodes.walk(typed))
     return typed
 
 
@@ -368,7 +369,7 @@ def test_generated_expressions(text, expect):
     spec = check_spec(yaml.safe_dump(doc, sort_keys=False))
     assert spec is not None
     if shallow(spec.mask):
-        assert expr.parse(spec.canonical()["mask"]) == spec.mask
+        assert parsing.parse(spec.canonical()["mask"]) == spec.mask
 
 
 @FUZZ
@@ -417,7 +418,7 @@ def test_injection_in_argument_names_is_refused(payload, section):
     with pytest.raises(SpecError) as info:
         variantgen.parse_spec(text, PATH)
     err = errors_of(info.value)
-    assert len(err) == 1 and err[0].field == spec_mod._shown(f"{section}.{payload}"), str(info.value)
+    assert len(err) == 1 and err[0].field == yaml_reader._shown(f"{section}.{payload}"), str(info.value)
     assert "\n" not in err[0].field and all(ch.isprintable() for ch in err[0].field)
     assert LOCATED.match(str(info.value))
 
@@ -460,7 +461,7 @@ logits: logits*1.0   # {MARKER}_EXPR_COMMENT
     quoted = [line for line in sources.splitlines() if "ids[kv_row]==ids[q_kv_row]" in line]
     assert quoted and all(line.lstrip().startswith("//") for line in quoted)
     assert "kv_pos <= q_pos and ids[kv_row]==ids[q_kv_row] and (win < 0" in sources  # one space between words
-    assert all(f"{line}\n" in sources for line in codegen.comment_lines(expr.to_source(spec.mask)))
+    assert all(f"{line}\n" in sources for line in codegen.comment_lines(nodes.to_source(spec.mask)))
     assert "params.ids[" in sources and "arg_win" in sources
     # every identifier that reads params comes from a declared argument or FlashInfer's own fields
     fields = set(re.findall(r"\bparams\.([A-Za-z_]\w*)", sources))

@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from variantgen.codegen import render
-from variantgen.lang import expr
+from variantgen.lang import expr, nodes, parsing
 from variantgen.lang.evaluate import Evaluator
 from variantgen.lang.spec import parse_spec
 
@@ -51,7 +51,7 @@ int main() {{
   return 0;
 }}
 """
-INT32 = st.integers(min_value=expr.INT32_MIN, max_value=expr.INT32_MAX)
+INT32 = st.integers(min_value=nodes.INT32_MIN, max_value=nodes.INT32_MAX)
 EDGES = [0, 1, -1, 2, -2, 31, 32, 33, -31, -32, -33, 63, 64, 7, -7, 2**31 - 1, -(2**31), 2**30, -(2**30),
          0x55555555, -0x55555556]
 
@@ -75,9 +75,9 @@ def run_cxx(binary, op: str, pairs: list[tuple[int, int]]) -> list[int]:
 
 
 SPEC = parse_spec("name: h\nmask: bit(q_pos, kv_pos) or q_pos // kv_pos == q_pos % kv_pos\n")
-TREES = {"bit": expr.parse_typed(expr.SourceText("bit(q_pos, kv_pos)"), SPEC.type_env()),
-         "floordiv": expr.parse_typed(expr.SourceText("q_pos // kv_pos"), SPEC.type_env()),
-         "mod": expr.parse_typed(expr.SourceText("q_pos % kv_pos"), SPEC.type_env())}
+TREES = {"bit": expr.parse_typed(parsing.SourceText("bit(q_pos, kv_pos)"), SPEC.type_env()),
+         "floordiv": expr.parse_typed(parsing.SourceText("q_pos // kv_pos"), SPEC.type_env()),
+         "mod": expr.parse_typed(parsing.SourceText("q_pos % kv_pos"), SPEC.type_env())}
 
 
 def run_reference(op: str, pairs: list[tuple[int, int]]) -> list[int]:
@@ -90,7 +90,7 @@ def run_reference(op: str, pairs: list[tuple[int, int]]) -> list[int]:
 
 # INT32_MIN // -1 is 2^31, outside the int range (the language's contract): the reference says
 # 2^31 (int64), the kernel wraps to INT32_MIN. Every other pair must agree exactly.
-OUT_OF_RANGE = {("floordiv", (expr.INT32_MIN, -1)): expr.INT32_MIN}
+OUT_OF_RANGE = {("floordiv", (nodes.INT32_MIN, -1)): nodes.INT32_MIN}
 
 
 def check(binary, op: str, pairs: list[tuple[int, int]]) -> None:
@@ -108,8 +108,8 @@ def test_helpers_agree_with_the_reference_on_edge_ints(helpers_binary, op):
 def test_division_by_minus_one_is_defined_at_int32_min(helpers_binary):
     """INT32_MIN / -1 traps on x86 and is undefined C++: the helpers special-case -1 (the mask
     of a spec dividing by a scalar that is -1 must not take a process down when run on a host)."""
-    assert run_cxx(helpers_binary, "floordiv", [(expr.INT32_MIN, -1), (7, -1)]) == [expr.INT32_MIN, -7]
-    assert run_cxx(helpers_binary, "mod", [(expr.INT32_MIN, -1), (7, -1)]) == [0, 0]
+    assert run_cxx(helpers_binary, "floordiv", [(nodes.INT32_MIN, -1), (7, -1)]) == [nodes.INT32_MIN, -7]
+    assert run_cxx(helpers_binary, "mod", [(nodes.INT32_MIN, -1), (7, -1)]) == [0, 0]
 
 
 def test_clamp_agrees_with_the_reference_clamp(helpers_binary):
@@ -181,7 +181,7 @@ def test_the_planners_bounds_do_not_wrap_at_int32(tmp_path):
     subprocess.run([CXX, "-std=c++17", "-O0", "-fsanitize=signed-integer-overflow",
                     "-fno-sanitize-recover=all", "-o", str(binary), str(source)], check=True, capture_output=True,
                    timeout=120)
-    cases = [(q, w, 9) for q in (0, 4, 7, 8) for w in (0, 3, expr.INT32_MAX)]
+    cases = [(q, w, 9) for q in (0, 4, 7, 8) for w in (0, 3, nodes.INT32_MAX)]
     done = subprocess.run([str(binary)], input="".join(f"{q} {w} {k}\n" for q, w, k in cases), capture_output=True,
                           text=True, check=True, timeout=60)
     got = [tuple(int(v) for v in line.split()) for line in done.stdout.splitlines()]

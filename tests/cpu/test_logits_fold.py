@@ -16,7 +16,7 @@ import variantgen
 from variantgen.codegen import expressions as codegen
 from variantgen.codegen import logits_fold, render
 from variantgen.codegen.logits_fold import fold
-from variantgen.lang import expr
+from variantgen.lang import nodes
 from variantgen.lang.evaluate import Evaluator
 from variantgen.lang.spec import parse_spec
 
@@ -62,8 +62,8 @@ def test_what_is_folded(logits, out, score, body, hoisted):
     f = fold(spec_with(logits))
     assert (f.out_scale.source() if f.out_scale else "") == out
     assert (f.in_scale.source() if f.in_scale else "") == score
-    assert expr.to_source(f.body) == body
-    assert [expr.to_source(n) for n in f.hoisted] == hoisted
+    assert nodes.to_source(f.body) == body
+    assert [nodes.to_source(n) for n in f.hoisted] == hoisted
 
 
 ARGS = [{}, {"soft_cap": 0.3, "temp": 4.0, "t": -0.25, "neg": 3.0, "n": 7}, {"soft_cap": 1e4, "t": 11.0}]
@@ -105,7 +105,7 @@ def test_every_shipped_transform_folded_is_the_transform():
         torch.testing.assert_close(folded.expand_as(written), written.expand_as(folded), rtol=2e-5, atol=2e-5)
     assert seen >= 2  # softcap and alibi
     f = fold(variantgen.resolve_spec("softcap"))
-    assert (f.out_scale.source(), f.in_scale.source(), expr.to_source(f.body)) == ("soft_cap", "1 / soft_cap",
+    assert (f.out_scale.source(), f.in_scale.source(), nodes.to_source(f.body)) == ("soft_cap", "1 / soft_cap",
                                                                                   "tanh(logits)")
 
 
@@ -225,7 +225,7 @@ def test_folded_variants_compile(vg_env, toolchain, tmp_path, backend, kind, uni
 
     spec = variantgen.parse_spec(FOLDING, "folding.yaml")
     f = fold(spec)
-    assert (f.out_scale.source(), f.in_scale.source(), [expr.to_source(n) for n in f.hoisted]) == (
+    assert (f.out_scale.source(), f.in_scale.source(), [nodes.to_source(n) for n in f.hoisted]) == (
         "soft_cap", "(sqrt(temp) / soft_cap)", ["sqrt(temp)"])
     config = render.ModuleConfig(spec, 64, 64, "bf16", "bf16", "bf16", "9.0a", backend, kind=kind)
     module = config.render()

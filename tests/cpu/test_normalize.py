@@ -23,7 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from variantgen import parse_spec
-from variantgen.lang.expr import Binary, Const, Node, Type, Unary, parse, to_source
+from variantgen.lang.nodes import Binary, Const, Node, Type, Unary, to_source
+from variantgen.lang.parsing import parse
 from variantgen.lang.spec import load_spec
 from variantgen.planning.cost import batch_cost, visible_keys
 from variantgen.planning.intervals import analyze, row_intervals

@@ -626,7 +626,7 @@ def test_the_mask_comment_keeps_the_spec_text_next_to_the_canonical_form():
         assert text_lines[0].startswith("(kv_pos <= q_pos and (causal_window_left < 0 or")
         assert f"// mask:   {text_lines[0]}\n" in header
         assert all(f"//         {line}\n" in header for line in text_lines[1:])
-        assert f"//   i.e.  {codegen.comment_lines(variantgen.lang.expr.to_source(spec.mask))[0]}\n" in header
+        assert f"//   i.e.  {codegen.comment_lines(variantgen.lang.nodes.to_source(spec.mask))[0]}\n" in header
         # and in the hook, above the code
         hook = variant[variant.index("REGISTER_LOGITS_"):]
         assert all(f"// {line}\n" in hook for line in text_lines)

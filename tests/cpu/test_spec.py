@@ -13,9 +13,9 @@ from conftest import SPEC_FILES, SPECS_DIR
 import variantgen
 from variantgen.core import errors as errors_mod
 from variantgen.core.errors import SpecError, SpecErrors
-from variantgen.lang import expr
+from variantgen.lang import nodes, parsing, yaml_loader, yaml_reader
 from variantgen.lang import spec as spec_mod
-from variantgen.lang.expr import Type
+from variantgen.lang.nodes import Type
 from variantgen.lang.reserved import reserved_reason
 
 CAUSAL = "name: x\nmask: kv_pos <= q_pos\n"
@@ -58,9 +58,9 @@ def test_every_shipped_spec_loads(path):
     assert spec.backends == ("fa2", "fa3", "flex")  # every backend of capabilities.TABLE by default
     if spec.logits is not None:
         assert spec.logits.ty in (Type.FLOAT, Type.INT)
-        assert "logits" in expr.names_used(spec.logits)
+        assert "logits" in nodes.names_used(spec.logits)
     # the canonical form is stable and re-parses to the same tree
-    assert expr.parse(spec.canonical()["mask"]) == spec.mask
+    assert parsing.parse(spec.canonical()["mask"]) == spec.mask
     assert len(spec.digest) == 64 and spec.digest == variantgen.load_spec(path).digest
     for name in spec.tensor_names + spec.scalar_names:
         assert spec_mod.ARG_RE.match(name)
@@ -74,7 +74,7 @@ def test_shipped_spec_details():
     assert [s.default for s in mm.scalars] == [-1, -1]
     softcap = variantgen.load_spec(SPECS_DIR / "softcap.yaml")
     assert softcap.scalars[0].default == 50.0 and isinstance(softcap.scalars[0].default, float)
-    assert expr.to_source(softcap.logits) == "(soft_cap * tanh((logits / soft_cap)))"
+    assert nodes.to_source(softcap.logits) == "(soft_cap * tanh((logits / soft_cap)))"
     assert softcap.uses("soft_cap") and softcap.uses("logits") and not softcap.uses("q_idx")
 
 
@@ -133,7 +133,7 @@ SINKS = "name: x\ntensors:\n  sinks: {dtype: float32, shape: [num_qo_heads]}\nma
 def test_sink_is_a_float_expression_per_head(spec_from):
     spec = spec_from(SINKS + "scalars:\n  bias: {dtype: float, default: 0.5}\nsink: sinks[qo_head] + bias\n")
     assert spec.sink.ty is Type.FLOAT and spec.sink_text == "sinks[qo_head] + bias"
-    assert expr.to_source(spec.sink) == "(sinks[qo_head] + bias)"
+    assert nodes.to_source(spec.sink) == "(sinks[qo_head] + bias)"
     assert spec.uses("sinks") and spec.uses("bias") and "sink" in spec.locations
     assert spec.canonical()["sink"] == "(sinks[qo_head] + bias)"
     # an int sink is a float logit; `request`, the lengths and kv_head are the same for a head's rows
@@ -152,8 +152,8 @@ def test_a_spec_without_a_sink_keeps_its_digest():
 
 def test_a_plain_number_is_a_constant_sink():
     """`sink: 0` is the "softmax + 1" denominator (a sink logit fixed at 0); numbers read as expressions."""
-    assert expr.to_source(variantgen.parse_spec(CAUSAL + "sink: 0\n").sink) == "0"
-    assert expr.to_source(variantgen.parse_spec(CAUSAL + "sink: -1.5e2\n").sink) == "-150.0"
+    assert nodes.to_source(variantgen.parse_spec(CAUSAL + "sink: 0\n").sink) == "0"
+    assert nodes.to_source(variantgen.parse_spec(CAUSAL + "sink: -1.5e2\n").sink) == "-150.0"
     err = one(CAUSAL + "sink: 0x1F\n")
     assert err.field == "sink" and str(err.location) == "spec.yaml:3:8"
     assert one(CAUSAL + "sink: [1]\n").message == "expected an expression (text), got a list"
@@ -432,7 +432,7 @@ def test_python_keywords_are_refused(section):
         assert str(err.location) == "spec.yaml:4:3" and err.field == f"{section}.{name}"
         if reserved_reason(name) is not None:  # (a C++ macro: refused as such first)
             assert err.message == f"{reserved_reason(name)}; choose another name", name
-        elif name in spec_mod.CPP_KEYWORDS or name in expr.KEYWORDS:  # (refused as such first)
+        elif name in spec_mod.CPP_KEYWORDS or name in parsing.KEYWORDS:  # (refused as such first)
             assert err.message == RESERVED_MSG.format(name), name
         else:
             assert err.message == PYTHON_KEYWORD_MSG.format(name), name
@@ -624,8 +624,8 @@ def test_deep_flow_nesting_is_refused_quickly():
     start = time.perf_counter()
     err = fails("name: x\nmask: kv_pos <= q_pos\ndescription: " + "[" * 200_000 + "\n")
     assert time.perf_counter() - start < 5
-    assert str(err).splitlines()[0] == (f"spec.yaml:3:{14 + spec_mod.MAX_YAML_DEPTH}: invalid YAML: collections "
-                                        f"are nested more than {spec_mod.MAX_YAML_DEPTH} levels deep")
+    assert str(err).splitlines()[0] == (f"spec.yaml:3:{14 + yaml_loader.MAX_YAML_DEPTH}: invalid YAML: collections "
+                                        f"are nested more than {yaml_loader.MAX_YAML_DEPTH} levels deep")
     assert err.hint is None and len(str(err)) < 400  # the line is shown around the caret only
 
 
@@ -643,10 +643,10 @@ def test_nesting_within_the_limit_is_only_a_type_error():
 
 def test_too_many_yaml_nodes():
     err = fails("name: x\nmask: kv_pos <= q_pos\nbackends: [" + "fa2, " * 30_000 + "]\n")
-    assert err.message == f"spec has more than {spec_mod.MAX_YAML_NODES} YAML nodes"
+    assert err.message == f"spec has more than {yaml_loader.MAX_YAML_NODES} YAML nodes"
     # located at the first node past the limit, an item of the list: refused while the list was read
     assert err.location.line == 3 and err.source_line[err.location.col - 1:].startswith("fa2, ")
-    assert err.location.col < 5 * spec_mod.MAX_YAML_NODES + 20
+    assert err.location.col < 5 * yaml_loader.MAX_YAML_NODES + 20
 
 
 # ----------------------------------------------------------------------------- files
@@ -740,7 +740,7 @@ def test_mask_written_as_a_yaml_bool_or_number():
 
 
 def test_quoted_true_mask_is_fine(spec_from):
-    assert expr.to_source(spec_from("name: x\nmask: 'true'\n").mask) == "true"
+    assert nodes.to_source(spec_from("name: x\nmask: 'true'\n").mask) == "true"
 
 
 def test_logits_transform_that_never_reads_logits():
@@ -864,7 +864,7 @@ def test_a_long_path_is_printed_once_and_the_message_is_capped():
     rendered = str(err)
     assert len(rendered) < 8_000 and rendered.count("/spec.yaml") == 1
     assert rendered.splitlines()[1].startswith("  3:1: k0: unknown field")
-    assert rendered.endswith(f"  ... and {30 - spec_mod.MAX_SPEC_ERRORS} more error(s)")
+    assert rendered.endswith(f"  ... and {30 - errors_mod.MAX_SPEC_ERRORS} more error(s)")
     single = pytest.raises(SpecError, variantgen.parse_spec, CAUSAL + "k0: 1\n", path).value
     assert len(str(single)) < 1_500 and "/spec.yaml:3:1: k0: unknown field" in str(single)
 
@@ -883,8 +883,8 @@ def test_single_error_is_not_wrapped():
 
 
 def test_spec_errors_render_each_error():
-    a = SpecError("first", spec_mod.Location("f.yaml", 1, 2), field="x")
-    b = SpecError("second", spec_mod.Location("f.yaml", 3, 4), hint="try this")
+    a = SpecError("first", errors_mod.Location("f.yaml", 1, 2), field="x")
+    b = SpecError("second", errors_mod.Location("f.yaml", 3, 4), hint="try this")
     both = SpecErrors([a, b])
     assert str(both) == "f.yaml: 2 errors\n  1:2: x: first\n  3:4: second\n    hint: try this"
     assert both.message == "first" and both.errors == [a, b]
@@ -908,7 +908,7 @@ def test_spec_name_with_a_line_break_is_refused(text):
 def test_argument_name_with_a_trailing_newline_is_refused(section, name):
     decl = "{dtype: int32, shape: [batch]}" if section == "tensors" else "{dtype: int, default: 0}"
     err = one(f'{CAUSAL}{section}:\n  "{name}": {decl}\n')
-    assert err.field == spec_mod._shown(f"{section}.{name[:-2]}\n")
+    assert err.field == yaml_reader._shown(f"{section}.{name[:-2]}\n")
     assert err.message.startswith(f"argument name {name[:-2] + chr(10)!r} must match [a-z][a-z0-9_]{{0,31}}")
 
 
@@ -955,8 +955,8 @@ def test_errors_per_file_are_capped():
     finally:
         tracemalloc.stop()
     assert peak < 64 * 2**20  # the YAML tree; errors used to take gigabytes
-    assert isinstance(err, SpecErrors) and len(err.errors) == spec_mod.MAX_SPEC_ERRORS
-    assert err.more == 9_000 - spec_mod.MAX_SPEC_ERRORS
+    assert isinstance(err, SpecErrors) and len(err.errors) == errors_mod.MAX_SPEC_ERRORS
+    assert err.more == 9_000 - errors_mod.MAX_SPEC_ERRORS
     rendered = str(err)
     assert rendered.endswith(f"\n  ... and {err.more} more error(s)")
     assert rendered.startswith("spec.yaml: 9000 errors\n")
@@ -970,12 +970,12 @@ def test_errors_per_file_are_capped():
 def test_expression_errors_count_towards_the_cap():
     scalars = "".join(f"  s{i}: {{dtype: int, default: 1.5}}\n" for i in range(30))
     err = fails("name: x\nmask: nope\nscalars:\n" + scalars)
-    assert len(err.errors) == spec_mod.MAX_SPEC_ERRORS and err.more == 31 - spec_mod.MAX_SPEC_ERRORS
+    assert len(err.errors) == errors_mod.MAX_SPEC_ERRORS and err.more == 31 - errors_mod.MAX_SPEC_ERRORS
 
 
 def test_long_source_lines_are_shown_around_the_caret():
     text = "name: x\nmask: " + "kv_pos <= q_pos and " * 60 + "kv_poss > 0\n"
-    assert len(text) < expr.MAX_EXPR_CHARS
+    assert len(text) < parsing.MAX_EXPR_CHARS
     err = one(text)
     line, caret = str(err).splitlines()[1:3]
     assert line.startswith("    ...") and not line.endswith("...") and len(line) <= 4 + 3 + 100

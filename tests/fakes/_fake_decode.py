@@ -35,7 +35,7 @@ from _fake_kernel import (
     variant_window,
 )
 
-from variantgen.lang.spec import VariantSpec
+from variantgen.lang.values import VariantSpec
 from variantgen.wrappers.reference import softmax_attention
 
 

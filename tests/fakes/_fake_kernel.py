@@ -66,7 +66,7 @@ from variantgen.abi.table import (
 )
 from variantgen.codegen import logits_fold
 from variantgen.lang.evaluate import Evaluator
-from variantgen.lang.spec import VariantSpec
+from variantgen.lang.values import VariantSpec
 from variantgen.planning.planner import fa3_cta_tile_q
 from variantgen.wrappers.reference import softmax_attention
 

@@ -21,7 +21,7 @@ import torch
 
 from variantgen.codegen import expressions as codegen
 from variantgen.codegen import render
-from variantgen.lang.spec import VariantSpec
+from variantgen.lang.values import VariantSpec
 from variantgen.wrappers.reference import RequestGrid, grid_env, mask_for_request, sink_for_request, transform_logits
 
 CXX = shutil.which("g++") or shutil.which("c++")

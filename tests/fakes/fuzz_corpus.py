@@ -1,6 +1,7 @@
 """Token corpora shared by the fuzz tests (tests/cpu/test_fuzz.py) and the long run (bench/fuzz_long.py)."""
 
-from variantgen.lang.expr import TensorSig, Type, TypeEnv
+from variantgen.lang.expr import TensorSig, TypeEnv
+from variantgen.lang.nodes import Type
 
 YAML_TOKENS = [
     "name:", "mask:", "logits:", "sink:", "tensors:", "scalars:", "scales:", "backends:", "description:", "dtype:",

@@ -24,7 +24,7 @@ from ..build.cache import Cache
 from ..core.env import MAX_COUNT, settings
 from ..core.flags import check_flags
 from ..lang.library import resolve_spec
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from ..routing import capabilities
 from ..routing.capabilities import Request, Site, arch_of_capability, canonical_arch
 from ..routing.resolver import resolve

@@ -65,7 +65,7 @@ from ..core import env
 from ..core.errors import BuildError, CacheError, JitDisabledError, SpecError, ToolchainError
 from ..core.flags import flag_problem
 from ..lang.library import resolve_spec
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from ..routing import capabilities
 from ..routing.capabilities import BACKENDS, ArgNames, Request, Site, canonical_arch
 from ..routing.resolver import Resolution, resolve

@@ -38,7 +38,7 @@ from ..codegen.render import RenderedModule, SharedUnit, canonical_arch, render_
 from ..core.env import NVCC_FLAG_VARIABLES, settings
 from ..core.errors import BuildError, JitDisabledError, ToolchainError, first_compiler_error, system_failure
 from ..core.progress import BuildProgress
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from . import ninja as _ninja_run
 from . import objects as _objects
 from . import place as _place

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang import expr
-from ..lang.expr import REQUEST_ROWS, Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, row_index
-from ..lang.spec import TensorArg, VariantSpec
+from ..lang import nodes, parsing
+from ..lang.expr import REQUEST_ROWS, row_index
+from ..lang.nodes import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary
+from ..lang.values import TensorArg, VariantSpec
 
 # Built-in name -> local variable of the generated hook that holds it.
 BUILTIN_LOCALS = {
@@ -180,8 +181,8 @@ class _Emitter:
             width = "int64_t" if self.target.wide_ints else "int32_t"
             return f"{width}({v})" if v >= 0 else f"{width}({v}LL)"
         text = repr(float(v))
-        if expr.float32_of_decimal(text) != expr.to_float32(v):  # (the float32 the reference computes with)
-            text = repr(expr.to_float32(v))
+        if parsing.float32_of_decimal(text) != nodes.to_float32(v):  # (the float32 the reference computes with)
+            text = repr(nodes.to_float32(v))
         if "e" not in text and "." not in text:
             text += ".0"
         return f"{text}f"
@@ -401,4 +402,4 @@ def comment_lines(text: str, width: int = 84) -> list[str]:
 
 
 def describe(node: Node) -> str:
-    return comment_text(expr.to_source(node))
+    return comment_text(nodes.to_source(node))

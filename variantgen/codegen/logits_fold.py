@@ -29,9 +29,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang import expr
-from ..lang.expr import Binary, Call, Const, Index, Name, Node, Unary
-from ..lang.spec import VariantSpec
+from ..lang import nodes
+from ..lang.nodes import Binary, Call, Const, Index, Name, Node, Unary
+from ..lang.values import VariantSpec
 
 
 @dataclass(frozen=True)
@@ -49,12 +49,12 @@ class Factor:
 
     def key(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """Equal for factors that are the same product (term order aside)."""
-        return tuple(sorted(map(expr.to_source, self.muls))), tuple(sorted(map(expr.to_source, self.divs)))
+        return tuple(sorted(map(nodes.to_source, self.muls))), tuple(sorted(map(nodes.to_source, self.divs)))
 
     def source(self) -> str:
         """The factor as spec text (for comments and the report of what was folded)."""
-        text = " * ".join(expr.to_source(n) for n in self.muls) or "1"
-        return text + "".join(f" / {expr.to_source(n)}" for n in self.divs)
+        text = " * ".join(nodes.to_source(n) for n in self.muls) or "1"
+        return text + "".join(f" / {nodes.to_source(n)}" for n in self.divs)
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ class FoldedLogits:
 def is_uniform(node: Node, spec: VariantSpec) -> bool:
     """Whether ``node`` has one value per launch: constants and spec scalars only."""
     scalars = {s.name for s in spec.scalars}
-    for n in expr.walk(node):
+    for n in nodes.walk(node):
         if isinstance(n, Index) or (isinstance(n, Name) and n.id not in scalars):
             return False
     return True
@@ -139,15 +139,15 @@ def _logits_uses(node: Node, spec: VariantSpec, out: list[tuple[Node, Factor]]) 
 def _replace(node: Node, targets: set[int]) -> Node:
     """``node`` with the subtrees in ``targets`` (by identity) replaced by ``logits``."""
     if id(node) in targets:
-        return Name(pos=node.pos, ty=expr.Type.FLOAT, id="logits")
+        return Name(pos=node.pos, ty=nodes.Type.FLOAT, id="logits")
     if isinstance(node, Binary):
         return Binary(node.pos, node.ty, node.op, _replace(node.left, targets), _replace(node.right, targets))
     if isinstance(node, Unary):
         return Unary(node.pos, node.ty, node.op, _replace(node.operand, targets))
     if isinstance(node, Call):
         return Call(node.pos, node.ty, node.func, tuple(_replace(a, targets) for a in node.args))
-    if isinstance(node, expr.Cond):
-        return expr.Cond(node.pos, node.ty, *(_replace(c, targets) for c in node.children()))
+    if isinstance(node, nodes.Cond):
+        return nodes.Cond(node.pos, node.ty, *(_replace(c, targets) for c in node.children()))
     if isinstance(node, Index):
         return Index(node.pos, node.ty, node.tensor, tuple(_replace(i, targets) for i in node.indices))
     return node

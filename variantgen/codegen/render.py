@@ -33,8 +33,8 @@ from ..abi import table as plan_abi
 from ..abi.table import MaskMode
 from ..core.env import TEMPLATES_DIR, settings
 from ..core.errors import VariantgenError
-from ..lang import expr
-from ..lang.spec import VariantSpec
+from ..lang import nodes
+from ..lang.values import VariantSpec
 from ..routing.capabilities import KINDS, canonical_arch
 from ..routing.config import DEFAULT_MASK_MODES, DTYPES, FA2_CTA_TILES_Q, MASK_MODES, ModuleConfig  # noqa: F401 (re-exported)
 from . import expressions as codegen
@@ -242,12 +242,12 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
         "struct_name": struct_name(spec),
         # The spec's own text and the canonical form, for comments (made safe, wrapped).
         "mask_text": codegen.comment_lines(spec.mask_text),
-        "mask_canonical": codegen.comment_lines(expr.to_source(spec.mask)),
+        "mask_canonical": codegen.comment_lines(nodes.to_source(spec.mask)),
         "mask_code": mask.broken(),
         "mask_locals": codegen.hook_locals(mask.builtins, target=target),
         "logits": logits is not None,
         "logits_text": codegen.comment_lines(spec.logits_text or "") if logits else [],
-        "logits_canonical": codegen.comment_lines(expr.to_source(spec.logits)) if logits else [],
+        "logits_canonical": codegen.comment_lines(nodes.to_source(spec.logits)) if logits else [],
         "logits_code": logits.code if logits else "",
         "logits_hoisted": logits.hoisted if logits else (),
         "logits_scales": _logits_scales(logits, "args" if config.backend == "fa3" else "params") if logits else "",

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from .expr import REQUEST_ROWS, Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, row_index
-from .spec import VariantSpec
+from .expr import REQUEST_ROWS, row_index
+from .nodes import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary
+from .values import VariantSpec
 
 _SCALAR_TORCH_TYPES = {Type.BOOL: torch.bool, Type.INT: torch.int64, Type.FLOAT: torch.float32}
 _FUNCTIONS = {"tanh": torch.tanh, "exp": torch.exp, "log": torch.log, "sqrt": torch.sqrt, "sigmoid": torch.sigmoid}

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from ..core.env import SPECS_DIR
 from ..core.errors import Location, SpecError
-from .spec import VariantSpec
 from .spec import load_spec as load_spec_file
+from .values import VariantSpec
 
 log = logging.getLogger("variantgen.lang.library")
 

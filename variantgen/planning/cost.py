@@ -29,7 +29,7 @@ import torch
 
 from ..abi.table import RowClass
 from ..lang.evaluate import Evaluator
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from .intervals import IntervalForm, analyze, decided_terms, row_intervals
 from .plan import LaunchRequest
 

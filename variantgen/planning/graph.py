@@ -38,7 +38,7 @@ import torch
 
 from ..abi.table import FA3_MAX_WINDOW_LAUNCHES
 from ..core.errors import LaunchError
-from ..lang.expr import INT32_MAX
+from ..lang.nodes import INT32_MAX
 
 
 def _positive(name: str, value: object) -> int:

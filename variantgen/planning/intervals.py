@@ -30,8 +30,8 @@ import torch
 from ..abi.table import NO_INTERVAL
 from ..core.errors import LaunchError
 from ..lang.evaluate import Evaluator
-from ..lang.expr import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
-from ..lang.spec import VariantSpec
+from ..lang.nodes import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
+from ..lang.values import VariantSpec
 from .normalize import normalize
 
 KEY_NAMES = {"kv_pos", "kv_row"}

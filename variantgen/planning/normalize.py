@@ -35,8 +35,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from ..lang.expr import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, names_used
-from ..lang.spec import VariantSpec
+from ..lang.nodes import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, names_used
+from ..lang.values import VariantSpec
 
 KEY_NAMES = frozenset({"kv_pos", "kv_row"})
 HEAD_NAMES = frozenset({"qo_head", "kv_head"})

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.expr import Binary, Node, names_used, to_source
-from ..lang.spec import VariantSpec
+from ..lang.nodes import Binary, Node, names_used, to_source
+from ..lang.values import VariantSpec
 from .intervals import KEY_NAMES, _atom, analyze
 from .normalize import Rewriter, normalize, positive_scalars
 

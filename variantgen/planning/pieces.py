@@ -47,7 +47,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ..abi.table import MAX_PIECES, SEG_FIELDS, RowClass, SegField
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from .intervals import BIG, IntervalForm, RowIntervals, decided_terms, row_intervals, term_bounds
 from .rowrules import classify_intervals, row_env, segments
 

@@ -47,7 +47,7 @@ from ..abi.table import (
 )
 from ..core.errors import LaunchError
 from ..core.staging import INT_WORKSPACE_BYTES, HostStaging, IntWorkspaces
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from .graph import GraphBuffers, GraphCapacity, slot_name
 from .intervals import analyze
 from .pieces import MergeRows, may_split, merge_rows, piece_segments

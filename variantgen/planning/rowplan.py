@@ -29,7 +29,7 @@ from ..codegen import expressions as codegen
 from ..codegen.render import KernelArg, RenderedModule, canonical_arch, environment, plan_sources, template_digest
 from ..core.errors import JitDisabledError
 from ..core.staging import HostStaging
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from .intervals import IntervalForm, analyze, args_read
 
 log = logging.getLogger("variantgen.planning.rowplan")

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..abi.table import CUSTOM_ROWS, NO_INTERVAL, SEG_FIELDS, TAIL_MAX_QO_LEN, RecField, RowClass, SegField
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from .intervals import IntervalForm, RowIntervals, row_intervals
 
 DENSE, CAUSAL, WINDOW, CUSTOM, TAIL = RowClass

@@ -29,10 +29,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from ..lang.spec import BACKENDS
+from ..lang.values import BACKENDS
 
 if TYPE_CHECKING:
-    from ..lang.spec import VariantSpec
+    from ..lang.values import VariantSpec
 
 KINDS = {
     "prefill": "paged-KV prefill",

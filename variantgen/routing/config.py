@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..abi import table as plan_abi
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from .capabilities import KINDS, MODULE_BACKENDS, TABLE, Request, Site, canonical_arch
 
 # FlashInfer's dtypes -> (C++ type, bytes)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from .capabilities import GRAPH_KINDS, TABLE, Request, Route, Site, no_graph_kind, preference
 from .config import DEFAULT_MASK_MODES, ModuleConfig
 

@@ -29,7 +29,8 @@ from typing import Any, Protocol
 import torch
 
 from ..core.env import REPO_DIR
-from ..lang.spec import ScalarArg, VariantSpec, load_spec
+from ..lang.spec import load_spec
+from ..lang.values import ScalarArg, VariantSpec
 from .harness import nan_positions_differ, poison_keys, within_range
 
 # ----------------------------------------------------------------------------- what is fuzzed

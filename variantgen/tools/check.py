@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..core.errors import VariantgenError
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from ..routing.capabilities import CLI_NAMES, Request
 
 log = logging.getLogger("variantgen.check")

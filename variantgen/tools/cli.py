@@ -33,7 +33,7 @@ from ..codegen.render import ModuleConfig
 from ..core import env
 from ..core.errors import SpecError, VariantgenError, printable
 from ..lang.library import resolve_spec, shipped_specs
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from ..routing.capabilities import BACKENDS, CLI_NAMES, KINDS, MODULE_BACKENDS, Request, Site, canonical_arch
 from ..routing.resolver import resolve
 from .explain import ARG_FORMS

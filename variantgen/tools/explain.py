@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..lang.spec import ScalarArg, TensorArg, VariantSpec
+from ..lang.values import ScalarArg, TensorArg, VariantSpec
 
 if TYPE_CHECKING:  # torch is imported where it is used: the CLI's help reads ARG_FORMS from here
     import torch

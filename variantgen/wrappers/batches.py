@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..lang.spec import ScalarArg, VariantSpec
+from ..lang.values import ScalarArg, VariantSpec
 from .spans import spans_to_ranges
 from .trees import random_tree_parents, tree_bits
 

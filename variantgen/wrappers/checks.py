@@ -70,8 +70,8 @@ from typing import Any
 import torch
 
 from ..core.errors import LaunchError, user_text
-from ..lang.expr import FLOAT32_MAX, INT32_MAX
-from ..lang.spec import VariantSpec, shown_value, value_fits
+from ..lang.nodes import FLOAT32_MAX, INT32_MAX
+from ..lang.values import VariantSpec, shown_value, value_fits
 from ..planning.plan import Batch
 
 INT32_PAGES = 1 << 31  # int32 page numbers: a cache of more pages holds every one of them

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 
 from ..lang.evaluate import Evaluator
-from ..lang.expr import Name, Type, names_used
-from ..lang.spec import VariantSpec
+from ..lang.nodes import Name, Type, names_used
+from ..lang.values import VariantSpec
 
 BLOCK = 128  # Flex's block size for queries and keys; lengths are padded to a multiple of it
 EVAL_CHUNK = 1 << 22  # mask elements evaluated per step when block masks come from the mask

@@ -46,9 +46,9 @@ import torch
 from ..core.errors import BackendError, LaunchError
 from ..core.flags import check_flags
 from ..lang.evaluate import Evaluator
-from ..lang.expr import names_used
 from ..lang.library import resolve_spec
-from ..lang.spec import VariantSpec
+from ..lang.nodes import names_used
+from ..lang.values import VariantSpec
 from ..planning.intervals import row_intervals, usable_form
 from ..planning.rowrules import row_env
 from ..routing.capabilities import FLEX, KINDS, canonical_dtype, graph_problem

@@ -35,8 +35,8 @@ from ..core.env import settings
 from ..core.errors import LaunchError
 from ..core.flags import check_flags
 from ..core.staging import HostStaging, IntWorkspaces
-from ..lang.expr import FLOAT32_MAX
-from ..lang.spec import VariantSpec, shown_value
+from ..lang.nodes import FLOAT32_MAX
+from ..lang.values import VariantSpec, shown_value
 from ..planning.graph import GraphCapacity
 from ..planning.intervals import IntervalForm, analyze, args_read, tensors_read, usable_form
 from ..planning.plan import Batch, Launch, Plan

@@ -33,7 +33,7 @@ from ..abi.table import META_COLUMNS, meta_rows
 from ..codegen.render import MASK_MODES
 from ..core.errors import LaunchError
 from ..core.flags import check_flags
-from ..lang.expr import Const
+from ..lang.nodes import Const
 from ..planning.plan import Batch
 from .checks import check_index_tensors, check_indptr_starts, check_plan_sizes, refuse_grad
 from .paged import LAYOUT_CODES, TORCH_DTYPES, WrapperBase, host_lists
@@ -41,7 +41,7 @@ from .paged import LAYOUT_CODES, TORCH_DTYPES, WrapperBase, host_lists
 
 def launch_mask_mode(spec: Any, compiled: tuple[str, ...]) -> str:
     """The FlashInfer mask mode a ragged launch uses for ``spec`` (see the module doc)."""
-    from ..lang.expr import to_source
+    from ..lang.nodes import to_source
     from ..planning.intervals import analyze
 
     want = "custom"

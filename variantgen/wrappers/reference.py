@@ -20,7 +20,7 @@ import torch
 from ..core.errors import LaunchError
 from ..core.flags import check_flags
 from ..lang.evaluate import Evaluator
-from ..lang.spec import VariantSpec
+from ..lang.values import VariantSpec
 from ..planning.plan import Batch
 from .checks import (
     check_known,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..lang.expr import INT32_MAX
+from ..lang.nodes import INT32_MAX
 from .checks import to_device
 
 
