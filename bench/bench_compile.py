@@ -474,7 +474,7 @@ def fresh_cache(path: Path) -> Iterator[Path]:
 def module_configs(specs: list[str], *, backends: list[str], kinds: list[str], head_dim: tuple[int, int],
                    dtype: str, arch: str, with_planner: bool) -> tuple[list[Any], list[tuple[str, str]]]:
     """The modules to build (variantgen precompile's matrix) and the skipped combinations."""
-    from variantgen.tools.cli import expand_matrix
+    from variantgen.tools.cli_build import expand_matrix
 
     configs, skipped = expand_matrix(specs, [head_dim], [dtype], None, None, [arch], backends, kinds)
     if with_planner:

@@ -4,7 +4,7 @@
 Each case - a random batch over a module of the matrix below (the shipped specs, fa2 / fa3,
 paged prefill, decode on CUDA and tensor cores, ragged, CUDA-graph replays; page sizes 1-64,
 GQA groups 1-16, windows none / 0 / 1 / small / large, chunked prefill, random spec tensors,
-planner on / off) - is compared with the derived float32 reference (variantgen/testing/fuzzing.py:
+planner on / off) - is compared with the derived float32 reference (variantgen/testing/fuzz_*.py:
 tolerances by dtype, NaN never passes, outputs poisoned before each run) and, where FlashInfer
 has the same mask, with FlashInfer's own kernel; each plan runs twice, and a second run that
 writes other bits is a failure of its own ('nondeterministic': a race). Cases are spread over the targets by time so
@@ -44,8 +44,23 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from variantgen.testing import fuzzing as fz  # noqa: E402
-from variantgen.testing.fuzzing import TARGETS, FuzzCase, ModuleKey, Target  # noqa: E402
+from variantgen.testing import fuzz_compare, fuzz_run, fuzz_shrink  # noqa: E402
+from variantgen.testing.fuzz_cases import (  # noqa: E402
+    TARGET_BY_NAME,
+    TARGETS,
+    Batch,
+    FuzzCase,
+    ModuleKey,
+    Ranges,
+    Target,
+    shipped_spec,
+    to_json,
+)
+from variantgen.testing.fuzz_compare import TOLERANCES, Verdict, is_fatal  # noqa: E402
+from variantgen.testing.fuzz_draw import Limits, draw_case  # noqa: E402
+from variantgen.testing.fuzz_run import CacheModules, CaseRunner, Outcome  # noqa: E402
+from variantgen.testing.fuzz_shrink import Minimized, case_size  # noqa: E402
+from variantgen.testing.fuzz_tensors import CaseTensors, make_tensors  # noqa: E402
 from variantgen.testing.harness import source_commit  # noqa: E402
 
 SPECS = tuple(sorted(p.stem for p in (REPO / "specs").glob("*.yaml")))
@@ -199,7 +214,7 @@ def flashinfer_call(case: FuzzCase) -> FiCall | None:
     q/k/v scales, an empty request). ALiBi is not compared: FlashInfer's prefill biases by the
     query's index within the chunk, not its position, so it differs from the spec under chunked
     prefill."""
-    m, target = case.module, fz.TARGET_BY_NAME[case.target]
+    m, target = case.module, TARGET_BY_NAME[case.target]
     if (m.head_dim_qk, m.head_dim_vo, m.q_dtype, m.kv_dtype) != (128, 128, "bf16", "bf16"):
         return None
     if case.scales != (None, None, None) or 0 in case.batch.kv_lens:
@@ -247,7 +262,7 @@ class FlashInferComparer:
             call = flashinfer_call(case)
             assert call is not None and call.key == e.key, (e, call)
             try:
-                t = fz.make_tensors(case, case.batch, self.device)
+                t = make_tensors(case, case.batch, self.device)
                 self._run(e, call, case, t)
                 torch.cuda.synchronize()
                 self.status[e.name] = {"status": "ready", "seconds": round(time.perf_counter() - t1, 1)}
@@ -265,10 +280,10 @@ class FlashInferComparer:
                   "ragged": "fa2/ragged"}[e.api]
         scalars: dict[str, Any] = {"window": 8 if e.window else -1, "soft_cap": 30.0,
                                    "causal_window_left": -1, "range_window_left": -1}
-        names = [s.name for s in fz.shipped_spec(spec).scalars]
+        names = [s.name for s in shipped_spec(spec).scalars]
         decode = e.api == "decode"
-        tensors = (("ranges", fz.Ranges((((2, 9),),), ((),))),) if spec == "mm_prefix" else ()
-        batch = fz.Batch((1,) if decode else (12,), (40,), tensors, 0)
+        tensors = (("ranges", Ranges((((2, 9),),), ((),))),) if spec == "mm_prefix" else ()
+        batch = Batch((1,) if decode else (12,), (40,), tensors, 0)
         return FuzzCase(target, ModuleKey(spec), batch, 8, 2, 1 if e.api == "ragged" else 16,
                         scalars=tuple((n, scalars[n]) for n in names))
 
@@ -290,7 +305,7 @@ class FlashInferComparer:
             self.wrappers[e.name] = w
         return self.wrappers[e.name]
 
-    def _run(self, e: FiEntry, call: FiCall, case: FuzzCase, t: fz.CaseTensors) -> torch.Tensor:
+    def _run(self, e: FiEntry, call: FiCall, case: FuzzCase, t: CaseTensors) -> torch.Tensor:
         w = self._wrapper(e)
         hq, hkv, ps = case.num_qo_heads, case.num_kv_heads, case.page_size
         dt = dict(q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
@@ -310,7 +325,7 @@ class FlashInferComparer:
         w.plan(t.qo_indptr, t.kv_indptr, hq, hkv, 128, head_dim_vo=128, causal=True, **flags, **dt)
         return w.run(t.q, t.k, t.v)
 
-    def compare(self, case: FuzzCase, outcome: fz.Outcome) -> None:
+    def compare(self, case: FuzzCase, outcome: Outcome) -> None:
         """FlashInfer vs the reference (and vs ours) on the case's batch, where it has the mask."""
         call = flashinfer_call(case)
         if call is None:
@@ -325,13 +340,13 @@ class FlashInferComparer:
             return
         try:
             fi_out = self._run(entry, call, case, outcome.tensors)
-            v = fz.compare(fi_out, outcome.ref, "bf16")
+            v = fuzz_compare.compare(fi_out, outcome.ref, "bf16")
             diff = (fi_out.float() - outcome.out.float()).abs().max().item() if fi_out.numel() else 0.0
         except Exception as e:  # noqa: BLE001 - FlashInfer's own failures are counted, not ours
             st["errors"] += 1
             if st["errors"] <= 3:
                 self.disagreements.append({"entry": entry.name, "error": f"{type(e).__name__}: {e}"[:400],
-                                           "case": fz.to_json(case)})
+                                           "case": to_json(case)})
             return
         st["compared"] += 1
         self.max_diff[entry.name] = max(self.max_diff[entry.name], diff)
@@ -339,7 +354,7 @@ class FlashInferComparer:
             st["flashinfer_vs_reference_failed"] += 1
             if len(self.disagreements) < 20:
                 self.disagreements.append({"entry": entry.name, "verdict": dataclasses.asdict(v),
-                                           "max_abs_diff_vs_ours": diff, "case": fz.to_json(case)})
+                                           "max_abs_diff_vs_ours": diff, "case": to_json(case)})
 
     def results(self) -> dict[str, Any]:
         return {"entries": {e.name: {"describe": e.describe(), **self.status.get(e.name, {"status": "not set up"}),
@@ -358,13 +373,13 @@ class Config:
     seed: int = 0
     targets: tuple[str, ...] = tuple(t.name for t in TARGETS)
     specs: tuple[str, ...] = SPECS
-    limits: fz.Limits = fz.Limits()
+    limits: Limits = Limits()
     max_cases: int | None = None
     minimize_seconds: float = 120.0
     max_minimize: int = 12  # failure signatures (target, spec, kind) minimized
     session_reuse: float = 0.9  # graph targets: chance that a case replays in a live session
     max_sessions: int = 24  # live graph sessions (static buffers and a captured graph each)
-    poison: tuple[str, ...] = ()  # isolation cases: fz.POISONS values put into one request's K/V (--poison)
+    poison: tuple[str, ...] = ()  # isolation cases: POISONS values put into one request's K/V (--poison)
 
 
 @dataclass
@@ -380,7 +395,7 @@ class Counts:
     max_abs_err: float = 0.0
     max_rel_err: float = 0.0
 
-    def add(self, v: fz.Verdict, seconds: float) -> None:
+    def add(self, v: Verdict, seconds: float) -> None:
         self.cases += 1
         self.seconds += seconds
         if v.ok:
@@ -404,7 +419,7 @@ class TargetStats:
         self.specs[spec].skipped += 1
         self.skip_reasons[reason] += 1
 
-    def record(self, case: FuzzCase, v: fz.Verdict, seconds: float) -> None:
+    def record(self, case: FuzzCase, v: Verdict, seconds: float) -> None:
         self.total.add(v, seconds)
         self.specs[case.module.spec].add(v, seconds)
         self.verdicts[v.signature] += 1
@@ -421,7 +436,7 @@ class TargetStats:
                 "coverage": {k: dict(sorted(v.items())) for k, v in self.coverage.items()}}
 
 
-def _is_capacity_skip(target: Target, v: fz.Verdict) -> bool:
+def _is_capacity_skip(target: Target, v: Verdict) -> bool:
     """A graph-mode batch past the wrapper's documented capacity is refused by design, not a bug."""
     return target.graph and v.kind == "error" and "CUDA-graph capacity" in v.message
 
@@ -434,14 +449,14 @@ class Fuzzer:
     """One fuzz run: which modules can run here, the time-fair loop over the targets, the
     minimizing of what failed, the results."""
 
-    def __init__(self, cfg: Config, modules: fz.Modules, flashinfer: FlashInferComparer | None = None,
+    def __init__(self, cfg: Config, modules: fuzz_run.Modules, flashinfer: FlashInferComparer | None = None,
                  log: Callable[[str], None] = _print):
         self.cfg, self.modules, self.flashinfer, self.log = cfg, modules, flashinfer, log
-        self.targets = [fz.TARGET_BY_NAME[n] for n in cfg.targets]
+        self.targets = [TARGET_BY_NAME[n] for n in cfg.targets]
         self.stats = {t.name: TargetStats() for t in self.targets}
         self.available: dict[str, list[ModuleKey]] = {}
         self.missing: dict[tuple[str, str, ModuleKey], str] = {}  # (backend, module kind, module) -> why
-        self.failures: list[tuple[FuzzCase, fz.Verdict]] = []
+        self.failures: list[tuple[FuzzCase, Verdict]] = []
         self.fatal: str | None = None
         self.interrupted = False
         self.seconds = {"setup": 0.0, "fuzz": 0.0, "minimize": 0.0}
@@ -477,7 +492,7 @@ class Fuzzer:
         """Cases until the time (or case count) is spent: each from the target that has had the
         least time so far, on a random module of its matrix (a missing one is counted, skipped)."""
         cfg, master = self.cfg, random.Random(self.cfg.seed)
-        runner = fz.CaseRunner(self.modules, max_sessions=cfg.max_sessions)
+        runner = CaseRunner(self.modules, max_sessions=cfg.max_sessions)
         t0 = last_report = time.perf_counter()
         drawn = 0
         try:
@@ -501,7 +516,7 @@ class Fuzzer:
             self.log("  interrupted: writing what was found")
         self.seconds["fuzz"] = time.perf_counter() - t0
 
-    def _one_case(self, runner: fz.CaseRunner, target: Target, r: random.Random) -> bool:
+    def _one_case(self, runner: CaseRunner, target: Target, r: random.Random) -> bool:
         """Draw and run one case of ``target``; False when the draw hit a missing module."""
         st = self.stats[target.name]
         # Graph targets mostly replay in a live session (captured once, re-planned per batch).
@@ -519,8 +534,8 @@ class Fuzzer:
             self._lose(key, f"wrapper failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}")
             st.skip(m.spec, "module not available")
             return False
-        case = fz.draw_case(r, target, m, limits=self.cfg.limits, plans=plans, session=session,
-                            poison=self.cfg.poison)
+        case = draw_case(r, target, m, limits=self.cfg.limits, plans=plans, session=session,
+                         poison=self.cfg.poison)
         result = runner.run(case)
         v, dt = result.verdict, time.perf_counter() - t1
         if _is_capacity_skip(target, v):
@@ -536,7 +551,7 @@ class Fuzzer:
             self.flashinfer.compare(case, result.outcome)
         if not v.ok:
             self.failures.append((case, v))
-            if fz.is_fatal(v):
+            if is_fatal(v):
                 self.fatal = f"{case.label()}: {v.message}"
                 self.log(f"  FATAL (the CUDA context is lost, stopping): {self.fatal}")
         return True
@@ -546,11 +561,11 @@ class Fuzzer:
         others (up to 3 per signature) kept as found. Not after a lost CUDA context."""
         if self.fatal or self.interrupted:
             return
-        groups: dict[tuple[str, str, str], list[tuple[FuzzCase, fz.Verdict]]] = defaultdict(list)
+        groups: dict[tuple[str, str, str], list[tuple[FuzzCase, Verdict]]] = defaultdict(list)
         for case, v in self.failures:
             groups[(case.target, case.module.spec, v.signature)].append((case, v))
         out = []
-        runner = fz.CaseRunner(self.modules)  # fresh wrappers: a failure must not need the fuzz run's state
+        runner = CaseRunner(self.modules)  # fresh wrappers: a failure must not need the fuzz run's state
         t0 = time.perf_counter()
         budget = self.cfg.minimize_seconds
         try:
@@ -559,10 +574,10 @@ class Fuzzer:
                 case, v = items[0]
                 mz = None
                 if i < self.cfg.max_minimize and left > 0:
-                    mz = fz.minimize(case, v.signature, runner, budget_s=min(left, max(budget / 4, 10.0)))
+                    mz = fuzz_shrink.minimize(case, v.signature, runner, budget_s=min(left, max(budget / 4, 10.0)))
                     note = ("not reproduced in fresh wrappers (state the run left, or a race: run the case "
                             "many times)") if not mz.reproduced else \
-                        f"{fz.case_size(case)} -> {fz.case_size(mz.case)} in {mz.steps} runs"
+                        f"{case_size(case)} -> {case_size(mz.case)} in {mz.steps} runs"
                     self.log(f"  minimized {key}: {note}")
                 out.append(_failure_json(case, v, mz, self.cfg.seed))
                 out += [_failure_json(c, vv, None, self.cfg.seed) for c, vv in items[1:3]]
@@ -582,7 +597,7 @@ class Fuzzer:
             "config": {"seconds": cfg.seconds, "targets": list(cfg.targets), "specs": list(cfg.specs),
                        "limits": dataclasses.asdict(cfg.limits), "max_cases": cfg.max_cases,
                        "minimize_seconds": cfg.minimize_seconds, "max_minimize": cfg.max_minimize,
-                       "tolerances": {k: dict(zip(("atol", "rtol", "rel_norm"), v)) for k, v in fz.TOLERANCES.items()}},
+                       "tolerances": {k: dict(zip(("atol", "rtol", "rel_norm"), v)) for k, v in TOLERANCES.items()}},
             **{f"{k}_seconds": round(v, 2) for k, v in self.seconds.items()},
             "cases": sum(s.total.cases for s in stats.values()),
             "failed": sum(s.total.failed for s in stats.values()),
@@ -600,7 +615,7 @@ class Fuzzer:
         }
 
 
-def run_fuzz(cfg: Config, modules: fz.Modules, flashinfer: FlashInferComparer | None = None,
+def run_fuzz(cfg: Config, modules: fuzz_run.Modules, flashinfer: FlashInferComparer | None = None,
              log: Callable[[str], None] = _print,
              checkpoint: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Fuzz for ``cfg.seconds`` (or ``cfg.max_cases``), then minimize; returns the results.
@@ -614,21 +629,21 @@ def run_fuzz(cfg: Config, modules: fz.Modules, flashinfer: FlashInferComparer | 
     return f.results()
 
 
-def _failure_json(case: FuzzCase, v: fz.Verdict, mz: fz.Minimized | None, seed: int) -> dict[str, Any]:
-    target = fz.TARGET_BY_NAME[case.target]
+def _failure_json(case: FuzzCase, v: Verdict, mz: Minimized | None, seed: int) -> dict[str, Any]:
+    target = TARGET_BY_NAME[case.target]
     shown, verdict = (mz.case, mz.verdict) if mz is not None and mz.reproduced else (case, v)
     origin = f"bench/fuzz_gpu.py --seed {seed} ({source_commit()})"
     if mz is not None and mz.reproduced and mz.case != case:
-        origin += f", minimized from {fz.case_size(case)[0]} request(s) / {fz.case_size(case)[1]} query rows"
+        origin += f", minimized from {case_size(case)[0]} request(s) / {case_size(case)[1]} query rows"
     return {
         "target": case.target, "backend": target.backend, "kind": target.kind, "spec": case.module.spec,
         "module": case.module.label(), "label": case.label(), "verdict": dataclasses.asdict(v),
-        "case": fz.to_json(case),
-        "minimized": None if mz is None else {"case": fz.to_json(mz.case), "verdict": dataclasses.asdict(mz.verdict),
+        "case": to_json(case),
+        "minimized": None if mz is None else {"case": to_json(mz.case), "verdict": dataclasses.asdict(mz.verdict),
                                               "steps": mz.steps, "accepted": mz.accepted,
                                               "reproduced": mz.reproduced, "seconds": round(mz.seconds, 2),
-                                              "size": fz.case_size(mz.case)},
-        "regression_test": fz.regression_test(shown, verdict, origin=origin),
+                                              "size": case_size(mz.case)},
+        "regression_test": fuzz_shrink.regression_test(shown, verdict, origin=origin),
     }
 
 
@@ -704,22 +719,22 @@ def main(argv: list[str] | None = None) -> int:
     targets = names(args.targets, [t.name for t in TARGETS], "targets")
     specs = names(args.specs, list(SPECS), "specs")
     if args.list_modules:
-        print(list_modules(args.list_modules, [fz.TARGET_BY_NAME[n] for n in targets], specs))
+        print(list_modules(args.list_modules, [TARGET_BY_NAME[n] for n in targets], specs))
         return 0
     fi_names = ([] if args.flashinfer == "none" or args.fake else [e.name for e in FI_ENTRIES]
                 if args.flashinfer == "all" else list(names(args.flashinfer, [e.name for e in FI_ENTRIES],
                                                             "flashinfer")))
-    limits = fz.Limits()
+    limits = Limits()
     if args.fake:
         sys.path.insert(0, str(REPO / "tests" / "fakes"))
         from _fake_modules import FakeModules
 
-        modules: fz.Modules = FakeModules()
+        modules: fuzz_run.Modules = FakeModules()
         limits = FAKE_LIMITS
     else:
         if not torch.cuda.is_available():
             ap.error("no CUDA GPU visible (use --fake to run the harness on the CPU)")
-        modules = fz.CacheModules(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
+        modules = CacheModules(torch.empty(256 << 20, dtype=torch.uint8, device="cuda"))
     cfg = Config(seconds=args.seconds, seed=args.seed, targets=targets, specs=specs, limits=limits,
                  max_cases=args.max_cases, minimize_seconds=args.minimize_seconds, max_minimize=args.max_minimize,
                  poison=names(args.poison, ["nan", "inf"], "poison") if args.poison else ())
@@ -756,8 +771,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # --fake: batches small enough for the CPU fake kernels (float32 torch loops).
-FAKE_LIMITS = fz.Limits(max_requests=3, max_qo_len=24, max_cached=40, max_decode_requests=4, max_decode_kv_len=80,
-                        groups=(1, 2, 4), kv_heads=(1, 2), page_sizes=(1, 5, 16), boundaries=(15, 16, 17))
+FAKE_LIMITS = Limits(max_requests=3, max_qo_len=24, max_cached=40, max_decode_requests=4, max_decode_kv_len=80,
+                     groups=(1, 2, 4), kv_heads=(1, 2), page_sizes=(1, 5, 16), boundaries=(15, 16, 17))
 
 
 if __name__ == "__main__":

@@ -884,7 +884,7 @@ def test_precompile_starts_the_longest_builds_first():
     shared through the object cache do not count), planner modules last: the long builds do not
     start late and stretch the tail."""
     from variantgen.planning.rowplan import planner_configs
-    from variantgen.tools.cli import expand_matrix, longest_first
+    from variantgen.tools.cli_build import expand_matrix, longest_first
 
     configs, _ = expand_matrix(["causal", "softcap", "mm_prefix"], [(128, 128)], ["bf16"], None, None, ["9.0a"],
                                ["fa3"], ["prefill"])

@@ -1,4 +1,4 @@
-"""The GPU differential fuzzer's harness on the CPU (bench/fuzz_gpu.py, variantgen/testing/fuzzing.py).
+"""The GPU differential fuzzer's harness on the CPU (bench/fuzz_gpu.py, variantgen/testing/fuzz_*.py).
 
 Cases are drawn, run through the fake modules of tests/fakes/_fake_kernel.py / _fake_decode.py
 (tests/fakes/_fake_modules.py makes the wrappers), compared with the reference, minimized and written
@@ -24,8 +24,28 @@ from click.testing import CliRunner
 
 from variantgen.codegen import render
 from variantgen.routing import capabilities
-from variantgen.testing import fuzzing as fz
-from variantgen.testing.fuzzing import TARGETS, Batch, FuzzCase, ModuleKey, Ranges
+from variantgen.testing import fuzz_cases, fuzz_tensors
+from variantgen.testing.fuzz_cases import (
+    PLAN_PATHS,
+    TARGET_BY_NAME,
+    TARGETS,
+    Batch,
+    DocRuns,
+    FuzzCase,
+    ModuleKey,
+    PerHead,
+    PerRequest,
+    Ranges,
+    case_literal,
+    from_json,
+    shipped_spec,
+    to_json,
+)
+from variantgen.testing.fuzz_compare import compare
+from variantgen.testing.fuzz_draw import Limits, draw_case
+from variantgen.testing.fuzz_run import CaseRunner
+from variantgen.testing.fuzz_shrink import case_size, shrink_candidates
+from variantgen.testing.fuzz_tensors import POISON_K, POISON_V, SENTINEL, compared_rows, make_tensors
 from variantgen.tools.cli import main as cli_main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
@@ -57,10 +77,10 @@ def drawn(n_per_target: int, seed: int = 0, specs=fuzz_gpu.SPECS) -> list[FuzzCa
     for target in TARGETS:
         for _ in range(n_per_target):
             m = r.choice(fuzz_gpu.modules_of(target, specs))
-            case = fz.draw_case(r, target, m, limits=LIMITS)
+            case = draw_case(r, target, m, limits=LIMITS)
             out.append(case)
             if target.graph:
-                out.append(fz.draw_case(r, target, m, limits=LIMITS, session=case))
+                out.append(draw_case(r, target, m, limits=LIMITS, session=case))
     return out
 
 
@@ -73,14 +93,14 @@ def test_targets_cover_every_backend_and_kind():
     pairs = {(t.backend, t.module_kind) for t in TARGETS}
     assert pairs == set(capabilities.HEAD_DIMS)
     for t in TARGETS:
-        assert t.kind in capabilities.KINDS and set(t.plans) <= set(fz.PLAN_PATHS), t
+        assert t.kind in capabilities.KINDS and set(t.plans) <= set(PLAN_PATHS), t
         modules = fuzz_gpu.modules_of(t)
         want = {s for s in fuzz_gpu.SPECS if (t.backend, t.module_kind) in fuzz_gpu.SOME_KINDS.get(
             s, {(t.backend, t.module_kind)})}
         want = fuzz_gpu.SAMPLED.get((t.backend, t.module_kind), want)
         assert {m.spec for m in modules} == want, f"{t.name}: every shipped spec (SOME_KINDS: where listed; SAMPLED)"
         for m in modules:
-            render.ModuleConfig(fz.shipped_spec(m.spec), m.head_dim_qk, m.head_dim_vo, m.q_dtype, m.kv_dtype,
+            render.ModuleConfig(shipped_spec(m.spec), m.head_dim_qk, m.head_dim_vo, m.q_dtype, m.kv_dtype,
                                 m.q_dtype, "9.0a", t.backend, kind=t.module_kind)  # raises if invalid
     assert {t.name for t in TARGETS if t.graph} == {"fa2/prefill-graph", "fa3/prefill-graph", "fa2/decode-graph",
                                                    "fa2/decode-tc-graph", "fa3/decode-graph"}
@@ -119,8 +139,8 @@ def test_list_modules_commands_are_the_matrix(capsys):
 
 def test_cases_round_trip_through_json_and_their_literal():
     for case in drawn(6, seed=1):
-        assert fz.from_json(json.loads(json.dumps(fz.to_json(case)))) == case
-        assert eval(fz.case_literal(case), vars(fz)) == case  # noqa: S307 - our own repr
+        assert from_json(json.loads(json.dumps(to_json(case)))) == case
+        assert eval(case_literal(case), vars(fuzz_cases)) == case  # noqa: S307 - our own repr
 
 
 def test_drawn_cases_cover_the_edges_the_fuzzer_promises():
@@ -128,12 +148,12 @@ def test_drawn_cases_cover_the_edges_the_fuzzer_promises():
     chunked prefill, spans crossing the chunk start, empty and future-only per-row ranges,
     documents of length 1, unsorted document ids, prefix lengths at the chunk start."""
     r = random.Random(7)
-    t = fz.TARGET_BY_NAME["fa2/prefill"]
+    t = TARGET_BY_NAME["fa2/prefill"]
     seen: dict[str, set] = {k: set() for k in ("page", "group", "window", "plan")}
     flags = set()
     for _ in range(600):
         m = ModuleKey(r.choice(["mm_prefix", "document", "prefix_lm", "sliding_window"]))
-        c = fz.draw_case(r, t, m, limits=fz.Limits())
+        c = draw_case(r, t, m, limits=Limits())
         b, s = c.batch, dict(c.scalars)
         seen["page"].add(c.page_size)
         seen["group"].add(c.num_qo_heads // c.num_kv_heads)
@@ -153,7 +173,7 @@ def test_drawn_cases_cover_the_edges_the_fuzzer_promises():
                         flags.add("empty range")
                     if any(s0 > k - q + last for _, last, s0, _e in rows):
                         flags.add("future-only range")
-            elif isinstance(arg, fz.DocRuns):
+            elif isinstance(arg, DocRuns):
                 for k, runs in zip(b.kv_lens, arg.runs):
                     starts = [s0 for s0, _ in runs] + [k]
                     if any(b2 - a2 == 1 for a2, b2 in zip(starts, starts[1:])):
@@ -161,7 +181,7 @@ def test_drawn_cases_cover_the_edges_the_fuzzer_promises():
                     ids = [i for _, i in runs]
                     if ids != sorted(ids):
                         flags.add("unsorted ids")
-            elif isinstance(arg, fz.PerRequest):
+            elif isinstance(arg, PerRequest):
                 if any(v == k - q and k > q for v, q, k in zip(arg.values, b.qo_lens, b.kv_lens)):
                     flags.add("prefix at the chunk start")
     assert seen["page"] == {1, 5, 16, 64} and seen["group"] == {1, 2, 4, 8, 16}
@@ -172,9 +192,9 @@ def test_drawn_cases_cover_the_edges_the_fuzzer_promises():
 
 def test_shrink_candidates_are_valid_and_smaller():
     for case in drawn(4, seed=2):
-        target = fz.TARGET_BY_NAME[case.target]
-        size = fz.case_size(case)
-        for cand in fz.shrink_candidates(case):
+        target = TARGET_BY_NAME[case.target]
+        size = case_size(case)
+        for cand in shrink_candidates(case):
             assert cand != case
             for b in [cand.batch] + ([cand.graph.capture] if cand.graph else []):
                 n = len(b.qo_lens)
@@ -184,18 +204,18 @@ def test_shrink_candidates_are_valid_and_smaller():
                     (q_len,) = set(b.qo_lens)
                     assert q_len >= 1 and min(b.kv_lens) >= q_len and (q_len == 1 or target.tensor_cores)
                 for _, arg in b.tensors:
-                    per = {fz.Ranges: lambda a: (a.spans, a.rows), fz.DocRuns: lambda a: (a.runs,),
-                           fz.PerRequest: lambda a: (a.values,)}.get(type(arg))
+                    per = {Ranges: lambda a: (a.spans, a.rows), DocRuns: lambda a: (a.runs,),
+                           PerRequest: lambda a: (a.values,)}.get(type(arg))
                     assert per is None or all(len(x) == n for x in per(arg))
                 if cand.graph and target.kind == "decode" and not target.tensor_cores:
                     assert n == cand.graph.max_batch_size  # CUDA-core graph decode plans exactly that many
             assert cand.num_qo_heads % cand.num_kv_heads == 0
-            assert all(a <= b for a, b in zip(fz.case_size(cand), size)) or cand.graph != case.graph
+            assert all(a <= b for a, b in zip(case_size(cand), size)) or cand.graph != case.graph
 
 
 def test_tensors_poison_what_no_request_owns():
     case = FuzzCase("fa2/prefill", ModuleKey("causal", 64, 64), Batch((3, 2), (21, 2), (), 11), 4, 2, 5)
-    t = fz.make_tensors(case, case.batch, torch.device("cpu"))
+    t = make_tensors(case, case.batch, torch.device("cpu"))
     pages = t.kv_indices.tolist()
     assert t.kv_indptr.tolist() == [0, 5, 6] and t.last_page_len.tolist() == [1, 2]
     assert len(set(pages)) == 6 and t.k.shape[0] >= 6 and t.k.shape[1:] == (5, 2, 64)
@@ -203,30 +223,30 @@ def test_tensors_poison_what_no_request_owns():
     for lo, hi, last in ((0, 5, 1), (5, 6, 2)):
         for j, p in enumerate(pages[lo:hi]):
             owned[p, :last if j == hi - lo - 1 else 5] = True
-    assert (t.k[~owned].float() == fz.POISON_K).all() and (t.v[~owned].float() == fz.POISON_V).all()
-    assert (t.k[owned].float().abs() < fz.POISON_K).all()
+    assert (t.k[~owned].float() == POISON_K).all() and (t.v[~owned].float() == POISON_V).all()
+    assert (t.k[owned].float().abs() < POISON_K).all()
 
 
 def test_compare_names_what_went_wrong():
     ref = torch.randn(6, 2, 8)
     lse = torch.randn(6, 2)
-    assert fz.compare(ref.to(torch.bfloat16), ref, "bf16", lse, lse).ok
+    assert compare(ref.to(torch.bfloat16), ref, "bf16", lse, lse).ok
     out = ref.clone()
-    out[2] = fz.SENTINEL
-    assert fz.compare(out, ref, "bf16").kind == "unwritten"
+    out[2] = SENTINEL
+    assert compare(out, ref, "bf16").kind == "unwritten"
     out = ref.clone()
     out[1, 0, 3] = math.nan
-    assert fz.compare(out, ref, "bf16").kind == "nan"
+    assert compare(out, ref, "bf16").kind == "nan"
     out = ref.clone()
     out[4] += 0.5
-    v = fz.compare(out, ref, "bf16")
+    v = compare(out, ref, "bf16")
     assert v.kind == "mismatch" and v.bad_rows == 1 and v.max_abs_err == pytest.approx(0.5, rel=1e-3)
     bad_lse = lse.clone()
     bad_lse[0, 1] = -math.inf
-    assert fz.compare(ref, ref, "fp16", bad_lse, lse).kind == "lse"
-    assert fz.compare(ref, ref, "fp16", rows_past_written=3).kind == "rows_past_batch"
+    assert compare(ref, ref, "fp16", bad_lse, lse).kind == "lse"
+    assert compare(ref, ref, "fp16", rows_past_written=3).kind == "rows_past_batch"
     zeros = torch.zeros(3, 2, 8)  # rows with no visible key: exact zeros pass, anything else fails
-    assert fz.compare(zeros, zeros, "bf16").ok and not fz.compare(zeros + 0.1, zeros, "bf16").ok
+    assert compare(zeros, zeros, "bf16").ok and not compare(zeros + 0.1, zeros, "bf16").ok
 
 
 def test_flashinfer_calls_have_the_cases_mask():
@@ -246,10 +266,10 @@ def test_flashinfer_calls_have_the_cases_mask():
         if m.spec in ("sliding_window", "softcap"):
             assert call.window_left == max(s["window"], -1)
         assert call.soft_cap == (s["soft_cap"] if m.spec == "softcap" else None)
-        assert call.api == ("mm_prefix" if m.spec == "mm_prefix" else fz.TARGET_BY_NAME[case.target].kind)
+        assert call.api == ("mm_prefix" if m.spec == "mm_prefix" else TARGET_BY_NAME[case.target].kind)
     assert calls > 20 and in_matrix > calls // 2
     assert len(fuzz_gpu.FI_BY_KEY) == len(fuzz_gpu.FI_ENTRIES)
-    alibi = FuzzCase("fa2/prefill", ModuleKey("alibi"), Batch((4,), (9,), (("slopes", fz.PerHead()),), 0), 4, 2, 16)
+    alibi = FuzzCase("fa2/prefill", ModuleKey("alibi"), Batch((4,), (9,), (("slopes", PerHead()),), 0), 4, 2, 16)
     assert fuzz_gpu.flashinfer_call(alibi) is None
     sink = FuzzCase("fa2/decode", ModuleKey("streaming_sink"), Batch((1,), (9,), (), 0), 4, 2, 16,
                     scalars=(("num_sink", 0), ("window", 5)))
@@ -282,7 +302,7 @@ def test_fuzz_run_on_the_fakes_writes_its_json():
         if t["graph"]:
             assert sum(t["coverage"]["graph"].values()) == t["cases"]
     assert results["modules"]["missing"] == [{"backend": "fa2", "kind": "decode", "module": "mm_prefix hd128 bf16",
-                                              "reason": modules.missing(fz.TARGET_BY_NAME["fa2/decode"], gone[2])}]
+                                              "reason": modules.missing(TARGET_BY_NAME["fa2/decode"], gone[2])}]
     decode = [results["targets"][n] for n in ("fa2/decode", "fa2/decode-graph")]
     skips = sum(t["specs"].get("mm_prefix", {}).get("skipped", 0) for t in decode)
     assert skips > 0 and skips == sum(t["skip_reasons"].get("module not available", 0) for t in decode)
@@ -354,20 +374,20 @@ def planted_failure(fake: type, specs: tuple[str, ...], kind: str, seed: int, ta
 def check_minimized(f: dict, fake: type) -> FuzzCase:
     """The minimized case is smaller, still fails on the planted bug, passes without it, and its
     regression test is valid Python naming that very case."""
-    original, small = fz.from_json(f["case"]), fz.from_json(f["minimized"]["case"])
+    original, small = from_json(f["case"]), from_json(f["minimized"]["case"])
     assert f["minimized"]["reproduced"] and f["minimized"]["accepted"] >= 1
-    assert fz.case_size(small) <= fz.case_size(original) and small != original
+    assert case_size(small) <= case_size(original) and small != original
     assert len(small.batch.qo_lens) == 1, small.label()
-    assert fz.CaseRunner(FakeModules({("fa2", "prefill"): fake})).run(small).verdict.signature == \
+    assert CaseRunner(FakeModules({("fa2", "prefill"): fake})).run(small).verdict.signature == \
         f["minimized"]["verdict"]["kind"]
-    assert fz.CaseRunner(FakeModules()).run(small).verdict.ok
+    assert CaseRunner(FakeModules()).run(small).verdict.ok
     text = f["regression_test"]
     namespace: dict = {}
     exec(compile(text, "regression_test", "exec"), namespace)  # noqa: S102 - the text we generated
     assert text.startswith(f"def test_fuzz_{small.target.replace('/', '_').replace('-', '_')}_")
     assert "assert_case_passes(case, workspace)" in text
     literal = text.split("    case = ", 1)[1].rsplit("\n    assert_case_passes", 1)[0]
-    assert eval(literal, vars(fz)) == small  # noqa: S307
+    assert eval(literal, vars(fuzz_cases)) == small  # noqa: S307
     assert max(len(line) for line in text.splitlines()) <= 120
     return small
 
@@ -395,7 +415,7 @@ def test_planted_ignored_window_is_found_and_minimized(target):
     assert small.plan == "module", "the kernel window exists only in planned causal launches"
     assert 0 <= dict(small.scalars)["window"] < small.batch.kv_lens[0] - 1
     if small.graph is not None:
-        original = fz.from_json(f["case"])
+        original = from_json(f["case"])
         assert sum(small.graph.capture.kv_lens) <= sum(original.graph.capture.kv_lens)
 
 
@@ -432,9 +452,9 @@ def test_a_case_that_could_not_be_drawn_is_refused_by_name(change, message):
 def test_spec_tensors_must_be_the_specs():
     case = FuzzCase("fa2/prefill", ModuleKey("document"), Batch((3,), (9,), (), 0), 4, 2, 16)
     with pytest.raises(ValueError, match=r"batch.tensors names \[\], spec `document` has tensors \['doc_ids'\]"):
-        fz.make_tensors(case, case.batch, torch.device("cpu"))
+        make_tensors(case, case.batch, torch.device("cpu"))
     with pytest.raises(ValueError, match=r"unknown type 'Case'"):
-        fz.from_json({"type": "Case"})
+        from_json({"type": "Case"})
 
 
 class Interrupting(FakeModule):
@@ -475,18 +495,18 @@ def test_poisoned_cases_keep_every_other_request_finite_on_every_fake_target():
     ragged fakes, graph replays too) the other requests' rows match the reference, while the
     poisoned request's reference rows do hold the NaN / inf."""
     r = random.Random(5)
-    runner = fz.CaseRunner(FakeModules())
+    runner = CaseRunner(FakeModules())
     poisoned = set()
     for target in TARGETS:
         for _ in range(3):
             m = r.choice(fuzz_gpu.modules_of(target, ("causal", "sliding_window", "document")))
-            case = fz.draw_case(r, target, m, limits=LIMITS, poison=("nan", "inf"))
+            case = draw_case(r, target, m, limits=LIMITS, poison=("nan", "inf"))
             if len(case.batch.qo_lens) < 2:
                 continue
-            assert case.poison in ("nan", "inf") and fz.from_json(fz.to_json(case)) == case
-            t = fz.make_tensors(case, case.batch, torch.device("cpu"))
-            ref = fz.reference(case, t)[0]
-            keep = fz.compared_rows(case)
+            assert case.poison in ("nan", "inf") and from_json(to_json(case)) == case
+            t = make_tensors(case, case.batch, torch.device("cpu"))
+            ref = fuzz_tensors.reference(case, t)[0]
+            keep = compared_rows(case)
             held = not torch.isfinite(t.v.float()).all()  # (fp8 e4m3 has no inf: torch stores 448)
             if held and (~keep).any():
                 assert not torch.isfinite(ref[~keep]).all(), case.label()  # the poison is there
@@ -501,17 +521,17 @@ def test_poisoned_cases_keep_every_other_request_finite_on_every_fake_target():
 def test_a_value_leaking_across_requests_is_found():
     case = FuzzCase("fa2/prefill", ModuleKey("causal"), Batch((5, 1, 7), (9, 6, 20), (), seed=3), 4, 2, 4,
                     poison="nan")
-    assert fz.CaseRunner(FakeModules()).run(case).verdict.ok
-    v = fz.CaseRunner(FakeModules({("fa2", "prefill"): LeakingValues})).run(case).verdict
+    assert CaseRunner(FakeModules()).run(case).verdict.ok
+    v = CaseRunner(FakeModules({("fa2", "prefill"): LeakingValues})).run(case).verdict
     assert v.kind == "nan" and "8 of 8 rows" in v.message, v.message
-    assert fz.CaseRunner(FakeModules({("fa2", "prefill"): LeakingValues})).run(
+    assert CaseRunner(FakeModules({("fa2", "prefill"): LeakingValues})).run(
         dataclasses.replace(case, poison="")).verdict.ok  # (no poison, nothing to leak)
 
 
 def test_compare_requires_the_reference_nan_positions():
     ref = torch.tensor([[1.0, math.nan], [2.0, 3.0]])
-    assert fz.compare(ref.clone(), ref, "bf16").ok
-    v = fz.compare(torch.tensor([[1.0, 0.0], [2.0, 3.0]]), ref, "bf16")  # a NaN in, a number out
+    assert compare(ref.clone(), ref, "bf16").ok
+    v = compare(torch.tensor([[1.0, 0.0], [2.0, 3.0]]), ref, "bf16")  # a NaN in, a number out
     assert v.kind == "nan" and v.message.startswith("1 of 2 rows"), v.message
 
 

@@ -11,11 +11,13 @@ import torch
 from _fake_modules import FakeModules
 
 from variantgen.core.errors import LaunchError
-from variantgen.testing import fuzzing as fz
-from variantgen.testing.fuzzing import TARGETS
+from variantgen.testing import fuzz_run
+from variantgen.testing.fuzz_cases import TARGETS, ModuleKey
+from variantgen.testing.fuzz_draw import Limits, draw_case
+from variantgen.testing.fuzz_tensors import make_tensors
 
-LIMITS = fz.Limits(max_requests=2, max_qo_len=6, max_cached=10, max_decode_requests=2, max_decode_kv_len=20,
-                   groups=(1, 2), kv_heads=(1,), page_sizes=(4,))
+LIMITS = Limits(max_requests=2, max_qo_len=6, max_cached=10, max_decode_requests=2, max_decode_kv_len=20,
+                groups=(1, 2), kv_heads=(1,), page_sizes=(4,))
 EAGER = [t for t in TARGETS if not t.graph]
 
 
@@ -25,10 +27,10 @@ def _clean_env(vg_env):
 
 
 def planned(target):
-    case = fz.draw_case(random.Random(1), target, fz.ModuleKey("alibi"), limits=LIMITS)
+    case = draw_case(random.Random(1), target, ModuleKey("alibi"), limits=LIMITS)
     w = FakeModules().wrapper(target, case.module)
-    t = fz.make_tensors(case, case.batch, torch.device("cpu"))
-    fz._plan(w, case, t, t.args)
+    t = make_tensors(case, case.batch, torch.device("cpu"))
+    fuzz_run._plan(w, case, t, t.args)
     return case, w, t
 
 

@@ -125,7 +125,7 @@ def test_mm_prefix_on_the_benchmark_spans_costs_the_query_tiles_causal_does(back
     rows of 2 query heads) - not three part-filled ones more per request (6% of the kernel)."""
     from _fake_modules import FakeModules
 
-    from variantgen.testing.fuzzing import ModuleKey, Target
+    from variantgen.testing.fuzz_cases import ModuleKey, Target
     from variantgen.testing.harness import PREFILL_BENCH_SPANS, random_paged_batch
 
     lens = [8192, 8192]

@@ -220,7 +220,8 @@ def test_serving_and_cache_checks_do_not_need_a_working_nvcc(vg_env, tmp_path, f
     from variantgen.api.probing import probe
     from variantgen.build.cache import Cache
     from variantgen.planning.rowplan import planner_configs
-    from variantgen.tools.cli import expand_matrix, main
+    from variantgen.tools.cli import main
+    from variantgen.tools.cli_build import expand_matrix
 
     cache = Cache(vg_env.cache_dir)
     configs, _ = expand_matrix(["causal"], [128], ["bf16"], None, None, ["9.0a"], ["fa3"])

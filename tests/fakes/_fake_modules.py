@@ -1,4 +1,4 @@
-"""The GPU fuzzer's module factory on the CPU (variantgen.testing.fuzzing.Modules over the fake kernels).
+"""The GPU fuzzer's module factory on the CPU (variantgen.testing.fuzz_run.Modules over the fake kernels).
 
 ``FakeModules`` makes the same wrappers make_wrapper would (VariantWrapper, DecodeWrapper on
 CUDA or tensor cores, RaggedWrapper, graph mode with a GraphCapacity), each on a fake module
@@ -22,7 +22,7 @@ from _fake_kernel import FakeFa3Module, FakeFa3RaggedModule, FakeModule, FakeRag
 from variantgen.build.builder import BuildResult
 from variantgen.build.cache import Entry
 from variantgen.codegen import render
-from variantgen.testing.fuzzing import ModuleKey, Target, shipped_spec
+from variantgen.testing.fuzz_cases import ModuleKey, Target, shipped_spec
 from variantgen.wrappers.decode import DecodeWrapper
 from variantgen.wrappers.paged import VariantWrapper
 from variantgen.wrappers.ragged import RaggedWrapper

@@ -129,21 +129,23 @@ def test_window_0_softcap_alibi_hd256_fp16(workspace, backend):
 def test_fa3_output_rows_are_never_read_back_stale(workspace):
     """The fuzzer's case (qo [73, 1, 292, 139], 64/4 heads, page size 5, planner off: one
     custom launch, 7 query tiles on 132 x 64 CTAs), run 400 times on the same inputs."""
-    from variantgen.testing import fuzzing as fz
+    from variantgen.testing.fuzz_cases import TARGET_BY_NAME, Batch, FuzzCase, ModuleKey, Ranges
+    from variantgen.testing.fuzz_run import CacheModules, assert_case_passes
+    from variantgen.testing.fuzz_tensors import make_tensors
 
-    case = fz.FuzzCase(
-        target="fa3/prefill", module=fz.ModuleKey("mm_prefix"),
-        batch=fz.Batch(qo_lens=(73, 1, 292, 139), kv_lens=(74, 1, 292, 142), tensors=(
-            ("ranges", fz.Ranges(spans=(((0, 29),), (), ((139, 207),), ((0, 99),)),
-                                 rows=((), (), ((152, 167, 87, 109), (256, 291, 0, 291), (142, 145, 54, 51)), ()))),),
+    case = FuzzCase(
+        target="fa3/prefill", module=ModuleKey("mm_prefix"),
+        batch=Batch(qo_lens=(73, 1, 292, 139), kv_lens=(74, 1, 292, 142), tensors=(
+            ("ranges", Ranges(spans=(((0, 29),), (), ((139, 207),), ((0, 99),)),
+                              rows=((), (), ((152, 167, 87, 109), (256, 291, 0, 291), (142, 145, 54, 51)), ()))),),
             seed=913080162),
         num_qo_heads=64, num_kv_heads=4, page_size=5, plan="off",
         scalars=(("causal_window_left", -1), ("range_window_left", -1)), disable_split_kv=False,
         return_lse=False, scales=(None, 2.0, 3.0), graph=None)
-    fz.assert_case_passes(case, workspace)
-    modules = fz.CacheModules(workspace, build=True)
-    w = modules.wrapper(fz.TARGET_BY_NAME[case.target], case.module)
-    t = fz.make_tensors(case, case.batch, workspace.device)
+    assert_case_passes(case, workspace)
+    modules = CacheModules(workspace, build=True)
+    w = modules.wrapper(TARGET_BY_NAME[case.target], case.module)
+    t = make_tensors(case, case.batch, workspace.device)
     w.plan(t.qo_indptr, t.kv_indptr, t.kv_indices, t.last_page_len, 64, 4, 5, skip_tiles=False)
     first = w.run(t.q, (t.k, t.v), q_scale=None, k_scale=2.0, v_scale=3.0, **t.args).clone()
     differ = []
