@@ -405,7 +405,8 @@ def test_argument_checks_are_the_wrappers():
         w.plan(batch.qo_indptr, torch.tensor([0, 1, 2], dtype=torch.int32), batch.kv_indices,
                torch.tensor([4, 3], dtype=torch.int32), HQ, HKV, 4)
     with pytest.raises(LaunchError, match="unexpected argument"):
-        w.plan(*batch.plan_args(), skip_tiles=False, **args)
+        w.plan(*batch.plan_args(), skip_tiles=False, rangs=args["ranges"])
+    w.plan(*batch.plan_args(), skip_tiles=False, **args)  # one plan() contract: taken, planner on or off
     w.plan(*batch.plan_args(), **args)
     with pytest.raises(LaunchError, match="missing tensor argument `ranges`"):
         w.run(batch.q, kv)
