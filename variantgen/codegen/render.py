@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import jinja2
 
@@ -277,9 +278,17 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
     return ctx, tensor_args, scalar_args
 
 
-# A renderer turns the context into (files, compile units, FlashInfer host sources, shared units).
-Renderer = Callable[[ModuleConfig, dict, jinja2.Environment],
-                    tuple[dict[str, str], list[str], tuple[str, ...], tuple[SharedUnit, ...]]]
+class RenderedSources(NamedTuple):
+    """What a backend's renderer makes of the context (render_module adds the shared headers)."""
+
+    files: dict[str, str]  # file name -> text
+    compile_units: list[str]  # the files nvcc compiles into the module
+    host_sources: tuple[str, ...] = ()  # FlashInfer's own host sources compiled beside them
+    shared_units: tuple[SharedUnit, ...] = ()  # units whose objects are shared between modules (objects.py)
+
+
+# A renderer turns the context into the module's sources.
+Renderer = Callable[[ModuleConfig, dict, jinja2.Environment], RenderedSources]
 
 
 # Every fa2 module's static sources (templates/common and templates/fa2).
@@ -331,7 +340,7 @@ def _render_fa2_per_tile(config: ModuleConfig, ctx: dict, env: jinja2.Environmen
         units.append(name)
     if any(num_mma_kv for _, num_mma_kv, _ in kernel_units):
         files.update(_static("fa2/pinned_kv_tile.cuh"))
-    return files, units, (host_source,), ()
+    return RenderedSources(files, units, (host_source,))
 
 
 def fa2_kernel_units(config: ModuleConfig, modes: list[dict]) -> list[tuple[int, int | None, list[dict]]]:
@@ -360,7 +369,7 @@ def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
         config, ctx, env, config_template="fa2/config.inc.jinja", binding="fa2/paged_binding.cu",
         kernel_template="fa2/paged_kernel.cu.jinja", unit_prefix="paged_kernel", host_source="batch_prefill_paged.cu",
         plan=True)
-    return files, units, hosts, (_plan_unit(config),)
+    return RenderedSources(files, units, hosts, (_plan_unit(config),))
 
 
 def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
@@ -374,7 +383,7 @@ def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
                   binding_cu="fa2/decode_binding.cu"),
         "decode_kernel.cu": env.get_template("fa2/decode_kernel.cu.jinja").render(ctx),
     }
-    return files, ["binding.cu", "decode_kernel.cu", "decode_exact_host.cu"], ("batch_decode.cu",), ()
+    return RenderedSources(files, ["binding.cu", "decode_kernel.cu", "decode_exact_host.cu"], ("batch_decode.cu",))
 
 
 FA2_DISPATCHED_CTA_TILES_Q = (16, 32, 64, 128)  # what FlashInfer's DISPATCH_CTA_TILE_Q can name
@@ -495,7 +504,8 @@ def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
     }
     kernels, shared = _fa3_kernel_units(config, ctx, env, launches, ragged=False)
     files.update(kernels)
-    return files, ["binding.cu", "plan.cu", *kernels], (), (_plan_unit(config), *shared)  # host code: our binding
+    # host code: our binding, no FlashInfer host source
+    return RenderedSources(files, ["binding.cu", "plan.cu", *kernels], (), (_plan_unit(config), *shared))
 
 
 def _render_fa3_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
@@ -511,7 +521,7 @@ def _render_fa3_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
     }
     kernels, shared = _fa3_kernel_units(config, ctx, env, launches, ragged=True)
     files.update(kernels)
-    return files, ["binding.cu", *kernels], (), tuple(shared)
+    return RenderedSources(files, ["binding.cu", *kernels], (), tuple(shared))
 
 
 RENDERERS: dict[tuple[str, str], Renderer] = {
@@ -541,8 +551,7 @@ def render_module(config: ModuleConfig) -> RenderedModule:
     if renderer is None:
         raise ValueError(f"backend={config.backend!r}, kind={config.kind!r}: not generated yet")
     facts = flashinfer_facts()
-    files, units, host_sources, shared = renderer(config, {**ctx, **fi_versions.template_context(facts)},
-                                                  environment())
+    files, units, host_sources, shared = renderer(config, {**ctx, **fi_versions.template_context(facts)}, environment())
     # every config includes the plan ABI; the FlashInfer version's facts go to the sources that differ by version
     files = {plan_abi.HEADER_NAME: plan_abi.header_text(), fi_versions.HEADER_NAME: fi_versions.header_text(facts),
              **files}
