@@ -53,8 +53,9 @@ from ..planning.intervals import analyze, args_read, row_intervals, tensors_read
 from ..planning.plan import Batch, Plan
 from ..planning.planner import Planner
 from ..planning.rowplan import plan_rows
+from .base import LAYOUT_CODES, WrapperBase, host_lists
 from .checks import check_index_tensors, check_indptr_starts, check_plan_sizes, check_total_keys
-from .paged import LAYOUT_CODES, VariantWrapper, WrapperBase, host_lists
+from .paged import VariantWrapper
 
 log = logging.getLogger("variantgen.wrappers.decode")
 
@@ -290,6 +291,10 @@ class DecodeWrapper(WrapperBase):
 
     def _page_lists(self) -> list[torch.Tensor]:
         return [self._launch.kv_indices] if self._launch is not None else []  # graph mode: the whole buffer
+
+    def _dim_capacity(self) -> dict[str, int]:
+        # (CUDA-graph decode on CUDA cores plans exactly max_batch_size requests: the batch's dims are the capacity)
+        return {}
 
     def _visible_hulls(self, kv_lens: list[int],
                        args: dict[str, Any]) -> tuple[list[int], list[int], list[int], list[int]]:

@@ -50,13 +50,15 @@ from ..lang.expr import names_used
 from ..lang.library import resolve_spec
 from ..lang.spec import VariantSpec
 from ..planning.intervals import row_intervals, usable_form
+from ..planning.plan import Batch
 from ..planning.rowrules import row_env
 from ..routing.capabilities import FLEX, KINDS, canonical_dtype, graph_problem
 from . import flex_blocks as flex
+from .base import TORCH_DTYPES, WrapperBase
 from .checks import check_plan_sizes
 from .flex_blocks import BLOCK, Blocks, FlexLayout, RowBlocks
 from .flex_dense import dense_attend
-from .paged import TORCH_DTYPES, Batch, WrapperBase, read_paged_batch
+from .paged import read_paged_batch
 
 # The flex route's dtypes (its capability table entry): FlashInfer's names plus fp32 (CPU users
 # run float32 models); an fp8 KV cache is widened to the query dtype when gathered.
@@ -150,6 +152,12 @@ class FlexWrapperBase(WrapperBase):
         self._interval_plan_of: tuple[ArgValues, FlexPlan] | None = None  # ragged: the last run()'s plan
         self.compiled = config.compiled
         self.plan_stats["backend"] = "flex"
+
+    def _page_lists(self) -> list[torch.Tensor]:
+        return []  # (run() gathers the planned keys itself: no kernel reads the caller's page list)
+
+    def _dim_capacity(self) -> dict[str, int]:
+        return {}  # (no graph mode)
 
     # ------------------------------------------------------------------ plan helpers
     def _reset(self) -> None:

@@ -35,8 +35,8 @@ from ..core.errors import LaunchError
 from ..core.flags import check_flags
 from ..lang.expr import Const
 from ..planning.plan import Batch
+from .base import LAYOUT_CODES, TORCH_DTYPES, WrapperBase, host_lists
 from .checks import check_index_tensors, check_indptr_starts, check_plan_sizes, refuse_grad
-from .paged import LAYOUT_CODES, TORCH_DTYPES, WrapperBase, host_lists
 
 
 def launch_mask_mode(spec: Any, compiled: tuple[str, ...]) -> str:
@@ -92,6 +92,12 @@ class RaggedWrapper(WrapperBase):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._launch: RaggedLaunch | None = None
+
+    def _page_lists(self) -> list[torch.Tensor]:
+        return []  # (no page list: the KV is rows of k / v)
+
+    def _dim_capacity(self) -> dict[str, int]:
+        return {}  # (no graph mode)
 
     # ------------------------------------------------------------------ plan
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
