@@ -133,8 +133,10 @@ class WrapperBase:
     def _not_provided(self, hook: str) -> NotImplementedError:
         return NotImplementedError(f"{type(self).__name__} (kind {self.config.kind!r}) does not provide {hook}")
 
-    def plan(self, *args: Any, **spec_args: Any) -> Any:
-        """Plan a batch: check the arguments, set ``_batch`` and ``last_plan``, return the plan."""
+    def plan(self, *args: Any, **spec_args: Any) -> Plan:
+        """Plan a batch: check the arguments, set ``_batch`` and ``last_plan`` (None first, so a
+        plan() that fails leaves none), return the plan (plan.Plan, or a plan.ScheduledPlan where
+        the launch builder does not lay out the launches)."""
         raise self._not_provided("plan()")
 
     def run(self, *args: Any, **spec_args: Any) -> Any:

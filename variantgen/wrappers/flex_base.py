@@ -21,6 +21,7 @@ from ..lang.evaluate import Evaluator
 from ..lang.expr import names_used
 from ..lang.spec import VariantSpec
 from ..planning.intervals import row_intervals, usable_form
+from ..planning.plan import Plan, ScheduledPlan
 from ..planning.rowrules import row_env
 from . import flex_blocks as flex
 from .base import WrapperBase
@@ -103,6 +104,7 @@ class FlexWrapperBase(WrapperBase):
         self._interval_plan_of: tuple[ArgValues, FlexPlan] | None = None  # ragged: the last run()'s plan
         self.compiled = config.compiled
         self.plan_stats["backend"] = "flex"
+        self.last_plan: Plan | None = None  # what the last plan() decided (None: no plan, or it failed)
 
     def _page_lists(self) -> list[torch.Tensor]:
         return []  # (run() gathers the planned keys itself: no kernel reads the caller's page list)
@@ -113,6 +115,16 @@ class FlexWrapperBase(WrapperBase):
     # ------------------------------------------------------------------ plan helpers
     def _reset(self) -> None:
         self._batch, self._plan, self._planned_args, self._run_blocks = None, None, {}, None
+        self.last_plan = None
+
+    def _keep_plan(self, scheduled_by: str, reason: str, planner: str = "intervals") -> ScheduledPlan:
+        """last_plan for this plan(): how the Flex call's work is laid out, and ``reason`` why the
+        key intervals are not used ("": they are, ``planner`` names how)."""
+        figures = {k: self.plan_stats[k] for k in ("keys_gathered", "blocks") if k in self.plan_stats}
+        self.last_plan = ScheduledPlan(self._batch, kind=self.config.kind, backend="flex", scheduled_by=scheduled_by,
+                                       planner="off" if reason else planner, reason=reason,
+                                       runs=list(self.plan_stats.get("launches", [])), figures=figures)
+        return self.last_plan
 
     def _note_off(self, reason: str) -> None:
         """plan_stats["planner_off"]: why the intervals are not used for this plan (none when they are)."""

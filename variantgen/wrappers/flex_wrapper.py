@@ -48,7 +48,7 @@ from ..core.errors import BackendError, LaunchError
 from ..core.flags import check_flags
 from ..lang.library import resolve_spec
 from ..lang.spec import VariantSpec
-from ..planning.plan import Batch
+from ..planning.plan import Batch, Plan, ScheduledPlan
 from ..routing.capabilities import FLEX, KINDS, canonical_dtype, graph_problem
 from . import flex_blocks as flex
 from .base import TORCH_DTYPES
@@ -74,6 +74,13 @@ def flex_dtype(value: Any, arg: str, allowed: tuple[str, ...]) -> str:
     return name
 
 
+# How a flex plan lays out its work (ScheduledPlan.scheduled_by)
+NO_CALL = "no Flex call"
+PACKED_INTERVALS = ("the packed layout; only the keys some query sees gathered, Flex block lists from the key "
+                    "intervals")
+PACKED_MASK = "the packed layout, every key gathered; Flex block lists found from the mask in the first run()"
+
+
 # ----------------------------------------------------------------------------- paged prefill
 
 
@@ -82,8 +89,9 @@ class FlexPrefillWrapper(FlexWrapperBase):
 
     def plan(self, qo_indptr: torch.Tensor, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,
-             *, skip_tiles: bool | None = None, disable_split_kv: bool = False, **spec_args: Any) -> None:
-        """Plan a batch (VariantWrapper.plan's arguments; ``disable_split_kv`` has no effect:
+             *, skip_tiles: bool | None = None, disable_split_kv: bool = False, **spec_args: Any) -> ScheduledPlan:
+        """Plan a batch (VariantWrapper.plan's arguments; returns its Plan, also kept as
+        ``last_plan``; ``disable_split_kv`` has no effect:
         Flex does not split KV). ``skip_tiles``: the interval planner on/off (default: on where
         the spec's intervals are known and plan() was given the tensors they read)."""
         self._reset()
@@ -95,11 +103,13 @@ class FlexPrefillWrapper(FlexWrapperBase):
         if b.total_q == 0:
             self._plan_pages(paged_kv_indices, paged.kv_indptr[-1], None)
             self.plan_stats["launches"] = []
-            return
+            return self._keep_plan(NO_CALL, "the batch has no queries")
         intervals = self._plan_intervals(paged.qo_indptr, list(b.kv_lens), skip_tiles, spec_args)
         plan = self._packed_plan(paged.qo_indptr, list(b.kv_lens), paged.kv_indptr[:-1], intervals, page_size)
         self._set_pages(plan, paged_kv_indices, *plan.source)
         self._finish_plan(plan, paged_kv_indices, paged.kv_indptr[-1])
+        return self._keep_plan(PACKED_INTERVALS if intervals is not None else PACKED_MASK,
+                               self.plan_stats.get("planner_off", ""))
 
     def _plan_intervals(self, qo_h: list[int], kv_lens: list[int], skip_tiles: bool | None,
                         spec_args: dict[str, Any]):
@@ -150,9 +160,10 @@ class FlexRaggedWrapper(FlexWrapperBase):
     """Ragged-KV prefill on FlexAttention (kind "ragged"): RaggedWrapper's plan()/run()."""
 
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
-             *, disable_split_kv: bool = False, **spec_args: Any) -> None:
-        """Plan a batch from its indptrs. Spec arguments may be passed here as to the FlashInfer
-        ragged wrapper: checked, not used (the block mask comes from run()'s arguments)."""
+             *, disable_split_kv: bool = False, **spec_args: Any) -> ScheduledPlan:
+        """Plan a batch from its indptrs; returns its Plan (also kept as ``last_plan``). Spec
+        arguments may be passed here as to the FlashInfer ragged wrapper: checked, not used (the
+        block mask comes from run()'s arguments)."""
         from .ragged import read_ragged_batch
 
         self._reset()
@@ -164,9 +175,16 @@ class FlexRaggedWrapper(FlexWrapperBase):
         self._qo_h, self._kv_h, self._interval_plan_of = qo_h, kv_h, None
         if self._batch.total_q == 0:
             self.plan_stats["launches"] = []
-            return
+            return self._keep_plan(NO_CALL, "the batch has no queries")
         self._plan = self._ragged_plan(None)
         self._finish_plan(self._plan)
+        form = self._interval_facts.form
+        if form.planner_ready:
+            return self._keep_plan("the packed layout, every key gathered; in run(), the keys and Flex block lists "
+                                   "from the key intervals for run()'s arguments",
+                                   "the ragged kind's plan() reads no spec arguments: the key intervals are "
+                                   "evaluated in run()")
+        return self._keep_plan(PACKED_MASK, form.reason)
 
     def _ragged_plan(self, intervals: Any) -> FlexPlan:
         return self._packed_plan(self._qo_h, list(self._batch.kv_lens), self._kv_h[:-1], intervals, None)
@@ -209,10 +227,11 @@ class FlexDecodeWrapper(FlexWrapperBase):
 
     def plan(self, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,
-             *, q_len_per_request: int = 1, skip_tiles: bool | None = None, **spec_args: Any) -> None:
-        """Plan a decode batch. ``skip_tiles`` turns key trimming on/off (default: on where the
-        spec's key intervals are known and plan() was given the tensors they read): only the
-        keys a query can see are gathered, and the block mask comes from the intervals.
+             *, q_len_per_request: int = 1, skip_tiles: bool | None = None, **spec_args: Any) -> Plan:
+        """Plan a decode batch; returns its Plan (also kept as ``last_plan``). ``skip_tiles``
+        turns key trimming on/off (default: on where the spec's key intervals are known and
+        plan() was given the tensors they read): only the keys a query can see are gathered,
+        and the block mask comes from the intervals.
         ``q_len_per_request`` > 1: multi-token decode, as DecodeWrapper.plan (through the flex
         prefill route, with qo_indptr = arange(batch + 1) * q_len_per_request)."""
         from .decode import check_q_len_per_request, check_queries_fit, read_decode_batch
@@ -234,8 +253,10 @@ class FlexDecodeWrapper(FlexWrapperBase):
             multi.plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
                        num_kv_heads, page_size, skip_tiles=skip_tiles, **spec_args)
             self._multi = multi
-            self._batch = multi._batch
-            return
+            self._batch, self.last_plan = multi._batch, multi.last_plan
+            assert self.last_plan is not None
+            self.last_plan.kind = "decode"  # (the prefill route's plan, q_len_per_request queries per request)
+            return self.last_plan
         self._batch = Batch(batch, batch, sum(kv_lens), num_qo_heads, num_kv_heads, page_size, (1,) * batch,
                             tuple(kv_lens))
         self._staging.begin()
@@ -269,6 +290,11 @@ class FlexDecodeWrapper(FlexWrapperBase):
         plan = FlexPlan(layout, sum(count), (), dest, reach, blocks)
         self._set_pages(plan, paged_kv_indices, entries, offs)
         self._finish_plan(plan, paged_kv_indices, kvp_h[-1])
+        by = "one Flex batch row per request; " + ("only the keys the key intervals show gathered, Flex block "
+                                                   "lists from them" if not off else
+                                                   "every key gathered, Flex block lists found from the mask in "
+                                                   "the first run()")
+        return self._keep_plan(by, off, "key trimming")
 
     def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
             k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
