@@ -112,7 +112,7 @@ class FlexWrapperBase(WrapperBase):
     def _dim_capacity(self) -> dict[str, int]:
         return {}  # (no graph mode)
 
-    # ------------------------------------------------------------------ plan helpers
+    # ------------------------------------------------------------------ what the kinds' plan() share
     def _reset(self) -> None:
         self._batch, self._plan, self._planned_args, self._run_blocks = None, None, {}, None
         self.last_plan = None
@@ -247,7 +247,7 @@ class FlexWrapperBase(WrapperBase):
         self.plan_stats["launches"] = [("flex", self._batch.batch_size)] if self._batch.total_q else []
         self.plan_stats["keys_gathered"] = plan.gathered
 
-    # ------------------------------------------------------------------ run helpers
+    # ------------------------------------------------------------------ what the kinds' run() share
     def _check_planned(self) -> FlexPlan | None:
         """The plan (None for a batch without queries); LaunchError before any plan()."""
         if self._batch is None or (self._batch.total_q and self._plan is None):
