@@ -25,7 +25,7 @@ from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
 import variantgen.build.builder as build_mod
-import variantgen.wrappers.paged as wrapper_mod
+import variantgen.wrappers.base as wrapper_mod
 from variantgen.abi.table import META_COLUMNS
 from variantgen.build.builder import BuildResult
 from variantgen.build.cache import Entry

@@ -183,3 +183,116 @@ def test_to_dense_shows_a_tail_run_masked_from_its_first_query_on():
             q_pos = r.q_pos + i - (r.rows[0] - starts[r.request])
             want = [VISIBLE if k < r.q_pos else MASKED if k <= q_pos else NOT_VISITED for k in range(kb, ke)]
             assert grid[i, kb:ke].tolist() == want, (r, i)
+
+
+# ----------------------------------------------------------------------------- every kind's Plan
+
+KIND_TARGETS = [  # (kind, backend, module kind, tensor cores): every FlashInfer route on the fakes
+    ("prefill", "fa2", "prefill", False), ("prefill", "fa3", "prefill", False),
+    ("decode", "fa2", "decode", False), ("decode", "fa2", "prefill", True), ("decode", "fa3", "prefill", True),
+    ("ragged", "fa2", "ragged", False), ("ragged", "fa3", "ragged", False),
+]
+
+
+def _plan_kind(w, kind, batch, spec_args, **kw):
+    if kind == "ragged":
+        return w.plan(batch.qo_indptr, batch.kv_indptr, batch.num_qo_heads, batch.num_kv_heads, **spec_args)
+    plan_args = batch.plan_args()[1:] if kind == "decode" else batch.plan_args()
+    return w.plan(*plan_args, **kw, **spec_args)
+
+
+def _kind_batch(kind, seed=1):
+    from variantgen.testing.harness import random_paged_batch
+
+    qo = [1, 1, 1] if kind == "decode" else [5, 0, 9]
+    return random_paged_batch(qo, [40, 7, 33], num_qo_heads=4, num_kv_heads=2, head_dim=64,
+                              page_size=1 if kind == "ragged" else 4, seed=seed)
+
+
+def _check_kind_plan(w, plan, kind, backend):
+    from variantgen.planning.plan import Plan
+
+    assert isinstance(plan, Plan) and plan is w.last_plan
+    assert plan.kind == kind and plan.backend == backend
+    text = str(plan)
+    assert text.startswith("Plan(") and (kind in text or kind == "prefill")
+    stats = plan.stats()
+    assert "launches" in stats and ("planner_off" in stats) == (plan.planner == "off")
+    if plan.planner == "off":
+        assert plan.reason and plan.reason in text
+
+
+@pytest.mark.parametrize("skip_tiles", [None, False], ids=["default", "off"])
+@pytest.mark.parametrize("spec_name", ["causal", "sliding_window"])
+@pytest.mark.parametrize("kind,backend,module_kind,tensor_cores", KIND_TARGETS)
+def test_every_kind_plan_returns_its_plan(kind, backend, module_kind, tensor_cores, spec_name, skip_tiles):
+    """plan() of every FlashInfer kind (on the fakes) returns a Plan, kept as last_plan, printable,
+    naming its kind and backend and why the interval planner is off where it is; a failed plan()
+    leaves last_plan None."""
+    from _fake_modules import FakeModules
+    from variantgen.testing.fuzzing import ModuleKey, Target
+
+    from variantgen.core.errors import LaunchError
+
+    spec = variantgen.load_spec(SPECS_DIR / f"{spec_name}.yaml")
+    target = Target("t", backend, kind, module_kind, tensor_cores=tensor_cores)
+    w = FakeModules().wrapper(target, ModuleKey(spec_name, 64, 64))
+    batch = _kind_batch(kind)
+    args = random_spec_args(spec, batch, seed=1)
+    kw = {} if kind == "ragged" else {"skip_tiles": skip_tiles}
+    plan = _plan_kind(w, kind, batch, args, **kw)
+    _check_kind_plan(w, plan, kind, backend)
+    if skip_tiles is False:
+        assert plan.planner == "off"
+    if kind == "decode" and not tensor_cores:
+        assert plan.planner == ("off" if skip_tiles is False else "key trimming")
+        assert plan.stats() == w.plan_stats
+    if kind == "ragged":
+        assert plan.planner == "off" and "ragged" in plan.reason and plan.stats()["launches"] == w.plan_stats[
+            "launches"]
+    with pytest.raises(LaunchError):
+        if kind == "ragged":
+            w.plan(batch.qo_indptr, batch.kv_indptr, 4, 3)
+        else:
+            w.plan(*(batch.plan_args()[1:4] if kind == "decode" else batch.plan_args()[:4]), 4, 3, batch.page_size)
+    assert w.last_plan is None
+
+
+@pytest.mark.parametrize("skip_tiles", [None, False], ids=["default", "off"])
+@pytest.mark.parametrize("spec_name", ["causal", "sliding_window"])
+@pytest.mark.parametrize("kind", ["prefill", "decode", "ragged"])
+def test_every_flex_kind_plan_returns_its_plan(kind, spec_name, skip_tiles):
+    """The flex route's plan() (on the CPU) returns a Plan too: kind, backend "flex", how Flex's
+    block lists are found, and last_plan None after a failed plan()."""
+    from variantgen.core.errors import LaunchError
+    from variantgen.wrappers.flex_wrapper import make_flex_wrapper
+
+    spec = variantgen.load_spec(SPECS_DIR / f"{spec_name}.yaml")
+    w = make_flex_wrapper(spec, torch.empty(0, dtype=torch.uint8), head_dim_qk=64, q_dtype="bf16", kv_dtype="bf16",
+                          kind=kind)
+    batch = _kind_batch(kind)
+    args = random_spec_args(spec, batch, seed=1)
+    kw = {} if kind == "ragged" else {"skip_tiles": skip_tiles}
+    plan = _plan_kind(w, kind, batch, args, **kw)
+    _check_kind_plan(w, plan, kind, "flex")
+    assert "Flex" in plan.scheduled_by
+    if kind != "ragged":
+        assert plan.planner == ("off" if skip_tiles is False else "intervals" if kind == "prefill" else "key trimming")
+    with pytest.raises(LaunchError):
+        if kind == "ragged":
+            w.plan(batch.qo_indptr, batch.kv_indptr, 4, 3)
+        else:
+            w.plan(*(batch.plan_args()[1:4] if kind == "decode" else batch.plan_args()[:4]), 4, 3, batch.page_size)
+    assert w.last_plan is None
+
+
+def test_multi_token_decode_plans_are_decode_plans():
+    """Multi-token decode runs the prefill launches (tensor cores, the flex prefill route): its Plan says decode."""
+    from variantgen.wrappers.flex_wrapper import make_flex_wrapper
+
+    spec = variantgen.load_spec(SPECS_DIR / "causal.yaml")
+    w = make_flex_wrapper(spec, torch.empty(0, dtype=torch.uint8), head_dim_qk=64, q_dtype="bf16", kv_dtype="bf16",
+                          kind="decode")
+    batch = _kind_batch("decode")
+    plan = w.plan(*batch.plan_args()[1:], q_len_per_request=2)
+    _check_kind_plan(w, plan, "decode", "flex")

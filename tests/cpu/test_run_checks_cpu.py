@@ -36,9 +36,10 @@ from variantgen.core.errors import LaunchError
 from variantgen.planning.graph import GraphCapacity
 from variantgen.testing.harness import random_paged_batch, random_spec_args, spans_to_ranges
 from variantgen.wrappers import checks
+from variantgen.wrappers.base import WrapperBase
 from variantgen.wrappers.checks import NO_PAGES, PageBounds, PageGuard
 from variantgen.wrappers.decode import DecodeWrapper
-from variantgen.wrappers.paged import VariantWrapper, WrapperBase
+from variantgen.wrappers.paged import VariantWrapper
 from variantgen.wrappers.reference import reference_attention
 
 HQ, HKV, HEAD_DIM = 4, 2, 64

@@ -894,7 +894,7 @@ def test_fa3_large_launches_stay_one_launch():
 
 def test_host_lists_and_staging_on_the_cpu():
     from variantgen.core.staging import HostStaging
-    from variantgen.wrappers.paged import host_indices, host_lists
+    from variantgen.wrappers.base import host_indices, host_lists
 
     a, b = torch.tensor([0, 3, 7], dtype=torch.int32), torch.tensor([5, 1], dtype=torch.int32)
     assert host_lists(a, b) == [[0, 3, 7], [5, 1]]

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..planning.graph import GraphCapacity
-    from ..wrappers.paged import WrapperBase
+    from ..wrappers.base import WrapperBase
 
 log = logging.getLogger("variantgen.api.factory")
 

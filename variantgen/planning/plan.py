@@ -10,6 +10,11 @@ builder laid out (``LaunchRequest``: rows, request, class, keys, pages, window) 
 ``to_dense()`` draws, per request, which elements the kernel visits and how - for debugging
 small batches. ``stats()`` is the dict that ``wrapper.plan_stats`` shows.
 
+Every wrapper kind's plan() returns a Plan (``wrapper.last_plan``): paged prefill (and decode on
+tensor cores, which runs it) the launch builder's, and ``ScheduledPlan`` where the launches are
+laid out elsewhere - decode on CUDA cores and ragged prefill (FlashInfer's own scheduler, one
+launch) and the flex route (Flex's block lists) - with the same printable summary and stats().
+
 The launch requests are read from the plan's metadata in the workspace's host mirror, which
 the next plan() rewrites; a Plan that is still referenced then takes a copy first
 (planner.Planner does that), so every Plan stays readable.
@@ -146,13 +151,15 @@ class LaunchLayout:
 class Plan:
     """The plan of one batch (see the module docstring). ``planner``: "module" (the spec's
     planner module classified the rows) or "off" (one custom launch per request: the spec's
-    mask on every element), ``reason``: why it is off."""
+    mask on every element), ``reason``: why it is off. ``kind``: the wrapper kind that planned
+    it ("prefill"; "decode" on tensor cores, whose launches are the prefill module's)."""
 
     def __init__(self, batch: Batch, launches: list[Launch], *, backend: str, planner: str, reason: str = "",
                  counts: dict[str, int] | None = None, host: torch.Tensor | None = None,
                  layouts: tuple[LaunchLayout, ...] = (), pages_given: int = 0, graph: bool = False,
-                 pack_gqa: int = 1, merge: Any = None):
+                 pack_gqa: int = 1, merge: Any = None, kind: str = "prefill"):
         self.batch = batch
+        self.kind = kind
         self.launches = launches
         self.backend = backend
         self.planner = planner
@@ -251,7 +258,8 @@ class Plan:
         b = self.batch
         how = "interval planner (planner module)" if self.planner == "module" else f"planner off: {self.reason}"
         packed = f", GQA-packed ({self.pack_gqa} query heads per row)" if self.pack_gqa > 1 else ""
-        lines = [f"Plan({b.batch_size} requests, {b.total_q} query rows, {b.num_qo_heads}/{b.num_kv_heads} heads, "
+        of = f"{self.kind}: " if self.kind != "prefill" else ""
+        lines = [f"Plan({of}{b.batch_size} requests, {b.total_q} query rows, {b.num_qo_heads}/{b.num_kv_heads} heads, "
                  f"page size {b.page_size}; {self.backend}{', CUDA-graph slots' if self.graph else ''}{packed}; {how})"]
         for i, la in enumerate(self.launches):
             window = f", window {la.window_left}" if la.window_left >= 0 else ""
@@ -315,6 +323,57 @@ class Plan:
             if r.cls == RowClass.TAIL:  # its diagonal tile: the mask from its first query position on
                 grid[i0:i1, kb:ke][seen & (k >= r.q_pos)] = MASKED
         return grids
+
+
+class ScheduledPlan(Plan):
+    """The plan of a batch whose launches the launch builder does not lay out: decode on CUDA
+    cores and ragged prefill (FlashInfer's scheduler, or fa3's work list, schedules one launch
+    over the batch) and the flex route (Flex's block lists). ``scheduled_by`` says how the work
+    was laid out; ``runs``: (label, requests) per launch; ``planner``: "key trimming" (decode's
+    page lists narrowed to the visible keys), "intervals" (the flex route's keys and block lists
+    from the key intervals) or "off", ``reason`` saying why; ``figures``: the kind's own numbers
+    (pages given and visited, the decode variant, keys gathered, blocks), as stats() shows them.
+    It has no launch requests (``launch_requests`` is empty; work() and to_dense() refuse)."""
+
+    def __init__(self, batch: Batch, *, kind: str, backend: str, scheduled_by: str, planner: str, reason: str = "",
+                 runs: list[tuple[str, int]] | None = None, figures: dict[str, Any] | None = None):
+        super().__init__(batch, [], backend=backend, planner=planner, reason=reason, kind=kind)
+        self.scheduled_by = scheduled_by
+        self.runs = list(runs or [])
+        self.figures = dict(figures or {})
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"launches": list(self.runs), **self.figures}
+        if self.planner == "off":
+            out["planner_off"] = self.reason
+        return out
+
+    def _no_requests(self, what: str) -> ValueError:
+        return ValueError(f"Plan.{what}: a {self.kind} plan on {self.backend} is scheduled by {self.scheduled_by}; "
+                          "it has no launch requests to look at (those are the paged prefill launch builder's)")
+
+    def work(self) -> dict[str, int]:
+        raise self._no_requests("work()")
+
+    def keys_read(self) -> dict[str, int]:
+        raise self._no_requests("keys_read()")
+
+    def to_dense(self) -> list[torch.Tensor]:
+        raise self._no_requests("to_dense()")
+
+    def __repr__(self) -> str:
+        b = self.batch
+        how = f"planner off: {self.reason}" if self.planner == "off" else self.planner
+        lines = [f"Plan({self.kind}: {b.batch_size} requests, {b.total_q} query rows, {b.num_qo_heads}/"
+                 f"{b.num_kv_heads} heads, page size {b.page_size}; {self.backend}; {how})",
+                 f"  scheduled by {self.scheduled_by}"]
+        for i, (label, n) in enumerate(self.runs):
+            lines.append(f"  launch {i}: {label:6} {n:5} requests")
+        if self.figures:
+            lines.append("  " + "; ".join(f"{k} {v}" for k, v in self.figures.items()))
+        return "\n".join(lines)
+
+    __str__ = __repr__
 
 
 def _metadata_ints(n: int) -> int:

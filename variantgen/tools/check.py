@@ -70,8 +70,8 @@ def run_check(variant: VariantSpec, *, head_dim: int, dtype: str, kv_dtype: str 
     """Build or load ``variant``'s module (or take the flex route), run a random paged batch and
     compare with the reference. ``echo`` gets the progress lines."""
     from ..api.factory import make_wrapper
+    from ..wrappers.base import TORCH_DTYPES
     from ..wrappers.batches import random_paged_batch, random_spec_args
-    from ..wrappers.paged import TORCH_DTYPES
     from ..wrappers.reference import reference_attention
 
     device = check_device(backend)

@@ -76,7 +76,7 @@ from ..planning.plan import Batch
 
 INT32_PAGES = 1 << 31  # int32 page numbers: a cache of more pages holds every one of them
 SPEC_TENSOR_DTYPES = {"int32": torch.int32, "float32": torch.float32}
-KV_LAYOUTS = ("NHD", "HND")  # in the order of the kernels' layout codes (wrapper.LAYOUT_CODES)
+KV_LAYOUTS = ("NHD", "HND")  # in the order of the kernels' layout codes (base.LAYOUT_CODES)
 
 
 def to_device(where: str, tensor: torch.Tensor, device: Any) -> torch.Tensor:

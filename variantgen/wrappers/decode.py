@@ -50,11 +50,12 @@ from ..core.flags import check_flags
 from ..core.staging import HostStaging
 from ..planning.graph import GraphCapacity, pin_plan_info
 from ..planning.intervals import analyze, args_read, row_intervals, tensors_read, usable_form
-from ..planning.plan import Batch, Plan
+from ..planning.plan import Batch, Plan, ScheduledPlan
 from ..planning.planner import Planner
 from ..planning.rowplan import plan_rows
+from .base import LAYOUT_CODES, WrapperBase, host_lists
 from .checks import check_index_tensors, check_indptr_starts, check_plan_sizes, check_total_keys
-from .paged import LAYOUT_CODES, VariantWrapper, WrapperBase, host_lists
+from .paged import VariantWrapper
 
 log = logging.getLogger("variantgen.wrappers.decode")
 
@@ -126,6 +127,9 @@ class DecodeWrapper(WrapperBase):
         # in one call (None: the intervals in torch ops, a few dozen small ones per plan)
         self._row_planner: Any = None
         self._row_buffers: dict[str, torch.Tensor] = {}
+        # What the last plan() decided (None: no plan, or it failed): tensor cores, the prefill
+        # wrapper's Plan; CUDA cores, a ScheduledPlan of FlashInfer's one decode launch.
+        self.last_plan: Plan | None = None
 
     @property
     def plan_stats(self) -> dict[str, Any]:
@@ -142,11 +146,6 @@ class DecodeWrapper(WrapperBase):
         wrapper's)."""
         return self._prefill.row_planner if self._prefill is not None else self._row_planner
 
-    @property
-    def last_plan(self) -> Plan | None:
-        """Tensor cores: the prefill wrapper's Plan of the last plan() (CUDA cores: None, one launch)."""
-        return self._prefill.last_plan if self._prefill is not None else None
-
     def set_row_planner(self, module: Any, reason: str = "") -> None:
         """The spec's planner module (None: without it, ``reason`` says why). Tensor cores: the
         prefill wrapper's interval planner; CUDA cores: key trimming's intervals from its row
@@ -159,8 +158,9 @@ class DecodeWrapper(WrapperBase):
     # ------------------------------------------------------------------ plan
     def plan(self, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
              paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,
-             *, q_len_per_request: int = 1, skip_tiles: bool | None = None, **spec_args: Any) -> None:
-        """Plan a decode batch (one query per request). ``skip_tiles`` turns key trimming
+             *, q_len_per_request: int = 1, skip_tiles: bool | None = None, **spec_args: Any) -> Plan:
+        """Plan a decode batch (one query per request); returns its Plan (also kept as
+        ``last_plan``: print it for a summary). ``skip_tiles`` turns key trimming
         on/off (default: on where the spec's key intervals are known and plan() was given
         the spec tensors they read; pass those by name here and to run()).
 
@@ -176,7 +176,7 @@ class DecodeWrapper(WrapperBase):
         captured with), and the spec tensors key trimming reads must not change until the next
         plan() (``check_plan=True`` detects it)."""
         # A plan() that fails must not leave the previous plan half-replaced.
-        self._batch, self._launch, self._planned_args = None, None, {}
+        self._batch, self._launch, self._planned_args, self.last_plan = None, None, {}, None
         self._check_replays()
         check_flags("plan()", skip_tiles=skip_tiles)
         check_plan_sizes("plan()", num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
@@ -207,10 +207,11 @@ class DecodeWrapper(WrapperBase):
                           (per,) * batch, tuple(kv_lens))
         if self._prefill is not None:
             qo_indptr = torch.arange(0, per * (batch + 1), per, dtype=torch.int32)
-            self._prefill.plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                               num_qo_heads, num_kv_heads, page_size, skip_tiles=skip_tiles, **spec_args)
-            self._batch = new_batch
-            return
+            plan = self._prefill.plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                                      num_qo_heads, num_kv_heads, page_size, skip_tiles=skip_tiles, **spec_args)
+            plan.kind = "decode"  # (the prefill module's launches, qo_len q_len_per_request per request)
+            self._batch, self.last_plan = new_batch, plan
+            return plan
         self._batch = new_batch
         self._staging.begin()
         self._begin_pages(paged_kv_indices, kvp_h[-1], folded)
@@ -221,6 +222,15 @@ class DecodeWrapper(WrapperBase):
         except BaseException:
             self._batch, self._launch, self._planned_args = None, None, {}
             raise
+        stats = self._plan_stats
+        self.last_plan = ScheduledPlan(
+            new_batch, kind="decode", backend=self.config.backend,
+            scheduled_by="FlashInfer's decode scheduler: one launch on CUDA cores"
+            + (" (CUDA-graph schedule)" if self._graph_buffers is not None else ""),
+            planner="off" if "planner_off" in stats else "key trimming", reason=stats.get("planner_off", ""),
+            runs=stats["launches"],
+            figures={k: v for k, v in stats.items() if k not in ("launches", "planner_off")})
+        return self.last_plan
 
     def _plan_cuda_cores(self, kvp_h: list[int], last_h: list[int], kv_lens: list[int],
                          kv_indices: torch.Tensor, skip_tiles: bool | None, spec_args: dict[str, Any]) -> None:
@@ -290,6 +300,10 @@ class DecodeWrapper(WrapperBase):
 
     def _page_lists(self) -> list[torch.Tensor]:
         return [self._launch.kv_indices] if self._launch is not None else []  # graph mode: the whole buffer
+
+    def _dim_capacity(self) -> dict[str, int]:
+        # (CUDA-graph decode on CUDA cores plans exactly max_batch_size requests: the batch's dims are the capacity)
+        return {}
 
     def _visible_hulls(self, kv_lens: list[int],
                        args: dict[str, Any]) -> tuple[list[int], list[int], list[int], list[int]]:

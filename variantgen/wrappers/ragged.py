@@ -34,9 +34,9 @@ from ..codegen.render import MASK_MODES
 from ..core.errors import LaunchError
 from ..core.flags import check_flags
 from ..lang.nodes import Const
-from ..planning.plan import Batch
+from ..planning.plan import Batch, ScheduledPlan
+from .base import LAYOUT_CODES, TORCH_DTYPES, WrapperBase, host_lists
 from .checks import check_index_tensors, check_indptr_starts, check_plan_sizes, refuse_grad
-from .paged import LAYOUT_CODES, TORCH_DTYPES, WrapperBase, host_lists
 
 
 def launch_mask_mode(spec: Any, compiled: tuple[str, ...]) -> str:
@@ -92,24 +92,32 @@ class RaggedWrapper(WrapperBase):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._launch: RaggedLaunch | None = None
+        self.last_plan: ScheduledPlan | None = None  # what the last plan() decided (None: no plan, or it failed)
+
+    def _page_lists(self) -> list[torch.Tensor]:
+        return []  # (no page list: the KV is rows of k / v)
+
+    def _dim_capacity(self) -> dict[str, int]:
+        return {}  # (no graph mode)
 
     # ------------------------------------------------------------------ plan
     def plan(self, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, num_qo_heads: int, num_kv_heads: int,
-             *, disable_split_kv: bool = False, **spec_args: Any) -> None:
-        """Plan a batch from its indptrs (read on the host; int32, starting at 0).
+             *, disable_split_kv: bool = False, **spec_args: Any) -> ScheduledPlan:
+        """Plan a batch from its indptrs (read on the host; int32, starting at 0); returns its
+        Plan (also kept as ``last_plan``: one launch over the batch, FlashInfer's schedule).
 
         Spec arguments may be passed here too (as to the paged wrapper); they are checked
         but not used: the ragged kernel reads them in run(), where they are required.
         ``disable_split_kv`` (fa2): keep each request's keys in one work item (fa3 never splits them).
         """
-        self._batch, self._launch = None, None
+        self._batch, self._launch, self.last_plan = None, None, None
         self._batch, qo_h, kv_h = read_ragged_batch(qo_indptr, kv_indptr, num_qo_heads, num_kv_heads, disable_split_kv)
         batch, qo_lens, kv_lens = self._batch.batch_size, self._batch.qo_lens, self._batch.kv_lens
         if spec_args:
             self._check_args(spec_args, where="plan()", require_tensors_from="plan")
         if self._batch.total_q == 0:  # nothing to compute; run() returns empty outputs
             self.plan_stats["launches"] = []
-            return
+            return self._keep_plan("", disable_split_kv)
         mode = launch_mask_mode(self.spec, self.config.mask_modes) if self.auto_mask_mode else "custom"
         if mode not in self.config.mask_modes:
             raise LaunchError(f"the module was compiled with mask modes {list(self.config.mask_modes)}; "
@@ -145,6 +153,20 @@ class RaggedWrapper(WrapperBase):
             num_requests=batch,
         )
         self.plan_stats["launches"] = [(mode, batch)]
+        return self._keep_plan(mode, disable_split_kv)
+
+    def _keep_plan(self, mode: str, disable_split_kv: bool) -> ScheduledPlan:
+        """last_plan: the one launch in ``mode`` ("": none, an empty batch), as FlashInfer's scheduler laid it out."""
+        fa3 = self.config.backend == "fa3"
+        by = "the fa3 ragged work list" if fa3 else "FlashInfer's FA2 scheduler"
+        if not fa3:
+            by += (", each request's keys in one work item" if disable_split_kv
+                   else ", a request's keys may be split over work items")
+        why = (f"one {mode} launch over the whole batch" if mode else "no launch (the batch has no queries)")
+        self.last_plan = ScheduledPlan(self._batch, kind="ragged", backend=self.config.backend, scheduled_by=by,
+                                       planner="off", reason=f"the ragged kind has no interval planner: {why}",
+                                       runs=list(self.plan_stats["launches"]))
+        return self.last_plan
 
     # ------------------------------------------------------------------ run
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, q_scale: float | None = None,
