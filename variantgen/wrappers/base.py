@@ -25,7 +25,7 @@ import torch
 
 from ..abi.table import READ_INDICES_EXTRA
 from ..build.builder import BuildResult
-from ..codegen.render import ModuleConfig
+from ..codegen.render import KernelArg, ModuleConfig, kernel_args
 from ..core.env import settings
 from ..core.errors import LaunchError
 from ..core.flags import check_flags
@@ -345,14 +345,21 @@ class WrapperBase:
                               f"{base} x q_scale x k_scale), which the kernels take as a float32 times log2(e): "
                               f"expected |softmax scale| <= {MAX_SM_SCALE:.7g}")
 
+    @functools.cached_property
+    def _abi_args(self) -> tuple[tuple[KernelArg, ...], tuple[KernelArg, ...]]:
+        return kernel_args(self.spec)
+
     def _kernel_args(self, args: dict[str, Any], q_scale: float | None, k_scale: float | None,
                      v_scale: float | None) -> tuple[list[torch.Tensor], list[Any]]:
-        """The module's extra run() arguments in ABI order, except vg_meta (which the caller
-        inserts after the spec tensors): (spec tensors, scalars incl. sm_scale/v_scale)."""
-        tensors = [args[t] for t in self._tensor_names]
-        scalars = [args[s] for s in self._scalar_names] + [self._sm_scale(q_scale, k_scale)]
-        if self.spec.qkv_scales:
-            scalars.append(float(v_scale) if v_scale is not None else 1.0)
+        """The module's extra run() arguments in the order of its ABI, which codegen.render.kernel_args
+        defines once for the generated binding and for this call: (spec tensors, scalars with
+        sm_scale and v_scale). vg_meta, the tensor after the spec's, the caller inserts."""
+        tensor_args, scalar_args = self._abi_args
+        own = len(self.spec.scalars)  # the spec's scalars first, then what the wrapper computes
+        computed = {"sm_scale": self._sm_scale(q_scale, k_scale),
+                    "v_scale": float(v_scale) if v_scale is not None else 1.0}
+        tensors = [args[a.name] for a in tensor_args[:len(self.spec.tensors)]]
+        scalars = [args[a.name] for a in scalar_args[:own]] + [computed[a.name] for a in scalar_args[own:]]
         return tensors, scalars
 
     def _check_planned_args(self, args: dict[str, Any]) -> None:
