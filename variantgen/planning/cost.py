@@ -170,6 +170,7 @@ def planned_requests(spec: VariantSpec, args: Mapping[str, Any], qo_lens: Sequen
                      page_size: int) -> tuple[list[LaunchRequest], str]:
     """The launch requests the planner makes for the batch, on the CPU (rowrules: the row kernel's
     reference), and why the planner is off ("" when on: then the list is empty)."""
+    from .pieces import may_split, piece_segments
     from .rowrules import classify_rows, segments
 
     form = analyze(spec)
@@ -181,8 +182,12 @@ def planned_requests(spec: VariantSpec, args: Mapping[str, Any], qo_lens: Sequen
     starts = [0]
     for n in qo_lens:
         starts.append(starts[-1] + n)
-    rec = classify_rows(spec, form, starts, list(kv_lens), page_size, dict(args), torch.device("cpu"))
-    return [LaunchRequest.from_segment(seg, page_size) for seg in segments(rec, page_size).tolist()], ""
+    if may_split(form, spec, dict(args)):  # rows that see several intervals: a launch request per interval (fa2)
+        table = piece_segments(spec, form, starts, list(kv_lens), page_size, dict(args), torch.device("cpu"))
+    else:
+        rec = classify_rows(spec, form, starts, list(kv_lens), page_size, dict(args), torch.device("cpu"))
+        table = segments(rec, page_size)
+    return [LaunchRequest.from_segment(seg, page_size) for seg in table.tolist()], ""
 
 
 def cost_of(requests: Sequence[LaunchRequest], visible: torch.Tensor, qo_lens: Sequence[int],
@@ -198,8 +203,11 @@ def cost_of(requests: Sequence[LaunchRequest], visible: torch.Tensor, qo_lens: S
     by: dict[str, ClassCost] = {}
     for r in requests:
         c = by.get(r.cls.label, ClassCost())
-        vis = int(prefix[r.rows[1]] - prefix[r.rows[0]])
-        by[r.cls.label] = ClassCost(c.launch_requests + 1, c.rows + r.rows[1] - r.rows[0], c.keys_read + r.visited(),
+        # a row split into pieces counts once (its rows, its visible keys), with its first piece
+        first = r.piece <= 0
+        vis = int(prefix[r.rows[1]] - prefix[r.rows[0]]) if first else 0
+        own_rows = r.rows[1] - r.rows[0] if first else 0
+        by[r.cls.label] = ClassCost(c.launch_requests + 1, c.rows + own_rows, c.keys_read + r.visited(),
                                     c.keys_visible + vis)
     order = [c.label for c in RowClass]
     by = {k: by[k] for k in sorted(by, key=order.index)}
