@@ -26,7 +26,13 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
-@pytest.mark.parametrize("name", ALL_SPECS)
+# alibi on an H100 (torch 2.11): Flex's compiled backward failed in inductor ("Cannot broadcast, rank
+# mismatch: ['1'], [16, 16]") for the gradient of the per-head slopes the logits transform reads
+# (bench/logs/2026-12-07-h100/pytest-isolation-grad-b630f7a.log). Open: a strict xfail until fixed.
+SLOPES_GRAD = pytest.mark.xfail(strict=True, reason="Flex's GPU backward: inductor fails on alibi's slopes gradient")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=SLOPES_GRAD) if n == "alibi" else n for n in ALL_SPECS])
 def test_flex_gradients_match_the_float64_reference(ws, name):
     spec = variantgen.load_spec(SPECS / f"{name}.yaml")
     b = random_paged_batch(QO, KV, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.float32,

@@ -22,9 +22,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 QO, KV = [37, 300, 1, 129], [37, 812, 700, 1000]  # request 1 (poisoned) spans several 128-blocks
 DECODE_KV = [17, 300, 1000, 129]
 POISONED = 1
+# fa3 ragged: on an H100 (flashinfer 0.7.4, bench/logs/2026-12-07-h100/pytest-isolation-grad-b630f7a.log)
+# a NaN / inf in one request's K and V reached the other requests' rows (causal and document, NaN
+# and inf: 4 of 4), where every other route kept it in its request. FlashInfer's sm90 ragged kernel
+# loads whole K/V tiles of the packed tensor, past a request's last key into the next request's,
+# and a masked score's zero weight times a NaN value is NaN. Open: a strict xfail until it is fixed.
+FA3_RAGGED_LEAK = pytest.mark.xfail(strict=True, reason="fa3 ragged: K/V tiles past a request's end reach its rows")
 ROUTES = [("flex", "prefill", False), ("flex", "ragged", False), ("flex", "decode", False),
           ("fa2", "prefill", False), ("fa2", "ragged", False), ("fa2", "decode", False), ("fa2", "decode", True),
-          ("fa3", "prefill", False), ("fa3", "ragged", False), ("fa3", "decode", True)]
+          ("fa3", "prefill", False), pytest.param("fa3", "ragged", False, marks=FA3_RAGGED_LEAK),
+          ("fa3", "decode", True)]
+ROUTE_IDS = [f"{b}-{k}{'-tc' if t else ''}" for b, k, t in (getattr(r, "values", r) for r in ROUTES)]
 
 
 def sm90() -> bool:
@@ -38,7 +46,7 @@ def ws():
 
 @pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
 @pytest.mark.parametrize("spec_name", ["causal", "document"])
-@pytest.mark.parametrize("backend,kind,tc", ROUTES, ids=[f"{b}-{k}{'-tc' if t else ''}" for b, k, t in ROUTES])
+@pytest.mark.parametrize("backend,kind,tc", ROUTES, ids=ROUTE_IDS)
 def test_a_bad_value_stays_in_its_request(ws, backend, kind, tc, spec_name, value):
     if backend == "fa3" and not sm90():
         pytest.skip("fa3 needs sm90")
