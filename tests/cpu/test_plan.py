@@ -230,9 +230,9 @@ def test_every_kind_plan_returns_its_plan(kind, backend, module_kind, tensor_cor
     naming its kind and backend and why the interval planner is off where it is; a failed plan()
     leaves last_plan None."""
     from _fake_modules import FakeModules
-    from variantgen.testing.fuzzing import ModuleKey, Target
 
     from variantgen.core.errors import LaunchError
+    from variantgen.testing.fuzz_cases import ModuleKey, Target
 
     spec = variantgen.load_spec(SPECS_DIR / f"{spec_name}.yaml")
     target = Target("t", backend, kind, module_kind, tensor_cores=tensor_cores)
