@@ -81,7 +81,7 @@ def test_a_module_builds_against_the_newest_checked_flashinfer(vg_env, toolchain
     if fi_versions.package_versions()[0] != version:
         config = ModuleConfig(variantgen.resolve_spec("causal"), 128, 128, "bf16", "bf16", "bf16", "9.0a", backend,
                               mask_modes=("causal",))
-        assert build.module_key(config.render(), build.toolchain()).uri != out["uri"]
+        assert build.module_key(build.rendered_sources(config), build.toolchain()).uri != out["uri"]
 
 
 def test_an_fa2_causal_module_for_blackwell(vg_env, toolchain):

@@ -228,7 +228,7 @@ def test_folded_variants_compile(vg_env, toolchain, tmp_path, backend, kind, uni
     assert (f.out_scale.source(), f.in_scale.source(), [nodes.to_source(n) for n in f.hoisted]) == (
         "soft_cap", "(sqrt(temp) / soft_cap)", ["sqrt(temp)"])
     config = render.ModuleConfig(spec, 64, 64, "bf16", "bf16", "bf16", "9.0a", backend, kind=kind)
-    module = config.render()
+    module = render.render_module(config)
     variant = module.files["variant.cuh"]
     assert unit in module.compile_units and "vg_uniform0 = vg_sqrt(arg_temp);" in variant
     # a device helper in the score scale and a hoisted member: a __host__ __device__ constructor (fa2)
