@@ -12,7 +12,10 @@ it times, in one process with CUDA events (median of --iters after warm-up):
   0): one custom launch over each row's hull, what plan() did before;
 
 and records the ratio to sliding_window, plan()'s host time, the plan's summary and the largest
-difference between the pieces' and the hull's outputs (the same attention, two routes). Writes
+difference between the pieces' and the hull's outputs (the same attention, two routes). For the
+pieces it also records where the time goes: the GPU time of each kernel of one run() (torch's
+profiler, per kernel name) and the merge alone - the module's merge_pieces kernel against the same
+merge in torch ops (wrappers/merge.py's reference). Writes
 bench/results/pieces-<date>-<gpu>.json (or --out). Modules are loaded from VARIANTGEN_CACHE_DIR
 (--list-modules prints the precompile commands for a CPU build box). Run on the GPU machine:
 
@@ -82,11 +85,47 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
         outs[name] = w.run(batch.q, kv, **args).clone()
         res["ms"][key] = round(cuda_median_ms(lambda w=w, args=args, kv=kv: w.run(batch.q, kv, **args), iters), 3)
         print(f"{key:36s} {res['ms'][key]:8.3f} ms", flush=True)
+        if name == "streaming_sink":
+            breakdown(w, lambda w=w, args=args, kv=kv: w.run(batch.q, kv, **args), iters, res, key)
     bar = res["ms"][f"sliding_window_{backend}"]
     for name in ("streaming_sink", "streaming_sink_hull"):
         res["notes"][f"{name}_{backend}_over_sliding_window"] = round(res["ms"][f"{name}_{backend}"] / bar, 3)
     a, b = outs["streaming_sink"].float(), outs["streaming_sink_hull"].float()
     res["notes"][f"streaming_sink_{backend}_pieces_vs_hull_max_abs_diff"] = round((a - b).abs().max().item(), 5)
+
+
+def breakdown(w, run, iters: int, res: dict, key: str) -> None:
+    """Where a run()'s time goes: GPU time per kernel name (mean per run, ms), and the merge alone."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from variantgen.wrappers.merge import merge_pieces_reference, piece_buffers
+
+    run()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            run()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if total > 0:
+            kernels[e.key[:90]] = round(total / iters / 1e3, 4)
+    res["notes"][f"{key}_kernels_ms"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
+    merge = w.last_plan.merge
+    if merge is None:
+        return
+    out = torch.empty(w.last_plan.batch.total_q, w.last_plan.batch.num_qo_heads, w.config.head_dim_vo,
+                      dtype=torch.bfloat16, device="cuda")
+    parts, parts_lse = piece_buffers(out, merge.pieces)
+    parts.normal_()
+    parts_lse.normal_()
+    res["ms"][f"{key}_merge_kernel"] = round(cuda_median_ms(
+        lambda: w.module.merge_pieces(out, None, parts, parts_lse, merge.rows, merge.counts), iters), 3)
+    res["ms"][f"{key}_merge_torch"] = round(cuda_median_ms(
+        lambda: merge_pieces_reference(out, None, parts, parts_lse, merge.rows, merge.counts), iters), 3)
+    print(f"{key}: merge kernel {res['ms'][f'{key}_merge_kernel']} ms, in torch ops "
+          f"{res['ms'][f'{key}_merge_torch']} ms; kernels {res['notes'][f'{key}_kernels_ms']}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,8 @@
 //   plan_direct:    planner off: one custom launch request per request, built, copied to the
 //                   device and its page lists gathered there, in one call;
 //   schedule:       the fa2 work list of one launch (tests);
-//   read_indices:   plan()'s read-back of its index tensors from the GPU (read_indices.cuh).
+//   read_indices:   plan()'s read-back of its index tensors from the GPU (read_indices.cuh);
+//   merge_pieces:   run()'s merge of the partial outputs of rows split into pieces (merge_pieces.cuh).
 #pragma once
 
 #include <utility>
@@ -15,6 +16,7 @@
 
 #include "gather.cuh"
 #include "launches.h"
+#include "merge_pieces.cuh"
 #include "read_indices.cuh"
 #include "tvm/ffi/container/array.h"
 
@@ -136,6 +138,12 @@ tvm::ffi::Array<int64_t> VgSchedule(TensorView page_locked, int64_t base, Tensor
   return tvm::ffi::Array<int64_t>(info.begin(), info.end());
 }
 
+void VgMergePieces(TensorView out, tvm::ffi::Optional<TensorView> lse, TensorView parts, TensorView parts_lse,
+                   TensorView rows, TensorView counts) {
+  vg_plan::merge_pieces(out, lse, parts, parts_lse, rows, counts);
+}
+
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(build_launches, VgBuildLaunches);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_direct, VgPlanDirect);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(schedule, VgSchedule);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_pieces, VgMergePieces);

@@ -28,7 +28,7 @@ from variantgen.planning.intervals import analyze
 from variantgen.planning.pieces import may_split, piece_segments, row_pieces
 from variantgen.planning.rowrules import row_env
 from variantgen.testing.harness import random_paged_batch
-from variantgen.wrappers.merge import merge_pieces
+from variantgen.wrappers.merge import merge_pieces_reference as merge_pieces
 from variantgen.wrappers.paged import VariantWrapper
 from variantgen.wrappers.reference import reference_attention
 
@@ -248,6 +248,7 @@ def run_plan(name: str, backend: str, qo_lens, kv_lens, page_size: int, seed: in
     if plan.merge is not None:
         want[plan.merge.rows] = plan.merge.counts
     assert torch.equal(fake.row_writes, want), label
+    assert fake.merge_calls == (plan.merge is not None), f"{label}: run() merges with the module's merge_pieces"
     return plan, fake
 
 

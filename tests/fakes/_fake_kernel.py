@@ -68,6 +68,7 @@ from variantgen.codegen import logits_fold
 from variantgen.lang.evaluate import Evaluator
 from variantgen.lang.values import VariantSpec
 from variantgen.planning.planner import fa3_cta_tile_q
+from variantgen.wrappers.merge import merge_pieces_reference
 from variantgen.wrappers.reference import softmax_attention
 
 MODE_NAMES = {int(m): m.label for m in MaskMode}
@@ -238,6 +239,7 @@ class FakeModule:
         self.plan_calls: list[PlanCall] = []
         self.run_calls: list[RunCall] = []
         self.direct_calls = 0
+        self.merge_calls = 0
         self.row_writes: torch.Tensor | None = None
         self._planned: dict[int, PlanCall] = {}  # int workspace data_ptr -> plan of that launch
 
@@ -252,6 +254,11 @@ class FakeModule:
         self.direct_calls += 1
         self.build_launches(indices, torch.empty(0, SEG_FIELDS, dtype=torch.int64), options, workspace_host, desc)
         finish_on_cpu(desc, workspace_host, workspace, kv_indices)
+
+    def merge_pieces(self, out, lse, parts, parts_lse, rows, counts):
+        """run()'s merge of split rows' partial outputs: the kernel's reference (wrappers/merge.py)."""
+        self.merge_calls += 1
+        merge_pieces_reference(out, lse, parts, parts_lse, rows, counts)
 
     # ------------------------------------------------------------------ plan
     def plan(self, float_ws, int_ws, pinned, qo_indptr, kv_indptr, total_rows, batch_size, num_qo_heads,

@@ -106,3 +106,42 @@ def test_pieces_match_the_reference_and_the_hull(wrappers, name, page_size, back
         assert plan.work()["visited"] < hull.work()["visited"], f"{label}: the pieces read no fewer keys"
     finally:
         w.planner.max_pieces = MAX_PIECES
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dim", [128, 64, 36])
+def test_the_merge_kernel_matches_its_reference(wrappers, dtype, dim):
+    """The module's merge_pieces (templates/plan/merge_pieces.cuh) against merge_pieces_reference:
+    rows with 1..MAX_PIECES pieces, pieces with no visible key (lse -inf, their partial rows never
+    written: NaN here), a row whose every piece is empty, a NaN LSE, an `out` with a row stride
+    (a view) and a head dim that is no multiple of 8 (the element-by-element path)."""
+    from variantgen.wrappers.merge import merge_pieces_reference
+
+    module = wrappers("streaming_sink", "fa3").module
+    g = torch.Generator(device="cuda").manual_seed(dim)
+    pieces, rows, heads = MAX_PIECES, 300, 4
+    parts = torch.randn(pieces, rows, heads, dim, generator=g, device="cuda").to(dtype)
+    parts_lse = torch.randn(pieces, rows, heads, generator=g, device="cuda") * 8
+    split = torch.arange(3, rows, 2, device="cuda")
+    counts = torch.randint(1, pieces + 1, (split.numel(),), generator=g, device="cuda")
+    empty = torch.rand(pieces, rows, heads, generator=g, device="cuda") < 0.2
+    parts_lse[empty] = -torch.inf
+    parts[empty] = torch.nan  # (an empty piece's partial row: never written)
+    parts_lse[:, 5] = -torch.inf  # row 5: every piece empty
+    parts_lse[0, 7, 1] = torch.nan  # row 7, head 1: NaN logits
+    base = torch.randn(rows, heads, dim + 8, generator=g, device="cuda").to(dtype)
+    for lse_wanted in (True, False):
+        out, want = base[..., :dim].clone(), base[..., :dim].clone()
+        out_view = base.clone()[..., :dim]  # a row stride of dim + 8
+        lse = torch.zeros(rows, heads, device="cuda") if lse_wanted else None
+        want_lse = torch.zeros(rows, heads, device="cuda") if lse_wanted else None
+        merge_pieces_reference(want, want_lse, parts, parts_lse, split, counts)
+        for o in (out, out_view):
+            lse_o = lse.clone() if lse is not None else None
+            module.merge_pieces(o, lse_o, parts, parts_lse, split, counts)
+            torch.testing.assert_close(o.float(), want.float(), equal_nan=True, atol=1e-2, rtol=1e-2)
+            if lse_o is not None:
+                torch.testing.assert_close(lse_o, want_lse, equal_nan=True)
+        untouched = torch.ones(rows, dtype=torch.bool, device="cuda")
+        untouched[split] = False
+        assert torch.equal(out[untouched], base[..., :dim][untouched]), "rows not split are not written"

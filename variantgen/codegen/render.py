@@ -134,7 +134,8 @@ def environment() -> jinja2.Environment:
 TEMPLATE_DIRS = {"fa2": ("common", "fa2", "plan"), "fa3": ("common", "fa3", "plan"),
                  "planner": ("common", "planner", "plan")}
 # templates/plan/, as they are
-PLAN_HEADERS = ("plan_module.h", "launches.h", "fa3_worklist.h", "gather.cuh", "read_indices.cuh")
+PLAN_HEADERS = ("plan_module.h", "launches.h", "fa3_worklist.h", "gather.cuh", "read_indices.cuh",
+                "merge_pieces.cuh")
 
 
 def template_files(backend: str = "fa2") -> list[Path]:

@@ -8,8 +8,12 @@ kernels write it: log2 of the sum of 2^(logit * log2 e)). Over the union of disj
 
 which is the softmax over all the row's keys. A piece with no visible key (lse -inf) adds
 nothing; a row whose every piece is empty gets o = 0 and lse = -inf, as the kernels give a fully
-masked row. Torch ops on the rows that have pieces only (a gather, a few elementwise ops, a
-scatter): about one read of the partial rows and one write of the merged ones.
+masked row.
+
+run() merges with the module's ``merge_pieces`` kernel (templates/plan/merge_pieces.cuh: one read
+of the partial rows, one write of the merged ones). ``merge_pieces_reference`` is the same math in
+torch ops - the CPU fakes' merge and the reference the GPU tests hold the kernel to; it makes
+float32 copies of the partial rows and is several times the kernel's memory traffic.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import torch
 
 
-def merge_pieces(out: torch.Tensor, lse: torch.Tensor | None, parts: torch.Tensor, parts_lse: torch.Tensor,
+def merge_pieces_reference(out: torch.Tensor, lse: torch.Tensor | None, parts: torch.Tensor, parts_lse: torch.Tensor,
                  rows: torch.Tensor, counts: torch.Tensor) -> None:
     """Writes ``out[rows]`` (and ``lse[rows]``) from the partial outputs: ``parts`` [P, total_q,
     heads, dim] and ``parts_lse`` [P, total_q, heads] (float32, base 2), row ``rows[i]`` having

@@ -34,7 +34,7 @@ from ..planning.plan import Batch, Launch, Plan
 from ..planning.planner import Planner
 from .base import LAYOUT_CODES, WrapperBase, host_indices
 from .checks import check_paged_arguments, paged_batch
-from .merge import merge_pieces, piece_buffers
+from .merge import piece_buffers
 
 log = logging.getLogger("variantgen.wrappers.paged")
 
@@ -217,7 +217,7 @@ class VariantWrapper(WrapperBase):
                     la.kv_indptr, la.kv_indices, la.last_page_len, o_l, lse_l, code, layout,
                     -1, enable_pdl, *tensors, la.meta, *scalars)
         if merge is not None:
-            merge_pieces(out, lse, parts, parts_lse, merge.rows, merge.counts)
+            self.module.merge_pieces(out, lse, parts, parts_lse, merge.rows, merge.counts)
         if pack > 1:  # (graph mode: only the planned rows; out's rows past them stay as they are)
             gqa_unpack(out, lse, out_k, lse_k, pack, self.planner.graph.rows if self._graph is not None else None)
         return (out, lse) if return_lse else out
