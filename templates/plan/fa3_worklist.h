@@ -45,7 +45,8 @@ inline int64_t fa3_tiles(const int32_t* qo, int64_t n, int64_t cta_tile_q) {
 // LPT), O(tiles log SMs) on the host - FlashInfer's per-head schedule is heads times that.
 // qo: packed [n + 1] (it gives each launch request's length); starts[b]: launch request b's
 // first row in the caller's q / o, which may differ (the interval planner leaves rows in
-// place) and is what the work items carry; kvp: [n + 1] pages; kv_len: [n] keys.
+// place) and is what the work items carry; kvp: [n + 1] pages (ragged: [n] first key rows, the
+// padded K / V's - fa3/ragged_run.cuh); kv_len: [n] keys.
 // works_capacity: the work items the arrays have room for (>= this launch's; CUDA-graph mode
 // sizes them for the capacity so that the offsets never change). Writes at byte `base` of
 // `host`, which has room for fa3_work_list_bytes(works_capacity, num_sm) from there. Returns

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _fake_kernel import FakeFa3RaggedModule, FakeRaggedModule, assert_lse_matches
+from _fake_kernel import assert_lse_matches
+from _fake_ragged import FakeFa3RaggedModule, FakeRaggedModule
 from conftest import ALL_SPECS, SPECS_DIR
 from conftest import CPU_KV_LENS as KV_LENS
 from conftest import CPU_QO_LENS as QO_LENS
@@ -27,13 +28,19 @@ from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
 import variantgen.build.builder as build_mod
-from variantgen.abi.table import META_COLUMNS
+from variantgen.abi.table import META_COLUMNS, RAGGED_KV_GAP
 from variantgen.build.builder import BuildResult
 from variantgen.build.cache import Entry
 from variantgen.codegen import render
 from variantgen.core.errors import LaunchError
 from variantgen.testing.harness import random_spec_args
-from variantgen.wrappers.ragged import RaggedWrapper, launch_mask_mode, random_ragged_batch, reference_ragged
+from variantgen.wrappers.ragged import (
+    RaggedWrapper,
+    launch_mask_mode,
+    padded_kv_rows,
+    random_ragged_batch,
+    reference_ragged,
+)
 
 HQ, HKV = 4, 2
 
@@ -295,15 +302,49 @@ def test_what_reaches_the_module():
     assert fake.plan_calls[-1].disable_split_kv is False
 
 
-def test_doc_ids_read_by_kv_row():
-    """A [total_kv] tensor is indexed by kv_row = kv_indptr[request] + kv_pos."""
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_doc_ids_read_by_kv_row(backend):
+    """A [total_kv] tensor is indexed by kv_row = kv_indptr[request] + kv_pos (on fa3 too, whose
+    kernel reads the keys from the padded copy: the caller's rows, not the copy's)."""
     spec = shipped("document")
     batch = batch_of([4, 6, 2], [30, 6, 11], seed=6)
     ids = torch.cat([torch.arange(30) // 7, torch.arange(6) // 2, torch.arange(11) // 5]).to(torch.int32)
-    check(spec, batch, {"doc_ids": ids}, label="document")
+    check(spec, batch, {"doc_ids": ids}, label=f"document {backend}", backend=backend)
 
 
-def test_strided_views_are_accepted():
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_fa3_runs_over_k_and_v_padded_between_requests(kv_layout):
+    """fa3: the module's plan starts request b's keys at kv_indptr[b] + b x RAGGED_KV_GAP, and
+    run() gives the kernel K / V with the keys there and zeros in the RAGGED_KV_GAP rows after
+    each request (the last included); the caller's tensors are left as they were."""
+    gap = RAGGED_KV_GAP
+    kv_indptr = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    key_rows, gap_rows = padded_kv_rows(kv_indptr, 8)
+    assert key_rows.dtype == gap_rows.dtype == torch.int64
+    assert key_rows.tolist() == [0, 1, 2, 2 * gap + 3, 2 * gap + 4, 2 * gap + 5, 2 * gap + 6, 2 * gap + 7]
+    assert gap_rows.tolist() == [*range(3, 3 + gap), *range(3 + gap, 3 + 2 * gap), *range(8 + 2 * gap, 8 + 3 * gap)]
+    spec = shipped("causal")
+    batch = batch_of([2, 0, 4], [3, 0, 5], kv_layout=kv_layout, seed=8)
+    w, fake = make(spec, kv_layout=kv_layout, backend="fa3")
+    w.plan(*batch.plan_args())
+    seen = {}
+    real = fake.ragged_run
+    fake.ragged_run = lambda *a: seen.update(k=a[4].clone(), v=a[5].clone()) or real(*a)
+    k_before, v_before = batch.k.clone(), batch.v.clone()
+    w.run(batch.q, batch.k, batch.v)
+    dim = 0 if kv_layout == "NHD" else 1
+    for name, given in (("k", batch.k), ("v", batch.v)):
+        padded = seen[name]
+        assert padded.shape[dim] == 8 + 3 * gap and padded.is_contiguous()
+        assert torch.equal(padded.index_select(dim, key_rows), given), name
+        assert not padded.index_select(dim, gap_rows).any(), f"{name}: a gap row is not zero"
+    assert torch.equal(batch.k, k_before) and torch.equal(batch.v, v_before)
+    (call,) = fake.ragged_calls
+    assert call["kv_first"] == [0, None, 2 * gap + 3]  # (request 1 has no queries: no work item)
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_strided_views_are_accepted(backend):
     """v split off a wider tensor (as vLLM's MLA prefill does) and a q view with padded heads."""
     spec = shipped("causal")
     batch = batch_of([5, 2], [5, 30], qk=192, vo=128, seed=7)
@@ -313,7 +354,7 @@ def test_strided_views_are_accepted():
     q_wide[:, :HQ] = batch.q
     q = q_wide[:, :HQ]
     assert not v.is_contiguous() and not q.is_contiguous()
-    w, _ = make(spec, 192, 128)
+    w, _ = make(spec, 192, 128, backend=backend)
     w.plan(*batch.plan_args())
     out, lse = w.run(q, batch.k, v, return_lse=True)
     ref, ref_lse = reference_ragged(spec, batch.q, batch.k, v, batch.qo_indptr, batch.kv_indptr, return_lse=True)

@@ -334,7 +334,7 @@ class FlagRoute:
     with plan() and run() taking the flags as keywords."""
 
     def __init__(self, route: str):
-        from _fake_kernel import FakeFa3RaggedModule, FakeRaggedModule
+        from _fake_ragged import FakeFa3RaggedModule, FakeRaggedModule
 
         from variantgen.wrappers.flex_wrapper import make_flex_wrapper
         from variantgen.wrappers.ragged import RaggedWrapper, random_ragged_batch

@@ -36,10 +36,10 @@ against the dense reference without a GPU:
   the output is multiplied by v_scale and cast to ``out.dtype``.
 
 ``FakeFa3Module`` takes the fa3 module's paged_run (its work list from the launch builder),
-``FakeRaggedModule`` the ragged module's ``ragged_run`` (keys from a ragged k / v); both are
-emulated through FakeModule. ``FakeRowPlanner`` stands in for a spec's planner module: its
-``plan_batch`` runs the row rules in torch ops (rowrules.py, the reference the GPU row
-kernel is tested against) and the real builder.
+emulated through FakeModule; the ragged modules' fakes are in tests/fakes/_fake_ragged.py.
+``FakeRowPlanner`` stands in for a spec's planner module: its ``plan_batch`` runs the row
+rules in torch ops (rowrules.py, the reference the GPU row kernel is tested against) and the
+real builder.
 
 Every call is checked against the ABI (argument order and types from
 render.kernel_args) and recorded; ``row_writes`` counts, per output row, how many launch
@@ -571,134 +571,6 @@ class FakeFa3Module(FakeModule):
         if lse is not None:
             lse.view(rows, group, kv_heads)[idx] = lse_u.view(rows, kv_heads, group)[idx].transpose(1, 2)
 
-
-class FakeRaggedModule(FakeModule):
-    """``plan`` from FakeModule (FlashInfer's plan-info layout, packed o_indptr in the int
-    workspace) plus an emulated ``ragged_run``."""
-
-    def __init__(self, spec):
-        super().__init__(spec)
-        self.ragged_calls: list[dict] = []
-
-    def paged_run(self, *a, **k):  # a ragged module exports no paged_run
-        raise AssertionError("RaggedWrapper called paged_run")
-
-    def ragged_run(self, float_ws, int_ws, plan_info, q, k, v, qo_indptr, kv_indptr, out, lse, mask_mode, layout,
-                   window_left, enable_pdl, *extra):
-        args, meta_t, sm_scale, v_scale = self._unpack_extra(extra)
-        assert mask_mode in MODE_NAMES and layout in (0, 1) and window_left == -1
-        assert isinstance(enable_pdl, bool)
-        info = list(plan_info)
-        n = int(info[PrefillPlanInfo.PADDED_BATCH_SIZE])
-        planned = self._planned[int_ws.data_ptr()]
-        assert planned.page_size == 1 and planned.batch_size == n and meta_t.shape == (n, META_COLUMNS)
-        assert qo_indptr.dtype == kv_indptr.dtype == torch.int32 and qo_indptr.device == q.device
-        qs, kvp = qo_indptr.tolist(), kv_indptr.tolist()
-        assert qs == planned.qo_indptr and kvp == planned.kv_indptr, "indptrs differ from the planned ones"
-        o_off = int(info[PrefillPlanInfo.O_INDPTR_OFFSET])
-        o_indptr = int_ws[o_off:o_off + 4 * (n + 1)].view(torch.int32).tolist()
-        if layout == 1:  # HND -> NHD
-            k, v = k.transpose(0, 1), v.transpose(0, 1)
-        total_q, hq, _ = q.shape
-        hkv = k.shape[1]
-        assert planned.num_qo_heads == hq and planned.num_kv_heads == hkv and k.shape[0] == v.shape[0]
-        self.ragged_calls.append(dict(mode=MODE_NAMES[mask_mode], meta=meta_t.tolist(), qo_indptr=qs, kv_indptr=kvp,
-                                      layout=layout, lse=lse is not None, sm_scale=sm_scale, v_scale=v_scale,
-                                      args={k_: v_ for k_, v_ in args.items() if not isinstance(v_, torch.Tensor)}))
-        self._attend(q, k, v, qs, kvp, o_indptr, meta_t.tolist(), mask_mode, args, sm_scale, v_scale, out, lse)
-
-    def _attend(self, q, k, v, qs, kvp, o_rows, meta, mask_mode, args, sm_scale, v_scale, out, lse):
-        """Each request b's queries (rows qs[b] ..) over its keys (rows kvp[b] ..) of the NHD k / v,
-        written at rows o_rows[b] of ``out`` (and ``lse``)."""
-        total_q, hq, _ = q.shape
-        hkv = k.shape[1]
-        assert out.is_contiguous() and out.shape == (total_q, hq, v.shape[-1])
-        group = hq // hkv
-        for b in range(len(meta)):
-            q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo, req_kv, kwin, qo_len = meta[b][:9]
-            assert meta[b][MetaColumn.VIS_HI] < meta[b][MetaColumn.VIS_LO], "ragged: no keys known visible"
-            kv_len = kvp[b + 1] - kvp[b]
-            assert q_row_base == qs[b] and qo_len == qs[b + 1] - qs[b] and kv_row_base == kvp[b], meta[b]
-            assert kv_pos_base == 0 and req_kv == kv_len and req_qo == qo_len and kwin == -1, meta[b]
-            if qo_len == 0:
-                continue
-            kb = k[kvp[b]:kvp[b + 1]].float().repeat_interleave(group, dim=1)
-            vb = v[kvp[b]:kvp[b + 1]].float().repeat_interleave(group, dim=1)
-            scores = torch.einsum("qhd,khd->hqk", q[qs[b]:qs[b + 1]].float(), kb) * sm_scale
-            env, i, j = launch_env(meta[b], qo_len, kv_len, hq, group)
-            scores = scores_with_logits(self.spec, env, args, scores)
-            if mask_mode == 2:
-                visible = spec_mask(self.spec, env, args, (hq, qo_len, kv_len))
-            else:
-                # none and causal run a variant without the spec's mask (fa2's <Spec>Exact; fa3
-                # never evaluates it): right only where the mask is exactly the mode
-                visible = ((j <= kv_len - qo_len + i) if mask_mode == 1 else torch.ones_like(j, dtype=torch.bool))
-                visible = visible.expand(hq, qo_len, kv_len)
-                assert torch.equal(visible, spec_mask(self.spec, env, args, (hq, qo_len, kv_len))), (
-                    f"ragged launched {MODE_NAMES[mask_mode]!r} for spec {self.spec.name!r}, whose mask is not "
-                    "exactly that mode on this request")
-            o, lse_b = softmax_attention(scores.masked_fill(~visible, -math.inf), vb,
-                                         spec_sink(self.spec, env, args, hq))
-            o_row = o_rows[b]
-            out[o_row:o_row + qo_len] = (o * v_scale).to(out.dtype)
-            if lse is not None:
-                lse[o_row:o_row + qo_len] = lse_b
-
-
-class FakeFa3RaggedModule(FakeRaggedModule):
-    """An fa3 ragged module: ``plan(int_ws, page_locked, qo_indptr, kv_indptr, causal)`` writes an
-    sm90 work list (one SM list here, every query tile once) through the page-locked mirror into
-    the int workspace, as the module's plan does; ``ragged_run`` (no indptr tensors: the work
-    list carries each request's rows) reads the requests back from it and attends as
-    FakeRaggedModule."""
-
-    CTA = 128
-
-    def plan(self, int_ws, pinned, qo_indptr, kv_indptr, causal):
-        for name, t in (("int_ws", int_ws), ("pinned", pinned)):
-            assert isinstance(t, torch.Tensor) and t.dtype == torch.uint8, name
-        for name, t in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr)):
-            assert isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.device.type == "cpu", name
-        assert isinstance(causal, bool) and qo_indptr.numel() == kv_indptr.numel() >= 2
-        qs, kvp = qo_indptr.tolist(), kv_indptr.tolist()
-        n = len(qs) - 1
-        # SM90PlanInfo's arrays in its order: tile, first row, first key, rows, keys, head, request
-        items = [(t, qs[b], kvp[b], qs[b + 1] - qs[b], kvp[b + 1] - kvp[b], 0, b)
-                 for b in range(n) for t in range(-(-(qs[b + 1] - qs[b]) // self.CTA))]
-        stride = -(-4 * max(len(items), 1) // 16) * 16
-        offsets = [i * stride for i in range(7)]
-        work_indptr = 7 * stride
-        ints = pinned[:work_indptr + 8].view(torch.int32)
-        for off, column in zip(offsets, zip(*items)):
-            ints[off // 4:off // 4 + len(items)] = torch.tensor(column, dtype=torch.int32)
-        ints[work_indptr // 4:work_indptr // 4 + 2] = torch.tensor([0, len(items)], dtype=torch.int32)
-        int_ws[:work_indptr + 8].copy_(pinned[:work_indptr + 8])  # the module's copy into the workspace
-        self.plan_calls.append(dict(qo_indptr=qs, kv_indptr=kvp, causal=causal))
-        self._planned[int_ws.data_ptr()] = (qs, kvp)
-        return [*offsets[:6], work_indptr, offsets[6], 1]
-
-    def ragged_run(self, float_ws, int_ws, plan_info, q, k, v, out, lse, mask_mode, layout, enable_pdl, *extra):
-        args, meta_t, sm_scale, v_scale = self._unpack_extra(extra)
-        assert mask_mode in MODE_NAMES and layout in (0, 1) and isinstance(enable_pdl, bool)
-        info = list(plan_info)
-        assert len(info) == len(SM90PlanInfo) and info[SM90PlanInfo.SAME_SCHEDULE_FOR_ALL_HEADS] == 1, info
-        qs, kvp = self._planned[int_ws.data_ptr()]
-        ints = int_ws.view(torch.int32)
-        works = int(ints[info[SM90PlanInfo.WORK_INDPTR_OFFSET] // 4 + 1])
-        fields = (SM90PlanInfo.QO_INDPTR_OFFSET, SM90PlanInfo.KV_INDPTR_OFFSET, SM90PlanInfo.QO_LEN_OFFSET,
-                  SM90PlanInfo.KV_LEN_OFFSET, SM90PlanInfo.BATCH_INDICES_OFFSET)
-        q_first, kv_first, q_len, k_len, batch = (ints[info[f] // 4:info[f] // 4 + works].tolist() for f in fields)
-        for w in range(works):  # each work item carries its request's rows and keys
-            b = batch[w]
-            assert (q_first[w], kv_first[w], q_len[w], k_len[w]) == (
-                qs[b], kvp[b], qs[b + 1] - qs[b], kvp[b + 1] - kvp[b]), f"work item {w} disagrees with the plan"
-        assert {b for b in range(len(qs) - 1) if qs[b + 1] > qs[b]} == set(batch), "a request with rows has no work"
-        if layout == 1:  # HND -> NHD
-            k, v = k.transpose(0, 1), v.transpose(0, 1)
-        self.ragged_calls.append(dict(mode=MODE_NAMES[mask_mode], meta=meta_t.tolist(), qo_indptr=qs, kv_indptr=kvp,
-                                      layout=layout, lse=lse is not None, sm_scale=sm_scale, v_scale=v_scale,
-                                      args={k_: v_ for k_, v_ in args.items() if not isinstance(v_, torch.Tensor)}))
-        self._attend(q, k, v, qs, kvp, qs, meta_t.tolist(), mask_mode, args, sm_scale, v_scale, out, lse)
 
 class FakeRowPlanner:
     """A CPU stand-in for a spec's planner module (rowplan.py): ``plan_batch`` runs the row pass

@@ -2,10 +2,11 @@
 
 ``FakeModules`` makes the same wrappers make_wrapper would (VariantWrapper, DecodeWrapper on
 CUDA or tensor cores, RaggedWrapper, graph mode with a GraphCapacity), each on a fake module
-of tests/fakes/_fake_kernel.py / _fake_decode.py instead of a compiled one, and the prefill ones with
-the fake row kernel (FakeRowPlanner) as their planner module. ``capture`` returns the run itself:
-"replaying" a graph on the CPU runs it again, on the same static buffers. A test plants a bug by
-passing its own fake class for a module kind, and a missing module by naming it in ``missing``.
+of tests/fakes/_fake_kernel.py / _fake_ragged.py / _fake_decode.py instead of a compiled one,
+and the prefill ones with the fake row kernel (FakeRowPlanner) as their planner module.
+``capture`` returns the run itself: "replaying" a graph on the CPU runs it again, on the same
+static buffers. A test plants a bug by passing its own fake class for a module kind, and a
+missing module by naming it in ``missing``.
 bench/fuzz_gpu.py --fake uses it too.
 """
 
@@ -17,7 +18,8 @@ from typing import Any
 
 import torch
 from _fake_decode import FakeDecodeModule
-from _fake_kernel import FakeFa3Module, FakeFa3RaggedModule, FakeModule, FakeRaggedModule, FakeRowPlanner
+from _fake_kernel import FakeFa3Module, FakeModule, FakeRowPlanner
+from _fake_ragged import FakeFa3RaggedModule, FakeRaggedModule
 
 from variantgen.build.builder import BuildResult
 from variantgen.build.cache import Entry

@@ -313,6 +313,14 @@ VIS_EVERY_KEY = 2**31 - 1
 # the kernel masks. The codes of the exact launches (NONE, CAUSAL) run kernel units compiled
 # without the spec's mask (only the kernel window); this one and CUSTOM run the masked variant.
 FA2_TAIL_RUN_CODE = 3
+# fa3 ragged: zero rows run() puts after each request's keys in its padded copy of K and V, and the
+# shift the module's plan adds to request b's first key (b x this). FlashInfer's sm90 ragged kernel
+# loads whole KV tiles (TMA over the packed [total_kv, heads, dim] tensor) from the request's first
+# key, so its last tile reads up to CTA_KV - 1 rows past the request's last key: without a gap those
+# are the next request's keys, and a masked score's zero weight times a NaN / inf value there is NaN
+# in this request's rows. At least the kernel's largest KV tile (192 rows at head dim 128;
+# templates/fa3/ragged_run.cuh checks it against FlashInfer's tile sizes).
+RAGGED_KV_GAP = 256
 
 
 # ----------------------------------------------------------------------------- the C++ header
@@ -377,6 +385,7 @@ def header_text() -> str:
         f"constexpr int kReadIndicesExtra = {READ_INDICES_EXTRA};",
         f"constexpr int32_t kVisEveryKey = {VIS_EVERY_KEY};",
         f"constexpr int32_t kFa2TailRunCode = {FA2_TAIL_RUN_CODE};",
+        f"constexpr int32_t kRaggedKvGap = {RAGGED_KV_GAP};",
         "}  // namespace vg_abi",
         "",
     ]

@@ -15,6 +15,20 @@ KV tiles above the diagonal), no mask where it is ``true``, and the spec's mask 
 otherwise (fa2's kCustom; on fa3 the masked variant in a non-causal launch). fa2 may split a
 request's keys over work items (packed back to back, merged by the kernel); fa3 never does.
 
+fa3 runs over a padded copy of K and V. FlashInfer's sm90 ragged kernel loads whole KV tiles
+(TMA over the packed [total_kv, heads, dim] tensor) from a request's first key, so the last tile
+of request b reads up to CTA_KV - 1 rows (191 at head dim 128) past its last key: over K / V
+packed back to back, request b+1's first keys. Their scores are masked (weight 0), but 0 x NaN is
+NaN, so a NaN or inf in one request's V reached the other requests' rows (found on an H100,
+tests/gpu/test_gpu_isolation.py). run() therefore copies K and V into tensors where every
+request's keys, the last one's included, are followed by ``RAGGED_KV_GAP`` (256) zero rows
+(variantgen/abi/table.py, which the module's header and plan read as kRaggedKvGap: request b
+starts at row ``kv_indptr[b] + b * RAGGED_KV_GAP``). The cost: one copy of K and V per run()
+(one index_copy_ each, rows made at plan()), O(total_kv + batch x 256) extra memory while the
+kernel runs. The spec's [total_kv] tensors are still indexed by the caller's rows (vg_meta's
+kv_row_base is the unpadded kv_indptr; the kernel's key index is relative to the request). fa2
+and the paged kinds load only a request's own keys (or its own pages) and need no copy.
+
 LSE convention: ``run(..., return_lse=True)`` returns FlashInfer's log-sum-exp **in base
 2** (``log2(sum_j exp(s_j))`` of the scaled, transformed logits), the same convention as
 the paged prefill wrapper, ``reference.reference_attention(return_lse=True)`` and
@@ -29,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ..abi.table import META_COLUMNS, meta_rows
+from ..abi.table import META_COLUMNS, RAGGED_KV_GAP, meta_rows
 from ..codegen.render import MASK_MODES
 from ..core.errors import LaunchError
 from ..core.flags import check_flags
@@ -72,6 +86,22 @@ class RaggedLaunch:
     int_workspace: torch.Tensor
     float_workspace: torch.Tensor
     num_requests: int
+    # fa3 (see the module doc): the padded K / V's rows, the row of each key (int64 [total_kv], in
+    # the caller's order) and of each gap row (int64 [batch x RAGGED_KV_GAP]), on the device
+    padded_rows: int = 0
+    key_rows: torch.Tensor | None = None
+    gap_rows: torch.Tensor | None = None
+
+    def padded(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """fa3: ``t`` (K or V, keys along ``dim``) copied into a fresh tensor with RAGGED_KV_GAP
+        zero rows after each request's keys: only the gap rows are zeroed, the keys copied with one
+        index_copy_ (no host sync)."""
+        assert self.key_rows is not None and self.gap_rows is not None
+        shape = list(t.shape)
+        shape[dim] = self.padded_rows
+        out = t.new_empty(shape)
+        out.index_fill_(dim, self.gap_rows, 0)
+        return out.index_copy_(dim, self.key_rows, t)
 
 
 class RaggedWrapper(WrapperBase):
@@ -142,16 +172,21 @@ class RaggedWrapper(WrapperBase):
         # qo_indptr, kv_indptr and vg_meta in one staged copy (no sync)
         staged = self._staging.to_device(qo_h + kv_h + meta, torch.int32)
         self._staging.record()
+        kv_indptr_dev = staged[batch + 1:2 * batch + 2]
         self._launch = RaggedLaunch(
             mask_mode=mode,
             qo_indptr=staged[:batch + 1],
-            kv_indptr=staged[batch + 1:2 * batch + 2],
+            kv_indptr=kv_indptr_dev,
             meta=staged[2 * batch + 2:].view(batch, META_COLUMNS),
             plan_info=plan_info,
             int_workspace=int_ws,
             float_workspace=self._float_workspace,
             num_requests=batch,
         )
+        if self.config.backend == "fa3":  # the module's plan shifted request b's keys by b x RAGGED_KV_GAP
+            la = self._launch
+            la.padded_rows = kv_h[-1] + batch * RAGGED_KV_GAP
+            la.key_rows, la.gap_rows = padded_kv_rows(kv_indptr_dev, kv_h[-1])
         self.plan_stats["launches"] = [(mode, batch)]
         return self._keep_plan(mode, disable_split_kv)
 
@@ -190,14 +225,30 @@ class RaggedWrapper(WrapperBase):
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
             enable_pdl = self._pdl_default()
         code, layout = MASK_MODES[la.mask_mode][0], LAYOUT_CODES[self.kv_layout]
-        if self.config.backend == "fa3":  # the work list carries the requests' rows
-            self.module.ragged_run(la.float_workspace, la.int_workspace, la.plan_info, q, k, v, out, lse, code,
-                                   layout, bool(enable_pdl), *tensors, la.meta, *scalars)
+        if self.config.backend == "fa3":  # the work list carries the requests' rows, in the padded K / V
+            dim = 0 if self.kv_layout == "NHD" else 1
+            self.module.ragged_run(la.float_workspace, la.int_workspace, la.plan_info, q, la.padded(k, dim),
+                                   la.padded(v, dim), out, lse, code, layout, bool(enable_pdl), *tensors, la.meta,
+                                   *scalars)
         else:
             self.module.ragged_run(la.float_workspace, la.int_workspace, la.plan_info, q, k, v, la.qo_indptr,
                                    la.kv_indptr, out, lse, code, layout, -1, bool(enable_pdl), *tensors, la.meta,
                                    *scalars)
         return (out, lse) if return_lse else out
+
+
+def padded_kv_rows(kv_indptr: torch.Tensor, total_kv: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fa3's padded K / V (see the module doc) from ``kv_indptr`` (int32 [batch + 1], on the
+    device; ``total_kv`` its last entry, known on the host): the padded row of each key (key r of
+    request b at r + b x RAGGED_KV_GAP) and the RAGGED_KV_GAP gap rows after each request's keys,
+    int64 on kv_indptr's device, made there without a host sync."""
+    batch = kv_indptr.numel() - 1
+    i64 = dict(dtype=torch.int64, device=kv_indptr.device)
+    shift = torch.arange(batch, **i64) * RAGGED_KV_GAP
+    lens = (kv_indptr[1:] - kv_indptr[:-1]).to(torch.int64)
+    key_rows = torch.arange(total_kv, **i64) + torch.repeat_interleave(shift, lens, output_size=total_kv)
+    gap_rows = ((kv_indptr[1:].to(torch.int64) + shift).unsqueeze(1) + torch.arange(RAGGED_KV_GAP, **i64)).flatten()
+    return key_rows, gap_rows
 
 
 def read_ragged_batch(qo_indptr: Any, kv_indptr: Any, num_qo_heads: Any, num_kv_heads: Any, disable_split_kv: Any,
