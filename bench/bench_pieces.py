@@ -121,9 +121,9 @@ def breakdown(w, run, iters: int, res: dict, key: str) -> None:
     parts.normal_()
     parts_lse.normal_()
     res["ms"][f"{key}_merge_kernel"] = round(cuda_median_ms(
-        lambda: w.module.merge_pieces(out, None, parts, parts_lse, merge.rows, merge.counts), iters), 3)
+        lambda: w.module.merge_pieces(out, None, parts, parts_lse, merge.out_rows, merge.out_counts), iters), 3)
     res["ms"][f"{key}_merge_torch"] = round(cuda_median_ms(
-        lambda: merge_pieces_reference(out, None, parts, parts_lse, merge.rows, merge.counts), iters), 3)
+        lambda: merge_pieces_reference(out, None, parts, parts_lse, merge.out_rows, merge.out_counts), iters), 3)
     print(f"{key}: merge kernel {res['ms'][f'{key}_merge_kernel']} ms, in torch ops "
           f"{res['ms'][f'{key}_merge_torch']} ms; kernels {res['notes'][f'{key}_kernels_ms']}", flush=True)
 

@@ -285,6 +285,30 @@ def test_streaming_sink_pieces_read_the_sinks_and_the_window_not_the_gap(backend
     assert [r for r in on.launch_requests if r.piece >= 0 and r.mode.label == "custom"] == [] or backend == "fa3"
 
 
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three"])
+def test_pieces_run_with_fa3_gqa_packing(name, page_size):
+    """Decode and multi-token decode on fa3 pack a GQA group's query heads into rows of one tile:
+    a StreamingLLM decode row (sinks + window over a long context) runs its pieces there too,
+    packed partial rows merged in out's packed layout, not custom over the whole context."""
+    qo_lens, kv_lens = [1, 1, 6, 3], [300, 97, 260, 180]
+    plan, _ = run_plan(name, "fa3", qo_lens, kv_lens, page_size, seed=page_size)
+    assert plan.pack_gqa == HQ // HKV, plan
+    assert plan.merge is not None and plan.merge.rows.numel() > 0, plan
+    # the kernel merges packed rows: each split row's group of query heads
+    assert plan.merge.out_rows.numel() == plan.merge.rows.numel() * plan.pack_gqa
+    assert all(r.mode.label != "causal" for r in plan.launch_requests), "packed launches are never causal"
+
+
+def test_a_streaming_sink_decode_row_reads_its_sinks_and_window_on_fa3():
+    """The serving case: one decode query per request over 2000 keys, 4 sinks + a 63-key window."""
+    qo_lens, kv_lens = [1, 1], [2000, 1500]
+    on, _ = run_plan("streaming_sink", "fa3", qo_lens, kv_lens, 16, num_sink=4, window=63)
+    off, _ = run_plan("streaming_sink", "fa3", qo_lens, kv_lens, 16, max_pieces=0, num_sink=4, window=63)
+    assert on.pack_gqa > 1 and off.merge is None
+    assert on.work()["visited"] * 10 < off.work()["visited"], (on, off)
+
+
 def test_pieces_stay_off_in_graph_mode_and_the_hull_runs_as_before():
     """CUDA-graph mode keeps its fixed launch slots (no partial outputs in its static workspace
     yet): the rows of two intervals run custom over their hull there, still exact."""

@@ -101,20 +101,22 @@ def row_pieces(form: IntervalForm, spec: VariantSpec, env: dict[str, torch.Tenso
 
 def piece_segments(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
                    args: dict[str, Any], device: torch.device, max_pieces: int = MAX_PIECES,
-                   fa3_window_launches: int | None = None) -> torch.Tensor:
+                   fa3_window_launches: int | None = None, packed: bool = False) -> torch.Tensor:
     """The launch requests of a batch with rows split into pieces, in the launch builder's order
     (read_segments): host int64 [n, SEG_FIELDS], first every row once (piece -1: in place, 0: a
     split row's first interval) in row order, then piece 1, 2 ... each in row order.
     ``fa3_window_launches``: fa3's window widths given their own launch (the builder keeps the
     smallest widths of pieces first; a piece's window run of another width runs custom); None: fa2,
-    whose window launches take any width."""
+    whose window launches take any width. ``packed``: fa3 GQA packing, whose launch builder runs a
+    piece's causal and window runs dense (one row seeing its whole run) or custom over their
+    pages (pack_classes in launches.h): checked here as custom runs."""
     env = row_env(qo_indptr, kv_lens, device)
     iv = row_intervals(form, spec, env, args)
     pieces = row_pieces(form, spec, env, args, max_pieces)
     split = pieces.count >= 2
     for _ in range(_SPLIT_ROUNDS):
         table = _tables(env, iv, pieces, split, page_size)
-        bad = _overreaching_rows(table, pieces, split.shape[0], fa3_window_launches)
+        bad = _overreaching_rows(table, pieces, split.shape[0], fa3_window_launches, packed)
         if not bad.any():
             return table
         split = split & ~bad.to(split.device)
@@ -154,10 +156,11 @@ def _with_piece(seg: torch.Tensor, split: torch.Tensor | None, piece: int) -> to
 
 
 def _overreaching_rows(table: torch.Tensor, pieces: RowPieces, rows: int,
-                       fa3_window_launches: int | None) -> torch.Tensor:
+                       fa3_window_launches: int | None, packed: bool = False) -> torch.Tensor:
     """bool [rows]: split rows in a launch request that may evaluate the mask on keys of one of
     the row's other pieces: a custom run over its hull from its first page, or a window run that
-    fa3 runs custom (a width beyond the kept ones). A window run in a window launch sees each row's
+    fa3 runs custom (a width beyond the kept ones), or with GQA packing (``packed``) any causal or
+    window run (custom over its pages there). A window run in a window launch sees each row's
     keys from q_pos - window on only (the kernel window)."""
     bad = torch.zeros(rows, dtype=torch.bool)
     piece = table[:, SegField.PIECE]
@@ -167,7 +170,9 @@ def _overreaching_rows(table: torch.Tensor, pieces: RowPieces, rows: int,
     if fa3_window_launches is not None:
         widths = table[window_run, SegField.WINDOW].unique().sort().values[:fa3_window_launches]
         kept = torch.isin(table[:, SegField.WINDOW], widths)
-    pick = (piece >= 0) & ((cls == RowClass.CUSTOM) | (window_run & ~kept))
+    if packed:  # (a run of one row seeing all of it runs dense: checking it too only keeps rows unsplit)
+        kept = torch.zeros_like(window_run)
+    pick = (piece >= 0) & ((cls == RowClass.CUSTOM) | (window_run & ~kept) | (packed & (cls == RowClass.CAUSAL)))
     if not bool(pick.any()):
         return bad
     seg = table[pick]
@@ -201,11 +206,22 @@ def _overreaching_rows(table: torch.Tensor, pieces: RowPieces, rows: int,
 
 
 class MergeRows(NamedTuple):
-    """The rows run() merges: their indices and how many pieces each has (int64, host)."""
+    """The rows run() merges: their indices and how many pieces each has (int64), and the same as
+    rows of the launches' outputs (``out_rows`` / ``out_counts``: with fa3 GQA packing the packed
+    rows, row r's at r x pack + g for g < pack; else the rows themselves)."""
 
     rows: torch.Tensor
     counts: torch.Tensor
     pieces: int  # the most pieces of a row (partial outputs run() needs)
+    out_rows: torch.Tensor | None = None
+    out_counts: torch.Tensor | None = None
+
+    def packed(self, pack: int) -> MergeRows:
+        """The same rows, with their rows in the launches' outputs for GQA packing ``pack``."""
+        if pack == 1:
+            return self._replace(out_rows=self.rows, out_counts=self.counts)
+        out_rows = (self.rows.view(-1, 1) * pack + torch.arange(pack, device=self.rows.device)).flatten()
+        return self._replace(out_rows=out_rows, out_counts=self.counts.repeat_interleave(pack))
 
 
 def merge_rows(table: torch.Tensor, total_q: int) -> MergeRows:

@@ -125,7 +125,7 @@ class Planner:
         self.pack_gqa_enabled = True
         # Rows that see several key intervals run one launch request per interval, merged by LSE
         # (pieces.py): at most this many intervals per row (0: off, such rows run custom over their
-        # hull); a switch for comparisons. Not in CUDA-graph mode nor with GQA packing (yet).
+        # hull); a switch for comparisons. Not in CUDA-graph mode (yet).
         self.max_pieces = MAX_PIECES
 
     def pack_gqa(self, batch: Batch) -> int:
@@ -219,7 +219,7 @@ class Planner:
             self.graph.rows.copy_(self.staging.to_device([batch.total_q], torch.int32))
         row_pass = planned and batch.total_q > 0  # (an empty graph-mode batch: plan_direct lays out its slots)
         o[PlanOption.DIRECT] = int(not row_pass)
-        pieces = row_pass and self.graph is None and pack == 1 and self.max_pieces > 0
+        pieces = row_pass and self.graph is None and self.max_pieces > 0
         o[PlanOption.MAX_PIECES] = 0
         kv_indices = self.staging.on_device(kv_indices).contiguous()  # (plan() never waits for the GPU)
         merge = None
@@ -231,7 +231,7 @@ class Planner:
             o[PlanOption.MAX_PIECES] = min(self.max_pieces, MAX_PIECES)
             self.staging.record()
             self.staging.begin()  # (the first plan's copies out of the mirror have run: it is free again)
-            values, merge = self._build_pieces(batch, indices, kv_indices, args)
+            values, merge = self._build_pieces(batch, indices, kv_indices, args, pack)
         device_ws, host_ws = self._workspace_pair()
         launches, layouts = self._launches(values, device_ws, host_ws, batch, disable_split_kv)
         self.staging.record()  # the copies out of page-locked memory run before the next plan rewrites it
@@ -243,15 +243,16 @@ class Planner:
         return plan
 
     def _build_pieces(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor,
-                      args: dict[str, Any]) -> tuple[list[int], MergeRows | None]:
+                      args: dict[str, Any], pack: int) -> tuple[list[int], MergeRows | None]:
         """plan() for a spec whose rows may see several key intervals: the row rules in torch ops
         with rows split into pieces (pieces.py; the generated row kernel does not split rows yet,
         so this costs the torch rules' dispatch, a few ms at 64k rows), the launch builder on
         their segments, then its copy and page gather in torch ops. The descriptor's values and
-        the rows run() merges (None: no row was split)."""
+        the rows run() merges (None: no row was split), with their rows in the launches' outputs
+        (GQA packing ``pack``)."""
         table = piece_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
                                self.device, int(self._opt[PlanOption.MAX_PIECES]),
-                               self.max_window_launches if self.fa3 else None)
+                               self.max_window_launches if self.fa3 else None, packed=pack > 1)
         for _ in range(4):  # a too-small workspace is answered with the size it needs
             device_ws, host_ws = self._workspace_pair()
             self.module.build_launches(indices, table, self.options, host_ws, self.desc)
@@ -265,8 +266,9 @@ class Planner:
             found = merge_rows(table, batch.total_q)
             if not found.pieces:
                 return values, None
-            return values, MergeRows(self.staging.to_device(found.rows, torch.int64),
-                                     self.staging.to_device(found.counts, torch.int64), found.pieces)
+            merge = MergeRows(self.staging.to_device(found.rows, torch.int64),
+                              self.staging.to_device(found.counts, torch.int64), found.pieces)
+            return values, merge.packed(pack)
         raise LaunchError("internal: the launch builder still asks for room after the workspace grew")
 
     def _build(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor,

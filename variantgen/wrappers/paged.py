@@ -199,7 +199,7 @@ class VariantWrapper(WrapperBase):
         q_k, out_k, lse_k = (q, out, lse) if pack == 1 else gqa_packed(q, out, lse, pack)
         merge = self.last_plan.merge if self.last_plan is not None else None
         if merge is not None:  # rows that see several key intervals: a partial output per interval
-            parts, parts_lse = piece_buffers(out, merge.pieces)
+            parts, parts_lse = piece_buffers(out_k, merge.pieces)  # (GQA packing: packed rows, as out_k's)
         for la in self._launches:
             # fa2's tail launch: causal with the spec's mask on the tiles the kernel masks, a code
             # of its own (the other causal launches run units without the spec's mask)
@@ -217,7 +217,7 @@ class VariantWrapper(WrapperBase):
                     la.kv_indptr, la.kv_indices, la.last_page_len, o_l, lse_l, code, layout,
                     -1, enable_pdl, *tensors, la.meta, *scalars)
         if merge is not None:
-            self.module.merge_pieces(out, lse, parts, parts_lse, merge.rows, merge.counts)
+            self.module.merge_pieces(out_k, lse_k, parts, parts_lse, merge.out_rows, merge.out_counts)
         if pack > 1:  # (graph mode: only the planned rows; out's rows past them stay as they are)
             gqa_unpack(out, lse, out_k, lse_k, pack, self.planner.graph.rows if self._graph is not None else None)
         return (out, lse) if return_lse else out
