@@ -523,9 +523,39 @@ def test_a_value_leaking_across_requests_is_found():
                     poison="nan")
     assert CaseRunner(FakeModules()).run(case).verdict.ok
     v = CaseRunner(FakeModules({("fa2", "prefill"): LeakingValues})).run(case).verdict
-    assert v.kind == "nan" and "8 of 8 rows" in v.message, v.message
+    assert v.kind == "nan" and "12 of 12 rows" in v.message, v.message  # (requests 0 and 2: request 1 is poisoned)
     assert CaseRunner(FakeModules({("fa2", "prefill"): LeakingValues})).run(
         dataclasses.replace(case, poison="")).verdict.ok  # (no poison, nothing to leak)
+
+
+def test_the_poisoned_request_has_requests_on_both_sides():
+    """The fuzzer poisons the middle request with keys: a kernel reading past a request's end (into
+    the next one's first keys) or before its start meets the poison from a request compared."""
+    assert fuzz_tensors.poisoned_request(Batch((1, 1, 1), (4, 5, 6), (), seed=0)) == 1
+    assert fuzz_tensors.poisoned_request(Batch((1, 1), (4, 5), (), seed=0)) == 1
+    assert fuzz_tensors.poisoned_request(Batch((1, 1, 1, 1), (0, 5, 0, 6), (), seed=0)) == 3
+    assert fuzz_tensors.poisoned_request(Batch((1,), (0,), (), seed=0)) == 0
+
+
+def test_the_fa3_ragged_over_read_is_found_without_the_gap(monkeypatch):
+    """The fa3 ragged fake loads whole KV tiles past a request's end, as FlashInfer's sm90 kernel
+    does: with run()'s zero gap between requests taken away, the fuzzer's poisoned cases find the
+    leak (the GPU's finding, which the fuzzer missed while it poisoned the first request)."""
+    from variantgen.abi import table as plan_abi
+    from variantgen.wrappers import ragged
+
+    r = random.Random(11)
+    target = TARGET_BY_NAME["fa3/ragged"]
+    cases = []
+    while len(cases) < 12:
+        case = draw_case(r, target, ModuleKey("causal"), limits=LIMITS, poison=("nan",))
+        if len([n for n in case.batch.kv_lens if n]) >= 2:
+            cases.append(case)
+    assert all(CaseRunner(FakeModules()).run(c).verdict.ok for c in cases)
+    monkeypatch.setattr(plan_abi, "RAGGED_KV_GAP", 0)
+    monkeypatch.setattr(ragged, "RAGGED_KV_GAP", 0)
+    verdicts = [CaseRunner(FakeModules()).run(c).verdict for c in cases]
+    assert any(v.kind == "nan" for v in verdicts), [v.kind for v in verdicts]
 
 
 def test_compare_requires_the_reference_nan_positions():

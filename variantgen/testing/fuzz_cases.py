@@ -57,7 +57,7 @@ PLAN_PATHS = {
 _PLANNED = ("off", "module", "nomodule")
 
 # Isolation cases: this value goes into K and V of one request's first and last key (every KV
-# head and element: the request the batch's first keys belong to, poisoned_request); the other
+# head and element: the middle request of those with keys, poisoned_request); the other
 # requests' rows must come out finite and equal to the reference, the poisoned request's rows are
 # not compared (a kernel computes whole tiles: a masked key's NaN may reach its own request's rows).
 POISONS = {"": 0.0, "nan": math.nan, "inf": math.inf}

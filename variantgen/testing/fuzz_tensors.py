@@ -178,8 +178,12 @@ def make_tensors(case: FuzzCase, batch: Batch, device: torch.device) -> CaseTens
 
 
 def poisoned_request(batch: Batch) -> int:
-    """The request an isolation case poisons: the first one with keys (0 if none has any)."""
-    return next((i for i, n in enumerate(batch.kv_lens) if n), 0)
+    """The request an isolation case poisons: the middle one of those with keys (0 if none has
+    any). Not the first: a kernel that reads past a request's last key (FlashInfer's sm90 ragged
+    kernel loads whole KV tiles) reaches the *next* request's first keys, so the poisoned request
+    needs one before it, and one after it for a kernel that reads before a request's start."""
+    with_keys = [i for i, n in enumerate(batch.kv_lens) if n]
+    return with_keys[len(with_keys) // 2] if with_keys else 0
 
 
 def compared_rows(case: FuzzCase) -> torch.Tensor | None:
