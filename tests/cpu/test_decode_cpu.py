@@ -213,7 +213,7 @@ def test_decode_rendering_is_deterministic_and_keyed_apart_from_prefill():
 def test_decode_templates_are_strict(template):
     env = render.environment()
     assert env.undefined is jinja2.StrictUndefined
-    ctx = render._variant_context(decode_config(shipped("mm_prefix")))[0]
+    ctx = render.render_context(decode_config(shipped("mm_prefix"))).variables()
     env.get_template(template).render(ctx)  # the shared context is enough
     for missing in ("struct_name", "uri", "vg_version"):
         with pytest.raises(jinja2.UndefinedError, match=missing):

@@ -125,9 +125,9 @@ HEADER_NAME = "fi_facts.h"
 
 
 def template_context(f: FlashInferFacts) -> dict[str, object]:
-    """What the Jinja templates insert where a FlashInfer signature differs by version."""
+    """What the Jinja templates insert where a FlashInfer signature differs by version (fields of
+    context.RenderContext)."""
     return {
-        "fi": f,
         # the fa2 prefill kernels' template arguments after the mask mode: an argument / a parameter
         "fi_sf_arg": "/*USE_TOKEN_HEAD_SF=*/false, " if f.kernel_token_head_sf else "",
         "fi_sf_param": "bool USE_TOKEN_HEAD_SF, " if f.kernel_token_head_sf else "",

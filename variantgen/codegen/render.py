@@ -14,7 +14,9 @@ the launch builder's plan.cu - are marked shared (SharedUnit): build.py compiles
 cache (objects.py). The template digest covers every file of a backend's folders. Which
 combinations a backend generates is the capability table's business (capabilities.py); the C++
 of the spec's expressions is codegen.py's. Templates are loaded once per process, with
-StrictUndefined: a missing variable is an error, never an empty string in generated C++.
+StrictUndefined: a missing variable is an error, never an empty string in generated C++. What
+they are rendered with is a typed dataclass (context.py's RenderContext, render_context), the
+tests check the templates' variables against its fields.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import functools
 import hashlib
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -40,13 +42,17 @@ from ..routing.capabilities import KINDS, canonical_arch
 from ..routing.config import DEFAULT_MASK_MODES, DTYPES, FA2_CTA_TILES_Q, MASK_MODES, ModuleConfig  # noqa: F401 (re-exported)
 from . import expressions as codegen
 from . import fi_versions, kv_tile
-
-
-@dataclass(frozen=True)
-class KernelArg:
-    name: str
-    cpp_type: str
-    comment: str
+from .context import (
+    STANDALONE,
+    UNIT_CONTEXTS,
+    Fa2KernelUnit,
+    Fa3Binding,
+    Fa3KernelUnit,
+    Fa3PlainKernel,
+    KernelArg,
+    RenderContext,
+    shallow,
+)
 
 
 @dataclass(frozen=True)
@@ -226,8 +232,10 @@ def _logits_scales(logits: codegen.LogitsCode, params: str) -> str:
     return "\n".join(lines)
 
 
-def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...], tuple[KernelArg, ...]]:
-    """What every backend's variant template needs: the spec's mask/logits as C++, its args."""
+def render_context(config: ModuleConfig, facts: fi_versions.FlashInferFacts | None = None) -> RenderContext:
+    """What every backend's templates need (context.py): the spec's mask/logits/sink as C++, its
+    args, the module's dtypes, head dims and mask modes, and ``facts``' (the installed FlashInfer's
+    by default) version-dependent bits. The backends' renderers add their own fields."""
     spec = config.spec
     target = CODEGEN_TARGETS[(config.backend, config.kind)]
     mask = codegen.emit_mask(spec, target)
@@ -235,48 +243,51 @@ def _variant_context(config: ModuleConfig) -> tuple[dict, tuple[KernelArg, ...],
     sink = codegen.emit_sink(spec, target)
     tensor_args, scalar_args = kernel_args(spec)
     scalar_local = {"int": "int32_t", "float": "float", "bool": "bool"}
-    ctx = {
-        "vg_version": __version__,
-        "spec": spec,
-        "uri": config.uri_prefix,  # the full URI (with hash) is only known after rendering
-        "kind": config.kind,
-        "kind_text": KINDS[config.kind],
-        "struct_name": struct_name(spec),
-        # The spec's own text and the canonical form, for comments (made safe, wrapped).
-        "mask_text": codegen.comment_lines(spec.mask_text),
-        "mask_canonical": codegen.comment_lines(nodes.to_source(spec.mask)),
-        "mask_code": mask.broken(),
-        "mask_locals": codegen.hook_locals(mask.builtins, target=target),
-        "logits": logits is not None,
-        "logits_text": codegen.comment_lines(spec.logits_text or "") if logits else [],
-        "logits_canonical": codegen.comment_lines(nodes.to_source(spec.logits)) if logits else [],
-        "logits_code": logits.code if logits else "",
-        "logits_hoisted": logits.hoisted if logits else (),
-        "logits_scales": _logits_scales(logits, "args" if config.backend == "fa3" else "params") if logits else "",
-        "logits_locals": codegen.hook_locals(logits.builtins, target=target) if logits else "",
-        # fa3's masked transform: the mask's locals the logits transform did not define already
-        "mask_only_locals": codegen.hook_locals(mask.builtins, "      ", frozenset(
+    return RenderContext(
+        vg_version=__version__,
+        spec=spec,
+        uri=config.uri_prefix,
+        kind=config.kind,
+        kind_text=KINDS[config.kind],
+        struct_name=struct_name(spec),
+        mask_text=codegen.comment_lines(spec.mask_text),
+        mask_canonical=codegen.comment_lines(nodes.to_source(spec.mask)),
+        mask_code=mask.broken(),
+        mask_locals=codegen.hook_locals(mask.builtins, target=target),
+        logits=logits is not None,
+        logits_text=codegen.comment_lines(spec.logits_text or "") if logits else [],
+        logits_code=logits.code if logits else "",
+        logits_hoisted=logits.hoisted if logits else (),
+        logits_scales=_logits_scales(logits, "args" if config.backend == "fa3" else "params") if logits else "",
+        logits_locals=codegen.hook_locals(logits.builtins, target=target) if logits else "",
+        mask_only_locals=codegen.hook_locals(mask.builtins, "      ", frozenset(
             codegen.local_names(logits.builtins) if logits else ()), target=target),
-        # the learned sink: a float per query head and request (fa2: in its m/d update or, for
-        # decode, its output transform; fa3: in the constructor, one head per work tile)
-        "sink": sink is not None,
-        "sink_comment": codegen.describe(spec.sink) if spec.sink is not None else "",
-        "sink_code": sink.code if sink else "",
-        "sink_locals": (_sink_locals(sink.builtins, target, " " * (8 if config.kind == "decode" else 6),
-                                     kv_head_idx=config.backend == "fa3") if sink else ""),
-        "scalars": [
-            {"name": s.name, "dtype": s.dtype, "local_type": scalar_local[s.dtype]} for s in spec.scalars
-        ],
-        "tensor_params": tensor_args,
-        "scalar_params": scalar_args,
-        "dtype_q": DTYPES[config.q_dtype][0],
-        "dtype_kv": DTYPES[config.kv_dtype][0],
-        "dtype_o": DTYPES[config.o_dtype][0],
-        "head_dim_qk": config.head_dim_qk,
-        "head_dim_vo": config.head_dim_vo,
-        "mask_modes": [{"name": m, "literal": MASK_MODES[m][1]} for m in config.mask_modes],
-    }
-    return ctx, tensor_args, scalar_args
+        sink=sink is not None,
+        sink_comment=codegen.describe(spec.sink) if spec.sink is not None else "",
+        sink_code=sink.code if sink else "",
+        sink_locals=(_sink_locals(sink.builtins, target, " " * (8 if config.kind == "decode" else 6),
+                                  kv_head_idx=config.backend == "fa3") if sink else ""),
+        scalars=[{"name": s.name, "dtype": s.dtype, "local_type": scalar_local[s.dtype]} for s in spec.scalars],
+        tensor_params=tensor_args,
+        scalar_params=scalar_args,
+        dtype_q=DTYPES[config.q_dtype][0],
+        dtype_kv=DTYPES[config.kv_dtype][0],
+        dtype_o=DTYPES[config.o_dtype][0],
+        head_dim_qk=config.head_dim_qk,
+        head_dim_vo=config.head_dim_vo,
+        mask_modes=[{"name": m, "literal": MASK_MODES[m][1]} for m in config.mask_modes],
+        **fi_versions.template_context(facts or flashinfer_facts()),
+    )
+
+
+def render_template(env: jinja2.Environment, name: str, ctx: RenderContext,
+                    unit: Fa2KernelUnit | Fa3KernelUnit | Fa3Binding | None = None) -> str:
+    """Module template ``name`` rendered with the module's context and, for the templates of
+    context.UNIT_CONTEXTS, one unit's variables (``unit``, of the dataclass it names there)."""
+    expected = STANDALONE.get(name) or UNIT_CONTEXTS.get(name) or type(None)
+    if name in STANDALONE or type(unit) is not expected:
+        raise TypeError(f"{name}: rendered with {type(unit).__name__}, expected {expected.__name__}")
+    return env.get_template(name).render(ctx.variables(), **(shallow(unit) if unit is not None else {}))
 
 
 class RenderedSources(NamedTuple):
@@ -289,23 +300,23 @@ class RenderedSources(NamedTuple):
 
 
 # A renderer turns the context into the module's sources.
-Renderer = Callable[[ModuleConfig, dict, jinja2.Environment], RenderedSources]
+Renderer = Callable[[ModuleConfig, RenderContext, jinja2.Environment], RenderedSources]
 
 
 # Every fa2 module's static sources (templates/common and templates/fa2).
 FA2_STATIC = ("common/vg_helpers.cuh", "fa2/config_prelude.cuh", "fa2/kernel_params.cuh")
 
 
-def fa2_kernel_modes(ctx: dict, tail: bool) -> list[dict]:
+def fa2_kernel_modes(ctx: RenderContext, tail: bool) -> list[dict[str, str]]:
     """The run() codes an fa2 prefill module compiles, each as (name, its C++ case label, its
     FlashInfer mask mode, the variant it instantiates). Modes none and causal run the variant
     without the spec's mask (``<struct>Exact``): their launches are exact - paged prefill's
     (plan.py's Launch.exact) by the launch builder, ragged prefill's by ragged.launch_mask_mode,
     which picks them only for a mask that is exactly the mode. Custom runs the masked variant, and
     so does ``tail`` (paged prefill): fa2's tail launch, mode causal under a code of its own."""
-    masked = ctx["struct_name"]
+    masked = ctx.struct_name
     modes = []
-    for m in ctx["mask_modes"]:
+    for m in ctx.mask_modes:
         plain = m["name"] != plan_abi.MaskMode.CUSTOM.label
         modes.append(dict(m, case=m["literal"], variant=f"{masked}Exact" if plain else masked))
         if tail and m["name"] == plan_abi.MaskMode.CAUSAL.label:
@@ -314,37 +325,37 @@ def fa2_kernel_modes(ctx: dict, tail: bool) -> list[dict]:
     return modes
 
 
-def _render_fa2_per_tile(config: ModuleConfig, ctx: dict, env: jinja2.Environment, *, config_template: str,
+def _render_fa2_per_tile(config: ModuleConfig, ctx: RenderContext, env: jinja2.Environment, *, config_template: str,
                          binding: str, kernel_template: str, unit_prefix: str, host_source: str,
                          plan: bool = False):
     """The FA2 prefill kinds: variant and config rendered, the static sources and the binding
     (``binding``: its template, or its static source), plus the kernel units of every run() code
     (fa2_kernel_modes) and CTA tile (what FlashInfer's FA2 planner may pick; fa2_kernel_units),
     and FlashInfer's host code; ``plan``: the launch builder's unit too, and the tail launch's."""
-    ctx = dict(ctx, kernel_modes=fa2_kernel_modes(ctx, tail=plan))
+    ctx = replace(ctx, kernel_modes=fa2_kernel_modes(ctx, tail=plan))
     files = {
-        "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
-        "batch_prefill_config.inc": env.get_template(config_template).render(ctx),
+        "variant.cuh": render_template(env, "fa2/variant.cuh.jinja", ctx),
+        "batch_prefill_config.inc": render_template(env, config_template, ctx),
         **_static(*FA2_STATIC, "fa2/prefill_plan.cuh"),
-        "binding.cu": (env.get_template(binding).render(ctx) if binding.endswith(".jinja") else
+        "binding.cu": (render_template(env, binding, ctx) if binding.endswith(".jinja") else
                        static_source(binding)),
     }
     units = ["binding.cu"]
     if plan:  # the launch builder (paged prefill: plan() builds its launches with it)
         files.update(plan_sources(), **{"plan.cu": static_source("plan/plan.cu")})
         units.append("plan.cu")
-    kernel = env.get_template(kernel_template)
-    kernel_units = fa2_kernel_units(config, ctx["kernel_modes"])
+    kernel_units = fa2_kernel_units(config, ctx.kernel_modes)
     for cta, num_mma_kv, modes in kernel_units:
         name = f"{unit_prefix}_cta{cta}.cu" if num_mma_kv else f"{unit_prefix}_{modes[0]['name']}_cta{cta}.cu"
-        files[name] = kernel.render(ctx, modes=modes, cta_tile_q=cta, num_mma_kv=num_mma_kv)
+        files[name] = render_template(env, kernel_template, ctx, Fa2KernelUnit(modes, cta, num_mma_kv))
         units.append(name)
     if any(num_mma_kv for _, num_mma_kv, _ in kernel_units):
         files.update(_static("fa2/pinned_kv_tile.cuh"))
     return RenderedSources(files, units, (host_source,))
 
 
-def fa2_kernel_units(config: ModuleConfig, modes: list[dict]) -> list[tuple[int, int | None, list[dict]]]:
+def fa2_kernel_units(config: ModuleConfig, modes: list[dict[str, str]]
+                     ) -> list[tuple[int, int | None, list[dict[str, str]]]]:
     """The kernel units of an fa2 prefill module, as (CTA tile, its pinned KV tile or None, the
     run() codes it instantiates). Where the module's arch fixes FlashInfer's KV tile
     (kv_tile.py), a unit holds one kernel per code, so every code of a CTA tile goes into one
@@ -365,7 +376,7 @@ def _plan_unit(config: ModuleConfig) -> SharedUnit:
     return SharedUnit("plan.cu", f"vg_{config.backend}_plan_sm{config.arch_tag}")
 
 
-def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
+def _render_fa2_prefill(config: ModuleConfig, ctx: RenderContext, env: jinja2.Environment):
     files, units, hosts, _ = _render_fa2_per_tile(
         config, ctx, env, config_template="fa2/config.inc.jinja", binding="fa2/paged_binding.cu",
         kernel_template="fa2/paged_kernel.cu.jinja", unit_prefix="paged_kernel", host_source="batch_prefill_paged.cu",
@@ -373,16 +384,16 @@ def _render_fa2_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
     return RenderedSources(files, units, hosts, (_plan_unit(config),))
 
 
-def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
+def _render_fa2_decode(config: ModuleConfig, ctx: RenderContext, env: jinja2.Environment):
     """FlashInfer's FA2 (CUDA-core) batch decode: one kernel unit (every GQA group size, the spec's
     variant and the exact one), its host code (batch_decode.cu) compiled against our config, and
     again for the exact variant (decode_exact_host.cu: run_exact), our plan + run binding."""
     files = {
-        "variant.cuh": env.get_template("fa2/variant.cuh.jinja").render(ctx),
-        "batch_decode_config.inc": env.get_template("fa2/decode_config.inc.jinja").render(ctx),
+        "variant.cuh": render_template(env, "fa2/variant.cuh.jinja", ctx),
+        "batch_decode_config.inc": render_template(env, "fa2/decode_config.inc.jinja", ctx),
         **_static(*FA2_STATIC, "plan/read_indices.cuh", "fa2/decode_exact_host.cu",
                   binding_cu="fa2/decode_binding.cu"),
-        "decode_kernel.cu": env.get_template("fa2/decode_kernel.cu.jinja").render(ctx),
+        "decode_kernel.cu": render_template(env, "fa2/decode_kernel.cu.jinja", ctx),
     }
     return RenderedSources(files, ["binding.cu", "decode_kernel.cu", "decode_exact_host.cu"], ("batch_decode.cu",))
 
@@ -390,10 +401,10 @@ def _render_fa2_decode(config: ModuleConfig, ctx: dict, env: jinja2.Environment)
 FA2_DISPATCHED_CTA_TILES_Q = (16, 32, 64, 128)  # what FlashInfer's DISPATCH_CTA_TILE_Q can name
 
 
-def _render_fa2_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
+def _render_fa2_ragged(config: ModuleConfig, ctx: RenderContext, env: jinja2.Environment):
     """FlashInfer's FA2 ragged-KV prefill: the kernel units of every mask mode and CTA tile, its
     host code (batch_prefill.cu) compiled against our config, our plan + ragged_run binding."""
-    ctx = dict(ctx, cta_tiles=list(FA2_CTA_TILES_Q), all_cta_tiles=list(FA2_DISPATCHED_CTA_TILES_Q))
+    ctx = replace(ctx, cta_tiles=list(FA2_CTA_TILES_Q), all_cta_tiles=list(FA2_DISPATCHED_CTA_TILES_Q))
     return _render_fa2_per_tile(config, ctx, env, config_template="fa2/ragged_config.inc.jinja",
                                 binding="fa2/ragged_binding.cu.jinja",
                                 kernel_template="fa2/ragged_kernel.cu.jinja", unit_prefix="ragged_kernel",
@@ -411,17 +422,17 @@ def plain_is_shared(spec: VariantSpec) -> bool:
 PLAIN_VARIANT = "vg::Fa3PlainVariant<false>"
 
 
-def _fa3_launches(ctx: dict, *, ragged: bool = False) -> list[dict]:
+def _fa3_launches(ctx: RenderContext, *, ragged: bool = False) -> list[dict[str, object]]:
     """The kernel instantiations of an fa3 module, by run()'s mask-mode code: 'none' and
     'causal' run the plain variant (causal with and without a left window; a ragged launch has
     no window); 'custom' is a non-causal launch of the masked variant (FA3 has no kCustom).
     ``call``: the binding's launch helper for it (run.cuh, ragged_run.cuh); ``shared``: a plain
     launch of the shared plain kernel (plain_is_shared)."""
-    spec = ctx["spec"]
-    plain = PLAIN_VARIANT if plain_is_shared(spec) else ctx["struct_name"]
-    masked = ctx["struct_name"] + "Masked"
+    spec = ctx.spec
+    plain = PLAIN_VARIANT if plain_is_shared(spec) else ctx.struct_name
+    masked = ctx.struct_name + "Masked"
     out = []
-    for mode in ctx["mask_modes"]:
+    for mode in ctx.mask_modes:
         name = mode["name"]
         # run()'s code is the plan ABI's MaskMode; FA3 has no kCustom, so CUSTOM launches the masked
         # variant with the kernel's kNone
@@ -458,48 +469,48 @@ CUTLASS_TYPES = {"bf16": "cutlass::bfloat16_t", "fp16": "cutlass::half_t",
                  "fp8_e4m3": "cutlass::float_e4m3_t", "fp8_e5m2": "cutlass::float_e5m2_t"}
 
 
-def _fa3_context(config: ModuleConfig, ctx: dict) -> dict:
-    return dict(ctx, cutlass_q=CUTLASS_TYPES[config.q_dtype], cutlass_kv=CUTLASS_TYPES[config.kv_dtype],
-                cutlass_o=CUTLASS_TYPES[config.o_dtype], plain_shared=plain_is_shared(ctx["spec"]))
+def _fa3_context(config: ModuleConfig, ctx: RenderContext) -> RenderContext:
+    return replace(ctx, cutlass_q=CUTLASS_TYPES[config.q_dtype], cutlass_kv=CUTLASS_TYPES[config.kv_dtype],
+                   cutlass_o=CUTLASS_TYPES[config.o_dtype], plain_shared=plain_is_shared(ctx.spec))
 
 
 FA3_STATIC = ("common/vg_helpers.cuh", "fa3/cutlass_prelude.cuh", "fa3/kernel_params.cuh",
               "fa3/fill_params.cuh", "fa3/epilogue_barrier.cuh", "fa3/plain_variant.cuh")
 
 
-def _fa3_kernel_units(config: ModuleConfig, ctx: dict, env: jinja2.Environment, launches: list[dict], *,
+def _fa3_kernel_units(config: ModuleConfig, ctx: RenderContext, env: jinja2.Environment,
+                      launches: list[dict[str, object]], *,
                       ragged: bool) -> tuple[dict[str, str], list[SharedUnit]]:
     """One unit per launch: the spec's variant rendered into the kind's kernel template, or, for
     a shared plain launch, the plain kernel template from the head dims, dtypes and launch alone
     (no spec in its context, so its text is the same in every module)."""
     prefix = "ragged_kernel" if ragged else "paged_kernel"
-    kernel = env.get_template(f"fa3/{prefix}.cu.jinja")
     plain = env.get_template("fa3/plain_kernel.cu.jinja")
     files, shared = {}, []
     for launch in launches:
         name = f"{prefix}_{launch['name']}.cu"
         if launch["shared"]:
-            files[name] = plain.render(
+            files[name] = plain.render(shallow(Fa3PlainKernel(
                 vg_version=__version__, ragged=ragged, launch=launch, head_dim_qk=config.head_dim_qk,
-                head_dim_vo=config.head_dim_vo, dtype_q=ctx["dtype_q"], dtype_kv=ctx["dtype_kv"],
-                dtype_o=ctx["dtype_o"], cutlass_q=ctx["cutlass_q"], cutlass_kv=ctx["cutlass_kv"],
-                cutlass_o=ctx["cutlass_o"])
+                head_dim_vo=config.head_dim_vo, dtype_q=ctx.dtype_q, dtype_kv=ctx.dtype_kv, dtype_o=ctx.dtype_o,
+                cutlass_q=CUTLASS_TYPES[config.q_dtype], cutlass_kv=CUTLASS_TYPES[config.kv_dtype],
+                cutlass_o=CUTLASS_TYPES[config.o_dtype])))
             shared.append(SharedUnit(name, f"vg_fa3_plain_{'ragged' if ragged else 'paged'}_{launch['name']}"
                                            f"_q{config.q_dtype}_kv{config.kv_dtype}_o{config.o_dtype}"
                                            f"_hd{config.head_dim_qk}x{config.head_dim_vo}_sm{config.arch_tag}"))
         else:
-            files[name] = kernel.render(ctx, launch=launch)
+            files[name] = render_template(env, f"fa3/{prefix}.cu.jinja", ctx, Fa3KernelUnit(launch))
     return files, shared
 
 
-def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
+def _render_fa3_prefill(config: ModuleConfig, ctx: RenderContext, env: jinja2.Environment):
     launches = _fa3_launches(ctx)
     ctx = _fa3_context(config, ctx)
     files = {
-        "variant.cuh": env.get_template("fa3/variant.cuh.jinja").render(ctx),
-        "batch_prefill_sm90_config.inc": env.get_template("fa3/config.inc.jinja").render(ctx),
+        "variant.cuh": render_template(env, "fa3/variant.cuh.jinja", ctx),
+        "batch_prefill_sm90_config.inc": render_template(env, "fa3/config.inc.jinja", ctx),
         **_static(*FA3_STATIC, "fa3/run.cuh"),
-        "binding.cu": env.get_template("fa3/binding.cu.jinja").render(ctx, launches=launches),
+        "binding.cu": render_template(env, "fa3/binding.cu.jinja", ctx, Fa3Binding(launches)),
         **plan_sources(),
         "plan.cu": static_source("plan/plan.cu"),
     }
@@ -509,16 +520,16 @@ def _render_fa3_prefill(config: ModuleConfig, ctx: dict, env: jinja2.Environment
     return RenderedSources(files, ["binding.cu", "plan.cu", *kernels], (), (_plan_unit(config), *shared))
 
 
-def _render_fa3_ragged(config: ModuleConfig, ctx: dict, env: jinja2.Environment):
+def _render_fa3_ragged(config: ModuleConfig, ctx: RenderContext, env: jinja2.Environment):
     """FlashInfer's sm90 ragged-KV prefill: one kernel unit per mask mode (a ragged launch has no
     left window), our plan (the paged modules' fa3 work list) and ragged_run binding."""
     launches = _fa3_launches(ctx, ragged=True)
     ctx = _fa3_context(config, ctx)
     files = {
-        "variant.cuh": env.get_template("fa3/variant.cuh.jinja").render(ctx),
-        "batch_prefill_sm90_config.inc": env.get_template("fa3/config.inc.jinja").render(ctx),
+        "variant.cuh": render_template(env, "fa3/variant.cuh.jinja", ctx),
+        "batch_prefill_sm90_config.inc": render_template(env, "fa3/config.inc.jinja", ctx),
         **_static(*FA3_STATIC, "fa3/ragged_run.cuh", "plan/fa3_worklist.h"),
-        "binding.cu": env.get_template("fa3/ragged_binding.cu.jinja").render(ctx, launches=launches),
+        "binding.cu": render_template(env, "fa3/ragged_binding.cu.jinja", ctx, Fa3Binding(launches)),
     }
     kernels, shared = _fa3_kernel_units(config, ctx, env, launches, ragged=True)
     files.update(kernels)
@@ -547,12 +558,12 @@ def flashinfer_facts() -> fi_versions.FlashInferFacts:
 
 
 def render_module(config: ModuleConfig) -> RenderedModule:
-    ctx, tensor_args, scalar_args = _variant_context(config)
     renderer = RENDERERS.get((config.backend, config.kind))
     if renderer is None:
         raise ValueError(f"backend={config.backend!r}, kind={config.kind!r}: not generated yet")
     facts = flashinfer_facts()
-    files, units, host_sources, shared = renderer(config, {**ctx, **fi_versions.template_context(facts)}, environment())
+    ctx = render_context(config, facts)
+    files, units, host_sources, shared = renderer(config, ctx, environment())
     # every config includes the plan ABI; the FlashInfer version's facts go to the sources that differ by version
     files = {plan_abi.HEADER_NAME: plan_abi.header_text(), fi_versions.HEADER_NAME: fi_versions.header_text(facts),
              **files}
@@ -560,8 +571,8 @@ def render_module(config: ModuleConfig) -> RenderedModule:
         config=config,
         files=files,
         compile_units=tuple(units),
-        tensor_args=tensor_args,
-        scalar_args=scalar_args,
+        tensor_args=ctx.tensor_params,
+        scalar_args=ctx.scalar_params,
         template_digest=template_digest(config.backend),
         host_sources=host_sources,
         shared_units=shared,
