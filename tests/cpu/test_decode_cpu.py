@@ -35,7 +35,7 @@ from variantgen.core.errors import LaunchError
 from variantgen.planning.intervals import analyze
 from variantgen.routing import capabilities
 from variantgen.testing.harness import random_paged_batch, random_spec_args
-from variantgen.wrappers.decode import DecodeWrapper, exact_window
+from variantgen.wrappers.decode import CudaCoreDecodeWrapper, DecodeWrapper, TensorCoreDecodeWrapper, exact_window
 from variantgen.wrappers.reference import reference_attention
 
 HQ, HKV, HEAD_DIM = 8, 2, 64
@@ -523,12 +523,12 @@ def test_keys_proved_visible_skip_the_mask(monkeypatch):
     w.plan(*plan_args(lim_batch), lim=lim)
     assert w.plan_stats["variant"] == "masked"
     good = w.run(lim_batch.q, (lim_batch.k_cache, lim_batch.v_cache), lim=lim).clone()
-    real = DecodeWrapper._plan_cuda_cores
+    real = CudaCoreDecodeWrapper._plan_cuda_cores
 
     def widened(self, *a, **kw):
         real(self, *a, **kw)
         self._launch.meta[[0, 2], 9] -= 2  # two keys before the bounds of 0 and 2 (on pages it reads): visible now
-    monkeypatch.setattr(DecodeWrapper, "_plan_cuda_cores", widened)
+    monkeypatch.setattr(CudaCoreDecodeWrapper, "_plan_cuda_cores", widened)
     w.plan(*plan_args(lim_batch), lim=lim)
     bad = w.run(lim_batch.q, (lim_batch.k_cache, lim_batch.v_cache), lim=lim)
     assert (bad.float() - good.float()).abs().max() > 0.05
@@ -663,12 +663,12 @@ def test_make_wrapper_builds_the_right_module(monkeypatch):
     ws = torch.empty(16, dtype=torch.uint8)
     w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=128, q_dtype="bf16", kv_dtype="fp8_e4m3",
                                 kind="decode", arch="9.0a", kv_layout="HND")
-    assert isinstance(w, DecodeWrapper) and not w.use_tensor_cores and w.kv_layout == "HND"
+    assert isinstance(w, CudaCoreDecodeWrapper) and not w.use_tensor_cores and w.kv_layout == "HND"
     assert (built[-1].backend, built[-1].kind, built[-1].kv_dtype) == ("fa2", "decode", "fp8_e4m3")  # no fp8 on fa3
     for tensor_cores in (True, False):  # sm90, 16-bit KV, backend="fa3": fa3's prefill module either way
         w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=64, q_dtype=torch.float16, backend="fa3",
                                     kv_dtype=torch.float16, kind="decode", arch="9.0a", use_tensor_cores=tensor_cores)
-        assert isinstance(w, DecodeWrapper) and w.use_tensor_cores
+        assert isinstance(w, TensorCoreDecodeWrapper) and w.use_tensor_cores
         assert (built[-1].backend, built[-1].kind, built[-1].head_dim_qk) == ("fa3", "prefill", 64)
         # backend=None on sm90: fa2 first for decode (fa3's decode measured slower), tensor cores where asked
         w = variantgen.make_wrapper(shipped("softcap"), ws, head_dim_qk=64, q_dtype=torch.float16,
@@ -687,9 +687,28 @@ def test_wrapper_refuses_other_module_kinds():
     spec = shipped("causal")
     w, fake = make(spec)
     config = ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", kind="ragged")
-    with pytest.raises(ValueError, match=re.escape("DecodeWrapper: needs a 'decode' module (CUDA cores) or a "
-                                                   "'prefill' module (tensor cores), got kind='ragged'")):
-        DecodeWrapper(spec, config, fake, w.build, torch.empty(16, dtype=torch.uint8))
+    for cls in (DecodeWrapper, CudaCoreDecodeWrapper, TensorCoreDecodeWrapper):
+        with pytest.raises(ValueError, match=re.escape("DecodeWrapper: needs a 'decode' module (CUDA cores) or a "
+                                                       "'prefill' module (tensor cores), got kind='ragged'")):
+            cls(spec, config, fake, w.build, torch.empty(16, dtype=torch.uint8))
+    prefill = ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", kind="prefill")
+    with pytest.raises(ValueError, match="got kind='prefill'"):  # a class and a module of the other path
+        CudaCoreDecodeWrapper(spec, prefill, fake, w.build, torch.empty(16, dtype=torch.uint8))
+
+
+def test_decode_is_two_classes_by_module_kind_without_branching_on_the_path():
+    """DecodeWrapper(...) makes the class its module's kind names; neither branches on the other."""
+    import inspect
+
+    from variantgen.wrappers import decode
+
+    for tensor_cores, cls in ((False, CudaCoreDecodeWrapper), (True, TensorCoreDecodeWrapper)):
+        w, _ = make(shipped("causal"), tensor_cores=tensor_cores)
+        assert type(w) is cls and isinstance(w, DecodeWrapper) and w.use_tensor_cores == tensor_cores
+    for cls in (DecodeWrapper, CudaCoreDecodeWrapper, TensorCoreDecodeWrapper):
+        source = inspect.getsource(cls)
+        assert "_prefill is" not in source and "if self.use_tensor_cores" not in source, cls.__name__
+    assert "_prefill" not in inspect.getsource(decode.CudaCoreDecodeWrapper)
 
 
 # ----------------------------------------------------------------------------- argument errors

@@ -6,12 +6,13 @@ One query per request, and that query is the request's *last* token: ``q`` is
 has one row per request). This is FlashInfer's ``BatchDecodeWithPagedKVCacheWrapper``
 layout.
 
-Two paths, chosen by ``make_wrapper(..., kind="decode", use_tensor_cores=...)``:
+Two paths, chosen by ``make_wrapper(..., kind="decode", use_tensor_cores=...)``, two classes
+(``DecodeWrapper(...)`` makes the one its module's kind names):
 
-* CUDA cores (default): FlashInfer's FA2 batch-decode kernel instantiated with the spec's
+* CUDA cores (default; ``CudaCoreDecodeWrapper``): FlashInfer's FA2 batch-decode kernel instantiated with the spec's
   variant (a "decode" module). It evaluates the mask on every key it visits but those key
   trimming proved visible (below).
-* tensor cores: the spec's paged *prefill* module with qo_len 1 per request (FlashInfer's
+* tensor cores (``TensorCoreDecodeWrapper``): the spec's paged *prefill* module with qo_len 1 per request (FlashInfer's
   advice for large GQA groups); the wrapper plans it like ``VariantWrapper`` with
   ``qo_indptr = arange(batch + 1)``. fa2 with ``use_tensor_cores=True``, and fa3 always (its
   decode is its prefill kernel; the default on sm90). ``plan(..., q_len_per_request=T)``
@@ -92,68 +93,37 @@ def exact_window(lo: list[int], vis_lo: list[int], vis_hi: list[int], last: list
 
 
 class DecodeWrapper(WrapperBase):
-    """Paged-KV decode for one spec, dtype and head-dim combination (see make_wrapper)."""
+    """Paged-KV decode for one spec, dtype and head-dim combination (see make_wrapper): the plan()
+    / run() contract both paths share. Two classes, by the module they run:
+    ``CudaCoreDecodeWrapper`` (a "decode" module: FlashInfer's FA2 decode kernel with key
+    trimming) and ``TensorCoreDecodeWrapper`` (a "prefill" module, run by the paged prefill
+    wrapper); ``DecodeWrapper(spec, config, ...)`` makes the one ``config.kind`` names."""
+
+    use_tensor_cores: bool = False
+    _module_kind = ""  # the module kind a subclass runs
+
+    def __new__(cls, *args: Any, **kwargs: Any):
+        if cls is DecodeWrapper:  # (the class the module's kind names)
+            config = args[1] if len(args) > 1 else kwargs.get("config")
+            kind = getattr(config, "kind", None)
+            cls = {"decode": CudaCoreDecodeWrapper, "prefill": TensorCoreDecodeWrapper}.get(kind, DecodeWrapper)
+        return super().__new__(cls)
 
     def __init__(self, *args: Any, graph: GraphCapacity | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        if self.config.kind not in ("decode", "prefill"):
+        if not self._module_kind or self.config.kind != self._module_kind:
             raise ValueError(f"DecodeWrapper: needs a 'decode' module (CUDA cores) or a 'prefill' module "
                              f"(tensor cores), got kind={self.config.kind!r}")
-        self.use_tensor_cores = self.config.kind == "prefill"
         if self.config.backend not in ("fa2", "fa3"):
             raise ValueError(f"DecodeWrapper: decode runs on fa2 modules (the CUDA-core decode kernel, or the fa2 "
                              f"prefill module for use_tensor_cores=True) or on the fa3 prefill module, got "
                              f"backend={self.config.backend!r}")
-        # Tensor cores: the prefill wrapper on the same module does the work.
-        self._prefill: VariantWrapper | None = None
+        if graph is not None and not isinstance(graph, GraphCapacity):
+            raise LaunchError(f"graph={graph!r}: expected a variantgen.GraphCapacity (or None)")
         self._graph = graph
-        # CUDA cores in graph mode: the launch's metadata and page list live in these buffers
-        # (batch = max_batch_size requests, at most max_kv_pages page-list entries), rewritten
-        # in place by plan(); FlashInfer's CUDA-graph decode schedule for that batch size.
-        self._graph_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._graph_plan_info: list[int] | None = None
-        if graph is not None and not self.use_tensor_cores:
-            if not isinstance(graph, GraphCapacity):
-                raise LaunchError(f"graph={graph!r}: expected a variantgen.GraphCapacity (or None)")
-            n = graph.max_batch_size
-            self._graph_buffers = (torch.zeros(n + 1 + n + META_COLUMNS * n, dtype=torch.int32, device=self.device),
-                                   torch.zeros(graph.max_kv_pages, dtype=torch.int32, device=self.device))
-        if self.use_tensor_cores:
-            self._prefill = VariantWrapper(self.spec, self.config, self.module, self.build,
-                                           self._float_workspace, self.kv_layout, graph=graph,
-                                           check_plan=self.check_plan)
-        self._launch: DecodeLaunch | None = None
-        # CUDA cores: the spec's planner module, whose row kernel finds key trimming's intervals
-        # in one call (None: the intervals in torch ops, a few dozen small ones per plan)
-        self._row_planner: Any = None
-        self._row_buffers: dict[str, torch.Tensor] = {}
         # What the last plan() decided (None: no plan, or it failed): tensor cores, the prefill
         # wrapper's Plan; CUDA cores, a ScheduledPlan of FlashInfer's one decode launch.
         self.last_plan: Plan | None = None
-
-    @property
-    def plan_stats(self) -> dict[str, Any]:
-        return self._prefill.plan_stats if self._prefill is not None else self._plan_stats
-
-    @property
-    def planner(self) -> Planner | None:
-        """Tensor cores: the prefill wrapper's Planner (CUDA cores: None, no launch builder)."""
-        return self._prefill.planner if self._prefill is not None else None
-
-    @property
-    def row_planner(self) -> Any:
-        """The spec's planner module plan() uses (None: without one; tensor cores: the prefill
-        wrapper's)."""
-        return self._prefill.row_planner if self._prefill is not None else self._row_planner
-
-    def set_row_planner(self, module: Any, reason: str = "") -> None:
-        """The spec's planner module (None: without it, ``reason`` says why). Tensor cores: the
-        prefill wrapper's interval planner; CUDA cores: key trimming's intervals from its row
-        kernel (without it, in torch ops)."""
-        if self._prefill is not None:
-            self._prefill.set_row_planner(module, reason)
-        else:
-            self._row_planner = module
 
     # ------------------------------------------------------------------ plan
     def plan(self, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
@@ -176,42 +146,199 @@ class DecodeWrapper(WrapperBase):
         captured with), and the spec tensors key trimming reads must not change until the next
         plan() (``check_plan=True`` detects it)."""
         # A plan() that fails must not leave the previous plan half-replaced.
-        self._batch, self._launch, self._planned_args, self.last_plan = None, None, {}, None
+        self._batch, self._planned_args, self.last_plan = None, {}, None
+        self._forget_plan()
         self._check_replays()
         check_flags("plan()", skip_tiles=skip_tiles)
         check_plan_sizes("plan()", num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, page_size=page_size)
         per = check_q_len_per_request(q_len_per_request, self.use_tensor_cores)
+        self._check_heads(num_qo_heads, num_kv_heads)
+        check_decode_arguments(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
+        return self._plan_decode(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
+                                 num_kv_heads, page_size, per, skip_tiles, spec_args)
+
+    def _forget_plan(self) -> None:
+        """Drops what the previous plan() left for run() (plan() is failing or replacing it)."""
+
+    def _check_heads(self, num_qo_heads: int, num_kv_heads: int) -> None:
+        """LaunchError where the path cannot run this GQA group."""
+
+    def _plan_decode(self, paged_kv_indptr: torch.Tensor, paged_kv_indices: torch.Tensor,
+                     paged_kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, page_size: int,
+                     per: int, skip_tiles: bool | None, spec_args: dict[str, Any]) -> Plan:
+        raise NotImplementedError(f"{type(self).__name__}: decode plans on CUDA cores or tensor cores")
+
+    @staticmethod
+    def _decode_batch(kv_lens: list[int], per: int, num_qo_heads: int, num_kv_heads: int, page_size: int) -> Batch:
+        check_queries_fit(kv_lens, per)
+        batch = len(kv_lens)
+        return Batch(batch, batch * per, sum(kv_lens), num_qo_heads, num_kv_heads, page_size, (per,) * batch,
+                     tuple(kv_lens))
+
+    # ------------------------------------------------------------------ run
+    def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
+            k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
+            return_lse: bool = False, enable_pdl: bool | None = None, **spec_args: Any):
+        """Decode one query per request: ``q`` [batch, num_qo_heads, head_dim]; returns ``out``
+        [batch, num_qo_heads, head_dim] (and the base-2 LSE [batch, num_qo_heads] with
+        ``return_lse=True``). Checks as VariantWrapper.run (the planned page list against the
+        cache's page count among them, or the guard)."""
+        if self._batch is None or not self._planned():
+            raise LaunchError("run() called before plan(): call plan(paged_kv_indptr, paged_kv_indices, "
+                              "paged_kv_last_page_len, num_qo_heads, num_kv_heads, page_size) first")
+        b, cfg = self._batch, self.config
+        want = (self._q_rows(q, b), b.num_qo_heads, cfg.head_dim_qk)
+        if isinstance(q, torch.Tensor) and tuple(q.shape) != want:
+            per = b.total_q // b.batch_size
+            rows = (f"batch={b.batch_size}" if per == 1 else
+                    f"batch * q_len_per_request={b.batch_size} * {per}")
+            raise LaunchError(f"run(): `q`: expected shape [{rows}, num_qo_heads={b.num_qo_heads}, "
+                              f"head_dim={cfg.head_dim_qk}] ({'one query' if per == 1 else f'{per} queries'} per "
+                              f"request), got {list(q.shape)}")
+        return self._run_decode(q, want, paged_kv_cache, (q_scale, k_scale, v_scale), out, return_lse, enable_pdl,
+                                spec_args)
+
+    def _planned(self) -> bool:
+        return True
+
+    def _q_rows(self, q: Any, b: Batch) -> int:
+        """The query rows run() takes for this plan."""
+        return b.total_q
+
+    def _run_decode(self, q: torch.Tensor, want: tuple[int, int, int], paged_kv_cache: Any, scales: tuple,
+                    out: torch.Tensor | None, return_lse: bool, enable_pdl: bool | None, spec_args: dict[str, Any]):
+        raise NotImplementedError(f"{type(self).__name__}: decode runs on CUDA cores or tensor cores")
+
+
+class TensorCoreDecodeWrapper(DecodeWrapper):
+    """Decode on the spec's paged *prefill* module (fa3's decode; fa2 with use_tensor_cores=True):
+    the paged prefill wrapper on the same module plans and runs it, qo_len q_len_per_request per
+    request (its interval planner, GQA packing on fa3, CUDA-graph mode)."""
+
+    use_tensor_cores = True
+    _module_kind = "prefill"
+
+    def __init__(self, *args: Any, graph: GraphCapacity | None = None, **kwargs: Any):
+        super().__init__(*args, graph=graph, **kwargs)
+        self._prefill = VariantWrapper(self.spec, self.config, self.module, self.build, self._float_workspace,
+                                       self.kv_layout, graph=graph, check_plan=self.check_plan)
+
+    @property
+    def plan_stats(self) -> dict[str, Any]:
+        return self._prefill.plan_stats
+
+    @property
+    def planner(self) -> Planner:
+        """The prefill wrapper's Planner."""
+        return self._prefill.planner
+
+    @property
+    def row_planner(self) -> Any:
+        """The spec's planner module the prefill wrapper's plan() uses (None: without one)."""
+        return self._prefill.row_planner
+
+    def set_row_planner(self, module: Any, reason: str = "") -> None:
+        """The spec's planner module (None: without it, ``reason`` says why): the prefill
+        wrapper's interval planner."""
+        self._prefill.set_row_planner(module, reason)
+
+    def _plan_decode(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+                     page_size, per, skip_tiles, spec_args) -> Plan:
+        kvp_h, last_h = host_lists(paged_kv_indptr, paged_kv_last_page_len)  # (the prefill plan() reads the pages)
+        kv_lens = decode_kv_lens(kvp_h, last_h, paged_kv_indices.numel(), page_size)
+        new_batch = self._decode_batch(kv_lens, per, num_qo_heads, num_kv_heads, page_size)
+        qo_indptr = torch.arange(0, per * (len(kv_lens) + 1), per, dtype=torch.int32)
+        plan = self._prefill.plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                                  num_qo_heads, num_kv_heads, page_size, skip_tiles=skip_tiles, **spec_args)
+        plan.kind = "decode"  # (the prefill module's launches, qo_len q_len_per_request per request)
+        self._batch, self.last_plan = new_batch, plan
+        return plan
+
+    def _q_rows(self, q: Any, b: Batch) -> int:
+        # Graph mode: a static buffer of up to capacity rows (the prefill kernel reads the planned rows).
+        if self._graph is not None and isinstance(q, torch.Tensor) and q.dim() == 3 and \
+                b.total_q <= q.shape[0] <= self._graph.max_total_q:
+            return q.shape[0]
+        return b.total_q
+
+    def _page_lists(self) -> list[torch.Tensor]:
+        return []  # (the prefill wrapper checks its own)
+
+    def _dim_capacity(self) -> dict[str, int]:
+        return {}
+
+    def _run_decode(self, q, want, paged_kv_cache, scales, out, return_lse, enable_pdl, spec_args):
+        q_scale, k_scale, v_scale = scales
+        return self._prefill.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
+                                 return_lse=return_lse, enable_pdl=enable_pdl, **spec_args)
+
+
+class CudaCoreDecodeWrapper(DecodeWrapper):
+    """Decode on FlashInfer's FA2 batch-decode kernel instantiated with the spec's variant (a
+    "decode" module), with key trimming (the module doc)."""
+
+    _module_kind = "decode"
+
+    def __init__(self, *args: Any, graph: GraphCapacity | None = None, **kwargs: Any):
+        super().__init__(*args, graph=graph, **kwargs)
+        # Graph mode: the launch's metadata and page list live in these buffers (batch =
+        # max_batch_size requests, at most max_kv_pages page-list entries), rewritten in place by
+        # plan(); FlashInfer's CUDA-graph decode schedule for that batch size.
+        self._graph_buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._graph_plan_info: list[int] | None = None
+        if graph is not None:
+            n = graph.max_batch_size
+            self._graph_buffers = (torch.zeros(n + 1 + n + META_COLUMNS * n, dtype=torch.int32, device=self.device),
+                                   torch.zeros(graph.max_kv_pages, dtype=torch.int32, device=self.device))
+        self._launch: DecodeLaunch | None = None
+        # the spec's planner module, whose row kernel finds key trimming's intervals in one call
+        # (None: the intervals in torch ops, a few dozen small ones per plan)
+        self._row_planner: Any = None
+        self._row_buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def planner(self) -> None:
+        """No launch builder on CUDA cores (key trimming plans the one launch)."""
+        return None
+
+    @property
+    def row_planner(self) -> Any:
+        """The spec's planner module key trimming's intervals come from (None: torch ops)."""
+        return self._row_planner
+
+    def set_row_planner(self, module: Any, reason: str = "") -> None:
+        """The spec's planner module (None: without it): key trimming's intervals from its row
+        kernel (without it, in torch ops)."""
+        self._row_planner = module
+
+    def _forget_plan(self) -> None:
+        self._launch = None
+
+    def _planned(self) -> bool:
+        return self._launch is not None
+
+    def _check_heads(self, num_qo_heads: int, num_kv_heads: int) -> None:
         group = num_qo_heads // num_kv_heads
-        if not self.use_tensor_cores and group not in DECODE_GROUP_SIZES:
+        if group not in DECODE_GROUP_SIZES:
             raise LaunchError(f"plan(): GQA group size {group} (num_qo_heads={num_qo_heads} / num_kv_heads="
                               f"{num_kv_heads}) is not one FlashInfer's CUDA-core decode kernel supports "
                               f"{list(DECODE_GROUP_SIZES)}; build the wrapper with use_tensor_cores=True")
-        check_decode_arguments(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
-        if self._prefill is not None:  # its plan() reads the page list
-            (kvp_h, last_h), folded = host_lists(paged_kv_indptr, paged_kv_last_page_len), []
-        else:
-            (kvp_h, last_h), _, folded = self._read_indptrs(paged_kv_indices, paged_kv_indptr, paged_kv_indptr,
-                                                             paged_kv_last_page_len)
+
+    def _plan_decode(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+                     page_size, per, skip_tiles, spec_args) -> Plan:
+        (kvp_h, last_h), _, folded = self._read_indptrs(paged_kv_indices, paged_kv_indptr, paged_kv_indptr,
+                                                         paged_kv_last_page_len)
         kv_lens = decode_kv_lens(kvp_h, last_h, paged_kv_indices.numel(), page_size)
         batch = len(kv_lens)
         graph = self._graph
-        if graph is not None and not self.use_tensor_cores:
+        if graph is not None:
             if batch != graph.max_batch_size:
                 raise LaunchError(f"plan(): CUDA-graph decode on CUDA cores plans exactly max_batch_size="
                                   f"{graph.max_batch_size} requests (FlashInfer's CUDA-graph decode schedule is "
                                   f"for one batch size), got {batch}; pad the batch with dummy requests, or make "
                                   "the wrapper with use_tensor_cores=True (any batch up to the capacity)")
             graph.check_batch(batch, batch, kvp_h[-1])
-        check_queries_fit(kv_lens, per)
-        new_batch = Batch(batch, batch * per, sum(kv_lens), num_qo_heads, num_kv_heads, page_size,
-                          (per,) * batch, tuple(kv_lens))
-        if self._prefill is not None:
-            qo_indptr = torch.arange(0, per * (batch + 1), per, dtype=torch.int32)
-            plan = self._prefill.plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                                      num_qo_heads, num_kv_heads, page_size, skip_tiles=skip_tiles, **spec_args)
-            plan.kind = "decode"  # (the prefill module's launches, qo_len q_len_per_request per request)
-            self._batch, self.last_plan = new_batch, plan
-            return plan
+        new_batch = self._decode_batch(kv_lens, per, num_qo_heads, num_kv_heads, page_size)
         self._batch = new_batch
         self._staging.begin()
         self._begin_pages(paged_kv_indices, kvp_h[-1], folded)
@@ -346,39 +473,12 @@ class DecodeWrapper(WrapperBase):
             vis_hi.append(min(d, q) if known else -1)
         return lo, hi, vis_lo, vis_hi
 
-    # ------------------------------------------------------------------ run
-    def run(self, q: torch.Tensor, paged_kv_cache: Any, *, q_scale: float | None = None,
-            k_scale: float | None = None, v_scale: float | None = None, out: torch.Tensor | None = None,
-            return_lse: bool = False, enable_pdl: bool | None = None, **spec_args: Any):
-        """Decode one query per request: ``q`` [batch, num_qo_heads, head_dim]; returns ``out``
-        [batch, num_qo_heads, head_dim] (and the base-2 LSE [batch, num_qo_heads] with
-        ``return_lse=True``). Checks as VariantWrapper.run (the planned page list against the
-        cache's page count among them, or the guard)."""
-        if self._batch is None or (self._prefill is None and self._launch is None):
-            raise LaunchError("run() called before plan(): call plan(paged_kv_indptr, paged_kv_indices, "
-                              "paged_kv_last_page_len, num_qo_heads, num_kv_heads, page_size) first")
-        b, cfg = self._batch, self.config
-        want = (b.total_q, b.num_qo_heads, cfg.head_dim_qk)
-        # Graph mode on tensor cores: a static buffer of up to capacity rows (the prefill kernel
-        # reads the planned rows). On CUDA cores the kernel takes q's rows as the batch: exactly
-        # max_batch_size, which every plan() has.
-        if (self._prefill is not None and self._graph is not None and isinstance(q, torch.Tensor) and q.dim() == 3
-                and b.total_q <= q.shape[0] <= self._graph.max_total_q):
-            want = (q.shape[0], *want[1:])
-        if isinstance(q, torch.Tensor) and tuple(q.shape) != want:
-            per = b.total_q // b.batch_size
-            rows = (f"batch={b.batch_size}" if per == 1 else
-                    f"batch * q_len_per_request={b.batch_size} * {per}")
-            raise LaunchError(f"run(): `q`: expected shape [{rows}, num_qo_heads={b.num_qo_heads}, "
-                              f"head_dim={cfg.head_dim_qk}] ({'one query' if per == 1 else f'{per} queries'} per "
-                              f"request), got {list(q.shape)}")
-        if self._prefill is not None:
-            return self._prefill.run(q, paged_kv_cache, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, out=out,
-                                     return_lse=return_lse, enable_pdl=enable_pdl, **spec_args)
+    def _run_decode(self, q, want, paged_kv_cache, scales, out, return_lse, enable_pdl, spec_args):
         la = self._launch
         assert la is not None
+        q_scale, k_scale, v_scale = scales
         k_cache, v_cache, args, out, lse = self._check_paged_run(
-            q, want, paged_kv_cache, (q_scale, k_scale, v_scale), spec_args, out, return_lse, enable_pdl)
+            q, want, paged_kv_cache, scales, spec_args, out, return_lse, enable_pdl)
         tensors, scalars = self._kernel_args(args, q_scale, k_scale, v_scale)
         if enable_pdl is None:  # programmatic dependent launch: sm90+, as FlashInfer defaults
             enable_pdl = self._pdl_default()
