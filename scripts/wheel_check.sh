@@ -94,7 +94,7 @@ quiet "$VG" check mm_prefix --head-dim 64 --dtype bf16 --backend flex --batch-si
 step "every shipped spec: explained, rendered (fa2, fa3) and run through the flex route against the reference"
 quiet "$FPY" - <<'EOF'
 import variantgen
-from variantgen import explain as ex
+from variantgen.tools import explain as ex
 from variantgen.codegen.render import ModuleConfig, render_module
 from variantgen.tools.check import run_check
 
