@@ -300,6 +300,22 @@ def test_pieces_run_with_fa3_gqa_packing(name, page_size):
     assert all(r.mode.label != "causal" for r in plan.launch_requests), "packed launches are never causal"
 
 
+@pytest.mark.parametrize("qo_lens", [[1, 1, 6, 3], [70, 1, 45, 3]], ids=["packed", "unpacked"])
+def test_pieces_merge_without_an_lse_as_with_one(qo_lens):
+    """run() without return_lse merges the same rows (the kernel's lse output is optional)."""
+    spec, kv_lens = specs()["streaming_sink"], [300, 97, 260, 180]
+    batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=5,
+                               seed=2)
+    args = spec_args("streaming_sink", kv_lens, 2)
+    w, fake = make(spec, "fa3")
+    plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    assert plan.merge is not None and (plan.pack_gqa > 1) == (max(qo_lens) < 10)
+    kv = (batch.k_cache, batch.v_cache)
+    with_lse, _ = w.run(batch.q, kv, return_lse=True, **args)
+    without = w.run(batch.q, kv, **args)
+    assert torch.equal(with_lse, without) and fake.merge_calls == 2
+
+
 def test_a_streaming_sink_decode_row_reads_its_sinks_and_window_on_fa3():
     """The serving case: one decode query per request over 2000 keys, 4 sinks + a 63-key window."""
     qo_lens, kv_lens = [1, 1], [2000, 1500]
