@@ -595,3 +595,19 @@ def test_build_a_real_ragged_module(vg_env, toolchain):
     if nm.returncode == 0:
         undefined = [line for line in nm.stdout.splitlines() if "Dispatched" in line]
         assert not undefined, f"kernels the host code names but the module lacks: {undefined}"
+
+
+def test_fa3_runs_a_single_request_over_the_callers_k_and_v():
+    """One request has no neighbour to read into (its tiles past the last key lie past the
+    tensor's end, which the TMA load fills with zeros): run() passes the caller's K and V."""
+    spec = shipped("causal")
+    batch = batch_of([5], [40], seed=9)
+    w, fake = make(spec, backend="fa3")
+    w.plan(*batch.plan_args())
+    seen = {}
+    real = fake.ragged_run
+    fake.ragged_run = lambda *a: seen.update(k=a[4], v=a[5]) or real(*a)
+    out = w.run(batch.q, batch.k, batch.v)
+    assert seen["k"] is batch.k and seen["v"] is batch.v
+    check(spec, batch, {}, label="causal fa3 one request", backend="fa3")
+    assert torch.isfinite(out).all()

@@ -25,9 +25,11 @@ request's keys, the last one's included, are followed by ``RAGGED_KV_GAP`` (256)
 (variantgen/abi/table.py, which the module's header and plan read as kRaggedKvGap: request b
 starts at row ``kv_indptr[b] + b * RAGGED_KV_GAP``). The cost: one copy of K and V per run()
 (one index_copy_ each, rows made at plan()), O(total_kv + batch x 256) extra memory while the
-kernel runs. The spec's [total_kv] tensors are still indexed by the caller's rows (vg_meta's
-kv_row_base is the unpadded kv_indptr; the kernel's key index is relative to the request). fa2
-and the paged kinds load only a request's own keys (or its own pages) and need no copy.
+kernel runs. A batch of one request is not copied: its tiles past the last key lie past the
+tensor's end, which the TMA load fills with zeros. The spec's [total_kv] tensors are still
+indexed by the caller's rows (vg_meta's kv_row_base is the unpadded kv_indptr; the kernel's key
+index is relative to the request). fa2 and the paged kinds load only a request's own keys (or
+its own pages) and need no copy.
 
 LSE convention: ``run(..., return_lse=True)`` returns FlashInfer's log-sum-exp **in base
 2** (``log2(sum_j exp(s_j))`` of the scaled, transformed logits), the same convention as
@@ -183,7 +185,7 @@ class RaggedWrapper(WrapperBase):
             float_workspace=self._float_workspace,
             num_requests=batch,
         )
-        if self.config.backend == "fa3":  # the module's plan shifted request b's keys by b x RAGGED_KV_GAP
+        if self.config.backend == "fa3" and batch > 1:  # the plan shifted request b's keys by b x RAGGED_KV_GAP
             la = self._launch
             la.padded_rows = kv_h[-1] + batch * RAGGED_KV_GAP
             la.key_rows, la.gap_rows = padded_kv_rows(kv_indptr_dev, kv_h[-1])
@@ -227,9 +229,9 @@ class RaggedWrapper(WrapperBase):
         code, layout = MASK_MODES[la.mask_mode][0], LAYOUT_CODES[self.kv_layout]
         if self.config.backend == "fa3":  # the work list carries the requests' rows, in the padded K / V
             dim = 0 if self.kv_layout == "NHD" else 1
-            self.module.ragged_run(la.float_workspace, la.int_workspace, la.plan_info, q, la.padded(k, dim),
-                                   la.padded(v, dim), out, lse, code, layout, bool(enable_pdl), *tensors, la.meta,
-                                   *scalars)
+            kk, vv = (la.padded(k, dim), la.padded(v, dim)) if la.key_rows is not None else (k, v)
+            self.module.ragged_run(la.float_workspace, la.int_workspace, la.plan_info, q, kk, vv, out, lse, code,
+                                   layout, bool(enable_pdl), *tensors, la.meta, *scalars)
         else:
             self.module.ragged_run(la.float_workspace, la.int_workspace, la.plan_info, q, k, v, la.qo_indptr,
                                    la.kv_indptr, out, lse, code, layout, -1, bool(enable_pdl), *tensors, la.meta,
