@@ -22,7 +22,7 @@ import torch
 
 
 def merge_pieces_reference(out: torch.Tensor, lse: torch.Tensor | None, parts: torch.Tensor, parts_lse: torch.Tensor,
-                 rows: torch.Tensor, counts: torch.Tensor) -> None:
+                           rows: torch.Tensor, counts: torch.Tensor) -> None:
     """Writes ``out[rows]`` (and ``lse[rows]``) from the partial outputs: ``parts`` [P, total_q,
     heads, dim] and ``parts_lse`` [P, total_q, heads] (float32, base 2), row ``rows[i]`` having
     pieces 0 .. counts[i] - 1 (the rest of its partial rows are not read). ``rows`` and
