@@ -7,12 +7,15 @@ it times, in one process with CUDA events (median of --iters after warm-up):
 
 * ``sliding_window``: the bar (its rows see one interval: causal and window launches);
 * ``streaming_sink``: past the first window each row's sinks and window run as two pieces merged
-  by LSE (plan()'s default);
+  by LSE (the planner's split_rows "pieces");
+* ``streaming_sink_gaps``: the same rows as custom launch requests whose page lists skip the gap
+  between sinks and window (split_rows "gaps", planning/gaps.py): one pass, no merge, the mask
+  evaluated outside the keys all rows of a launch request see;
 * ``streaming_sink_hull``: the same rows planned with the pieces off (the planner's max_pieces =
   0): one custom launch over each row's hull, what plan() did before;
 
 and records the ratio to sliding_window, plan()'s host time, the plan's summary and the largest
-difference between the pieces' and the hull's outputs (the same attention, two routes). For the
+difference of the pieces' and the gaps' outputs from the hull's (the same attention, three routes). For the
 pieces it also records where the time goes: the GPU time of each kernel of one run() (torch's
 profiler, per kernel name) and the merge alone - the module's merge_pieces kernel against the same
 merge in torch ops (wrappers/merge.py's reference). Writes
@@ -67,14 +70,17 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
                                num_kv_heads=wl["kv_heads"], head_dim=hd, page_size=wl["page_size"],
                                dtype=torch.bfloat16, device="cuda", seed=1)
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    cases = {"sliding_window": ("sliding_window", {"window": wl["window"]}, None),
-             "streaming_sink": ("streaming_sink", {"num_sink": wl["num_sink"], "window": wl["window"]}, None),
-             "streaming_sink_hull": ("streaming_sink", {"num_sink": wl["num_sink"], "window": wl["window"]}, 0)}
+    sink = {"num_sink": wl["num_sink"], "window": wl["window"]}
+    cases = {"sliding_window": ("sliding_window", {"window": wl["window"]}, None, "pieces"),
+             "streaming_sink": ("streaming_sink", sink, None, "pieces"),
+             "streaming_sink_gaps": ("streaming_sink", sink, None, "gaps"),
+             "streaming_sink_hull": ("streaming_sink", sink, 0, "pieces")}
     outs = {}
-    for name, (spec, args, max_pieces) in cases.items():
+    for name, (spec, args, max_pieces, split_rows) in cases.items():
         key = f"{name}_{backend}"
         w = variantgen.make_wrapper(ROOT / "specs" / f"{spec}.yaml", ws, head_dim_qk=hd, q_dtype="bf16",
                                     kv_dtype="bf16", backend=backend)
+        w.planner.split_rows = split_rows
         if max_pieces is not None:
             w.planner.max_pieces = max_pieces
         plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
@@ -85,13 +91,15 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
         outs[name] = w.run(batch.q, kv, **args).clone()
         res["ms"][key] = round(cuda_median_ms(lambda w=w, args=args, kv=kv: w.run(batch.q, kv, **args), iters), 3)
         print(f"{key:36s} {res['ms'][key]:8.3f} ms", flush=True)
-        if name == "streaming_sink":
+        if name in ("streaming_sink", "streaming_sink_gaps"):
             breakdown(w, lambda w=w, args=args, kv=kv: w.run(batch.q, kv, **args), iters, res, key)
     bar = res["ms"][f"sliding_window_{backend}"]
-    for name in ("streaming_sink", "streaming_sink_hull"):
+    for name in ("streaming_sink", "streaming_sink_gaps", "streaming_sink_hull"):
         res["notes"][f"{name}_{backend}_over_sliding_window"] = round(res["ms"][f"{name}_{backend}"] / bar, 3)
-    a, b = outs["streaming_sink"].float(), outs["streaming_sink_hull"].float()
-    res["notes"][f"streaming_sink_{backend}_pieces_vs_hull_max_abs_diff"] = round((a - b).abs().max().item(), 5)
+    hull = outs["streaming_sink_hull"].float()
+    for name, label in (("streaming_sink", "pieces"), ("streaming_sink_gaps", "gaps")):
+        diff = (outs[name].float() - hull).abs().max().item()
+        res["notes"][f"streaming_sink_{backend}_{label}_vs_hull_max_abs_diff"] = round(diff, 5)
 
 
 def breakdown(w, run, iters: int, res: dict, key: str) -> None:

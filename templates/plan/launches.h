@@ -114,8 +114,30 @@ inline Batch read_batch(const int32_t* indices, int64_t count, int64_t page_size
 struct Request {
   int64_t first_row, rows, request, cls, window, kv_begin, kv_end, q_pos, vis_lo, vis_hi;
   int64_t piece;  // -1: output in place; p: the rows' p-th key interval, into partial output p
-  int64_t page_first, pages, last_page_len;
+  // keys [gap_from[j], gap_to[j]) of [kv_begin, kv_end) its page list skips (j < gaps; custom only)
+  int64_t gaps, gap_from[kMaxKeyGaps], gap_to[kMaxKeyGaps];
+  int64_t page_first, pages, last_page_len;  // (pages: those it reads, its hull's less the gaps')
 };
+
+// A request's gaps from its segment: page-aligned, ascending, apart, with keys it reads on both
+// sides; a custom run's only. Empty ones (0, 0) close the list. False where they are not so.
+inline bool read_gaps(const int64_t* g, Request& r, int64_t page_size) {
+  r.gaps = 0;
+  int64_t after = r.kv_begin;  // keys before here are read or skipped already
+  for (int j = 0; j < kMaxKeyGaps; ++j) {
+    const int64_t from = g[kSegGapFrom1 + 2 * j], to = g[kSegGapTo1 + 2 * j];
+    r.gap_from[j] = r.gap_to[j] = 0;
+    if (from == 0 && to == 0) continue;
+    if (r.gaps != j || r.cls != kCustom || from <= after || to <= from || to >= r.kv_end || from % page_size != 0 ||
+        to % page_size != 0)
+      return false;
+    r.gap_from[j] = from;
+    r.gap_to[j] = to;
+    r.gaps = j + 1;
+    after = to;
+  }
+  return true;
+}
 
 // The segments (kSegFields int64 each) as launch requests; each must address only its
 // request's keys and pages. First, in row order, the segments of piece -1 (output in place)
@@ -141,6 +163,7 @@ inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, cons
     r.vis_lo = g[kSegVisLo];
     r.vis_hi = g[kSegVisHi];
     r.piece = g[kSegPiece];
+    const bool gaps_ok = read_gaps(g, r, page_size);
     VG_REQUIRE(r.piece >= -1 && r.piece < std::max<int64_t>(max_pieces, 0) + (r.piece == -1))
         << "segments: row " << i << " has piece " << r.piece << " (pieces on: " << max_pieces << ")";
     if (r.piece >= 1) {  // after the partition: rows of piece - 1, pieces in order, rows in order
@@ -178,10 +201,14 @@ inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, cons
         << "segments: row " << i << " (keys " << r.kv_begin << "-" << r.kv_end << ", q_pos " << r.q_pos
         << ", window " << r.window << ", visible " << r.vis_lo << "-" << r.vis_hi << ") does not fit request "
         << r.request << " (" << kv_len << " keys, page size " << page_size << ")";
+    VG_REQUIRE(gaps_ok) << "segments: row " << i << " (class " << r.cls << ", keys " << r.kv_begin << "-" << r.kv_end
+                        << ") skips gaps that are not page-aligned, ascending and inside its keys, or is not custom";
     row += r.rows;
-    r.pages = ceil_div(r.kv_end - r.kv_begin, page_size);
+    const int64_t hull_pages = ceil_div(r.kv_end - r.kv_begin, page_size);
+    r.pages = hull_pages;
+    for (int j = 0; j < r.gaps; ++j) r.pages -= (r.gap_to[j] - r.gap_from[j]) / page_size;
     r.page_first = b.page_start[r.request] + r.kv_begin / page_size;
-    r.last_page_len = r.pages > 0 ? r.kv_end - r.kv_begin - (r.pages - 1) * page_size : 0;
+    r.last_page_len = hull_pages > 0 ? r.kv_end - r.kv_begin - (hull_pages - 1) * page_size : 0;
   }
   VG_REQUIRE(row == b.total_q) << "segments: they cover " << row << " of the batch's " << b.total_q << " rows";
   return out;
@@ -194,10 +221,10 @@ inline std::vector<int64_t> direct_segments(const Batch& b) {
   for (int64_t r = 0; r < b.batch; ++r) {
     if (b.qo_len(r) == 0) continue;
     const int64_t g[kSegFields] = {b.q_start[r], b.q_start[r + 1], r, kCustom, -1, 0, b.kv_len(r),
-                                   b.kv_len(r) - b.qo_len(r), 0, -1, -1};  // (no keys known visible; in place)
-    static_assert(kSegFields == 11 && kSegFirstRow == 0 && kSegEndRow == 1 && kSegRequest == 2 &&
+                                   b.kv_len(r) - b.qo_len(r), 0, -1, -1};  // (no keys known visible; in place; no gaps)
+    static_assert(kSegFields == 11 + 2 * kMaxKeyGaps && kSegFirstRow == 0 && kSegEndRow == 1 && kSegRequest == 2 &&
                   kSegClass == 3 && kSegWindow == 4 && kSegKvBegin == 5 && kSegKvEnd == 6 && kSegQPos == 7 &&
-                  kSegVisLo == 8 && kSegVisHi == 9 && kSegPiece == 10, "segment layout");
+                  kSegVisLo == 8 && kSegVisHi == 9 && kSegPiece == 10 && kSegGapFrom1 == 11, "segment layout");
     seg.insert(seg.end(), g, g + kSegFields);
   }
   return seg;
@@ -497,7 +524,7 @@ inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options&
 
   // Layout (sizes only): the table, each slot's metadata, each slot's schedule, the pages.
   int64_t table_ranges = 0;  // room for (first entry, shift, count) per non-empty launch request
-  for (const Request& r : reqs) table_ranges += r.pages > 0;
+  for (const Request& r : reqs) table_ranges += r.pages > 0 ? 1 + r.gaps : 0;
   if (graph) table_ranges = std::max(table_ranges, slots * c.graph_requests);
   int64_t at = align16(12 * table_ranges);
   std::vector<int64_t> region(slots), slot_n(slots), kind(slots, kScheduleFlashInfer), sched_at(slots, 0);
@@ -579,6 +606,7 @@ inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options&
         row[VG_META_Q_ROW_BASE] = int32_t(b.total_q);
         row[VG_META_KERNEL_WINDOW] = -1;
         row[VG_META_VIS_HI] = -1;
+        for (int j = 0; j < kMaxKeyGaps; ++j) row[VG_META_GAP_AT_1 + 2 * j] = kNoGapAt;
         continue;
       }
       const Request& r = reqs[members[k]];
@@ -605,17 +633,31 @@ inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options&
       const bool known = custom && r.vis_lo <= r.vis_hi;
       row[VG_META_VIS_LO] = known ? int32_t(r.vis_lo) : 0;
       row[VG_META_VIS_HI] = known ? int32_t(r.vis_hi) : exact ? kVisEveryKey : -1;
+      // The gaps its page list skips, in list keys: gap j starts where the keys before it end.
+      int64_t skipped = 0;
+      for (int j = 0; j < kMaxKeyGaps; ++j) {
+        const bool on = j < r.gaps;
+        row[VG_META_GAP_AT_1 + 2 * j] = on ? int32_t(r.gap_from[j] - r.kv_begin - skipped) : kNoGapAt;
+        row[VG_META_GAP_LEN_1 + 2 * j] = on ? int32_t(r.gap_to[j] - r.gap_from[j]) : 0;
+        if (on) skipped += r.gap_to[j] - r.gap_from[j];
+      }
       packed = packed && q_starts[k] == plan_qo[l][k];
-      if (r.pages > 0) {  // its pages in the gathered list: one range, merged with the last where contiguous
-        const int32_t out = int32_t(page_at + kv_indptr[k]);
-        const int32_t d = int32_t(r.page_first) - out;
+      // its pages in the gathered list: a range per run of pages between gaps, each merged with
+      // the last range where contiguous
+      int64_t page = r.page_first, entry = page_at + kv_indptr[k];
+      for (int j = 0; j <= r.gaps && r.pages > 0; ++j) {
+        const int64_t end = j < r.gaps ? b.page_start[r.request] + r.gap_from[j] / c.page_size
+                                       : r.page_first + ceil_div(r.kv_end - r.kv_begin, c.page_size);
+        const int32_t out = int32_t(entry), n_pages = int32_t(end - page), d = int32_t(page) - out;
         if (!count.empty() && first_entry.back() + count.back() == out && shift.back() == d) {
-          count.back() += int32_t(r.pages);
+          count.back() += n_pages;
         } else {
           first_entry.push_back(out);
           shift.push_back(d);
-          count.push_back(int32_t(r.pages));
+          count.push_back(n_pages);
         }
+        entry += n_pages;
+        if (j < r.gaps) page = b.page_start[r.request] + r.gap_to[j] / c.page_size;
       }
     }
     q_starts[n] = int32_t(b.total_q * pack);

@@ -124,10 +124,16 @@ def random_segments(rng: random.Random, b: Batch) -> list[list[int]]:
     return table
 
 
+def full(seg) -> list[int]:
+    """A segment of 8-11 fields as SEG_FIELDS: no keys known visible and in place unless given, no gaps."""
+    s = list(seg) + [0, -1, -1][len(seg) - 8:]
+    return s + [0] * (SEG_FIELDS - len(s))
+
+
 def build(builder, b: Batch, table, opts, capacity=1 << 22):
     host = torch.zeros(capacity, dtype=torch.uint8)
     desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)
-    table = [list(s) + [0, -1, -1][len(s) - 8:] for s in table]  # (no keys known visible unless given)
+    table = [full(s) for s in table]
     segments = torch.tensor(table, dtype=torch.int64).view(-1, SEG_FIELDS)
     builder.build_launches(b.indices, segments, opts, host, desc)
     return host, desc
@@ -160,7 +166,7 @@ def aligned(table, fa3: bool, cta: int | None = None) -> list[list[int]]:
     group = 1 if fa3 else HQ // HKV
     out: list[list[int]] = []
     for seg in table:
-        s = list(seg) + [0, -1, -1][len(seg) - 8:]
+        s = full(seg)
         d = out[-1] if out else None
         if (d is not None and s[SegField.CLASS] == CAUSAL and d[SegField.CLASS] == DENSE
                 and d[SegField.REQUEST] == s[SegField.REQUEST] and d[SegField.END_ROW] == s[SegField.FIRST_ROW]
@@ -362,7 +368,7 @@ def test_a_dense_run_one_row_short_of_a_query_tile_takes_the_next_causal_rows_fi
     want = aligned(table, fa3, cta)
     rows = [(s[0], s[1], RowClass(s[3])) for s in want]
     assert rows[:3] == [(0, cta, CAUSAL), (cta, 2 * cta, DENSE), (2 * cta, 4 * cta, CAUSAL)]
-    assert len(want) == len(table) - 1 and want[-2:] == [list(s) + [0, -1, -1] for s in table[-2:]]
+    assert len(want) == len(table) - 1 and want[-2:] == [full(s) for s in table[-2:]]
     check_launches(b, want, head, launches, fa3, [])
     check_pages(b, host, desc, launches)
     # with GQA packing (fa3, one-tile requests) causal rows run custom: nothing moves
@@ -400,7 +406,7 @@ def test_a_dense_run_whose_keys_are_not_the_next_causal_rows_keeps_its_rows(buil
     head, launches = decode(host, desc)
     assert head[HeaderField.STATUS] == Status.OK
     want = aligned(table, fa3, cta)
-    assert want == [list(s) + [0, -1, -1] for s in table]  # (the reference moves nothing either)
+    assert want == [full(s) for s in table]  # (the reference moves nothing either)
     check_launches(b, want, head, launches, fa3, [])
     check_pages(b, host, desc, launches)
     rows = sorted((la["META"][k][0], la["META"][k][8]) for la in launches for k in range(la[LaunchField.REQUESTS]))

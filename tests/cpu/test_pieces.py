@@ -371,6 +371,7 @@ def _build(table: list[list[int]], qo_lens, kv_lens, page_size: int, max_pieces:
         o[PlanOption.GRAPH_REQUESTS], o[PlanOption.GRAPH_PAGES], o[PlanOption.GRAPH_ROWS] = 8, 64, 64
     host = torch.zeros(1 << 20, dtype=torch.uint8)
     desc = torch.zeros(DESC_FIELDS, dtype=torch.int64)
+    table = [list(s) + [0] * (len(SegField) - len(s)) for s in table]  # (no gaps unless given)
     plan_builder().build_launches(indices, torch.tensor(table, dtype=torch.int64).view(-1, len(SegField)), o, host,
                                   desc)
     return desc

@@ -97,7 +97,8 @@ def test_query_clamp_guards_padding_lanes():
     variant = render_module(config(shipped("causal"))).files["variant.cuh"]
     assert "qo_idx < qo_len ? qo_idx : qo_len - 1" in variant
     assert "const int32_t q_pos = q_pos_base + q_local;" in variant
-    assert "const int32_t kv_pos = kv_pos_base + kv_local;" in variant
+    assert "const int32_t kv_pos = key_pos(kv_local);" in variant
+    assert "int32_t pos = kv_pos_base + i;" in variant  # key_pos: past the gaps a page list skips
 
 
 def test_transform_only_with_logits():

@@ -57,6 +57,7 @@ from _builder import finish_on_cpu, plan_builder
 
 from variantgen.abi.table import (
     FA2_TAIL_RUN_CODE,
+    MAX_KEY_GAPS,
     META_COLUMNS,
     SEG_FIELDS,
     MaskMode,
@@ -90,6 +91,25 @@ def fa2_cta_tile_q(packed_len: int, head_dim_vo: int, head_dim_qk: int) -> int:
     return 64 if packed_len > 16 or not ampere else 16
 
 
+def gap_shift(meta_row: list[int], j: torch.Tensor) -> torch.Tensor:
+    """How far past kv_pos_base + j list key j sits: the gaps its page list skipped, as the
+    variant's key_pos adds them (gap_len of every gap whose gap_at is at or before j)."""
+    shift = torch.zeros_like(j)
+    if len(meta_row) <= MetaColumn.GAP_AT_1:  # (a row laid out by hand, without the gap columns)
+        return shift
+    for g in range(MAX_KEY_GAPS):
+        at, length = meta_row[MetaColumn.GAP_AT_1 + 2 * g], meta_row[MetaColumn.GAP_LEN_1 + 2 * g]
+        shift = shift + torch.where(j >= at, length, 0)
+    return shift
+
+
+def skipped_keys(meta_row: list[int]) -> int:
+    """Keys the page list of a launch request skips (its gaps' lengths)."""
+    if len(meta_row) <= MetaColumn.GAP_AT_1:
+        return 0
+    return sum(meta_row[MetaColumn.GAP_LEN_1 + 2 * g] for g in range(MAX_KEY_GAPS))
+
+
 def launch_env(meta_row: list[int], qo_len: int, kv_len: int, hq: int, group: int, *,
                local_q_idx: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """The expression builtins of one launch request as the generated hooks compute them from
@@ -99,7 +119,7 @@ def launch_env(meta_row: list[int], qo_len: int, kv_len: int, hq: int, group: in
     i64 = torch.int64
     i = torch.arange(qo_len, dtype=i64).view(1, -1, 1)
     j = torch.arange(kv_len, dtype=i64).view(1, 1, -1)
-    q_pos, kv_pos = q_pos_base + i, kv_pos_base + j
+    q_pos, kv_pos = q_pos_base + i, kv_pos_base + j + gap_shift(meta_row, j)
     qo_head = torch.arange(hq, dtype=i64).view(-1, 1, 1)
     env = {
         "q_pos": q_pos, "kv_pos": kv_pos, "q_idx": i if local_q_idx else q_pos - (req_kv_len - req_qo_len),
@@ -368,7 +388,8 @@ class FakeModule:
                 kv_len = 0
             o_row = o_indptr[b]
             assert 0 <= qs[b] and qs[b] + qo_len <= total_q and 0 <= o_row and o_row + qo_len <= total_q
-            assert 0 <= kv_pos_base and kv_pos_base + kv_len <= req_kv_len, (b, meta[b], kv_len)
+            assert 0 <= kv_pos_base and kv_pos_base + kv_len + skipped_keys(meta[b]) <= req_kv_len, (b, meta[b], kv_len)
+            assert mask_mode == 2 or skipped_keys(meta[b]) == 0, "gaps in a launch request of an exact launch"
             rows_total += qo_len
             if qo_len == 0:
                 continue

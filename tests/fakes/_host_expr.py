@@ -53,6 +53,7 @@ int main() {{
     const uint32_t qo_len = qo_lens[b], kv_len = kv_lens[b];
     const int32_t request = b, req_qo_len = qo_lens[b], req_kv_len = kv_lens[b];
     const int32_t q_pos_base = req_kv_len - req_qo_len, kv_pos_base = 0;
+    const auto key_pos = [=](int32_t i) {{ return kv_pos_base + i; }};  // (the variants' member: no gaps here)
     for (int h = 0; h < num_qo_heads; ++h) {{
       const uint32_t qo_head_idx = h, kv_head_idx = h / (num_qo_heads / num_kv_heads);
       for (uint32_t qo_idx = 0; qo_idx < qo_len; ++qo_idx) {{

@@ -108,9 +108,44 @@ def test_pieces_match_the_reference_and_the_hull(wrappers, name, page_size, back
         w.planner.max_pieces = MAX_PIECES
 
 
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three"])
+def test_gaps_match_the_reference_and_the_hull(wrappers, name, page_size, backend):
+    """The other mechanism (planning/gaps.py): such rows as custom launch requests whose page lists
+    skip the gaps between their intervals; the variant's key_pos maps list keys to positions."""
+    spec = specs()[name]
+    w = wrappers(name, backend)
+    batch = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=page_size,
+                               dtype=torch.bfloat16, device="cuda", seed=page_size)
+    args = spec_args(name, spec, KV_LENS, page_size)
+    kv = (batch.k_cache, batch.v_cache)
+    ref, ref_lse = reference_attention(spec, batch.q, kv, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
+                                       batch.last_page_len, args, return_lse=True)
+    label = f"{name} {backend} page {page_size}"
+    try:
+        w.planner.split_rows = "gaps"
+        plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+        assert plan.merge is None and any(r.gaps for r in plan.launch_requests), f"{label}: no gaps\n{plan}"
+        out, lse = w.run(batch.q, kv, return_lse=True, **args)
+        assert rel_error(out, ref) < 1e-2, f"{label}: rel. error {rel_error(out, ref):.3e}\n{plan}"
+        fin = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), fin), f"{label}: lse -inf pattern"
+        assert (lse[fin] - ref_lse[fin]).abs().max().item() < 2e-2, label
+        w.planner.max_pieces = 0  # the same batch over each row's hull
+        hull = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+        out_hull = w.run(batch.q, kv, **args)
+        assert rel_error(out, out_hull.float()) < 1e-2, label
+        assert plan.work()["visited"] < hull.work()["visited"], f"{label}: the gaps read no fewer keys"
+    finally:
+        w.planner.max_pieces = MAX_PIECES
+        w.planner.split_rows = "pieces"
+
+
+@pytest.mark.parametrize("split_rows", ["pieces", "gaps"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three"])
-def test_pieces_with_fa3_gqa_packing_match_the_reference(wrappers, name, page_size):
+def test_pieces_with_fa3_gqa_packing_match_the_reference(wrappers, name, page_size, split_rows):
     """Decode-like rows (1-6 queries per request) on fa3: GQA-packed launches, packed partial rows
     merged in the packed layout, then unpacked."""
     spec, w = specs()[name], wrappers(name, "fa3")
@@ -118,9 +153,13 @@ def test_pieces_with_fa3_gqa_packing_match_the_reference(wrappers, name, page_si
     batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=page_size,
                                dtype=torch.bfloat16, device="cuda", seed=page_size)
     args = spec_args(name, spec, kv_lens, page_size)
-    plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
-    assert plan.pack_gqa > 1 and plan.merge is not None, plan
-    out, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **args)
+    try:
+        w.planner.split_rows = split_rows
+        plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+        out, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **args)
+    finally:
+        w.planner.split_rows = "pieces"
+    assert plan.pack_gqa > 1 and (plan.merge is not None) == (split_rows == "pieces"), plan
     ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
                                        batch.kv_indptr, batch.kv_indices, batch.last_page_len, args, return_lse=True)
     assert rel_error(out, ref) < 1e-2, f"{name} page {page_size}: rel. error {rel_error(out, ref):.3e}\n{plan}"

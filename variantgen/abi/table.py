@@ -91,6 +91,15 @@ class MetaColumn(IntEnum):
     # diagonal tile needs the mask); else empty (VIS_HI < VIS_LO)
     VIS_LO = 9
     VIS_HI = 10
+    # A launch request whose page list skips the gaps between its rows' key intervals (SegField's
+    # GAP_FROM / GAP_TO): its list key i sits at KV_POS_BASE + i plus GAP_LEN_j for every gap j with
+    # GAP_AT_j <= i (list indices, ascending). No gap: GAP_AT_j = NO_GAP_AT, GAP_LEN_j = 0.
+    GAP_AT_1 = 11
+    GAP_LEN_1 = 12
+    GAP_AT_2 = 13
+    GAP_LEN_2 = 14
+    GAP_AT_3 = 15
+    GAP_LEN_3 = 16
 
 
 META_COLUMNS = len(MetaColumn)
@@ -98,10 +107,16 @@ META_COLUMNS = len(MetaColumn)
 
 def meta_rows(**columns: list[int]) -> list[int]:
     """``vg_meta`` rows, flat, from one list per column (keyword: the MetaColumn's name in lower
-    case): the one place outside the launch builder that lays a row out."""
+    case; the GAP_* columns may be left out: no gap): the one place outside the launch builder
+    that lays a row out."""
     names = [c.name.lower() for c in MetaColumn]
-    if sorted(columns) != sorted(names):
-        raise ValueError(f"meta_rows: expected the columns {names}, got {sorted(columns)}")
+    gaps = [c.name.lower() for c in MetaColumn if c.name.startswith("GAP_")]
+    given = sorted(columns)
+    if given != sorted(names) and given != sorted(set(names) - set(gaps)):
+        raise ValueError(f"meta_rows: expected the columns {names} (the gap columns optional), got {given}")
+    n = len(next(iter(columns.values()))) if columns else 0
+    for name in gaps:
+        columns.setdefault(name, [NO_GAP_AT if name.startswith("gap_at") else 0] * n)
     return [x for row in zip(*(columns[n] for n in names)) for x in row]
 
 
@@ -144,6 +159,16 @@ class SegField(IntEnum):
     # this launch request reads the p-th of them (by position) into partial output p, and run()
     # merges a row's partial outputs by their LSE (variantgen/wrappers/merge.py)
     PIECE = 10
+    # Keys [GAP_FROM_j, GAP_TO_j) of [KV_BEGIN, KV_END) that its page list skips (request-local,
+    # page-aligned, ascending, inside the range with keys on both sides; no gap: 0, 0): a custom
+    # launch request over the union of its rows' key intervals instead of their hull. Its keys are
+    # no longer at KV_POS_BASE + list index: MetaColumn's GAP_AT / GAP_LEN tell the variant where.
+    GAP_FROM_1 = 11
+    GAP_TO_1 = 12
+    GAP_FROM_2 = 13
+    GAP_TO_2 = 14
+    GAP_FROM_3 = 15
+    GAP_TO_3 = 16
 
 
 SEG_FIELDS = len(SegField)
@@ -298,6 +323,11 @@ FA2_LAUNCHES = 4
 # key intervals a row's launch requests may read apart (SegField.PIECE): sinks + window, documents +
 # global sinks, a tree's context + ancestors fit; rows with more run as one custom launch over the hull
 MAX_PIECES = 4
+# gaps a launch request's page list may skip (SegField.GAP_*, MetaColumn.GAP_*): its keys in up to
+# MAX_PIECES ranges
+MAX_KEY_GAPS = MAX_PIECES - 1
+# MetaColumn.GAP_AT_j of no gap: past every list index
+NO_GAP_AT = 2**31 - 1
 # the launches of the rows written in place, then the same set again per piece
 MAX_LAUNCHES = max(FA2_LAUNCHES, 3 + FA3_MAX_WINDOW_LAUNCHES) * (1 + MAX_PIECES)
 OPTION_FIELDS = PlanOption.WINDOWS + FA3_MAX_WINDOW_LAUNCHES
@@ -380,6 +410,8 @@ def header_text() -> str:
         f"constexpr int kFa3MaxWindowLaunches = {FA3_MAX_WINDOW_LAUNCHES};",
         f"constexpr int kMaxLaunches = {MAX_LAUNCHES};",
         f"constexpr int kMaxPieces = {MAX_PIECES};",
+        f"constexpr int kMaxKeyGaps = {MAX_KEY_GAPS};",
+        f"constexpr int32_t kNoGapAt = {NO_GAP_AT};",
         f"constexpr int kRowBlock = {ROW_BLOCK};",
         f"constexpr int64_t kNoInterval = int64_t(1) << {NO_INTERVAL.bit_length() - 1};",
         f"constexpr int kReadIndicesExtra = {READ_INDICES_EXTRA};",
@@ -404,4 +436,13 @@ _COMMENTS = {
     MetaColumn.LAUNCH_QO_LEN: "queries of this launch request (rows from q_indptr[b] on)",
     MetaColumn.VIS_LO: "keys [VIS_LO, VIS_HI] (absolute) are visible to all its queries: no mask there",
     MetaColumn.VIS_HI: "but the kernel window (custom: known keys; exact runs: every key; else empty)",
+    MetaColumn.GAP_AT_1: "from list key GAP_AT_j on (ascending; none: kNoGapAt) the keys sit",
+    MetaColumn.GAP_LEN_1: "GAP_LEN_j positions further: the page list skipped a gap",
+    MetaColumn.GAP_AT_2: "the second gap (as GAP_AT_1)",
+    MetaColumn.GAP_LEN_2: "(as GAP_LEN_1)",
+    MetaColumn.GAP_AT_3: "the third gap (as GAP_AT_1)",
+    MetaColumn.GAP_LEN_3: "(as GAP_LEN_1)",
 }
+assert len([c for c in MetaColumn if c.name.startswith("GAP_AT_")]) == MAX_KEY_GAPS
+assert [c.name for c in SegField][-2 * MAX_KEY_GAPS:] == [f"GAP_{w}_{j}" for j in range(1, MAX_KEY_GAPS + 1)
+                                                          for w in ("FROM", "TO")]

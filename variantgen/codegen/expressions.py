@@ -88,7 +88,7 @@ LOCAL_DEFS = {
     "q_pos": ("const int32_t q_pos = q_pos_base + q_local;", ("q_local",)),
     # The request's query index, not the launch request's (the planner splits requests).
     "q_idx": ("const int32_t q_idx = q_pos - (req_kv_len - req_qo_len);", ("q_pos",)),
-    "kv_pos": ("const int32_t kv_pos = kv_pos_base + kv_local;", ("kv_local",)),
+    "kv_pos": ("const int32_t kv_pos = key_pos(kv_local);  // (past the gaps its page list skips)", ("kv_local",)),
     "q_row": ("const int32_t q_row = q_row_base + q_local;", ("q_local",)),
     "kv_row": ("const int32_t kv_row = kv_row_base + kv_pos;", ("kv_pos",)),
     "q_kv_row": ("const int32_t q_kv_row = kv_row_base + q_pos;", ("q_pos",)),

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ..abi.table import META_COLUMNS, LaunchArray, MaskMode, MetaColumn, RowClass, Schedule, SegField
+from ..abi.table import MAX_KEY_GAPS, META_COLUMNS, LaunchArray, MaskMode, MetaColumn, RowClass, Schedule, SegField
 
 NOT_VISITED, VISIBLE, MASKED = 0, 1, 2  # to_dense(): the kernel skips / visits, all visible / evaluates the mask
 DENSE_LIMIT = 1 << 24  # query-key pairs to_dense() draws at most
@@ -70,16 +70,25 @@ class LaunchRequest:
     visible: tuple[int, int] = (0, -1)  # keys every row sees (custom, tail): custom mode skips the mask there
     # -1: writes its rows' output in place; p: the rows' p-th key interval, a partial output run() merges
     piece: int = -1
+    # key ranges [from, to) of ``keys`` its page list skips (a custom run over its rows' intervals)
+    gaps: tuple[tuple[int, int], ...] = ()
 
     @classmethod
     def from_segment(cls, seg: list[int], page_size: int) -> LaunchRequest:
         """A segment of the row pass (SegField order) as fa2 runs it: the mask mode of its class."""
         c = RowClass(seg[SegField.CLASS])
         begin, end = seg[SegField.KV_BEGIN], seg[SegField.KV_END]
+        gaps = tuple((seg[f], seg[f + 1]) for f in range(SegField.GAP_FROM_1, len(seg), 2) if seg[f + 1] > seg[f])
+        pages = -(-(end - begin) // page_size) - sum(t - f for f, t in gaps) // page_size
         return cls((seg[SegField.FIRST_ROW], seg[SegField.END_ROW]), seg[SegField.REQUEST], c, c.mode,
-                   seg[SegField.WINDOW], (begin, end), -(-(end - begin) // page_size), seg[SegField.Q_POS],
+                   seg[SegField.WINDOW], (begin, end), pages, seg[SegField.Q_POS],
                    (seg[SegField.VIS_LO], seg[SegField.VIS_HI]),
-                   seg[SegField.PIECE] if len(seg) > SegField.PIECE else -1)  # (a segment of before pieces)
+                   seg[SegField.PIECE] if len(seg) > SegField.PIECE else -1, gaps)  # (a segment of before pieces)
+
+    @property
+    def keys_read(self) -> int:
+        """Keys its page list holds: its range's, less the gaps'."""
+        return self.keys[1] - self.keys[0] - sum(t - f for f, t in self.gaps)
 
     def masked(self) -> int:
         """The pairs of visited() the mask is evaluated on: all in custom mode; a tail run's keys
@@ -94,9 +103,9 @@ class LaunchRequest:
 
     def visited(self) -> int:
         """(query, key) pairs its mode lets the kernel see (tiles further trim causal ones)."""
-        n, kb, ke, q0 = self.rows[1] - self.rows[0], self.keys[0], self.keys[1], self.q_pos
+        n, kb, q0 = self.rows[1] - self.rows[0], self.keys[0], self.q_pos
         if self.mode != MaskMode.CAUSAL:
-            return n * (ke - kb)
+            return n * self.keys_read
         if self.window < 0:  # row q sees [kb, q]
             return n * (q0 - kb + 1) + n * (n - 1) // 2
         # row q sees [max(kb, q - w), q]: q - kb + 1 keys until q reaches kb + w, then w + 1
@@ -221,7 +230,13 @@ class Plan:
                 row = meta[b]
                 pages = kv_indptr[b + 1] - kv_indptr[b]
                 begin = row[MetaColumn.KV_POS_BASE]
-                end = begin + (pages - 1) * ps + last[b] if pages else begin
+                gaps, skipped = [], 0
+                for j in range(MAX_KEY_GAPS):
+                    at, length = row[MetaColumn.GAP_AT_1 + 2 * j], row[MetaColumn.GAP_LEN_1 + 2 * j]
+                    if length > 0:
+                        gaps.append((begin + at + skipped, begin + at + skipped + length))
+                        skipped += length
+                end = begin + (pages - 1) * ps + last[b] + skipped if pages else begin
                 window = row[MetaColumn.KERNEL_WINDOW]  # a window run's width (fa3: its launch's, or custom)
                 mode = launch.mode
                 cls = (RowClass.DENSE if mode == MaskMode.NONE else RowClass.WINDOW if window >= 0
@@ -232,7 +247,7 @@ class Plan:
                 visible = (row[MetaColumn.VIS_LO], row[MetaColumn.VIS_HI]) if mode == MaskMode.CUSTOM else (0, -1)
                 out.append(LaunchRequest((first, first + row[MetaColumn.LAUNCH_QO_LEN]), row[MetaColumn.REQUEST], cls,
                                          mode, window if mode == MaskMode.CAUSAL else -1, (begin, end), pages,
-                                         row[MetaColumn.Q_POS_BASE], visible, launch.piece))
+                                         row[MetaColumn.Q_POS_BASE], visible, launch.piece, tuple(gaps)))
         out.sort(key=lambda r: (r.rows, r.piece))
         return out
 
@@ -315,6 +330,8 @@ class Plan:
                 grid[i0:i1, kb:ke] = value
                 if r.visible[1] >= r.visible[0]:  # a custom launch request skips the mask on these keys
                     grid[i0:i1, r.visible[0]:r.visible[1] + 1] = VISIBLE
+                for f, t in r.gaps:  # keys its page list skips
+                    grid[i0:i1, f:t] = NOT_VISITED
                 continue
             q = torch.arange(r.q_pos, r.q_pos + i1 - i0).view(-1, 1)
             k = torch.arange(kb, ke).view(1, -1)

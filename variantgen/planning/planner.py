@@ -48,12 +48,15 @@ from ..abi.table import (
 from ..core.errors import LaunchError
 from ..core.staging import INT_WORKSPACE_BYTES, HostStaging, IntWorkspaces
 from ..lang.values import VariantSpec
+from .gaps import gap_segments
 from .graph import GraphBuffers, GraphCapacity, slot_name
 from .intervals import analyze
 from .pieces import MergeRows, may_split, merge_rows, piece_segments
 from .plan import Batch, Launch, LaunchLayout, Plan
 from .rowplan import call_layout, kept_buffer, row_buffers
 
+# How rows that see several key intervals run (Planner.split_rows): "pieces" or "gaps".
+SPLIT_ROWS = "pieces"
 H, L = HEADER_FIELDS, LAUNCH_FIELDS
 # The table as plain values for plan()'s hot path (an enum lookup or call costs host time each plan).
 _COUNTS = tuple((f.name.lower(), int(f)) for f in HeaderField if f >= HeaderField.DENSE)
@@ -123,10 +126,12 @@ class Planner:
         self._last: weakref.ref[Plan] | None = None
         # fa3 GQA packing for batches of short requests (pack_gqa below); a switch for comparisons.
         self.pack_gqa_enabled = True
-        # Rows that see several key intervals run one launch request per interval, merged by LSE
-        # (pieces.py): at most this many intervals per row (0: off, such rows run custom over their
-        # hull); a switch for comparisons. Not in CUDA-graph mode (yet).
+        # Rows that see several key intervals (at most this many; 0: off, such rows run custom over
+        # their hull), not in CUDA-graph mode (yet), run as ``split_rows`` says: "gaps", custom launch
+        # requests whose page lists skip the gaps between their rows' intervals (gaps.py), or
+        # "pieces", one launch request per interval merged by LSE (pieces.py). Switches for comparisons.
         self.max_pieces = MAX_PIECES
+        self.split_rows = SPLIT_ROWS
 
     def pack_gqa(self, batch: Batch) -> int:
         """Query heads folded into each packed row group of this batch's fa3 launches (1: none).
@@ -231,7 +236,7 @@ class Planner:
             o[PlanOption.MAX_PIECES] = min(self.max_pieces, MAX_PIECES)
             self.staging.record()
             self.staging.begin()  # (the first plan's copies out of the mirror have run: it is free again)
-            values, merge = self._build_pieces(batch, indices, kv_indices, args, pack)
+            values, merge = self._build_split(batch, indices, kv_indices, args, pack)
         device_ws, host_ws = self._workspace_pair()
         launches, layouts = self._launches(values, device_ws, host_ws, batch, disable_split_kv)
         self.staging.record()  # the copies out of page-locked memory run before the next plan rewrites it
@@ -242,17 +247,22 @@ class Planner:
         self._last = weakref.ref(plan)
         return plan
 
-    def _build_pieces(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor,
-                      args: dict[str, Any], pack: int) -> tuple[list[int], MergeRows | None]:
+    def _build_split(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor,
+                     args: dict[str, Any], pack: int) -> tuple[list[int], MergeRows | None]:
         """plan() for a spec whose rows may see several key intervals: the row rules in torch ops
-        with rows split into pieces (pieces.py; the generated row kernel does not split rows yet,
-        so this costs the torch rules' dispatch, a few ms at 64k rows), the launch builder on
-        their segments, then its copy and page gather in torch ops. The descriptor's values and
-        the rows run() merges (None: no row was split), with their rows in the launches' outputs
-        (GQA packing ``pack``)."""
-        table = piece_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
-                               self.device, int(self._opt[PlanOption.MAX_PIECES]),
-                               self.max_window_launches if self.fa3 else None, packed=pack > 1)
+        with such rows read past their gaps (gaps.py) or split into pieces (pieces.py; the
+        generated row kernel does neither yet, so this costs the torch rules' dispatch, a few ms
+        at 64k rows), the launch builder on their segments, then its copy and page gather in
+        torch ops. The descriptor's values and the rows run() merges (None: no row was split),
+        with their rows in the launches' outputs (GQA packing ``pack``)."""
+        if self.split_rows == "gaps":
+            self._opt[PlanOption.MAX_PIECES] = 0  # (every launch request writes in place)
+            table, _ = gap_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
+                                    self.device)
+        else:
+            table = piece_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
+                                   self.device, int(self._opt[PlanOption.MAX_PIECES]),
+                                   self.max_window_launches if self.fa3 else None, packed=pack > 1)
         for _ in range(4):  # a too-small workspace is answered with the size it needs
             device_ws, host_ws = self._workspace_pair()
             self.module.build_launches(indices, table, self.options, host_ws, self.desc)

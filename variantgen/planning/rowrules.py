@@ -169,4 +169,5 @@ def segments(rec: torch.Tensor, page_size: int) -> torch.Tensor:
     out[SegField.VIS_LO] = rec[RecField.VIS_LO, first]
     out[SegField.VIS_HI] = rec[RecField.VIS_HI, first]
     out[SegField.PIECE] = -1  # every row's output in place (pieces.py splits rows that see several intervals)
+    out[SegField.GAP_FROM_1:] = 0  # every run's keys read whole (pieces.py may skip the gaps between intervals)
     return out.t().contiguous().cpu()
