@@ -3,7 +3,9 @@ against sliding_window with the same window, on fa3 and fa2.
 
 Workload (issue 41's): 8 requests x 8192 tokens of prefill, 32/8 heads, head dim 128, bf16, page
 16; streaming_sink with num_sink 4 and window 1023, sliding_window with window 1023. Per backend
-it times, in one process with CUDA events (median of --iters after warm-up):
+it times, in one process with CUDA events, each run() alone (median of --iters after warm-up: the
+host's work before the first launch counted) and --iters runs back to back (per run: the host's
+work overlapped with the GPU's, as in a model's forward pass):
 
 * ``sliding_window``: the bar (its rows see one interval: causal and window launches);
 * ``streaming_sink``: past the first window each row's sinks and window run as two pieces merged
@@ -14,10 +16,10 @@ it times, in one process with CUDA events (median of --iters after warm-up):
 * ``streaming_sink_hull``: the same rows planned with the pieces off (the planner's max_pieces =
   0): one custom launch over each row's hull, what plan() did before;
 
-and records the ratio to sliding_window, plan()'s host time, the plan's summary and the largest
-difference of the pieces' and the gaps' outputs from the hull's (the same attention, three routes). For the
-pieces it also records where the time goes: the GPU time of each kernel of one run() (torch's
-profiler, per kernel name) and the merge alone - the module's merge_pieces kernel against the same
+and records the ratios to sliding_window, plan()'s host time, the plan's summary and the largest
+difference of the pieces' and the gaps' outputs from the hull's (the same attention, three
+routes). For the pieces and the gaps it also records where the time goes: the GPU time of each
+kernel of one run() (torch's profiler, per kernel name, and all kernels) and the merge alone - the module's merge_pieces kernel against the same
 merge in torch ops (wrappers/merge.py's reference). Writes
 bench/results/pieces-<date>-<gpu>.json (or --out). Modules are loaded from VARIANTGEN_CACHE_DIR
 (--list-modules prints the precompile commands for a CPU build box). Run on the GPU machine:
@@ -40,7 +42,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
-from variantgen.testing.harness import cuda_median_ms, random_paged_batch, run_environment, write_result  # noqa: E402
+from variantgen.testing.harness import (  # noqa: E402
+    cuda_back_to_back_ms,
+    cuda_median_ms,
+    random_paged_batch,
+    run_environment,
+    write_result,
+)
 
 WORKLOAD = dict(batch=8, tokens=8192, qo_heads=32, kv_heads=8, head_dim=128, page_size=16, num_sink=4, window=1023)
 SPECS = ("streaming_sink", "sliding_window")
@@ -89,13 +97,18 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
                                                                                  **args))
         kv = (batch.k_cache, batch.v_cache)
         outs[name] = w.run(batch.q, kv, **args).clone()
-        res["ms"][key] = round(cuda_median_ms(lambda w=w, args=args, kv=kv: w.run(batch.q, kv, **args), iters), 3)
-        print(f"{key:36s} {res['ms'][key]:8.3f} ms", flush=True)
+        call = lambda w=w, args=args, kv=kv: w.run(batch.q, kv, **args)  # noqa: E731
+        res["ms"][key] = round(cuda_median_ms(call, iters), 3)
+        res["ms"][f"{key}_back_to_back"] = round(cuda_back_to_back_ms(call, iters), 3)
+        print(f"{key:36s} {res['ms'][key]:8.3f} ms per call, {res['ms'][f'{key}_back_to_back']:8.3f} ms back to back",
+              flush=True)
         if name in ("streaming_sink", "streaming_sink_gaps"):
             breakdown(w, lambda w=w, args=args, kv=kv: w.run(batch.q, kv, **args), iters, res, key)
-    bar = res["ms"][f"sliding_window_{backend}"]
-    for name in ("streaming_sink", "streaming_sink_gaps", "streaming_sink_hull"):
-        res["notes"][f"{name}_{backend}_over_sliding_window"] = round(res["ms"][f"{name}_{backend}"] / bar, 3)
+    for timing in ("", "_back_to_back"):
+        bar = res["ms"][f"sliding_window_{backend}{timing}"]
+        for name in ("streaming_sink", "streaming_sink_gaps", "streaming_sink_hull"):
+            ratio = res["ms"][f"{name}_{backend}{timing}"] / bar
+            res["notes"][f"{name}_{backend}{timing}_over_sliding_window"] = round(ratio, 3)
     hull = outs["streaming_sink_hull"].float()
     for name, label in (("streaming_sink", "pieces"), ("streaming_sink_gaps", "gaps")):
         diff = (outs[name].float() - hull).abs().max().item()
@@ -114,11 +127,12 @@ def breakdown(w, run, iters: int, res: dict, key: str) -> None:
         for _ in range(iters):
             run()
         torch.cuda.synchronize()
-    kernels = {}
-    for e in prof.key_averages():
+    kernels: dict[str, float] = {}
+    for e in prof.key_averages():  # (kernels by name; names cut at 90 characters, their times summed)
         total = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if total > 0:
-            kernels[e.key[:90]] = round(total / iters / 1e3, 4)
+            kernels[e.key[:90]] = round(kernels.get(e.key[:90], 0.0) + total / iters / 1e3, 4)
+    kernels["(all kernels)"] = round(sum(kernels.values()), 4)
     res["notes"][f"{key}_kernels_ms"] = dict(sorted(kernels.items(), key=lambda kv: -kv[1]))
     merge = w.last_plan.merge
     if merge is None:

@@ -15,8 +15,8 @@ from _fake_kernel import assert_plan_matches_reference, gap_shift
 from test_pieces import HEAD_DIM, HKV, HQ, make, spec_args, specs, visible_keys
 
 from variantgen.abi.table import MAX_KEY_GAPS, NO_GAP_AT, MetaColumn, RowClass, SegField, meta_rows
-from variantgen.planning.gaps import gap_segments
 from variantgen.planning.intervals import analyze
+from variantgen.planning.pieces import gap_segments, row_pieces
 from variantgen.planning.plan import NOT_VISITED, LaunchRequest
 from variantgen.planning.rowrules import row_env
 from variantgen.testing.harness import random_paged_batch
@@ -41,8 +41,9 @@ def test_a_gap_never_holds_a_key_one_of_its_rows_sees(name, page_size):
     kv_lens = [150, 97, 45]
     qo_indptr = [0, 70, 71, 116]
     args = spec_args(name, kv_lens, page_size)
-    table, split = gap_segments(spec, analyze(spec), qo_indptr, kv_lens, page_size, args, torch.device("cpu"))
+    table = gap_segments(spec, analyze(spec), qo_indptr, kv_lens, page_size, args, torch.device("cpu"))
     env = row_env(qo_indptr, kv_lens, torch.device("cpu"))
+    split = int((row_pieces(analyze(spec), spec, env, args).count >= 2).sum())
     assert table[:, SegField.FIRST_ROW].tolist() == sorted(table[:, SegField.FIRST_ROW].tolist())
     assert (table[:, SegField.PIECE] == -1).all()  # every launch request writes in place
     gapped = 0
@@ -75,13 +76,13 @@ def test_more_intervals_than_gaps_keep_the_longest_gaps():
     spec = specs()["five"]
     kv_lens = [150]
     args = spec_args("five", kv_lens) | {"window": 6}
-    table, _ = gap_segments(spec, analyze(spec), [0, 1], kv_lens, 1, args, torch.device("cpu"))
+    table = gap_segments(spec, analyze(spec), [0, 1], kv_lens, 1, args, torch.device("cpu"))
     (seg,) = table.tolist()
     # one row: sinks [0, 2), [20, 24), [40, 42], 50, [143, 149]: five ranges, so it is not split
     # (more than MAX_PIECES intervals: row_pieces says 0) and runs custom over its hull
     assert gaps_of(seg) == [] and seg[SegField.CLASS] == RowClass.CUSTOM
     spec = specs()["four"]
-    table, _ = gap_segments(spec, analyze(spec), [0, 1], kv_lens, 1, spec_args("four", kv_lens), torch.device("cpu"))
+    table = gap_segments(spec, analyze(spec), [0, 1], kv_lens, 1, spec_args("four", kv_lens), torch.device("cpu"))
     (seg,) = table.tolist()
     assert gaps_of(seg) == [(2, 20), (24, 40), (43, 143)]
 
@@ -188,3 +189,15 @@ def test_a_bad_gap_is_named_by_the_launch_builder(case, gaps, cls, pattern):
         seg[SegField.GAP_FROM_1 + 2 * j], seg[SegField.GAP_TO_1 + 2 * j] = f, t
     with pytest.raises(Exception, match=pattern):
         _build([seg], [4], [48], 8, 0)
+
+
+def test_rows_the_pieces_leave_unsplit_skip_their_gaps_instead_of_reading_their_hull():
+    """fa3 GQA packing runs a piece's causal and window runs custom over their pages; where those
+    would read into the row's other pieces the rows stay unsplit - and run past their gaps, not
+    over the hull (the four-interval mask, decode-like rows, page size 5: found by a search)."""
+    from test_pieces import run_plan
+
+    plan, _ = run_plan("four", "fa3", [3, 40, 6], [303, 60, 306], 5)  # (checks the output against the reference)
+    assert plan.pack_gqa > 1 and plan.merge is not None, plan
+    gapped = [r for r in plan.launch_requests if r.gaps]
+    assert gapped and all(r.piece == -1 and r.mode.label == "custom" for r in gapped), plan

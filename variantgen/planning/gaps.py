@@ -11,9 +11,16 @@ gaps are read), and vg_meta's GAP_AT / GAP_LEN columns tell the variant where ea
 sits (``key_pos`` in the generated variants), so the mask sees true positions. The keys all its
 rows see (the intersection of their last intervals: the window of sinks + window) are marked
 known visible, where the mask is not evaluated; the mask runs on the rest (the sinks' page and
-the window's ragged edges). Cost per row of n visible keys: about n keys read once, in one
-launch, no merge, the mask on the keys outside the known range - against the pieces' extra
-output passes and launches. Which one runs is the planner's ``split_rows`` (planner.py).
+the window's ragged edges).
+
+Measured against the pieces (bench/bench_pieces.py, H100, streaming_sink at 8 x 8192 with 4
+sinks and a 1023-key window; bench/results/2026-12-07-h100/): fa3 5.31 ms with gaps, 4.06 ms
+with pieces (the merge as one kernel), 2.74 ms for sliding_window alone; fa2 8.50 / 4.54 / 3.28
+ms. The custom variant's per-element work (the key's position, the known-visible test, the mask
+outside it) costs more than the pieces' merge, so pieces are the default (planner.SPLIT_ROWS).
+Gaps run where pieces cannot: rows the pieces would leave on their hull, because a piece's
+custom run or fa3 window run would read into the row's other pieces (pieces.py) - there they
+replace the hull's keys by the union's.
 
 Rows of an inexact term and rows of more than MAX_PIECES intervals (row_pieces: count 0) are
 not touched: they run custom over their hull, as before.
@@ -21,44 +28,19 @@ not touched: they run custom over their hull, as before.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from ..abi.table import MAX_KEY_GAPS, MAX_PIECES, SegField
-from ..lang.values import VariantSpec
-from .intervals import BIG, IntervalForm, RowIntervals, row_intervals
-from .pieces import row_pieces
-from .rowrules import classify_intervals, row_env, segments
+from ..abi.table import MAX_KEY_GAPS, SegField
+from .intervals import BIG
 
 
-def gap_segments(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
-                 args: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, int]:
-    """The launch requests of a batch in row order (host int64 [n, SEG_FIELDS], every one in
-    place) with the runs of rows that see 2..MAX_PIECES exact intervals as custom launch requests
-    over those intervals' pages, and how many rows they hold."""
-    env = row_env(qo_indptr, kv_lens, device)
-    iv = row_intervals(form, spec, env, args)
-    pieces = row_pieces(form, spec, env, args, MAX_PIECES)
-    split = pieces.count >= 2
-    # Split rows as custom rows over their hull (never dense, causal, window or tail: their keys
-    # have gaps), in runs of their own.
-    hull = RowIntervals(lo=iv.lo, hi=iv.hi, exact=iv.exact & ~split, empty=iv.empty & ~split,
-                        dense_hi=torch.where(split, iv.lo - 1, iv.dense_hi) if iv.dense_hi is not None else None)
-    table = segments(classify_intervals(env, hull, page_size, split.long()), page_size)
-    rows = int(split.sum())
-    if rows == 0:
-        return table, 0
-    on = split.cpu()[table[:, SegField.FIRST_ROW]]
-    _skip_gaps(table, on.nonzero().squeeze(1), pieces.lo.cpu(), pieces.hi.cpu(), pieces.count.cpu(), page_size)
-    return table, rows
-
-
-def _skip_gaps(table: torch.Tensor, which: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, count: torch.Tensor,
-               page_size: int) -> None:
-    """Give the segments ``which`` of ``table`` (custom runs of split rows) the gaps between the
-    page ranges of their rows' intervals (the longest MAX_KEY_GAPS) and, as known visible keys,
-    the intersection of their rows' last intervals. In place."""
+def skip_gaps(table: torch.Tensor, which: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, count: torch.Tensor,
+              page_size: int) -> None:
+    """Give the segments ``which`` of ``table`` (custom runs, in place, of rows that see 2..MAX_PIECES
+    exact intervals: ``lo`` / ``hi`` [rows, MAX_PIECES], ``count`` [rows], as pieces.row_pieces
+    finds them) the gaps between the page ranges of their rows' intervals (the longest
+    MAX_KEY_GAPS) and, as known visible keys, the intersection of their rows' last intervals.
+    In place."""
     ps = page_size
     seg = table[which]
     first, end = seg[:, SegField.FIRST_ROW], seg[:, SegField.END_ROW]

@@ -48,6 +48,7 @@ import torch
 
 from ..abi.table import MAX_PIECES, SEG_FIELDS, RowClass, SegField
 from ..lang.values import VariantSpec
+from .gaps import skip_gaps
 from .intervals import BIG, IntervalForm, RowIntervals, decided_terms, row_intervals, term_bounds
 from .rowrules import classify_intervals, row_env, segments
 
@@ -123,14 +124,35 @@ def piece_segments(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], 
     return _tables(env, iv, pieces, torch.zeros_like(split), page_size)
 
 
+def gap_segments(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
+                 args: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """The launch requests of a batch in row order (host int64 [n, SEG_FIELDS], every one in
+    place) with the rows that see 2..MAX_PIECES exact intervals in custom runs whose page lists
+    skip the gaps between those intervals (gaps.py), none split into pieces."""
+    env = row_env(qo_indptr, kv_lens, device)
+    iv = row_intervals(form, spec, env, args)
+    pieces = row_pieces(form, spec, env, args, MAX_PIECES)
+    return _tables(env, iv, pieces, torch.zeros_like(pieces.count, dtype=torch.bool), page_size)
+
+
 def _tables(env: dict[str, torch.Tensor], iv: RowIntervals, pieces: RowPieces, split: torch.Tensor,
             page_size: int) -> torch.Tensor:
-    """The segment table for rows ``split`` into their pieces (the others in place)."""
+    """The segment table for rows ``split`` into their pieces; the other rows in place, those of
+    several exact intervals among them in custom runs of their own that skip their gaps (gaps.py:
+    rather than their hull)."""
     lo0, hi0 = pieces.lo[:, 0], pieces.hi[:, 0]
+    gapped = (pieces.count >= 2) & ~split
+    dense_hi = iv.dense_hi if iv.dense_hi is not None else iv.lo - 1
     first = RowIntervals(lo=torch.where(split, lo0, iv.lo), hi=torch.where(split, hi0, iv.hi),
-                         exact=iv.exact | split, empty=iv.empty & ~split,
-                         dense_hi=torch.where(split, hi0, iv.dense_hi) if iv.dense_hi is not None else None)
-    tables = [_with_piece(segments(classify_intervals(env, first, page_size, split.long()), page_size), split, 0)]
+                         exact=(iv.exact | split) & ~gapped, empty=iv.empty & ~split & ~gapped,
+                         # (a gapped row: custom, never a tail run, its known keys set by skip_gaps)
+                         dense_hi=torch.where(split, hi0, torch.where(gapped, iv.lo - 1, dense_hi)))
+    run_key = split.long() + 2 * gapped.long()
+    base = _with_piece(segments(classify_intervals(env, first, page_size, run_key), page_size), split, 0)
+    if bool(gapped.any()):
+        on = gapped.cpu()[base[:, SegField.FIRST_ROW]] & (base[:, SegField.CLASS] == RowClass.CUSTOM)
+        skip_gaps(base, on.nonzero().squeeze(1), pieces.lo.cpu(), pieces.hi.cpu(), pieces.count.cpu(), page_size)
+    tables = [base]
     for p in range(1, pieces.lo.shape[1]):
         active = split & (pieces.count > p)
         if not bool(active.any()):

@@ -48,10 +48,9 @@ from ..abi.table import (
 from ..core.errors import LaunchError
 from ..core.staging import INT_WORKSPACE_BYTES, HostStaging, IntWorkspaces
 from ..lang.values import VariantSpec
-from .gaps import gap_segments
 from .graph import GraphBuffers, GraphCapacity, slot_name
 from .intervals import analyze
-from .pieces import MergeRows, may_split, merge_rows, piece_segments
+from .pieces import MergeRows, gap_segments, may_split, merge_rows, piece_segments
 from .plan import Batch, Launch, LaunchLayout, Plan
 from .rowplan import call_layout, kept_buffer, row_buffers
 
@@ -257,8 +256,8 @@ class Planner:
         with their rows in the launches' outputs (GQA packing ``pack``)."""
         if self.split_rows == "gaps":
             self._opt[PlanOption.MAX_PIECES] = 0  # (every launch request writes in place)
-            table, _ = gap_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
-                                    self.device)
+            table = gap_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
+                                 self.device)
         else:
             table = piece_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
                                    self.device, int(self._opt[PlanOption.MAX_PIECES]),

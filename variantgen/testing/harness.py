@@ -106,6 +106,23 @@ def cuda_median_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -
     return statistics.median(times)
 
 
+def cuda_back_to_back_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float:
+    """Device time per call of ``fn`` run ``iters`` times back to back between two CUDA events:
+    the host's work between launches overlaps the GPU's, as in a model's forward pass, where
+    cuda_median_ms (one call between its events) also counts the host time before the first
+    launch."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 # The prefill workload of DESIGN.md that the benchmarks share: batch, tokens per request,
 # query / KV heads, head dim, page size; and three 1024-token image spans per request.
 PREFILL_BENCH_SHAPE = (8, 8192, 32, 8, 128, 16)
