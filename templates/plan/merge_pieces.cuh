@@ -62,49 +62,71 @@ struct alignas(sizeof(T) * VEC) MergeVec {
   T v[VEC];
 };
 
-template <typename T, int VEC>
+// Index: the type the thread's (row, head, chunk) is decoded in - uint32_t wherever the threads'
+// count fits (a 64-bit division costs several times a 32-bit one, three per thread); the offsets
+// into the tensors stay 64-bit. The pieces' loop is unrolled to kMaxPieces with the row's count as
+// a predicate: the weights stay in registers and a thread's loads of its pieces are in flight
+// together.
+template <typename T, int VEC, typename Index>
 __global__ void merge_pieces_kernel(MergeArgs a) {
-  const int64_t chunks = a.dim / VEC;
-  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= a.m * a.heads * chunks) return;
-  const int64_t chunk = t % chunks;
-  const int64_t head = (t / chunks) % a.heads;
-  const int64_t i = t / (chunks * a.heads);
+  const Index chunks = Index(a.dim / VEC), heads = Index(a.heads);
+  const Index t = Index(blockIdx.x) * Index(blockDim.x) + Index(threadIdx.x);
+  if (int64_t(t) >= a.m * a.heads * int64_t(chunks)) return;
+  const Index chunk = t % chunks, rest = t / chunks;
+  const int64_t head = int64_t(rest % heads), i = int64_t(rest / heads);
   const int64_t row = a.rows[i];
   if (row < 0 || row >= a.out_rows) return;  // (the planner's rows are in range: a guard, not a path)
   const int64_t n = a.counts[i] < a.pieces ? a.counts[i] : a.pieces;
   float w[vg_abi::kMaxPieces];
   float top = -INFINITY;
-  for (int64_t p = 0; p < n; ++p) {
-    w[p] = a.parts_lse[(p * a.parts_rows + row) * a.heads + head];
+#pragma unroll
+  for (int p = 0; p < vg_abi::kMaxPieces; ++p) {
+    w[p] = p < n ? a.parts_lse[(p * a.parts_rows + row) * a.heads + head] : -INFINITY;
     top = fmaxf(top, w[p]);
     if (isnan(w[p])) top = w[p];  // (fmaxf drops a NaN: the reference's max keeps it)
   }
   if (!isfinite(top)) top = 0.f;
   float total = 0.f;
-  for (int64_t p = 0; p < n; ++p) {
-    w[p] = exp2f(w[p] - top);
+#pragma unroll
+  for (int p = 0; p < vg_abi::kMaxPieces; ++p) {
+    w[p] = p < n ? exp2f(w[p] - top) : 0.f;
     total += w[p];
+  }
+  MergeVec<T, VEC> x[vg_abi::kMaxPieces];
+#pragma unroll
+  for (int p = 0; p < vg_abi::kMaxPieces; ++p) {
+    if (p < n && w[p] != 0.f) {  // (no visible key, or past the row's pieces: its partial row is not read)
+      x[p] = *reinterpret_cast<const MergeVec<T, VEC>*>(
+          a.parts + (((p * a.parts_rows + row) * a.heads + head) * a.dim + int64_t(chunk) * VEC) * sizeof(T));
+    }
   }
   float acc[VEC];
 #pragma unroll
   for (int j = 0; j < VEC; ++j) acc[j] = 0.f;
-  for (int64_t p = 0; p < n; ++p) {
-    if (w[p] == 0.f) continue;  // (no visible key: its partial row was not written)
-    const auto* src = reinterpret_cast<const MergeVec<T, VEC>*>(
-        a.parts + (((p * a.parts_rows + row) * a.heads + head) * a.dim + chunk * VEC) * sizeof(T));
-    const MergeVec<T, VEC> x = *src;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) acc[j] += w[p] * merge_to_float(x.v[j]);
+  for (int p = 0; p < vg_abi::kMaxPieces; ++p) {
+    if (p >= n || w[p] == 0.f) continue;
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) acc[j] += w[p] * merge_to_float(x[p].v[j]);
   }
   const float denom = total > 0.f ? total : 1.f;
   MergeVec<T, VEC> y;
 #pragma unroll
   for (int j = 0; j < VEC; ++j) y.v[j] = merge_from_float<T>(acc[j] / denom);
   *reinterpret_cast<MergeVec<T, VEC>*>(
-      a.out + (row * a.out_stride_row + head * a.out_stride_head + chunk * VEC) * sizeof(T)) = y;
+      a.out + (row * a.out_stride_row + head * a.out_stride_head + int64_t(chunk) * VEC) * sizeof(T)) = y;
   if (chunk == 0 && a.lse != nullptr) {
     a.lse[row * a.lse_stride_row + head * a.lse_stride_head] = total > 0.f ? top + log2f(total) : -INFINITY;
+  }
+}
+
+template <typename T, int VEC>
+inline void launch_merge_vec(const MergeArgs& a, int64_t threads, cudaStream_t stream) {
+  const int64_t blocks = (threads + kMergeThreads - 1) / kMergeThreads;
+  if (threads <= int64_t(UINT32_MAX) - kMergeThreads) {
+    merge_pieces_kernel<T, VEC, uint32_t><<<blocks, kMergeThreads, 0, stream>>>(a);
+  } else {
+    merge_pieces_kernel<T, VEC, uint64_t><<<blocks, kMergeThreads, 0, stream>>>(a);
   }
 }
 
@@ -114,11 +136,10 @@ inline void launch_merge(const MergeArgs& a, bool vectorized, cudaStream_t strea
   const int vec = vectorized ? kVec : 1;
   const int64_t threads = a.m * a.heads * (a.dim / vec);
   if (threads == 0) return;
-  const int64_t blocks = (threads + kMergeThreads - 1) / kMergeThreads;
   if (vectorized) {
-    merge_pieces_kernel<T, kVec><<<blocks, kMergeThreads, 0, stream>>>(a);
+    launch_merge_vec<T, kVec>(a, threads, stream);
   } else {
-    merge_pieces_kernel<T, 1><<<blocks, kMergeThreads, 0, stream>>>(a);
+    launch_merge_vec<T, 1>(a, threads, stream);
   }
   check_launched("merge_pieces");
 }
