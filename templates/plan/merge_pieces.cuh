@@ -214,4 +214,222 @@ inline void merge_pieces(const TensorView& out, const tvm::ffi::Optional<TensorV
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// The inline mode (merge_inline): rows whose first key interval is a few keys (StreamingLLM's
+// sinks: pieces.py's INLINE_KEYS) and whose other interval ran in place. A launch over a few keys
+// costs a whole key tile per query tile and a partial output that the merge reads back; here the
+// merge computes that piece itself - q . k of its keys, their softmax and values - and merges it
+// into the row the in-place launch wrote (o, and its LSE in lse_in). One warp per (row, head):
+// each lane holds E = dim / 32 elements of q, the key's dot product is a warp sum, the keys'
+// softmax runs online; then the base row is read once and the merged row written once.
+// Specs with a logits transform, a learned sink or fp8 scales never take this mode (the plan's
+// rule): the scores are q . k x sm_scale.
+struct InlineArgs {
+  char* out;               // [rows, heads, dim]: the in-place launch's o, overwritten by the merge
+  const float* lse_in;     // [rows, heads]: its LSE (base 2)
+  float* lse_out;          // [rows, heads] or null
+  const char* q;           // [rows, heads, dim] (q as the launches read it: packed with GQA packing)
+  const char* k;           // the paged cache, by the strides below
+  const char* v;
+  const int32_t* kv_indices;
+  const int64_t* rows;         // [m] rows of out
+  const int32_t* first_entry;  // [m] entry of kv_indices holding the piece's first key
+  const int32_t* first_slot;   // [m] its slot in that page
+  const int32_t* keys;         // [m] keys of the piece (1 .. kMaxInlineKeys)
+  int64_t m, out_rows, heads, dim, page_size, num_pages, num_entries, kv_head_div;
+  int64_t out_stride_row, out_stride_head, lse_in_stride_row, lse_in_stride_head, lse_out_stride_row,
+      lse_out_stride_head, q_stride_row, q_stride_head;
+  int64_t k_stride_page, k_stride_slot, k_stride_head, v_stride_page, v_stride_slot, v_stride_head;  // elements
+  float sm_scale_log2, v_scale;  // (the launches' scale of the scores, and of the values: fp8's v_scale)
+};
+
+constexpr int kMaxInlineKeys = 64;  // (the plan's INLINE_KEYS is smaller: a guard, not a limit it meets)
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// E: elements per lane, dim = 32 E (E = 0: any dim, element by element with a stride of 32).
+template <typename T, int E>
+__global__ void merge_inline_kernel(InlineArgs a) {
+  constexpr int kSlots = E > 0 ? E : 8;  // (E = 0: registers for dims up to 256, in chunks of 32)
+  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= a.m * a.heads) return;
+  const int64_t i = warp / a.heads, head = warp % a.heads;
+  const int64_t row = a.rows[i];
+  if (row < 0 || row >= a.out_rows) return;  // (the planner's rows are in range: a guard, not a path)
+  const int64_t kv_head = head / a.kv_head_div;
+  const int n_dim = E > 0 ? E : int((a.dim + 31) / 32);
+  const auto elem = [&](int e) -> int64_t { return E > 0 ? int64_t(lane) * E + e : int64_t(e) * 32 + lane; };
+  const auto inside = [&](int e) { return E > 0 || (e < n_dim && elem(e) < a.dim); };
+  const T* q = reinterpret_cast<const T*>(a.q) + row * a.q_stride_row + head * a.q_stride_head;
+  float qv[kSlots], acc[kSlots];
+#pragma unroll
+  for (int e = 0; e < kSlots; ++e) {
+    qv[e] = inside(e) ? merge_to_float(q[elem(e)]) : 0.f;
+    acc[e] = 0.f;
+  }
+  float mx = -INFINITY, d = 0.f;
+  const int n_keys = min(a.keys[i], kMaxInlineKeys);
+  for (int j = 0; j < n_keys; ++j) {
+    const int64_t pos = int64_t(a.first_slot[i]) + j;
+    int64_t entry = int64_t(a.first_entry[i]) + pos / a.page_size;
+    entry = entry < a.num_entries ? entry : a.num_entries - 1;
+    int64_t page = a.kv_indices[entry];
+    page = page < 0 ? 0 : page >= a.num_pages ? a.num_pages - 1 : page;  // (run() checks them; clamped in flight)
+    const int64_t slot = pos % a.page_size;
+    const T* k = reinterpret_cast<const T*>(a.k) + page * a.k_stride_page + slot * a.k_stride_slot +
+                 kv_head * a.k_stride_head;
+    const T* v = reinterpret_cast<const T*>(a.v) + page * a.v_stride_page + slot * a.v_stride_slot +
+                 kv_head * a.v_stride_head;
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < kSlots; ++e)
+      if (inside(e)) dot += qv[e] * merge_to_float(k[elem(e)]);
+    const float s = warp_sum(dot) * a.sm_scale_log2;
+    const float m_new = fmaxf(mx, s);
+    const float rescale = mx == -INFINITY ? 0.f : exp2f(mx - m_new);
+    const float p = exp2f(s - m_new);
+    d = d * rescale + p;
+#pragma unroll
+    for (int e = 0; e < kSlots; ++e)
+      acc[e] = acc[e] * rescale + (inside(e) ? p * merge_to_float(v[elem(e)]) : 0.f);
+    mx = m_new;
+  }
+  // The inline piece: o_i = acc / d, lse_i = mx + log2(d); the base: the in-place row.
+  const float lse_i = d > 0.f ? mx + log2f(d) : -INFINITY;
+  const float lse_b = a.lse_in[row * a.lse_in_stride_row + head * a.lse_in_stride_head];
+  float top = fmaxf(lse_b, lse_i);
+  if (isnan(lse_b) || isnan(lse_i)) top = NAN;  // (the reference's max keeps a NaN)
+  if (!isfinite(top)) top = 0.f;
+  const float w_b = exp2f(lse_b - top), w_i = exp2f(lse_i - top);
+  const float total = w_b + w_i;
+  const float denom = total > 0.f ? total : 1.f;
+  T* out = reinterpret_cast<T*>(a.out) + row * a.out_stride_row + head * a.out_stride_head;
+#pragma unroll
+  for (int e = 0; e < kSlots; ++e) {
+    if (!inside(e)) continue;
+    const float base = w_b != 0.f ? w_b * merge_to_float(out[elem(e)]) : 0.f;  // (no visible key: not read)
+    const float own = w_i != 0.f ? w_i * (acc[e] / d) * a.v_scale : 0.f;
+    out[elem(e)] = merge_from_float<T>((base + own) / denom);
+  }
+  __syncwarp();  // (every lane read lse_in before lane 0 writes lse_out: they may be one tensor)
+  if (lane == 0 && a.lse_out != nullptr) {
+    a.lse_out[row * a.lse_out_stride_row + head * a.lse_out_stride_head] =
+        total > 0.f ? top + log2f(total) : -INFINITY;
+  }
+}
+
+template <typename T>
+inline void launch_inline(const InlineArgs& a, cudaStream_t stream) {
+  const int64_t threads = a.m * a.heads * 32;
+  if (threads == 0) return;
+  const int64_t blocks = (threads + kMergeThreads - 1) / kMergeThreads;
+  if (a.dim == 128) {
+    merge_inline_kernel<T, 4><<<blocks, kMergeThreads, 0, stream>>>(a);
+  } else if (a.dim == 64) {
+    merge_inline_kernel<T, 2><<<blocks, kMergeThreads, 0, stream>>>(a);
+  } else if (a.dim == 256) {
+    merge_inline_kernel<T, 8><<<blocks, kMergeThreads, 0, stream>>>(a);
+  } else {
+    merge_inline_kernel<T, 0><<<blocks, kMergeThreads, 0, stream>>>(a);
+  }
+  check_launched("merge_inline");
+}
+
+// out [rows, heads, dim] (dim contiguous) holding the in-place launch's rows and lse_in float32
+// [rows, heads] their LSE; q [rows, heads, dim_qk == dim] as the launches read it; k_cache /
+// v_cache the paged cache (NHD [pages, page, kv heads, dim] or, with hnd, [pages, kv heads, page,
+// dim]; out's dtype); kv_indices int32 the caller's page list; rows int64 and first_entry /
+// first_slot / keys int32 [m] on out's GPU. Runs on the current stream; no sync.
+inline void merge_inline(const TensorView& out, const TensorView& lse_in, const tvm::ffi::Optional<TensorView>& lse_out,
+                         const TensorView& q, const TensorView& k_cache, const TensorView& v_cache,
+                         const TensorView& kv_indices, const TensorView& rows, const TensorView& first_entry,
+                         const TensorView& first_slot, const TensorView& keys, double sm_scale, double v_scale,
+                         int64_t kv_head_div, bool hnd) {
+  VG_REQUIRE(out.device().device_type == kDLCUDA && out.ndim() == 3 && out.stride(2) == 1)
+      << "merge_inline: out: expected a CUDA [rows, heads, dim], dim contiguous";
+  VG_REQUIRE(q.ndim() == 3 && q.size(0) >= out.size(0) && q.size(1) == out.size(1) && q.size(2) == out.size(2) &&
+             q.stride(2) == 1 && q.dtype() == out.dtype() && same_device(q, out))
+      << "merge_inline: q: expected [>= rows, heads, dim] in out's dtype on its GPU";
+  VG_REQUIRE(lse_in.dtype() == dl_float32 && lse_in.ndim() == 2 && lse_in.size(0) >= out.size(0) &&
+             lse_in.size(1) == out.size(1) && same_device(lse_in, out))
+      << "merge_inline: lse_in: expected float32 [rows, heads] on out's GPU";
+  VG_REQUIRE(k_cache.ndim() == 4 && v_cache.ndim() == 4 && k_cache.dtype() == out.dtype() &&
+             v_cache.dtype() == out.dtype() && k_cache.size(3) == out.size(2) && v_cache.size(3) == out.size(2) &&
+             k_cache.stride(3) == 1 && v_cache.stride(3) == 1 && same_device(k_cache, out) && same_device(v_cache, out))
+      << "merge_inline: k_cache / v_cache: expected [pages, ..., dim] in out's dtype, dim contiguous, on out's GPU";
+  VG_REQUIRE(kv_indices.dtype() == dl_int32 && kv_indices.ndim() == 1 && kv_indices.IsContiguous() &&
+             kv_indices.numel() >= 1 && same_device(kv_indices, out))
+      << "merge_inline: kv_indices: expected int32 [entries] on out's GPU";
+  VG_REQUIRE(rows.dtype() == dl_int64 && rows.ndim() == 1 && rows.IsContiguous() && same_device(rows, out))
+      << "merge_inline: rows: expected int64 [m] on out's GPU";
+  for (const TensorView* t : {&first_entry, &first_slot, &keys})
+    VG_REQUIRE(t->dtype() == dl_int32 && t->ndim() == 1 && t->IsContiguous() && t->numel() == rows.numel() &&
+               same_device(*t, out))
+        << "merge_inline: first_entry / first_slot / keys: expected int32 [m] on out's GPU";
+  const int64_t kv_heads = hnd ? k_cache.size(1) : k_cache.size(2);
+  VG_REQUIRE(kv_head_div >= 1 && (out.size(1) - 1) / kv_head_div < kv_heads)
+      << "merge_inline: kv_head_div " << kv_head_div << " maps heads past the cache's " << kv_heads;
+  InlineArgs a{};
+  a.out = static_cast<char*>(out.data_ptr());
+  a.lse_in = static_cast<const float*>(lse_in.data_ptr());
+  a.q = static_cast<const char*>(q.data_ptr());
+  a.k = static_cast<const char*>(k_cache.data_ptr());
+  a.v = static_cast<const char*>(v_cache.data_ptr());
+  a.kv_indices = static_cast<const int32_t*>(kv_indices.data_ptr());
+  a.rows = static_cast<const int64_t*>(rows.data_ptr());
+  a.first_entry = static_cast<const int32_t*>(first_entry.data_ptr());
+  a.first_slot = static_cast<const int32_t*>(first_slot.data_ptr());
+  a.keys = static_cast<const int32_t*>(keys.data_ptr());
+  a.m = rows.numel();
+  a.out_rows = out.size(0);
+  a.heads = out.size(1);
+  a.dim = out.size(2);
+  a.page_size = hnd ? k_cache.size(2) : k_cache.size(1);
+  a.num_pages = k_cache.size(0);
+  a.num_entries = kv_indices.numel();
+  a.kv_head_div = kv_head_div;
+  a.out_stride_row = out.stride(0);
+  a.out_stride_head = out.stride(1);
+  a.lse_in_stride_row = lse_in.stride(0);
+  a.lse_in_stride_head = lse_in.stride(1);
+  a.q_stride_row = q.stride(0);
+  a.q_stride_head = q.stride(1);
+  a.k_stride_page = k_cache.stride(0);
+  a.k_stride_slot = hnd ? k_cache.stride(2) : k_cache.stride(1);
+  a.k_stride_head = hnd ? k_cache.stride(1) : k_cache.stride(2);
+  a.v_stride_page = v_cache.stride(0);
+  a.v_stride_slot = hnd ? v_cache.stride(2) : v_cache.stride(1);
+  a.v_stride_head = hnd ? v_cache.stride(1) : v_cache.stride(2);
+  a.sm_scale_log2 = float(sm_scale * 1.4426950408889634);
+  a.v_scale = float(v_scale);
+  if (lse_out.has_value()) {
+    const TensorView& l = lse_out.value();
+    VG_REQUIRE(l.dtype() == dl_float32 && l.ndim() == 2 && l.size(0) >= out.size(0) && l.size(1) == out.size(1) &&
+               same_device(l, out))
+        << "merge_inline: lse_out: expected float32 [rows, heads] on out's GPU";
+    a.lse_out = static_cast<float*>(l.data_ptr());
+    a.lse_out_stride_row = l.stride(0);
+    a.lse_out_stride_head = l.stride(1);
+  }
+  VG_REQUIRE(a.dim <= 256) << "merge_inline: head dim " << a.dim << " (at most 256)";
+  if (a.m == 0) return;
+  ffi::CUDADeviceGuard device_guard(out.device().device_id);
+  const cudaStream_t stream = get_stream(out.device());
+  const DLDataType dt = out.dtype();
+  if (dt == dl_float16) {
+    launch_inline<__half>(a, stream);
+  } else if (dt == dl_bfloat16) {
+    launch_inline<__nv_bfloat16>(a, stream);
+  } else if (dt == dl_float32) {
+    launch_inline<float>(a, stream);
+  } else {
+    VG_REQUIRE(false) << "merge_inline: out: expected float16, bfloat16 or float32";
+  }
+}
+
 }  // namespace vg_plan

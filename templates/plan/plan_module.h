@@ -9,6 +9,7 @@
 //   schedule:       the fa2 work list of one launch (tests);
 //   read_indices:   plan()'s read-back of its index tensors from the GPU (read_indices.cuh);
 //   merge_pieces:   run()'s merge of the partial outputs of rows split into pieces (merge_pieces.cuh).
+//   merge_inline:   run()'s merge of a short first piece, computed there, into the rows written in place.
 #pragma once
 
 #include <utility>
@@ -143,7 +144,16 @@ void VgMergePieces(TensorView out, tvm::ffi::Optional<TensorView> lse, TensorVie
   vg_plan::merge_pieces(out, lse, parts, parts_lse, rows, counts);
 }
 
+void VgMergeInline(TensorView out, TensorView lse_in, tvm::ffi::Optional<TensorView> lse_out, TensorView q,
+                   TensorView k_cache, TensorView v_cache, TensorView kv_indices, TensorView rows,
+                   TensorView first_entry, TensorView first_slot, TensorView keys, double sm_scale,
+                   double v_scale, int64_t kv_head_div, bool hnd) {
+  vg_plan::merge_inline(out, lse_in, lse_out, q, k_cache, v_cache, kv_indices, rows, first_entry, first_slot, keys,
+                        sm_scale, v_scale, kv_head_div, hnd);
+}
+
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(build_launches, VgBuildLaunches);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_direct, VgPlanDirect);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(schedule, VgSchedule);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_pieces, VgMergePieces);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_inline, VgMergeInline);

@@ -25,9 +25,10 @@ from variantgen.codegen import render
 from variantgen.lang.evaluate import Evaluator
 from variantgen.lang.spec import parse_spec
 from variantgen.planning.intervals import analyze
-from variantgen.planning.pieces import may_split, piece_segments, row_pieces
+from variantgen.planning.pieces import INLINE_KEYS, may_split, piece_segments, row_pieces
 from variantgen.planning.rowrules import row_env
 from variantgen.testing.harness import random_paged_batch
+from variantgen.wrappers.merge import merge_inline_reference
 from variantgen.wrappers.merge import merge_pieces_reference as merge_pieces
 from variantgen.wrappers.paged import VariantWrapper
 from variantgen.wrappers.reference import reference_attention
@@ -215,7 +216,7 @@ def test_a_row_whose_every_piece_is_empty_merges_to_zero_and_minus_infinity():
 # ----------------------------------------------------------------------------- whole plans on the fakes
 
 
-def make(spec, backend: str, max_pieces: int = MAX_PIECES):
+def make(spec, backend: str, max_pieces: int = MAX_PIECES, inline_keys: int | None = None):
     config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", backend)
     manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]], "module_sha256": "x",
                 "module_file": "x.so"}
@@ -225,16 +226,18 @@ def make(spec, backend: str, max_pieces: int = MAX_PIECES):
     w = VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8))
     w.set_row_planner(FakeRowPlanner(spec))
     w.planner.max_pieces = max_pieces
+    if inline_keys is not None:
+        w.planner.inline_keys = inline_keys
     return w, fake
 
 
 def run_plan(name: str, backend: str, qo_lens, kv_lens, page_size: int, seed: int = 0, max_pieces: int = MAX_PIECES,
-             **scalars):
+             inline_keys: int | None = None, **scalars):
     spec = specs()[name]
     batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
                                page_size=page_size, seed=seed)
     args = spec_args(name, kv_lens, seed) | scalars
-    w, fake = make(spec, backend, max_pieces)
+    w, fake = make(spec, backend, max_pieces, inline_keys)
     plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
     out = torch.full((batch.q.shape[0], HQ, HEAD_DIM), math.nan, dtype=torch.bfloat16)
     fake.row_writes = None
@@ -244,11 +247,12 @@ def run_plan(name: str, backend: str, qo_lens, kv_lens, page_size: int, seed: in
                                        batch.kv_indptr, batch.kv_indices, batch.last_page_len, args, return_lse=True)
     label = f"{name} {backend} ps{page_size}"
     assert_plan_matches_reference(out, lse, ref, ref_lse, plan.merge, float(batch.v_cache.abs().max()), label)
-    want = torch.ones(batch.q.shape[0], dtype=torch.int64)  # kernel writes per row: one per piece
-    if plan.merge is not None:
+    want = torch.ones(batch.q.shape[0], dtype=torch.int64)  # kernel writes per row: one per launched piece
+    if plan.merge is not None and plan.merge.inline is None:
         want[plan.merge.rows] = plan.merge.counts
     assert torch.equal(fake.row_writes, want), label
     assert fake.merge_calls == (plan.merge is not None), f"{label}: run() merges with the module's merge_pieces"
+    assert fake.inline_merges == (plan.merge is not None and plan.merge.inline is not None), label
     return plan, fake
 
 
@@ -256,9 +260,10 @@ def run_plan(name: str, backend: str, qo_lens, kv_lens, page_size: int, seed: in
 @pytest.mark.parametrize("page_size", [1, 5, 16])
 @pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three", "four", "five"])
 def test_rows_of_several_intervals_run_as_pieces_and_match_the_reference(name, page_size, backend):
-    # chunked prefill (keys before the queries), a decode-like row, a prefill from key 0
+    # chunked prefill (keys before the queries), a decode-like row, a prefill from key 0; every
+    # piece launched (the merge computes none: inline_keys 0)
     qo_lens, kv_lens = [70, 1, 45], [150, 97, 45]
-    plan, _ = run_plan(name, backend, qo_lens, kv_lens, page_size, seed=page_size)
+    plan, _ = run_plan(name, backend, qo_lens, kv_lens, page_size, seed=page_size, inline_keys=0)
     assert plan.merge is not None and plan.merge.rows.numel() > 0
     pieces = [la.piece for la in plan.launches]
     assert pieces == sorted(pieces) and max(pieces) >= 1  # in-place launches first, then each piece's
@@ -410,3 +415,82 @@ def test_a_bad_piece_table_is_named(case, table, max_pieces, pattern):
 def test_pieces_are_refused_in_cuda_graph_mode():
     with pytest.raises(Exception, match="max_pieces=4 .*0 in CUDA-graph mode"):
         _build(GOOD, [40], [40], 4, MAX_PIECES, graph=True)
+
+
+# ----------------------------------------------------------------------------- a short first interval in the merge
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks"])
+def test_a_short_first_interval_is_computed_by_the_merge(name, page_size, backend):
+    """Rows of two intervals whose first is a few keys (sinks, a short prefix, global tokens): the
+    second runs in place, and run()'s merge computes the first from q, k and v and merges it in."""
+    plan, fake = run_plan(name, backend, [70, 1, 45], [150, 97, 45], page_size, seed=page_size)
+    assert plan.merge is not None and plan.merge.inline is not None and plan.merge.pieces == 0, plan
+    assert all(la.piece == -1 for la in plan.launches) and fake.inline_merges == 1
+    entry, slot, keys = plan.merge.inline
+    assert int(keys.max()) <= INLINE_KEYS and int(slot.max()) < page_size
+    text = repr(plan)
+    assert "computed by the merge" in text, text
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name", ["streaming_sink", "document_sinks"])
+def test_a_short_first_interval_in_the_merge_with_fa3_gqa_packing(name, page_size):
+    plan, _ = run_plan(name, "fa3", [1, 1, 6, 3], [300, 97, 260, 180], page_size, seed=page_size)
+    assert plan.pack_gqa == HQ // HKV and plan.merge.inline is not None, plan
+    assert plan.merge.out_rows.numel() == plan.merge.inline[0].numel() == plan.merge.rows.numel() * plan.pack_gqa
+
+
+def test_the_inline_merge_scales_the_values_as_the_launches():
+    spec, kv_lens = specs()["streaming_sink"], [150, 97]
+    batch = random_paged_batch([70, 1], kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=5,
+                               seed=3)
+    args = spec_args("streaming_sink", kv_lens, 3)
+    w, _ = make(spec, "fa3")
+    w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    assert w.last_plan.merge.inline is not None
+    kv = (batch.k_cache, batch.v_cache)
+    plain = w.run(batch.q, kv, **args).float()
+    halved = w.run(batch.q, kv, v_scale=0.5, **args).float()
+    torch.testing.assert_close(halved, plain * 0.5, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("hnd", [False, True])
+def test_the_inline_merge_reference_is_the_merge_of_the_short_pieces_softmax(hnd):
+    """merge_inline_reference (the kernel's reference) against its definition: the softmax over
+    the piece's keys, merged with the row's in-place output by merge_pieces_reference."""
+    g = torch.Generator().manual_seed(0)
+    rows_n, heads, kv_heads, dim, ps, pages = 6, 4, 2, 32, 4, 5
+    q = torch.randn(rows_n, heads, dim, generator=g)
+    k_nhd = torch.randn(pages, ps, kv_heads, dim, generator=g)
+    v_nhd = torch.randn(pages, ps, kv_heads, dim, generator=g)
+    kv_indices = torch.tensor([3, 0, 4, 1, 2], dtype=torch.int32)
+    base = torch.randn(rows_n, heads, dim, generator=g)
+    base_lse = torch.randn(rows_n, heads, generator=g)
+    base_lse[1, 2] = -math.inf  # a row whose in-place piece saw no key
+    rows = torch.tensor([0, 1, 3, 5])
+    entry = torch.tensor([0, 1, 0, 2], dtype=torch.int32)  # keys from entry e, slot s on
+    slot = torch.tensor([0, 2, 3, 1], dtype=torch.int32)
+    keys = torch.tensor([4, 3, 2, 6], dtype=torch.int32)
+    scale = 0.3
+    out, lse = base.clone(), base_lse.clone()
+    k, v = (k_nhd.transpose(1, 2).contiguous(), v_nhd.transpose(1, 2).contiguous()) if hnd else (k_nhd, v_nhd)
+    merge_inline_reference(out, base_lse, lse, q, k, v, kv_indices, rows, entry, slot, keys, scale, 1.0, 2, hnd)
+    want, want_lse = base.clone(), base_lse.clone()
+    parts = torch.zeros(2, rows_n, heads, dim)
+    parts_lse = torch.full((2, rows_n, heads), -math.inf)
+    parts[0], parts_lse[0] = base, base_lse
+    for i, r in enumerate(rows.tolist()):
+        pos = [int(slot[i]) + j for j in range(int(keys[i]))]
+        page = [int(kv_indices[int(entry[i]) + p // ps]) for p in pos]
+        kk = torch.stack([k_nhd[pg, p % ps] for pg, p in zip(page, pos)])  # [keys, kv_heads, dim]
+        vv = torch.stack([v_nhd[pg, p % ps] for pg, p in zip(page, pos)])
+        kk, vv = kk.repeat_interleave(2, 1), vv.repeat_interleave(2, 1)
+        s_ = torch.einsum("hd,jhd->hj", q[r], kk) * scale
+        parts[1, r] = torch.einsum("hj,jhd->hd", torch.softmax(s_, -1), vv)
+        parts_lse[1, r] = torch.logsumexp(s_, -1) / math.log(2)
+    merge_pieces(want, want_lse, parts, parts_lse, rows, torch.full((4,), 2))
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)

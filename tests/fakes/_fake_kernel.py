@@ -69,7 +69,7 @@ from variantgen.codegen import logits_fold
 from variantgen.lang.evaluate import Evaluator
 from variantgen.lang.values import VariantSpec
 from variantgen.planning.planner import fa3_cta_tile_q
-from variantgen.wrappers.merge import merge_pieces_reference
+from variantgen.wrappers.merge import merge_inline_reference, merge_pieces_reference
 from variantgen.wrappers.reference import softmax_attention
 
 MODE_NAMES = {int(m): m.label for m in MaskMode}
@@ -260,6 +260,7 @@ class FakeModule:
         self.run_calls: list[RunCall] = []
         self.direct_calls = 0
         self.merge_calls = 0
+        self.inline_merges = 0  # (of merge_calls: merge_inline)
         self.row_writes: torch.Tensor | None = None
         self._planned: dict[int, PlanCall] = {}  # int workspace data_ptr -> plan of that launch
 
@@ -279,6 +280,22 @@ class FakeModule:
         """run()'s merge of split rows' partial outputs: the kernel's reference (wrappers/merge.py)."""
         self.merge_calls += 1
         merge_pieces_reference(out, lse, parts, parts_lse, rows, counts)
+
+    def merge_inline(self, out, lse_in, lse_out, q, k_cache, v_cache, kv_indices, rows, first_entry, first_slot, keys,
+                     sm_scale, v_scale, kv_head_div, hnd):
+        """run()'s merge of an inline first piece into the rows written in place: the kernel's
+        reference, after the checks the kernel's binding makes."""
+        assert out.dim() == 3 and q.shape[1:] == out.shape[1:] and lse_in.shape == out.shape[:2]
+        assert k_cache.dtype == v_cache.dtype == q.dtype == out.dtype, "one dtype"
+        assert kv_indices.dtype == torch.int32 and rows.dtype == torch.int64
+        assert first_entry.dtype == first_slot.dtype == keys.dtype == torch.int32
+        assert rows.numel() == first_entry.numel() == first_slot.numel() == keys.numel()
+        assert int(keys.min()) >= 1 and int((first_entry + (first_slot + keys - 1) // (
+            k_cache.shape[2] if hnd else k_cache.shape[1])).max()) < kv_indices.numel(), "inline keys past the list"
+        self.merge_calls += 1
+        self.inline_merges += 1
+        merge_inline_reference(out, lse_in, lse_out, q, k_cache, v_cache, kv_indices, rows, first_entry, first_slot,
+                               keys, sm_scale, v_scale, kv_head_div, hnd)
 
     # ------------------------------------------------------------------ plan
     def plan(self, float_ws, int_ws, pinned, qo_indptr, kv_indptr, total_rows, batch_size, num_qo_heads,

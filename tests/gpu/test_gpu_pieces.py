@@ -204,3 +204,47 @@ def test_the_merge_kernel_matches_its_reference(wrappers, dtype, dim):
         untouched = torch.ones(rows, dtype=torch.bool, device="cuda")
         untouched[split] = False
         assert torch.equal(out[untouched], base[..., :dim][untouched]), "rows not split are not written"
+
+
+@pytest.mark.parametrize("hnd", [False, True], ids=["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dim", [128, 64, 256, 36])
+def test_the_inline_merge_matches_its_reference(wrappers, dtype, dim, hnd):
+    """The module's merge_inline (merge_pieces.cuh): a row's short first piece computed from q, k and
+    v and merged into its in-place output, against merge_inline_reference - keys across page ends,
+    1..16 keys, GQA heads (kv_head_div 4), a base row that saw no key (lse -inf), a NaN base LSE,
+    lse_out the same tensor as lse_in, and without lse_out."""
+    from variantgen.wrappers.merge import merge_inline_reference
+
+    module = wrappers("streaming_sink", "fa3").module
+    g = torch.Generator(device="cuda").manual_seed(dim)
+    rows, heads, kv_heads, ps, pages = 200, 8, 2, 5, 40
+    q = torch.randn(rows, heads, dim, generator=g, device="cuda").to(dtype)
+    shape = (pages, kv_heads, ps, dim) if hnd else (pages, ps, kv_heads, dim)
+    k = torch.randn(*shape, generator=g, device="cuda").to(dtype)
+    v = torch.randn(*shape, generator=g, device="cuda").to(dtype)
+    kv_indices = torch.randperm(pages, generator=g, device="cuda").to(torch.int32)
+    split = torch.arange(1, rows, 3, device="cuda")
+    m = split.numel()
+    keys = torch.randint(1, 17, (m,), generator=g, device="cuda").to(torch.int32)
+    slot = torch.randint(0, ps, (m,), generator=g, device="cuda").to(torch.int32)
+    entry = torch.randint(0, pages - 5, (m,), generator=g, device="cuda").to(torch.int32)
+    base = torch.randn(rows, heads, dim, generator=g, device="cuda").to(dtype)
+    base_lse = torch.randn(rows, heads, generator=g, device="cuda") * 4
+    base_lse[4, 3] = -torch.inf  # row 4: its in-place piece saw no key
+    base_lse[7, 0] = torch.nan
+    for with_lse in (True, False):
+        out, want = base.clone(), base.clone()
+        lse = base_lse.clone() if with_lse else None  # (lse_out = lse_in: updated in place)
+        want_lse = base_lse.clone() if with_lse else None
+        merge_inline_reference(want, base_lse, want_lse, q, k, v, kv_indices, split, entry, slot, keys, 0.125, 0.5, 4,
+                               hnd)
+        lse_in = lse if lse is not None else base_lse
+        module.merge_inline(out, lse_in, lse, q, k, v, kv_indices, split, entry, slot, keys, 0.125, 0.5, 4, hnd)
+        tol = 2e-2 if dtype != torch.float32 else 1e-4
+        torch.testing.assert_close(out.float(), want.float(), equal_nan=True, atol=tol, rtol=tol)
+        if lse is not None:
+            torch.testing.assert_close(lse, want_lse, equal_nan=True, atol=1e-4, rtol=1e-4)
+        untouched = torch.ones(rows, dtype=torch.bool, device="cuda")
+        untouched[split] = False
+        assert torch.equal(out[untouched], base[untouched]), "rows not merged are not written"

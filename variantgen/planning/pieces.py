@@ -53,6 +53,9 @@ from .intervals import BIG, IntervalForm, RowIntervals, decided_terms, row_inter
 from .rowrules import classify_intervals, row_env, segments
 
 _SPLIT_ROUNDS = 4  # rows unsplit where a custom piece run would overreach, then the table again
+# a first piece of at most this many keys (sinks) is computed by run()'s merge, not launched
+# (inline_first_pieces); the merge kernel's own bound is larger (kMaxInlineKeys)
+INLINE_KEYS = 16
 
 
 class RowPieces(NamedTuple):
@@ -230,20 +233,27 @@ def _overreaching_rows(table: torch.Tensor, pieces: RowPieces, rows: int,
 class MergeRows(NamedTuple):
     """The rows run() merges: their indices and how many pieces each has (int64), and the same as
     rows of the launches' outputs (``out_rows`` / ``out_counts``: with fa3 GQA packing the packed
-    rows, row r's at r x pack + g for g < pack; else the rows themselves)."""
+    rows, row r's at r x pack + g for g < pack; else the rows themselves). ``inline``: the rows'
+    first piece computed by the merge itself (inline_first_pieces), per out row (int32 on the
+    device: the page-list entry holding its first key, that key's slot, its key count) with the
+    page list they index; their other piece wrote o in place. None: every piece is a partial output."""
 
     rows: torch.Tensor
     counts: torch.Tensor
-    pieces: int  # the most pieces of a row (partial outputs run() needs)
+    pieces: int  # the most partial outputs of a row (run() allocates them; 0 with inline pieces)
     out_rows: torch.Tensor | None = None
     out_counts: torch.Tensor | None = None
+    inline: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    kv_indices: torch.Tensor | None = None
+    inline_pairs: int = 0  # (query, key) pairs of the inline pieces (Plan.work counts them)
 
     def packed(self, pack: int) -> MergeRows:
         """The same rows, with their rows in the launches' outputs for GQA packing ``pack``."""
         if pack == 1:
             return self._replace(out_rows=self.rows, out_counts=self.counts)
         out_rows = (self.rows.view(-1, 1) * pack + torch.arange(pack, device=self.rows.device)).flatten()
-        return self._replace(out_rows=out_rows, out_counts=self.counts.repeat_interleave(pack))
+        inline = tuple(t.repeat_interleave(pack) for t in self.inline) if self.inline is not None else None
+        return self._replace(out_rows=out_rows, out_counts=self.counts.repeat_interleave(pack), inline=inline)
 
 
 def merge_rows(table: torch.Tensor, total_q: int) -> MergeRows:
@@ -254,3 +264,60 @@ def merge_rows(table: torch.Tensor, total_q: int) -> MergeRows:
         counts[first:end] = torch.clamp(counts[first:end], min=p + 1)
     rows = counts.nonzero().flatten()
     return MergeRows(rows, counts[rows], int(counts.max()) if total_q else 0)
+
+
+class InlinePieces(NamedTuple):
+    """Split rows whose first piece the merge computes (inline_first_pieces): per row (int64,
+    host) its request, its piece's first key and key count."""
+
+    rows: torch.Tensor
+    request: torch.Tensor
+    first_key: torch.Tensor
+    keys: torch.Tensor
+
+
+def inline_first_pieces(table: torch.Tensor, max_keys: int = INLINE_KEYS,
+                        fa3_window_launches: int | None = None) -> tuple[torch.Tensor, InlinePieces] | None:
+    """The segment table with the split rows' first piece left to the merge, where every split row
+    has two pieces and its first is a dense run of at most ``max_keys`` keys (StreamingLLM's sinks,
+    a short system prompt, a few global tokens): the first piece's segments go, the second's write
+    in place. A launch request over a few keys costs a whole key tile per query tile, and its
+    partial output a write and a read of every split row; the merge computes those keys' attention
+    from q, k and v while it reads the row once (merge_pieces.cuh's merge_inline). None where the
+    table is not of that shape, or where (fa3: ``fa3_window_launches`` window widths get their own
+    launch) the second pieces' window widths would no longer all keep theirs."""
+    piece = table[:, SegField.PIECE]
+    first, second = table[piece == 0], table[piece == 1]
+    if first.shape[0] == 0 or bool((piece >= 2).any()):
+        return None
+    # The piece's keys: a dense run's [kv_begin, kv_end); a one-row custom run's known-visible keys
+    # where they are all it reads past its page's start (a decode row's sinks); nothing else.
+    cls = first[:, SegField.CLASS]
+    one_row = (first[:, SegField.END_ROW] - first[:, SegField.FIRST_ROW]) == 1
+    known = ((cls == RowClass.CUSTOM) & one_row & (first[:, SegField.VIS_LO] <= first[:, SegField.VIS_HI])
+             & (first[:, SegField.VIS_HI] == first[:, SegField.KV_END] - 1))
+    if not bool(((cls == RowClass.DENSE) | known).all()):
+        return None
+    first_key = torch.where(known, first[:, SegField.VIS_LO], first[:, SegField.KV_BEGIN])
+    keys = first[:, SegField.KV_END] - first_key
+    if int(keys.max()) > max_keys:
+        return None
+    lengths = first[:, SegField.END_ROW] - first[:, SegField.FIRST_ROW]
+    which = torch.repeat_interleave(torch.arange(first.shape[0]), lengths)  # per split row: its segment
+    step = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[which]
+    rows = first[which, SegField.FIRST_ROW] + step
+    covered = torch.zeros(int(table[:, SegField.END_ROW].max()), dtype=torch.int64)
+    for f, e in second[:, [SegField.FIRST_ROW, SegField.END_ROW]].tolist():
+        covered[f:e] += 1
+    if not bool((covered[rows] == 1).all()):  # (every split row: one second piece)
+        return None
+    out = torch.cat([table[piece == -1], second])
+    out[:, SegField.PIECE] = -1
+    out = out[torch.argsort(out[:, SegField.FIRST_ROW], stable=True)]
+    if fa3_window_launches is not None:
+        window = out[:, SegField.CLASS] == RowClass.WINDOW
+        widths = out[window, SegField.WINDOW].unique().sort().values
+        kept = set(second[second[:, SegField.CLASS] == RowClass.WINDOW, SegField.WINDOW].tolist())
+        if not kept <= set(widths[:fa3_window_launches].tolist()):
+            return None
+    return out, InlinePieces(rows, first[which, SegField.REQUEST], first_key[which], keys[which])

@@ -256,7 +256,9 @@ class Plan:
         """(query, key) pairs: of the full rectangles, visited, visited in custom launches."""
         full = sum(q * k for q, k in zip(self.batch.qo_lens, self.batch.kv_lens))
         reqs = self.launch_requests
-        visited = sum(r.visited() for r in reqs)
+        # (the pairs of a first piece the merge computes: merge.inline_pairs, no launch request's)
+        inline = self.merge.inline_pairs if self.merge is not None and self.merge.inline is not None else 0
+        visited = sum(r.visited() for r in reqs) + inline
         masked = sum(r.masked() for r in reqs)
         return {"full": full, "visited": visited, "masked": masked,
                 "pages_read": sum(r.pages for r in reqs), "pages_given": self.pages_given}
@@ -283,7 +285,10 @@ class Plan:
                          f"{window}{piece}")
         if self.counts:
             lines.append("  launch requests by class: " + ", ".join(f"{k} {v}" for k, v in self.counts.items()))
-        if self.merge is not None:
+        if self.merge is not None and self.merge.inline is not None:
+            lines.append(f"  {self.merge.rows.numel()} rows see two key intervals: the second launched in place, the "
+                         f"first (a few keys, {self.merge.inline_pairs} (query, key) pairs) computed by the merge")
+        elif self.merge is not None:
             lines.append(f"  {self.merge.rows.numel()} rows see several key intervals (up to {self.merge.pieces}): "
                          "one launch request per interval, merged by LSE")
         lines += self._piece_lines()

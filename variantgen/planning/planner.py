@@ -50,7 +50,16 @@ from ..core.staging import INT_WORKSPACE_BYTES, HostStaging, IntWorkspaces
 from ..lang.values import VariantSpec
 from .graph import GraphBuffers, GraphCapacity, slot_name
 from .intervals import analyze
-from .pieces import MergeRows, gap_segments, may_split, merge_rows, piece_segments
+from .pieces import (
+    INLINE_KEYS,
+    InlinePieces,
+    MergeRows,
+    gap_segments,
+    inline_first_pieces,
+    may_split,
+    merge_rows,
+    piece_segments,
+)
 from .plan import Batch, Launch, LaunchLayout, Plan
 from .rowplan import call_layout, kept_buffer, row_buffers
 
@@ -131,6 +140,10 @@ class Planner:
         # "pieces", one launch request per interval merged by LSE (pieces.py). Switches for comparisons.
         self.max_pieces = MAX_PIECES
         self.split_rows = SPLIT_ROWS
+        # A first piece of at most this many keys is computed by run()'s merge (pieces.py's
+        # inline_first_pieces; 0: launched as the other pieces): plain scores only (no logits
+        # transform), and q, k, v and o of one dtype (the wrapper turns it off otherwise).
+        self.inline_keys = INLINE_KEYS if spec.logits is None else 0
 
     def pack_gqa(self, batch: Batch) -> int:
         """Query heads folded into each packed row group of this batch's fa3 launches (1: none).
@@ -262,6 +275,11 @@ class Planner:
             table = piece_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
                                    self.device, int(self._opt[PlanOption.MAX_PIECES]),
                                    self.max_window_launches if self.fa3 else None, packed=pack > 1)
+        inline = None
+        if self.split_rows != "gaps" and self.inline_keys > 0:
+            found_inline = inline_first_pieces(table, self.inline_keys, self.max_window_launches if self.fa3 else None)
+            if found_inline is not None:
+                table, inline = found_inline
         for _ in range(4):  # a too-small workspace is answered with the size it needs
             device_ws, host_ws = self._workspace_pair()
             self.module.build_launches(indices, table, self.options, host_ws, self.desc)
@@ -272,6 +290,8 @@ class Planner:
             if values[HeaderField.STATUS] != Status.OK:
                 raise LaunchError(f"internal: the launch builder answered status {values[HeaderField.STATUS]}")
             finish_plan(values, host_ws, device_ws, kv_indices, self.staging)
+            if inline is not None:
+                return values, self._inline_merge(batch, indices, kv_indices, inline).packed(pack)
             found = merge_rows(table, batch.total_q)
             if not found.pieces:
                 return values, None
@@ -279,6 +299,20 @@ class Planner:
                               self.staging.to_device(found.counts, torch.int64), found.pieces)
             return values, merge.packed(pack)
         raise LaunchError("internal: the launch builder still asks for room after the workspace grew")
+
+    def _inline_merge(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor,
+                      inline: InlinePieces) -> MergeRows:
+        """The merge of rows whose first piece run() computes: where each such piece's keys lie in
+        the caller's page list (``indices``' page_start: the entry of the request's first page)."""
+        n = batch.batch_size
+        page_start = indices[n + 1:2 * n + 2].long()
+        ps = batch.page_size
+        entry = page_start[inline.request] + torch.div(inline.first_key, ps, rounding_mode="floor")
+        on_device = [self.staging.to_device(t, torch.int32) for t in (entry, inline.first_key % ps, inline.keys)]
+        rows = self.staging.to_device(inline.rows, torch.int64)
+        counts = self.staging.to_device(torch.full_like(inline.rows, 2), torch.int64)
+        return MergeRows(rows, counts, 0, inline=tuple(on_device), kv_indices=kv_indices,
+                         inline_pairs=int(inline.keys.sum()))
 
     def _build(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor,
                args: dict[str, Any] | None) -> list[int]:

@@ -53,6 +53,61 @@ def piece_buffers(out: torch.Tensor, pieces: int) -> tuple[torch.Tensor, torch.T
     memory whether or not they are split (pieces x out's size): simple row addressing for every
     kernel; compacting them to the split rows would need o offsets apart from q's, which fa3's
     work list does not have."""
+    if pieces == 0:  # (inline pieces only: nothing to allocate)
+        return out.new_empty(0, *out.shape), torch.empty(0, out.shape[0], out.shape[1], dtype=torch.float32,
+                                                         device=out.device)
     parts = out.new_empty(pieces, *out.shape)
     parts_lse = torch.empty(pieces, out.shape[0], out.shape[1], dtype=torch.float32, device=out.device)
     return parts, parts_lse
+
+
+def merge_inline_reference(out: torch.Tensor, lse_in: torch.Tensor, lse_out: torch.Tensor | None, q: torch.Tensor,
+                           k_cache: torch.Tensor, v_cache: torch.Tensor, kv_indices: torch.Tensor,
+                           rows: torch.Tensor, first_entry: torch.Tensor, first_slot: torch.Tensor,
+                           keys: torch.Tensor, sm_scale: float, v_scale: float, kv_head_div: int,
+                           hnd: bool) -> None:
+    """The merge kernel's inline mode (merge_pieces.cuh's merge_inline) in torch ops: for each row
+    ``rows[i]`` of ``out`` [rows, heads, dim], whose in-place launch wrote o and its base-2 LSE
+    (``lse_in``), the attention over its short first interval computed here - ``keys[i]`` keys from
+    slot ``first_slot[i]`` of page entry ``first_entry[i]`` of ``kv_indices`` on (q's row and
+    head; key/value head = head // kv_head_div; the paged cache NHD [pages, page, heads, dim] or
+    ``hnd`` [pages, heads, page, dim]), softmax scale ``sm_scale``, values scaled by ``v_scale`` as
+    the launches scale theirs - merged into the row by LSE.
+    Writes out[rows] and, given, lse_out[rows]."""
+    if rows.numel() == 0:
+        return
+    page_size = k_cache.shape[2] if hnd else k_cache.shape[1]
+    most = int(keys.max())
+    j = torch.arange(most, device=rows.device)
+    slot = first_slot.view(-1, 1) + j  # [M, most]
+    page = kv_indices[(first_entry.view(-1, 1) + torch.div(slot, page_size, rounding_mode="floor")).clamp(
+        max=kv_indices.numel() - 1)].long().clamp(0, k_cache.shape[0] - 1)
+    slot = slot % page_size
+    heads = out.shape[1]
+    kvh = torch.arange(heads, device=rows.device) // kv_head_div  # [heads]
+    if hnd:
+        k = k_cache[page.view(-1, most, 1), kvh.view(1, 1, -1), slot.view(-1, most, 1)]  # [M, most, heads, dim]
+        v = v_cache[page.view(-1, most, 1), kvh.view(1, 1, -1), slot.view(-1, most, 1)]
+    else:
+        k = k_cache[page.view(-1, most, 1), slot.view(-1, most, 1), kvh.view(1, 1, -1)]
+        v = v_cache[page.view(-1, most, 1), slot.view(-1, most, 1), kvh.view(1, 1, -1)]
+    qr = q.index_select(0, rows).float()  # [M, heads, dim]
+    s = torch.einsum("mhd,mjhd->mhj", qr, k.float()) * (sm_scale * 1.4426950408889634)  # log2 domain
+    s = s.masked_fill((j.view(1, 1, -1) >= keys.view(-1, 1, 1)), -torch.inf)
+    m = s.amax(-1)  # [M, heads]
+    p = torch.exp2(s - m.unsqueeze(-1))
+    d = p.sum(-1)
+    o_in = torch.einsum("mhj,mjhd->mhd", p, v.float()) / d.unsqueeze(-1) * v_scale
+    lse_inline = m + torch.log2(d)
+    lse_base = lse_in.index_select(0, rows)
+    parts = torch.stack([out.index_select(0, rows).float(), o_in])  # base first, as the kernel
+    part_lse = torch.stack([lse_base, lse_inline])
+    top = part_lse.amax(0)  # (the same rules as merge_pieces_reference)
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    weight = torch.exp2(part_lse - top)
+    total = weight.sum(0)
+    parts = torch.where((weight > 0).unsqueeze(-1), parts, torch.zeros((), device=out.device))
+    merged = (weight.unsqueeze(-1) * parts).sum(0) / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+    out.index_copy_(0, rows, merged.to(out.dtype))
+    if lse_out is not None:
+        lse_out.index_copy_(0, rows, torch.where(total > 0, top + torch.log2(total), -torch.inf))

@@ -54,6 +54,8 @@ class VariantWrapper(WrapperBase):
                                head_dim_vo=cfg.head_dim_vo, kv_dtype_bytes=1 if cfg.kv_dtype.startswith("fp8") else 2,
                                device=self.device, float_workspace=self._float_workspace, graph=graph)
         self._graph = self.planner.graph
+        if not cfg.q_dtype == cfg.kv_dtype == cfg.o_dtype:  # (the merge computes an inline piece in one dtype)
+            self.planner.inline_keys = 0
 
     @property
     def plan_stats(self) -> dict[str, Any]:
@@ -198,6 +200,9 @@ class VariantWrapper(WrapperBase):
         pack = self.last_plan.pack_gqa if self.last_plan is not None else 1
         q_k, out_k, lse_k = (q, out, lse) if pack == 1 else gqa_packed(q, out, lse, pack)
         merge = self.last_plan.merge if self.last_plan is not None else None
+        lse_base = lse_k
+        if merge is not None and merge.inline is not None and lse_k is None:  # (the merge reads the rows' LSE)
+            lse_base = torch.empty(out_k.shape[0], out_k.shape[1], dtype=torch.float32, device=out_k.device)
         if merge is not None:  # rows that see several key intervals: a partial output per interval
             parts, parts_lse = piece_buffers(out_k, merge.pieces)  # (GQA packing: packed rows, as out_k's)
         for la in self._launches:
@@ -206,7 +211,7 @@ class VariantWrapper(WrapperBase):
             code = FA2_TAIL_RUN_CODE if la.tail and not fa3 else int(la.mode)
             if pack > 1 and la.mode == MaskMode.CAUSAL:  # (a graph's causal and window slots: always empty)
                 continue
-            o_l, lse_l = (out_k, lse_k) if la.piece < 0 else (parts[la.piece], parts_lse[la.piece])
+            o_l, lse_l = (out_k, lse_base) if la.piece < 0 else (parts[la.piece], parts_lse[la.piece])
             if fa3:
                 self.module.paged_run(
                     la.float_workspace, la.int_workspace, la.plan_info, q_k, k_cache, v_cache, la.kv_indices, o_l,
@@ -216,7 +221,12 @@ class VariantWrapper(WrapperBase):
                     la.float_workspace, la.int_workspace, la.plan_info, q, k_cache, v_cache, la.q_starts,
                     la.kv_indptr, la.kv_indices, la.last_page_len, o_l, lse_l, code, layout,
                     -1, enable_pdl, *tensors, la.meta, *scalars)
-        if merge is not None:
+        if merge is not None and merge.inline is not None:  # the rows' short first piece, computed there
+            group = 1 if pack > 1 else b.num_qo_heads // b.num_kv_heads  # (out_k's heads per key/value head)
+            self.module.merge_inline(out_k, lse_base, lse_k, q_k, k_cache, v_cache, merge.kv_indices, merge.out_rows,
+                                     *merge.inline, self._sm_scale(q_scale, k_scale),
+                                     float(v_scale) if v_scale is not None else 1.0, group, self.kv_layout == "HND")
+        elif merge is not None:
             self.module.merge_pieces(out_k, lse_k, parts, parts_lse, merge.out_rows, merge.out_counts)
         if pack > 1:  # (graph mode: only the planned rows; out's rows past them stay as they are)
             gqa_unpack(out, lse, out_k, lse_k, pack, self.planner.graph.rows if self._graph is not None else None)
