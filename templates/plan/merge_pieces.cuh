@@ -25,6 +25,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 
 namespace vg_plan {
 
@@ -251,7 +252,18 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
-// E: elements per lane, dim = 32 E (E = 0: any dim, element by element with a stride of 32).
+// A lane's E consecutive elements as one aligned load / store (E > 0), else element by element.
+template <typename T, int E>
+__device__ __forceinline__ void load_lane(const T* p, float* x) {
+  if constexpr (E > 0) {
+    const MergeVec<T, E> v = *reinterpret_cast<const MergeVec<T, E>*>(p);
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = merge_to_float(v.v[e]);
+  }
+}
+
+// E: elements per lane, dim = 32 E, each lane's E elements one aligned vector (E = 0: any dim
+// and alignment, element by element with a stride of 32).
 template <typename T, int E>
 __global__ void merge_inline_kernel(InlineArgs a) {
   constexpr int kSlots = E > 0 ? E : 8;  // (E = 0: registers for dims up to 256, in chunks of 32)
@@ -266,12 +278,13 @@ __global__ void merge_inline_kernel(InlineArgs a) {
   const auto elem = [&](int e) -> int64_t { return E > 0 ? int64_t(lane) * E + e : int64_t(e) * 32 + lane; };
   const auto inside = [&](int e) { return E > 0 || (e < n_dim && elem(e) < a.dim); };
   const T* q = reinterpret_cast<const T*>(a.q) + row * a.q_stride_row + head * a.q_stride_head;
-  float qv[kSlots], acc[kSlots];
+  float qv[kSlots], acc[kSlots], kx[kSlots];
 #pragma unroll
   for (int e = 0; e < kSlots; ++e) {
-    qv[e] = inside(e) ? merge_to_float(q[elem(e)]) : 0.f;
+    qv[e] = E == 0 && inside(e) ? merge_to_float(q[elem(e)]) : 0.f;
     acc[e] = 0.f;
   }
+  load_lane<T, E>(q + elem(0), qv);
   float mx = -INFINITY, d = 0.f;
   const int n_keys = min(a.keys[i], kMaxInlineKeys);
   for (int j = 0; j < n_keys; ++j) {
@@ -287,16 +300,20 @@ __global__ void merge_inline_kernel(InlineArgs a) {
                  kv_head * a.v_stride_head;
     float dot = 0.f;
 #pragma unroll
-    for (int e = 0; e < kSlots; ++e)
-      if (inside(e)) dot += qv[e] * merge_to_float(k[elem(e)]);
+    for (int e = 0; e < kSlots; ++e) kx[e] = E == 0 && inside(e) ? merge_to_float(k[elem(e)]) : 0.f;
+    load_lane<T, E>(k + elem(0), kx);
+#pragma unroll
+    for (int e = 0; e < kSlots; ++e) dot += qv[e] * kx[e];
     const float s = warp_sum(dot) * a.sm_scale_log2;
     const float m_new = fmaxf(mx, s);
     const float rescale = mx == -INFINITY ? 0.f : exp2f(mx - m_new);
     const float p = exp2f(s - m_new);
     d = d * rescale + p;
 #pragma unroll
-    for (int e = 0; e < kSlots; ++e)
-      acc[e] = acc[e] * rescale + (inside(e) ? p * merge_to_float(v[elem(e)]) : 0.f);
+    for (int e = 0; e < kSlots; ++e) kx[e] = E == 0 && inside(e) ? merge_to_float(v[elem(e)]) : 0.f;
+    load_lane<T, E>(v + elem(0), kx);
+#pragma unroll
+    for (int e = 0; e < kSlots; ++e) acc[e] = acc[e] * rescale + p * kx[e];
     mx = m_new;
   }
   // The inline piece: o_i = acc / d, lse_i = mx + log2(d); the base: the in-place row.
@@ -310,11 +327,28 @@ __global__ void merge_inline_kernel(InlineArgs a) {
   const float denom = total > 0.f ? total : 1.f;
   T* out = reinterpret_cast<T*>(a.out) + row * a.out_stride_row + head * a.out_stride_head;
 #pragma unroll
+  for (int e = 0; e < kSlots; ++e) kx[e] = 0.f;
+  if (w_b != 0.f) {  // (no visible key: the base row is not read)
+#pragma unroll
+    for (int e = 0; e < kSlots; ++e) kx[e] = E == 0 && inside(e) ? merge_to_float(out[elem(e)]) : 0.f;
+    load_lane<T, E>(out + elem(0), kx);
+  }
+  float merged[kSlots];
+#pragma unroll
   for (int e = 0; e < kSlots; ++e) {
-    if (!inside(e)) continue;
-    const float base = w_b != 0.f ? w_b * merge_to_float(out[elem(e)]) : 0.f;  // (no visible key: not read)
+    const float base = w_b != 0.f ? w_b * kx[e] : 0.f;
     const float own = w_i != 0.f ? w_i * (acc[e] / d) * a.v_scale : 0.f;
-    out[elem(e)] = merge_from_float<T>((base + own) / denom);
+    merged[e] = (base + own) / denom;
+  }
+  if constexpr (E > 0) {
+    MergeVec<T, E> y;
+#pragma unroll
+    for (int e = 0; e < E; ++e) y.v[e] = merge_from_float<T>(merged[e]);
+    *reinterpret_cast<MergeVec<T, E>*>(out + elem(0)) = y;
+  } else {
+#pragma unroll
+    for (int e = 0; e < kSlots; ++e)
+      if (inside(e)) out[elem(e)] = merge_from_float<T>(merged[e]);
   }
   __syncwarp();  // (every lane read lse_in before lane 0 writes lse_out: they may be one tensor)
   if (lane == 0 && a.lse_out != nullptr) {
@@ -324,11 +358,13 @@ __global__ void merge_inline_kernel(InlineArgs a) {
 }
 
 template <typename T>
-inline void launch_inline(const InlineArgs& a, cudaStream_t stream) {
+inline void launch_inline(const InlineArgs& a, bool aligned, cudaStream_t stream) {
   const int64_t threads = a.m * a.heads * 32;
   if (threads == 0) return;
   const int64_t blocks = (threads + kMergeThreads - 1) / kMergeThreads;
-  if (a.dim == 128) {
+  if (!aligned) {
+    merge_inline_kernel<T, 0><<<blocks, kMergeThreads, 0, stream>>>(a);
+  } else if (a.dim == 128) {
     merge_inline_kernel<T, 4><<<blocks, kMergeThreads, 0, stream>>>(a);
   } else if (a.dim == 64) {
     merge_inline_kernel<T, 2><<<blocks, kMergeThreads, 0, stream>>>(a);
@@ -418,15 +454,29 @@ inline void merge_inline(const TensorView& out, const TensorView& lse_in, const 
   }
   VG_REQUIRE(a.dim <= 256) << "merge_inline: head dim " << a.dim << " (at most 256)";
   if (a.m == 0) return;
+  // Each lane's dim / 32 elements as one vector load where every row, head and key starts on its
+  // size (a head dim of 64, 128 or 256 and tensors as the wrappers make them); element by element otherwise.
+  const int64_t lane_elems = a.dim % 32 == 0 ? a.dim / 32 : 0;
+  const int64_t bytes = lane_elems * get_element_size(out);
+  const auto fits = [&](const void* p, std::initializer_list<int64_t> strides) {
+    if (reinterpret_cast<uintptr_t>(p) % bytes != 0) return false;
+    for (const int64_t st : strides)
+      if (st % lane_elems != 0) return false;
+    return true;
+  };
+  const bool aligned = (a.dim == 64 || a.dim == 128 || a.dim == 256) &&
+                       fits(a.out, {a.out_stride_row, a.out_stride_head}) && fits(a.q, {a.q_stride_row, a.q_stride_head}) &&
+                       fits(a.k, {a.k_stride_page, a.k_stride_slot, a.k_stride_head}) &&
+                       fits(a.v, {a.v_stride_page, a.v_stride_slot, a.v_stride_head});
   ffi::CUDADeviceGuard device_guard(out.device().device_id);
   const cudaStream_t stream = get_stream(out.device());
   const DLDataType dt = out.dtype();
   if (dt == dl_float16) {
-    launch_inline<__half>(a, stream);
+    launch_inline<__half>(a, aligned, stream);
   } else if (dt == dl_bfloat16) {
-    launch_inline<__nv_bfloat16>(a, stream);
+    launch_inline<__nv_bfloat16>(a, aligned, stream);
   } else if (dt == dl_float32) {
-    launch_inline<float>(a, stream);
+    launch_inline<float>(a, aligned, stream);
   } else {
     VG_REQUIRE(false) << "merge_inline: out: expected float16, bfloat16 or float32";
   }
