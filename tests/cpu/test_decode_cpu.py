@@ -26,7 +26,7 @@ from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 import variantgen
 import variantgen.build.builder as build_mod
 import variantgen.wrappers.base as wrapper_mod
-from variantgen.abi.table import META_COLUMNS
+from variantgen.abi.table import MAX_KEY_GAPS, META_COLUMNS, NO_GAP_AT
 from variantgen.build.builder import BuildResult
 from variantgen.build.cache import Entry
 from variantgen.codegen import render
@@ -641,9 +641,11 @@ def test_what_reaches_the_module():
     assert first.enable_pdl is True and second.enable_pdl is False  # default: sm90+ only (no GPU here)
     assert first.layout == 1 and first.lse is False
     # vg_meta: [q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, window, qo_len,
-    #           vis_lo, vis_hi (none known visible)]
-    assert first.meta == [[0, 4, 0, 0, 0, 1, 5, -1, 1, 0, -1], [1, 16, 0, 1, 5, 1, 17, -1, 1, 0, -1],
-                          [2, 0, 0, 2, 22, 1, 1, -1, 1, 0, -1]]
+    #           vis_lo, vis_hi (none known visible), then (gap_at, gap_len) x 3 (no gaps)]
+    no_gaps = [NO_GAP_AT, 0] * MAX_KEY_GAPS
+    assert first.meta == [[0, 4, 0, 0, 0, 1, 5, -1, 1, 0, -1, *no_gaps],
+                          [1, 16, 0, 1, 5, 1, 17, -1, 1, 0, -1, *no_gaps],
+                          [2, 0, 0, 2, 22, 1, 1, -1, 1, 0, -1, *no_gaps]]
     assert first.sm_scale == pytest.approx(1 / math.sqrt(HEAD_DIM)) and first.v_scale == 1.0
     assert first.scalars == {"causal_window_left": -1, "range_window_left": -1}
     assert w.plan_stats["launches"] == [("decode", 3)]

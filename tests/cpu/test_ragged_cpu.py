@@ -28,7 +28,7 @@ from conftest import CPU_SMALL_SCALARS as SMALL_SCALARS
 
 import variantgen
 import variantgen.build.builder as build_mod
-from variantgen.abi.table import META_COLUMNS, RAGGED_KV_GAP
+from variantgen.abi.table import MAX_KEY_GAPS, META_COLUMNS, NO_GAP_AT, RAGGED_KV_GAP
 from variantgen.build.builder import BuildResult
 from variantgen.build.cache import Entry
 from variantgen.codegen import render
@@ -294,8 +294,11 @@ def test_what_reaches_the_module():
     (call,) = fake.ragged_calls
     # [q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, window, qo_len,
     #  vis_lo, vis_hi (no keys known visible: the mask on every key)]
-    assert call["meta"] == [[0, 7, 0, 0, 0, 3, 10, -1, 3, 0, -1], [3, 4, 0, 1, 10, 0, 4, -1, 0, 0, -1],
-                            [3, 0, 0, 2, 14, 5, 5, -1, 5, 0, -1], [8, 6, 0, 3, 19, 1, 7, -1, 1, 0, -1]]
+    no_gaps = [NO_GAP_AT, 0] * MAX_KEY_GAPS  # (then (gap_at, gap_len) x 3: no gaps)
+    assert call["meta"] == [[0, 7, 0, 0, 0, 3, 10, -1, 3, 0, -1, *no_gaps],
+                            [3, 4, 0, 1, 10, 0, 4, -1, 0, 0, -1, *no_gaps],
+                            [3, 0, 0, 2, 14, 5, 5, -1, 5, 0, -1, *no_gaps],
+                            [8, 6, 0, 3, 19, 1, 7, -1, 1, 0, -1, *no_gaps]]
     assert call["qo_indptr"] == plan.qo_indptr and call["kv_indptr"] == plan.kv_indptr
     assert call["lse"] is False and call["mode"] == "custom"
     w.plan(*batch.plan_args())

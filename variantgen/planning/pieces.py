@@ -30,6 +30,13 @@ mechanisms the planner could use; the cost model, per row of n visible keys in k
   the gap-skipping launch would win only for rows of many short intervals, which the planner
   does not split (more than MAX_PIECES intervals: the custom hull, as before).
 
+A first piece of at most INLINE_KEYS keys (sinks, a short prefix, a few global tokens) of rows
+that see two is not launched at all (inline_first_pieces): a launch over a few keys still costs
+a whole key tile per query tile and a partial output written and read back, so the rows' other
+piece runs in place and run()'s merge computes the few keys' attention itself
+(merge_pieces.cuh's merge_inline). Specs with a logits transform, and q / k / v / o of
+different dtypes, launch it as any piece.
+
 Where a custom piece run's hull (or a window run's first page, should fa3 run it custom) would
 reach into a row's neighbouring piece, the mask evaluated there would show those keys a second
 time: such rows are not split (they run as before, over their hull). Rows of an inexact term
