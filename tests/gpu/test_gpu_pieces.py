@@ -19,6 +19,7 @@ from _gpu import SPECS, rel_error
 import variantgen
 from variantgen.abi.table import MAX_PIECES
 from variantgen.lang.spec import parse_spec
+from variantgen.planning.pieces import INLINE_KEYS
 from variantgen.testing.harness import random_paged_batch
 from variantgen.wrappers.reference import reference_attention
 
@@ -77,10 +78,21 @@ def wrappers(workspace):
     return get
 
 
+def split_as(w, how: str) -> None:
+    """Set the planner's mechanism for rows of several intervals: "pieces" (the default: a short
+    first interval computed by the merge), "launched" (every piece launched) or "gaps"."""
+    w.planner.split_rows = "gaps" if how == "gaps" else "pieces"
+    w.planner.inline_keys = 0 if how == "launched" else INLINE_KEYS
+
+
+@pytest.mark.parametrize("how", ["pieces", "launched", "gaps"])
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
 @pytest.mark.parametrize("page_size", [1, 5, 16])
 @pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three"])
-def test_pieces_match_the_reference_and_the_hull(wrappers, name, page_size, backend):
+def test_rows_of_several_intervals_match_the_reference_and_the_hull(wrappers, name, page_size, backend, how):
+    """Pieces merged by LSE (with the merge computing a short first piece, or every piece
+    launched), and custom launch requests whose page lists skip the gaps (planning/gaps.py: the
+    variant's key_pos maps list keys to positions), against the reference and the hull."""
     spec = specs()[name]
     w = wrappers(name, backend)
     batch = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=page_size,
@@ -89,10 +101,14 @@ def test_pieces_match_the_reference_and_the_hull(wrappers, name, page_size, back
     kv = (batch.k_cache, batch.v_cache)
     ref, ref_lse = reference_attention(spec, batch.q, kv, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
                                        batch.last_page_len, args, return_lse=True)
-    label = f"{name} {backend} page {page_size}"
+    label = f"{name} {backend} page {page_size} {how}"
     try:
+        split_as(w, how)
         plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
-        assert plan.merge is not None and plan.merge.rows.numel() > 0, f"{label}: no row ran as pieces\n{plan}"
+        if how == "gaps":
+            assert plan.merge is None and any(r.gaps for r in plan.launch_requests), f"{label}: no gaps\n{plan}"
+        else:
+            assert plan.merge is not None and plan.merge.rows.numel() > 0, f"{label}: no row ran as pieces\n{plan}"
         out, lse = w.run(batch.q, kv, return_lse=True, **args)
         assert rel_error(out, ref) < 1e-2, f"{label}: rel. error {rel_error(out, ref):.3e}\n{plan}"
         fin = torch.isfinite(ref_lse)
@@ -103,46 +119,13 @@ def test_pieces_match_the_reference_and_the_hull(wrappers, name, page_size, back
         assert hull.merge is None
         out_hull = w.run(batch.q, kv, **args)
         assert rel_error(out, out_hull.float()) < 1e-2, label
-        assert plan.work()["visited"] < hull.work()["visited"], f"{label}: the pieces read no fewer keys"
+        assert plan.work()["visited"] < hull.work()["visited"], f"{label}: no fewer keys read than the hull's"
     finally:
         w.planner.max_pieces = MAX_PIECES
+        split_as(w, "pieces")
 
 
-@pytest.mark.parametrize("backend", ["fa2", "fa3"])
-@pytest.mark.parametrize("page_size", [1, 5, 16])
-@pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three"])
-def test_gaps_match_the_reference_and_the_hull(wrappers, name, page_size, backend):
-    """The other mechanism (planning/gaps.py): such rows as custom launch requests whose page lists
-    skip the gaps between their intervals; the variant's key_pos maps list keys to positions."""
-    spec = specs()[name]
-    w = wrappers(name, backend)
-    batch = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=page_size,
-                               dtype=torch.bfloat16, device="cuda", seed=page_size)
-    args = spec_args(name, spec, KV_LENS, page_size)
-    kv = (batch.k_cache, batch.v_cache)
-    ref, ref_lse = reference_attention(spec, batch.q, kv, batch.qo_indptr, batch.kv_indptr, batch.kv_indices,
-                                       batch.last_page_len, args, return_lse=True)
-    label = f"{name} {backend} page {page_size}"
-    try:
-        w.planner.split_rows = "gaps"
-        plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
-        assert plan.merge is None and any(r.gaps for r in plan.launch_requests), f"{label}: no gaps\n{plan}"
-        out, lse = w.run(batch.q, kv, return_lse=True, **args)
-        assert rel_error(out, ref) < 1e-2, f"{label}: rel. error {rel_error(out, ref):.3e}\n{plan}"
-        fin = torch.isfinite(ref_lse)
-        assert torch.equal(torch.isfinite(lse), fin), f"{label}: lse -inf pattern"
-        assert (lse[fin] - ref_lse[fin]).abs().max().item() < 2e-2, label
-        w.planner.max_pieces = 0  # the same batch over each row's hull
-        hull = w.plan(*batch.plan_args(), skip_tiles=True, **args)
-        out_hull = w.run(batch.q, kv, **args)
-        assert rel_error(out, out_hull.float()) < 1e-2, label
-        assert plan.work()["visited"] < hull.work()["visited"], f"{label}: the gaps read no fewer keys"
-    finally:
-        w.planner.max_pieces = MAX_PIECES
-        w.planner.split_rows = "pieces"
-
-
-@pytest.mark.parametrize("split_rows", ["pieces", "gaps"])
+@pytest.mark.parametrize("split_rows", ["pieces", "launched", "gaps"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three"])
 def test_pieces_with_fa3_gqa_packing_match_the_reference(wrappers, name, page_size, split_rows):
@@ -154,12 +137,12 @@ def test_pieces_with_fa3_gqa_packing_match_the_reference(wrappers, name, page_si
                                dtype=torch.bfloat16, device="cuda", seed=page_size)
     args = spec_args(name, spec, kv_lens, page_size)
     try:
-        w.planner.split_rows = split_rows
+        split_as(w, split_rows)
         plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
         out, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **args)
     finally:
-        w.planner.split_rows = "pieces"
-    assert plan.pack_gqa > 1 and (plan.merge is not None) == (split_rows == "pieces"), plan
+        split_as(w, "pieces")
+    assert plan.pack_gqa > 1 and (plan.merge is not None) == (split_rows != "gaps"), plan
     ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
                                        batch.kv_indptr, batch.kv_indices, batch.last_page_len, args, return_lse=True)
     assert rel_error(out, ref) < 1e-2, f"{name} page {page_size}: rel. error {rel_error(out, ref):.3e}\n{plan}"
