@@ -245,6 +245,7 @@ struct InlineArgs {
 };
 
 constexpr int kMaxInlineKeys = 64;  // (the plan's INLINE_KEYS is smaller: a guard, not a limit it meets)
+constexpr int kInlineChunk = 8;  // keys whose loads a warp has in flight together
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -270,7 +271,9 @@ __global__ void merge_inline_kernel(InlineArgs a) {
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (warp >= a.m * a.heads) return;
-  const int64_t i = warp / a.heads, head = warp % a.heads;
+  // (m x heads < 2^31 for any batch a GPU holds; 32-bit division: several times cheaper than 64-bit)
+  const int32_t heads32 = int32_t(a.heads), warp32 = int32_t(warp);
+  const int64_t i = warp32 / heads32, head = warp32 % heads32;
   const int64_t row = a.rows[i];
   if (row < 0 || row >= a.out_rows) return;  // (the planner's rows are in range: a guard, not a path)
   const int64_t kv_head = head / a.kv_head_div;
@@ -285,35 +288,67 @@ __global__ void merge_inline_kernel(InlineArgs a) {
     acc[e] = 0.f;
   }
   load_lane<T, E>(q + elem(0), qv);
+  // The keys in chunks of kInlineChunk: a chunk's page lookups and K loads are all issued before
+  // any is used, its dot products reduced across the warp together (interleaved shuffles), then its
+  // V loads - a warp waits for memory once per chunk, not once per key. Index math in 32 bits.
   float mx = -INFINITY, d = 0.f;
   const int n_keys = min(a.keys[i], kMaxInlineKeys);
-  for (int j = 0; j < n_keys; ++j) {
-    const int64_t pos = int64_t(a.first_slot[i]) + j;
-    int64_t entry = int64_t(a.first_entry[i]) + pos / a.page_size;
-    entry = entry < a.num_entries ? entry : a.num_entries - 1;
-    int64_t page = a.kv_indices[entry];
-    page = page < 0 ? 0 : page >= a.num_pages ? a.num_pages - 1 : page;  // (run() checks them; clamped in flight)
-    const int64_t slot = pos % a.page_size;
-    const T* k = reinterpret_cast<const T*>(a.k) + page * a.k_stride_page + slot * a.k_stride_slot +
-                 kv_head * a.k_stride_head;
-    const T* v = reinterpret_cast<const T*>(a.v) + page * a.v_stride_page + slot * a.v_stride_slot +
-                 kv_head * a.v_stride_head;
-    float dot = 0.f;
+  const int32_t ps = int32_t(a.page_size), first_slot = a.first_slot[i], first_entry = a.first_entry[i];
+  const int32_t last_entry = int32_t(a.num_entries - 1), last_page = int32_t(a.num_pages - 1);
+  for (int j0 = 0; j0 < n_keys; j0 += kInlineChunk) {
+    int32_t page[kInlineChunk], slot[kInlineChunk];
 #pragma unroll
-    for (int e = 0; e < kSlots; ++e) kx[e] = E == 0 && inside(e) ? merge_to_float(k[elem(e)]) : 0.f;
-    load_lane<T, E>(k + elem(0), kx);
+    for (int c = 0; c < kInlineChunk; ++c) {
+      const int32_t pos = first_slot + min(j0 + c, n_keys - 1);  // (past the last key: the last again, unused)
+      const int32_t entry = min(first_entry + pos / ps, last_entry);
+      page[c] = max(0, min(a.kv_indices[entry], last_page));  // (run() checks them; clamped in flight)
+      slot[c] = pos % ps;
+    }
+    float x[kInlineChunk][kSlots];
 #pragma unroll
-    for (int e = 0; e < kSlots; ++e) dot += qv[e] * kx[e];
-    const float s = warp_sum(dot) * a.sm_scale_log2;
-    const float m_new = fmaxf(mx, s);
+    for (int c = 0; c < kInlineChunk; ++c) {
+      const T* k = reinterpret_cast<const T*>(a.k) + int64_t(page[c]) * a.k_stride_page +
+                   int64_t(slot[c]) * a.k_stride_slot + kv_head * a.k_stride_head;
+#pragma unroll
+      for (int e = 0; e < kSlots; ++e) x[c][e] = E == 0 && inside(e) ? merge_to_float(k[elem(e)]) : 0.f;
+      load_lane<T, E>(k + elem(0), x[c]);
+    }
+    float s[kInlineChunk];
+#pragma unroll
+    for (int c = 0; c < kInlineChunk; ++c) {
+      s[c] = 0.f;
+#pragma unroll
+      for (int e = 0; e < kSlots; ++e) s[c] += qv[e] * x[c][e];
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+      for (int c = 0; c < kInlineChunk; ++c) s[c] += __shfl_xor_sync(0xffffffffu, s[c], o);
+    float m_new = mx;
+#pragma unroll
+    for (int c = 0; c < kInlineChunk; ++c) {
+      s[c] = j0 + c < n_keys ? s[c] * a.sm_scale_log2 : -INFINITY;
+      m_new = fmaxf(m_new, s[c]);
+    }
     const float rescale = mx == -INFINITY ? 0.f : exp2f(mx - m_new);
-    const float p = exp2f(s - m_new);
-    d = d * rescale + p;
+    d *= rescale;
 #pragma unroll
-    for (int e = 0; e < kSlots; ++e) kx[e] = E == 0 && inside(e) ? merge_to_float(v[elem(e)]) : 0.f;
-    load_lane<T, E>(v + elem(0), kx);
+    for (int e = 0; e < kSlots; ++e) acc[e] *= rescale;
 #pragma unroll
-    for (int e = 0; e < kSlots; ++e) acc[e] = acc[e] * rescale + p * kx[e];
+    for (int c = 0; c < kInlineChunk; ++c) {
+      const T* v = reinterpret_cast<const T*>(a.v) + int64_t(page[c]) * a.v_stride_page +
+                   int64_t(slot[c]) * a.v_stride_slot + kv_head * a.v_stride_head;
+#pragma unroll
+      for (int e = 0; e < kSlots; ++e) x[c][e] = E == 0 && inside(e) ? merge_to_float(v[elem(e)]) : 0.f;
+      load_lane<T, E>(v + elem(0), x[c]);
+    }
+#pragma unroll
+    for (int c = 0; c < kInlineChunk; ++c) {
+      const float pc = exp2f(s[c] - m_new);  // (0 for the chunk's keys past the last)
+      d += pc;
+#pragma unroll
+      for (int e = 0; e < kSlots; ++e) acc[e] += pc * x[c][e];
+    }
     mx = m_new;
   }
   // The inline piece: o_i = acc / d, lse_i = mx + log2(d); the base: the in-place row.
@@ -453,6 +488,9 @@ inline void merge_inline(const TensorView& out, const TensorView& lse_in, const 
     a.lse_out_stride_head = l.stride(1);
   }
   VG_REQUIRE(a.dim <= 256) << "merge_inline: head dim " << a.dim << " (at most 256)";
+  VG_REQUIRE(a.m * a.heads < (int64_t(1) << 31) && a.num_pages < (int64_t(1) << 31) &&
+             a.num_entries < (int64_t(1) << 31) && a.page_size < (int64_t(1) << 30))
+      << "merge_inline: rows x heads, pages, page-list entries and the page size must fit 32-bit indices";
   if (a.m == 0) return;
   // Each lane's dim / 32 elements as one vector load where every row, head and key starts on its
   // size (a head dim of 64, 128 or 256 and tensors as the wrappers make them); element by element otherwise.
