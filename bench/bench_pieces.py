@@ -21,9 +21,8 @@ difference of the pieces' and the gaps' outputs from the hull's (the same attent
 routes). For the pieces and the gaps it also records where the time goes: the GPU time of each
 kernel of one run() (torch's profiler, per kernel name, and all kernels) and, where the rows'
 partial outputs are merged, the merge alone - the module's merge_pieces kernel against the same
-merge in torch ops (wrappers/merge.py's reference). By default the sinks (4 keys) are computed by
-the merge itself (merge_inline: ``streaming_sink``); ``streaming_sink_launched`` launches them as
-a piece of their own (the planner's inline_keys = 0) and merges the partial outputs. Writes
+merge in torch ops (wrappers/merge.py's reference). ``streaming_sink_inline``: the sinks (4 keys)
+computed by the merge itself (merge_inline; the planner's inline_keys), not launched. Writes
 bench/results/pieces-<date>-<gpu>.json (or --out). Modules are loaded from VARIANTGEN_CACHE_DIR
 (--list-modules prints the precompile commands for a CPU build box). Run on the GPU machine:
 
@@ -45,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
+from variantgen.planning.pieces import INLINE_KEYS  # noqa: E402
 from variantgen.testing.harness import (  # noqa: E402
     cuda_back_to_back_ms,
     cuda_median_ms,
@@ -84,7 +84,7 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
     sink = {"num_sink": wl["num_sink"], "window": wl["window"]}
     cases = {"sliding_window": ("sliding_window", {"window": wl["window"]}, None, "pieces"),
              "streaming_sink": ("streaming_sink", sink, None, "pieces"),
-             "streaming_sink_launched": ("streaming_sink", sink, None, "launched"),
+             "streaming_sink_inline": ("streaming_sink", sink, None, "inline"),
              "streaming_sink_gaps": ("streaming_sink", sink, None, "gaps"),
              "streaming_sink_hull": ("streaming_sink", sink, 0, "pieces")}
     outs = {}
@@ -92,9 +92,9 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
         key = f"{name}_{backend}"
         w = variantgen.make_wrapper(ROOT / "specs" / f"{spec}.yaml", ws, head_dim_qk=hd, q_dtype="bf16",
                                     kv_dtype="bf16", backend=backend)
-        w.planner.split_rows = "pieces" if split_rows == "launched" else split_rows
-        if split_rows == "launched":  # (every piece launched: the sinks' too)
-            w.planner.inline_keys = 0
+        w.planner.split_rows = "pieces" if split_rows == "inline" else split_rows
+        if split_rows == "inline":  # (the sinks computed by the merge, not launched)
+            w.planner.inline_keys = INLINE_KEYS
         if max_pieces is not None:
             w.planner.max_pieces = max_pieces
         plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
@@ -108,15 +108,15 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
         res["ms"][f"{key}_back_to_back"] = round(cuda_back_to_back_ms(call, iters), 3)
         print(f"{key:36s} {res['ms'][key]:8.3f} ms per call, {res['ms'][f'{key}_back_to_back']:8.3f} ms back to back",
               flush=True)
-        if name in ("streaming_sink", "streaming_sink_launched", "streaming_sink_gaps"):
+        if name in ("streaming_sink", "streaming_sink_inline", "streaming_sink_gaps"):
             breakdown(w, lambda w=w, args=args, kv=kv: w.run(batch.q, kv, **args), iters, res, key)
     for timing in ("", "_back_to_back"):
         bar = res["ms"][f"sliding_window_{backend}{timing}"]
-        for name in ("streaming_sink", "streaming_sink_launched", "streaming_sink_gaps", "streaming_sink_hull"):
+        for name in ("streaming_sink", "streaming_sink_inline", "streaming_sink_gaps", "streaming_sink_hull"):
             ratio = res["ms"][f"{name}_{backend}{timing}"] / bar
             res["notes"][f"{name}_{backend}{timing}_over_sliding_window"] = round(ratio, 3)
     hull = outs["streaming_sink_hull"].float()
-    for name, label in (("streaming_sink", "pieces"), ("streaming_sink_launched", "launched"),
+    for name, label in (("streaming_sink", "pieces"), ("streaming_sink_inline", "inline"),
                         ("streaming_sink_gaps", "gaps")):
         diff = (outs[name].float() - hull).abs().max().item()
         res["notes"][f"streaming_sink_{backend}_{label}_vs_hull_max_abs_diff"] = round(diff, 5)

@@ -201,3 +201,26 @@ def test_rows_the_pieces_leave_unsplit_skip_their_gaps_instead_of_reading_their_
     assert plan.pack_gqa > 1 and plan.merge is not None, plan
     gapped = [r for r in plan.launch_requests if r.gaps]
     assert gapped and all(r.piece == -1 and r.mode.label == "custom" for r in gapped), plan
+
+
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_a_gapped_launch_requests_page_list_is_its_keys_pages_in_order(page_size):
+    """The launch builder's gathered page list of each launch request: the caller's pages of the
+    keys its vg_meta row places (kv_pos_base + list index + the gaps before it), page by page."""
+    plan, batch = run_gaps("three", "fa2", [70, 1, 45], [150, 97, 45], page_size, seed=page_size)
+    page_start = batch.kv_indptr.tolist()
+    checked = 0
+    for la in plan.launches:
+        indptr, meta = la.kv_indptr.tolist(), la.meta.tolist()
+        for k in range(la.num_requests):
+            row = meta[k]
+            n = indptr[k + 1] - indptr[k]
+            if n == 0:
+                continue
+            j = torch.arange(n * page_size)
+            pos = row[MetaColumn.KV_POS_BASE] + j + gap_shift(row, j)
+            pages = torch.unique_consecutive(torch.div(pos, page_size, rounding_mode="floor"))[:n]
+            want = batch.kv_indices[page_start[row[MetaColumn.REQUEST]] + pages]
+            assert torch.equal(la.kv_indices[indptr[k]:indptr[k + 1]].cpu(), want.to(torch.int32)), (k, row)
+            checked += row[MetaColumn.GAP_LEN_1] > 0
+    assert checked > 0, "no gapped launch request"

@@ -261,7 +261,7 @@ def run_plan(name: str, backend: str, qo_lens, kv_lens, page_size: int, seed: in
 @pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three", "four", "five"])
 def test_rows_of_several_intervals_run_as_pieces_and_match_the_reference(name, page_size, backend):
     # chunked prefill (keys before the queries), a decode-like row, a prefill from key 0; every
-    # piece launched (the merge computes none: inline_keys 0)
+    # piece launched (the planner's default: the merge computes none)
     qo_lens, kv_lens = [70, 1, 45], [150, 97, 45]
     plan, _ = run_plan(name, backend, qo_lens, kv_lens, page_size, seed=page_size, inline_keys=0)
     assert plan.merge is not None and plan.merge.rows.numel() > 0
@@ -426,7 +426,8 @@ def test_pieces_are_refused_in_cuda_graph_mode():
 def test_a_short_first_interval_is_computed_by_the_merge(name, page_size, backend):
     """Rows of two intervals whose first is a few keys (sinks, a short prefix, global tokens): the
     second runs in place, and run()'s merge computes the first from q, k and v and merges it in."""
-    plan, fake = run_plan(name, backend, [70, 1, 45], [150, 97, 45], page_size, seed=page_size)
+    plan, fake = run_plan(name, backend, [70, 1, 45], [150, 97, 45], page_size, seed=page_size,
+                          inline_keys=INLINE_KEYS)
     assert plan.merge is not None and plan.merge.inline is not None and plan.merge.pieces == 0, plan
     assert all(la.piece == -1 for la in plan.launches) and fake.inline_merges == 1
     entry, slot, keys = plan.merge.inline
@@ -438,7 +439,8 @@ def test_a_short_first_interval_is_computed_by_the_merge(name, page_size, backen
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("name", ["streaming_sink", "document_sinks"])
 def test_a_short_first_interval_in_the_merge_with_fa3_gqa_packing(name, page_size):
-    plan, _ = run_plan(name, "fa3", [1, 1, 6, 3], [300, 97, 260, 180], page_size, seed=page_size)
+    plan, _ = run_plan(name, "fa3", [1, 1, 6, 3], [300, 97, 260, 180], page_size, seed=page_size,
+                       inline_keys=INLINE_KEYS)
     assert plan.pack_gqa == HQ // HKV and plan.merge.inline is not None, plan
     assert plan.merge.out_rows.numel() == plan.merge.inline[0].numel() == plan.merge.rows.numel() * plan.pack_gqa
 
@@ -448,7 +450,7 @@ def test_the_inline_merge_scales_the_values_as_the_launches():
     batch = random_paged_batch([70, 1], kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=5,
                                seed=3)
     args = spec_args("streaming_sink", kv_lens, 3)
-    w, _ = make(spec, "fa3")
+    w, _ = make(spec, "fa3", inline_keys=INLINE_KEYS)
     w.plan(*batch.plan_args(), skip_tiles=True, **args)
     assert w.last_plan.merge.inline is not None
     kv = (batch.k_cache, batch.v_cache)
@@ -494,3 +496,19 @@ def test_the_inline_merge_reference_is_the_merge_of_the_short_pieces_softmax(hnd
     merge_pieces(want, want_lse, parts, parts_lse, rows, torch.full((4,), 2))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_the_merge_computes_no_piece_unless_asked_nor_for_a_spec_it_cannot():
+    """inline_keys is 0 by default (measured slower than launching the sinks); where it is on, a
+    spec with a logits transform or q / k / v / o of different dtypes still launches every piece."""
+    plan, _ = run_plan("streaming_sink", "fa3", [70, 1, 45], [150, 97, 45], 16)
+    assert plan.merge is not None and plan.merge.inline is None and plan.merge.pieces == 2
+    capped = parse_spec("name: capped_sinks\ndescription: sinks + window with a soft cap\nscalars:\n"
+                        "  window:\n    dtype: int\n    default: 20\n    min: 0\n"
+                        "mask: kv_pos < 4 or (kv_pos <= q_pos and q_pos - kv_pos <= window)\n"
+                        "logits: 30.0 * tanh(logits / 30.0)\n")
+    w, _ = make(capped, "fa3", inline_keys=INLINE_KEYS)
+    assert not w.planner.inline_allowed
+    batch = random_paged_batch([70], [150], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=16)
+    plan = w.plan(*batch.plan_args(), skip_tiles=True, window=20)
+    assert plan.merge is not None and plan.merge.inline is None

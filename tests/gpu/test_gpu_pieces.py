@@ -79,20 +79,20 @@ def wrappers(workspace):
 
 
 def split_as(w, how: str) -> None:
-    """Set the planner's mechanism for rows of several intervals: "pieces" (the default: a short
-    first interval computed by the merge), "launched" (every piece launched) or "gaps"."""
+    """Set the planner's mechanism for rows of several intervals: "pieces" (the default: every
+    piece launched, merged by LSE), "inline" (a short first piece computed by the merge) or "gaps"."""
     w.planner.split_rows = "gaps" if how == "gaps" else "pieces"
-    w.planner.inline_keys = 0 if how == "launched" else INLINE_KEYS
+    w.planner.inline_keys = INLINE_KEYS if how == "inline" else 0
 
 
-@pytest.mark.parametrize("how", ["pieces", "launched", "gaps"])
+@pytest.mark.parametrize("how", ["pieces", "inline", "gaps"])
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
 @pytest.mark.parametrize("page_size", [1, 5, 16])
 @pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three"])
 def test_rows_of_several_intervals_match_the_reference_and_the_hull(wrappers, name, page_size, backend, how):
-    """Pieces merged by LSE (with the merge computing a short first piece, or every piece
-    launched), and custom launch requests whose page lists skip the gaps (planning/gaps.py: the
-    variant's key_pos maps list keys to positions), against the reference and the hull."""
+    """Pieces merged by LSE (every piece launched, or the merge computing a short first piece),
+    and custom launch requests whose page lists skip the gaps (planning/gaps.py: the variant's
+    key_pos maps list keys to positions), against the reference and the hull."""
     spec = specs()[name]
     w = wrappers(name, backend)
     batch = random_paged_batch(QO_LENS, KV_LENS, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HD, page_size=page_size,
@@ -125,7 +125,7 @@ def test_rows_of_several_intervals_match_the_reference_and_the_hull(wrappers, na
         split_as(w, "pieces")
 
 
-@pytest.mark.parametrize("split_rows", ["pieces", "launched", "gaps"])
+@pytest.mark.parametrize("split_rows", ["pieces", "inline", "gaps"])
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("name", ["streaming_sink", "prefix_window", "document_sinks", "three"])
 def test_pieces_with_fa3_gqa_packing_match_the_reference(wrappers, name, page_size, split_rows):

@@ -51,7 +51,6 @@ from ..lang.values import VariantSpec
 from .graph import GraphBuffers, GraphCapacity, slot_name
 from .intervals import analyze
 from .pieces import (
-    INLINE_KEYS,
     InlinePieces,
     MergeRows,
     gap_segments,
@@ -140,10 +139,14 @@ class Planner:
         # "pieces", one launch request per interval merged by LSE (pieces.py). Switches for comparisons.
         self.max_pieces = MAX_PIECES
         self.split_rows = SPLIT_ROWS
-        # A first piece of at most this many keys is computed by run()'s merge (pieces.py's
-        # inline_first_pieces; 0: launched as the other pieces): plain scores only (no logits
-        # transform), and q, k, v and o of one dtype (the wrapper turns it off otherwise).
-        self.inline_keys = INLINE_KEYS if spec.logits is None else 0
+        # A first piece of at most this many keys computed by run()'s merge (pieces.py's
+        # inline_first_pieces; 0: launched as the other pieces); only for plain scores (no logits
+        # transform) and q, k, v and o of one dtype (the wrapper keeps it 0 otherwise). Off by
+        # default: measured slower than launching the sinks (H100, streaming_sink at 8 x 8192: the
+        # merge computing them 2.04 ms against their launch's 0.57 ms plus the merge's 0.69 ms;
+        # bench/results/2026-12-07-h100/). A switch for comparisons: set it to INLINE_KEYS.
+        self.inline_keys = 0
+        self.inline_allowed = spec.logits is None
 
     def pack_gqa(self, batch: Batch) -> int:
         """Query heads folded into each packed row group of this batch's fa3 launches (1: none).
@@ -276,7 +279,7 @@ class Planner:
                                    self.device, int(self._opt[PlanOption.MAX_PIECES]),
                                    self.max_window_launches if self.fa3 else None, packed=pack > 1)
         inline = None
-        if self.split_rows != "gaps" and self.inline_keys > 0:
+        if self.split_rows != "gaps" and self.inline_keys > 0 and self.inline_allowed:
             found_inline = inline_first_pieces(table, self.inline_keys, self.max_window_launches if self.fa3 else None)
             if found_inline is not None:
                 table, inline = found_inline

@@ -54,8 +54,8 @@ class VariantWrapper(WrapperBase):
                                head_dim_vo=cfg.head_dim_vo, kv_dtype_bytes=1 if cfg.kv_dtype.startswith("fp8") else 2,
                                device=self.device, float_workspace=self._float_workspace, graph=graph)
         self._graph = self.planner.graph
-        if not cfg.q_dtype == cfg.kv_dtype == cfg.o_dtype:  # (the merge computes an inline piece in one dtype)
-            self.planner.inline_keys = 0
+        # (the merge computes an inline first piece in one dtype: q, k, v and o alike)
+        self.planner.inline_allowed = self.planner.inline_allowed and cfg.q_dtype == cfg.kv_dtype == cfg.o_dtype
 
     @property
     def plan_stats(self) -> dict[str, Any]:
