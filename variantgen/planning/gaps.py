@@ -32,6 +32,7 @@ import torch
 
 from ..abi.table import MAX_KEY_GAPS, SegField
 from .intervals import BIG
+from .rowrules import rows_of_segments
 
 
 def skip_gaps(table: torch.Tensor, which: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, count: torch.Tensor,
@@ -43,10 +44,7 @@ def skip_gaps(table: torch.Tensor, which: torch.Tensor, lo: torch.Tensor, hi: to
     In place."""
     ps = page_size
     seg = table[which]
-    first, end = seg[:, SegField.FIRST_ROW], seg[:, SegField.END_ROW]
-    lengths = end - first
-    owner = torch.repeat_interleave(torch.arange(seg.shape[0]), lengths)  # per row: its segment
-    row = first[owner] + torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[owner]
+    owner, row = rows_of_segments(seg)  # per row: its segment
     # Every interval of every row, as pages [p0, p1): sorted by (segment, p0), merged where they
     # overlap or touch (a running max of p1 that never crosses into the next segment: offsets).
     width = lo.shape[1]

@@ -58,7 +58,7 @@ from ..abi.table import MAX_PIECES, SEG_FIELDS, RowClass, SegField
 from ..lang.values import VariantSpec
 from .gaps import skip_gaps
 from .intervals import BIG, IntervalForm, RowIntervals, decided_terms, row_intervals, term_bounds
-from .rowrules import classify_intervals, row_env, segments
+from .rowrules import classify_intervals, row_env, rows_of_segments, segments
 
 _SPLIT_ROUNDS = 4  # rows unsplit where a custom piece run would overreach, then the table again
 # a first piece of at most this many keys (sinks) is computed by run()'s merge, not launched
@@ -209,11 +209,7 @@ def _overreaching_rows(table: torch.Tensor, pieces: RowPieces, rows: int,
     if not bool(pick.any()):
         return bad
     seg = table[pick]
-    first, end = seg[:, SegField.FIRST_ROW], seg[:, SegField.END_ROW]
-    lengths = end - first
-    which = torch.repeat_interleave(torch.arange(seg.shape[0]), lengths)
-    offsets = torch.cumsum(lengths, 0) - lengths
-    row = first[which] + torch.arange(int(lengths.sum())) - offsets[which]
+    which, row = rows_of_segments(seg)
     p = seg[which, SegField.PIECE]
     begin, last = seg[which, SegField.KV_BEGIN], seg[which, SegField.KV_END] - 1
     lo, hi, count = pieces.lo.cpu()[row], pieces.hi.cpu()[row], pieces.count.cpu()[row]
@@ -226,10 +222,8 @@ def _overreaching_rows(table: torch.Tensor, pieces: RowPieces, rows: int,
     exact_window = window_run & kept
     if bool(exact_window.any()):
         seg = table[exact_window]
-        first, lengths = seg[:, SegField.FIRST_ROW], seg[:, SegField.END_ROW] - seg[:, SegField.FIRST_ROW]
-        which = torch.repeat_interleave(torch.arange(seg.shape[0]), lengths)
-        step = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[which]
-        row = first[which] + step
+        which, row = rows_of_segments(seg)
+        step = row - seg[which, SegField.FIRST_ROW]
         p = seg[which, SegField.PIECE]
         start = seg[which, SegField.Q_POS] + step - seg[which, SegField.WINDOW]
         begin = torch.maximum(start, seg[which, SegField.KV_BEGIN])
@@ -310,10 +304,7 @@ def inline_first_pieces(table: torch.Tensor, max_keys: int = INLINE_KEYS,
     keys = first[:, SegField.KV_END] - first_key
     if int(keys.max()) > max_keys:
         return None
-    lengths = first[:, SegField.END_ROW] - first[:, SegField.FIRST_ROW]
-    which = torch.repeat_interleave(torch.arange(first.shape[0]), lengths)  # per split row: its segment
-    step = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[which]
-    rows = first[which, SegField.FIRST_ROW] + step
+    which, rows = rows_of_segments(first)  # per split row: its segment
     covered = torch.zeros(int(table[:, SegField.END_ROW].max()), dtype=torch.int64)
     for f, e in second[:, [SegField.FIRST_ROW, SegField.END_ROW]].tolist():
         covered[f:e] += 1

@@ -171,3 +171,12 @@ def segments(rec: torch.Tensor, page_size: int) -> torch.Tensor:
     out[SegField.PIECE] = -1  # every row's output in place (pieces.py splits rows that see several intervals)
     out[SegField.GAP_FROM_1:] = 0  # every run's keys read whole (pieces.py may skip the gaps between intervals)
     return out.t().contiguous().cpu()
+
+
+def rows_of_segments(seg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query row of the segments ``seg`` (host int64 [n, SEG_FIELDS]), segment by segment:
+    (the index of its segment, the row)."""
+    first, lengths = seg[:, SegField.FIRST_ROW], seg[:, SegField.END_ROW] - seg[:, SegField.FIRST_ROW]
+    which = torch.repeat_interleave(torch.arange(seg.shape[0]), lengths)
+    step = torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[which]
+    return which, first[which] + step

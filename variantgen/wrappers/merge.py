@@ -98,16 +98,13 @@ def merge_inline_reference(out: torch.Tensor, lse_in: torch.Tensor, lse_out: tor
     p = torch.exp2(s - m.unsqueeze(-1))
     d = p.sum(-1)
     o_in = torch.einsum("mhj,mjhd->mhd", p, v.float()) / d.unsqueeze(-1) * v_scale
-    lse_inline = m + torch.log2(d)
     lse_base = lse_in.index_select(0, rows)
-    parts = torch.stack([out.index_select(0, rows).float(), o_in])  # base first, as the kernel
-    part_lse = torch.stack([lse_base, lse_inline])
-    top = part_lse.amax(0)  # (the same rules as merge_pieces_reference)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weight = torch.exp2(part_lse - top)
-    total = weight.sum(0)
-    parts = torch.where((weight > 0).unsqueeze(-1), parts, torch.zeros((), device=out.device))
-    merged = (weight.unsqueeze(-1) * parts).sum(0) / torch.where(total > 0, total, 1.0).unsqueeze(-1)
-    out.index_copy_(0, rows, merged.to(out.dtype))
+    # the two pieces (base first, as the kernel) merged by merge_pieces_reference's rules
+    every = torch.arange(rows.numel(), device=rows.device)
+    merged = out.new_empty(rows.numel(), *out.shape[1:])
+    merged_lse = torch.empty_like(lse_base) if lse_out is not None else None
+    merge_pieces_reference(merged, merged_lse, torch.stack([out.index_select(0, rows).float(), o_in]),
+                           torch.stack([lse_base, m + torch.log2(d)]), every, torch.full_like(every, 2))
+    out.index_copy_(0, rows, merged)
     if lse_out is not None:
-        lse_out.index_copy_(0, rows, torch.where(total > 0, top + torch.log2(total), -torch.inf))
+        lse_out.index_copy_(0, rows, merged_lse)
