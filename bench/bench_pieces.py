@@ -29,6 +29,11 @@ bench/results/pieces-<date>-<gpu>.json (or --out). Modules are loaded from VARIA
     python bench/bench_pieces.py --list-modules
     python bench/bench_pieces.py                 # fa3 and fa2
     python bench/bench_pieces.py --backends fa3 --iters 50
+    python bench/bench_pieces.py --backends fa3 --decode   # and decode: 64 x 32768 keys
+
+--decode adds StreamingLLM's own case: decode of 64 requests x 32768 cached tokens (one query
+each, the tensor-core path), sliding_window against streaming_sink eager (pieces), in CUDA-graph
+mode (gaps, the graph replayed) and over its hull.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ from variantgen.testing.harness import (  # noqa: E402
 )
 
 WORKLOAD = dict(batch=8, tokens=8192, qo_heads=32, kv_heads=8, head_dim=128, page_size=16, num_sink=4, window=1023)
+# Decode (--decode): StreamingLLM's own case, long contexts, one query per request.
+DECODE_WORKLOAD = dict(batch=64, kv_tokens=32768, qo_heads=32, kv_heads=8, head_dim=128, page_size=16, num_sink=4,
+                       window=1023)
 SPECS = ("streaming_sink", "sliding_window")
 
 
@@ -122,6 +130,58 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
         res["notes"][f"streaming_sink_{backend}_{label}_vs_hull_max_abs_diff"] = round(diff, 5)
 
 
+def bench_decode(backend: str, iters: int, res: dict) -> None:
+    """Decode on the tensor-core path (fa3's decode; fa2 use_tensor_cores=True), DECODE_WORKLOAD:
+    sliding_window against streaming_sink eager (the pieces), in CUDA-graph mode (the gaps: one
+    launch request per query over its sinks' page and its window; the graph replayed) and over
+    its hull (max_pieces 0, eager)."""
+    from variantgen.planning.graph import GraphCapacity
+
+    wl = DECODE_WORKLOAD
+    n, hd = wl["batch"], wl["head_dim"]
+    batch = random_paged_batch([1] * n, [wl["kv_tokens"]] * n, num_qo_heads=wl["qo_heads"], num_kv_heads=wl["kv_heads"],
+                               head_dim=hd, page_size=wl["page_size"], dtype=torch.bfloat16, device="cuda", seed=2)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    plan_args = (batch.kv_indptr, batch.kv_indices, batch.last_page_len, wl["qo_heads"], wl["kv_heads"],
+                 wl["page_size"])
+    sink = {"num_sink": wl["num_sink"], "window": wl["window"]}
+    capacity = GraphCapacity(max_batch_size=n, max_total_q=n, max_kv_pages=int(batch.kv_indptr[-1]))
+    cases = {"decode_sliding_window": ("sliding_window", {"window": wl["window"]}, None, None),
+             "decode_streaming_sink": ("streaming_sink", sink, None, None),
+             "decode_streaming_sink_graph": ("streaming_sink", sink, None, capacity),
+             "decode_streaming_sink_hull": ("streaming_sink", sink, 0, None)}
+    outs = {}
+    for name, (spec, args, max_pieces, graph) in cases.items():
+        key = f"{name}_{backend}"
+        w = variantgen.make_wrapper(ROOT / "specs" / f"{spec}.yaml", ws, head_dim_qk=hd, q_dtype="bf16",
+                                    kv_dtype="bf16", backend=backend, kind="decode", use_tensor_cores=True,
+                                    graph=graph)
+        if max_pieces is not None:
+            w.planner.max_pieces = max_pieces
+        plan = w.plan(*plan_args, **args)
+        res["notes"][f"{key}_plan"] = repr(plan)
+        kv = (batch.k_cache, batch.v_cache)
+        out = torch.empty_like(batch.q)
+        call = lambda w=w, args=args, kv=kv, out=out: w.run(batch.q, kv, out=out, **args)  # noqa: E731
+        call()
+        if graph is not None:
+            captured = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(captured):
+                call()
+            call = captured.replay
+        call()
+        torch.cuda.synchronize()
+        outs[name] = out.float()
+        res["ms"][key] = round(cuda_median_ms(call, iters), 4)
+        print(f"{key:40s} {res['ms'][key]:8.4f} ms per call", flush=True)
+    bar = res["ms"][f"decode_sliding_window_{backend}"]
+    for name in ("decode_streaming_sink", "decode_streaming_sink_graph", "decode_streaming_sink_hull"):
+        res["notes"][f"{name}_{backend}_over_sliding_window"] = round(res["ms"][f"{name}_{backend}"] / bar, 3)
+    for name in ("decode_streaming_sink", "decode_streaming_sink_graph"):
+        diff = (outs[name] - outs["decode_streaming_sink_hull"]).abs().max().item()
+        res["notes"][f"{name}_{backend}_vs_hull_max_abs_diff"] = round(diff, 5)
+
+
 def breakdown(w, run, iters: int, res: dict, key: str) -> None:
     """Where a run()'s time goes: GPU time per kernel name (mean per run, ms), and the merge alone."""
     from torch.profiler import ProfilerActivity, profile
@@ -163,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--backends", default="fa3,fa2", help="comma list of fa3, fa2")
     ap.add_argument("--list-modules", action="store_true", help="print the precompile commands and exit")
+    ap.add_argument("--decode", action="store_true", help="also time decode (DECODE_WORKLOAD), eager and graph mode")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill workload")
     args = ap.parse_args(argv)
     if args.list_modules:
         print(list_modules())
@@ -175,12 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         ap.error("needs a CUDA GPU (H100 / H200); --list-modules works anywhere")
     res: dict = {**run_environment(), "workload": WORKLOAD, "ms": {}, "notes": {}}
+    if args.decode:
+        res["decode_workload"] = DECODE_WORKLOAD
     for backend in backends:
-        try:
-            bench_backend(backend, args.iters, res)
-        except Exception as e:  # report, do not hide: that backend's rows are missing
-            res["notes"][f"{backend}_error"] = f"{type(e).__name__}: {str(e)[:600]}"
-            print(f"{backend}: {res['notes'][f'{backend}_error']}", flush=True)
+        for part, bench, on in (("prefill", bench_backend, not args.no_prefill), ("decode", bench_decode, args.decode)):
+            if not on:
+                continue
+            try:
+                bench(backend, args.iters, res)
+            except Exception as e:  # report, do not hide: that backend's rows are missing
+                res["notes"][f"{backend}_{part}_error"] = f"{type(e).__name__}: {str(e)[:600]}"
+                print(f"{backend} {part}: {res['notes'][f'{backend}_{part}_error']}", flush=True)
     print(f"results: {write_result('pieces', res, args.out)}")
     return 0
 

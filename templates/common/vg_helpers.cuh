@@ -18,6 +18,17 @@ __device__ __forceinline__ int32_t vg_clamp(int64_t i, int32_t extent) {
 __device__ __forceinline__ int32_t vg_request_row(int32_t first, int64_t local, int32_t count) {
   return first + vg_clamp(local, count);
 }
+// The absolute position of list key i of a launch request whose page list skips gaps
+// (planning/gaps.py): base + i, plus the length of every gap at or before i. A variant that runs
+// no gapped launch request passes zero lengths, and this folds to base + i.
+template <int N>
+__device__ __forceinline__ int32_t vg_key_pos(int32_t base, int32_t i, const int32_t (&gap_at)[N],
+                                              const int32_t (&gap_len)[N]) {
+  int32_t pos = base + i;
+#pragma unroll
+  for (int j = 0; j < N; ++j) pos += i >= gap_at[j] ? gap_len[j] : 0;
+  return pos;
+}
 __device__ __forceinline__ int32_t vg_floordiv(int32_t a, int32_t b) {
   if (b == 0) return 0;  // defined as 0, like the reference, instead of a trap
   // -a, wrapping at INT32_MIN (whose quotient 2^31 leaves the int range): a / -1 is undefined there

@@ -57,6 +57,30 @@ __device__ __forceinline__ __half merge_from_float(float x) { return __float2hal
 template <>
 __device__ __forceinline__ __nv_bfloat16 merge_from_float(float x) { return __float2bfloat16_rn(x); }
 
+// The merge weights' rules, shared by both kernels (wrappers/merge.py's reference has the same):
+// the max of the pieces' LSEs keeps a NaN (fmaxf would drop it); the weights are taken against
+// that max, or against 0 where it is not finite (every piece empty, or a NaN that the weights
+// then carry into the row); the merged LSE is -inf where no piece has a visible key.
+__device__ __forceinline__ float lse_max(float a, float b) { return isnan(a) || isnan(b) ? NAN : fmaxf(a, b); }
+__device__ __forceinline__ float weight_shift(float top) { return isfinite(top) ? top : 0.f; }
+__device__ __forceinline__ float merged_lse(float shift, float total) {
+  return total > 0.f ? shift + log2f(total) : -INFINITY;
+}
+
+// f(T{}) for the 16- and 32-bit float dtype `dt` (`what` names the tensor in the error).
+template <typename F>
+inline void with_float_type(DLDataType dt, const char* what, F&& f) {
+  if (dt == dl_float16) {
+    f(__half{});
+  } else if (dt == dl_bfloat16) {
+    f(__nv_bfloat16{});
+  } else if (dt == dl_float32) {
+    f(float{});
+  } else {
+    VG_REQUIRE(false) << what << ": expected float16, bfloat16 or float32";
+  }
+}
+
 // VEC elements of T moved as one aligned load / store.
 template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) MergeVec {
@@ -83,10 +107,9 @@ __global__ void merge_pieces_kernel(MergeArgs a) {
 #pragma unroll
   for (int p = 0; p < vg_abi::kMaxPieces; ++p) {
     w[p] = p < n ? a.parts_lse[(p * a.parts_rows + row) * a.heads + head] : -INFINITY;
-    top = fmaxf(top, w[p]);
-    if (isnan(w[p])) top = w[p];  // (fmaxf drops a NaN: the reference's max keeps it)
+    top = lse_max(top, w[p]);
   }
-  if (!isfinite(top)) top = 0.f;
+  top = weight_shift(top);
   float total = 0.f;
 #pragma unroll
   for (int p = 0; p < vg_abi::kMaxPieces; ++p) {
@@ -117,7 +140,7 @@ __global__ void merge_pieces_kernel(MergeArgs a) {
   *reinterpret_cast<MergeVec<T, VEC>*>(
       a.out + (row * a.out_stride_row + head * a.out_stride_head + int64_t(chunk) * VEC) * sizeof(T)) = y;
   if (chunk == 0 && a.lse != nullptr) {
-    a.lse[row * a.lse_stride_row + head * a.lse_stride_head] = total > 0.f ? top + log2f(total) : -INFINITY;
+    a.lse[row * a.lse_stride_row + head * a.lse_stride_head] = merged_lse(top, total);
   }
 }
 
@@ -203,16 +226,9 @@ inline void merge_pieces(const TensorView& out, const tvm::ffi::Optional<TensorV
                           reinterpret_cast<uintptr_t>(a.out) % 16 == 0 && reinterpret_cast<uintptr_t>(a.parts) % 16 == 0;
   ffi::CUDADeviceGuard device_guard(out.device().device_id);
   const cudaStream_t stream = get_stream(out.device());
-  const DLDataType dt = out.dtype();
-  if (dt == dl_float16) {
-    launch_merge<__half>(a, vectorized, stream);
-  } else if (dt == dl_bfloat16) {
-    launch_merge<__nv_bfloat16>(a, vectorized, stream);
-  } else if (dt == dl_float32) {
-    launch_merge<float>(a, vectorized, stream);
-  } else {
-    VG_REQUIRE(false) << "merge_pieces: out: expected float16, bfloat16 or float32";
-  }
+  with_float_type(out.dtype(), "merge_pieces: out", [&](auto zero) {
+    launch_merge<decltype(zero)>(a, vectorized, stream);
+  });
 }
 
 // ---------------------------------------------------------------------------------------
@@ -220,11 +236,17 @@ inline void merge_pieces(const TensorView& out, const tvm::ffi::Optional<TensorV
 // sinks: pieces.py's INLINE_KEYS) and whose other interval ran in place. A launch over a few keys
 // costs a whole key tile per query tile and a partial output that the merge reads back; here the
 // merge computes that piece itself - q . k of its keys, their softmax and values - and merges it
-// into the row the in-place launch wrote (o, and its LSE in lse_in). One warp per (row, head):
-// each lane holds E = dim / 32 elements of q, the key's dot product is a warp sum, the keys'
-// softmax runs online; then the base row is read once and the merged row written once.
-// Specs with a logits transform, a learned sink or fp8 scales never take this mode (the plan's
-// rule): the scores are q . k x sm_scale.
+// into the row the in-place launch wrote (o, and its LSE in lse_in).
+//
+// The kernel is a pass over q and o (read q, read o, write o: 1.5x merge_pieces' reads of two
+// partial rows and write of one), so it is written for memory-level parallelism: a group of G
+// lanes owns one (row, head), each lane 16 bytes of it (G = 16 at head dim 128 in 16-bit types:
+// two rows per warp), and every load that does not depend on another is issued before any is
+// used - q, o and the row's LSE first, then a chunk of keys' page lookups, then the chunk's K and
+// V rows together. A (row, head) costs the latency of three dependent loads, whatever its keys.
+// The scores: q . k reduced across the group's lanes (a chunk's dot products together), softmax
+// online over the chunks. Specs with a logits transform, a learned sink or fp8 scales never take
+// this mode (the plan's rule): the scores are q . k x sm_scale.
 struct InlineArgs {
   char* out;               // [rows, heads, dim]: the in-place launch's o, overwritten by the merge
   const float* lse_in;     // [rows, heads]: its LSE (base 2)
@@ -245,168 +267,179 @@ struct InlineArgs {
 };
 
 constexpr int kMaxInlineKeys = 64;  // (the plan's INLINE_KEYS is smaller: a guard, not a limit it meets)
-constexpr int kInlineChunk = 8;  // keys whose loads a warp has in flight together
 
-__device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-  return x;
-}
-
-// A lane's E consecutive elements as one aligned load / store (E > 0), else element by element.
+// A lane's share of one row of `dim` elements: E consecutive elements as one aligned vector
+// (E > 0), or (E = 0: any dim and alignment) elements lane, lane + 32, ... up to 8 of them.
 template <typename T, int E>
-__device__ __forceinline__ void load_lane(const T* p, float* x) {
+using LaneFrag = MergeVec<T, (E > 0 ? E : 8)>;
+
+template <typename T, int E, int LANES>
+__device__ __forceinline__ LaneFrag<T, E> load_frag(const T* row, int lane, int64_t dim) {
+  LaneFrag<T, E> f;
   if constexpr (E > 0) {
-    const MergeVec<T, E> v = *reinterpret_cast<const MergeVec<T, E>*>(p);
+    f = *reinterpret_cast<const LaneFrag<T, E>*>(row + lane * E);
+  } else {
 #pragma unroll
-    for (int e = 0; e < E; ++e) x[e] = merge_to_float(v.v[e]);
+    for (int e = 0; e < 8; ++e) {
+      const int64_t at = int64_t(e) * LANES + lane;
+      f.v[e] = at < dim ? row[at] : merge_from_float<T>(0.f);
+    }
+  }
+  return f;
+}
+
+template <typename T, int E, int LANES>
+__device__ __forceinline__ void store_frag(T* row, int lane, int64_t dim, const float* x) {
+  LaneFrag<T, E> f;
+#pragma unroll
+  for (int e = 0; e < (E > 0 ? E : 8); ++e) f.v[e] = merge_from_float<T>(x[e]);
+  if constexpr (E > 0) {
+    *reinterpret_cast<LaneFrag<T, E>*>(row + lane * E) = f;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const int64_t at = int64_t(e) * LANES + lane;
+      if (at < dim) row[at] = f.v[e];
+    }
   }
 }
 
-// E: elements per lane, dim = 32 E, each lane's E elements one aligned vector (E = 0: any dim
-// and alignment, element by element with a stride of 32).
-template <typename T, int E>
+// E elements per lane and G lanes per (row, head): dim = E x G, or E = 0 and G = 32 (dims up to
+// 256, element by element).
+template <typename T, int E, int G>
 __global__ void merge_inline_kernel(InlineArgs a) {
-  constexpr int kSlots = E > 0 ? E : 8;  // (E = 0: registers for dims up to 256, in chunks of 32)
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x % 32;
-  if (warp >= a.m * a.heads) return;
-  // (m x heads < 2^31 for any batch a GPU holds; 32-bit division: several times cheaper than 64-bit)
-  const int32_t heads32 = int32_t(a.heads), warp32 = int32_t(warp);
-  const int64_t i = warp32 / heads32, head = warp32 % heads32;
-  const int64_t row = a.rows[i];
-  if (row < 0 || row >= a.out_rows) return;  // (the planner's rows are in range: a guard, not a path)
-  const int64_t kv_head = head / a.kv_head_div;
-  const int n_dim = E > 0 ? E : int((a.dim + 31) / 32);
-  const auto elem = [&](int e) -> int64_t { return E > 0 ? int64_t(lane) * E + e : int64_t(e) * 32 + lane; };
-  const auto inside = [&](int e) { return E > 0 || (e < n_dim && elem(e) < a.dim); };
-  const T* q = reinterpret_cast<const T*>(a.q) + row * a.q_stride_row + head * a.q_stride_head;
-  float qv[kSlots], acc[kSlots], kx[kSlots];
-#pragma unroll
-  for (int e = 0; e < kSlots; ++e) {
-    qv[e] = E == 0 && inside(e) ? merge_to_float(q[elem(e)]) : 0.f;
-    acc[e] = 0.f;
-  }
-  load_lane<T, E>(q + elem(0), qv);
-  // The keys in chunks of kInlineChunk: a chunk's page lookups and K loads are all issued before
-  // any is used, its dot products reduced across the warp together (interleaved shuffles), then its
-  // V loads - a warp waits for memory once per chunk, not once per key. Index math in 32 bits.
-  float mx = -INFINITY, d = 0.f;
-  const int n_keys = min(a.keys[i], kMaxInlineKeys);
+  static_assert(G == 4 || G == 8 || G == 16 || G == 32, "a (row, head) is a power-of-two part of a warp");
+  constexpr int kSlots = E > 0 ? E : 8;
+  constexpr int kChunk = E > 4 || E == 0 ? 4 : 8;  // keys whose K and V rows are in flight together
+  const int64_t thread = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int lane = int(threadIdx.x % G);
+  const int64_t item = thread / G;
+  // Every lane runs to the end: the shuffles are warp-wide. A lane past the (row, head) items, or
+  // of a row out of range (the planner's rows are in range: a guard, not a path), computes on
+  // item 0's indices and stores nothing.
+  const bool in_items = item < a.m * a.heads;
+  // (m x heads < 2^31, checked at the binding: 32-bit division, several times cheaper than 64-bit)
+  const int32_t it = in_items ? int32_t(item) : 0, heads32 = int32_t(a.heads);
+  const int32_t i = it / heads32, head = it % heads32;
+  int64_t row = a.rows[i];
+  const bool valid = in_items && row >= 0 && row < a.out_rows;
+  if (!valid) row = 0;
+  const int32_t n_keys = valid ? min(a.keys[i], kMaxInlineKeys) : 0;
   const int32_t ps = int32_t(a.page_size), first_slot = a.first_slot[i], first_entry = a.first_entry[i];
   const int32_t last_entry = int32_t(a.num_entries - 1), last_page = int32_t(a.num_pages - 1);
-  for (int j0 = 0; j0 < n_keys; j0 += kInlineChunk) {
-    int32_t page[kInlineChunk], slot[kInlineChunk];
+  const int64_t kv_head = head / a.kv_head_div;
+  // The loads of the row itself, independent of the keys: in flight while the keys are looked up.
+  T* out = reinterpret_cast<T*>(a.out) + row * a.out_stride_row + head * a.out_stride_head;
+  const LaneFrag<T, E> qf = load_frag<T, E, G>(
+      reinterpret_cast<const T*>(a.q) + row * a.q_stride_row + head * a.q_stride_head, lane, a.dim);
+  const LaneFrag<T, E> base = load_frag<T, E, G>(out, lane, a.dim);
+  const float lse_b = a.lse_in[row * a.lse_in_stride_row + head * a.lse_in_stride_head];
+  // The chunks' count is the warp's most keys (a loop the whole warp runs); a group's keys past its
+  // own count score -inf.
+  int32_t warp_keys = n_keys;
 #pragma unroll
-    for (int c = 0; c < kInlineChunk; ++c) {
-      const int32_t pos = first_slot + min(j0 + c, n_keys - 1);  // (past the last key: the last again, unused)
+  for (int o = 16; o >= G; o >>= 1) warp_keys = max(warp_keys, __shfl_xor_sync(0xffffffffu, warp_keys, o));
+  float mx = -INFINITY, d = 0.f, acc[kSlots];
+#pragma unroll
+  for (int e = 0; e < kSlots; ++e) acc[e] = 0.f;
+  for (int32_t j0 = 0; j0 < warp_keys; j0 += kChunk) {
+    LaneFrag<T, E> kf[kChunk], vf[kChunk];
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      // (a key past the group's last: its first key again, loaded and unused)
+      const int32_t pos = first_slot + (j0 + c < n_keys ? j0 + c : 0);
       const int32_t entry = min(first_entry + pos / ps, last_entry);
-      page[c] = max(0, min(a.kv_indices[entry], last_page));  // (run() checks them; clamped in flight)
-      slot[c] = pos % ps;
+      const int64_t page = max(0, min(a.kv_indices[entry], last_page));  // (run() checks them; clamped in flight)
+      const int64_t slot = pos % ps;
+      kf[c] = load_frag<T, E, G>(reinterpret_cast<const T*>(a.k) + page * a.k_stride_page + slot * a.k_stride_slot +
+                                     kv_head * a.k_stride_head, lane, a.dim);
+      vf[c] = load_frag<T, E, G>(reinterpret_cast<const T*>(a.v) + page * a.v_stride_page + slot * a.v_stride_slot +
+                                     kv_head * a.v_stride_head, lane, a.dim);
     }
-    float x[kInlineChunk][kSlots];
+    float s[kChunk];
 #pragma unroll
-    for (int c = 0; c < kInlineChunk; ++c) {
-      const T* k = reinterpret_cast<const T*>(a.k) + int64_t(page[c]) * a.k_stride_page +
-                   int64_t(slot[c]) * a.k_stride_slot + kv_head * a.k_stride_head;
-#pragma unroll
-      for (int e = 0; e < kSlots; ++e) x[c][e] = E == 0 && inside(e) ? merge_to_float(k[elem(e)]) : 0.f;
-      load_lane<T, E>(k + elem(0), x[c]);
-    }
-    float s[kInlineChunk];
-#pragma unroll
-    for (int c = 0; c < kInlineChunk; ++c) {
+    for (int c = 0; c < kChunk; ++c) {
       s[c] = 0.f;
 #pragma unroll
-      for (int e = 0; e < kSlots; ++e) s[c] += qv[e] * x[c][e];
+      for (int e = 0; e < kSlots; ++e) s[c] += merge_to_float(qf.v[e]) * merge_to_float(kf[c].v[e]);
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
+    for (int o = G / 2; o > 0; o >>= 1)
 #pragma unroll
-      for (int c = 0; c < kInlineChunk; ++c) s[c] += __shfl_xor_sync(0xffffffffu, s[c], o);
+      for (int c = 0; c < kChunk; ++c) s[c] += __shfl_xor_sync(0xffffffffu, s[c], o);
     float m_new = mx;
 #pragma unroll
-    for (int c = 0; c < kInlineChunk; ++c) {
+    for (int c = 0; c < kChunk; ++c) {
       s[c] = j0 + c < n_keys ? s[c] * a.sm_scale_log2 : -INFINITY;
       m_new = fmaxf(m_new, s[c]);
     }
-    const float rescale = mx == -INFINITY ? 0.f : exp2f(mx - m_new);
+    // (no score yet, e.g. a chunk past the group's keys: weights against 0, so a masked key's is 0
+    // and a NaN score's NaN, as the reference has them)
+    const float m_ref = m_new == -INFINITY ? 0.f : m_new;
+    const float rescale = exp2f(mx - m_ref);  // (0 while mx is -inf)
     d *= rescale;
 #pragma unroll
     for (int e = 0; e < kSlots; ++e) acc[e] *= rescale;
 #pragma unroll
-    for (int c = 0; c < kInlineChunk; ++c) {
-      const T* v = reinterpret_cast<const T*>(a.v) + int64_t(page[c]) * a.v_stride_page +
-                   int64_t(slot[c]) * a.v_stride_slot + kv_head * a.v_stride_head;
-#pragma unroll
-      for (int e = 0; e < kSlots; ++e) x[c][e] = E == 0 && inside(e) ? merge_to_float(v[elem(e)]) : 0.f;
-      load_lane<T, E>(v + elem(0), x[c]);
-    }
-#pragma unroll
-    for (int c = 0; c < kInlineChunk; ++c) {
-      const float pc = exp2f(s[c] - m_new);  // (0 for the chunk's keys past the last)
+    for (int c = 0; c < kChunk; ++c) {
+      const float pc = exp2f(s[c] - m_ref);  // (0 for the keys past the group's last)
       d += pc;
 #pragma unroll
-      for (int e = 0; e < kSlots; ++e) acc[e] += pc * x[c][e];
+      for (int e = 0; e < kSlots; ++e) acc[e] += pc * merge_to_float(vf[c].v[e]);
     }
     mx = m_new;
   }
   // The inline piece: o_i = acc / d, lse_i = mx + log2(d); the base: the in-place row.
   const float lse_i = d > 0.f ? mx + log2f(d) : -INFINITY;
-  const float lse_b = a.lse_in[row * a.lse_in_stride_row + head * a.lse_in_stride_head];
-  float top = fmaxf(lse_b, lse_i);
-  if (isnan(lse_b) || isnan(lse_i)) top = NAN;  // (the reference's max keeps a NaN)
-  if (!isfinite(top)) top = 0.f;
-  const float w_b = exp2f(lse_b - top), w_i = exp2f(lse_i - top);
+  const float shift = weight_shift(lse_max(lse_b, lse_i));
+  const float w_b = exp2f(lse_b - shift), w_i = exp2f(lse_i - shift);
   const float total = w_b + w_i;
   const float denom = total > 0.f ? total : 1.f;
-  T* out = reinterpret_cast<T*>(a.out) + row * a.out_stride_row + head * a.out_stride_head;
-#pragma unroll
-  for (int e = 0; e < kSlots; ++e) kx[e] = 0.f;
-  if (w_b != 0.f) {  // (no visible key: the base row is not read)
-#pragma unroll
-    for (int e = 0; e < kSlots; ++e) kx[e] = E == 0 && inside(e) ? merge_to_float(out[elem(e)]) : 0.f;
-    load_lane<T, E>(out + elem(0), kx);
-  }
   float merged[kSlots];
 #pragma unroll
   for (int e = 0; e < kSlots; ++e) {
-    const float base = w_b != 0.f ? w_b * kx[e] : 0.f;
+    // (no visible key in the base: its row may never have been written, and is not used)
+    const float from_base = w_b != 0.f ? w_b * merge_to_float(base.v[e]) : 0.f;
     const float own = w_i != 0.f ? w_i * (acc[e] / d) * a.v_scale : 0.f;
-    merged[e] = (base + own) / denom;
+    merged[e] = (from_base + own) / denom;
   }
-  if constexpr (E > 0) {
-    MergeVec<T, E> y;
-#pragma unroll
-    for (int e = 0; e < E; ++e) y.v[e] = merge_from_float<T>(merged[e]);
-    *reinterpret_cast<MergeVec<T, E>*>(out + elem(0)) = y;
-  } else {
-#pragma unroll
-    for (int e = 0; e < kSlots; ++e)
-      if (inside(e)) out[elem(e)] = merge_from_float<T>(merged[e]);
-  }
-  __syncwarp();  // (every lane read lse_in before lane 0 writes lse_out: they may be one tensor)
-  if (lane == 0 && a.lse_out != nullptr) {
-    a.lse_out[row * a.lse_out_stride_row + head * a.lse_out_stride_head] =
-        total > 0.f ? top + log2f(total) : -INFINITY;
-  }
+  if (valid) store_frag<T, E, G>(out, lane, a.dim, merged);
+  __syncwarp();  // (every lane read lse_in before a group's first lane writes lse_out: they may be one tensor)
+  if (valid && lane == 0 && a.lse_out != nullptr)
+    a.lse_out[row * a.lse_out_stride_row + head * a.lse_out_stride_head] = merged_lse(shift, total);
 }
 
+template <typename T, int E, int G>
+inline void launch_inline_groups(const InlineArgs& a, cudaStream_t stream) {
+  const int64_t threads = a.m * a.heads * G;
+  merge_inline_kernel<T, E, G><<<(threads + kMergeThreads - 1) / kMergeThreads, kMergeThreads, 0, stream>>>(a);
+}
+
+// `lane_elems`: the elements of a lane's aligned vector (0: element by element).
 template <typename T>
-inline void launch_inline(const InlineArgs& a, bool aligned, cudaStream_t stream) {
-  const int64_t threads = a.m * a.heads * 32;
-  if (threads == 0) return;
-  const int64_t blocks = (threads + kMergeThreads - 1) / kMergeThreads;
-  if (!aligned) {
-    merge_inline_kernel<T, 0><<<blocks, kMergeThreads, 0, stream>>>(a);
-  } else if (a.dim == 128) {
-    merge_inline_kernel<T, 4><<<blocks, kMergeThreads, 0, stream>>>(a);
-  } else if (a.dim == 64) {
-    merge_inline_kernel<T, 2><<<blocks, kMergeThreads, 0, stream>>>(a);
-  } else if (a.dim == 256) {
-    merge_inline_kernel<T, 8><<<blocks, kMergeThreads, 0, stream>>>(a);
+inline void launch_inline(const InlineArgs& a, int64_t lane_elems, cudaStream_t stream) {
+  if (a.m * a.heads == 0) return;
+  constexpr int kVec = 16 / sizeof(T);  // a 16-byte vector
+  if constexpr (sizeof(T) == 2) {
+    if (lane_elems == kVec && a.dim == 8 * kVec) {
+      launch_inline_groups<T, kVec, 8>(a, stream);
+    } else if (lane_elems == kVec && a.dim == 16 * kVec) {
+      launch_inline_groups<T, kVec, 16>(a, stream);
+    } else if (lane_elems == kVec && a.dim == 32 * kVec) {
+      launch_inline_groups<T, kVec, 32>(a, stream);
+    } else {
+      launch_inline_groups<T, 0, 32>(a, stream);
+    }
   } else {
-    merge_inline_kernel<T, 0><<<blocks, kMergeThreads, 0, stream>>>(a);
+    if (lane_elems == kVec && a.dim == 16 * kVec) {
+      launch_inline_groups<T, kVec, 16>(a, stream);
+    } else if (lane_elems == kVec && a.dim == 32 * kVec) {
+      launch_inline_groups<T, kVec, 32>(a, stream);
+    } else if (lane_elems == 2 * kVec && a.dim == 64 * kVec) {
+      launch_inline_groups<T, 2 * kVec, 32>(a, stream);  // (head dim 256: two vectors a lane)
+    } else {
+      launch_inline_groups<T, 0, 32>(a, stream);
+    }
   }
   check_launched("merge_inline");
 }
@@ -491,13 +524,14 @@ inline void merge_inline(const TensorView& out, const TensorView& lse_in, const 
   VG_REQUIRE(a.m * a.heads < (int64_t(1) << 31) && a.num_pages < (int64_t(1) << 31) &&
              a.num_entries < (int64_t(1) << 31) && a.page_size < (int64_t(1) << 30))
       << "merge_inline: rows x heads, pages, page-list entries and the page size must fit 32-bit indices";
-  if (a.m == 0) return;
-  // Each lane's dim / 32 elements as one vector load where every row, head and key starts on its
-  // size (a head dim of 64, 128 or 256 and tensors as the wrappers make them); element by element otherwise.
-  const int64_t lane_elems = a.dim % 32 == 0 ? a.dim / 32 : 0;
-  const int64_t bytes = lane_elems * get_element_size(out);
+  if (a.m == 0 || a.out_rows == 0) return;  // (lanes past the items read row 0)
+  // A lane's 16 bytes of a row (32 at fp32's head dim 256) as one vector where every row, head and
+  // key starts on that size (head dims 64, 128 and 256 with tensors as the wrappers make them);
+  // element by element otherwise.
+  const int64_t elem = get_element_size(out);
+  const int64_t lane_elems = elem * a.dim == 1024 && elem == 4 ? 8 : 16 / elem;
   const auto fits = [&](const void* p, std::initializer_list<int64_t> strides) {
-    if (reinterpret_cast<uintptr_t>(p) % bytes != 0) return false;
+    if (reinterpret_cast<uintptr_t>(p) % (lane_elems * elem) != 0) return false;
     for (const int64_t st : strides)
       if (st % lane_elems != 0) return false;
     return true;
@@ -508,16 +542,9 @@ inline void merge_inline(const TensorView& out, const TensorView& lse_in, const 
                        fits(a.v, {a.v_stride_page, a.v_stride_slot, a.v_stride_head});
   ffi::CUDADeviceGuard device_guard(out.device().device_id);
   const cudaStream_t stream = get_stream(out.device());
-  const DLDataType dt = out.dtype();
-  if (dt == dl_float16) {
-    launch_inline<__half>(a, aligned, stream);
-  } else if (dt == dl_bfloat16) {
-    launch_inline<__nv_bfloat16>(a, aligned, stream);
-  } else if (dt == dl_float32) {
-    launch_inline<float>(a, aligned, stream);
-  } else {
-    VG_REQUIRE(false) << "merge_inline: out: expected float16, bfloat16 or float32";
-  }
+  with_float_type(out.dtype(), "merge_inline: out", [&](auto zero) {
+    launch_inline<decltype(zero)>(a, aligned ? lane_elems : 0, stream);
+  });
 }
 
 }  // namespace vg_plan

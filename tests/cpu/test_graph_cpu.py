@@ -215,9 +215,11 @@ def test_launch_tensors_keep_their_addresses(backend):
 
 
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
-@pytest.mark.parametrize("spec_name", ["causal", "document", "prefix_lm", "sliding_window", "softcap"])
+@pytest.mark.parametrize("spec_name", ["causal", "document", "prefix_lm", "sliding_window", "softcap",
+                                       "streaming_sink"])
 def test_other_specs_replay(spec_name, backend):
-    """Specs whose tensors are [total_kv] / [batch] sized, or that have none."""
+    """Specs whose tensors are [total_kv] / [batch] sized, or that have none; streaming_sink's rows
+    of two intervals run past their gaps (their page lists change with every batch)."""
     w, fake = make(spec_name, backend=backend)
     engine = Engine(w)
     shapes = [([30, 50], [60, 50]), ([100, 3, 7], [120, 3, 300]), ([5], [5])]
@@ -380,17 +382,17 @@ def test_static_q_larger_than_capacity_is_refused():
         w.run(q, (batch.k_cache, batch.v_cache))
 
 
-def fake_decode_wrapper(spec, cap: GraphCapacity, *, tensor_cores: bool):
-    """A graph-mode DecodeWrapper on a fake module: the prefill one (tensor cores) or decode."""
+def fake_decode_wrapper(spec, cap: GraphCapacity, *, tensor_cores: bool, backend: str = "fa2"):
+    """A graph-mode DecodeWrapper on a fake module: the prefill one (tensor cores; fa3's) or decode."""
     from _fake_decode import FakeDecodeModule
 
     from variantgen.wrappers.decode import DecodeWrapper
 
-    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2",
+    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", backend,
                                  kind="prefill" if tensor_cores else "decode")
     manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]], "module_sha256": "x",
                 "module_file": "x.so"}
-    fake = FakeModule(spec) if tensor_cores else FakeDecodeModule(spec)
+    fake = (FakeFa3Module if backend == "fa3" else FakeModule)(spec) if tensor_cores else FakeDecodeModule(spec)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
     w = DecodeWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=cap)
@@ -434,6 +436,33 @@ def test_tensor_core_decode_replays_after_replanning():
     cap = GraphCapacity(max_batch_size=6, max_total_q=6, max_kv_pages=40)
     w, fake = fake_decode_wrapper(spec, cap, tensor_cores=True)
     replay_fake_decode(w, fake, spec, cap, [[30, 100, 7], [1, 16, 17, 200, 50, 9], [64]], "paged_run")
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_tensor_core_decode_of_sinks_and_a_window_replays_past_the_gaps(backend):
+    """streaming_sink decode in graph mode: each request's one query sees its sinks and its
+    window, read as one gapped launch request (not the hull between them), replayed across
+    re-planned batches."""
+    spec = variantgen.load_spec(SPECS_DIR / "streaming_sink.yaml")
+    cap = GraphCapacity(max_batch_size=6, max_total_q=6, max_kv_pages=80)
+    w, fake = fake_decode_wrapper(spec, cap, tensor_cores=True, backend=backend)
+    batches = [[300, 100, 7], [1, 16, 170, 200, 50, 9], [400]]
+    if backend == "fa2":
+        replay_fake_decode(w, fake, spec, cap, batches, "paged_run")
+    else:  # (fa3 packs GQA: run() copies q and out around the launches, which this replay does not record)
+        for seed, kv_lens in enumerate(batches):
+            b = random_paged_batch([1] * len(kv_lens), kv_lens, num_qo_heads=HQ, num_kv_heads=HKV,
+                                   head_dim=HEAD_DIM, page_size=PAGE, seed=seed)
+            w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=20)
+            got = w.run(b.q, (b.k_cache, b.v_cache), window=20).float()
+            ref = reference_attention(spec, b.q, (b.k_cache, b.v_cache), b.qo_indptr, b.kv_indptr, b.kv_indices,
+                                      b.last_page_len, {"window": 20})
+            err = ((got - ref.to(torch.bfloat16).float()).norm() / ref.norm()).item()
+            assert err < 1e-2, f"batch {seed}: rel. error {err:.2e}"
+    plan = w.plan(*random_paged_batch([1], [400], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                                      page_size=PAGE).plan_args()[1:4], HQ, HKV, PAGE, window=20)
+    assert any(r.gaps for r in plan.launch_requests), plan
+    assert plan.work()["visited"] < HQ * 100, plan  # (sinks' page + the window's pages, not 400 keys)
 
 
 def test_cuda_core_decode_replays_after_replanning():

@@ -216,14 +216,15 @@ def test_a_row_whose_every_piece_is_empty_merges_to_zero_and_minus_infinity():
 # ----------------------------------------------------------------------------- whole plans on the fakes
 
 
-def make(spec, backend: str, max_pieces: int = MAX_PIECES, inline_keys: int | None = None):
+def make(spec, backend: str, max_pieces: int = MAX_PIECES, inline_keys: int | None = None,
+         graph: GraphCapacity | None = None):
     config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", backend)
     manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]], "module_sha256": "x",
                 "module_file": "x.so"}
     fake = (FakeFa3Module if backend == "fa3" else FakeModule)(spec)
     build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
                         built=False, seconds=0.0)
-    w = VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8))
+    w = VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8), graph=graph)
     w.set_row_planner(FakeRowPlanner(spec))
     w.planner.max_pieces = max_pieces
     if inline_keys is not None:
@@ -330,27 +331,30 @@ def test_a_streaming_sink_decode_row_reads_its_sinks_and_window_on_fa3():
     assert on.work()["visited"] * 10 < off.work()["visited"], (on, off)
 
 
-def test_pieces_stay_off_in_graph_mode_and_the_hull_runs_as_before():
-    """CUDA-graph mode keeps its fixed launch slots (no partial outputs in its static workspace
-    yet): the rows of two intervals run custom over their hull there, still exact."""
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_graph_mode_runs_rows_of_several_intervals_past_their_gaps(backend):
+    """CUDA-graph mode keeps its fixed launch slots and static workspace, which hold no partial
+    outputs: there the rows of two intervals run as gapped custom launch requests, in place (no
+    merge), reading the sinks' page and the window - not their hull - and still exact."""
     spec = specs()["streaming_sink"]
-    config = render.ModuleConfig(spec, HEAD_DIM, HEAD_DIM, "bf16", "bf16", "bf16", "9.0a", "fa2")
-    manifest = {"scalar_args": [a.name for a in render.kernel_args(spec)[1]], "module_sha256": "x",
-                "module_file": "x.so"}
-    fake = FakeModule(spec)
-    build = BuildResult(entry=Entry(Path("/nonexistent"), config.uri_prefix + "_fake", manifest), key=None,
-                        built=False, seconds=0.0)
-    w = VariantWrapper(spec, config, fake, build, torch.empty(1 << 20, dtype=torch.uint8),
-                       graph=GraphCapacity(max_batch_size=2, max_total_q=128, max_kv_pages=32))
-    w.set_row_planner(FakeRowPlanner(spec))
-    batch = random_paged_batch([64], [100], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=5)
+    capacity = GraphCapacity(max_batch_size=2, max_total_q=256, max_kv_pages=128)
+    batch = random_paged_batch([64, 100], [300, 260], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                               page_size=5)
     args = {"num_sink": 4, "window": 10}
-    plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
-    assert plan.merge is None and all(la.piece == -1 for la in plan.launches)
-    out, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **args)
-    ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
-                                       batch.kv_indptr, batch.kv_indices, batch.last_page_len, args, return_lse=True)
-    assert_plan_matches_reference(out, lse, ref, ref_lse, None, 0.0, "graph mode")
+    visited = {}
+    for how in ("gaps", "hull"):
+        w, _ = make(spec, backend, max_pieces=0 if how == "hull" else MAX_PIECES, graph=capacity)
+        plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+        assert plan.merge is None and all(la.piece == -1 for la in plan.launches)
+        gapped = [r for r in plan.launch_requests if r.gaps]
+        assert bool(gapped) == (how == "gaps"), (how, plan)
+        visited[how] = plan.work()["visited"]
+        out, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **args)
+        ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
+                                           batch.kv_indptr, batch.kv_indices, batch.last_page_len, args,
+                                           return_lse=True)
+        assert_plan_matches_reference(out, lse, ref, ref_lse, None, 0.0, f"graph mode, {how}")
+    assert visited["gaps"] * 2 < visited["hull"], visited
 
 
 # ----------------------------------------------------------------------------- the launch builder

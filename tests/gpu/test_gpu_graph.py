@@ -130,6 +130,7 @@ def random_batch(rng: random.Random, cap: GraphCapacity) -> tuple[list[int], lis
     ("mm_prefix", {"causal_window_left": 64, "range_window_left": 5}, (64,)),  # spans + a window slot
     ("document", {}, None),  # [total_kv] ids, the planner's sorted-id terms
     ("prefix_lm", {}, None),  # [batch] prefix lengths
+    ("streaming_sink", {"num_sink": 4, "window": 300}, None),  # rows of two intervals: past their gaps
 ])
 def test_fa3_replays_50_replanned_batches_under_one_capture(spec_name, scalars, widths, workspace):
     """fa3 CUDA-graph mode: one capture, then 50 batches of other sizes, their spec tensors
@@ -173,13 +174,14 @@ def test_fa3_replays_50_replanned_batches_under_one_capture(spec_name, scalars, 
         assert err < 1e-2, f"{spec_name} batch {seed} ({qo_lens}, {kv_lens}): replay rel. error {err:.2e}"
 
 
-def replay_decode(w, spec, cap: GraphCapacity, batches: list[list[int]]) -> None:
+def replay_decode(w, spec, cap: GraphCapacity, batches: list[list[int]], scalars: dict | None = None) -> None:
     """Capture a decode run() after the first plan, then re-plan every batch (one query per
     request, sliding window 1000) and replay: each vs the reference, rows past it untouched."""
     q = torch.empty(cap.max_batch_size, HQ, HD, dtype=torch.bfloat16, device="cuda")
     out = torch.empty_like(q)
     k = torch.zeros(cap.max_kv_pages, PAGE, HKV, HD, dtype=torch.bfloat16, device="cuda")
     v = torch.zeros_like(k)
+    scalars = scalars or {"window": 1000}
     graph = None
     for seed, kv_lens in enumerate(batches):
         n = len(kv_lens)
@@ -187,34 +189,37 @@ def replay_decode(w, spec, cap: GraphCapacity, batches: list[list[int]]) -> None
                                dtype=torch.bfloat16, device="cuda", seed=seed)
         q[:n] = b.q
         k[:b.k_cache.shape[0]], v[:b.v_cache.shape[0]] = b.k_cache, b.v_cache
-        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, window=1000)
+        w.plan(b.kv_indptr, b.kv_indices, b.last_page_len, HQ, HKV, PAGE, **scalars)
         if graph is None:
-            w.run(q, (k, v), out=out, window=1000)
+            w.run(q, (k, v), out=out, **scalars)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                w.run(q, (k, v), out=out, window=1000)
+                w.run(q, (k, v), out=out, **scalars)
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         ref = reference_attention(spec, b.q, (b.k_cache, b.v_cache), torch.arange(n + 1, dtype=torch.int32,
-                                  device="cuda"), b.kv_indptr, b.kv_indices, b.last_page_len, {"window": 1000})
+                                  device="cuda"), b.kv_indptr, b.kv_indices, b.last_page_len, scalars)
         err = rel_error(out[:n], ref)
         assert err < 1e-2, f"decode batch {seed} ({n} requests): replay rel. error {err:.2e}"
         assert torch.isnan(out[n:].float()).all()
 
 
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
-def test_tensor_core_decode_replay_after_replanning(workspace, backend):
+@pytest.mark.parametrize("spec_name", ["sliding_window", "streaming_sink"])
+def test_tensor_core_decode_replay_after_replanning(workspace, backend, spec_name):
     """Decode through the prefill kernel (fa2 use_tensor_cores=True; fa3's decode) in graph mode:
-    one capture, batches of 1..64 requests replayed from static q / out buffers."""
+    one capture, batches of 1..64 requests replayed from static q / out buffers (streaming_sink:
+    each query's sinks and window as one launch request past the gap)."""
     if backend == "fa3" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fa3 runs on sm90")
-    spec = variantgen.load_spec(SPECS / "sliding_window.yaml")
+    spec = variantgen.load_spec(SPECS / f"{spec_name}.yaml")
     cap = GraphCapacity(max_batch_size=64, max_total_q=64, max_kv_pages=4096)
     w = variantgen.make_wrapper(spec, workspace, head_dim_qk=HD, q_dtype="bf16", kv_dtype="bf16", kind="decode",
                                 backend=backend, use_tensor_cores=True, graph=cap)
     assert w.use_tensor_cores and w.config.backend == backend
-    replay_decode(w, spec, cap, [[300, 5000, 17], [1] * 64, [9000, 16, 4000, 1200] * 3, [16384]])
+    scalars = {"window": 1000} | ({"num_sink": 4} if spec_name == "streaming_sink" else {})
+    replay_decode(w, spec, cap, [[300, 5000, 17], [1] * 64, [9000, 16, 4000, 1200] * 3, [16384]], scalars)
 
 
 def test_cuda_core_decode_replay_after_replanning(workspace):

@@ -20,7 +20,8 @@ ms. The custom variant's per-element work (the key's position, the known-visible
 outside it) costs more than the pieces' merge, so pieces are the default (planner.SPLIT_ROWS).
 Gaps run where pieces cannot: rows the pieces would leave on their hull, because a piece's
 custom run or fa3 window run would read into the row's other pieces (pieces.py) - there they
-replace the hull's keys by the union's.
+replace the hull's keys by the union's - and every such row in CUDA-graph mode, whose fixed
+launch slots and static workspace take in-place launch requests but no partial outputs.
 
 Rows of an inexact term and rows of more than MAX_PIECES intervals (row_pieces: count 0) are
 not touched: they run custom over their hull, as before.

@@ -134,9 +134,11 @@ class Planner:
         # fa3 GQA packing for batches of short requests (pack_gqa below); a switch for comparisons.
         self.pack_gqa_enabled = True
         # Rows that see several key intervals (at most this many; 0: off, such rows run custom over
-        # their hull), not in CUDA-graph mode (yet), run as ``split_rows`` says: "gaps", custom launch
-        # requests whose page lists skip the gaps between their rows' intervals (gaps.py), or
-        # "pieces", one launch request per interval merged by LSE (pieces.py). Switches for comparisons.
+        # their hull) run as ``split_rows`` says: "gaps", custom launch requests whose page lists
+        # skip the gaps between their rows' intervals (gaps.py), or "pieces", one launch request per
+        # interval merged by LSE (pieces.py). Switches for comparisons. CUDA-graph mode always
+        # runs gaps: they write in place, so the fixed launch slots and workspace hold them as
+        # they are; pieces would need partial outputs and a merge sized per batch.
         self.max_pieces = MAX_PIECES
         self.split_rows = SPLIT_ROWS
         # A first piece of at most this many keys computed by run()'s merge (pieces.py's
@@ -239,7 +241,7 @@ class Planner:
             self.graph.rows.copy_(self.staging.to_device([batch.total_q], torch.int32))
         row_pass = planned and batch.total_q > 0  # (an empty graph-mode batch: plan_direct lays out its slots)
         o[PlanOption.DIRECT] = int(not row_pass)
-        pieces = row_pass and self.graph is None and self.max_pieces > 0
+        split = row_pass and self.max_pieces > 0
         o[PlanOption.MAX_PIECES] = 0
         kv_indices = self.staging.on_device(kv_indices).contiguous()  # (plan() never waits for the GPU)
         merge = None
@@ -247,8 +249,8 @@ class Planner:
         # A row that sees several key intervals is a custom row of the row kernel's plan: only then
         # is the batch planned again with such rows split (the row rules in torch ops, ms of host
         # time at 64k rows: paid only by batches that have custom rows).
-        if pieces and values[HeaderField.CUSTOM] and may_split(self.form, self.spec, args):
-            o[PlanOption.MAX_PIECES] = min(self.max_pieces, MAX_PIECES)
+        if split and values[HeaderField.CUSTOM] and may_split(self.form, self.spec, args):
+            o[PlanOption.MAX_PIECES] = min(self.max_pieces, MAX_PIECES) if self.split_how == "pieces" else 0
             self.staging.record()
             self.staging.begin()  # (the first plan's copies out of the mirror have run: it is free again)
             values, merge = self._build_split(batch, indices, kv_indices, args, pack)
@@ -270,8 +272,7 @@ class Planner:
         at 64k rows), the launch builder on their segments, then its copy and page gather in
         torch ops. The descriptor's values and the rows run() merges (None: no row was split),
         with their rows in the launches' outputs (GQA packing ``pack``)."""
-        if self.split_rows == "gaps":
-            self._opt[PlanOption.MAX_PIECES] = 0  # (every launch request writes in place)
+        if self.split_how == "gaps":  # (every launch request writes in place: MAX_PIECES is 0)
             table = gap_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
                                  self.device)
         else:
@@ -279,7 +280,7 @@ class Planner:
                                    self.device, int(self._opt[PlanOption.MAX_PIECES]),
                                    self.max_window_launches if self.fa3 else None, packed=pack > 1)
         inline = None
-        if self.split_rows != "gaps" and self.inline_keys > 0 and self.inline_allowed:
+        if self.split_how == "pieces" and self.inline_keys > 0 and self.inline_allowed:
             found_inline = inline_first_pieces(table, self.inline_keys, self.max_window_launches if self.fa3 else None)
             if found_inline is not None:
                 table, inline = found_inline
@@ -287,11 +288,8 @@ class Planner:
             device_ws, host_ws = self._workspace_pair()
             self.module.build_launches(indices, table, self.options, host_ws, self.desc)
             values = self.desc.tolist()
-            if values[HeaderField.STATUS] == Status.WORKSPACE:
-                self._grow(values[HeaderField.NEED])
+            if not self._built(values):
                 continue
-            if values[HeaderField.STATUS] != Status.OK:
-                raise LaunchError(f"internal: the launch builder answered status {values[HeaderField.STATUS]}")
             finish_plan(values, host_ws, device_ws, kv_indices, self.staging)
             if inline is not None:
                 return values, self._inline_merge(batch, indices, kv_indices, inline).packed(pack)
@@ -339,21 +337,35 @@ class Planner:
                 self.module.plan_direct(indices, self.options, kv_indices, device_ws, host_ws, self.desc)
             self.staging.queued()  # the starts and the workspace go over from kept page-locked buffers
             values = self.desc.tolist()
-            status = values[HeaderField.STATUS]
             if args is not None:
                 # room for twice this batch's launch requests next time, and a first read-back of that many
                 count = values[HeaderField.SEGMENTS]
                 self.segment_capacity = max(self.segment_capacity, 1 << (2 * count).bit_length())
                 self.segment_read = max(64, 2 * count)
-            if status == Status.OK:
+            if self._built(values, segments_retry=args is not None):
                 return values
-            if status == Status.WORKSPACE:
-                self._grow(values[HeaderField.NEED])
-            elif status in (Status.SLOT_REQUESTS, Status.SLOT_PAGES):
-                raise self._capacity_error(status, values[HeaderField.AT], values[HeaderField.NEED])
-            elif status != Status.SEGMENTS:
-                raise LaunchError(f"internal: the launch builder answered status {status}")
         raise LaunchError("internal: the launch builder still asks for room after the buffers grew")
+
+    @property
+    def split_how(self) -> str:
+        """How this plan runs rows of several key intervals: ``split_rows``, or "gaps" in CUDA-graph mode."""
+        return "gaps" if self.graph is not None else self.split_rows
+
+    def _built(self, values: list[int], segments_retry: bool = False) -> bool:
+        """Whether the launch builder's answer is a plan: False where it asked for a larger
+        workspace (grown here) or segment buffer (``segments_retry``: the caller grew it); a
+        CUDA-graph launch slot that does not fit the capacity raises, naming the field to raise."""
+        status = values[HeaderField.STATUS]
+        if status == Status.OK:
+            return True
+        if status == Status.WORKSPACE:
+            self._grow(values[HeaderField.NEED])
+            return False
+        if status in (Status.SLOT_REQUESTS, Status.SLOT_PAGES):
+            raise self._capacity_error(status, values[HeaderField.AT], values[HeaderField.NEED])
+        if status == Status.SEGMENTS and segments_retry:
+            return False
+        raise LaunchError(f"internal: the launch builder answered status {status}")
 
     def _capacity_error(self, status: int, slot: int, need: int) -> LaunchError:
         assert self.graph is not None
