@@ -168,7 +168,22 @@ def test_json_of_a_small_request_has_the_grid_and_the_cost_of_every_class():
 
 
 def test_text_of_a_long_request_skips_the_grid_and_lists_some_launches():
-    r = run(str(SPECS_DIR / "streaming_sink.yaml"), "--qo", "16384", "--kv", "16384")
+    r = run(str(SPECS_DIR / "document.yaml"), "--qo", "16384", "--kv", "16384")
     assert r.exit_code == 0, r.output
     assert "drawn for requests of up to 256" in r.stdout and "more launch requests" in r.stdout
     assert "cost: keys read" in r.stdout
+
+
+def test_explain_shows_the_pieces_plan_makes_and_their_cost():
+    """A row of two key intervals (streaming_sink's sinks and window) is split into pieces by
+    plan(): explain lists those launch requests and costs them - not the hull the row kernel
+    alone would run (a regression: explain reported 4.31x at 8192 tokens where plan() reads 1.00x)."""
+    r = run(str(SPECS_DIR / "streaming_sink.yaml"), "--qo", "8192", "--kv", "8192", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["keys_read"] == out["keys_visible"], out["by_class"]
+    pieces = sorted({la["piece"] for la in out["launch_requests"]})
+    assert pieces == [-1, 0, 1] and "custom" not in out["by_class"], out["launch_requests"]
+    text = run(str(SPECS_DIR / "streaming_sink.yaml"), "--qo", "40", "--kv", "40", "--arg", "window=8",
+               "--arg", "num_sink=2").stdout
+    assert "piece 0" in text and "piece 1" in text and "split into 2 pieces" in text, text

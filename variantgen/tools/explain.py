@@ -9,7 +9,8 @@ chunked prefill) this shows:
 * the key intervals the planner derives (intervals.analyze: the mask as a union of terms,
   each row's interval [lo, hi] and whether it is exact or a hull);
 * which rows run dense / causal / window / custom, and the launch requests they form
-  (rowrules.py: the row rules the spec's planner module runs on the GPU, in torch ops);
+  (cost.planned_requests: the row rules the spec's planner module runs on the GPU, in torch ops,
+  with rows that see several key intervals split into pieces, as plan() does);
 * the cost: keys the launch requests read against keys the mask shows, per launch class and in
   total (cost.py). Requests of up to MAX_REQUEST tokens are planned and costed; the grid and the
   rows are drawn only up to MAX_GRID.
@@ -79,6 +80,8 @@ class LaunchRequest:
     pages: int
     window: int  # the kernel's left window, -1 for none
     visible: tuple[int, int] = (0, -1)  # custom: keys every row sees, where the mask is skipped (empty: hi < lo)
+    piece: int = -1  # its rows' key interval it reads (0, 1, ...: merged by LSE after the launches; -1: in place)
+    gaps: tuple[tuple[int, int], ...] = ()  # key ranges [from, to) its page list skips
 
 
 @dataclass(frozen=True)
@@ -239,10 +242,10 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
     """The mask grid, per-row intervals and planner classes for one request (CPU)."""
     import torch
 
-    from ..planning.cost import cost_of, visible_keys
+    from ..planning.cost import cost_of, planned_requests, visible_keys
     from ..planning.intervals import analyze, row_intervals
     from ..planning.plan import LaunchRequest as Planned
-    from ..planning.rowrules import classify_rows, segments
+    from ..planning.rowrules import classify_rows
     from ..wrappers.reference import RequestGrid, mask_for_request
 
     check_request(qo_len, kv_len, page_size=page_size, heads=heads, head=head)
@@ -276,13 +279,13 @@ def explain(spec: VariantSpec, qo_len: int, kv_len: int, args: dict[str, ArgValu
             rows.append(RowInfo(int(q_pos[r]), lo, hi, bool(iv.exact[r]), bool(iv.empty[r]), CLASS_NAMES[cls],
                                 int(rec[3, r]), outside, dense_hi, hidden))
         counts = dict.fromkeys(CLASS_NAMES, 0) | {"custom_rows": 0}
-        for seg in segments(rec, page_size).tolist():  # the launch requests fa2 runs (fa3: a window launch each)
-            la = Planned.from_segment(seg, page_size)
-            planned.append(la)
+        # the launch requests fa2 runs (fa3: a window launch each), rows of several intervals split
+        planned, _ = planned_requests(spec, values, [qo_len], [kv_len], page_size)
+        for la in planned:
             launches.append(LaunchRequest(la.rows, la.cls.label, la.mode.label, la.keys, la.pages, la.window,
-                                          la.visible))
+                                          la.visible, la.piece, la.gaps))
             counts[la.cls.label] += 1
-            counts["custom_rows"] += (la.rows[1] - la.rows[0]) if la.cls.label == "custom" else 0
+            counts["custom_rows"] += (la.rows[1] - la.rows[0]) if la.cls.label == "custom" and la.piece <= 0 else 0
     elif small:
         rows = [RowInfo(int(p), 0, kv_len - 1, False, False, "", 0, 0) for p in q_pos]
     visible, hull_rows = visible_keys(spec, values, [qo_len], [kv_len])  # (query head 0 where the mask reads heads)
@@ -318,7 +321,8 @@ def render(e: Explanation) -> str:
         out.append(f"interval planner: off ({e.form.reason}); every row runs the custom mask over all its keys")
         out += _cost_lines(e)
         return "\n".join(out)
-    out.append("key intervals (the mask as a union of terms; per row the planner keeps their hull):")
+    out.append("key intervals (the mask as a union of terms; a row that sees several runs of them split into "
+               "pieces, else their hull):")
     for i, term in enumerate(e.form.terms):
         out.append(f"  term {i + 1}: {term.describe() or 'every key'}")
     wrong = [info for info in e.rows if info.outside or info.hidden]
@@ -335,8 +339,10 @@ def render(e: Explanation) -> str:
                 if la.cls == "tail" else "")
         if la.cls == "custom" and la.visible[1] >= la.visible[0]:
             tail = f", the mask skipped on keys {la.visible[0]}-{la.visible[1]} (visible to every row)"
-        out.append(f"  {rows:12} ({qp}): {la.cls:6}  keys {la.keys[0]}-{la.keys[1] - 1} ({la.pages} page(s)), "
-                   f"mask mode {la.mode}{window}{tail}")
+        skips = "".join(f", skipping keys {f}-{t - 1}" for f, t in la.gaps)
+        piece = f", piece {la.piece}" if la.piece >= 0 else ""
+        out.append(f"  {rows:12} ({qp}): {la.cls:6}  keys {la.keys[0]}-{la.keys[1] - 1} ({la.pages} page(s)"
+                   f"{skips}), mask mode {la.mode}{window}{piece}{tail}")
     if len(e.launches) > MAX_LAUNCH_LINES:
         out.append(f"  ... and {len(e.launches) - MAX_LAUNCH_LINES} more launch requests")
     c = e.segment_counts
@@ -388,7 +394,8 @@ def to_json(e: Explanation) -> dict[str, Any]:
     out |= e.cost.to_json() if e.cost is not None else {}
     out["terms"] = [t.describe() for t in e.form.terms] if e.form.planner_ready else []
     out["launch_requests"] = [{"rows": list(la.rows), "class": la.cls, "mode": la.mode, "keys": list(la.keys),
-                               "pages": la.pages, "window": la.window} for la in e.launches]
+                               "pages": la.pages, "window": la.window, "piece": la.piece,
+                               "gaps": [list(g) for g in la.gaps]} for la in e.launches]
     if e.mask is not None:
         out["grid"] = ["".join(VISIBLE if v else MASKED for v in row) for row in e.mask.tolist()]
         out["row_intervals"] = [{"q_pos": r.q_pos, "lo": r.lo, "hi": r.hi, "exact": r.exact, "empty": r.empty,
@@ -414,6 +421,10 @@ def _row_text(e: Explanation, info: RowInfo) -> str:
     else:
         interval = f"[{info.lo}, {info.hi}] {'exact' if info.exact else 'hull'}"
     cls = info.cls + (f" w={info.param}" if info.cls == "window" else "")
+    pieces = sum(1 for la in e.launches if la.piece >= 0 and la.rows[0] <= info.q_pos - (e.kv_len - e.qo_len)
+                 < la.rows[1])
+    if pieces:  # (the row's hull is not read: each of its intervals is a launch request, merged by LSE)
+        cls = f"split into {pieces} pieces"
     flag = f"  ! {info.outside} visible key(s) outside" if info.outside else ""
     flag += f"  ! {info.hidden} masked key(s) in the dense part" if info.hidden else ""
     return f"{interval:18} {cls}{flag}"
