@@ -29,6 +29,11 @@ __device__ __forceinline__ int32_t vg_key_pos(int32_t base, int32_t i, const int
   for (int j = 0; j < N; ++j) pos += i >= gap_at[j] ? gap_len[j] : 0;
   return pos;
 }
+// The absolute position of list key i of a launch request over a page list (planning/keysets.py):
+// its page's first key (the table: one int32 per listed page) plus its slot in the page.
+__device__ __forceinline__ int32_t vg_listed_key_pos(const int32_t* table, int32_t page_size, int32_t i) {
+  return table[i / page_size] + i % page_size;
+}
 __device__ __forceinline__ int32_t vg_floordiv(int32_t a, int32_t b) {
   if (b == 0) return 0;  // defined as 0, like the reference, instead of a trap
   // -a, wrapping at INT32_MIN (whose quotient 2^31 leaves the int range): a / -1 is undefined there

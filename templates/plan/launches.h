@@ -27,7 +27,8 @@ struct Options {
   int64_t page_size, num_sm, fa3_cta_tile_q, num_qo_heads, num_kv_heads, head_dim_qk, head_dim_vo, kv_dtype_bytes,
       fa2_min_tiles, max_window_launches, read_expect, graph_requests, graph_pages, graph_rows, window_count,
       pack,  // fa3 GQA packing: query heads per row group (1: off)
-      max_pieces;  // key intervals a row's launch requests may read apart (0: every row one launch request)
+      max_pieces,  // key intervals a row's launch requests may read apart (0: every row one launch request)
+      list_rows;   // rows at the segment table's end that hold page lists, not segments
   bool fa3, direct;
   int64_t windows[kFa3MaxWindowLaunches];
   bool graph() const { return graph_requests > 0; }
@@ -58,6 +59,7 @@ inline Options read_options(const int64_t* o, int64_t count) {
   c.window_count = o[kOptionWindowCount];
   c.pack = std::max<int64_t>(o[kOptionPackGqa], 1);
   c.max_pieces = o[kOptionMaxPieces];
+  c.list_rows = o[kOptionListRows];
   for (int i = 0; i < kFa3MaxWindowLaunches; ++i) c.windows[i] = o[kOptionWindows + i];
   VG_REQUIRE(c.page_size > 0 && c.num_sm > 0 && c.fa3_cta_tile_q > 0) << "options: page_size, num_sm, cta tile";
   VG_REQUIRE(c.num_kv_heads > 0 && c.num_qo_heads > 0 && c.num_qo_heads % c.num_kv_heads == 0)
@@ -76,6 +78,10 @@ inline Options read_options(const int64_t* o, int64_t count) {
   // With GQA packing a piece's launch requests write packed partial rows, as its in-place ones do.)
   VG_REQUIRE(c.max_pieces >= 0 && c.max_pieces <= kMaxPieces && (c.max_pieces == 0 || !c.graph()))
       << "options: max_pieces=" << c.max_pieces << " (at most " << kMaxPieces << "; 0 in CUDA-graph mode)";
+  // (a page list's position table lives in its launch's metadata, sized per batch: not in the
+  // fixed slots of CUDA-graph mode)
+  VG_REQUIRE(c.list_rows >= 0 && (c.list_rows == 0 || !c.graph()))
+      << "options: list_rows=" << c.list_rows << " (0 in CUDA-graph mode)";
   return c;
 }
 
@@ -116,8 +122,30 @@ struct Request {
   int64_t piece;  // -1: output in place; p: the rows' p-th key interval, into partial output p
   // keys [gap_from[j], gap_to[j]) of [kv_begin, kv_end) its page list skips (j < gaps; custom only)
   int64_t gaps, gap_from[kMaxKeyGaps], gap_to[kMaxKeyGaps];
-  int64_t page_first, pages, last_page_len;  // (pages: those it reads, its hull's less the gaps')
+  // or (custom, in place, no gaps) the request-local pages it reads, ascending: list_len of them at `list`
+  const int64_t* list;
+  int64_t list_len;
+  int64_t page_first, pages, last_page_len;  // (pages: those it reads, its hull's less the gaps', or its list's)
 };
+
+// A request's page list from its segment: ascending request-local pages of its range
+// [kv_begin, kv_end), at an entry of the list rows; a custom, in-place run without gaps only.
+inline bool read_page_list(const int64_t* g, Request& r, const int64_t* lists, int64_t list_entries,
+                           int64_t page_size) {
+  const int64_t at = g[kSegPageListAt], n = g[kSegPageListLen];
+  r.list = nullptr;
+  r.list_len = 0;
+  if (at == 0 && n == 0) return true;
+  if (n < 1 || at < 0 || at > list_entries - n || r.cls != kCustom || r.piece != -1 || r.gaps != 0) return false;
+  const int64_t first = r.kv_begin / page_size, end = ceil_div(r.kv_end, page_size);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t page = lists[at + j];
+    if (page < first || page >= end || (j > 0 && page <= lists[at + j - 1])) return false;
+  }
+  r.list = lists + at;
+  r.list_len = n;
+  return true;
+}
 
 // A request's gaps from its segment: page-aligned, ascending, apart, with keys it reads on both
 // sides; a custom run's only. Empty ones (0, 0) close the list. False where they are not so.
@@ -145,7 +173,8 @@ inline bool read_gaps(const int64_t* g, Request& r, int64_t page_size) {
 // of piece 1, 2 ... up to max_pieces - 1, each piece in row order, over rows that have the
 // piece before it - so a row's pieces are 0 .. k-1 and run()'s merge reads exactly those.
 inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, const Batch& b, int64_t page_size,
-                                          int64_t max_pieces = 0) {
+                                          int64_t max_pieces = 0, const int64_t* lists = nullptr,
+                                          int64_t list_entries = 0) {
   std::vector<Request> out(nseg);
   int64_t row = 0, piece_row = 0, last_piece = 0;
   std::vector<int8_t> pieces_of_row;  // rows' pieces so far (only when some segment has pieces)
@@ -164,6 +193,7 @@ inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, cons
     r.vis_hi = g[kSegVisHi];
     r.piece = g[kSegPiece];
     const bool gaps_ok = read_gaps(g, r, page_size);
+    const bool list_ok = read_page_list(g, r, lists, list_entries, page_size);
     VG_REQUIRE(r.piece >= -1 && r.piece < std::max<int64_t>(max_pieces, 0) + (r.piece == -1))
         << "segments: row " << i << " has piece " << r.piece << " (pieces on: " << max_pieces << ")";
     if (r.piece >= 1) {  // after the partition: rows of piece - 1, pieces in order, rows in order
@@ -203,12 +233,20 @@ inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, cons
         << r.request << " (" << kv_len << " keys, page size " << page_size << ")";
     VG_REQUIRE(gaps_ok) << "segments: row " << i << " (class " << r.cls << ", keys " << r.kv_begin << "-" << r.kv_end
                         << ") skips gaps that are not page-aligned, ascending and inside its keys, or is not custom";
+    VG_REQUIRE(list_ok) << "segments: row " << i << " (class " << r.cls << ", piece " << r.piece << ", keys "
+                        << r.kv_begin << "-" << r.kv_end << ") has a page list that is not ascending pages of its "
+                        << "keys inside the list rows, or is not a custom run in place without gaps";
     row += r.rows;
     const int64_t hull_pages = ceil_div(r.kv_end - r.kv_begin, page_size);
     r.pages = hull_pages;
     for (int j = 0; j < r.gaps; ++j) r.pages -= (r.gap_to[j] - r.gap_from[j]) / page_size;
     r.page_first = b.page_start[r.request] + r.kv_begin / page_size;
     r.last_page_len = hull_pages > 0 ? r.kv_end - r.kv_begin - (hull_pages - 1) * page_size : 0;
+    if (r.list_len > 0) {  // (its last page is its range's last only where the list ends there)
+      const int64_t last = r.list[r.list_len - 1];
+      r.pages = r.list_len;
+      r.last_page_len = last == ceil_div(r.kv_end, page_size) - 1 ? r.kv_end - last * page_size : page_size;
+    }
   }
   VG_REQUIRE(row == b.total_q) << "segments: they cover " << row << " of the batch's " << b.total_q << " rows";
   return out;
@@ -222,7 +260,7 @@ inline std::vector<int64_t> direct_segments(const Batch& b) {
     if (b.qo_len(r) == 0) continue;
     const int64_t g[kSegFields] = {b.q_start[r], b.q_start[r + 1], r, kCustom, -1, 0, b.kv_len(r),
                                    b.kv_len(r) - b.qo_len(r), 0, -1, -1};  // (no keys known visible; in place; no gaps)
-    static_assert(kSegFields == 11 + 2 * kMaxKeyGaps && kSegFirstRow == 0 && kSegEndRow == 1 && kSegRequest == 2 &&
+    static_assert(kSegFields == 13 + 2 * kMaxKeyGaps && kSegPageListAt == 11 + 2 * kMaxKeyGaps && kSegFirstRow == 0 && kSegEndRow == 1 && kSegRequest == 2 &&
                   kSegClass == 3 && kSegWindow == 4 && kSegKvBegin == 5 && kSegKvEnd == 6 && kSegQPos == 7 &&
                   kSegVisLo == 8 && kSegVisHi == 9 && kSegPiece == 10 && kSegGapFrom1 == 11, "segment layout");
     seg.insert(seg.end(), g, g + kSegFields);
@@ -524,7 +562,7 @@ inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options&
 
   // Layout (sizes only): the table, each slot's metadata, each slot's schedule, the pages.
   int64_t table_ranges = 0;  // room for (first entry, shift, count) per non-empty launch request
-  for (const Request& r : reqs) table_ranges += r.pages > 0 ? 1 + r.gaps : 0;
+  for (const Request& r : reqs) table_ranges += r.pages > 0 ? (r.list_len > 0 ? r.list_len : 1 + r.gaps) : 0;
   if (graph) table_ranges = std::max(table_ranges, slots * c.graph_requests);
   int64_t at = align16(12 * table_ranges);
   std::vector<int64_t> region(slots), slot_n(slots), kind(slots, kScheduleFlashInfer), sched_at(slots, 0);
@@ -533,7 +571,10 @@ inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options&
   for (int64_t l = 0; l < slots; ++l) {
     slot_n[l] = graph ? c.graph_requests : int64_t(launches[l].members.size());
     region[l] = at;
-    at = align16(at + 4 * metadata_ints(slot_n[l]));
+    int64_t page_tables = 0;  // (after the metadata arrays: one int32 per page of each page list)
+    if (l < int64_t(launches.size()))
+      for (const int32_t i : launches[l].members) page_tables += reqs[i].list_len;
+    at = align16(at + 4 * (metadata_ints(slot_n[l]) + page_tables));
   }
   std::vector<std::vector<int32_t>> plan_qo(slots);  // per slot, the rows packed (the schedules need them first)
   for (int64_t l = 0; l < slots; ++l) {
@@ -593,6 +634,7 @@ inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options&
     int32_t* last_page_len = kv_indptr + n + 1;
     int32_t* meta = last_page_len + n;
     int32_t* qo = meta + kMetaColumns * n;
+    int64_t table_at = kMetaColumns * n + n + 1;  // the next page list's position table, from meta
     if (graph) page_at = l * c.graph_pages;
     bool packed = !graph;
     kv_indptr[0] = 0;
@@ -607,6 +649,7 @@ inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options&
         row[VG_META_KERNEL_WINDOW] = -1;
         row[VG_META_VIS_HI] = -1;
         for (int j = 0; j < kMaxKeyGaps; ++j) row[VG_META_GAP_AT_1 + 2 * j] = kNoGapAt;
+        row[VG_META_PAGE_TABLE_AT] = -1;
         continue;
       }
       const Request& r = reqs[members[k]];
@@ -642,21 +685,31 @@ inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options&
         if (on) skipped += r.gap_to[j] - r.gap_from[j];
       }
       packed = packed && q_starts[k] == plan_qo[l][k];
-      // its pages in the gathered list: a range per run of pages between gaps, each merged with
-      // the last range where contiguous
+      row[VG_META_PAGE_TABLE_AT] = r.list_len > 0 ? int32_t(table_at) : -1;
+      row[VG_META_LIST_PAGE_SIZE] = int32_t(c.page_size);
+      // its pages in the gathered list, each range merged with the last where contiguous: a
+      // range per run of pages between gaps, or per page of its list (with the list's key
+      // positions in its table)
       int64_t page = r.page_first, entry = page_at + kv_indptr[k];
-      for (int j = 0; j <= r.gaps && r.pages > 0; ++j) {
-        const int64_t end = j < r.gaps ? b.page_start[r.request] + r.gap_from[j] / c.page_size
-                                       : r.page_first + ceil_div(r.kv_end - r.kv_begin, c.page_size);
-        const int32_t out = int32_t(entry), n_pages = int32_t(end - page), d = int32_t(page) - out;
+      const auto add_range = [&](int64_t from_page, int64_t n_pages) {
+        const int32_t out = int32_t(entry), d = int32_t(from_page) - out;
         if (!count.empty() && first_entry.back() + count.back() == out && shift.back() == d) {
-          count.back() += n_pages;
+          count.back() += int32_t(n_pages);
         } else {
           first_entry.push_back(out);
           shift.push_back(d);
-          count.push_back(n_pages);
+          count.push_back(int32_t(n_pages));
         }
         entry += n_pages;
+      };
+      for (int64_t j = 0; j < r.list_len; ++j) {
+        add_range(b.page_start[r.request] + r.list[j], 1);
+        meta[table_at++] = int32_t(r.list[j] * c.page_size);
+      }
+      for (int j = 0; j <= r.gaps && r.pages > 0 && r.list_len == 0; ++j) {
+        const int64_t end = j < r.gaps ? b.page_start[r.request] + r.gap_from[j] / c.page_size
+                                       : r.page_first + ceil_div(r.kv_end - r.kv_begin, c.page_size);
+        add_range(page, end - page);
         if (j < r.gaps) page = b.page_start[r.request] + r.gap_to[j] / c.page_size;
       }
     }

@@ -76,7 +76,8 @@ inline void check_device_args(const HostArgs& a, const TensorView& kv_indices, c
 
 }  // namespace vg_plan
 
-// segments: int64 [n, kSegFields] on the host, in row order (ignored with kOptionDirect).
+// segments: int64 [n, kSegFields] on the host, in row order (ignored with kOptionDirect), then
+// kOptionListRows rows of page lists (SegField.PAGE_LIST_AT / PAGE_LIST_LEN index them).
 void VgBuildLaunches(TensorView indices, TensorView segments, TensorView options, TensorView workspace_host,
                      TensorView desc) {
   vg_plan::HostArgs a = vg_plan::host_args(indices, options, workspace_host, desc);
@@ -92,9 +93,12 @@ void VgBuildLaunches(TensorView indices, TensorView segments, TensorView options
     VG_REQUIRE(segments.dtype() == dl_int64 && segments.ndim() == 2 && segments.size(1) == vg_abi::kSegFields)
         << "segments: expected int64 [n, " << vg_abi::kSegFields << "]";
     seg = static_cast<const int64_t*>(segments.data_ptr());
-    nseg = segments.size(0);
+    VG_REQUIRE(a.options.list_rows <= segments.size(0))
+        << "segments: " << segments.size(0) << " rows, fewer than the options' " << a.options.list_rows << " list rows";
+    nseg = segments.size(0) - a.options.list_rows;  // (then the page lists' rows)
   }
-  auto reqs = vg_plan::read_segments(seg, nseg, a.batch, a.options.page_size, a.options.max_pieces);
+  auto reqs = vg_plan::read_segments(seg, nseg, a.batch, a.options.page_size, a.options.max_pieces,
+                                     seg + nseg * vg_abi::kSegFields, a.options.list_rows * vg_abi::kSegFields);
   vg_plan::write_plan(std::move(reqs), a.batch, a.options, a.host, a.capacity, a.desc, a.desc_count);
 }
 

@@ -31,7 +31,7 @@ def _clean_env(vg_env):
 
 
 def gaps_of(seg: list[int]) -> list[tuple[int, int]]:
-    return [(seg[f], seg[f + 1]) for f in range(SegField.GAP_FROM_1, len(seg), 2) if seg[f + 1] > seg[f]]
+    return [(seg[f], seg[f + 1]) for f in range(SegField.GAP_FROM_1, SegField.GAP_TO_3 + 1, 2) if seg[f + 1] > seg[f]]
 
 
 @pytest.mark.parametrize("page_size", [1, 5, 16])

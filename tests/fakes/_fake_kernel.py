@@ -110,16 +110,31 @@ def skipped_keys(meta_row: list[int]) -> int:
     return sum(meta_row[MetaColumn.GAP_LEN_1 + 2 * g] for g in range(MAX_KEY_GAPS))
 
 
+def page_table(meta_t: torch.Tensor, meta_row: list[int], pages: int) -> torch.Tensor | None:
+    """The key positions of a launch request's listed pages (vg_meta's PAGE_TABLE_AT: int32 from
+    the launch's first vg_meta row, laid out after its metadata arrays), None without a list."""
+    if len(meta_row) <= MetaColumn.PAGE_TABLE_AT or meta_row[MetaColumn.PAGE_TABLE_AT] < 0:
+        return None
+    at = meta_t.storage_offset() + meta_row[MetaColumn.PAGE_TABLE_AT]
+    assert at + pages <= meta_t.untyped_storage().nbytes() // 4, "a page table past the workspace"
+    return torch.as_strided(meta_t, (pages,), (1,), at).long()
+
+
 def launch_env(meta_row: list[int], qo_len: int, kv_len: int, hq: int, group: int, *,
-               local_q_idx: bool = False) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+               local_q_idx: bool = False, table: torch.Tensor | None = None
+               ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """The expression builtins of one launch request as the generated hooks compute them from
     its vg_meta row, over [heads, qo_len, kv_len], and the local indices i [1, qo, 1], j [1, 1, kv].
-    ``local_q_idx``: q_idx as the launch request's row (the pre-fix codegen) instead of the request's."""
+    ``local_q_idx``: q_idx as the launch request's row (the pre-fix codegen) instead of the request's.
+    ``table``: its page list's key positions (page_table), which place list key j as key_pos does."""
     q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len = meta_row[:7]
     i64 = torch.int64
     i = torch.arange(qo_len, dtype=i64).view(1, -1, 1)
     j = torch.arange(kv_len, dtype=i64).view(1, 1, -1)
     q_pos, kv_pos = q_pos_base + i, kv_pos_base + j + gap_shift(meta_row, j)
+    if table is not None:
+        ps = meta_row[MetaColumn.LIST_PAGE_SIZE]
+        kv_pos = table[j // ps] + j % ps
     qo_head = torch.arange(hq, dtype=i64).view(-1, 1, 1)
     env = {
         "q_pos": q_pos, "kv_pos": kv_pos, "q_idx": i if local_q_idx else q_pos - (req_kv_len - req_qo_len),
@@ -407,6 +422,9 @@ class FakeModule:
             assert 0 <= qs[b] and qs[b] + qo_len <= total_q and 0 <= o_row and o_row + qo_len <= total_q
             assert 0 <= kv_pos_base and kv_pos_base + kv_len + skipped_keys(meta[b]) <= req_kv_len, (b, meta[b], kv_len)
             assert mask_mode == 2 or skipped_keys(meta[b]) == 0, "gaps in a launch request of an exact launch"
+            table = page_table(meta_t, meta[b], npages)
+            assert table is None or mask_mode == 2, "a page list in a launch request of an exact launch"
+            assert table is None or bool((table[1:] > table[:-1]).all() and table[-1] < req_kv_len), table
             rows_total += qo_len
             if qo_len == 0:
                 continue
@@ -418,7 +436,7 @@ class FakeModule:
             qb = q[qs[b]:qs[b] + qo_len].float()
             scores = torch.einsum("qhd,khd->hqk", qb, k) * sm_scale
 
-            env, i, j = launch_env(meta[b], qo_len, kv_len, hq, group, local_q_idx=self.codegen_q_idx)
+            env, i, j = launch_env(meta[b], qo_len, kv_len, hq, group, local_q_idx=self.codegen_q_idx, table=table)
             scores = scores_with_logits(self.spec, env, args, scores)
             if mask_mode == 2:
                 visible = kernel_mask(self.spec, env, args, (hq, qo_len, kv_len), meta[b])
@@ -552,9 +570,10 @@ class FakeFa3Module(FakeModule):
         p = self._fa3_work_list(int_ws, list(plan_info), meta_t.tolist(), k_cache.shape[1],
                                 fa3_cta_tile_q(out.shape[2]), q.shape[0])
         assert window_left == -1 or mask_mode == 1, "a left window only exists in causal launches"
-        meta = meta_t.clone()
-        meta[:, MetaColumn.KERNEL_WINDOW] = window_left if mask_mode == 1 else -1  # fa3 ignores vg_meta's window
-        extra = (*extra[:n_t], meta, *extra[n_t + 1:])
+        # fa3 ignores vg_meta's window: the rows run with the launch's (set on the workspace's rows for
+        # this run - the page tables after them stay where the rows point - and put back after it)
+        saved = meta_t[:, MetaColumn.KERNEL_WINDOW].clone()
+        meta_t[:, MetaColumn.KERNEL_WINDOW] = window_left if mask_mode == 1 else -1
         info = [p["n"], 0, 0, 64, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
         # the work list's first rows, where FakeModule reads o_indptr (a stand-in workspace)
         stand_in = torch.zeros(4 * (p["n"] + 1), dtype=torch.uint8)
@@ -569,6 +588,7 @@ class FakeFa3Module(FakeModule):
                               *extra)
         finally:
             del self._planned[stand_in.data_ptr()]
+            meta_t[:, MetaColumn.KERNEL_WINDOW] = saved
 
     def _packed_run(self, float_ws, int_ws, plan_info, q, k_cache, v_cache, kv_indices, out, lse, mask_mode, layout,
                     window_left, group, enable_pdl, *extra):

@@ -100,6 +100,13 @@ class MetaColumn(IntEnum):
     GAP_LEN_2 = 14
     GAP_AT_3 = 15
     GAP_LEN_3 = 16
+    # A launch request over a page list (SegField's PAGE_LIST_*: a sparse key set, keysets.py): its
+    # list key i sits at vg_meta[PAGE_TABLE_AT + i / LIST_PAGE_SIZE] + i % LIST_PAGE_SIZE, the
+    # table (int32, one absolute key position per listed page) laid out after the launch's
+    # metadata, PAGE_TABLE_AT counted in int32 from the launch's first vg_meta row. -1: no table
+    # (the gaps above say where its keys sit).
+    PAGE_TABLE_AT = 17
+    LIST_PAGE_SIZE = 18
 
 
 META_COLUMNS = len(MetaColumn)
@@ -107,16 +114,19 @@ META_COLUMNS = len(MetaColumn)
 
 def meta_rows(**columns: list[int]) -> list[int]:
     """``vg_meta`` rows, flat, from one list per column (keyword: the MetaColumn's name in lower
-    case; the GAP_* columns may be left out: no gap): the one place outside the launch builder
-    that lays a row out."""
+    case; the GAP_* and page-list columns may be left out: no gap, no page list): the one place
+    outside the launch builder that lays a row out."""
     names = [c.name.lower() for c in MetaColumn]
-    gaps = [c.name.lower() for c in MetaColumn if c.name.startswith("GAP_")]
+    optional = {c.name.lower(): NO_GAP_AT if c.name.startswith("GAP_AT") else -1 if c is MetaColumn.PAGE_TABLE_AT else 0
+                for c in MetaColumn if c.name.startswith("GAP_") or c in (MetaColumn.PAGE_TABLE_AT,
+                                                                          MetaColumn.LIST_PAGE_SIZE)}
     given = sorted(columns)
-    if given != sorted(names) and given != sorted(set(names) - set(gaps)):
-        raise ValueError(f"meta_rows: expected the columns {names} (the gap columns optional), got {given}")
+    if given != sorted(names) and given != sorted(set(names) - set(optional)):
+        raise ValueError(f"meta_rows: expected the columns {names} (the gap and page-list columns optional), "
+                         f"got {given}")
     n = len(next(iter(columns.values()))) if columns else 0
-    for name in gaps:
-        columns.setdefault(name, [NO_GAP_AT if name.startswith("gap_at") else 0] * n)
+    for name, none in optional.items():
+        columns.setdefault(name, [none] * n)
     return [x for row in zip(*(columns[n] for n in names)) for x in row]
 
 
@@ -169,6 +179,13 @@ class SegField(IntEnum):
     GAP_TO_2 = 14
     GAP_FROM_3 = 15
     GAP_TO_3 = 16
+    # A custom launch request whose page list is any ascending set of its request's pages in
+    # [KV_BEGIN, KV_END) (a sparse key set: the pages that hold a key one of its rows sees,
+    # keysets.py): PAGE_LIST_LEN request-local page numbers, int64, at entry PAGE_LIST_AT of the
+    # list rows that follow the segments in the builder's table (PlanOption.LIST_ROWS). 0, 0: none
+    # (its pages are its range's, less the gaps). A list and gaps exclude each other.
+    PAGE_LIST_AT = 17
+    PAGE_LIST_LEN = 18
 
 
 SEG_FIELDS = len(SegField)
@@ -207,7 +224,10 @@ class PlanOption(IntEnum):
     # may be split into one launch request per interval (0: never; CUDA-graph mode and GQA
     # packing: 0). The launch builder takes piece segments only where this is on.
     MAX_PIECES = 18
-    WINDOWS = 19  # then FA3_MAX_WINDOW_LAUNCHES widths
+    # rows at the end of the segment table that are not segments: the page lists of segments
+    # with SegField.PAGE_LIST_LEN > 0, SEG_FIELDS int64 entries per row (0: none)
+    LIST_ROWS = 19
+    WINDOWS = 20  # then FA3_MAX_WINDOW_LAUNCHES widths
 
 
 class Status(IntEnum):
@@ -442,7 +462,9 @@ _COMMENTS = {
     MetaColumn.GAP_LEN_2: "(as GAP_LEN_1)",
     MetaColumn.GAP_AT_3: "the third gap (as GAP_AT_1)",
     MetaColumn.GAP_LEN_3: "(as GAP_LEN_1)",
+    MetaColumn.PAGE_TABLE_AT: "a page list's key positions: int32 per page from vg_meta + this (-1: none)",
+    MetaColumn.LIST_PAGE_SIZE: "keys per page of that list (list key i: its page i / this)",
 }
 assert len([c for c in MetaColumn if c.name.startswith("GAP_AT_")]) == MAX_KEY_GAPS
-assert [c.name for c in SegField][-2 * MAX_KEY_GAPS:] == [f"GAP_{w}_{j}" for j in range(1, MAX_KEY_GAPS + 1)
-                                                          for w in ("FROM", "TO")]
+assert [c.name for c in SegField][-2 * MAX_KEY_GAPS - 2:-2] == [f"GAP_{w}_{j}" for j in range(1, MAX_KEY_GAPS + 1)
+                                                               for w in ("FROM", "TO")]

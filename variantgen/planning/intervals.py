@@ -36,6 +36,7 @@ from .normalize import normalize
 
 KEY_NAMES = {"kv_pos", "kv_row"}
 HEAD_NAMES = {"qo_head", "kv_head"}
+ROW_NAMES = {"q_pos", "q_idx", "q_row", "q_kv_row"}  # (request, qo_len, kv_len: the same for the whole request)
 MAX_TERMS = 8
 BIG = NO_INTERVAL  # no interval: lo = BIG, hi = -BIG
 
@@ -51,13 +52,25 @@ class Term:
     # search; elsewhere the term keeps its hull.
     sorted_eqs: tuple[tuple[str, Node], ...] = ()
     exact: bool = True
+    # Atoms of an inexact term that read the key but not the row (nor the head): a key set the
+    # same for every row of a request (global tokens' flags, kv_pos % block >= block - c). Where
+    # they are all the term drops (not ``opaque``), the term's keys are its bounds' keys in that
+    # set, and a run of rows reads only the pages holding one (keysets.py); else its hull.
+    keys: tuple[Node, ...] = ()
+    opaque: bool = False  # it dropped an atom that reads the key and the row (or the head)
+
+    @property
+    def key_set(self) -> bool:
+        """An inexact term whose keys are a key set within its bounds (keys, nothing opaque)."""
+        return not self.exact and bool(self.keys) and not self.opaque
 
     def describe(self) -> str:
         parts = [f"kv_pos >= {to_source(x)}" for x in self.lows] + [f"kv_pos <= {to_source(x)}" for x in self.highs]
         parts += [f"kv_pos // {to_source(c)} == {to_source(r)}" for c, r in self.chunks]
         parts += [f"{t}[kv_row] == {to_source(v)} (sorted)" for t, v in self.sorted_eqs]
         parts += [to_source(c) for c in self.conds]
-        return " and ".join(parts) + ("" if self.exact else "  (hull)")
+        parts += [f"{to_source(k)} (key set)" for k in self.keys] if self.key_set else []
+        return " and ".join(parts) + ("" if self.exact or self.key_set else "  (hull)")
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,12 @@ class IntervalForm:
 
 def _row_only(node: Node) -> bool:
     return not (names_used(node) & (KEY_NAMES | HEAD_NAMES))
+
+
+def _key_only(node: Node) -> bool:
+    """Reads the key and nothing of the row or the head (request-wide names are fine)."""
+    used = names_used(node)
+    return bool(used & KEY_NAMES) and not used & (ROW_NAMES | HEAD_NAMES)
 
 
 def _neg(node: Node) -> Node:
@@ -178,12 +197,14 @@ def _atom(node: Node, key_tensors: frozenset[str]) -> Term:
                  or _sorted_eq_of_compare(node, key_tensors))
         if found is not None:
             return found
-    return Term(exact=False)  # reads the key in a way we do not model: hull
+    if _key_only(node):  # a key set (keysets.py), not an interval
+        return Term(exact=False, keys=(node,))
+    return Term(exact=False, opaque=True)  # reads the key in a way we do not model: hull
 
 
 def _and(a: Term, b: Term) -> Term:
     return Term(a.conds + b.conds, a.lows + b.lows, a.highs + b.highs, a.chunks + b.chunks,
-                a.sorted_eqs + b.sorted_eqs, a.exact and b.exact)
+                a.sorted_eqs + b.sorted_eqs, a.exact and b.exact, a.keys + b.keys, a.opaque or b.opaque)
 
 
 class _TooComplex(Exception):
@@ -253,7 +274,7 @@ def _names_read(terms: tuple[Term, ...]) -> frozenset[str]:
     used: set[str] = set()
     for t in terms:
         for node in (*t.conds, *t.lows, *t.highs, *(x for pair in t.chunks for x in pair),
-                     *(v for _, v in t.sorted_eqs)):
+                     *(v for _, v in t.sorted_eqs), *(t.keys if t.key_set else ())):
             used |= names_used(node)
         used |= {name for name, _ in t.sorted_eqs}
     return frozenset(used)
@@ -440,13 +461,14 @@ def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch
     empty = ~any_ok & all_exact
     out_lo = torch.where(any_ok, hull_lo, torch.zeros_like(hull_lo))
     out_hi = torch.where(any_ok, hull_hi, kv_len - 1)
-    exact = any_ok & all_exact & contiguous
     # The dense run from the hull's start: exact terms, by their first key, as long as each
-    # starts at most one past the run so far (a hull term neither extends nor breaks it).
+    # starts at most one past the run so far (a hull term neither extends nor breaks it). A row
+    # whose dense run is its whole hull is exact whatever its other terms (a global token's row).
     dense_s = (torch.stack(exacts, 1) & torch.stack(oks, 1)).gather(1, order)
     dense = out_lo - 1
     for t in range(lo_s.shape[1]):
         joins = dense_s[:, t] & (lo_s[:, t] <= dense + 1)
         dense = torch.where(joins, torch.maximum(dense, hi_s[:, t]), dense)
+    exact = any_ok & ((all_exact & contiguous) | (dense >= out_hi))
     dense = torch.where(exact, out_hi, torch.where(any_ok, dense, out_lo - 1))
     return RowIntervals(lo=out_lo, hi=out_hi, exact=exact, empty=empty, dense_hi=dense)

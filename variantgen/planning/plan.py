@@ -74,12 +74,20 @@ class LaunchRequest:
     gaps: tuple[tuple[int, int], ...] = ()
 
     @classmethod
-    def from_segment(cls, seg: list[int], page_size: int) -> LaunchRequest:
-        """A segment of the row pass (SegField order) as fa2 runs it: the mask mode of its class."""
+    def from_segment(cls, seg: list[int], page_size: int, lists: list[int] | None = None) -> LaunchRequest:
+        """A segment of the row pass (SegField order) as fa2 runs it: the mask mode of its class.
+        ``lists``: the page lists' entries after the segments (keysets.py), where it has one."""
         c = RowClass(seg[SegField.CLASS])
         begin, end = seg[SegField.KV_BEGIN], seg[SegField.KV_END]
-        gaps = tuple((seg[f], seg[f + 1]) for f in range(SegField.GAP_FROM_1, len(seg), 2) if seg[f + 1] > seg[f])
+        gaps = tuple((seg[f], seg[f + 1]) for f in range(SegField.GAP_FROM_1, SegField.GAP_TO_3 + 1, 2)
+                     if seg[f + 1] > seg[f])
         pages = -(-(end - begin) // page_size) - sum(t - f for f, t in gaps) // page_size
+        listed = seg[SegField.PAGE_LIST_LEN] if len(seg) > SegField.PAGE_LIST_LEN else 0
+        if listed:  # (as the builder lays it out: its keys end on its last listed page)
+            assert lists is not None, "a segment with a page list, without the lists"
+            on = lists[seg[SegField.PAGE_LIST_AT]:seg[SegField.PAGE_LIST_AT] + listed]
+            end = min(end, on[-1] * page_size + page_size)
+            gaps, pages = listed_gaps(begin, end, on, page_size), listed
         return cls((seg[SegField.FIRST_ROW], seg[SegField.END_ROW]), seg[SegField.REQUEST], c, c.mode,
                    seg[SegField.WINDOW], (begin, end), pages, seg[SegField.Q_POS],
                    (seg[SegField.VIS_LO], seg[SegField.VIS_HI]),
@@ -155,6 +163,7 @@ class LaunchLayout:
     offset: int
     slot: int
     requests: int
+    table_room: int = 0  # int32 entries after its metadata that may hold page-list tables (at most its pages)
 
 
 class Plan:
@@ -204,7 +213,7 @@ class Plan:
         before the next plan() rewrites the mirror, when this Plan is still referenced)."""
         if self._host is None or self._requests is not None or not self._layouts:
             return
-        end = max(la.offset + 4 * _metadata_ints(la.slot) for la in self._layouts)
+        end = max(la.offset + 4 * (_metadata_ints(la.slot) + la.table_room) for la in self._layouts)
         self._host = self._host[:end].clone()
 
     @property
@@ -226,17 +235,23 @@ class Plan:
             kv_indptr = arrays[LaunchArray.KV_INDPTR].tolist()
             last = arrays[LaunchArray.LAST_PAGE_LEN].tolist()
             meta = arrays[LaunchArray.META].view(n, META_COLUMNS).tolist()
+            meta_at = at + sum(a.ints(n) for a in LaunchArray if a < LaunchArray.META)
             for b in range(lay.requests):
                 row = meta[b]
                 pages = kv_indptr[b + 1] - kv_indptr[b]
                 begin = row[MetaColumn.KV_POS_BASE]
                 gaps, skipped = [], 0
                 for j in range(MAX_KEY_GAPS):
-                    at, length = row[MetaColumn.GAP_AT_1 + 2 * j], row[MetaColumn.GAP_LEN_1 + 2 * j]
+                    gap_at, length = row[MetaColumn.GAP_AT_1 + 2 * j], row[MetaColumn.GAP_LEN_1 + 2 * j]
                     if length > 0:
-                        gaps.append((begin + at + skipped, begin + at + skipped + length))
+                        gaps.append((begin + gap_at + skipped, begin + gap_at + skipped + length))
                         skipped += length
                 end = begin + (pages - 1) * ps + last[b] + skipped if pages else begin
+                if row[MetaColumn.PAGE_TABLE_AT] >= 0 and pages:  # a page list: its table of key positions
+                    table_at = meta_at + row[MetaColumn.PAGE_TABLE_AT]
+                    listed = [pos // ps for pos in ints[table_at:table_at + pages].tolist()]
+                    end = listed[-1] * ps + last[b]
+                    gaps = list(listed_gaps(begin, end, listed, ps))
                 window = row[MetaColumn.KERNEL_WINDOW]  # a window run's width (fa3: its launch's, or custom)
                 mode = launch.mode
                 cls = (RowClass.DENSE if mode == MaskMode.NONE else RowClass.WINDOW if window >= 0
@@ -401,3 +416,14 @@ class ScheduledPlan(Plan):
 def _metadata_ints(n: int) -> int:
     return sum(a.ints(n) for a in LaunchArray)
 
+
+def listed_gaps(begin: int, end: int, pages: list[int], page_size: int) -> tuple[tuple[int, int], ...]:
+    """The key ranges of [begin, end) a page list leaves out (pages ascending, request-local)."""
+    gaps, at = [], begin
+    for p in pages:
+        if p * page_size > at:
+            gaps.append((at, p * page_size))
+        at = p * page_size + page_size
+    if at < end:
+        gaps.append((at, end))
+    return tuple(gaps)

@@ -50,6 +50,7 @@ from ..core.staging import INT_WORKSPACE_BYTES, HostStaging, IntWorkspaces
 from ..lang.values import VariantSpec
 from .graph import GraphBuffers, GraphCapacity, slot_name
 from .intervals import analyze
+from .keysets import has_key_sets, list_pages
 from .pieces import (
     InlinePieces,
     MergeRows,
@@ -61,6 +62,7 @@ from .pieces import (
 )
 from .plan import Batch, Launch, LaunchLayout, Plan
 from .rowplan import call_layout, kept_buffer, row_buffers
+from .rowrules import classify_rows, segments
 
 # How rows that see several key intervals run (Planner.split_rows): "pieces" or "gaps".
 SPLIT_ROWS = "pieces"
@@ -149,6 +151,9 @@ class Planner:
         # bench/results/2026-12-07-h100/). A switch for comparisons: set it to INLINE_KEYS.
         self.inline_keys = 0
         self.inline_allowed = spec.logits is None
+        # Custom runs of rows that see a key set read only the pages holding one (keysets.py; not
+        # in CUDA-graph mode). A switch for comparisons.
+        self.key_set_lists = True
 
     def pack_gqa(self, batch: Batch) -> int:
         """Query heads folded into each packed row group of this batch's fa3 launches (1: none).
@@ -241,19 +246,25 @@ class Planner:
             self.graph.rows.copy_(self.staging.to_device([batch.total_q], torch.int32))
         row_pass = planned and batch.total_q > 0  # (an empty graph-mode batch: plan_direct lays out its slots)
         o[PlanOption.DIRECT] = int(not row_pass)
-        split = row_pass and self.max_pieces > 0
         o[PlanOption.MAX_PIECES] = 0
+        o[PlanOption.LIST_ROWS] = 0
         kv_indices = self.staging.on_device(kv_indices).contiguous()  # (plan() never waits for the GPU)
         merge = None
         values = self._build(batch, indices, kv_indices, args if row_pass else None)
-        # A row that sees several key intervals is a custom row of the row kernel's plan: only then
-        # is the batch planned again with such rows split (the row rules in torch ops, ms of host
-        # time at 64k rows: paid only by batches that have custom rows).
-        if split and values[HeaderField.CUSTOM] and may_split(self.form, self.spec, args):
-            o[PlanOption.MAX_PIECES] = min(self.max_pieces, MAX_PIECES) if self.split_how == "pieces" else 0
-            self.staging.record()
-            self.staging.begin()  # (the first plan's copies out of the mirror have run: it is free again)
-            values, merge = self._build_split(batch, indices, kv_indices, args, pack)
+        # A row that sees several key intervals, or a key set, is a custom row of the row kernel's
+        # plan: only then is the batch planned again with such rows split or read through page
+        # lists (the row rules in torch ops, ms of host time at 64k rows: paid only by batches
+        # that have custom rows).
+        if row_pass and values[HeaderField.CUSTOM]:
+            split = self.max_pieces > 0 and may_split(self.form, self.spec, args)
+            lists = self.key_set_lists and self.graph is None and has_key_sets(self.form, self.spec, args)
+            if split or lists:
+                pieces = split and self.split_how == "pieces"
+                o[PlanOption.MAX_PIECES] = min(self.max_pieces, MAX_PIECES) if pieces else 0
+                self.staging.record()
+                self.staging.begin()  # (the first plan's copies out of the mirror have run: it is free again)
+                values, merge = self._build_split(batch, indices, kv_indices, args, pack, split, lists)
+                o[PlanOption.LIST_ROWS] = 0
         device_ws, host_ws = self._workspace_pair()
         launches, layouts = self._launches(values, device_ws, host_ws, batch, disable_split_kv)
         self.staging.record()  # the copies out of page-locked memory run before the next plan rewrites it
@@ -264,26 +275,33 @@ class Planner:
         self._last = weakref.ref(plan)
         return plan
 
-    def _build_split(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor,
-                     args: dict[str, Any], pack: int) -> tuple[list[int], MergeRows | None]:
-        """plan() for a spec whose rows may see several key intervals: the row rules in torch ops
-        with such rows read past their gaps (gaps.py) or split into pieces (pieces.py; the
-        generated row kernel does neither yet, so this costs the torch rules' dispatch, a few ms
-        at 64k rows), the launch builder on their segments, then its copy and page gather in
-        torch ops. The descriptor's values and the rows run() merges (None: no row was split),
-        with their rows in the launches' outputs (GQA packing ``pack``)."""
-        if self.split_how == "gaps":  # (every launch request writes in place: MAX_PIECES is 0)
-            table = gap_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
-                                 self.device)
+    def _build_split(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor, args: dict[str, Any],
+                     pack: int, split: bool, lists: bool) -> tuple[list[int], MergeRows | None]:
+        """plan() for a spec whose rows may see several key intervals (``split``) or a key set
+        (``lists``): the row rules in torch ops with such rows read past their gaps (gaps.py) or
+        split into pieces (pieces.py), and custom runs of key-set rows given page lists
+        (keysets.py) - the generated row kernel does none of this yet, so it costs the torch
+        rules' dispatch, a few ms at 64k rows - then the launch builder on their segments, then
+        its copy and page gather in torch ops. The descriptor's values and the rows run() merges
+        (None: no row was split), with their rows in the launches' outputs (GQA packing ``pack``)."""
+        q_starts, kv_lens, ps = batch.q_starts, list(batch.kv_lens), batch.page_size
+        if not split:
+            table = segments(classify_rows(self.spec, self.form, q_starts, kv_lens, ps, args, self.device), ps)
+        elif self.split_how == "gaps":  # (every launch request writes in place: MAX_PIECES is 0)
+            table = gap_segments(self.spec, self.form, q_starts, kv_lens, ps, args, self.device)
         else:
-            table = piece_segments(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
-                                   self.device, int(self._opt[PlanOption.MAX_PIECES]),
+            table = piece_segments(self.spec, self.form, q_starts, kv_lens, ps, args, self.device,
+                                   int(self._opt[PlanOption.MAX_PIECES]),
                                    self.max_window_launches if self.fa3 else None, packed=pack > 1)
         inline = None
-        if self.split_how == "pieces" and self.inline_keys > 0 and self.inline_allowed:
+        if split and self.split_how == "pieces" and self.inline_keys > 0 and self.inline_allowed:
             found_inline = inline_first_pieces(table, self.inline_keys, self.max_window_launches if self.fa3 else None)
             if found_inline is not None:
                 table, inline = found_inline
+        segs = table  # (the segments; with page lists, the lists' rows follow them in the builder's table)
+        if lists:
+            table, self._opt[PlanOption.LIST_ROWS] = list_pages(segs, self.spec, self.form, q_starts, kv_lens, ps,
+                                                                args, self.device)
         for _ in range(4):  # a too-small workspace is answered with the size it needs
             device_ws, host_ws = self._workspace_pair()
             self.module.build_launches(indices, table, self.options, host_ws, self.desc)
@@ -293,7 +311,7 @@ class Planner:
             finish_plan(values, host_ws, device_ws, kv_indices, self.staging)
             if inline is not None:
                 return values, self._inline_merge(batch, indices, kv_indices, inline).packed(pack)
-            found = merge_rows(table, batch.total_q)
+            found = merge_rows(segs, batch.total_q)
             if not found.pieces:
                 return values, None
             merge = MergeRows(self.staging.to_device(found.rows, torch.int64),
@@ -465,7 +483,8 @@ class Planner:
                 kv_indices=views[stride * n_launches + 2 + 2 * i], last_page_len=last_page_len,
                 meta=meta.view(n, -1), plan_info=plan_info, int_workspace=int_ws, float_workspace=chunks[i],
                 schedule=schedule, tail=bool(d[LaunchField.TAIL])))
-            layouts.append(LaunchLayout(d[LaunchField.OFFSET], n, d[LaunchField.REQUESTS]))
+            layouts.append(LaunchLayout(d[LaunchField.OFFSET], n, d[LaunchField.REQUESTS],
+                                        d[LaunchField.PAGES] if d[LaunchField.MODE] == MaskMode.CUSTOM else 0))
         return launches, layouts
 
     def _flashinfer_plan(self, i: int, host_ws: torch.Tensor, d: list[int], batch: Batch, float_ws: torch.Tensor,
