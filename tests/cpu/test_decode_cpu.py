@@ -641,8 +641,9 @@ def test_what_reaches_the_module():
     assert first.enable_pdl is True and second.enable_pdl is False  # default: sm90+ only (no GPU here)
     assert first.layout == 1 and first.lse is False
     # vg_meta: [q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, window, qo_len,
-    #           vis_lo, vis_hi (none known visible), then (gap_at, gap_len) x 3 (no gaps)]
-    no_gaps = [NO_GAP_AT, 0] * MAX_KEY_GAPS
+    #           vis_lo, vis_hi (none known visible), then (gap_at, gap_len) x 3 (no gaps), page_table_at,
+    #           list_page_size (no page list)]
+    no_gaps = [NO_GAP_AT, 0] * MAX_KEY_GAPS + [-1, 0]
     assert first.meta == [[0, 4, 0, 0, 0, 1, 5, -1, 1, 0, -1, *no_gaps],
                           [1, 16, 0, 1, 5, 1, 17, -1, 1, 0, -1, *no_gaps],
                           [2, 0, 0, 2, 22, 1, 1, -1, 1, 0, -1, *no_gaps]]

@@ -242,7 +242,7 @@ def check_launches(b: Batch, table, head, launches, fa3: bool, widths: list[int]
             assert la["KV_INDPTR"][k + 1] - la["KV_INDPTR"][k] == pages
             assert la["LAST_PAGE_LEN"][k] == end - begin - (pages - 1) * ps
             assert la["META"][k] == [r0, q_pos, begin, req, b.kv_start[req], b.qo_lens[req], b.kv_lens[req],
-                                     window, r1 - r0, *vis, *[NO_GAP_AT, 0] * MAX_KEY_GAPS]
+                                     window, r1 - r0, *vis, *[NO_GAP_AT, 0] * MAX_KEY_GAPS, -1, ps]
             qo.append(qo[-1] + r1 - r0)
             seen.append(r0)
         assert la["PLAN_QO"] == qo and la[LaunchField.ROWS] == qo[-1]
@@ -486,7 +486,7 @@ def test_graph_slots_are_laid_out_at_offsets_of_the_capacity(builder, fa3):
             n, m = la[LaunchField.SLOT], la[LaunchField.REQUESTS]
             assert n == CAPACITY[0] and not la[LaunchField.PACKED]
             pad = la["META"][m:]
-            empty = [b.q_start[-1], 0, 0, 0, 0, 0, 0, -1, 0, 0, -1, *[NO_GAP_AT, 0] * MAX_KEY_GAPS]
+            empty = [b.q_start[-1], 0, 0, 0, 0, 0, 0, -1, 0, 0, -1, *[NO_GAP_AT, 0] * MAX_KEY_GAPS, -1, 0]
             assert all(row == empty for row in pad)
             assert la["Q_STARTS"][m:] == [b.q_start[-1]] * (n + 1 - m)
             assert la["KV_INDPTR"][m:] == [la["KV_INDPTR"][m]] * (n + 1 - m)

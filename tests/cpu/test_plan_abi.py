@@ -184,6 +184,11 @@ def test_meta_rows_lays_out_by_the_table():
     assert flat[META_COLUMNS + MetaColumn.KERNEL_WINDOW] == 71
     with pytest.raises(ValueError, match="expected the columns"):
         plan_abi.meta_rows(**{k: v for k, v in columns.items() if k != "request"})
+    # the gap and page-list columns may be left out: no gap, no page list
+    optional = {"page_table_at", "list_page_size"} | {c.name.lower() for c in MetaColumn if c.name.startswith("GAP_")}
+    flat = plan_abi.meta_rows(**{k: v[:1] for k, v in columns.items() if k not in optional})
+    assert flat[MetaColumn.PAGE_TABLE_AT] == -1 and flat[MetaColumn.LIST_PAGE_SIZE] == 0
+    assert flat[MetaColumn.GAP_AT_1] == plan_abi.NO_GAP_AT and flat[MetaColumn.GAP_LEN_1] == 0
 
 
 def every_module() -> list[render.RenderedModule]:

@@ -127,7 +127,9 @@ class FakeDecodeModule:
         for b in range(n):
             (q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, kwin,
              qo_len, vis_lo, vis_hi) = meta[b][:MetaColumn.GAP_AT_1]
-            assert meta[b][MetaColumn.GAP_AT_1:] == [NO_GAP_AT, 0] * MAX_KEY_GAPS, "decode: no gaps"
+            gaps = meta[b][MetaColumn.GAP_AT_1:MetaColumn.GAP_LEN_3 + 1]
+            assert gaps == [NO_GAP_AT, 0] * MAX_KEY_GAPS, "decode: no gaps"
+            assert meta[b][MetaColumn.PAGE_TABLE_AT] == -1, "decode: no page lists"
             assert (q_row_base, request, req_qo_len, qo_len) == (b, b, 1, 1), meta[b]
             assert kwin == -1 or (exact and kwin >= 0), "decode: a kernel window only for run_exact"
             assert vis_hi < vis_lo or kv_pos_base <= vis_lo <= vis_hi <= q_pos_base, "decode: known keys it reads"

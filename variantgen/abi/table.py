@@ -120,10 +120,10 @@ def meta_rows(**columns: list[int]) -> list[int]:
     optional = {c.name.lower(): NO_GAP_AT if c.name.startswith("GAP_AT") else -1 if c is MetaColumn.PAGE_TABLE_AT else 0
                 for c in MetaColumn if c.name.startswith("GAP_") or c in (MetaColumn.PAGE_TABLE_AT,
                                                                           MetaColumn.LIST_PAGE_SIZE)}
-    given = sorted(columns)
-    if given != sorted(names) and given != sorted(set(names) - set(optional)):
+    given = set(columns)
+    if not set(names) - set(optional) <= given <= set(names):
         raise ValueError(f"meta_rows: expected the columns {names} (the gap and page-list columns optional), "
-                         f"got {given}")
+                         f"got {sorted(given)}")
     n = len(next(iter(columns.values()))) if columns else 0
     for name, none in optional.items():
         columns.setdefault(name, [none] * n)

@@ -40,16 +40,27 @@ def planner_notes(spec: VariantSpec) -> list[PlannerNote]:
                                  "the mask on every key", hint))
         return notes
     key_tensors = frozenset(t.name for t in spec.tensors if t.shape == ("total_kv",))
-    unbounded = []
+    unbounded, key_sets = [], []
     for atom in _atoms(normalize(spec.mask, spec)):
-        if names_used(atom) & KEY_NAMES and not _atom(atom, key_tensors).exact:
-            unbounded.append(to_source(atom))
+        if names_used(atom) & KEY_NAMES:
+            term = _atom(atom, key_tensors)
+            if term.key_set:
+                key_sets.append(to_source(atom))
+            elif not term.exact:
+                unbounded.append(to_source(atom))
     if unbounded:
         shown = ", ".join(f"`{a}`" for a in dict.fromkeys(unbounded))
-        hint = declare or ("rows that read the key only through linear comparisons (kv_pos <= q_pos + w) plan "
-                           "exactly; a sparse or data-dependent key set is evaluated over the rows' key hull")
+        hint = declare or ("rows that read the key only through linear comparisons (kv_pos <= q_pos + w), or "
+                           "through a test of the key alone (is_global[kv_row] != 0, kv_pos % b >= b - c), plan "
+                           "exactly or by pages; one that reads the key and the query together is evaluated "
+                           "over the rows' key hull")
         notes.append(PlannerNote(f"the planner cannot bound {shown}: rows where it decides evaluate the mask over "
                                  "their key hull", hint))
+    if key_sets:
+        shown = ", ".join(f"`{a}`" for a in dict.fromkeys(key_sets))
+        notes.append(PlannerNote(f"{shown} tests the key alone: rows where it decides read only the pages that hold "
+                                 "such a key (page lists; the hull in CUDA-graph mode), evaluating the mask there",
+                                 "variantgen explain shows the pages read against the keys visible"))
     return notes
 
 

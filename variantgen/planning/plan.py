@@ -79,8 +79,8 @@ class LaunchRequest:
         ``lists``: the page lists' entries after the segments (keysets.py), where it has one."""
         c = RowClass(seg[SegField.CLASS])
         begin, end = seg[SegField.KV_BEGIN], seg[SegField.KV_END]
-        gaps = tuple((seg[f], seg[f + 1]) for f in range(SegField.GAP_FROM_1, SegField.GAP_TO_3 + 1, 2)
-                     if seg[f + 1] > seg[f])
+        gaps = tuple((seg[f], seg[f + 1]) for f in range(SegField.GAP_FROM_1, min(len(seg), SegField.GAP_TO_3 + 1), 2)
+                     if seg[f + 1] > seg[f])  # (a segment of before the gaps has none)
         pages = -(-(end - begin) // page_size) - sum(t - f for f, t in gaps) // page_size
         listed = seg[SegField.PAGE_LIST_LEN] if len(seg) > SegField.PAGE_LIST_LEN else 0
         if listed:  # (as the builder lays it out: its keys end on its last listed page)

@@ -1,0 +1,132 @@
+"""GPU benchmark of sparse key sets read through page lists (variantgen/planning/keysets.py).
+
+Workload (issue 41's): 8 requests x 8192 tokens of prefill, 32/8 heads, head dim 128, bf16, page
+16. Per backend, in one process with CUDA events (median of --iters runs of run() after warm-up):
+
+* ``global_window`` (bench/masks/: a bidirectional window of 256 keys each side plus global tokens,
+  0.5 % of the keys, seen by every row and seeing every key) with its custom runs reading their
+  page lists, and the same plan over each run's hull (``_hull``: Planner.key_set_lists off);
+  against ``bidirectional_window`` with the same window, the mask without global tokens (the
+  issue's bar: global tokens + window at most 1.3x the plain window);
+* ``fixed_sparse`` (block 128, the last 8 keys of every earlier block), lists and hull, against
+  ``causal`` scaled by the two masks' visible keys (the issue's bar for the collection: within
+  1.15x of causal's time per visible key).
+
+Also the plans' keys read per visible key (the CPU figure, cost.plan_cost), plan()'s host time
+and the largest difference of the lists' output from the hull's. Writes
+bench/results/keysets-<date>-<gpu>.json (or --out). Modules are loaded from VARIANTGEN_CACHE_DIR
+(--list-modules prints the precompile commands). Run on the GPU machine:
+
+    python bench/bench_keysets.py --list-modules
+    python bench/bench_keysets.py --backends fa3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import variantgen  # noqa: E402
+from variantgen.planning.cost import plan_cost  # noqa: E402
+from variantgen.testing.harness import cuda_median_ms, random_paged_batch, run_environment, write_result  # noqa: E402
+
+WORKLOAD = dict(batch=8, tokens=8192, qo_heads=32, kv_heads=8, head_dim=128, page_size=16, window=256,
+                global_share=0.005, block=128, summary=8)
+FILES = {"global_window": ROOT / "bench" / "masks" / "global_window.yaml",
+         "bidirectional_window": ROOT / "bench" / "masks" / "bidirectional_window.yaml",
+         "fixed_sparse": ROOT / "bench" / "masks" / "fixed_sparse.yaml",
+         "causal": ROOT / "specs" / "causal.yaml"}
+
+
+def list_modules() -> str:
+    return "\n".join(f"python -m variantgen.tools.cli precompile {path.relative_to(ROOT)} --head-dim "
+                     f"{WORKLOAD['head_dim']} --dtype bf16 --backend {be} --kind prefill --arch 9.0a -j 8"
+                     for path in FILES.values() for be in ("fa3", "fa2"))
+
+
+def bench_backend(backend: str, iters: int, res: dict) -> None:
+    wl = WORKLOAD
+    n = wl["tokens"]
+    batch = random_paged_batch([n] * wl["batch"], [n] * wl["batch"], num_qo_heads=wl["qo_heads"],
+                               num_kv_heads=wl["kv_heads"], head_dim=wl["head_dim"], page_size=wl["page_size"],
+                               dtype=torch.bfloat16, device="cuda", seed=1)
+    g = torch.Generator().manual_seed(0)
+    is_global = (torch.rand(n * wl["batch"], generator=g) < wl["global_share"]).to(torch.int32).cuda()
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    window = {"window": wl["window"]}
+    cases = {"bidirectional_window": ("bidirectional_window", window, True),
+             "global_window": ("global_window", window | {"is_global": is_global}, True),
+             "global_window_hull": ("global_window", window | {"is_global": is_global}, False),
+             "causal": ("causal", {}, True),
+             "fixed_sparse": ("fixed_sparse", {"block": wl["block"], "c": wl["summary"]}, True),
+             "fixed_sparse_hull": ("fixed_sparse", {"block": wl["block"], "c": wl["summary"]}, False)}
+    outs, visible = {}, {}
+    for name, (spec_name, args, lists) in cases.items():
+        key = f"{name}_{backend}"
+        spec = variantgen.load_spec(FILES[spec_name])
+        w = variantgen.make_wrapper(spec, ws, head_dim_qk=wl["head_dim"], q_dtype="bf16", kv_dtype="bf16",
+                                    backend=backend)
+        w.planner.key_set_lists = lists
+        t = time.perf_counter()
+        plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+        torch.cuda.synchronize()
+        res["notes"][f"{key}_plan_ms"] = round((time.perf_counter() - t) * 1e3, 2)
+        res["notes"][f"{key}_plan"] = repr(plan)
+        cost = plan_cost(plan, spec, {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+        res["notes"][f"{key}_keys_read_per_visible"] = round(cost.keys_read / max(cost.keys_visible, 1), 3)
+        visible[name] = cost.keys_visible
+        kv = (batch.k_cache, batch.v_cache)
+        outs[name] = w.run(batch.q, kv, **args).float()
+        res["ms"][key] = round(cuda_median_ms(lambda w=w, args=args, kv=kv: w.run(batch.q, kv, **args), iters), 3)
+        print(f"{key:34s} {res['ms'][key]:8.3f} ms  (keys read / visible "
+              f"{res['notes'][f'{key}_keys_read_per_visible']})", flush=True)
+    ms = {k: res["ms"][f"{k}_{backend}"] for k in cases}
+    res["notes"][f"global_window_{backend}_over_bidirectional_window"] = round(ms["global_window"]
+                                                                              / ms["bidirectional_window"], 3)
+    res["notes"][f"global_window_hull_{backend}_over_bidirectional_window"] = round(
+        ms["global_window_hull"] / ms["bidirectional_window"], 3)
+    per_key = ms["causal"] / visible["causal"]
+    for name in ("fixed_sparse", "fixed_sparse_hull", "global_window"):
+        res["notes"][f"{name}_{backend}_over_causal_per_visible_key"] = round(ms[name] / (per_key * visible[name]), 3)
+    for name in ("global_window", "fixed_sparse"):
+        diff = (outs[name] - outs[f"{name}_hull"]).abs().max().item()
+        res["notes"][f"{name}_{backend}_lists_vs_hull_max_abs_diff"] = round(diff, 5)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--backends", default="fa3,fa2", help="comma list of fa3, fa2")
+    ap.add_argument("--list-modules", action="store_true", help="print the precompile commands and exit")
+    args = ap.parse_args(argv)
+    if args.list_modules:
+        print(list_modules())
+        return 0
+    backends = [b for b in args.backends.split(",") if b]
+    if not backends or set(backends) - {"fa2", "fa3"}:
+        ap.error(f"--backends={args.backends!r}: expected a comma list of fa3, fa2")
+    if args.iters < 1:
+        ap.error(f"--iters={args.iters}: expected at least 1")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (H100 / H200); --list-modules works anywhere")
+    res: dict = {**run_environment(), "workload": WORKLOAD, "ms": {}, "notes": {}}
+    for backend in backends:
+        try:
+            bench_backend(backend, args.iters, res)
+        except Exception as e:  # report, do not hide: that backend's rows are missing
+            res["notes"][f"{backend}_error"] = f"{type(e).__name__}: {str(e)[:600]}"
+            print(f"{backend}: {res['notes'][f'{backend}_error']}", flush=True)
+    print(f"results: {write_result('keysets', res, args.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
