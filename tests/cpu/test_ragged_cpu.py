@@ -294,7 +294,7 @@ def test_what_reaches_the_module():
     (call,) = fake.ragged_calls
     # [q_row_base, q_pos_base, kv_pos_base, request, kv_row_base, req_qo_len, req_kv_len, window, qo_len,
     #  vis_lo, vis_hi (no keys known visible: the mask on every key)]
-    no_gaps = [NO_GAP_AT, 0] * MAX_KEY_GAPS  # (then (gap_at, gap_len) x 3: no gaps)
+    no_gaps = [NO_GAP_AT, 0] * MAX_KEY_GAPS + [-1, 0]  # (then (gap_at, gap_len) x 3: no gaps; no page list)
     assert call["meta"] == [[0, 7, 0, 0, 0, 3, 10, -1, 3, 0, -1, *no_gaps],
                             [3, 4, 0, 1, 10, 0, 4, -1, 0, 0, -1, *no_gaps],
                             [3, 0, 0, 2, 14, 5, 5, -1, 5, 0, -1, *no_gaps],
