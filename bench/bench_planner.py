@@ -12,10 +12,10 @@ and reports per mask and form
 * whether the planner is off, and why; whether another form of the same mask plans.
 
 Targets (issue 41): read/visible <= 1.15 where rows see a few intervals, <= 1.15 x the
-page-granular live area for sparse key sets, no form planner-off where another form plans. The
-figures are today's: masks whose rows see several intervals run their hull as one custom launch
-and miss the target until the planner gives a row several intervals - keys read are computed from
-the planned launch requests, so the figures follow the planner without a change here.
+page-granular live area for sparse key sets, no form planner-off where another form plans. Keys
+read are computed from the launch requests plan() makes - rows of several intervals split into
+pieces (pieces.py), custom runs of key-set rows through their page lists (keysets.py) - so the
+figures follow the planner without a change here.
 
 Masks: specs/*.yaml, bench/masks/*.yaml; forms: the spec's own mask and those of
 bench/masks/equivalent_forms.yml. Writes bench/results/<date>-cpu/planner-<commit>.json (or --out).
