@@ -95,7 +95,8 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
     ms = {k: res["ms"][f"{k}_{backend}"] for k in cases if f"{k}_{backend}" in res["ms"]}
     for name in ("global_window", "global_window_hull"):
         if name in ms and "bidirectional_window" in ms:
-            res["notes"][f"{name}_{backend}_over_bidirectional_window"] = round(ms[name] / ms["bidirectional_window"], 3)
+            ratio = ms[name] / ms["bidirectional_window"]
+            res["notes"][f"{name}_{backend}_over_bidirectional_window"] = round(ratio, 3)
     for name in ("fixed_sparse", "fixed_sparse_hull", "global_window"):
         if name in ms and "causal" in ms:
             per_key = ms["causal"] / visible["causal"]
