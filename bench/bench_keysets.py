@@ -23,7 +23,6 @@ bench/results/keysets-<date>-<gpu>.json (or --out). Modules are loaded from VARI
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -35,7 +34,14 @@ sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
 from variantgen.planning.cost import plan_cost  # noqa: E402
-from variantgen.testing.harness import cuda_median_ms, random_paged_batch, run_environment, write_result  # noqa: E402
+from variantgen.testing.harness import (  # noqa: E402
+    cuda_median_ms,
+    gpu_bench_args,
+    noted,
+    random_paged_batch,
+    run_environment,
+    write_result,
+)
 
 WORKLOAD = dict(batch=8, tokens=8192, qo_heads=32, kv_heads=8, head_dim=128, page_size=16, window=256,
                 global_share=0.005, block=128, summary=8)
@@ -76,7 +82,6 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
                                         backend=backend)
         except Exception as e:  # (a module not built where JIT is off: that row is missing, said so)
             res["notes"][f"{key}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print(f"{key}: {res['notes'][f'{key}_error']}", flush=True)
             continue
         w.planner.key_set_lists = lists
         t = time.perf_counter()
@@ -109,29 +114,12 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--backends", default="fa3,fa2", help="comma list of fa3, fa2")
-    ap.add_argument("--list-modules", action="store_true", help="print the precompile commands and exit")
-    args = ap.parse_args(argv)
-    if args.list_modules:
-        print(list_modules())
+    args = gpu_bench_args(__doc__, list_modules, argv)
+    if args is None:
         return 0
-    backends = [b for b in args.backends.split(",") if b]
-    if not backends or set(backends) - {"fa2", "fa3"}:
-        ap.error(f"--backends={args.backends!r}: expected a comma list of fa3, fa2")
-    if args.iters < 1:
-        ap.error(f"--iters={args.iters}: expected at least 1")
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA GPU (H100 / H200); --list-modules works anywhere")
     res: dict = {**run_environment(), "workload": WORKLOAD, "ms": {}, "notes": {}}
-    for backend in backends:
-        try:
-            bench_backend(backend, args.iters, res)
-        except Exception as e:  # report, do not hide: that backend's rows are missing
-            res["notes"][f"{backend}_error"] = f"{type(e).__name__}: {str(e)[:600]}"
-            print(f"{backend}: {res['notes'][f'{backend}_error']}", flush=True)
+    for backend in args.backends:
+        noted(res, backend, lambda backend=backend: bench_backend(backend, args.iters, res))
     print(f"results: {write_result('keysets', res, args.out)}")
     return 0
 

@@ -38,7 +38,6 @@ mode (gaps, the graph replayed) and over its hull.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -53,6 +52,8 @@ from variantgen.planning.pieces import INLINE_KEYS  # noqa: E402
 from variantgen.testing.harness import (  # noqa: E402
     cuda_back_to_back_ms,
     cuda_median_ms,
+    gpu_bench_args,
+    noted,
     random_paged_batch,
     run_environment,
     write_result,
@@ -218,36 +219,20 @@ def breakdown(w, run, iters: int, res: dict, key: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--backends", default="fa3,fa2", help="comma list of fa3, fa2")
-    ap.add_argument("--list-modules", action="store_true", help="print the precompile commands and exit")
-    ap.add_argument("--decode", action="store_true", help="also time decode (DECODE_WORKLOAD), eager and graph mode")
-    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill workload")
-    args = ap.parse_args(argv)
-    if args.list_modules:
-        print(list_modules())
+    def options(ap) -> None:
+        ap.add_argument("--decode", action="store_true", help="also time decode (DECODE_WORKLOAD): eager, graph mode")
+        ap.add_argument("--no-prefill", action="store_true", help="skip the prefill workload")
+
+    args = gpu_bench_args(__doc__, list_modules, argv, options)
+    if args is None:
         return 0
-    backends = [b for b in args.backends.split(",") if b]
-    if not backends or set(backends) - {"fa2", "fa3"}:
-        ap.error(f"--backends={args.backends!r}: expected a comma list of fa3, fa2")
-    if args.iters < 1:
-        ap.error(f"--iters={args.iters}: expected at least 1")
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA GPU (H100 / H200); --list-modules works anywhere")
     res: dict = {**run_environment(), "workload": WORKLOAD, "ms": {}, "notes": {}}
     if args.decode:
         res["decode_workload"] = DECODE_WORKLOAD
-    for backend in backends:
+    for backend in args.backends:
         for part, bench, on in (("prefill", bench_backend, not args.no_prefill), ("decode", bench_decode, args.decode)):
-            if not on:
-                continue
-            try:
-                bench(backend, args.iters, res)
-            except Exception as e:  # report, do not hide: that backend's rows are missing
-                res["notes"][f"{backend}_{part}_error"] = f"{type(e).__name__}: {str(e)[:600]}"
-                print(f"{backend} {part}: {res['notes'][f'{backend}_{part}_error']}", flush=True)
+            if on:
+                noted(res, f"{backend}_{part}", lambda bench=bench, backend=backend: bench(backend, args.iters, res))
     print(f"results: {write_result('pieces', res, args.out)}")
     return 0
 

@@ -204,3 +204,43 @@ def write_result(kind: str, res: dict[str, Any], out: str | None = None) -> Path
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], path.name).write_text(text)
     return path
+
+
+def gpu_bench_args(doc: str, list_modules: Callable[[], str], argv: list[str] | None = None,
+                   extra: Callable[[Any], None] | None = None) -> Any:
+    """The GPU benchmarks' command line: --iters, --out, --backends (a comma list of fa3, fa2,
+    checked), --list-modules (printed here, then None is returned) and ``extra``'s own options.
+    Refuses to go on without a CUDA GPU. The parsed arguments, ``backends`` as a list."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--backends", default="fa3,fa2", help="comma list of fa3, fa2")
+    ap.add_argument("--list-modules", action="store_true", help="print the precompile commands and exit")
+    if extra is not None:
+        extra(ap)
+    args = ap.parse_args(argv)
+    if args.list_modules:
+        print(list_modules())
+        return None
+    args.backends = [b for b in args.backends.split(",") if b]
+    if not args.backends or set(args.backends) - {"fa2", "fa3"}:
+        ap.error(f"--backends={','.join(args.backends)!r}: expected a comma list of fa3, fa2")
+    if args.iters < 1:
+        ap.error(f"--iters={args.iters}: expected at least 1")
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA GPU (H100 / H200); --list-modules works anywhere")
+    return args
+
+
+def noted(res: dict[str, Any], key: str, fn: Callable[[], object]) -> bool:
+    """fn(); an exception is recorded as the note ``<key>_error`` and printed, and the benchmark
+    goes on (report, do not hide: the rows fn would have written are missing). Whether it ran."""
+    try:
+        fn()
+        return True
+    except Exception as e:
+        res["notes"][f"{key}_error"] = f"{type(e).__name__}: {str(e)[:600]}"
+        print(f"{key}: {res['notes'][f'{key}_error']}", flush=True)
+        return False
