@@ -102,8 +102,8 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
         w = variantgen.make_wrapper(ROOT / "specs" / f"{spec}.yaml", ws, head_dim_qk=hd, q_dtype="bf16",
                                     kv_dtype="bf16", backend=backend)
         w.planner.split_rows = "pieces" if split_rows == "inline" else split_rows
-        if split_rows == "inline":  # (the sinks computed by the merge, not launched)
-            w.planner.inline_keys = INLINE_KEYS
+        # (the sinks computed by the merge, not launched - or launched, whatever the default)
+        w.planner.inline_keys = INLINE_KEYS if split_rows == "inline" else 0
         if max_pieces is not None:
             w.planner.max_pieces = max_pieces
         plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
