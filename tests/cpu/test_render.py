@@ -98,7 +98,9 @@ def test_query_clamp_guards_padding_lanes():
     assert "qo_idx < qo_len ? qo_idx : qo_len - 1" in variant
     assert "const int32_t q_pos = q_pos_base + q_local;" in variant
     assert "const int32_t kv_pos = key_pos(kv_local);" in variant
-    assert "int32_t pos = kv_pos_base + i;" in variant  # key_pos: past the gaps a page list skips
+    # key_pos: through the page list's table, or past the gaps a page list skips
+    assert "vg::vg_listed_key_pos(page_table, list_page_size, i)" in variant
+    assert "vg::vg_key_pos(kv_pos_base, i, gap_at, gap_len)" in variant
 
 
 def test_transform_only_with_logits():
