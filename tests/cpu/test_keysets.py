@@ -48,6 +48,11 @@ def specs() -> dict[str, variantgen.VariantSpec]:
         # every stride-th key (a key set without a tensor) and a window
         "strided_keys": _spec("strided_keys", "kv_pos <= q_pos and (kv_pos % stride == 0 or q_pos - kv_pos < 4)",
                               {"stride": 23}),
+        # global keys seen only by the queries from position `from_q` on: runs before it show no key
+        # of the set (the term's rows are none of theirs)
+        "late_global": _spec("late_global", "kv_pos <= q_pos and (q_pos - kv_pos <= window or "
+                                            "(q_pos >= from_q and is_global[kv_row] != 0))",
+                             {"window": 6, "from_q": 170}, flags),
     }
 
 

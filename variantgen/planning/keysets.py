@@ -109,8 +109,10 @@ def list_pages(table: torch.Tensor, spec: VariantSpec, form: IntervalForm, qo_in
         for k in t.keys:
             in_set &= ev.ev(k).to(torch.bool).expand_as(in_set)
         count = torch.cat([torch.zeros(1, dtype=torch.int64), in_set.cpu().long().cumsum(0)])
-        base = key_start[request]
-        held = count[(base + b + 1).clamp(min=0)] - count[(base + a).clamp(min=0)]
+        base, last = key_start[request], count.numel() - 1
+        # (where the page meets none of the term's keys - a run none of whose rows it shows a key
+        # has an unbounded span - a and b are anything: clamped into the prefix sums, not used)
+        held = count[(base + b.clamp(-1, last) + 1).clamp(0, last)] - count[(base + a.clamp(0, last)).clamp(0, last)]
         live |= meets & (held > 0)
     # A run keeps its hull where every page is live (nothing to skip) or none is (its rows see no
     # key: the builder needs a page to lay out, and the mask hides them all).
