@@ -34,14 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 import variantgen  # noqa: E402
 from variantgen.planning.cost import plan_cost  # noqa: E402
-from variantgen.testing.harness import (  # noqa: E402
-    cuda_median_ms,
-    gpu_bench_args,
-    noted,
-    random_paged_batch,
-    run_environment,
-    write_result,
-)
+from variantgen.testing import harness  # noqa: E402
 
 WORKLOAD = dict(batch=8, tokens=8192, qo_heads=32, kv_heads=8, head_dim=128, page_size=16, window=256,
                 global_share=0.005, block=128, summary=8)
@@ -60,7 +53,7 @@ def list_modules() -> str:
 def bench_backend(backend: str, iters: int, res: dict) -> None:
     wl = WORKLOAD
     n = wl["tokens"]
-    batch = random_paged_batch([n] * wl["batch"], [n] * wl["batch"], num_qo_heads=wl["qo_heads"],
+    batch = harness.random_paged_batch([n] * wl["batch"], [n] * wl["batch"], num_qo_heads=wl["qo_heads"],
                                num_kv_heads=wl["kv_heads"], head_dim=wl["head_dim"], page_size=wl["page_size"],
                                dtype=torch.bfloat16, device="cuda", seed=1)
     g = torch.Generator().manual_seed(0)
@@ -94,7 +87,8 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
         visible[name] = cost.keys_visible
         kv = (batch.k_cache, batch.v_cache)
         outs[name] = w.run(batch.q, kv, **args).float()
-        res["ms"][key] = round(cuda_median_ms(lambda w=w, args=args, kv=kv: w.run(batch.q, kv, **args), iters), 3)
+        call = lambda w=w, args=args, kv=kv: w.run(batch.q, kv, **args)  # noqa: E731
+        res["ms"][key] = round(harness.cuda_median_ms(call, iters), 3)
         print(f"{key:34s} {res['ms'][key]:8.3f} ms  (keys read / visible "
               f"{res['notes'][f'{key}_keys_read_per_visible']})", flush=True)
     ms = {k: res["ms"][f"{k}_{backend}"] for k in cases if f"{k}_{backend}" in res["ms"]}
@@ -114,13 +108,13 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = gpu_bench_args(__doc__, list_modules, argv)
+    args = harness.gpu_bench_args(__doc__, list_modules, argv)
     if args is None:
         return 0
-    res: dict = {**run_environment(), "workload": WORKLOAD, "ms": {}, "notes": {}}
+    res: dict = {**harness.run_environment(), "workload": WORKLOAD, "ms": {}, "notes": {}}
     for backend in args.backends:
-        noted(res, backend, lambda backend=backend: bench_backend(backend, args.iters, res))
-    print(f"results: {write_result('keysets', res, args.out)}")
+        harness.noted(res, backend, lambda backend=backend: bench_backend(backend, args.iters, res))
+    print(f"results: {harness.write_result('keysets', res, args.out)}")
     return 0
 
 
