@@ -15,8 +15,9 @@ from _fake_kernel import assert_plan_matches_reference, gap_shift
 from test_pieces import HEAD_DIM, HKV, HQ, make, spec_args, specs, visible_keys
 
 from variantgen.abi.table import MAX_KEY_GAPS, NO_GAP_AT, MetaColumn, RowClass, SegField, meta_rows
+from variantgen.planning.assembly import TableRules, segment_table
 from variantgen.planning.intervals import analyze
-from variantgen.planning.pieces import gap_segments, row_pieces
+from variantgen.planning.pieces import row_pieces
 from variantgen.planning.plan import NOT_VISITED, LaunchRequest
 from variantgen.planning.rowrules import row_env
 from variantgen.testing.harness import random_paged_batch
@@ -34,6 +35,13 @@ def gaps_of(seg: list[int]) -> list[tuple[int, int]]:
     return [(seg[f], seg[f + 1]) for f in range(SegField.GAP_FROM_1, SegField.GAP_TO_3 + 1, 2) if seg[f + 1] > seg[f]]
 
 
+def gap_table(spec, qo_indptr, kv_lens, page_size, args):
+    """The rows' table as CUDA-graph mode plans it: rows of several intervals in place, past their gaps."""
+    found = segment_table(spec, analyze(spec), qo_indptr, kv_lens, page_size, args, torch.device("cpu"),
+                          TableRules(split="gaps"))
+    return found.table
+
+
 @pytest.mark.parametrize("page_size", [1, 5, 16])
 @pytest.mark.parametrize("name", NAMES)
 def test_a_gap_never_holds_a_key_one_of_its_rows_sees(name, page_size):
@@ -41,7 +49,7 @@ def test_a_gap_never_holds_a_key_one_of_its_rows_sees(name, page_size):
     kv_lens = [150, 97, 45]
     qo_indptr = [0, 70, 71, 116]
     args = spec_args(name, kv_lens, page_size)
-    table = gap_segments(spec, analyze(spec), qo_indptr, kv_lens, page_size, args, torch.device("cpu"))
+    table = gap_table(spec, qo_indptr, kv_lens, page_size, args)
     env = row_env(qo_indptr, kv_lens, torch.device("cpu"))
     split = int((row_pieces(analyze(spec), spec, env, args).count >= 2).sum())
     assert table[:, SegField.FIRST_ROW].tolist() == sorted(table[:, SegField.FIRST_ROW].tolist())
@@ -76,13 +84,13 @@ def test_more_intervals_than_gaps_keep_the_longest_gaps():
     spec = specs()["five"]
     kv_lens = [150]
     args = spec_args("five", kv_lens) | {"window": 6}
-    table = gap_segments(spec, analyze(spec), [0, 1], kv_lens, 1, args, torch.device("cpu"))
+    table = gap_table(spec, [0, 1], kv_lens, 1, args)
     (seg,) = table.tolist()
     # one row: sinks [0, 2), [20, 24), [40, 42], 50, [143, 149]: five ranges, so it is not split
     # (more than MAX_PIECES intervals: row_pieces says 0) and runs custom over its hull
     assert gaps_of(seg) == [] and seg[SegField.CLASS] == RowClass.CUSTOM
     spec = specs()["four"]
-    table = gap_segments(spec, analyze(spec), [0, 1], kv_lens, 1, spec_args("four", kv_lens), torch.device("cpu"))
+    table = gap_table(spec, [0, 1], kv_lens, 1, spec_args("four", kv_lens))
     (seg,) = table.tolist()
     assert gaps_of(seg) == [(2, 20), (24, 40), (43, 143)]
 

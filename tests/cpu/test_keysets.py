@@ -19,11 +19,12 @@ from test_pieces import HEAD_DIM, HKV, HQ, _spec, make, visible_keys
 import variantgen
 from variantgen import GraphCapacity
 from variantgen.abi.table import SEG_FIELDS, PlanOption, RecField, RowClass, SegField
+from variantgen.planning.assembly import TableRules, segment_table
 from variantgen.planning.cost import batch_cost
 from variantgen.planning.intervals import analyze
-from variantgen.planning.keysets import has_key_sets, list_pages
+from variantgen.planning.keysets import has_key_sets
 from variantgen.planning.plan import LaunchRequest
-from variantgen.planning.rowrules import classify_rows, row_env, segments
+from variantgen.planning.rowrules import classify_rows, row_env
 from variantgen.testing.harness import random_paged_batch
 from variantgen.wrappers.reference import reference_attention
 
@@ -95,8 +96,11 @@ def test_a_page_list_holds_every_key_its_rows_see(name, page_size):
     args = spec_args(name, kv_lens, seed=page_size)
     form = analyze(spec)
     assert has_key_sets(form, spec, args)
-    base = segments(classify_rows(spec, form, qo_indptr, kv_lens, page_size, args, torch.device("cpu")), page_size)
-    table, list_rows = list_pages(base, spec, form, qo_indptr, kv_lens, page_size, args, torch.device("cpu"))
+    cpu = torch.device("cpu")
+    base = segment_table(spec, form, qo_indptr, kv_lens, page_size, args, cpu, TableRules()).table
+    found = segment_table(spec, form, qo_indptr, kv_lens, page_size, args, cpu, TableRules(lists=True))
+    table, list_rows = found.table, found.list_rows
+    assert torch.equal(found.segments, table[:base.shape[0]])
     segs, lists = lists_of(table, list_rows)
     assert torch.equal(torch.tensor(segs)[:, :SegField.PAGE_LIST_AT], base[:, :SegField.PAGE_LIST_AT])
     env = row_env(qo_indptr, kv_lens, torch.device("cpu"))
@@ -174,6 +178,30 @@ def test_page_lists_with_fa3_gqa_packing(page_size):
     ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
                                        batch.kv_indptr, batch.kv_indices, batch.last_page_len, args, return_lse=True)
     assert_plan_matches_reference(got, lse, ref, ref_lse, None, 0.0, f"packed ps{page_size}")
+
+
+def test_the_next_plan_does_not_read_the_last_plans_lists():
+    """PlanOption.LIST_ROWS is shared with the row kernel's call: after a plan with page lists, a
+    plan whose rows need none (late_global's rows before from_q: exact windows) is the row kernel's
+    table alone, not its last rows read as lists; and the plan after it lists again."""
+    spec = specs()["late_global"]
+    late = ([70, 1, 33], [260, 190, 33])  # rows past from_q = 170: custom, with page lists
+    early = ([40, 1, 60], [120, 90, 160])  # every row before it
+    w, _ = make(spec, "fa2")
+    for (qo_lens, kv_lens), listed in ((late, True), (early, False), (late, True)):
+        batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                                   page_size=4, seed=5)
+        args = spec_args("late_global", kv_lens, seed=5, share=0.05)
+        plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+        assert w.planner._opt[PlanOption.LIST_ROWS] == 0
+        assert any(r.gaps for r in plan.launch_requests) is listed, plan
+        fresh, _ = make(spec, "fa2")
+        assert plan.launch_requests == fresh.plan(*batch.plan_args(), skip_tiles=True, **args).launch_requests
+        got, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **args)
+        ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
+                                           batch.kv_indptr, batch.kv_indices, batch.last_page_len, args,
+                                           return_lse=True)
+        assert_plan_matches_reference(got, lse, ref, ref_lse, None, 0.0, f"{listed=}")
 
 
 def test_graph_mode_keeps_the_hull_for_key_set_rows():

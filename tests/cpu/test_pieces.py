@@ -24,8 +24,9 @@ from variantgen.build.cache import Entry
 from variantgen.codegen import render
 from variantgen.lang.evaluate import Evaluator
 from variantgen.lang.spec import parse_spec
+from variantgen.planning.assembly import TableRules, segment_table
 from variantgen.planning.intervals import analyze
-from variantgen.planning.pieces import INLINE_KEYS, may_split, piece_segments, row_pieces
+from variantgen.planning.pieces import INLINE_KEYS, may_split, row_pieces
 from variantgen.planning.rowrules import row_env
 from variantgen.testing.harness import random_paged_batch
 from variantgen.wrappers.merge import merge_inline_reference
@@ -143,13 +144,13 @@ def test_only_specs_whose_rows_may_see_several_exact_intervals_are_split():
 
 
 @pytest.mark.parametrize("page_size", [1, 5, 16])
-def test_piece_segments_cover_every_row_once_then_each_piece_and_never_read_a_rows_other_pieces(page_size):
+def test_piece_tables_cover_every_row_once_then_each_piece_and_never_read_a_rows_other_pieces(page_size):
     """The table's layout (the launch builder's contract), and no launch request of a piece that
     evaluates the mask reaches into keys of another piece of one of its rows."""
     spec, form = specs()["three"], analyze(specs()["three"])
     qo, kv = [0, 64, 64 + 50], [64, 200]
     args = spec_args("three", kv)
-    table = piece_segments(spec, form, qo, kv, page_size, args, torch.device("cpu"))
+    table = segment_table(spec, form, qo, kv, page_size, args, torch.device("cpu"), TableRules(split="pieces")).table
     env = row_env(qo, kv, torch.device("cpu"))
     pieces = row_pieces(form, spec, env, args)
     rows = table[table[:, SegField.PIECE] <= 0]

@@ -170,9 +170,7 @@ def planned_requests(spec: VariantSpec, args: Mapping[str, Any], qo_lens: Sequen
                      page_size: int) -> tuple[list[LaunchRequest], str]:
     """The launch requests the planner makes for the batch, on the CPU (rowrules: the row kernel's
     reference), and why the planner is off ("" when on: then the list is empty)."""
-    from .keysets import has_key_sets, list_pages
-    from .pieces import may_split, piece_segments
-    from .rowrules import classify_rows, segments
+    from .assembly import TableRules, segment_table
 
     form = analyze(spec)
     if not form.planner_ready:
@@ -183,18 +181,10 @@ def planned_requests(spec: VariantSpec, args: Mapping[str, Any], qo_lens: Sequen
     starts = [0]
     for n in qo_lens:
         starts.append(starts[-1] + n)
-    cpu = torch.device("cpu")
-    if may_split(form, spec, dict(args)):  # rows that see several intervals: a launch request per interval (fa2)
-        table = piece_segments(spec, form, starts, list(kv_lens), page_size, dict(args), cpu)
-    else:
-        rec = classify_rows(spec, form, starts, list(kv_lens), page_size, dict(args), cpu)
-        table = segments(rec, page_size)
-    list_rows = 0
-    if has_key_sets(form, spec, dict(args)):  # custom runs of key-set rows read their live pages (keysets.py)
-        table, list_rows = list_pages(table, spec, form, starts, list(kv_lens), page_size, dict(args), cpu)
-    rows = table.tolist()
-    segs, lists = rows[:len(rows) - list_rows], [x for row in rows[len(rows) - list_rows:] for x in row]
-    return [LaunchRequest.from_segment(seg, page_size, lists) for seg in segs], ""
+    # plan()'s eager fa2 table: rows of several intervals split into pieces, key-set runs listed
+    rules = TableRules.of(form, spec, dict(args))
+    found = segment_table(spec, form, starts, list(kv_lens), page_size, dict(args), torch.device("cpu"), rules)
+    return found.launch_requests(page_size), ""
 
 
 def cost_of(requests: Sequence[LaunchRequest], visible: torch.Tensor, qo_lens: Sequence[int],

@@ -429,10 +429,15 @@ def row_intervals(form: IntervalForm, spec: VariantSpec, env: Mapping[str, torch
                   args: Mapping[str, Any]) -> RowIntervals:
     """Evaluate ``form`` for rows described by ``env`` (q_pos, q_idx, q_row, q_kv_row,
     request, qo_len, kv_len as int64 tensors of shape [rows])."""
-    kv_len = env["kv_len"]
+    return fold_terms(term_bounds(form, spec, env, args), env["kv_len"])
+
+
+def fold_terms(bounds: TermBounds, kv_len: torch.Tensor) -> RowIntervals:
+    """Per row, the union of its terms' bounds (``bounds``: term_bounds' answer for rows whose
+    kv lengths are ``kv_len``) as one hull, whether it is exact, and its dense run."""
     n = kv_len.shape[0]
     dev = kv_len.device
-    los, his, oks, exacts = term_bounds(form, spec, env, args)
+    los, his, oks, exacts = bounds
     if not los:  # no term can hold: no row sees a key (what the terms' union gives, sooner)
         none = torch.zeros(n, dtype=torch.bool, device=dev)
         lo = torch.zeros(n, dtype=torch.int64, device=dev)

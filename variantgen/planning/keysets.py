@@ -34,8 +34,8 @@ import torch
 from ..abi.table import SEG_FIELDS, RowClass, SegField
 from ..lang.evaluate import Evaluator
 from ..lang.values import VariantSpec
-from .intervals import IntervalForm, decided_terms, term_bounds
-from .rowrules import row_env, rows_of_segments
+from .intervals import IntervalForm, decided_terms
+from .rowrules import RowTerms, rows_of_segments
 
 
 def has_key_sets(form: IntervalForm, spec: VariantSpec, args: dict[str, Any]) -> bool:
@@ -54,22 +54,22 @@ def _key_env(kv_lens: list[int], qo_lens: list[int], device: torch.device) -> di
     return {"kv_pos": kv_pos, "kv_row": kv_row, "request": request, "kv_len": kv[request], "qo_len": qo[request]}
 
 
-def list_pages(table: torch.Tensor, spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int],
-               page_size: int, args: dict[str, Any], device: torch.device) -> tuple[torch.Tensor, int]:
+def list_pages(table: torch.Tensor, spec: VariantSpec, rows: RowTerms, page_size: int,
+               args: dict[str, Any]) -> tuple[torch.Tensor, int]:
     """``table`` (host int64 [n, SEG_FIELDS], read_segments' order) with page lists for its custom
-    runs in place without gaps whose rows' terms leave pages of their hull without a visible key:
-    the table with the lists' rows appended, and how many rows that is (PlanOption.LIST_ROWS)."""
-    terms = decided_terms(form, spec, args)
+    runs in place without gaps whose rows' terms (``rows``: the batch's rows and term bounds)
+    leave pages of their hull without a visible key: the table with the lists' rows appended, and
+    how many rows that is (PlanOption.LIST_ROWS)."""
+    terms, bounds, kv_lens, qo_indptr = rows.terms, rows.bounds, rows.kv_lens, rows.qo_indptr
+    device = rows.env["q_pos"].device
     seg = table
     custom = ((seg[:, SegField.CLASS] == RowClass.CUSTOM) & (seg[:, SegField.PIECE] == -1)
               & (seg[:, SegField.GAP_TO_1] == 0) & (seg[:, SegField.KV_END] > seg[:, SegField.KV_BEGIN]))
     if not any(t.key_set for t in terms) or not bool(custom.any()):
         return table, 0
     runs = custom.nonzero().squeeze(1)
-    env = row_env(qo_indptr, kv_lens, device)
-    bounds = term_bounds(form, spec, env, args)
-    which, rows = rows_of_segments(seg[runs])  # (rows of the batch, from qo_indptr[0] = 0)
-    rows_d, which_d = rows.to(device), which.to(device)
+    which, run_rows = rows_of_segments(seg[runs])  # (rows of the batch, from qo_indptr[0] = 0)
+    rows_d, which_d = run_rows.to(device), which.to(device)
     n_runs = runs.numel()
 
     # Per run and term: the union of its rows' bounds, [lo, hi] (empty: lo > hi).

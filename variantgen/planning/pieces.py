@@ -57,8 +57,8 @@ import torch
 from ..abi.table import MAX_PIECES, SEG_FIELDS, RowClass, SegField
 from ..lang.values import VariantSpec
 from .gaps import skip_gaps
-from .intervals import BIG, IntervalForm, RowIntervals, decided_terms, row_intervals, term_bounds
-from .rowrules import classify_intervals, row_env, rows_of_segments, segments
+from .intervals import BIG, IntervalForm, RowIntervals, TermBounds, decided_terms, term_bounds
+from .rowrules import classify_intervals, rows_of_segments, segments
 
 _SPLIT_ROUNDS = 4  # rows unsplit where a custom piece run would overreach, then the table again
 # a first piece of at most this many keys (sinks) is computed by run()'s merge, not launched
@@ -87,9 +87,13 @@ def row_pieces(form: IntervalForm, spec: VariantSpec, env: dict[str, torch.Tenso
                max_pieces: int = MAX_PIECES) -> RowPieces:
     """The disjoint intervals of every row's visible keys (``env``: rowrules.row_env's rows):
     the terms' intervals sorted by their first key and merged where they overlap or touch."""
-    n = env["q_pos"].shape[0]
-    dev = env["q_pos"].device
-    bounds = term_bounds(form, spec, env, args)
+    return pieces_of_terms(term_bounds(form, spec, env, args), max_pieces)
+
+
+def pieces_of_terms(bounds: TermBounds, max_pieces: int = MAX_PIECES) -> RowPieces:
+    """row_pieces from the rows' term bounds (intervals.term_bounds)."""
+    n = bounds.lo[0].shape[0] if bounds.lo else 0
+    dev = bounds.lo[0].device if bounds.lo else torch.device("cpu")
     none = RowPieces(torch.zeros(n, max_pieces, dtype=torch.int64, device=dev),
                      torch.full((n, max_pieces), -1, dtype=torch.int64, device=dev),
                      torch.zeros(n, dtype=torch.int64, device=dev))
@@ -111,20 +115,21 @@ def row_pieces(form: IntervalForm, spec: VariantSpec, env: dict[str, torch.Tenso
                      torch.where(usable, count, 0))
 
 
-def piece_segments(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
-                   args: dict[str, Any], device: torch.device, max_pieces: int = MAX_PIECES,
-                   fa3_window_launches: int | None = None, packed: bool = False) -> torch.Tensor:
-    """The launch requests of a batch with rows split into pieces, in the launch builder's order
-    (read_segments): host int64 [n, SEG_FIELDS], first every row once (piece -1: in place, 0: a
-    split row's first interval) in row order, then piece 1, 2 ... each in row order.
+def piece_table(env: dict[str, torch.Tensor], iv: RowIntervals, pieces: RowPieces, page_size: int, how: str,
+                fa3_window_launches: int | None = None, packed: bool = False) -> torch.Tensor:
+    """The launch requests of a batch whose rows may see several intervals (``iv``: the rows'
+    hulls, ``pieces``: their intervals), in the launch builder's order (read_segments): host int64
+    [n, SEG_FIELDS]. ``how`` "pieces": first every row once (piece -1: in place, 0: a split row's
+    first interval) in row order, then piece 1, 2 ... each in row order; rows whose pieces would
+    overreach (below) run in place past their gaps. "gaps": every row in place, those of
+    2..MAX_PIECES exact intervals in custom runs whose page lists skip their gaps (gaps.py).
     ``fa3_window_launches``: fa3's window widths given their own launch (the builder keeps the
     smallest widths of pieces first; a piece's window run of another width runs custom); None: fa2,
     whose window launches take any width. ``packed``: fa3 GQA packing, whose launch builder runs a
     piece's causal and window runs dense (one row seeing its whole run) or custom over their
     pages (pack_classes in launches.h): checked here as custom runs."""
-    env = row_env(qo_indptr, kv_lens, device)
-    iv = row_intervals(form, spec, env, args)
-    pieces = row_pieces(form, spec, env, args, max_pieces)
+    if how == "gaps":
+        return _tables(env, iv, pieces, torch.zeros_like(pieces.count, dtype=torch.bool), page_size)
     split = pieces.count >= 2
     for _ in range(_SPLIT_ROUNDS):
         table = _tables(env, iv, pieces, split, page_size)
@@ -133,17 +138,6 @@ def piece_segments(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], 
             return table
         split = split & ~bad.to(split.device)
     return _tables(env, iv, pieces, torch.zeros_like(split), page_size)
-
-
-def gap_segments(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
-                 args: dict[str, Any], device: torch.device) -> torch.Tensor:
-    """The launch requests of a batch in row order (host int64 [n, SEG_FIELDS], every one in
-    place) with the rows that see 2..MAX_PIECES exact intervals in custom runs whose page lists
-    skip the gaps between those intervals (gaps.py), none split into pieces."""
-    env = row_env(qo_indptr, kv_lens, device)
-    iv = row_intervals(form, spec, env, args)
-    pieces = row_pieces(form, spec, env, args, MAX_PIECES)
-    return _tables(env, iv, pieces, torch.zeros_like(pieces.count, dtype=torch.bool), page_size)
 
 
 def _tables(env: dict[str, torch.Tensor], iv: RowIntervals, pieces: RowPieces, split: torch.Tensor,

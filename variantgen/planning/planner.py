@@ -48,21 +48,12 @@ from ..abi.table import (
 from ..core.errors import LaunchError
 from ..core.staging import INT_WORKSPACE_BYTES, HostStaging, IntWorkspaces
 from ..lang.values import VariantSpec
+from .assembly import TableRules, segment_table
 from .graph import GraphBuffers, GraphCapacity, slot_name
 from .intervals import analyze
-from .keysets import has_key_sets, list_pages
-from .pieces import (
-    InlinePieces,
-    MergeRows,
-    gap_segments,
-    inline_first_pieces,
-    may_split,
-    merge_rows,
-    piece_segments,
-)
+from .pieces import InlinePieces, MergeRows, merge_rows
 from .plan import Batch, Launch, LaunchLayout, Plan
 from .rowplan import call_layout, kept_buffer, row_buffers
-from .rowrules import classify_rows, segments
 
 # How rows that see several key intervals run (Planner.split_rows): "pieces" or "gaps".
 SPLIT_ROWS = "pieces"
@@ -256,14 +247,12 @@ class Planner:
         # lists (the row rules in torch ops, ms of host time at 64k rows: paid only by batches
         # that have custom rows).
         if row_pass and values[HeaderField.CUSTOM]:
-            split = self.max_pieces > 0 and may_split(self.form, self.spec, args)
-            lists = self.key_set_lists and self.graph is None and has_key_sets(self.form, self.spec, args)
-            if split or lists:
-                pieces = split and self.split_how == "pieces"
-                o[PlanOption.MAX_PIECES] = min(self.max_pieces, MAX_PIECES) if pieces else 0
+            rules = self.table_rules(args, pack)
+            if rules.special:
+                o[PlanOption.MAX_PIECES] = rules.max_pieces if rules.split == "pieces" else 0
                 self.staging.record()
                 self.staging.begin()  # (the first plan's copies out of the mirror have run: it is free again)
-                values, merge = self._build_split(batch, indices, kv_indices, args, pack, split, lists)
+                values, merge = self._build_split(batch, indices, kv_indices, args, pack, rules)
                 o[PlanOption.LIST_ROWS] = 0
         device_ws, host_ws = self._workspace_pair()
         launches, layouts = self._launches(values, device_ws, host_ws, batch, disable_split_kv)
@@ -275,33 +264,24 @@ class Planner:
         self._last = weakref.ref(plan)
         return plan
 
+    def table_rules(self, args: dict[str, Any], pack: int) -> TableRules:
+        """How this plan's table treats rows of several intervals and key sets (assembly.py)."""
+        return TableRules.of(self.form, self.spec, args, split_how=self.split_how, max_pieces=self.max_pieces,
+                             lists=self.key_set_lists and self.graph is None,
+                             window_launches=self.max_window_launches if self.fa3 else None, packed=pack > 1,
+                             inline_keys=self.inline_keys if self.inline_allowed else 0)
+
     def _build_split(self, batch: Batch, indices: torch.Tensor, kv_indices: torch.Tensor, args: dict[str, Any],
-                     pack: int, split: bool, lists: bool) -> tuple[list[int], MergeRows | None]:
-        """plan() for a spec whose rows may see several key intervals (``split``) or a key set
-        (``lists``): the row rules in torch ops with such rows read past their gaps (gaps.py) or
-        split into pieces (pieces.py), and custom runs of key-set rows given page lists
-        (keysets.py) - the generated row kernel does none of this yet, so it costs the torch
-        rules' dispatch, a few ms at 64k rows - then the launch builder on their segments, then
+                     pack: int, rules: TableRules) -> tuple[list[int], MergeRows | None]:
+        """plan() for a spec whose rows may see several key intervals or a key set (``rules``):
+        the table of assembly.py - the generated row kernel does none of this yet, so it costs the
+        torch rules' dispatch, a few ms at 64k rows - then the launch builder on its segments, then
         its copy and page gather in torch ops. The descriptor's values and the rows run() merges
         (None: no row was split), with their rows in the launches' outputs (GQA packing ``pack``)."""
-        q_starts, kv_lens, ps = batch.q_starts, list(batch.kv_lens), batch.page_size
-        if not split:
-            table = segments(classify_rows(self.spec, self.form, q_starts, kv_lens, ps, args, self.device), ps)
-        elif self.split_how == "gaps":  # (every launch request writes in place: MAX_PIECES is 0)
-            table = gap_segments(self.spec, self.form, q_starts, kv_lens, ps, args, self.device)
-        else:
-            table = piece_segments(self.spec, self.form, q_starts, kv_lens, ps, args, self.device,
-                                   int(self._opt[PlanOption.MAX_PIECES]),
-                                   self.max_window_launches if self.fa3 else None, packed=pack > 1)
-        inline = None
-        if split and self.split_how == "pieces" and self.inline_keys > 0 and self.inline_allowed:
-            found_inline = inline_first_pieces(table, self.inline_keys, self.max_window_launches if self.fa3 else None)
-            if found_inline is not None:
-                table, inline = found_inline
-        segs = table  # (the segments; with page lists, the lists' rows follow them in the builder's table)
-        if lists:
-            table, self._opt[PlanOption.LIST_ROWS] = list_pages(segs, self.spec, self.form, q_starts, kv_lens, ps,
-                                                                args, self.device)
+        found = segment_table(self.spec, self.form, batch.q_starts, list(batch.kv_lens), batch.page_size, args,
+                              self.device, rules)
+        table, segs, inline = found.table, found.segments, found.inline
+        self._opt[PlanOption.LIST_ROWS] = found.list_rows
         for _ in range(4):  # a too-small workspace is answered with the size it needs
             device_ws, host_ws = self._workspace_pair()
             self.module.build_launches(indices, table, self.options, host_ws, self.desc)
@@ -311,11 +291,11 @@ class Planner:
             finish_plan(values, host_ws, device_ws, kv_indices, self.staging)
             if inline is not None:
                 return values, self._inline_merge(batch, indices, kv_indices, inline).packed(pack)
-            found = merge_rows(segs, batch.total_q)
-            if not found.pieces:
+            split = merge_rows(segs, batch.total_q)
+            if not split.pieces:
                 return values, None
-            merge = MergeRows(self.staging.to_device(found.rows, torch.int64),
-                              self.staging.to_device(found.counts, torch.int64), found.pieces)
+            merge = MergeRows(self.staging.to_device(split.rows, torch.int64),
+                              self.staging.to_device(split.counts, torch.int64), split.pieces)
             return values, merge.packed(pack)
         raise LaunchError("internal: the launch builder still asks for room after the workspace grew")
 

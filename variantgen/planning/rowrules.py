@@ -31,13 +31,13 @@ rather than beside the tests.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..abi.table import CUSTOM_ROWS, NO_INTERVAL, SEG_FIELDS, TAIL_MAX_QO_LEN, RecField, RowClass, SegField
 from ..lang.values import VariantSpec
-from .intervals import IntervalForm, RowIntervals, row_intervals
+from .intervals import IntervalForm, RowIntervals, Term, TermBounds, decided_terms, row_intervals, term_bounds
 
 DENSE, CAUSAL, WINDOW, CUSTOM, TAIL = RowClass
 
@@ -59,6 +59,25 @@ def row_env(qo_indptr: list[int], kv_lens: list[int], device: torch.device) -> d
     kv_row_base = torch.cumsum(kv_len_req, 0) - kv_len_req
     return {"q_pos": q_pos, "q_idx": q_idx, "q_row": rows, "q_kv_row": kv_row_base[request] + q_pos,
             "request": request, "qo_len": qo_lens[request], "kv_len": kv_len, "vg_kv_lens": kv_len_req}
+
+
+class RowTerms(NamedTuple):
+    """A batch's query rows (row_env) with the spec's decided terms evaluated over them: what the
+    row rules, pieces.py and keysets.py read, evaluated once per table (assembly.py)."""
+
+    qo_indptr: list[int]
+    kv_lens: list[int]
+    env: dict[str, torch.Tensor]
+    terms: tuple[Term, ...]
+    bounds: TermBounds
+
+
+def row_terms(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], args: dict[str, Any],
+              device: torch.device) -> RowTerms:
+    """The rows of a batch and its spec's decided terms' bounds over them (``device``: any)."""
+    env = row_env(qo_indptr, kv_lens, device)
+    return RowTerms(list(qo_indptr), list(kv_lens), env, decided_terms(form, spec, args),
+                    term_bounds(form, spec, env, args))
 
 
 def classify_rows(spec: VariantSpec, form: IntervalForm, qo_indptr: list[int], kv_lens: list[int], page_size: int,
