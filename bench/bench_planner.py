@@ -8,13 +8,15 @@ and reports per mask and form
 
 * keys_read / keys_visible: the keys the planned launches read against the keys the mask shows;
 * for sparse key sets (rows the planner keeps as a hull): the page-granular live area (per row, the
-  keys of the pages that hold a key it sees) and keys_read against it;
+  keys of the pages that hold a key it sees) and keys_read against it; and the tile-granular
+  live area (per 128 rows, the pages of their union), the least a list per query tile reaches;
 * whether the planner is off, and why; whether another form of the same mask plans.
 
 Targets (issue 41): read/visible <= 1.15 where rows see a few intervals, <= 1.15 x the
 page-granular live area for sparse key sets, no form planner-off where another form plans. Keys
 read are computed from the launch requests plan() makes - rows of several intervals split into
-pieces (pieces.py), custom runs of key-set rows through their page lists (keysets.py) - so the
+pieces (pieces.py), custom runs of key-set rows, or of rows whose keys are picked per row block
+(BigBird's random blocks), through their page lists (keysets.py) - so the
 figures follow the planner without a change here.
 
 Masks: specs/*.yaml, bench/masks/*.yaml; forms: the spec's own mask and those of
@@ -52,6 +54,7 @@ MASK_DIRS = (ROOT / "specs", ROOT / "bench" / "masks")
 FORMS_FILE = ROOT / "bench" / "masks" / "equivalent_forms.yml"
 TARGET = 1.15
 PAGE = 16
+TILE_ROWS = 128  # the sm90 kernel's query tile (hd 128): one page list serves a tile's rows
 
 
 def environment() -> dict[str, Any]:
@@ -97,27 +100,34 @@ def request_args(spec: VariantSpec, qo: int, kv: int, seed: int = 0) -> dict[str
     return args
 
 
-def page_live_keys(spec: VariantSpec, args: dict[str, Any], qo: int, kv: int, page: int = PAGE) -> int:
+def page_live_keys(spec: VariantSpec, args: dict[str, Any], qo: int, kv: int, page: int = PAGE,
+                   tile: int = TILE_ROWS) -> tuple[int, int]:
     """Sum over rows of the keys of the pages that hold a key the row sees (the mask evaluated on
-    every element, a block of rows at a time): the least a page list can read."""
+    every element, a block of rows at a time): the least a page list can read; and the same with
+    the pages of each ``tile`` rows' union (from the first row): the least a page list per query
+    tile of the kernel can read."""
     env = row_env([0, qo], [kv], torch.device("cpu"))
     pages = -(-kv // page)
-    total = 0
-    rows = max(1, (1 << 22) // kv)
+    per_row = per_tile = 0
+    rows = tile * max(1, (1 << 22) // (kv * tile))
     kv_pos = torch.arange(kv, dtype=torch.int64).view(1, -1)
     zero = torch.zeros((), dtype=torch.int64)
+    sizes = torch.full((pages,), page, dtype=torch.int64)
+    sizes[-1] = kv - (pages - 1) * page
     for r0 in range(0, qo, rows):
         sl = slice(r0, min(qo, r0 + rows))
+        n = sl.stop - sl.start
         block = {k: v[sl].view(-1, 1) for k, v in env.items() if k != "vg_kv_lens"}
         block |= {"kv_pos": kv_pos, "kv_row": kv_pos, "qo_head": zero, "kv_head": zero}
-        m = Evaluator(spec, block, args).ev(spec.mask).to(torch.bool).expand(sl.stop - sl.start, kv)
-        padded = torch.zeros(m.shape[0], pages * page, dtype=torch.bool)
+        m = Evaluator(spec, block, args).ev(spec.mask).to(torch.bool).expand(n, kv)
+        padded = torch.zeros(n, pages * page, dtype=torch.bool)
         padded[:, :kv] = m
-        live = padded.view(m.shape[0], pages, page).any(2)
-        sizes = torch.full((pages,), page, dtype=torch.int64)
-        sizes[-1] = kv - (pages - 1) * page
-        total += int((live.to(torch.int64) * sizes).sum())
-    return total
+        live = padded.view(n, pages, page).any(2)
+        per_row += int((live.to(torch.int64) * sizes).sum())
+        for t0 in range(0, n, tile):
+            t_rows = min(tile, n - t0)
+            per_tile += t_rows * int((live[t0:t0 + t_rows].any(0).to(torch.int64) * sizes).sum())
+    return per_row, per_tile
 
 
 def measure(spec: VariantSpec, qo: int, kv: int) -> dict[str, Any]:
@@ -134,9 +144,11 @@ def measure(spec: VariantSpec, qo: int, kv: int) -> dict[str, Any]:
     if cost.planner == "off":
         out["planner_off"] = cost.reason
     if cost.hull_rows:  # a sparse key set: the page list's least is the page-granular live area
-        live = page_live_keys(spec, args, qo, kv)
+        live, tile_live = page_live_keys(spec, args, qo, kv)
         out["page_live_keys"] = live
         out["read_per_page_live"] = round(cost.keys_read / live, 4) if live else None
+        out["tile_live_keys"] = tile_live  # (the same per 128-row query tile: what one tile's list can reach)
+        out["read_per_tile_live"] = round(cost.keys_read / tile_live, 4) if tile_live else None
     out["qo_len"], out["kv_len"] = qo, kv
     out["cpu_s"] = round(time.perf_counter() - t, 3)
     return out
@@ -182,7 +194,8 @@ def main() -> None:
                 entry["forms"].append(form)
                 print(f"{written.name:22} {label:10} " + "  ".join(
                     f"{n}: {form[n]['read_per_visible']:.2f}x" + (" OFF" if form[n]["planner"] == "off" else "")
-                    + (f" (page-live {form[n]['read_per_page_live']}x)" if "page_live_keys" in form[n] else "")
+                    + (f" (page-live {form[n]['read_per_page_live']}x, tile-live {form[n]['read_per_tile_live']}x)"
+                       if "page_live_keys" in form[n] else "")
                     for n in scenarios), flush=True)
             planned = [f["form"] for f in entry["forms"] if f["prefill"]["planner"] != "off"]
             off = [f["form"] for f in entry["forms"] if f["prefill"]["planner"] == "off"]

@@ -19,10 +19,11 @@ from test_pieces import HEAD_DIM, HKV, HQ, _spec, make, visible_keys
 import variantgen
 from variantgen import GraphCapacity
 from variantgen.abi.table import SEG_FIELDS, PlanOption, RecField, RowClass, SegField
+from variantgen.lang.nodes import Name
 from variantgen.planning.assembly import TableRules, segment_table
 from variantgen.planning.cost import batch_cost
 from variantgen.planning.intervals import analyze
-from variantgen.planning.keysets import has_key_sets
+from variantgen.planning.keysets import Blocks, has_key_sets, row_blocks
 from variantgen.planning.plan import LaunchRequest
 from variantgen.planning.rowrules import classify_rows, row_env
 from variantgen.testing.harness import random_paged_batch
@@ -54,6 +55,12 @@ def specs() -> dict[str, variantgen.VariantSpec]:
         "late_global": _spec("late_global", "kv_pos <= q_pos and (q_pos - kv_pos <= window or "
                                             "(q_pos >= from_q and is_global[kv_row] != 0))",
                              {"window": 6, "from_q": 170}, flags),
+        # keys picked per block of rows (BigBird's random blocks): row_blocks' pages
+        "bigbird": variantgen.load_spec(MASKS / "bigbird.yaml"),
+        # the same with other row and key divisors (neither a page multiple) and the key read by kv_row
+        "block_random": _spec("block_random", "kv_pos <= q_pos and (q_pos - kv_pos < 4 or "
+                                              "bit(picks[q_pos // rb % 16], kv_row // kb % 32))",
+                              {"rb": 7, "kb": 5}, "tensors:\n  picks: {dtype: int32, shape: [16]}\n"),
     }
 
 
@@ -64,6 +71,13 @@ def spec_args(name: str, kv_lens: list[int], seed: int = 0, share: float = 0.03)
         args["window"] = 5
     if name == "fixed_sparse":
         args.update(block=48, c=3)
+    if name == "bigbird":
+        args.update(block=8, global_blocks=1)
+    if name in ("bigbird", "block_random"):  # a few random key blocks per row block
+        g = torch.Generator().manual_seed(seed)
+        tensor = spec.tensors[0]
+        words = ((torch.rand(tensor.shape[0], 32, generator=g) < 0.1).long() << torch.arange(32)).sum(1)
+        args[tensor.name] = (words - (words >= 2**31).long() * 2**32).to(torch.int32)
     if any(t.name == "is_global" for t in spec.tensors):
         g = torch.Generator().manual_seed(seed)
         args["is_global"] = (torch.rand(sum(kv_lens), generator=g) < share).to(torch.int32)
@@ -85,6 +99,13 @@ def test_a_key_only_atom_is_a_key_set_and_one_that_reads_the_row_is_not():
     strided = analyze(variantgen.load_spec(MASKS / "strided.yaml"))  # (q_pos - kv_pos) % stride: reads the row
     assert not any(t.key_set for t in bigbird.terms) and any(t.opaque for t in bigbird.terms)
     assert not any(t.key_set for t in strided.terms)
+    # bigbird's bit reads the row by blocks (q_pos // block): its pages per block pair; strided's
+    # atom reads the row by position: its term keeps its pages
+    (random,) = [t for t in bigbird.terms if t.opaque]
+    assert row_blocks(random) == (Blocks("q_pos", Name(id="block")), Blocks("kv_pos", Name(id="block")))
+    assert all(row_blocks(t) is None for t in strided.terms)
+    block_random = next(t for t in analyze(specs()["block_random"]).terms if t.opaque)
+    assert row_blocks(block_random) == (Blocks("q_pos", Name(id="rb")), Blocks("kv_row", Name(id="kb")))
     assert "is_global" in analyze(specs()["global_window"]).names  # plan() needs the flags
 
 

@@ -287,6 +287,10 @@ def test_notes_say_what_the_planner_needs_and_the_form_it_plans():
     assert "off" in note.message and "head" in note.message
     assert planner_notes(parse_spec("name: w\nscalars:\n  w: {dtype: int, default: 3, min: 0}\n"
                                     "mask: abs(q_pos - kv_pos) <= w\n")) == []
+    blocks = parse_spec("name: b\ntensors:\n  picks: {dtype: int32, shape: [8]}\n"
+                        "mask: kv_pos <= q_pos and (q_pos - kv_pos < 4 or bit(picks[q_pos // 16 % 8], kv_pos // 16))\n")
+    (note,) = planner_notes(blocks)  # reads the query by blocks: page lists, not the hull
+    assert "bit(picks" in note.message and "by blocks" in note.message and "page lists" in note.message
 
 
 def test_validate_prints_the_note_at_the_masks_line(tmp_path):
@@ -299,7 +303,8 @@ def test_validate_prints_the_note_at_the_masks_line(tmp_path):
     r = CliRunner().invoke(main, ["validate", str(path)])
     assert r.exit_code == 0, r.output
     assert f"ok  {path} (frames)" in r.stdout
-    assert f"{path}:5:1: note: the planner cannot bound `((kv_pos // f) <= (q_pos // f))`" in r.stdout
+    # (f's sign unknown: not an interval; read by blocks of f, so page lists meanwhile)
+    assert f"{path}:5:1: note: `((kv_pos // f) <= (q_pos // f))` reads the query by blocks" in r.stdout
     assert "hint: declare `f` `positive: true`" in r.stdout
     path.write_text("name: frames\nscalars:\n  f: {dtype: int, default: 16, positive: true}\n"
                     "mask: kv_pos // f <= q_pos // f\n")

@@ -58,6 +58,9 @@ class Term:
     # set, and a run of rows reads only the pages holding one (keysets.py); else its hull.
     keys: tuple[Node, ...] = ()
     opaque: bool = False  # it dropped an atom that reads the key and the row (or the head)
+    # The atoms it dropped that read the key and the row (BigBird's random blocks' bit): keysets.py
+    # evaluates them per block of rows and keys where they read the row only by blocks.
+    pairs: tuple[Node, ...] = ()
 
     @property
     def key_set(self) -> bool:
@@ -199,12 +202,13 @@ def _atom(node: Node, key_tensors: frozenset[str]) -> Term:
             return found
     if _key_only(node):  # a key set (keysets.py), not an interval
         return Term(exact=False, keys=(node,))
-    return Term(exact=False, opaque=True)  # reads the key in a way we do not model: hull
+    return Term(exact=False, opaque=True, pairs=(node,))  # not an interval nor a key set: hull
 
 
 def _and(a: Term, b: Term) -> Term:
     return Term(a.conds + b.conds, a.lows + b.lows, a.highs + b.highs, a.chunks + b.chunks,
-                a.sorted_eqs + b.sorted_eqs, a.exact and b.exact, a.keys + b.keys, a.opaque or b.opaque)
+                a.sorted_eqs + b.sorted_eqs, a.exact and b.exact, a.keys + b.keys, a.opaque or b.opaque,
+                a.pairs + b.pairs)
 
 
 class _TooComplex(Exception):

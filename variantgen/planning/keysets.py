@@ -20,6 +20,15 @@ known visible to the whole run, so the output is the mask's whatever the list: t
 to hold every key a row sees, which the bounds guarantee. Block-sparse attention on the paged
 cache, derived from the spec: no hand-written block mask.
 
+A term may also read the key and the row in a way no interval bounds (BigBird's random blocks,
+``bit(random_blocks[q_pos // block], kv_pos // block)``). Where its atoms read the row only by
+blocks (``q_pos // D``, one divisor D of scalars), every row of a block sees the same keys there,
+so the term's pages are found by evaluating its atoms once per (row block, key block) of each
+candidate (run, page) - a handful per pair, where evaluating every element would be the mask
+itself (row_blocks). Atoms that read the row by position (``(q_pos - kv_pos) % stride == 0``)
+show a 128-row run nearly every page: such terms keep their pages (every page of their bounds),
+and so does a term whose blocks would take more than BLOCK_EVALUATIONS evaluations.
+
 Runs whose pages are all live keep their hull (no list). Not in CUDA-graph mode (the tables are
 sized per batch; the fixed slots would need a capacity for them): there such rows run over their
 hull, as before.
@@ -27,20 +36,72 @@ hull, as before.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from ..abi.table import SEG_FIELDS, RowClass, SegField
 from ..lang.evaluate import Evaluator
+from ..lang.nodes import Binary, Name, Node, Type, names_used
 from ..lang.values import VariantSpec
-from .intervals import IntervalForm, decided_terms
+from .intervals import HEAD_NAMES, KEY_NAMES, ROW_NAMES, IntervalForm, Term, decided_terms
 from .rowrules import RowTerms, rows_of_segments
+
+# A term's atoms evaluated at most this many times per table (per (row block, key block) of its
+# candidate pages); beyond it the term keeps every page of its bounds. Bounds the host memory of
+# the evaluation (about ten int64 tensors of this length, in slices of EVALUATION_SLICE).
+BLOCK_EVALUATIONS = 1 << 23
+EVALUATION_SLICE = 1 << 20
 
 
 def has_key_sets(form: IntervalForm, spec: VariantSpec, args: dict[str, Any]) -> bool:
-    """Whether some term of this spec (for these scalar values) shows its rows a key set."""
-    return form.planner_ready and any(t.key_set for t in decided_terms(form, spec, args))
+    """Whether some term of this spec (for these scalar values) shows its rows a key set, or keys
+    its atoms pick per block of rows (row_blocks)."""
+    return form.planner_ready and any(t.key_set or row_blocks(t) is not None for t in decided_terms(form, spec, args))
+
+
+class Blocks(NamedTuple):
+    """How a term's atoms read one side (the row's builtins or the key's): the builtin, and the
+    divisor they read it by (None: by position)."""
+
+    name: str
+    divisor: Node | None
+
+
+def _reads(atoms: tuple[Node, ...], names: set[str]) -> Blocks | None:
+    """How ``atoms`` read ``names``: by blocks where every read is ``name // divisor`` with one name
+    and one divisor of scalars and constants; by position where any read is another; None where
+    they read none of them."""
+    uses: list[Blocks] = []
+
+    def visit(node: Node) -> None:
+        if (isinstance(node, Binary) and node.op == "//" and isinstance(node.left, Name) and node.left.id in names
+                and not names_used(node.right) & (ROW_NAMES | KEY_NAMES | HEAD_NAMES) and node.right.ty is Type.INT):
+            uses.append(Blocks(node.left.id, node.right))
+        elif isinstance(node, Name) and node.id in names:
+            uses.append(Blocks(node.id, None))
+        else:
+            for child in node.children():
+                visit(child)
+
+    for atom in atoms:
+        visit(atom)
+    if not uses:
+        return None
+    return uses[0] if all(u == uses[0] for u in uses) else Blocks(uses[0].name, None)
+
+
+def row_blocks(term: Term) -> tuple[Blocks | None, Blocks | None] | None:
+    """For a term whose atoms read the key and the row (``Term.pairs``) with the row read only by
+    blocks: how its atoms read the row and the key (row_blocks' pages: evaluated per block pair).
+    None for any other term (exact, a key set, or the row read by position)."""
+    if term.exact or not term.opaque or not term.pairs:
+        return None
+    atoms = term.pairs + term.keys
+    rows = _reads(atoms, ROW_NAMES)
+    if rows is not None and rows.divisor is None:
+        return None
+    return rows, _reads(atoms, KEY_NAMES)
 
 
 def _key_env(kv_lens: list[int], qo_lens: list[int], device: torch.device) -> dict[str, torch.Tensor]:
@@ -65,7 +126,8 @@ def list_pages(table: torch.Tensor, spec: VariantSpec, rows: RowTerms, page_size
     seg = table
     custom = ((seg[:, SegField.CLASS] == RowClass.CUSTOM) & (seg[:, SegField.PIECE] == -1)
               & (seg[:, SegField.GAP_TO_1] == 0) & (seg[:, SegField.KV_END] > seg[:, SegField.KV_BEGIN]))
-    if not any(t.key_set for t in terms) or not bool(custom.any()):
+    blocks = [row_blocks(t) for t in terms]
+    if not any(t.key_set or b is not None for t, b in zip(terms, blocks)) or not bool(custom.any()):
         return table, 0
     runs = custom.nonzero().squeeze(1)
     which, run_rows = rows_of_segments(seg[runs])  # (rows of the batch, from qo_indptr[0] = 0)
@@ -94,10 +156,16 @@ def list_pages(table: torch.Tensor, spec: VariantSpec, rows: RowTerms, page_size
     live = torch.zeros(page.numel(), dtype=torch.bool)
     key_env = None
     key_start = torch.cumsum(torch.tensor([0] + list(kv_lens), dtype=torch.int64), 0)
-    for t, lo, hi, ok in zip(terms, bounds.lo, bounds.hi, bounds.ok):
+    for t, by, lo, hi, ok in zip(terms, blocks, bounds.lo, bounds.hi, bounds.ok):
         r_lo, r_hi = run_span(lo, hi, ok)
         a, b = torch.maximum(p_lo, r_lo[cand_run]), torch.minimum(p_hi, r_hi[cand_run])  # its keys on the page
         meets = a <= b
+        if by is not None:
+            first_row = seg[runs, SegField.FIRST_ROW][cand_run]
+            rows_of = seg[runs, SegField.END_ROW][cand_run] - first_row
+            seen = _block_pages(t, by, spec, args, rows.env, meets, first_row, rows_of, a, b, key_start[request])
+            live |= meets if seen is None else meets & seen
+            continue
         if not t.key_set:
             live |= meets
             continue
@@ -132,3 +200,77 @@ def list_pages(table: torch.Tensor, spec: VariantSpec, rows: RowTerms, page_size
     lists[:pages.numel()] = pages
     return torch.cat([out, lists.view(n_rows, SEG_FIELDS)]), n_rows
 
+
+
+def _blocks_met(first: torch.Tensor, count: torch.Tensor, divisor: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs of ``count`` consecutive values from ``first`` (int64 each): how many blocks of
+    ``divisor`` values (value // divisor) each meets, and the first of them."""
+    start = torch.div(first, divisor, rounding_mode="floor")
+    return torch.div(first + count - 1, divisor, rounding_mode="floor") - start + 1, start
+
+
+def _block_pages(term: Term, by: tuple[Blocks | None, Blocks | None], spec: VariantSpec, args: dict[str, Any],
+                 env: dict[str, torch.Tensor], meets: torch.Tensor, first_row: torch.Tensor, rows: torch.Tensor,
+                 key_lo: torch.Tensor, key_hi: torch.Tensor, key_base: torch.Tensor) -> torch.Tensor | None:
+    """Per candidate (run, page) (host int64 each: the run's first batch row and row count, the
+    page's keys [key_lo, key_hi] the term's bounds leave, request-local, and the request's first
+    key row): whether the term's atoms hold for some (row block, key block) of it - one row and
+    one key of each block pair evaluated, every row of a block reading the same values. Only
+    candidates that ``meets`` are evaluated. None where that would take more than BLOCK_EVALUATIONS."""
+    row_by, key_by = by
+    ev_args = Evaluator(spec, {"kv_pos": torch.zeros(1, dtype=torch.int64)}, args)
+
+    def divisor(side: Blocks | None) -> int:
+        if side is None or side.divisor is None:
+            return 1
+        value = int(ev_args.ev(side.divisor).reshape(-1)[0])
+        return value if value > 0 else 1  # (floor division by <= 0: read by position, which is exact)
+
+    cand = meets.nonzero().squeeze(1)
+    if cand.numel() == 0:
+        return torch.zeros_like(meets)
+    # the side's coordinate: the builtin read, for the run's first row and the page's first key
+    row_name = row_by.name if row_by is not None else "q_pos"
+    row_first = env[row_name].cpu()[first_row[cand]]
+    key_name = key_by.name if key_by is not None else "kv_pos"
+    k_lo, k_hi = key_lo[cand], key_hi[cand]
+    key_first = k_lo + (key_base[cand] if key_name == "kv_row" else 0)
+    # (a side the atoms do not read: one block, the first value)
+    d_row, d_key = divisor(row_by), divisor(key_by)
+    if row_by is None:
+        n_row, row_block, d_row = torch.ones_like(cand), row_first, 1
+    else:
+        n_row, row_block = _blocks_met(row_first, rows[cand], d_row)
+    if key_by is None:
+        n_key, key_block, d_key = torch.ones_like(cand), key_first, 1
+    else:
+        n_key, key_block = _blocks_met(key_first, k_hi - k_lo + 1, d_key)
+    per = n_row * n_key
+    total = int(per.sum())
+    if total > BLOCK_EVALUATIONS:
+        return None
+    found = torch.zeros(cand.numel(), dtype=torch.int64)
+    offsets = torch.cumsum(per, 0) - per
+    device = env["q_pos"].device
+    atoms = term.pairs + term.keys
+    for s in range(0, total, EVALUATION_SLICE):
+        flat = torch.arange(s, min(total, s + EVALUATION_SLICE), dtype=torch.int64)
+        c = torch.searchsorted(offsets, flat, right=True) - 1
+        local = flat - offsets[c]
+        i, j = torch.div(local, n_key[c], rounding_mode="floor"), local % n_key[c]
+        # the first value of block i (j), but not before the run's first row (the page's first key)
+        row_off = torch.clamp((row_block[c] + i) * d_row - row_first[c], min=0)
+        key_off = torch.clamp((key_block[c] + j) * d_key - key_first[c], min=0)
+        row = (first_row[cand][c] + row_off).to(device)
+        kv_pos = (k_lo[c] + key_off).to(device)
+        at = {name: env[name][row] for name in ("q_pos", "q_idx", "q_row", "q_kv_row", "request", "qo_len", "kv_len")}
+        at["kv_pos"] = kv_pos
+        at["kv_row"] = key_base[cand][c].to(device) + kv_pos
+        ev = Evaluator(spec, at, args)
+        holds = torch.ones(flat.numel(), dtype=torch.bool, device=device)
+        for atom in atoms:
+            holds &= ev.ev(atom).to(torch.bool).expand_as(holds)
+        found.index_add_(0, c, holds.cpu().long())
+    out = torch.zeros_like(meets)
+    out[cand] = found > 0
+    return out

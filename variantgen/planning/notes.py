@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from ..lang.nodes import Binary, Node, names_used, to_source
 from ..lang.values import VariantSpec
 from .intervals import KEY_NAMES, _atom, analyze
+from .keysets import row_blocks
 from .normalize import Rewriter, normalize, positive_scalars
 
 
@@ -40,20 +41,23 @@ def planner_notes(spec: VariantSpec) -> list[PlannerNote]:
                                  "the mask on every key", hint))
         return notes
     key_tensors = frozenset(t.name for t in spec.tensors if t.shape == ("total_kv",))
-    unbounded, key_sets = [], []
+    unbounded, key_sets, by_blocks = [], [], []
     for atom in _atoms(normalize(spec.mask, spec)):
         if names_used(atom) & KEY_NAMES:
             term = _atom(atom, key_tensors)
             if term.key_set:
                 key_sets.append(to_source(atom))
+            elif row_blocks(term) is not None:
+                by_blocks.append(to_source(atom))
             elif not term.exact:
                 unbounded.append(to_source(atom))
     if unbounded:
         shown = ", ".join(f"`{a}`" for a in dict.fromkeys(unbounded))
         hint = declare or ("rows that read the key only through linear comparisons (kv_pos <= q_pos + w), or "
-                           "through a test of the key alone (is_global[kv_row] != 0, kv_pos % b >= b - c), plan "
-                           "exactly or by pages; one that reads the key and the query together is evaluated "
-                           "over the rows' key hull")
+                           "through a test of the key alone (is_global[kv_row] != 0, kv_pos % b >= b - c), or "
+                           "the query only by blocks (bit(picks[q_pos // b], kv_pos // b)), plan exactly or by "
+                           "pages; one that reads the key and the query's position together is evaluated over "
+                           "the rows' key hull")
         notes.append(PlannerNote(f"the planner cannot bound {shown}: rows where it decides evaluate the mask over "
                                  "their key hull", hint))
     if key_sets:
@@ -61,6 +65,12 @@ def planner_notes(spec: VariantSpec) -> list[PlannerNote]:
         notes.append(PlannerNote(f"{shown} tests the key alone: rows where it decides read only the pages that hold "
                                  "such a key (page lists; the hull in CUDA-graph mode), evaluating the mask there",
                                  "variantgen explain shows the pages read against the keys visible"))
+    if by_blocks:
+        shown = ", ".join(f"`{a}`" for a in dict.fromkeys(by_blocks))
+        notes.append(PlannerNote(f"{shown} reads the query by blocks: rows where it decides read only the pages "
+                                 "where some block of their run sees a key (page lists; the hull in CUDA-graph "
+                                 "mode), evaluating the mask there",
+                                 declare or "variantgen explain shows the pages read against the keys visible"))
     return notes
 
 
