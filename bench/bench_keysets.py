@@ -10,7 +10,9 @@ Workload (issue 41's): 8 requests x 8192 tokens of prefill, 32/8 heads, head dim
   issue's bar: global tokens + window at most 1.3x the plain window);
 * ``fixed_sparse`` (block 128, the last 8 keys of every earlier block), lists and hull, against
   ``causal`` scaled by the two masks' visible keys (the issue's bar for the collection: within
-  1.15x of causal's time per visible key).
+  1.15x of causal's time per visible key);
+* ``bigbird`` (blocks of 64: a window of 3 blocks, 2 global blocks, random key blocks picked per
+  query block, each of 32 with probability 0.1), lists and hull, against causal likewise.
 
 Also the plans' keys read per visible key (the CPU figure, cost.plan_cost), plan()'s host time
 and the largest difference of the lists' output from the hull's. Writes
@@ -37,10 +39,11 @@ from variantgen.planning.cost import plan_cost  # noqa: E402
 from variantgen.testing import harness  # noqa: E402
 
 WORKLOAD = dict(batch=8, tokens=8192, qo_heads=32, kv_heads=8, head_dim=128, page_size=16, window=256,
-                global_share=0.005, block=128, summary=8)
+                global_share=0.005, block=128, summary=8, bigbird_block=64, random_share=0.1)
 FILES = {"global_window": ROOT / "bench" / "masks" / "global_window.yaml",
          "bidirectional_window": ROOT / "bench" / "masks" / "bidirectional_window.yaml",
          "fixed_sparse": ROOT / "bench" / "masks" / "fixed_sparse.yaml",
+         "bigbird": ROOT / "bench" / "masks" / "bigbird.yaml",
          "causal": ROOT / "specs" / "causal.yaml"}
 
 
@@ -58,6 +61,9 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
                                dtype=torch.bfloat16, device="cuda", seed=1)
     g = torch.Generator().manual_seed(0)
     is_global = (torch.rand(n * wl["batch"], generator=g) < wl["global_share"]).to(torch.int32).cuda()
+    words = ((torch.rand(64, 32, generator=g) < wl["random_share"]).long() << torch.arange(32)).sum(1)
+    random_blocks = (words - (words >= 2**31).long() * 2**32).to(torch.int32).cuda()  # (the bits as int32)
+    bigbird = {"random_blocks": random_blocks, "block": wl["bigbird_block"]}
     ws = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     window = {"window": wl["window"]}
     cases = {"bidirectional_window": ("bidirectional_window", window, True),
@@ -65,7 +71,9 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
              "global_window_hull": ("global_window", window | {"is_global": is_global}, False),
              "causal": ("causal", {}, True),
              "fixed_sparse": ("fixed_sparse", {"block": wl["block"], "c": wl["summary"]}, True),
-             "fixed_sparse_hull": ("fixed_sparse", {"block": wl["block"], "c": wl["summary"]}, False)}
+             "fixed_sparse_hull": ("fixed_sparse", {"block": wl["block"], "c": wl["summary"]}, False),
+             "bigbird": ("bigbird", bigbird, True),
+             "bigbird_hull": ("bigbird", bigbird, False)}
     outs, visible = {}, {}
     for name, (spec_name, args, lists) in cases.items():
         key = f"{name}_{backend}"
@@ -96,12 +104,12 @@ def bench_backend(backend: str, iters: int, res: dict) -> None:
         if name in ms and "bidirectional_window" in ms:
             ratio = ms[name] / ms["bidirectional_window"]
             res["notes"][f"{name}_{backend}_over_bidirectional_window"] = round(ratio, 3)
-    for name in ("fixed_sparse", "fixed_sparse_hull", "global_window"):
+    for name in ("fixed_sparse", "fixed_sparse_hull", "global_window", "bigbird", "bigbird_hull"):
         if name in ms and "causal" in ms:
             per_key = ms["causal"] / visible["causal"]
             res["notes"][f"{name}_{backend}_over_causal_per_visible_key"] = round(ms[name] / (per_key * visible[name]),
                                                                                   3)
-    for name in ("global_window", "fixed_sparse"):
+    for name in ("global_window", "fixed_sparse", "bigbird"):
         if name in outs and f"{name}_hull" in outs:
             diff = (outs[name] - outs[f"{name}_hull"]).abs().max().item()
             res["notes"][f"{name}_{backend}_lists_vs_hull_max_abs_diff"] = round(diff, 5)

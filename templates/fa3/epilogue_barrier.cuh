@@ -12,7 +12,7 @@
 // them sync once, then copy out.
 //
 // VG_FA3_EPILOGUE_FOR(V) declares FlashInfer's CollectiveEpilogue for the kernel traits of the
-// variant template V<MASKED> as VgCollectiveEpilogue: FlashInfer's own (instantiated for a
+// variant template V<flags...> (V<MASKED>, V<MASKED, LISTED>) as VgCollectiveEpilogue: FlashInfer's own (instantiated for a
 // twin of the traits, the same members under another type) with store() replaced. Needs
 // <flashinfer/attention/hopper/prefill_sm90.cuh> and the variant first; used by the kernel
 // units only (nothing else instantiates the epilogue).
@@ -89,11 +89,11 @@ struct VgCollectiveEpilogue : CollectiveEpilogue<vg_fa3::TwinTraits<Ktraits>> {
 #define VG_FA3_EPILOGUE_FOR(VARIANT_TEMPLATE)                                                             \
   namespace flashinfer {                                                                                   \
   template <bool TMA_KV, int HD_QK, int HD_VO, int TILE_Q, int TILE_KV, int STAGES, typename DQ, typename DKV, \
-            typename DO, typename ID, bool MASKED>                                                         \
+            typename DO, typename ID, bool... FLAGS>                                                       \
   struct CollectiveEpilogue<                                                                               \
-      AttentionKernelTraits<TMA_KV, HD_QK, HD_VO, TILE_Q, TILE_KV, STAGES, DQ, DKV, DO, ID, VARIANT_TEMPLATE<MASKED>>> \
+      AttentionKernelTraits<TMA_KV, HD_QK, HD_VO, TILE_Q, TILE_KV, STAGES, DQ, DKV, DO, ID, VARIANT_TEMPLATE<FLAGS...>>> \
       : VgCollectiveEpilogue<AttentionKernelTraits<TMA_KV, HD_QK, HD_VO, TILE_Q, TILE_KV, STAGES, DQ, DKV, DO, ID, \
-                                                   VARIANT_TEMPLATE<MASKED>>> {};                          \
+                                                   VARIANT_TEMPLATE<FLAGS...>>> {};                        \
   }
 #else
 #define VG_FA3_EPILOGUE_FOR(VARIANT_TEMPLATE)

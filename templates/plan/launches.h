@@ -379,6 +379,7 @@ struct LaunchSet {
   std::vector<int32_t> members;
   bool tail = false;
   int32_t piece = -1;  // -1: writes in place; p: partial output p
+  bool listed = false;  // custom launch requests over page lists (the listed variant: kListedRunCode)
 };
 
 // Whether a tail run is exact in fa2's tail launch: the kernel evaluates the mask from the
@@ -491,15 +492,25 @@ inline std::vector<LaunchSet> group_launches(const std::vector<Request>& reqs, c
   for (const int64_t w : widths) base.push_back(LaunchSet{kModeCausal, int32_t(w), {}});
   // The same launches again per piece: a launch writes one output (o, or one partial output).
   // Pieces come after the in-place launches, so run() merges once all of them have run.
+  // Custom launch requests over page lists (in place; never in CUDA-graph mode) get a launch of
+  // their own after the in-place ones: the listed variant reads each key's position from the
+  // list's table, a lookup per element the custom launch's variant is compiled without.
   int64_t pieces = 0;
-  for (const Request& r : reqs) pieces = std::max(pieces, r.piece + 1);
+  bool listed = false;
+  for (const Request& r : reqs) {
+    pieces = std::max(pieces, r.piece + 1);
+    listed = listed || r.list_len > 0;
+  }
   std::vector<LaunchSet> slots;
-  for (int64_t p = -1; p < pieces; ++p)
+  std::vector<size_t> group_at;  // each piece's first slot (piece -1 first)
+  for (int64_t p = -1; p < pieces; ++p) {
+    group_at.push_back(slots.size());
     for (LaunchSet s : base) {
       s.piece = int32_t(p);
       slots.push_back(std::move(s));
     }
-  const size_t per_piece = base.size();
+    if (p == -1 && listed) slots.push_back(LaunchSet{kModeCustom, -1, {}, false, -1, true});
+  }
   for (int32_t i = 0; i < int32_t(reqs.size()); ++i) {
     const Request& r = reqs[i];
     size_t slot = r.cls == kCustom ? 0 : r.cls == kDense ? 2 : 1;
@@ -508,7 +519,8 @@ inline std::vector<LaunchSet> group_launches(const std::vector<Request>& reqs, c
       const auto at = std::find(widths.begin(), widths.end(), r.window);
       slot = at == widths.end() ? 0 : 3 + size_t(at - widths.begin());
     }
-    slots[size_t(r.piece + 1) * per_piece + slot].members.push_back(i);
+    if (r.list_len > 0) slot = base.size();  // (read_page_list: custom, in place)
+    slots[group_at[size_t(r.piece + 1)] + slot].members.push_back(i);
   }
   if (c.graph()) return slots;  // fixed slots, empty or not (no pieces in CUDA-graph mode)
   std::vector<LaunchSet> out;
@@ -743,6 +755,7 @@ inline void write_plan(std::vector<Request> reqs, const Batch& b, const Options&
     d[kLaunchSlotPages] = graph ? c.graph_pages : d[kLaunchPages];
     d[kLaunchTail] = launches[l].tail;
     d[kLaunchPiece] = launches[l].piece;
+    d[kLaunchListed] = launches[l].listed;
     d[kLaunchInfoLen] = int64_t(info.size());
     std::copy(info.begin(), info.end(), d + kLaunchInfo);
     if (!graph) page_at += pages[l];

@@ -227,6 +227,39 @@ def test_sink_and_bit_kernels_compile(vg_env, toolchain, tmp_path, backend, kind
     assert (tmp_path / f"{Path(unit).stem}.o").stat().st_size > 0
 
 
+LISTED = """\
+name: listed
+tensors:
+  is_global: {dtype: int32, shape: [total_kv]}
+  picks: {dtype: int32, shape: [16]}
+scalars:
+  block: {dtype: int, default: 64, positive: true}
+mask: >
+  kv_pos <= q_pos and (q_pos - kv_pos < 64 or is_global[kv_row] != 0
+  or bit(picks[q_pos // block % 16], kv_pos // block % 32))
+"""
+
+
+def test_listed_kernels_compile(vg_env, toolchain, tmp_path):
+    """The listed variant (keys through a page list's table: a key set and blocks picked per row
+    block) in an fa2 prefill unit and fa3's own unit."""
+    spec = variantgen.parse_spec(LISTED, "listed.yaml")
+    units = []
+    for backend, unit in (("fa2", "paged_kernel_cta16.cu"), ("fa3", "paged_kernel_custom_listed.cu")):
+        config = ModuleConfig(spec, 128, 128, "bf16", "bf16", "bf16", "9.0a", backend)
+        module = render.render_module(config)
+        assert "Listed" in module.files[unit]
+        out = tmp_path / backend
+        out.mkdir()
+        units.append((config, module, unit, out))
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda u: _compile_units(toolchain, u[3], u[1], u[0], [u[2]]), units))
+    for _, _, unit, out in units:
+        assert (out / f"{Path(unit).stem}.o").stat().st_size > 0
+
+
 # Spec arguments named as the locals and parameters of the functions that take them (FlashInfer's
 # host run functions, the fa3 bindings, the planner's entry points) and as PlanArgs' fields: the
 # generated code passes them as vg_arg_<name> and keeps them in structs of their own.

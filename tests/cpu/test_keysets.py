@@ -20,10 +20,11 @@ import variantgen
 from variantgen import GraphCapacity
 from variantgen.abi.table import SEG_FIELDS, PlanOption, RecField, RowClass, SegField
 from variantgen.lang.nodes import Name
+from variantgen.lang.reads import Blocks
 from variantgen.planning.assembly import TableRules, segment_table
 from variantgen.planning.cost import batch_cost
 from variantgen.planning.intervals import analyze
-from variantgen.planning.keysets import Blocks, has_key_sets, row_blocks
+from variantgen.planning.keysets import has_key_sets, row_blocks
 from variantgen.planning.plan import LaunchRequest
 from variantgen.planning.rowrules import classify_rows, row_env
 from variantgen.testing.harness import random_paged_batch
@@ -174,6 +175,8 @@ def test_key_set_rows_read_their_page_lists_and_match_the_reference(name, page_s
         plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
         listed = [r for r in plan.launch_requests if r.cls == RowClass.CUSTOM and r.gaps]
         assert bool(listed) == lists, (lists, plan)
+        # (page lists run in the listed launch, the custom launch keeps the variant without tables)
+        assert [la.listed for la in plan.launches].count(True) == int(lists), plan
         visited[lists] = plan.work()["visited"]
         out = torch.full((batch.q.shape[0], HQ, HEAD_DIM), math.nan, dtype=torch.bfloat16)
         got, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), out=out, return_lse=True, **args)

@@ -90,7 +90,8 @@ LIMITS = {"kRecFields": len(RecField), "kSegFields": plan_abi.SEG_FIELDS, "kOpti
           "kFa2Launches": plan_abi.FA2_LAUNCHES, "kFa3MaxWindowLaunches": plan_abi.FA3_MAX_WINDOW_LAUNCHES,
           "kMaxLaunches": plan_abi.MAX_LAUNCHES, "kRowBlock": plan_abi.ROW_BLOCK, "kNoInterval": plan_abi.NO_INTERVAL,
           "kReadIndicesExtra": plan_abi.READ_INDICES_EXTRA, "kVisEveryKey": plan_abi.VIS_EVERY_KEY,
-          "kFa2TailRunCode": plan_abi.FA2_TAIL_RUN_CODE, "kMaxPieces": plan_abi.MAX_PIECES,
+          "kFa2TailRunCode": plan_abi.FA2_TAIL_RUN_CODE, "kListedRunCode": plan_abi.LISTED_RUN_CODE,
+          "kMaxPieces": plan_abi.MAX_PIECES,
           "kRaggedKvGap": plan_abi.RAGGED_KV_GAP, "kMaxKeyGaps": plan_abi.MAX_KEY_GAPS, "kNoGapAt": plan_abi.NO_GAP_AT}
 
 

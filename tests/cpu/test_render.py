@@ -587,10 +587,32 @@ def test_the_template_digest_covers_the_static_sources(tmp_path, vg_env):
 
 def test_the_fa3_variants_are_one_template():
     variant = render_module(config(shipped("mm_prefix"), backend="fa3")).files["variant.cuh"]
-    assert variant.count("struct VG_MmPrefixVariant {") == 1 and "template <bool MASKED>" in variant
+    assert variant.count("struct VG_MmPrefixVariant {") == 1
+    assert "template <bool MASKED, bool LISTED = false>" in variant
     assert "using VG_MmPrefix = VG_MmPrefixVariant<false>;" in variant
     assert "using VG_MmPrefixMasked = VG_MmPrefixVariant<true>;" in variant
     assert variant.count("if constexpr (MASKED) {") == 1 and variant.count("REGISTER_LOGITS_TRANSFORM") == 1
+
+
+def test_the_listed_variant_is_built_where_the_planner_may_list():
+    """A mask with a key set (global tokens' flags) or keys picked per row block gets the listed
+    launch's kernel (run() code LISTED_RUN_CODE) in its paged prefill modules; other masks do not,
+    and the ragged kind never (no page lists there)."""
+    listed = variantgen.parse_spec("name: g\ntensors:\n  is_global: {dtype: int32, shape: [total_kv]}\n"
+                                   "mask: kv_pos <= q_pos and (q_pos - kv_pos < 8 or is_global[kv_row] != 0)\n")
+    case = "static_cast<MaskMode>(vg_abi::kListedRunCode)"
+    for spec, want in ((listed, True), (shipped("mm_prefix"), False), (shipped("streaming_sink"), False)):
+        fa3 = render_module(config(spec, backend="fa3")).files
+        assert ("paged_kernel_custom_listed.cu" in fa3) is want, spec.name
+        assert (f"case {plan_abi.LISTED_RUN_CODE}:" in fa3["binding.cu"]) is want, spec.name
+        fa2 = render_module(config(spec)).files
+        assert (case in fa2["batch_prefill_config.inc"]) is want, spec.name
+        assert any(f"{render.struct_name(spec)}Listed" in text for name, text in fa2.items()
+                   if name.startswith("paged_kernel")) is want, spec.name
+    unit = render_module(config(listed, backend="fa3")).files["paged_kernel_custom_listed.cu"]
+    assert "VG_GListed" in unit
+    ragged = render_module(config(listed, backend="fa3", kind="ragged")).files
+    assert not any("listed" in name for name in ragged)
 
 
 def test_the_masked_fa3_transform_defines_each_local_once():

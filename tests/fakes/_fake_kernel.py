@@ -57,6 +57,7 @@ from _builder import finish_on_cpu, plan_builder
 
 from variantgen.abi.table import (
     FA2_TAIL_RUN_CODE,
+    LISTED_RUN_CODE,
     MAX_KEY_GAPS,
     META_COLUMNS,
     SEG_FIELDS,
@@ -67,13 +68,15 @@ from variantgen.abi.table import (
 )
 from variantgen.codegen import logits_fold
 from variantgen.lang.evaluate import Evaluator
+from variantgen.lang.reads import page_list_atoms
 from variantgen.lang.values import VariantSpec
 from variantgen.planning.planner import fa3_cta_tile_q
 from variantgen.wrappers.merge import merge_inline_reference, merge_pieces_reference
 from variantgen.wrappers.reference import softmax_attention
 
-MODE_NAMES = {int(m): m.label for m in MaskMode}
-# fa2's paged_run codes: the mask modes, and the tail launch's causal with the spec's mask
+# run()'s codes: the mask modes and the listed launch (custom, the keys through page lists' tables)
+MODE_NAMES = {**{int(m): m.label for m in MaskMode}, LISTED_RUN_CODE: "listed"}
+# fa2's paged_run codes: those, and the tail launch's causal with the spec's mask
 FA2_RUN_CODES = {**MODE_NAMES, FA2_TAIL_RUN_CODE: "causal"}
 
 
@@ -374,6 +377,8 @@ class FakeModule:
                   last_page_len, out, lse, mask_mode, layout, window_left, enable_pdl, *extra):
         args, meta_t, sm_scale, v_scale = self._unpack_extra(extra)
         assert mask_mode in (FA2_RUN_CODES if self.mask_on_diagonal else MODE_NAMES), mask_mode
+        # (the listed variant is compiled only for a mask with an atom the planner may list)
+        assert mask_mode != LISTED_RUN_CODE or page_list_atoms(self.spec.mask), "listed launch not compiled"
         assert layout == 0, "the fake kernel emulates the NHD layout only"
         assert window_left == -1 and isinstance(enable_pdl, bool)
         info = list(plan_info)
@@ -422,8 +427,9 @@ class FakeModule:
             assert 0 <= qs[b] and qs[b] + qo_len <= total_q and 0 <= o_row and o_row + qo_len <= total_q
             assert 0 <= kv_pos_base and kv_pos_base + kv_len + skipped_keys(meta[b]) <= req_kv_len, (b, meta[b], kv_len)
             assert mask_mode == 2 or skipped_keys(meta[b]) == 0, "gaps in a launch request of an exact launch"
+            # a page list exactly in the listed launch, whose variant alone reads the table
             table = page_table(meta_t, meta[b], npages)
-            assert table is None or mask_mode == 2, "a page list in a launch request of an exact launch"
+            assert (table is not None) == (mask_mode == LISTED_RUN_CODE), (mask_mode, "page list", table)
             assert table is None or bool((table[1:] > table[:-1]).all() and table[-1] < req_kv_len), table
             rows_total += qo_len
             if qo_len == 0:
@@ -438,7 +444,7 @@ class FakeModule:
 
             env, i, j = launch_env(meta[b], qo_len, kv_len, hq, group, local_q_idx=self.codegen_q_idx, table=table)
             scores = scores_with_logits(self.spec, env, args, scores)
-            if mask_mode == 2:
+            if mask_mode in (2, LISTED_RUN_CODE):
                 visible = kernel_mask(self.spec, env, args, (hq, qo_len, kv_len), meta[b])
             elif mask_mode in (1, FA2_TAIL_RUN_CODE):
                 d = kv_len - qo_len + i

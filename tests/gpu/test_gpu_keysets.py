@@ -6,8 +6,9 @@ fa3's GQA-packed decode. Run on the GPU machine with `pytest -m gpu tests/gpu/te
 
 The masks (bench/masks/): global tokens + a bidirectional window (Longformer / BigBird's global
 tokens: ``is_global[kv_row] != 0``, 1 % of the keys) and fixed sparse attention (a block, and the
-summary keys of every earlier block). Modules: the first run builds them (or precompile on a
-build box: fa2 and fa3, hd 128, bf16, for global_window and fixed_sparse).
+summary keys of every earlier block), and BigBird (random key blocks picked per query block: pages
+found per (row block, key block)). Modules: the first run builds them (or precompile on a build
+box: fa2 and fa3, hd 128, bf16, for global_window, fixed_sparse and bigbird).
 """
 
 from __future__ import annotations
@@ -34,15 +35,19 @@ def workspace():
 
 def spec_args(name: str, spec, kv_lens: list[int], seed: int) -> dict:
     args = {s.name: s.default for s in spec.scalars}
+    g = torch.Generator().manual_seed(seed)
     if name == "global_window":
-        g = torch.Generator().manual_seed(seed)
         args["is_global"] = (torch.rand(sum(kv_lens), generator=g) < 0.01).to(torch.int32).cuda()
+    if name == "bigbird":  # random key blocks per query block: each of 32 with probability 0.1
+        words = ((torch.rand(64, 32, generator=g) < 0.1).long() << torch.arange(32)).sum(1)
+        args["random_blocks"] = (words - (words >= 2**31).long() * 2**32).to(torch.int32).cuda()
+        args["block"] = 32
     return args
 
 
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
 @pytest.mark.parametrize("page_size", [1, 5, 16])
-@pytest.mark.parametrize("name", ["global_window", "fixed_sparse"])
+@pytest.mark.parametrize("name", ["global_window", "fixed_sparse", "bigbird"])
 def test_page_lists_match_the_reference_and_the_hull(name, page_size, backend, workspace):
     if backend == "fa3" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("fa3 runs on sm90")
@@ -57,6 +62,7 @@ def test_page_lists_match_the_reference_and_the_hull(name, page_size, backend, w
         w.planner.key_set_lists = lists
         plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
         assert any(r.gaps for r in plan.launch_requests) == lists, plan
+        assert any(la.listed for la in plan.launches) == lists, plan  # (the listed variant's launch)
         visited[lists] = plan.work()["visited"]
         outs[lists] = w.run(batch.q, (batch.k_cache, batch.v_cache), **args).float()
     ref = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr, batch.kv_indptr,

@@ -277,8 +277,9 @@ class LaunchField(IntEnum):
     SLOT_PAGES = 10  # entries laid out (CUDA-graph mode: the capacity)
     TAIL = 11  # 1: fa2's tail launch (causal, the mask on each launch request's one diagonal tile)
     PIECE = 12  # -1: writes o and lse in place; p >= 0: writes partial output p (SegField.PIECE)
-    INFO_LEN = 13  # then INFO_LEN plan_info values
-    INFO = 14
+    LISTED = 13  # 1: custom launch requests over page lists (LISTED_RUN_CODE: the listed variant)
+    INFO_LEN = 14  # then INFO_LEN plan_info values
+    INFO = 15
 
 
 class LaunchArray(IntEnum):
@@ -348,8 +349,9 @@ MAX_PIECES = 4
 MAX_KEY_GAPS = MAX_PIECES - 1
 # MetaColumn.GAP_AT_j of no gap: past every list index
 NO_GAP_AT = 2**31 - 1
-# the launches of the rows written in place, then the same set again per piece
-MAX_LAUNCHES = max(FA2_LAUNCHES, 3 + FA3_MAX_WINDOW_LAUNCHES) * (1 + MAX_PIECES)
+# the launches of the rows written in place, then the same set again per piece, and the listed
+# launch (in place)
+MAX_LAUNCHES = max(FA2_LAUNCHES, 3 + FA3_MAX_WINDOW_LAUNCHES) * (1 + MAX_PIECES) + 1
 OPTION_FIELDS = PlanOption.WINDOWS + FA3_MAX_WINDOW_LAUNCHES
 DESC_FIELDS = HEADER_FIELDS + LAUNCH_FIELDS * MAX_LAUNCHES
 ROW_BLOCK = 256  # query rows per block of the row kernels: one launch-request count each
@@ -363,6 +365,12 @@ VIS_EVERY_KEY = 2**31 - 1
 # the kernel masks. The codes of the exact launches (NONE, CAUSAL) run kernel units compiled
 # without the spec's mask (only the kernel window); this one and CUSTOM run the masked variant.
 FA2_TAIL_RUN_CODE = 3
+# run()'s code for the launch of custom launch requests over page lists (LaunchField.LISTED): the
+# masked variant that reads each key's position from its list's table. Its own kernel, so the
+# custom launch's per-element code has no table lookup (with it, streaming_sink's custom hull
+# took 49 ms for 27 on an H100): compiled where the mask has an atom the planner may list
+# (lang/reads.py's page_list_atoms).
+LISTED_RUN_CODE = 4
 # fa3 ragged: zero rows run() puts after each request's keys in its padded copy of K and V, and the
 # shift the module's plan adds to request b's first key (b x this). FlashInfer's sm90 ragged kernel
 # loads whole KV tiles (TMA over the packed [total_kv, heads, dim] tensor) from the request's first
@@ -437,6 +445,7 @@ def header_text() -> str:
         f"constexpr int kReadIndicesExtra = {READ_INDICES_EXTRA};",
         f"constexpr int32_t kVisEveryKey = {VIS_EVERY_KEY};",
         f"constexpr int32_t kFa2TailRunCode = {FA2_TAIL_RUN_CODE};",
+        f"constexpr int32_t kListedRunCode = {LISTED_RUN_CODE};",
         f"constexpr int32_t kRaggedKvGap = {RAGGED_KV_GAP};",
         "}  // namespace vg_abi",
         "",

@@ -37,6 +37,7 @@ from ..abi.table import MaskMode
 from ..core.env import TEMPLATES_DIR, settings
 from ..core.errors import VariantgenError
 from ..lang import nodes
+from ..lang.reads import page_list_atoms
 from ..lang.values import VariantSpec
 from ..routing.capabilities import KINDS, canonical_arch
 from ..routing.config import DEFAULT_MASK_MODES, DTYPES, FA2_CTA_TILES_Q, MASK_MODES, ModuleConfig  # noqa: F401 (re-exported)
@@ -313,7 +314,9 @@ def fa2_kernel_modes(ctx: RenderContext, tail: bool) -> list[dict[str, str]]:
     without the spec's mask (``<struct>Exact``): their launches are exact - paged prefill's
     (plan.py's Launch.exact) by the launch builder, ragged prefill's by ragged.launch_mask_mode,
     which picks them only for a mask that is exactly the mode. Custom runs the masked variant, and
-    so does ``tail`` (paged prefill): fa2's tail launch, mode causal under a code of its own."""
+    so does ``tail`` (paged prefill): fa2's tail launch, mode causal under a code of its own; and
+    there, for a mask the planner may read through page lists (lang/reads.py), custom launch
+    requests over page lists: the listed variant under a code of its own (LISTED_RUN_CODE)."""
     masked = ctx.struct_name
     modes = []
     for m in ctx.mask_modes:
@@ -322,6 +325,9 @@ def fa2_kernel_modes(ctx: RenderContext, tail: bool) -> list[dict[str, str]]:
         if tail and m["name"] == plan_abi.MaskMode.CAUSAL.label:
             modes.append(dict(m, name="causal_tail", case="static_cast<MaskMode>(vg_abi::kFa2TailRunCode)",
                               variant=masked))
+        if tail and not plain and page_list_atoms(ctx.spec.mask):
+            modes.append(dict(m, name="custom_listed", case="static_cast<MaskMode>(vg_abi::kListedRunCode)",
+                              variant=f"{masked}Listed"))
     return modes
 
 
@@ -425,7 +431,8 @@ PLAIN_VARIANT = "vg::Fa3PlainVariant<false>"
 def _fa3_launches(ctx: RenderContext, *, ragged: bool = False) -> list[dict[str, object]]:
     """The kernel instantiations of an fa3 module, by run()'s mask-mode code: 'none' and
     'causal' run the plain variant (causal with and without a left window; a ragged launch has
-    no window); 'custom' is a non-causal launch of the masked variant (FA3 has no kCustom).
+    no window); 'custom' is a non-causal launch of the masked variant (FA3 has no kCustom), and
+    'custom_listed' (paged, a mask the planner may list: lang/reads.py) of the listed variant.
     ``call``: the binding's launch helper for it (run.cuh, ragged_run.cuh); ``shared``: a plain
     launch of the shared plain kernel (plain_is_shared)."""
     spec = ctx.spec
@@ -446,6 +453,9 @@ def _fa3_launches(ctx: RenderContext, *, ragged: bool = False) -> list[dict[str,
         else:
             out.append(dict(name="custom", code=int(MaskMode.CUSTOM), mask_literal="MaskMode::kNone",
                             window="false", variant=masked))
+            if not ragged and page_list_atoms(spec.mask):  # custom launch requests over page lists
+                out.append(dict(name="custom_listed", code=plan_abi.LISTED_RUN_CODE, mask_literal="MaskMode::kNone",
+                                window="false", variant=ctx.struct_name + "Listed"))
     for launch in out:
         launch["causal"] = launch["code"] == int(MaskMode.CAUSAL)  # the binding picks by window_left within it
     if ragged:

@@ -31,12 +31,10 @@ from ..abi.table import NO_INTERVAL
 from ..core.errors import LaunchError
 from ..lang.evaluate import Evaluator
 from ..lang.nodes import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
+from ..lang.reads import HEAD_NAMES, KEY_NAMES, key_only
 from ..lang.values import VariantSpec
 from .normalize import normalize
 
-KEY_NAMES = {"kv_pos", "kv_row"}
-HEAD_NAMES = {"qo_head", "kv_head"}
-ROW_NAMES = {"q_pos", "q_idx", "q_row", "q_kv_row"}  # (request, qo_len, kv_len: the same for the whole request)
 MAX_TERMS = 8
 BIG = NO_INTERVAL  # no interval: lo = BIG, hi = -BIG
 
@@ -92,12 +90,6 @@ class IntervalForm:
 
 def _row_only(node: Node) -> bool:
     return not (names_used(node) & (KEY_NAMES | HEAD_NAMES))
-
-
-def _key_only(node: Node) -> bool:
-    """Reads the key and nothing of the row or the head (request-wide names are fine)."""
-    used = names_used(node)
-    return bool(used & KEY_NAMES) and not used & (ROW_NAMES | HEAD_NAMES)
 
 
 def _neg(node: Node) -> Node:
@@ -200,7 +192,7 @@ def _atom(node: Node, key_tensors: frozenset[str]) -> Term:
                  or _sorted_eq_of_compare(node, key_tensors))
         if found is not None:
             return found
-    if _key_only(node):  # a key set (keysets.py), not an interval
+    if key_only(node):  # a key set (keysets.py), not an interval
         return Term(exact=False, keys=(node,))
     return Term(exact=False, opaque=True, pairs=(node,))  # not an interval nor a key set: hull
 

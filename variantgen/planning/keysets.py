@@ -36,15 +36,15 @@ hull, as before.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ..abi.table import SEG_FIELDS, RowClass, SegField
 from ..lang.evaluate import Evaluator
-from ..lang.nodes import Binary, Name, Node, Type, names_used
+from ..lang.reads import KEY_NAMES, ROW_NAMES, Blocks, reads
 from ..lang.values import VariantSpec
-from .intervals import HEAD_NAMES, KEY_NAMES, ROW_NAMES, IntervalForm, Term, decided_terms
+from .intervals import IntervalForm, Term, decided_terms
 from .rowrules import RowTerms, rows_of_segments
 
 # A term's atoms evaluated at most this many times per table (per (row block, key block) of its
@@ -60,37 +60,6 @@ def has_key_sets(form: IntervalForm, spec: VariantSpec, args: dict[str, Any]) ->
     return form.planner_ready and any(t.key_set or row_blocks(t) is not None for t in decided_terms(form, spec, args))
 
 
-class Blocks(NamedTuple):
-    """How a term's atoms read one side (the row's builtins or the key's): the builtin, and the
-    divisor they read it by (None: by position)."""
-
-    name: str
-    divisor: Node | None
-
-
-def _reads(atoms: tuple[Node, ...], names: set[str]) -> Blocks | None:
-    """How ``atoms`` read ``names``: by blocks where every read is ``name // divisor`` with one name
-    and one divisor of scalars and constants; by position where any read is another; None where
-    they read none of them."""
-    uses: list[Blocks] = []
-
-    def visit(node: Node) -> None:
-        if (isinstance(node, Binary) and node.op == "//" and isinstance(node.left, Name) and node.left.id in names
-                and not names_used(node.right) & (ROW_NAMES | KEY_NAMES | HEAD_NAMES) and node.right.ty is Type.INT):
-            uses.append(Blocks(node.left.id, node.right))
-        elif isinstance(node, Name) and node.id in names:
-            uses.append(Blocks(node.id, None))
-        else:
-            for child in node.children():
-                visit(child)
-
-    for atom in atoms:
-        visit(atom)
-    if not uses:
-        return None
-    return uses[0] if all(u == uses[0] for u in uses) else Blocks(uses[0].name, None)
-
-
 def row_blocks(term: Term) -> tuple[Blocks | None, Blocks | None] | None:
     """For a term whose atoms read the key and the row (``Term.pairs``) with the row read only by
     blocks: how its atoms read the row and the key (row_blocks' pages: evaluated per block pair).
@@ -98,10 +67,10 @@ def row_blocks(term: Term) -> tuple[Blocks | None, Blocks | None] | None:
     if term.exact or not term.opaque or not term.pairs:
         return None
     atoms = term.pairs + term.keys
-    rows = _reads(atoms, ROW_NAMES)
+    rows = reads(atoms, ROW_NAMES)
     if rows is not None and rows.divisor is None:
         return None
-    return rows, _reads(atoms, KEY_NAMES)
+    return rows, reads(atoms, KEY_NAMES)
 
 
 def _key_env(kv_lens: list[int], qo_lens: list[int], device: torch.device) -> dict[str, torch.Tensor]:

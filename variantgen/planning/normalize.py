@@ -36,10 +36,9 @@ import functools
 from dataclasses import dataclass, replace
 
 from ..lang.nodes import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, names_used
+from ..lang.reads import HEAD_NAMES, KEY_NAMES
 from ..lang.values import VariantSpec
 
-KEY_NAMES = frozenset({"kv_pos", "kv_row"})
-HEAD_NAMES = frozenset({"qo_head", "kv_head"})
 ORDERS = ("<", "<=", ">", ">=")
 FLIP = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}  # a op b  <=>  b FLIP[op] a
 NEGATE = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}  # not (a op b), ints

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..lang.nodes import Binary, Node, names_used, to_source
+from ..lang.nodes import Node, names_used, to_source
+from ..lang.reads import KEY_NAMES, atoms
 from ..lang.values import VariantSpec
-from .intervals import KEY_NAMES, _atom, analyze
+from .intervals import _atom, analyze
 from .keysets import row_blocks
 from .normalize import Rewriter, normalize, positive_scalars
 
@@ -42,7 +43,7 @@ def planner_notes(spec: VariantSpec) -> list[PlannerNote]:
         return notes
     key_tensors = frozenset(t.name for t in spec.tensors if t.shape == ("total_kv",))
     unbounded, key_sets, by_blocks = [], [], []
-    for atom in _atoms(normalize(spec.mask, spec)):
+    for atom in atoms(normalize(spec.mask, spec)):
         if names_used(atom) & KEY_NAMES:
             term = _atom(atom, key_tensors)
             if term.key_set:
@@ -72,11 +73,3 @@ def planner_notes(spec: VariantSpec) -> list[PlannerNote]:
                                  "mode), evaluating the mask there",
                                  declare or "variantgen explain shows the pages read against the keys visible"))
     return notes
-
-
-def _atoms(node: Node):
-    if isinstance(node, Binary) and node.op in ("and", "or"):
-        yield from _atoms(node.left)
-        yield from _atoms(node.right)
-    else:
-        yield node

@@ -143,10 +143,11 @@ class Launch:
     schedule: Schedule = Schedule.FLASHINFER
     tail: bool = False  # fa2's tail launch: causal, the mask on each launch request's diagonal tile
     piece: int = -1  # -1: writes o / lse in place; p: partial output p, merged by run() (pieces.py)
+    listed: bool = False  # custom launch requests over page lists: the listed variant (LISTED_RUN_CODE)
 
     @property
     def mask_mode(self) -> str:
-        return self.mode.label
+        return "listed" if self.listed else self.mode.label
 
     @property
     def exact(self) -> bool:

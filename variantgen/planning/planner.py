@@ -462,7 +462,7 @@ class Planner:
                 num_rows=d[LaunchField.ROWS], q_starts=q_starts, kv_indptr=kv_indptr,
                 kv_indices=views[stride * n_launches + 2 + 2 * i], last_page_len=last_page_len,
                 meta=meta.view(n, -1), plan_info=plan_info, int_workspace=int_ws, float_workspace=chunks[i],
-                schedule=schedule, tail=bool(d[LaunchField.TAIL])))
+                schedule=schedule, tail=bool(d[LaunchField.TAIL]), listed=bool(d[LaunchField.LISTED])))
             layouts.append(LaunchLayout(d[LaunchField.OFFSET], n, d[LaunchField.REQUESTS],
                                         d[LaunchField.PAGES] if d[LaunchField.MODE] == MaskMode.CUSTOM else 0))
         return launches, layouts

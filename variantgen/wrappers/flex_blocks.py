@@ -39,12 +39,12 @@ import torch
 
 from ..lang.evaluate import Evaluator
 from ..lang.nodes import Name, Type, names_used
+from ..lang.reads import HEAD_NAMES
 from ..lang.values import VariantSpec
 
 BLOCK = 128  # Flex's block size for queries and keys; lengths are padded to a multiple of it
 EVAL_CHUNK = 1 << 22  # mask elements evaluated per step when block masks come from the mask
 RECOMPILE_LIMIT = 64  # compiled graphs kept per spec and layout (see _compiled), while a flex route calls it
-HEAD_NAMES = {"qo_head", "kv_head"}
 
 log = logging.getLogger("variantgen.wrappers.flex_blocks")
 

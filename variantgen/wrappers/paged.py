@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..abi.table import FA2_TAIL_RUN_CODE, MaskMode
+from ..abi.table import FA2_TAIL_RUN_CODE, LISTED_RUN_CODE, MaskMode
 from ..core.errors import LaunchError
 from ..core.flags import check_flags
 from ..planning.graph import GraphCapacity
@@ -207,8 +207,9 @@ class VariantWrapper(WrapperBase):
             parts, parts_lse = piece_buffers(out_k, merge.pieces)  # (GQA packing: packed rows, as out_k's)
         for la in self._launches:
             # fa2's tail launch: causal with the spec's mask on the tiles the kernel masks, a code
-            # of its own (the other causal launches run units without the spec's mask)
-            code = FA2_TAIL_RUN_CODE if la.tail and not fa3 else int(la.mode)
+            # of its own (the other causal launches run units without the spec's mask); launch
+            # requests over page lists: the listed variant's code
+            code = FA2_TAIL_RUN_CODE if la.tail and not fa3 else LISTED_RUN_CODE if la.listed else int(la.mode)
             if pack > 1 and la.mode == MaskMode.CAUSAL:  # (a graph's causal and window slots: always empty)
                 continue
             o_l, lse_l = (out_k, lse_base) if la.piece < 0 else (parts[la.piece], parts_lse[la.piece])
