@@ -7,6 +7,9 @@
 #ifndef VG_HELPERS_CUH_
 #define VG_HELPERS_CUH_
 #include <cstdint>
+#if !defined(__CUDACC__) && !defined(__host__)
+#define __host__  // (a host compiler: the tests' drivers, which define __device__ away too)
+#endif
 
 namespace vg {
 // An index clamped to [0, extent) (int64: an offset index must not overflow first).
@@ -50,6 +53,31 @@ struct vg_fast_divisor {
     return uint32_t((uint64_t(high) + n) >> s);
   }
 };
+// Floor division and modulo by a launch-uniform int32 divisor (a spec scalar), exactly as
+// vg_floordiv / vg_mod below (0 for a zero divisor; -a, wrapping, for -1): a multiply-high, a
+// shift and selects, set once per CTA. Integer division has no instruction: vg_floordiv costs
+// ~30 per element where a mask divides by a scalar (fixed_sparse's kv_pos % block).
+struct vg_int_divisor {
+  vg_fast_divisor magnitude;
+  int32_t value;
+  bool zero, negative;
+  __device__ __host__ void set(int32_t divisor) {
+    value = divisor;
+    zero = divisor == 0;
+    negative = divisor < 0;
+    magnitude.set(zero ? 1u : negative ? 0u - uint32_t(divisor) : uint32_t(divisor));
+  }
+};
+__device__ __host__ __forceinline__ int32_t vg_floordiv_by(int32_t a, const vg_int_divisor& d) {
+  const int64_t x = d.negative ? -int64_t(a) : int64_t(a);  // a / d == -a / -d
+  const uint32_t q = d.magnitude.div(uint32_t(x >= 0 ? x : -x - 1));
+  const int32_t floor = x >= 0 ? int32_t(q) : int32_t(~q);  // x < 0: -((-x - 1) / |d|) - 1
+  return d.zero ? 0 : floor;
+}
+__device__ __host__ __forceinline__ int32_t vg_mod_by(int32_t a, const vg_int_divisor& d) {
+  const uint32_t r = uint32_t(a) - uint32_t(vg_floordiv_by(a, d)) * uint32_t(d.value);
+  return d.zero ? 0 : int32_t(r);
+}
 // The absolute position of list key i of a launch request over a page list (planning/keysets.py):
 // its page's first key (the table: one int32 per listed page) plus its slot in the page.
 __device__ __forceinline__ int32_t vg_listed_key_pos(const int32_t* table, const vg_fast_divisor& page_size,

@@ -41,6 +41,11 @@ int main() {{
     if (!std::strcmp(op, "bit")) r = vg_bit(int32_t(a), int32_t(b));
     else if (!std::strcmp(op, "floordiv")) r = vg_floordiv(int32_t(a), int32_t(b));
     else if (!std::strcmp(op, "mod")) r = vg_mod(int32_t(a), int32_t(b));
+    else if (!std::strcmp(op, "floordiv_by") || !std::strcmp(op, "mod_by")) {{  // (a scalar divisor)
+      vg::vg_int_divisor d;
+      d.set(int32_t(b));
+      r = op[0] == 'f' ? vg_floordiv_by(int32_t(a), d) : vg_mod_by(int32_t(a), d);
+    }}
     else if (!std::strcmp(op, "clamp")) r = vg_clamp(int64_t(a), int32_t(b));
     else if (!std::strcmp(op, "prow")) r = vg_packed_row(uint32_t(a), int32_t(b), (65535u + uint32_t(b)) / uint32_t(b));
     else if (!std::strcmp(op, "phead"))  // (head 7 when not packed)
@@ -94,12 +99,15 @@ OUT_OF_RANGE = {("floordiv", (nodes.INT32_MIN, -1)): nodes.INT32_MIN}
 
 
 def check(binary, op: str, pairs: list[tuple[int, int]]) -> None:
-    cxx, ref = run_cxx(binary, op, pairs), run_reference(op, pairs)
+    """``op`` in C++ against the reference; ``floordiv_by`` / ``mod_by`` (a launch-uniform divisor's
+    multiply-shift helpers, vg_int_divisor) against the reference's // and %."""
+    cxx, ref = run_cxx(binary, op, pairs), run_reference(op.removesuffix("_by"), pairs)
+    op = op.removesuffix("_by")
     bad = [(p, c, r) for p, c, r in zip(pairs, cxx, ref) if c != OUT_OF_RANGE.get((op, p), r)]
     assert not bad, f"{op}: C++ and reference disagree on (x, y) -> (c++, reference): {bad[:10]}"
 
 
-@pytest.mark.parametrize("op", ["bit", "floordiv", "mod"])
+@pytest.mark.parametrize("op", ["bit", "floordiv", "mod", "floordiv_by", "mod_by"])
 def test_helpers_agree_with_the_reference_on_edge_ints(helpers_binary, op):
     pairs = [(a, b) for a in EDGES for b in EDGES + list(range(-3, 40))]
     check(helpers_binary, op, pairs)
@@ -108,8 +116,9 @@ def test_helpers_agree_with_the_reference_on_edge_ints(helpers_binary, op):
 def test_division_by_minus_one_is_defined_at_int32_min(helpers_binary):
     """INT32_MIN / -1 traps on x86 and is undefined C++: the helpers special-case -1 (the mask
     of a spec dividing by a scalar that is -1 must not take a process down when run on a host)."""
-    assert run_cxx(helpers_binary, "floordiv", [(nodes.INT32_MIN, -1), (7, -1)]) == [nodes.INT32_MIN, -7]
-    assert run_cxx(helpers_binary, "mod", [(nodes.INT32_MIN, -1), (7, -1)]) == [0, 0]
+    for suffix in ("", "_by"):
+        assert run_cxx(helpers_binary, f"floordiv{suffix}", [(nodes.INT32_MIN, -1), (7, -1)]) == [nodes.INT32_MIN, -7]
+        assert run_cxx(helpers_binary, f"mod{suffix}", [(nodes.INT32_MIN, -1), (7, -1)]) == [0, 0]
 
 
 def test_clamp_agrees_with_the_reference_clamp(helpers_binary):
@@ -121,7 +130,7 @@ def test_clamp_agrees_with_the_reference_clamp(helpers_binary):
 
 
 @settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.sampled_from(["bit", "floordiv", "mod"]),
+@given(st.sampled_from(["bit", "floordiv", "mod", "floordiv_by", "mod_by"]),
        st.lists(st.tuples(INT32, st.one_of(INT32, st.integers(-70, 70))), min_size=1, max_size=200))
 def test_helpers_agree_with_the_reference_fuzzed(helpers_binary, op, pairs):
     check(helpers_binary, op, pairs)

@@ -206,7 +206,8 @@ def test_codegen_of_constants_and_operators(spec_from):
         "mask: 'kv_pos // d == q_pos % d and -5 < kv_pos and not (kv_pos / 2 > 1.5e-07) and abs(-kv_pos) >= 0'\n"
     )
     code = codegen.emit_mask(spec).code
-    assert "vg_floordiv(kv_pos, arg_d)" in code and "vg_mod(q_pos, arg_d)" in code
+    # (by a scalar: the variant's divisor member, a multiply-shift set once per CTA)
+    assert "vg_floordiv_by(kv_pos, vg_divisor0)" in code and "vg_mod_by(q_pos, vg_divisor0)" in code
     assert "int32_t(-5LL)" in code
     assert "vg_fdiv_rn(float(kv_pos), float(int32_t(2)))" in code  # (IEEE-rounded in a mask)
     assert "1.5e-07f" in code and "(!" in code and "vg_abs((-kv_pos))" in code
@@ -677,7 +678,9 @@ def test_long_masks_break_at_their_top_level_operator(spec_from):
     assert ("    if (vg_key >= vis_lo && vg_key <= vis_hi) return kv_idx + qo_len + window_left >= kv_len + qo_idx;"
             in mm)
     chunked = render_module(config(shipped("chunked_local"))).files["variant.cuh"]
-    assert "    return (kv_pos <= q_pos)\n        && (vg_floordiv(kv_pos, arg_chunk_size) == " in chunked
+    assert "    return (kv_pos <= q_pos)\n        && (vg_floordiv_by(kv_pos, vg_divisor0) == " in chunked
+    assert "  vg::vg_int_divisor vg_divisor0;  // the mask divides by arg_chunk_size" in chunked
+    assert "    vg_divisor0.set(arg_chunk_size);" in chunked
     short = render_module(config(shipped("causal"))).files["variant.cuh"]
     assert "    return (kv_pos <= q_pos);\n" in short  # short: one line
     three = spec_from("name: x\nmask: kv_pos < 1000000 or kv_pos == q_pos - 1000000 or kv_pos == q_pos + 1000000 "

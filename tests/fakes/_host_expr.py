@@ -96,6 +96,8 @@ def source(spec: VariantSpec) -> str:
         else:
             scalars.append(f"  int v_{s.name} = 0; if (std::scanf(\"%d\", &v_{s.name}) != 1) return 2;\n"
                            f"  const {SCALAR_TYPES[s.dtype]} arg_{s.name} = {SCALAR_TYPES[s.dtype]}(v_{s.name});")
+    # the mask's scalar divisors, set once as the variants' constructors set them
+    scalars += [f"  vg::vg_int_divisor {member};\n  {member}.set({value});" for member, value in mask.divisors]
     return PROGRAM.format(
         helpers=render.environment().get_template("common/helpers.cuh.jinja").render(),
         fields=fields or "  int unused;",

@@ -50,6 +50,8 @@ class RenderContext:
     mask_canonical: list[str]  # the mask's canonical form, comment lines
     mask_code: str  # the mask's C++ expression (long ones broken at their top-level || / &&)
     mask_locals: str  # the C++ lines defining the builtins the mask reads, in the mask hook
+    # the mask's launch-uniform int divisors: (vg_int_divisor member, its value), set once per CTA
+    mask_divisors: tuple[tuple[str, str], ...]
     logits: bool  # whether the spec has a logits transform (the variants register it)
     logits_text: list[str]  # the transform as written, comment lines ([] without one)
     logits_code: str  # the transform's C++ per element, as logits_fold.py folded it ("" without one)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ..lang import nodes, parsing
 from ..lang.expr import REQUEST_ROWS, row_index
-from ..lang.nodes import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary
+from ..lang.nodes import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, names_used
 from ..lang.values import TensorArg, VariantSpec
 
 # Built-in name -> local variable of the generated hook that holds it.
@@ -135,6 +135,9 @@ class Snippet:
     builtins: frozenset[str]  # expression builtins it reads
     terms: tuple[str, ...] = ()  # the operands of its top-level || / && chain (more than one)
     joiner: str = ""  # that operator
+    # launch-uniform int divisors (a scalar, not a constant) as (variant member, its value):
+    # the hook divides by the member (vg::vg_int_divisor), which the constructor sets once
+    divisors: tuple[tuple[str, str], ...] = ()
 
     def broken(self) -> str:
         """``code``, or where it is long and a chain at the top, one operand per line, each
@@ -146,7 +149,7 @@ class Snippet:
 
 class _Emitter:
     def __init__(self, spec: VariantSpec, target: Target, logits_local: str | None = None,
-                 exact_float: bool = False):
+                 exact_float: bool = False, fast_division: bool = False):
         self.spec = spec
         self.target = target
         # Float + - * / and sqrt rounded as IEEE float32 (vg_*_rn): a mask decides which keys are
@@ -159,6 +162,10 @@ class _Emitter:
         self.logits_local = logits_local
         self.builtins: set[str] = set()
         self.hoisted: dict[int, str] = {}  # id(node) -> the variant member computed from it once per CTA
+        # int divisors of scalars only -> the variant's vg_int_divisor member (fast_division: the
+        # kernel variants; not the planner's int64 row kernel)
+        self.fast_division = fast_division and not target.wide_ints
+        self.divisors: dict[str, str] = {}
 
     def emit(self, node: Node) -> str:
         if id(node) in self.hoisted:
@@ -234,6 +241,17 @@ class _Emitter:
         assert dim in ("num_qo_heads", "num_kv_heads"), f"no extent for dimension {dim!r} in a kernel"
         return getattr(self.target, dim)
 
+    def _divisor(self, node: Node) -> str | None:
+        """The variant member dividing by ``node``, where it is an int of the spec's scalars (the
+        same for the whole launch) and not a constant (which the compiler divides by itself)."""
+        used = names_used(node)
+        if not self.fast_division or node.ty is not Type.INT or not used or not used <= set(self.scalars):
+            return None
+        value = self.emit(node)
+        if value not in self.divisors:
+            self.divisors[value] = f"vg_divisor{len(self.divisors)}"
+        return self.divisors[value]
+
     def _unary(self, node: Unary) -> str:
         inner = self.emit(node.operand)
         if node.op == "not":
@@ -250,10 +268,11 @@ class _Emitter:
             if node.left.ty is Type.FLOAT or node.right.ty is Type.FLOAT:
                 return f"({self.as_float(node.left)} {op} {self.as_float(node.right)})"
             return f"({self.emit(node.left)} {op} {self.emit(node.right)})"
-        if op == "//":
-            return f"vg_floordiv({self.emit(node.left)}, {self.emit(node.right)})"
-        if op == "%":
-            return f"vg_mod({self.emit(node.left)}, {self.emit(node.right)})"
+        if op in ("//", "%"):
+            member = self._divisor(node.right)
+            if member is not None:  # (a multiply-high and a shift, where division costs ~30 instructions)
+                return f"{'vg_floordiv_by' if op == '//' else 'vg_mod_by'}({self.emit(node.left)}, {member})"
+            return f"{'vg_floordiv' if op == '//' else 'vg_mod'}({self.emit(node.left)}, {self.emit(node.right)})"
         if op == "/":
             div = "vg_fdiv_rn" if self.exact_float else "vg_div"
             return f"{div}({self.as_float(node.left)}, {self.as_float(node.right)})"
@@ -298,13 +317,14 @@ def _chain(node: Node, op: str) -> list[Node]:
 
 
 def emit_mask(spec: VariantSpec, target: Target = FA2_PAGED) -> Snippet:
-    e = _Emitter(spec, target, exact_float=True)
+    e = _Emitter(spec, target, exact_float=True, fast_division=True)
     code = e.emit(spec.mask)
     root = spec.mask
+    terms, joiner = (), ""
     if isinstance(root, Binary) and root.op in ("or", "and"):
-        terms = tuple(e.emit(t) for t in _chain(root, root.op))
-        return Snippet(code, frozenset(e.builtins), terms, "||" if root.op == "or" else "&&")
-    return Snippet(code, frozenset(e.builtins))
+        terms, joiner = tuple(e.emit(t) for t in _chain(root, root.op)), "||" if root.op == "or" else "&&"
+    divisors = tuple((member, value) for value, member in e.divisors.items())
+    return Snippet(code, frozenset(e.builtins), terms, joiner, divisors)
 
 
 def emit_logits(spec: VariantSpec, logits_local: str = "score", target: Target = FA2_PAGED) -> Snippet | None:

@@ -255,6 +255,7 @@ def render_context(config: ModuleConfig, facts: fi_versions.FlashInferFacts | No
         mask_canonical=codegen.comment_lines(nodes.to_source(spec.mask)),
         mask_code=mask.broken(),
         mask_locals=codegen.hook_locals(mask.builtins, target=target),
+        mask_divisors=mask.divisors,
         logits=logits is not None,
         logits_text=codegen.comment_lines(spec.logits_text or "") if logits else [],
         logits_code=logits.code if logits else "",
