@@ -503,10 +503,12 @@ def test_the_inline_merge_reference_is_the_merge_of_the_short_pieces_softmax(hnd
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
 
 
-def test_the_merge_computes_no_piece_unless_asked_nor_for_a_spec_it_cannot():
-    """inline_keys is 0 by default (measured slower than launching the sinks); where it is on, a
-    spec with a logits transform or q / k / v / o of different dtypes still launches every piece."""
+def test_the_merge_computes_the_sinks_unless_told_not_to_or_for_a_spec_it_cannot():
+    """inline_keys is INLINE_KEYS by default (measured faster than launching the sinks), 0 turns it
+    off; a spec with a logits transform or q / k / v / o of different dtypes launches every piece."""
     plan, _ = run_plan("streaming_sink", "fa3", [70, 1, 45], [150, 97, 45], 16)
+    assert plan.merge is not None and plan.merge.inline is not None
+    plan, _ = run_plan("streaming_sink", "fa3", [70, 1, 45], [150, 97, 45], 16, inline_keys=0)
     assert plan.merge is not None and plan.merge.inline is None and plan.merge.pieces == 2
     capped = parse_spec("name: capped_sinks\ndescription: sinks + window with a soft cap\nscalars:\n"
                         "  window:\n    dtype: int\n    default: 20\n    min: 0\n"

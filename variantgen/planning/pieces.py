@@ -34,9 +34,10 @@ A first piece of at most INLINE_KEYS keys (sinks, a short prefix, a few global t
 that see two can be left to the merge (inline_first_pieces, the planner's inline_keys): a launch
 over a few keys still costs a whole key tile per query tile and a partial output written and
 read back (0.57 ms of streaming_sink's 3.99 on an H100), so the rows' other piece runs in place
-and run()'s merge computes the few keys' attention itself (merge_pieces.cuh's merge_inline).
-Off by default: its first kernel took 2.04 ms there. Specs with a logits transform, and
-q / k / v / o of different dtypes, always launch it as any piece.
+and run()'s merge computes the few keys' attention itself (merge_pieces.cuh's merge_inline):
+streaming_sink 3.85 ms against 4.21 with the sinks launched (H100, 8 x 8192; its first kernel
+took 2.04 ms, slower than the launch). Specs with a logits transform, and q / k / v / o of
+different dtypes, always launch it as any piece.
 
 Where a custom piece run's hull (or a window run's first page, should fa3 run it custom) would
 reach into a row's neighbouring piece, the mask evaluated there would show those keys a second

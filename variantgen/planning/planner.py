@@ -51,7 +51,7 @@ from ..lang.values import VariantSpec
 from .assembly import TableRules, segment_table
 from .graph import GraphBuffers, GraphCapacity, slot_name
 from .intervals import analyze
-from .pieces import InlinePieces, MergeRows, merge_rows
+from .pieces import INLINE_KEYS, InlinePieces, MergeRows, merge_rows
 from .plan import Batch, Launch, LaunchLayout, Plan
 from .rowplan import call_layout, kept_buffer, row_buffers
 
@@ -136,11 +136,10 @@ class Planner:
         self.split_rows = SPLIT_ROWS
         # A first piece of at most this many keys computed by run()'s merge (pieces.py's
         # inline_first_pieces; 0: launched as the other pieces); only for plain scores (no logits
-        # transform) and q, k, v and o of one dtype (the wrapper keeps it 0 otherwise). Off by
-        # default: measured slower than launching the sinks (H100, streaming_sink at 8 x 8192: the
-        # merge computing them 2.04 ms against their launch's 0.57 ms plus the merge's 0.69 ms;
-        # bench/results/2026-12-07-h100/). A switch for comparisons: set it to INLINE_KEYS.
-        self.inline_keys = 0
+        # transform) and q, k, v and o of one dtype (the wrapper keeps it 0 otherwise). Measured
+        # faster than launching the sinks (H100, streaming_sink at 8 x 8192: 3.85 ms per run()
+        # against 4.21, 3.89 against 4.04 back to back; bench/results/2026-12-07-h100/pieces-65ab64a.json).
+        self.inline_keys = INLINE_KEYS
         self.inline_allowed = spec.logits is None
         # Custom runs of rows that see a key set read only the pages holding one (keysets.py; not
         # in CUDA-graph mode). A switch for comparisons.
