@@ -105,7 +105,10 @@ ARCH = "9.0a"
 
 
 def modules_of(target: Target, specs: tuple[str, ...] = SPECS) -> tuple[ModuleKey, ...]:
-    return tuple(m for m in MODULES[(target.backend, target.module_kind)] if m.spec in specs)
+    """The matrix's modules of ``specs`` for ``target``; a mask of the benchmarks' collection
+    (bench/masks/, named in --specs) at hd 128 bf16 on the targets that run a prefill module."""
+    collection = tuple(M(s) for s in specs if s not in SPECS) if target.module_kind == "prefill" else ()
+    return tuple(m for m in MODULES[(target.backend, target.module_kind)] if m.spec in specs) + collection
 
 
 def list_modules(fmt: str, targets: list[Target], specs: tuple[str, ...]) -> str:
@@ -691,7 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--targets", default=",".join(t.name for t in TARGETS),
                     help=f"comma-separated of: {', '.join(t.name for t in TARGETS)}")
-    ap.add_argument("--specs", default=",".join(SPECS), help="comma-separated shipped spec names")
+    ap.add_argument("--specs", default=",".join(SPECS),
+                    help="comma-separated shipped spec names, or masks of bench/masks/ (prefill modules)")
     ap.add_argument("--max-cases", type=int, default=None, help="stop after this many cases")
     ap.add_argument("--minimize-seconds", type=float, default=120.0)
     ap.add_argument("--max-minimize", type=int, default=12, help="failure signatures to minimize")

@@ -310,6 +310,23 @@ def test_fuzz_run_on_the_fakes_writes_its_json():
     assert not any(type(f).__name__ == "FakeDecodeModule" and f.spec.name == "mm_prefix" for f in modules.made)
 
 
+def test_the_fuzzer_runs_the_collections_sparse_and_multi_interval_masks():
+    """--specs takes the benchmarks' masks too (bench/masks/): global tokens (their flags drawn
+    sparse), BigBird's random blocks, fixed sparse summary keys and sinks + a bidirectional window,
+    on the paged prefill targets through the fakes: all pass, and page lists ran."""
+    specs = ("global_window", "bigbird", "fixed_sparse", "sinks_bidirectional")
+    modules = FakeModules()
+    results = fuzz_gpu.run_fuzz(config(max_cases=48, seed=11, specs=specs, targets=("fa2/prefill", "fa3/prefill")),
+                                modules, log=quiet)
+    assert results["failed"] == 0 and results["failures"] == [], results["failures"][:1]
+    for name in ("fa2/prefill", "fa3/prefill"):
+        assert set(results["targets"][name]["specs"]) == set(specs), results["targets"][name]["specs"].keys()
+    listed = [c for f in modules.made for c in getattr(f, "run_calls", []) if c.mask_mode == "listed"]
+    assert listed, "no launch request ran through a page list"
+    flags = shipped_spec("global_window").tensors[0]
+    assert flags.name == "is_global"
+
+
 def test_main_fake_mode_writes_results_with_the_environment(tmp_path):
     """bench/fuzz_gpu.py --fake: the results file has the run's seed, commit and versions."""
     out = tmp_path / "fuzz.json"

@@ -97,14 +97,19 @@ class ModuleKey:
         return f"{self.spec} hd{hd} {dt}"
 
 
+SPEC_DIRS = (REPO_DIR / "specs", REPO_DIR / "bench" / "masks")  # the shipped specs, then the benchmarks' masks
+
+
 @functools.cache
 def shipped_spec(name: str) -> VariantSpec:
-    """A spec shipped in specs/, by name."""
-    path = REPO_DIR / "specs" / f"{name}.yaml"
-    if not path.is_file():
-        known = sorted(p.stem for p in (REPO_DIR / "specs").glob("*.yaml"))
-        raise ValueError(f"spec {name!r}: no {path} (shipped specs: {', '.join(known)})")
-    return load_spec(path)
+    """A spec shipped in specs/, or a mask of the benchmarks' collection (bench/masks/: sparse key
+    sets, BigBird, the literature's masks), by name."""
+    for folder in SPEC_DIRS:
+        path = folder / f"{name}.yaml"
+        if path.is_file():
+            return load_spec(path)
+    known = sorted(p.stem for folder in SPEC_DIRS for p in folder.glob("*.yaml"))
+    raise ValueError(f"spec {name!r}: not in {' or '.join(str(d) for d in SPEC_DIRS)} (known: {', '.join(known)})")
 
 
 # ----------------------------------------------------------------------------- spec tensors as structure

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from ..lang.nodes import names_used
+from ..lang.reads import atoms, key_only
 from ..lang.values import ScalarArg, VariantSpec
 from .fuzz_cases import (
     Batch,
@@ -179,6 +181,31 @@ def _draw_doc_runs(r: random.Random, qo_lens: list[int], kv_lens: list[int]) -> 
     return DocRuns(tuple(runs))
 
 
+def _draw_flags(r: random.Random, kv_lens: list[int]) -> DocRuns:
+    """0 / 1 flags per key (global tokens' ``is_global``) as runs: per request none, a few single
+    keys (the first and the last among the candidates), or a short run of them."""
+    runs = []
+    for k in kv_lens:
+        flagged: set[int] = set()
+        if k > 0:
+            for _ in range(r.choice([0, 1, 2, 4, 8])):
+                flagged.add(r.choice([0, k - 1, r.randint(0, k - 1)]))
+            if r.random() < 0.2:  # a run of flagged keys
+                p = r.randint(0, k - 1)
+                flagged.update(range(p, min(k, p + r.randint(2, 20))))
+        cuts = [(0, 0)]
+        for key in sorted(flagged):
+            cuts += [(key, 1), (key + 1, 0)]
+        runs.append(tuple(c for c in cuts if c[0] < max(k, 1)))
+    return DocRuns(tuple(runs))
+
+
+def _flag_tensors(spec: VariantSpec) -> set[str]:
+    """The [total_kv] tensors the mask reads in a test of the key alone (``is_global[kv_row] != 0``):
+    drawn as sparse flags, not as documents."""
+    return {n for a in atoms(spec.mask) if key_only(a) for n in names_used(a)} & {t.name for t in spec.tensors}
+
+
 def _draw_trees(r: random.Random, qo_lens: list[int], words: int) -> Trees:
     from ..wrappers.trees import random_tree_parents
 
@@ -187,7 +214,7 @@ def _draw_trees(r: random.Random, qo_lens: list[int], words: int) -> Trees:
     return Trees(tuple(tuple(random_tree_parents(min(q, 32 * words), g, r.choice(shapes))) for q in qo_lens))
 
 
-def _draw_tensor(r: random.Random, t: Any, qo_lens: list[int], kv_lens: list[int]) -> TensorArg:
+def _draw_tensor(r: random.Random, t: Any, qo_lens: list[int], kv_lens: list[int], flags: set[str]) -> TensorArg:
     shape = tuple(t.shape)
     if t.name == "tree_bits" and t.dtype == "int32" and len(shape) == 2 and shape[0] == "total_q":
         return _draw_trees(r, qo_lens, shape[1])
@@ -198,7 +225,7 @@ def _draw_tensor(r: random.Random, t: Any, qo_lens: list[int], kv_lens: list[int
     if t.dtype == "int32" and shape == ("total_q", 2):
         return _draw_ranges(r, qo_lens, kv_lens)
     if t.dtype == "int32" and shape == ("total_kv",):
-        return _draw_doc_runs(r, qo_lens, kv_lens)
+        return _draw_flags(r, kv_lens) if t.name in flags else _draw_doc_runs(r, qo_lens, kv_lens)
     if t.dtype == "int32" and shape == ("batch",):
         vals = []
         for q, k in zip(qo_lens, kv_lens):
@@ -215,7 +242,8 @@ def draw_batch(r: random.Random, spec: VariantSpec, target: Target, limits: Limi
                n: int | None = None) -> Batch:
     """Random lengths and spec tensors for ``target`` (``n`` requests, or a random count)."""
     qo, kv = _draw_lengths(r, target, limits, n)
-    tensors = tuple((t.name, _draw_tensor(r, t, qo, kv)) for t in spec.tensors)
+    flags = _flag_tensors(spec)
+    tensors = tuple((t.name, _draw_tensor(r, t, qo, kv, flags)) for t in spec.tensors)
     return Batch(tuple(qo), tuple(kv), tensors, r.getrandbits(31))
 
 
