@@ -595,6 +595,26 @@ def test_the_fa3_variants_are_one_template():
     assert variant.count("if constexpr (MASKED) {") == 1 and variant.count("REGISTER_LOGITS_TRANSFORM") == 1
 
 
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_the_custom_variant_reads_no_page_table(backend):
+    """Only the listed variant looks a key's position up in a page list's table: compiled into the
+    custom launch's variant, that lookup (an integer division and a load per element) made every
+    custom launch about 1.8x slower on an H100 (streaming_sink's hull 49 ms for 27)."""
+    spec = variantgen.parse_spec("name: g\ntensors:\n  is_global: {dtype: int32, shape: [total_kv]}\n"
+                                 "mask: kv_pos <= q_pos and (q_pos - kv_pos < 8 or is_global[kv_row] != 0)\n")
+    variant = render_module(config(spec, backend=backend)).files["variant.cuh"]
+    key_pos = variant[variant.index("int32_t key_pos(int32_t i) const {"):]
+    key_pos = key_pos[:key_pos.index("\n  }\n")]
+    assert key_pos.count("if constexpr (LISTED) {") == 1 and key_pos.count("vg_listed_key_pos") == 1
+    assert key_pos.index("vg_listed_key_pos") < key_pos.index("} else {") < key_pos.index("vg_key_pos(kv_pos_base")
+    listed_only = variant.count("if constexpr (LISTED) {")
+    assert listed_only == 2 and variant.count("page_table = ") == 1  # (the constructor's, and key_pos's)
+    masked = "VG_GMasked" if backend == "fa3" else "VG_G"
+    files = render_module(config(spec, backend=backend)).files
+    custom = files["paged_kernel_custom.cu"] if backend == "fa3" else files["batch_prefill_config.inc"]
+    assert f"using AttentionVariant = {masked};" in custom or f", {masked}, PagedParams>" in custom
+
+
 def test_the_listed_variant_is_built_where_the_planner_may_list():
     """A mask with a key set (global tokens' flags) or keys picked per row block gets the listed
     launch's kernel (run() code LISTED_RUN_CODE) in its paged prefill modules; other masks do not,
