@@ -156,7 +156,8 @@ def test_render_prints_the_variant_struct():
     assert "from spec `mm_prefix` (fa3)" in r.stdout and "ranges" in r.stdout
     for args in (("--backend", "fa2"), ("--arch", "8.0"), ("--kv-dtype", "fp8_e4m3")):
         r = run("render", MM, "--head-dim", "128", "--dtype", "bf16", *args)
-        assert r.exit_code == 0 and "struct VG_MmPrefix : AttentionVariantBase" in r.stdout, args
+        assert r.exit_code == 0 and "struct VG_MmPrefixOf : AttentionVariantBase" in r.stdout, args
+        assert "using VG_MmPrefix = VG_MmPrefixOf<false>;" in r.stdout, args
 
 
 def test_render_without_a_module_backend_names_every_reason():
