@@ -10,9 +10,10 @@ these two shapes exists (page_list_atoms), and the planner lists pages only ther
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import NamedTuple
 
-from .nodes import Binary, Name, Node, Type, Unary, names_used
+from .nodes import Binary, Call, Cond, Index, Name, Node, Type, Unary, names_used, walk
 
 KEY_NAMES = frozenset({"kv_pos", "kv_row"})
 HEAD_NAMES = frozenset({"qo_head", "kv_head"})
@@ -98,8 +99,53 @@ def bounds_the_key(node: Node) -> bool:
     return (_affine_in_key(node.left) and not right) or (_affine_in_key(node.right) and not left)
 
 
+MAX_BRANCH_TESTS = 64  # tests an expression's ``if`` branches may expand into (past it: the test as written)
+
+
+def _substituted(node: Node, target: Node, by: Node) -> Node:
+    """``node`` with its subexpression ``target`` (that very node) replaced by ``by``."""
+    if node is target:
+        return by
+    if isinstance(node, Unary):
+        return replace(node, operand=_substituted(node.operand, target, by))
+    if isinstance(node, Binary):
+        return replace(node, left=_substituted(node.left, target, by), right=_substituted(node.right, target, by))
+    if isinstance(node, Index):
+        return replace(node, indices=tuple(_substituted(i, target, by) for i in node.indices))
+    if isinstance(node, Call):
+        return replace(node, args=tuple(_substituted(a, target, by) for a in node.args))
+    if isinstance(node, Cond):
+        return replace(node, test=_substituted(node.test, target, by), then=_substituted(node.then, target, by),
+                       orelse=_substituted(node.orelse, target, by))
+    return node
+
+
+def _branch_tests(test: Node, budget: list[int]) -> list[Node]:
+    """``test`` with each ``if`` inside it resolved to either branch (as the planner lifts them:
+    ``(a if c else b) == 0`` is ``c and a == 0 or not c and b == 0``), plus the ifs' conditions."""
+    cond = next((n for n in walk(test) if isinstance(n, Cond)), None)
+    if cond is None or budget[0] <= 0:
+        return [test]
+    budget[0] -= 1
+    return (_branch_tests(_substituted(test, cond, cond.then), budget)
+            + _branch_tests(_substituted(test, cond, cond.orelse), budget) + list(tests(cond.test)))
+
+
+def tests(node: Node):
+    """Every boolean test of an expression, wherever it sits: its atoms, those inside ``if``
+    expressions' branches and conditions, and a test with an ``if`` inside it resolved to each
+    branch (the planner rewrites all of these into terms)."""
+    for n in walk(node):
+        if n.ty is not Type.BOOL or isinstance(n, Cond):
+            continue
+        if (isinstance(n, Binary) and n.op in ("and", "or")) or (isinstance(n, Unary) and n.op == "not"):
+            continue
+        yield from _branch_tests(n, [MAX_BRANCH_TESTS])
+
+
 def page_list_atoms(mask: Node) -> bool:
-    """Whether some atom of ``mask`` reads the key alone or the row only by blocks, and is not a
+    """Whether some test of ``mask`` reads the key alone or the row only by blocks, and is not a
     key bound: rows the planner may read through page lists (planning/keysets.py), so codegen
-    builds the listed variant, and the planner lists pages only for masks that have one."""
-    return any((key_only(a) or rows_by_blocks((a,))) and not bounds_the_key(a) for a in atoms(mask))
+    builds the listed variant, and the planner lists pages only for masks that have one. Tests
+    inside ``if`` branches count: an equivalent form must plan alike."""
+    return any((key_only(a) or rows_by_blocks((a,))) and not bounds_the_key(a) for a in tests(mask))

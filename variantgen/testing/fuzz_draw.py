@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..lang.nodes import names_used
-from ..lang.reads import atoms, key_only
+from ..lang.reads import key_only, tests
 from ..lang.values import ScalarArg, VariantSpec
 from .fuzz_cases import (
     Batch,
@@ -203,7 +203,7 @@ def _draw_flags(r: random.Random, kv_lens: list[int]) -> DocRuns:
 def _flag_tensors(spec: VariantSpec) -> set[str]:
     """The [total_kv] tensors the mask reads in a test of the key alone (``is_global[kv_row] != 0``):
     drawn as sparse flags, not as documents."""
-    return {n for a in atoms(spec.mask) if key_only(a) for n in names_used(a)} & {t.name for t in spec.tensors}
+    return {n for a in tests(spec.mask) if key_only(a) for n in names_used(a)} & {t.name for t in spec.tensors}
 
 
 def _draw_trees(r: random.Random, qo_lens: list[int], words: int) -> Trees:
