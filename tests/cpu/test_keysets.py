@@ -19,6 +19,7 @@ from test_pieces import HEAD_DIM, HKV, HQ, _spec, make, visible_keys
 import variantgen
 from variantgen import GraphCapacity
 from variantgen.abi.table import SEG_FIELDS, PlanOption, RecField, RowClass, SegField
+from variantgen.core.errors import LaunchError
 from variantgen.lang.nodes import Name
 from variantgen.lang.reads import Blocks
 from variantgen.planning.assembly import TableRules, segment_table
@@ -202,6 +203,20 @@ def test_page_lists_with_fa3_gqa_packing(page_size):
     ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
                                        batch.kv_indptr, batch.kv_indices, batch.last_page_len, args, return_lse=True)
     assert_plan_matches_reference(got, lse, ref, ref_lse, None, 0.0, f"packed ps{page_size}")
+
+
+def test_plan_without_the_tensor_a_row_block_test_reads_is_named():
+    """BigBird's random blocks decide its page lists, so plan(skip_tiles=True) needs them as it
+    needs global tokens' flags: without them it raised a KeyError from inside the page-list
+    evaluation; now a LaunchError names the tensor."""
+    spec = specs()["bigbird"]
+    assert "random_blocks" in analyze(spec).names
+    batch = random_paged_batch([200], [260], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=16)
+    args = spec_args("bigbird", [260])
+    args.pop("random_blocks")
+    w, _ = make(spec, "fa2")
+    with pytest.raises(LaunchError, match="read random_blocks; pass them to plan"):
+        w.plan(*batch.plan_args(), skip_tiles=True, **args)
 
 
 def test_the_next_plan_does_not_read_the_last_plans_lists():

@@ -23,7 +23,6 @@ from typing import Any
 import torch
 
 from ..abi.table import MAX_PIECES
-from ..lang.reads import page_list_atoms
 from ..lang.values import VariantSpec
 from .intervals import IntervalForm, fold_terms
 from .keysets import has_key_sets, list_pages
@@ -60,9 +59,9 @@ class TableRules:
            max_pieces: int = MAX_PIECES, lists: bool = True, **options: Any) -> TableRules:
         """The rules this spec needs for these arguments: rows split ``split_how`` where they may
         see several intervals (and ``max_pieces`` > 0), lists where a term shows a key set (and
-        ``lists``, and the module has the listed variant: lang/reads.py's page_list_atoms)."""
+        ``lists``, and the module has the listed variant: ``form.page_lists``)."""
         split = split_how if max_pieces > 0 and may_split(form, spec, args) else ""
-        listed = lists and page_list_atoms(spec.mask) and has_key_sets(form, spec, args)
+        listed = lists and form.page_lists and has_key_sets(form, spec, args)
         return cls(split=split, lists=listed,
                    max_pieces=min(max_pieces, MAX_PIECES) if split == "pieces" else MAX_PIECES, **options)
 

@@ -31,7 +31,7 @@ from ..abi.table import NO_INTERVAL
 from ..core.errors import LaunchError
 from ..lang.evaluate import Evaluator
 from ..lang.nodes import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
-from ..lang.reads import HEAD_NAMES, KEY_NAMES, key_only
+from ..lang.reads import HEAD_NAMES, KEY_NAMES, key_only, page_list_atoms, rows_by_blocks
 from ..lang.values import VariantSpec
 from .normalize import normalize
 
@@ -65,6 +65,13 @@ class Term:
         """An inexact term whose keys are a key set within its bounds (keys, nothing opaque)."""
         return not self.exact and bool(self.keys) and not self.opaque
 
+    @functools.cached_property
+    def row_blocked(self) -> bool:
+        """An inexact term whose dropped atoms read the key and the row, the row only by blocks
+        (``q_pos // D``): keysets.py finds its pages per (row block, key block). Kept (a walk of
+        the atoms' trees): plan() asks for every term of a batch with custom rows."""
+        return not self.exact and self.opaque and bool(self.pairs) and rows_by_blocks(self.pairs + self.keys)
+
     def describe(self) -> str:
         parts = [f"kv_pos >= {to_source(x)}" for x in self.lows] + [f"kv_pos <= {to_source(x)}" for x in self.highs]
         parts += [f"kv_pos // {to_source(c)} == {to_source(r)}" for c, r in self.chunks]
@@ -82,6 +89,9 @@ class IntervalForm:
     # Every name the bounds and conditions read (builtins included), computed once: plan()
     # asks on every call, and walking the trees each time cost ~0.8 ms per plan().
     names: frozenset[str] = frozenset()
+    # Whether the mask has a test the planner may read through page lists, and so the modules
+    # the listed variant (lang/reads.py's page_list_atoms): computed once for the same reason.
+    page_lists: bool = False
 
     @property
     def exact(self) -> bool:
@@ -263,14 +273,15 @@ def analyze(spec: VariantSpec) -> IntervalForm:
         return IntervalForm((), False, "the mask is never true")
     if all(not t.exact and not t.lows and not t.highs and not t.chunks and not t.sorted_eqs for t in terms):
         return IntervalForm(terms, False, "no key bound could be derived from the mask", _names_read(terms))
-    return IntervalForm(terms, True, "", _names_read(terms))
+    return IntervalForm(terms, True, "", _names_read(terms), page_list_atoms(spec.mask))
 
 
 def _names_read(terms: tuple[Term, ...]) -> frozenset[str]:
     used: set[str] = set()
     for t in terms:
         for node in (*t.conds, *t.lows, *t.highs, *(x for pair in t.chunks for x in pair),
-                     *(v for _, v in t.sorted_eqs), *(t.keys if t.key_set else ())):
+                     *(v for _, v in t.sorted_eqs), *(t.keys if t.key_set or t.row_blocked else ()),
+                     *(t.pairs if t.row_blocked else ())):
             used |= names_used(node)
         used |= {name for name, _ in t.sorted_eqs}
     return frozenset(used)

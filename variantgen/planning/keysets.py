@@ -57,20 +57,17 @@ EVALUATION_SLICE = 1 << 20
 def has_key_sets(form: IntervalForm, spec: VariantSpec, args: dict[str, Any]) -> bool:
     """Whether some term of this spec (for these scalar values) shows its rows a key set, or keys
     its atoms pick per block of rows (row_blocks)."""
-    return form.planner_ready and any(t.key_set or row_blocks(t) is not None for t in decided_terms(form, spec, args))
+    return form.planner_ready and any(t.key_set or t.row_blocked for t in decided_terms(form, spec, args))
 
 
 def row_blocks(term: Term) -> tuple[Blocks | None, Blocks | None] | None:
-    """For a term whose atoms read the key and the row (``Term.pairs``) with the row read only by
-    blocks: how its atoms read the row and the key (row_blocks' pages: evaluated per block pair).
-    None for any other term (exact, a key set, or the row read by position)."""
-    if term.exact or not term.opaque or not term.pairs:
+    """For a term whose atoms read the row only by blocks (``Term.row_blocked``): how its atoms
+    read the row and the key (_block_pages evaluates them per block pair). None for any other
+    term (exact, a key set, or the row read by position)."""
+    if not term.row_blocked:
         return None
     atoms = term.pairs + term.keys
-    rows = reads(atoms, ROW_NAMES)
-    if rows is not None and rows.divisor is None:
-        return None
-    return rows, reads(atoms, KEY_NAMES)
+    return reads(atoms, ROW_NAMES), reads(atoms, KEY_NAMES)
 
 
 def _key_env(kv_lens: list[int], qo_lens: list[int], device: torch.device) -> dict[str, torch.Tensor]:
@@ -206,14 +203,9 @@ def _block_pages(term: Term, by: tuple[Blocks | None, Blocks | None], spec: Vari
     key_first = k_lo + (key_base[cand] if key_name == "kv_row" else 0)
     # (a side the atoms do not read: one block, the first value)
     d_row, d_key = divisor(row_by), divisor(key_by)
-    if row_by is None:
-        n_row, row_block, d_row = torch.ones_like(cand), row_first, 1
-    else:
-        n_row, row_block = _blocks_met(row_first, rows[cand], d_row)
-    if key_by is None:
-        n_key, key_block, d_key = torch.ones_like(cand), key_first, 1
-    else:
-        n_key, key_block = _blocks_met(key_first, k_hi - k_lo + 1, d_key)
+    n_row, row_block = _blocks_met(row_first, rows[cand], d_row) if row_by else (torch.ones_like(cand), row_first)
+    n_key, key_block = (_blocks_met(key_first, k_hi - k_lo + 1, d_key) if key_by
+                        else (torch.ones_like(cand), key_first))
     per = n_row * n_key
     total = int(per.sum())
     if total > BLOCK_EVALUATIONS:
@@ -222,6 +214,7 @@ def _block_pages(term: Term, by: tuple[Blocks | None, Blocks | None], spec: Vari
     offsets = torch.cumsum(per, 0) - per
     device = env["q_pos"].device
     atoms = term.pairs + term.keys
+    first_row, key_base = first_row[cand], key_base[cand]
     for s in range(0, total, EVALUATION_SLICE):
         flat = torch.arange(s, min(total, s + EVALUATION_SLICE), dtype=torch.int64)
         c = torch.searchsorted(offsets, flat, right=True) - 1
@@ -230,11 +223,11 @@ def _block_pages(term: Term, by: tuple[Blocks | None, Blocks | None], spec: Vari
         # the first value of block i (j), but not before the run's first row (the page's first key)
         row_off = torch.clamp((row_block[c] + i) * d_row - row_first[c], min=0)
         key_off = torch.clamp((key_block[c] + j) * d_key - key_first[c], min=0)
-        row = (first_row[cand][c] + row_off).to(device)
+        row = (first_row[c] + row_off).to(device)
         kv_pos = (k_lo[c] + key_off).to(device)
         at = {name: env[name][row] for name in ("q_pos", "q_idx", "q_row", "q_kv_row", "request", "qo_len", "kv_len")}
         at["kv_pos"] = kv_pos
-        at["kv_row"] = key_base[cand][c].to(device) + kv_pos
+        at["kv_row"] = key_base[c].to(device) + kv_pos
         ev = Evaluator(spec, at, args)
         holds = torch.ones(flat.numel(), dtype=torch.bool, device=device)
         for atom in atoms:

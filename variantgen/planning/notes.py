@@ -10,7 +10,6 @@ from ..lang.nodes import Node, names_used, to_source
 from ..lang.reads import KEY_NAMES, atoms
 from ..lang.values import VariantSpec
 from .intervals import _atom, analyze
-from .keysets import row_blocks
 from .normalize import Rewriter, normalize, positive_scalars
 
 
@@ -48,7 +47,7 @@ def planner_notes(spec: VariantSpec) -> list[PlannerNote]:
             term = _atom(atom, key_tensors)
             if term.key_set:
                 key_sets.append(to_source(atom))
-            elif row_blocks(term) is not None:
+            elif term.row_blocked:
                 by_blocks.append(to_source(atom))
             elif not term.exact:
                 unbounded.append(to_source(atom))
