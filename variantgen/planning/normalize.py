@@ -356,12 +356,19 @@ class Rewriter:
 
 def _equality(a: Node, b: Node) -> Node | None:
     """``x == y`` where ``a and b`` says x <= y and x >= y (ints), else None."""
+    def difference(x: Node, y: Node) -> tuple[Node, Node]:  # x <= y, with x - y <= 0 read as x <= y
+        if isinstance(y, Const) and y.value == 0 and isinstance(x, Binary) and x.op == "-":
+            return x.left, x.right
+        if isinstance(x, Const) and x.value == 0 and isinstance(y, Binary) and y.op == "-":
+            return y.right, y.left  # (0 <= a - b: b <= a)
+        return x, y
+
     def upper(n: Node) -> tuple[Node, Node] | None:  # (x, y) with n meaning x <= y
         if isinstance(n, Binary) and n.left.ty is Type.INT and n.right.ty is Type.INT:
             if n.op == "<=":
-                return n.left, n.right
+                return difference(n.left, n.right)
             if n.op == ">=":
-                return n.right, n.left
+                return difference(n.right, n.left)
         return None
     ua, ub = upper(a), upper(b)
     if ua is None or ub is None or ua != (ub[1], ub[0]):
