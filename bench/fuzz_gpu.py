@@ -64,6 +64,7 @@ from variantgen.testing.fuzz_tensors import CaseTensors, make_tensors  # noqa: E
 from variantgen.testing.harness import source_commit  # noqa: E402
 
 SPECS = tuple(sorted(p.stem for p in (REPO / "specs").glob("*.yaml")))
+COLLECTION = tuple(sorted(p.stem for p in (REPO / "bench" / "masks").glob("*.yaml")))  # --specs may name these too
 M = ModuleKey
 # Fuzzed on only some kinds, to keep the matrix small: learned sinks where a kernel adds the sink
 # its own way (fa2 prefill's m/d update - also run by the graph and tensor-core decode targets -,
@@ -111,30 +112,34 @@ def modules_of(target: Target, specs: tuple[str, ...] = SPECS) -> tuple[ModuleKe
     return tuple(m for m in MODULES[(target.backend, target.module_kind)] if m.spec in specs) + collection
 
 
+def spec_path(name: str) -> str:
+    """A --specs name as a path a precompile command takes (shipped spec or the collection's mask)."""
+    return f"specs/{name}.yaml" if name in SPECS else f"bench/masks/{name}.yaml"
+
+
 def list_modules(fmt: str, targets: list[Target], specs: tuple[str, ...]) -> str:
     """The module matrix: 'commands' (`variantgen precompile` command lines), 'args' (their
     arguments without --arch / -j, one line per command, for scripts), or 'table' (one row per
     module)."""
     keys = sorted({(t.backend, t.module_kind) for t in targets})
+    modules = {(t.backend, t.module_kind): modules_of(t, specs) for t in targets}
     lines = []
     if fmt == "table":
         lines.append(f"{'spec':16s} {'head dims':9s} {'q':5s} {'kv':9s} {'backend':7s} kind     targets")
         for backend, kind in keys:
-            for m in MODULES[(backend, kind)]:
-                if m.spec in specs:
-                    users = ",".join(t.name for t in targets if (t.backend, t.module_kind) == (backend, kind))
-                    lines.append(f"{m.spec:16s} {m.head_dim_qk}/{m.head_dim_vo:<5d} {m.q_dtype:5s} {m.kv_dtype:9s} "
-                                 f"{backend:7s} {kind:8s} {users}")
+            for m in modules[(backend, kind)]:
+                users = ",".join(t.name for t in targets if (t.backend, t.module_kind) == (backend, kind))
+                lines.append(f"{m.spec:16s} {m.head_dim_qk}/{m.head_dim_vo:<5d} {m.q_dtype:5s} {m.kv_dtype:9s} "
+                             f"{backend:7s} {kind:8s} {users}")
         return "\n".join(lines)
     groups: dict[tuple, list[str]] = defaultdict(list)
     for backend, kind in keys:
-        for m in MODULES[(backend, kind)]:
-            if m.spec in specs:
-                groups[(backend, kind, m.head_dim_qk, m.head_dim_vo, m.q_dtype, m.kv_dtype)].append(m.spec)
+        for m in modules[(backend, kind)]:
+            groups[(backend, kind, m.head_dim_qk, m.head_dim_vo, m.q_dtype, m.kv_dtype)].append(m.spec)
     args = []
     for (backend, kind, qk, vo, q, kv), names in sorted(groups.items()):
         hd = str(qk) if qk == vo else f"{qk}/{vo}"
-        args.append(f"{' '.join(f'specs/{n}.yaml' for n in names)} --head-dim {hd} --dtype {q} --kv-dtype {kv} "
+        args.append(f"{' '.join(spec_path(n) for n in names)} --head-dim {hd} --dtype {q} --kv-dtype {kv} "
                     f"--backend {backend} --kind {kind}")
     if fmt == "args":
         return "\n".join(args)
@@ -721,7 +726,7 @@ def main(argv: list[str] | None = None) -> int:
         return got
 
     targets = names(args.targets, [t.name for t in TARGETS], "targets")
-    specs = names(args.specs, list(SPECS), "specs")
+    specs = names(args.specs, [*SPECS, *COLLECTION], "specs")
     if args.list_modules:
         print(list_modules(args.list_modules, [TARGET_BY_NAME[n] for n in targets], specs))
         return 0

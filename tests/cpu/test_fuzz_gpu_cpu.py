@@ -137,6 +137,22 @@ def test_list_modules_commands_are_the_matrix(capsys):
     assert [f"python -m variantgen precompile {a} --arch 9.0a -j 8" for a in args] == lines
 
 
+def test_specs_option_takes_the_collections_masks(capsys):
+    """--specs names a mask of bench/masks/ as its help says; the CLI used to refuse every such name
+    (only the API took them) and --list-modules left their modules out."""
+    assert "global_window" in fuzz_gpu.COLLECTION and "global_window" not in fuzz_gpu.SPECS
+    assert fuzz_gpu.main(["--list-modules", "args", "--targets", "fa2/prefill,fa2/decode",
+                          "--specs", "global_window,streaming_sink"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    prefill = [line for line in lines if "--kind prefill" in line]
+    assert len(prefill) == 1 and "bench/masks/global_window.yaml" in prefill[0]
+    assert "specs/streaming_sink.yaml" in prefill[0]
+    assert all("global_window" not in line for line in lines if "--kind decode" in line)  # decode modules: shipped only
+    with pytest.raises(SystemExit):
+        fuzz_gpu.main(["--specs", "no_such_mask", "--list-modules"])
+    assert "no_such_mask" in capsys.readouterr().err
+
+
 def test_cases_round_trip_through_json_and_their_literal():
     for case in drawn(6, seed=1):
         assert from_json(json.loads(json.dumps(to_json(case)))) == case
