@@ -33,7 +33,7 @@ from ..lang.evaluate import Evaluator
 from ..lang.nodes import Binary, Const, Index, Name, Node, Type, Unary, names_used, to_source
 from ..lang.reads import HEAD_NAMES, KEY_NAMES, key_only, page_list_atoms, rows_by_blocks
 from ..lang.values import VariantSpec
-from .normalize import normalize
+from .normalize import constant_difference, normalize
 
 MAX_TERMS = 8
 BIG = NO_INTERVAL  # no interval: lo = BIG, hi = -BIG
@@ -208,9 +208,19 @@ def _atom(node: Node, key_tensors: frozenset[str]) -> Term:
 
 
 def _and(a: Term, b: Term) -> Term:
-    return Term(a.conds + b.conds, a.lows + b.lows, a.highs + b.highs, a.chunks + b.chunks,
-                a.sorted_eqs + b.sorted_eqs, a.exact and b.exact, a.keys + b.keys, a.opaque or b.opaque,
-                a.pairs + b.pairs)
+    def both(x: tuple, y: tuple) -> tuple:
+        return tuple(dict.fromkeys(x + y))  # a bound or condition both sides hold counts once
+    return Term(both(a.conds, b.conds), both(a.lows, b.lows), both(a.highs, b.highs), both(a.chunks, b.chunks),
+                both(a.sorted_eqs, b.sorted_eqs), a.exact and b.exact, both(a.keys, b.keys), a.opaque or b.opaque,
+                both(a.pairs, b.pairs))
+
+
+def _empty(term: Term) -> bool:
+    """A term no key meets for any row: a false condition, or a low bound a constant above a high
+    one (``kv_pos >= q_pos + 1 and kv_pos <= q_pos``, as the rewrites of nested min / max leave)."""
+    if any(isinstance(c, Const) and c.value is False for c in term.conds):
+        return True
+    return any((d := constant_difference(lo, hi)) is not None and d > 0 for lo in term.lows for hi in term.highs)
 
 
 class _TooComplex(Exception):
@@ -240,7 +250,8 @@ def _dnf(node: Node, key_tensors: frozenset[str]) -> list[Term]:
     if isinstance(node, Binary) and node.op == "or":
         terms = _dnf(node.left, key_tensors) + _dnf(node.right, key_tensors)
     elif isinstance(node, Binary) and node.op == "and":
-        terms = [_and(a, b) for a in _dnf(node.left, key_tensors) for b in _dnf(node.right, key_tensors)]
+        terms = [t for a in _dnf(node.left, key_tensors) for b in _dnf(node.right, key_tensors)
+                 if not _empty(t := _and(a, b))]
     elif isinstance(node, Unary) and node.op == "not" and not _row_only(node):
         pushed = _negate(node.operand)
         if isinstance(pushed, Unary) and pushed.op == "not" and pushed.operand is node.operand:
@@ -251,6 +262,7 @@ def _dnf(node: Node, key_tensors: frozenset[str]) -> list[Term]:
         terms = [Term()] if node.value else []
     else:
         terms = [_atom(node, key_tensors)]
+    terms = list(dict.fromkeys(terms))  # (a or a) is a
     if len(terms) > MAX_TERMS:
         raise _TooComplex
     return terms

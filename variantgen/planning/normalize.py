@@ -64,16 +64,47 @@ def _cmp(op: str, a: Node, b: Node, pos: int) -> Node:
     return Binary(pos=pos, ty=Type.BOOL, op=op, left=a, right=b)
 
 
+def _truth(node: Node) -> bool | None:
+    return node.value if isinstance(node, Const) and node.ty is Type.BOOL else None
+
+
+# The rewrites of nested min / max / if produce branches such as ``q_pos == q_pos``; folding them
+# keeps the planner's disjunction small (intervals.MAX_TERMS), so such a form still plans.
 def _and(a: Node, b: Node) -> Node:
+    ta, tb = _truth(a), _truth(b)
+    if ta is False or tb is False:
+        return _c(False, a.pos)
+    if ta is True or tb is True:
+        return b if ta is True else a
     return Binary(pos=a.pos, ty=Type.BOOL, op="and", left=a, right=b)
 
 
 def _or(a: Node, b: Node) -> Node:
+    ta, tb = _truth(a), _truth(b)
+    if ta is True or tb is True:
+        return _c(True, a.pos)
+    if ta is False or tb is False:
+        return b if ta is False else a
     return Binary(pos=a.pos, ty=Type.BOOL, op="or", left=a, right=b)
 
 
 def _not(a: Node) -> Node:
-    return Unary(pos=a.pos, ty=Type.BOOL, op="not", operand=a)
+    t = _truth(a)
+    return _c(not t, a.pos) if t is not None else Unary(pos=a.pos, ty=Type.BOOL, op="not", operand=a)
+
+
+def _fold(node: Node) -> Node:
+    """An int comparison whose two sides are the same sum (``q_pos == q_pos``, ``x + 1 <= 1 + x``)
+    as its constant truth; anything else unchanged. Exact: equal int expressions are equal values,
+    wrapping included."""
+    if (isinstance(node, Binary) and node.op in FLIP and node.left.ty is Type.INT
+            and node.right.ty is Type.INT):
+        terms: Terms = []
+        _flatten(node.left, 1, terms)
+        _flatten(node.right, -1, terms)
+        if not _merge(terms):
+            return _c(node.op in ("==", "<=", ">="), node.pos)
+    return node
 
 
 # ----------------------------------------------------------------------------- linear sums
@@ -98,6 +129,8 @@ def _flatten(node: Node, coef: int, out: Terms) -> None:
         pass  # x % 1 is 0
     elif isinstance(node, Const) and node.value == 0:
         pass
+    elif isinstance(node, Cond) and node.ty is Type.INT and node.then == node.orelse:
+        _flatten(node.then, coef, out)  # (x if t else x) is x
     else:
         out.append((coef, node))
 
@@ -162,6 +195,7 @@ class Rewriter:
     # -- boolean structure
     def boolean(self, node: Node, negate: bool = False) -> Node:
         if _row_only(node):
+            node = _fold(node)
             return _not(node) if negate else node
         if isinstance(node, Unary) and node.op == "not":
             return self.boolean(node.operand, not negate)
@@ -171,15 +205,20 @@ class Rewriter:
                 return self.boolean(eq)
         if isinstance(node, Binary) and node.op in ("and", "or"):
             op = node.op if not negate else ("or" if node.op == "and" else "and")
-            return replace(node, ty=Type.BOOL, op=op, left=self.boolean(node.left, negate),
-                           right=self.boolean(node.right, negate))
+            left, right = self.boolean(node.left, negate), self.boolean(node.right, negate)
+            if op == "and":  # (the orders may only show once rewritten: min(a, b) == b is b <= a)
+                eq = _equality(left, right)
+                if eq is not None:
+                    return self.boolean(eq)
+            return _and(left, right) if op == "and" else _or(left, right)
         if isinstance(node, Cond) and node.ty is Type.BOOL:
             if node.then == node.orelse:  # (p if t else p) is p
                 return self.boolean(node.then, negate)
             return _or(_and(self.boolean(node.test), self.boolean(node.then, negate)),
                        _and(self.boolean(node.test, True), self.boolean(node.orelse, negate)))
         if isinstance(node, Binary) and node.op in FLIP and node.left.ty is Type.INT and node.right.ty is Type.INT:
-            cmp = replace(node, op=NEGATE[node.op]) if negate else node
+            cmp = replace(node, op=NEGATE[node.op] if negate else node.op, left=_plain(node.left),
+                          right=_plain(node.right))
             found = self.compare(cmp)
             return cmp if found is None else found
         return _not(node) if negate else node  # a float order, bit(), a bool tensor ...: as written
@@ -213,9 +252,12 @@ class Rewriter:
         key = [(c, t) for c, t in terms if not _row_only(t)]
         rest = [(c, t) for c, t in terms if _row_only(t)]
         if not key:  # the key cancelled out: a row condition
-            return _cmp(op, _sum(rest, pos), _c(0, pos), pos)
+            return _fold(_cmp(op, _sum(rest, pos), _c(0, pos), pos))
         if len(key) > 1:
             return self.picks(node, terms) or self.expand_modulo(node, terms) or self.lift(node, terms)
+        picked = self.picks(node, terms)  # min(t, r) == r: one order, not the if expression isolate makes
+        if picked is not None:
+            return picked
         coef, t = key[0]
         if coef < 0:  # c * t + rest op 0  <=>  |c| * t FLIP(op) rest
             coef, op, bound = -coef, FLIP[op], _sum(rest, pos)
@@ -261,7 +303,7 @@ class Rewriter:
         return None
 
     def sub(self, cmp: Node) -> Node:
-        return self.compare(cmp) or cmp
+        return self.compare(cmp) or _fold(cmp)
 
     def isolate_product(self, f: Node, x: Node, op: str, r: Node, original: Node) -> Node:
         """``f * x op r`` for f > 0 as a comparison of x (floor rules)."""
@@ -376,6 +418,18 @@ def _equality(a: Node, b: Node) -> Node | None:
     return _cmp("==", ua[0], ua[1], a.pos)
 
 
+def _plain(node: Node) -> Node:
+    """An int expression with every ``(x if t else x)`` in its arithmetic read as x: the test
+    reads nothing the comparison needs (a row-only test would make a key test read the row)."""
+    if isinstance(node, Cond) and node.ty is Type.INT and node.then == node.orelse:
+        return _plain(node.then)
+    if isinstance(node, Binary) and node.ty is Type.INT and node.op in ("+", "-", "*", "//", "%"):
+        return replace(node, left=_plain(node.left), right=_plain(node.right))
+    if isinstance(node, Unary) and node.ty is Type.INT:
+        return replace(node, operand=_plain(node.operand))
+    return node
+
+
 def _pick(func: str, args: tuple[Node, ...], pos: int) -> Node:
     """min / max of ints (abs: max(e, -e)) as nested if expressions."""
     if len(args) == 1:
@@ -424,6 +478,20 @@ def _is_linear_as_written(node: Binary) -> bool:
             return linear(n.operand)
         return isinstance(n, Binary) and n.op in ("+", "-") and linear(n.left) and linear(n.right)
     return linear(node.left) and linear(node.right)
+
+
+def constant_difference(a: Node, b: Node) -> int | None:
+    """``a - b`` where it is a constant (``(q_pos + 1) - q_pos`` is 1), else None."""
+    terms: Terms = []
+    _flatten(a, 1, terms)
+    _flatten(b, -1, terms)
+    total = 0
+    for coef, node in _merge(terms):
+        value = _const(node)
+        if value is None:
+            return None
+        total += coef * value
+    return total
 
 
 def positive_scalars(spec: VariantSpec) -> frozenset[str]:
