@@ -225,6 +225,8 @@ inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, cons
     VG_REQUIRE(r.q_pos == kv_len - b.qo_len(r.request) + (r.first_row - b.q_start[r.request]) &&
                    r.kv_begin >= 0 && r.kv_begin % page_size == 0 && r.kv_begin <= r.kv_end && r.kv_end <= kv_len &&
                    (r.cls == kWindow ? r.window >= 0 : r.window == -1) &&
+                   // the kernel's diagonal (kv_end - rows) at or past each row's position
+                   (r.cls != kCausal && r.cls != kWindow ? true : r.kv_end >= r.q_pos + r.rows) &&
                    ((r.vis_lo == 0 && r.vis_hi == -1) ||
                     ((r.cls == kCustom || r.cls == kTail) && r.vis_lo >= r.kv_begin && r.vis_lo <= r.vis_hi &&
                      r.vis_hi < r.kv_end)))
@@ -406,15 +408,16 @@ inline bool tail_fits(const Request& r, const Options& c) {
 inline void pack_classes(std::vector<Request>& reqs) {
   for (Request& r : reqs) {
     if (r.cls != kCausal && r.cls != kWindow) continue;
-    const int64_t q_last = r.q_pos + r.rows - 1;
-    // rows see [lo_i, q_pos + i]: all of them [max(kv_begin, lo of the last row), q_pos]
-    const int64_t lo = r.cls == kWindow ? std::max(r.kv_begin, q_last - r.window) : r.kv_begin;
+    // rows see [lo_i, d + i], d the first row's diagonal (its q_pos, or past it for a band: the
+    // keys end at the last row's): all of them [max(kv_begin, lo of the last row), d]
+    const int64_t d = r.kv_end - r.rows, d_last = r.kv_end - 1;
+    const int64_t lo = r.cls == kWindow ? std::max(r.kv_begin, d_last - r.window) : r.kv_begin;
     if (r.rows == 1 && lo == r.kv_begin) {
       r.cls = kDense;  // one row seeing every key of [kv_begin, kv_end)
     } else {
       r.cls = kCustom;
-      r.vis_lo = lo <= r.q_pos ? lo : 0;
-      r.vis_hi = lo <= r.q_pos ? r.q_pos : -1;
+      r.vis_lo = lo <= d ? lo : 0;
+      r.vis_hi = lo <= d ? d : -1;
     }
     r.window = -1;
   }
@@ -442,7 +445,8 @@ inline void align_query_tiles(std::vector<Request>& reqs, const Options& c) {
       Request& d = reqs[kept - 1];
       const bool movable = d.cls == kDense && d.request == r.request && d.piece == r.piece &&
                            d.first_row + d.rows == r.first_row &&
-                           d.kv_begin == r.kv_begin && d.kv_end == r.q_pos + 1;
+                           d.kv_begin == r.kv_begin && d.kv_end == r.q_pos + 1 &&
+                           r.kv_end == r.q_pos + r.rows;  // (not a band: its first row sees past q_pos)
       if (movable) {
         const int64_t t = query_tile(c, std::max(d.rows, r.rows));
         const auto tiles = [&](int64_t rows) { return ceil_div(rows * unit, t); };

@@ -10,6 +10,7 @@
 //   read_indices:   plan()'s read-back of its index tensors from the GPU (read_indices.cuh);
 //   merge_pieces:   run()'s merge of the partial outputs of rows split into pieces (merge_pieces.cuh).
 //   merge_inline:   run()'s merge of a short first piece, computed there, into the rows written in place.
+//   classify_rows:  the row kernel's classes (row_classes.h) on the host, for the CPU tests.
 #pragma once
 
 #include <utility>
@@ -19,6 +20,7 @@
 #include "launches.h"
 #include "merge_pieces.cuh"
 #include "read_indices.cuh"
+#include "row_classes.h"
 #include "tvm/ffi/container/array.h"
 
 namespace vg_plan {
@@ -156,7 +158,40 @@ void VgMergeInline(TensorView out, TensorView lse_in, tvm::ffi::Optional<TensorV
                         sm_scale, v_scale, kv_head_div, hnd);
 }
 
+// Rows as the row kernel sees them (int64 [n, 8]: lo, hi, exact, dense_hi, request, q_pos, q_idx,
+// qo_len) classified as it does, each with its neighbours: out int64 [n, 4] (starts, class,
+// param_a, param_b).
+void VgClassifyRows(TensorView rows, TensorView out, int64_t page_size) {
+  vg_plan::check_host(rows, "rows");
+  vg_plan::check_host(out, "out");
+  VG_REQUIRE(rows.dtype() == dl_int64 && rows.ndim() == 2 && rows.size(1) == 8) << "rows: expected int64 [n, 8]";
+  VG_REQUIRE(out.dtype() == dl_int64 && out.ndim() == 2 && out.size(0) == rows.size(0) && out.size(1) == 4)
+      << "out: expected int64 [n, 4]";
+  VG_REQUIRE(page_size >= 1) << "page_size: expected >= 1";
+  const int64_t n = rows.size(0);
+  const int64_t* in = static_cast<const int64_t*>(rows.data_ptr());
+  std::vector<vg_rows::RowInterval> row_iv(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t* x = in + 8 * r;
+    row_iv[r] = vg_rows::RowInterval{x[0], x[1], x[2] != 0, x[3], int32_t(x[4]), int32_t(x[5]), int32_t(x[6]),
+                                 int32_t(x[7])};
+  }
+  const auto key_of = [&](int64_t r) {
+    return vg_rows::classify(r >= 1 ? &row_iv[r - 1] : nullptr, row_iv[r], r + 1 < n ? &row_iv[r + 1] : nullptr,
+                             int32_t(page_size));
+  };
+  int64_t* o = static_cast<int64_t*>(out.data_ptr());
+  for (int64_t r = 0; r < n; ++r) {
+    const vg_rows::RowKey key = key_of(r);
+    o[4 * r] = r == 0 || key_of(r - 1) != key;
+    o[4 * r + 1] = key.cls;
+    o[4 * r + 2] = key.param_a;
+    o[4 * r + 3] = key.param_b;
+  }
+}
+
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(build_launches, VgBuildLaunches);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(classify_rows, VgClassifyRows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan_direct, VgPlanDirect);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(schedule, VgSchedule);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(merge_pieces, VgMergePieces);

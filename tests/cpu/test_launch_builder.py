@@ -358,7 +358,7 @@ def test_a_dense_run_one_row_short_of_a_query_tile_takes_the_next_causal_rows_fi
         [4 * cta, 4 * cta + 1, 0, int(DENSE), -1, 0, 4 * cta + 1, 4 * cta],
         # request 1: a one-row causal run after a dense run: absorbed, the run goes
         [4 * cta + 1, 5 * cta, 1, int(DENSE), -1, 0, cta, 0],
-        [5 * cta, 5 * cta + 1, 1, int(CAUSAL), -1, 0, cta + 1, cta - 1],
+        [5 * cta, 5 * cta + 1, 1, int(CAUSAL), -1, 0, cta, cta - 1],
         [5 * cta + 1, 6 * cta + 1, 1, int(CAUSAL), -1, 0, 2 * cta, cta],
         # request 2: left as it is - the dense run is a whole tile already, the move saves none
         [6 * cta + 1, 7 * cta + 1, 2, int(DENSE), -1, 0, cta + 33, 32],

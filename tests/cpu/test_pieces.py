@@ -70,6 +70,12 @@ def specs() -> dict[str, variantgen.VariantSpec]:
         "five": _spec("five", "kv_pos <= q_pos and (kv_pos < sink or (kv_pos >= at and kv_pos < at + 4) "
                               "or (kv_pos >= at2 and kv_pos <= at2 + 2) or kv_pos == at3 "
                               "or q_pos - kv_pos <= window)", {"sink": 2, "at": 20, "at2": 40, "at3": 50, "window": 6}),
+        # bands: keys on both sides of the row (Longformer's local window, one with a global
+        # prefix, one lopsided), which run causal / window with the diagonal past q_pos
+        "band": _spec("band", "abs(q_pos - kv_pos) <= window", {"window": 6}),
+        "sinks_band": _spec("sinks_band", "kv_pos < sink or abs(q_pos - kv_pos) <= window", {"sink": 3, "window": 9}),
+        "asym_band": _spec("asym_band", "q_pos - before <= kv_pos and kv_pos <= q_pos + after",
+                           {"before": 20, "after": 3}),
     }
 
 
@@ -330,6 +336,51 @@ def test_a_streaming_sink_decode_row_reads_its_sinks_and_window_on_fa3():
     off, _ = run_plan("streaming_sink", "fa3", qo_lens, kv_lens, 16, max_pieces=0, num_sink=4, window=63)
     assert on.pack_gqa > 1 and off.merge is None
     assert on.work()["visited"] * 10 < off.work()["visited"], (on, off)
+
+
+BANDS = ["band", "sinks_band", "asym_band"]
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+@pytest.mark.parametrize("name", BANDS)
+def test_a_band_runs_in_causal_and_window_launches_past_the_diagonal(name, page_size, backend):
+    """Rows that see keys on both sides of their position (hi = q_pos + b) run in the kernel's
+    causal or window launches: each launch request's keys end at its last row's hi, so the
+    kernel's diagonal (kv_len - qo_len) is each row's hi, and no mask is evaluated inside the band.
+    Against the reference on chunked prefill, a decode row and a prefill from key 0."""
+    qo_lens, kv_lens = [70, 1, 45], [150, 97, 45]
+    plan, _ = run_plan(name, backend, qo_lens, kv_lens, page_size, seed=page_size)
+    shifted = [r for r in plan.launch_requests if r.mode.label == "causal" and r.diagonal > r.q_pos]
+    assert shifted, plan
+    custom_rows = sum(r.rows[1] - r.rows[0] for r in plan.launch_requests if r.mode.label == "custom")
+    assert custom_rows < sum(qo_lens) // 3, plan  # (custom: rows whose keys stop at the request's end)
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("name", BANDS)
+def test_a_band_with_fa3_gqa_packing(name, page_size):
+    """Packed launches are never causal (launches.h's pack_classes): a band's run becomes dense or
+    custom there, with the keys all its rows see - up to the first row's hi, past its q_pos."""
+    plan, _ = run_plan(name, "fa3", [1, 1, 6, 3], [300, 97, 260, 180], page_size, seed=page_size)
+    assert plan.pack_gqa == HQ // HKV, plan
+    assert all(r.mode.label != "causal" for r in plan.launch_requests)
+
+
+@pytest.mark.parametrize("backend", ["fa2", "fa3"])
+def test_a_band_in_graph_mode(backend):
+    spec = specs()["asym_band"]
+    capacity = GraphCapacity(max_batch_size=2, max_total_q=256, max_kv_pages=128)
+    batch = random_paged_batch([64, 100], [300, 260], num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                               page_size=5)
+    args = {"before": 20, "after": 3}
+    w, _ = make(spec, backend, graph=capacity)
+    plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+    assert any(r.mode.label == "causal" and r.diagonal == r.q_pos + 3 for r in plan.launch_requests), plan
+    out, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **args)
+    ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
+                                       batch.kv_indptr, batch.kv_indices, batch.last_page_len, args, return_lse=True)
+    assert_plan_matches_reference(out, lse, ref, ref_lse, None, 0.0, f"graph mode, band, {backend}")
 
 
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])

@@ -142,7 +142,7 @@ TEMPLATE_DIRS = {"fa2": ("common", "fa2", "plan"), "fa3": ("common", "fa3", "pla
                  "planner": ("common", "planner", "plan")}
 # templates/plan/, as they are
 PLAN_HEADERS = ("plan_module.h", "launches.h", "fa3_worklist.h", "gather.cuh", "read_indices.cuh",
-                "merge_pieces.cuh")
+                "merge_pieces.cuh", "row_classes.h")
 
 
 def template_files(backend: str = "fa2") -> list[Path]:

@@ -220,7 +220,10 @@ def _overreaching_rows(table: torch.Tensor, pieces: RowPieces, rows: int,
         which, row = rows_of_segments(seg)
         step = row - seg[which, SegField.FIRST_ROW]
         p = seg[which, SegField.PIECE]
-        start = seg[which, SegField.Q_POS] + step - seg[which, SegField.WINDOW]
+        # (each row's last key is its q_pos plus the run's shift: a band's, else 0)
+        shift = seg[which, SegField.KV_END] - seg[which, SegField.Q_POS] - (seg[which, SegField.END_ROW]
+                                                                            - seg[which, SegField.FIRST_ROW])
+        start = seg[which, SegField.Q_POS] + step + shift - seg[which, SegField.WINDOW]
         begin = torch.maximum(start, seg[which, SegField.KV_BEGIN])
         prev_hi = torch.where(p >= 1, pieces.hi.cpu()[row].gather(1, (p - 1).clamp(min=0).view(-1, 1)).squeeze(1), -1)
         bad[row[begin <= prev_hi]] = True  # (a window run ends at each row's own q_pos: its last piece)

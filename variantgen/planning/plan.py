@@ -98,6 +98,12 @@ class LaunchRequest:
         """Keys its page list holds: its range's, less the gaps'."""
         return self.keys[1] - self.keys[0] - sum(t - f for f, t in self.gaps)
 
+    @property
+    def diagonal(self) -> int:
+        """The last key its first row sees in causal mode: the kernel's diagonal is kv_len - qo_len,
+        so its keys end at its last row's position plus the same shift (0 but for a band)."""
+        return self.keys[1] - (self.rows[1] - self.rows[0])
+
     def masked(self) -> int:
         """The pairs of visited() the mask is evaluated on: all in custom mode; a tail run's keys
         from its first query position on (its diagonal tile); none in the others."""
@@ -111,9 +117,10 @@ class LaunchRequest:
 
     def visited(self) -> int:
         """(query, key) pairs its mode lets the kernel see (tiles further trim causal ones)."""
-        n, kb, q0 = self.rows[1] - self.rows[0], self.keys[0], self.q_pos
+        n, kb, q0 = self.rows[1] - self.rows[0], self.keys[0], self.diagonal
         if self.mode != MaskMode.CAUSAL:
             return n * self.keys_read
+        # (q0: the first row's diagonal, past its position where the rows see a band ahead)
         if self.window < 0:  # row q sees [kb, q]
             return n * (q0 - kb + 1) + n * (n - 1) // 2
         # row q sees [max(kb, q - w), q]: q - kb + 1 keys until q reaches kb + w, then w + 1
@@ -354,7 +361,7 @@ class Plan:
                 for f, t in r.gaps:  # keys its page list skips
                     grid[i0:i1, f:t] = NOT_VISITED
                 continue
-            q = torch.arange(r.q_pos, r.q_pos + i1 - i0).view(-1, 1)
+            q = torch.arange(r.diagonal, r.diagonal + i1 - i0).view(-1, 1)  # each row's last key
             k = torch.arange(kb, ke).view(1, -1)
             seen = (k <= q) & ((k >= q - r.window) if r.window >= 0 else torch.ones((), dtype=torch.bool))
             grid[i0:i1, kb:ke][seen] = value

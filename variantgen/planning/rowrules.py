@@ -105,19 +105,29 @@ def classify_intervals(env: dict[str, torch.Tensor], iv: RowIntervals, page_size
     # Classify each row.
     causal_end = iv.exact & (hi == q_pos)
     aligned = lo % ps == 0
-    prev_lo = torch.cat([lo[:1] - 1, lo[:-1]])
-    next_lo = torch.cat([lo[1:], lo[-1:] - 1])
     same_req_prev = torch.cat([torch.zeros(1, dtype=torch.bool, device=dev), request[1:] == request[:-1]])
     same_req_next = torch.cat([request[1:] == request[:-1], torch.zeros(1, dtype=torch.bool, device=dev)])
-    fixed_lo = ((lo == prev_lo) & same_req_prev) | ((lo == next_lo) & same_req_next)
+
+    def fixed(value: torch.Tensor) -> torch.Tensor:  # the same value as a neighbour of its request
+        return (((value == torch.cat([value[:1] - 1, value[:-1]])) & same_req_prev)
+                | ((value == torch.cat([value[1:], value[-1:] - 1])) & same_req_next))
+
+    prev_lo = torch.cat([lo[:1] - 1, lo[:-1]])
+    next_lo = torch.cat([lo[1:], lo[-1:] - 1])
+    fixed_lo = fixed(lo)
+    # Rows whose keys end a fixed distance past their position (a bidirectional band, q_pos + b)
+    # run in the kernel's causal and window modes too: a launch request's keys end at its last
+    # row's hi, so the kernel's diagonal (kv_len - qo_len) is hi for each row, and no mask is
+    # evaluated inside the band. The shift is a class parameter, like the window width; it must
+    # be shared with a neighbour, as the width must (else a run per row).
+    shift = hi - q_pos
+    diagonal = iv.exact & ((shift == 0) | ((shift > 0) & fixed(shift)))
     # A window class needs the same width on neighbouring rows; otherwise every row would be
     # its own launch request (e.g. a fixed but unaligned start: those go to custom chunks).
-    width = q_pos - lo
-    fixed_width = (((width == torch.cat([width[:1] - 1, width[:-1]])) & same_req_prev)
-                   | ((width == torch.cat([width[1:], width[-1:] - 1])) & same_req_next))
+    width = hi - lo
     cls = torch.full_like(lo, CUSTOM)
-    cls = torch.where(causal_end & fixed_width, torch.full_like(lo, WINDOW), cls)
-    cls = torch.where(causal_end & aligned & (fixed_lo | (lo == 0)), torch.full_like(lo, CAUSAL), cls)
+    cls = torch.where(diagonal & fixed(width), torch.full_like(lo, WINDOW), cls)
+    cls = torch.where(diagonal & aligned & (fixed_lo | (lo == 0)), torch.full_like(lo, CAUSAL), cls)
     # Dense rows must share [lo, hi] with a neighbour for the same reason (e.g. `kv_pos < q_pos`
     # moves hi every row: custom chunks, not one launch request per row).
     prev_hi = torch.cat([hi[:1] - 1, hi[:-1]])
@@ -133,8 +143,10 @@ def classify_intervals(env: dict[str, torch.Tensor], iv: RowIntervals, page_size
             & (mask_from >= env["kv_len"] - qo_len) & (qo_len <= TAIL_MAX_QO_LEN))
     cls = torch.where(tail, torch.full_like(lo, TAIL), cls)
     # Parameters that must stay fixed within a launch request.
-    param_a = torch.where(cls == WINDOW, q_pos - lo, lo)
-    param_b = torch.where(cls == DENSE, hi, torch.where(cls == TAIL, mask_from, torch.zeros_like(hi)))
+    param_a = torch.where(cls == WINDOW, width, lo)
+    geometric = (cls == CAUSAL) | (cls == WINDOW)
+    param_b = torch.where(cls == DENSE, hi, torch.where(cls == TAIL, mask_from,
+                                                        torch.where(geometric, shift, torch.zeros_like(hi))))
     chunk = torch.where(cls == CUSTOM, q_idx // CUSTOM_ROWS, torch.zeros_like(q_idx))
     param_a = torch.where(cls == CUSTOM, chunk, param_a)
     key = torch.stack([request, cls, param_a, param_b] + ([run_key] if run_key is not None else []), 1)
@@ -172,10 +184,10 @@ def segments(rec: torch.Tensor, page_size: int) -> torch.Tensor:
     end = torch.cat([first[1:], first.new_full((1,), total_q)])
     cls, param = rec[RecField.CLASS, first], rec[RecField.PARAM_A, first]
     lo, hi, q_pos = rec[RecField.LO, first], rec[RecField.HI, first], rec[RecField.Q_POS, first]
-    q_last = rec[RecField.Q_POS, end - 1]
+    hi_last = rec[RecField.HI, end - 1]
     window_run = cls == WINDOW
-    geometric = (cls == CAUSAL) | window_run | (cls == TAIL)  # keys up to the last row's position
-    begin = torch.where(window_run, (q_pos - param).clamp(min=0), lo)
+    geometric = (cls == CAUSAL) | window_run | (cls == TAIL)  # keys up to the last row's hi (its diagonal)
+    begin = torch.where(window_run, (hi - param).clamp(min=0), lo)
     out = torch.empty(len(SegField), first.numel(), dtype=torch.int64, device=rec.device)
     out[SegField.FIRST_ROW] = first
     out[SegField.END_ROW] = end
@@ -183,7 +195,7 @@ def segments(rec: torch.Tensor, page_size: int) -> torch.Tensor:
     out[SegField.CLASS] = cls
     out[SegField.WINDOW] = torch.where(window_run, param, torch.full_like(param, -1))
     out[SegField.KV_BEGIN] = torch.div(begin, page_size, rounding_mode="floor") * page_size
-    out[SegField.KV_END] = torch.where(geometric, q_last, hi) + 1
+    out[SegField.KV_END] = torch.where(geometric, hi_last, hi) + 1
     out[SegField.Q_POS] = q_pos
     out[SegField.VIS_LO] = rec[RecField.VIS_LO, first]
     out[SegField.VIS_HI] = rec[RecField.VIS_HI, first]
