@@ -75,8 +75,10 @@ def batch_args(spec, qo_lens, kv_lens, page_size, seed):
 
 
 # (global_window, fixed_sparse: a key set beside exact terms; a global token's row, whose exact
-# terms cover its hull, is exact - the rule the kernel and the torch rules must share)
-@pytest.mark.parametrize("spec_name", PLANNED + ["strictly_causal", "global_window", "fixed_sparse"])
+# terms cover its hull, is exact - the rule the kernel and the torch rules must share; the
+# bidirectional masks: bands, the causal and window classes with their diagonal past q_pos)
+@pytest.mark.parametrize("spec_name", PLANNED + ["strictly_causal", "global_window", "fixed_sparse",
+                                                 "bidirectional_window", "sinks_bidirectional"])
 def test_row_kernel_matches_the_torch_rules(spec_name):
     spec = load_spec(spec_name)
     for i, (qo, kv, ps) in enumerate(BATCHES):
