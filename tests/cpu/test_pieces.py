@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import random
 from pathlib import Path
 
 import pytest
@@ -381,6 +382,37 @@ def test_a_band_in_graph_mode(backend):
     ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
                                        batch.kv_indptr, batch.kv_indices, batch.last_page_len, args, return_lse=True)
     assert_plan_matches_reference(out, lse, ref, ref_lse, None, 0.0, f"graph mode, band, {backend}")
+
+
+BAND_FORMS = ["abs(q_pos - kv_pos) <= a", "q_pos - a <= kv_pos and kv_pos <= q_pos + b",
+              "kv_pos < s or (q_pos - a <= kv_pos and kv_pos <= q_pos + b)", "q_pos < s or abs(kv_pos - q_pos) <= a",
+              "kv_pos <= q_pos + b and kv_pos >= s",
+              "(kv_pos <= q_pos + b and q_pos - a <= kv_pos) or kv_pos // 7 == q_pos // 7"]
+
+
+@pytest.mark.parametrize("case", range(24))
+def test_random_bands_match_the_reference(case):
+    """Random bands (widths, shifts, sinks, a chunk pattern beside them) on random batches
+    (chunked prefill, decode rows, page sizes, CUDA-graph mode) through fa2 and fa3."""
+    rng = random.Random(case)
+    text = BAND_FORMS[case % len(BAND_FORMS)]
+    spec = _spec(f"band_{case}", text, {"a": rng.randrange(0, 40), "b": rng.randrange(0, 40), "s": rng.randrange(0, 9)})
+    kv_lens = [rng.randrange(1, 200) for _ in range(rng.randrange(1, 4))]
+    qo_lens = [rng.choice([k, rng.randrange(1, k + 1), 1]) for k in kv_lens]
+    page_size = rng.choice([1, 3, 16])
+    graph = GraphCapacity(max_batch_size=4, max_total_q=1024, max_kv_pages=1024) if case % 4 == 3 else None
+    batch = random_paged_batch(qo_lens, kv_lens, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM,
+                               page_size=page_size, seed=case)
+    args = {s.name: s.default for s in spec.scalars}
+    for backend in ("fa2", "fa3"):
+        w, _ = make(spec, backend, graph=graph)
+        plan = w.plan(*batch.plan_args(), skip_tiles=True, **args)
+        out, lse = w.run(batch.q, (batch.k_cache, batch.v_cache), return_lse=True, **args)
+        ref, ref_lse = reference_attention(spec, batch.q, (batch.k_cache, batch.v_cache), batch.qo_indptr,
+                                           batch.kv_indptr, batch.kv_indices, batch.last_page_len, args,
+                                           return_lse=True)
+        assert_plan_matches_reference(out, lse, ref, ref_lse, plan.merge, float(batch.v_cache.abs().max()),
+                                      f"{text} {args} {backend} ps{page_size} {qo_lens}/{kv_lens}")
 
 
 @pytest.mark.parametrize("backend", ["fa2", "fa3"])
