@@ -226,7 +226,7 @@ inline std::vector<Request> read_segments(const int64_t* seg, int64_t nseg, cons
                    r.kv_begin >= 0 && r.kv_begin % page_size == 0 && r.kv_begin <= r.kv_end && r.kv_end <= kv_len &&
                    (r.cls == kWindow ? r.window >= 0 : r.window == -1) &&
                    // the kernel's diagonal (kv_end - rows) at or past each row's position
-                   (r.cls != kCausal && r.cls != kWindow ? true : r.kv_end >= r.q_pos + r.rows) &&
+                   ((r.cls != kCausal && r.cls != kWindow) || r.kv_end >= r.q_pos + r.rows) &&
                    ((r.vis_lo == 0 && r.vis_hi == -1) ||
                     ((r.cls == kCustom || r.cls == kTail) && r.vis_lo >= r.kv_begin && r.vis_lo <= r.vis_hi &&
                      r.vis_hi < r.kv_end)))

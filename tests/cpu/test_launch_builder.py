@@ -539,6 +539,9 @@ BAD_SEGMENTS = {
     "visible_past_keys": ([[0, 10, 0, int(TAIL), -1, 0, 10, 0, 0, 10]], "visible 0-10"),
     "visible_before_keys": ([[0, 10, 0, int(CUSTOM), -1, 4, 10, 0, 2, 6]], "visible 2-6"),
     "visible_on_causal": ([[0, 10, 0, int(CAUSAL), -1, 0, 10, 0, 0, 3]], "visible 0-3"),
+    # a causal / window run's keys end at or past its last row's position (the kernel's diagonal)
+    "diagonal_before_rows": ([[0, 10, 0, int(CAUSAL), -1, 0, 9, 0]], r"keys 0-9, q_pos 0.* does not fit"),
+    "window_diagonal_before_rows": ([[0, 10, 0, int(WINDOW), 3, 0, 8, 0]], r"keys 0-8, q_pos 0, window 3"),
 }
 
 
