@@ -64,7 +64,8 @@ from variantgen.testing.fuzz_tensors import CaseTensors, make_tensors  # noqa: E
 from variantgen.testing.harness import source_commit  # noqa: E402
 
 SPECS = tuple(sorted(p.stem for p in (REPO / "specs").glob("*.yaml")))
-COLLECTION = tuple(sorted(p.stem for p in (REPO / "bench" / "masks").glob("*.yaml")))  # --specs may name these too
+# --specs may name these too: the benchmarks' masks and their rewritten forms (bench/make_forms.py)
+COLLECTION = tuple(sorted(p.stem for d in ("masks", "masks/forms") for p in (REPO / "bench" / d).glob("*.yaml")))
 M = ModuleKey
 # Fuzzed on only some kinds, to keep the matrix small: learned sinks where a kernel adds the sink
 # its own way (fa2 prefill's m/d update - also run by the graph and tensor-core decode targets -,
@@ -114,7 +115,10 @@ def modules_of(target: Target, specs: tuple[str, ...] = SPECS) -> tuple[ModuleKe
 
 def spec_path(name: str) -> str:
     """A --specs name as a path a precompile command takes (shipped spec or the collection's mask)."""
-    return f"specs/{name}.yaml" if name in SPECS else f"bench/masks/{name}.yaml"
+    if name in SPECS:
+        return f"specs/{name}.yaml"
+    return f"bench/masks/forms/{name}.yaml" if (REPO / "bench" / "masks" / "forms" / f"{name}.yaml").exists() \
+        else f"bench/masks/{name}.yaml"
 
 
 def list_modules(fmt: str, targets: list[Target], specs: tuple[str, ...]) -> str:

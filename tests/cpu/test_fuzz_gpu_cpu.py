@@ -343,6 +343,20 @@ def test_the_fuzzer_runs_the_collections_sparse_and_multi_interval_masks():
     assert flags.name == "is_global"
 
 
+def test_the_fuzzer_runs_rewritten_forms():
+    """The rewritten forms of bench/masks/forms/ (bench/make_forms.py) as kernels of their own:
+    the kernel evaluates the form as written, the planner plans its normalized tree; through the
+    fakes on the paged prefill targets, in eager and CUDA-graph mode: all pass."""
+    specs = tuple(p.stem for p in sorted((Path(fuzz_gpu.REPO) / "bench" / "masks" / "forms").glob("*.yaml")))
+    assert len(specs) >= 6 and set(specs) <= set(fuzz_gpu.COLLECTION)
+    modules = FakeModules()
+    results = fuzz_gpu.run_fuzz(config(max_cases=48, seed=12, specs=specs,
+                                       targets=("fa2/prefill", "fa3/prefill", "fa3/prefill-graph")), modules, log=quiet)
+    assert results["failed"] == 0 and results["failures"] == [], results["failures"][:1]
+    ran = {s for t in results["targets"].values() for s, v in t["specs"].items() if v.get("cases", 0)}
+    assert len(ran) >= 4, ran
+
+
 def test_main_fake_mode_writes_results_with_the_environment(tmp_path):
     """bench/fuzz_gpu.py --fake: the results file has the run's seed, commit and versions."""
     out = tmp_path / "fuzz.json"

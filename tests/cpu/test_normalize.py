@@ -13,7 +13,6 @@ and each form must
 from __future__ import annotations
 
 import functools
-import random
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from variantgen import parse_spec
-from variantgen.lang.nodes import Binary, Const, Node, Type, Unary, to_source
+from variantgen.lang.nodes import to_source
 from variantgen.lang.parsing import parse
 from variantgen.lang.reads import page_list_atoms
 from variantgen.lang.spec import load_spec
@@ -32,6 +31,7 @@ from variantgen.planning.intervals import analyze, row_intervals
 from variantgen.planning.normalize import normalize
 from variantgen.planning.notes import planner_notes
 from variantgen.planning.rowrules import row_env
+from variantgen.testing.forms import random_form, with_mask
 from variantgen.testing.harness import random_paged_batch, random_spec_args, within_range
 from variantgen.wrappers.reference import RequestGrid, mask_for_request
 
@@ -42,13 +42,6 @@ SMALL = {"window": 7, "num_sink": 3, "sinks": 3, "chunk_size": 8, "block": 4, "f
          "stride": 4, "c": 2, "pad": 5, "prefix": 10, "global_blocks": 1, "causal_window_left": 6,
          "range_window_left": 9}
 QO_LENS, KV_LENS = [5, 40, 1, 33], [5, 90, 61, 33]
-
-
-def with_mask(spec, mask_text: str):
-    """``spec`` with its mask replaced by ``mask_text`` (parsed and type checked as a spec file's)."""
-    data = yaml.safe_load(Path(spec.path).read_text())
-    data["mask"] = mask_text
-    return parse_spec(yaml.safe_dump(data, sort_keys=False), str(spec.path))
 
 
 def small_args(spec, seed: int = 0):
@@ -84,77 +77,6 @@ def assert_sound(spec, args):
             row += 1
         q_base += ql
         kv_base += kl
-
-
-# ----------------------------------------------------------------------------- random equivalent forms
-
-ROW_CONDS = ("(q_pos % 2 == 0)", "(q_idx < 3)", "(q_pos >= kv_len - 1)")
-
-
-def _int_cmp(n: Node) -> bool:
-    return isinstance(n, Binary) and n.op in ("<", "<=", ">", ">=", "==", "!=") \
-        and n.left.ty is Type.INT and n.right.ty is Type.INT
-
-
-def _rewrite(n: Node, r: random.Random) -> str:
-    """An equivalent text of bool node ``n`` by one rule picked at random."""
-    s = to_source
-    if isinstance(n, Binary) and n.op in ("and", "or") and r.random() < 0.5:
-        return f"({s(n.right)} {n.op} {s(n.left)})"
-    if _int_cmp(n):
-        a, b, op = s(n.left), s(n.right), n.op
-        flip = {"<": ">", "<=": ">=", ">": "<", ">=": "<=", "==": "==", "!=": "!="}[op]
-        neg = {"<": ">=", "<=": ">", ">": "<=", ">=": "<", "==": "!=", "!=": "=="}[op]
-        options = [f"({b} {flip} {a})", f"(not ({a} {neg} {b}))", f"(({a} - {b}) {op} 0)",
-                   f"(0 {flip} ({a} - {b}))", f"(({a} * 3) {op} ({b} * 3))", f"((({a}) // 1) {op} {b})",
-                   f"(({a} if {r.choice(ROW_CONDS)} else {a}) {op} {b})"]
-        if op == "<=":
-            options += [f"(max({a}, {b}) <= {b})", f"(min({a}, {b}) == {a})", f"(abs({b} - {a}) == ({b} - {a}))",
-                        f"(({a}) - ({a}) % 1 <= {b})"]
-        if op == "<":
-            options += [f"(({a}) + 1 <= {b})", f"(min({a}, {b}) != {b})"]
-        if op == ">=":
-            options += [f"(min({a}, {b}) == {b})", f"(max({a} - {b}, 0) == {a} - {b})"]
-        if op == "==":
-            options += [f"(({a} <= {b}) and ({a} >= {b}))", f"(abs({a} - {b}) <= 0)"]
-        return r.choice(options)
-    return r.choice([f"(not (not {s(n)}))", f"({s(n)} if {r.choice(ROW_CONDS)} else {s(n)})"])
-
-
-def _bool_nodes(n: Node, out: list[Node]) -> list[Node]:
-    if n.ty is Type.BOOL and not isinstance(n, Const):
-        out.append(n)
-    if isinstance(n, Binary) and n.op in ("and", "or"):
-        _bool_nodes(n.left, out)
-        _bool_nodes(n.right, out)
-    elif isinstance(n, Unary) and n.op == "not":
-        _bool_nodes(n.operand, out)
-    return out
-
-
-def random_form(spec, seed: int, rewrites: int) -> str:
-    r = random.Random(seed)
-    tree = spec.mask
-    for _ in range(rewrites):
-        target = r.choice(_bool_nodes(tree, []) or [tree])
-        text = _substitute(tree, target, _rewrite(target, r))
-        tree = with_mask(spec, text).mask
-    return to_source(tree)
-
-
-def _substitute(tree: Node, target: Node, text: str) -> str:
-    marker = "__vg_target__"
-    return _source_with(tree, target, marker).replace(marker, text)
-
-
-def _source_with(n: Node, target: Node, marker: str) -> str:
-    if n is target:
-        return marker
-    if isinstance(n, Binary) and n.op in ("and", "or"):
-        return f"({_source_with(n.left, target, marker)} {n.op} {_source_with(n.right, target, marker)})"
-    if isinstance(n, Unary) and n.op == "not":
-        return f"(not {_source_with(n.operand, target, marker)})"
-    return to_source(n)
 
 
 # ----------------------------------------------------------------------------- the property

@@ -97,7 +97,8 @@ class ModuleKey:
         return f"{self.spec} hd{hd} {dt}"
 
 
-SPEC_DIRS = (REPO_DIR / "specs", REPO_DIR / "bench" / "masks")  # the shipped specs, then the benchmarks' masks
+# the shipped specs, then the benchmarks' masks and their rewritten forms (bench/make_forms.py)
+SPEC_DIRS = (REPO_DIR / "specs", REPO_DIR / "bench" / "masks", REPO_DIR / "bench" / "masks" / "forms")
 
 
 @functools.cache
