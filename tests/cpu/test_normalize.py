@@ -148,6 +148,30 @@ def test_an_order_and_a_min_equal_to_one_side_is_a_sorted_id_match():
         assert _read(form, args) == _read(written, args)
 
 
+@pytest.mark.parametrize("text", ["kv_pos <= q_pos and (doc_ids[kv_row] * 3 <= doc_ids[q_kv_row] * 3 and "
+                                  "doc_ids[kv_row] >= doc_ids[q_kv_row])",
+                                  "kv_pos <= q_pos and 2 * doc_ids[kv_row] - 2 * doc_ids[q_kv_row] == 0"])
+def test_a_common_factor_of_an_equality_of_ids_is_divided_out(text):
+    """Found by the property below (hypothesis seed 231): `document` with one of its two orders
+    scaled by 3 read its hull (4775 keys for 1711): ``3 * a <= 3 * b`` was isolated as
+    ``a <= (3 * b) // 3``, which is not the other order's mirror."""
+    written = load_spec(Path(__file__).resolve().parents[2] / "specs" / "document.yaml")
+    form = with_mask(written, text)
+    for seed in (0, 1):
+        args = small_args(written, seed)
+        assert _read(form, args) == _read(written, args)
+
+
+def test_a_linear_comparison_with_a_common_factor_is_bounded():
+    """``abs(e) == e`` is ``e >= -e``: ``2 q_pos - 2 kv_pos >= 0``, linear as written but with
+    coefficient 2, which intervals.py does not read (found by the property test while the rule
+    above was being written: sinks_window read its hull, 4775 keys for 781)."""
+    written = load_spec(Path(__file__).resolve().parents[2] / "bench" / "masks" / "sinks_window.yaml")
+    form = with_mask(written, "kv_pos < sinks or (abs(q_pos - kv_pos) == q_pos - kv_pos and q_pos - kv_pos <= window)")
+    args = small_args(written, 0)
+    assert _read(form, args) == _read(written, args)
+
+
 BRANCH = "((q_pos - window) <= kv_pos and kv_pos <= (q_pos + window)) or is_global[kv_row] != 0"
 
 

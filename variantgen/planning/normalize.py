@@ -33,6 +33,7 @@ mask and what would let it.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, replace
 
 from ..lang.nodes import Binary, Call, Cond, Const, Index, Name, Node, Type, Unary, names_used
@@ -154,6 +155,18 @@ def _merge(terms: Terms) -> Terms:
     return [(c, n) for c, n in out if c != 0]
 
 
+def _common_factor_out(terms: Terms) -> Terms:
+    """``sum op 0`` with every coefficient (and the constant) divided by their common factor g > 1:
+    ``3 * a <= 3 * b`` is ``a <= b`` (g > 0 keeps the order)."""
+    constant = sum(c * _const(t) for c, t in terms if _const(t) is not None)
+    factors = [abs(c) for c, t in terms if _const(t) is None] + ([abs(constant)] if constant else [])
+    g = functools.reduce(math.gcd, factors, 0)
+    if g <= 1:
+        return terms
+    out: Terms = [(c // g, t) for c, t in terms if _const(t) is None]
+    return out + ([(constant // g, _c(1, 0))] if constant else [])
+
+
 def _sum(terms: Terms, pos: int) -> Node:
     node: Node | None = None
     for coef, t in terms:
@@ -248,7 +261,9 @@ class Rewriter:
         terms: Terms = []
         _flatten(node.left, 1, terms)
         _flatten(node.right, -1, terms)
-        terms = _merge(terms)
+        merged = _merge(terms)
+        terms = _common_factor_out(merged)
+        scaled = terms != merged  # (then the comparison is rewritten even where isolate finds nothing more)
         key = [(c, t) for c, t in terms if not _row_only(t)]
         rest = [(c, t) for c, t in terms if _row_only(t)]
         if not key:  # the key cancelled out: a row condition
@@ -265,13 +280,14 @@ class Rewriter:
             bound = _sum([(-c, n) for c, n in rest], pos)
         if isinstance(t, Name) and t.id == "kv_pos":
             if coef == 1:
-                return None if _is_linear_as_written(node) else _cmp(op, t, bound, pos)
+                return None if _is_linear_as_written(node) and not scaled else _cmp(op, t, bound, pos)
             return self.isolate_product(_c(coef, pos), t, op, bound, node)
         if coef != 1:
             return self.isolate_product(_c(coef, pos), t, op, bound, node)
         if isinstance(t, Index) and op == "==":  # t[kv_row] == v: the sorted-id pattern, as intervals.py reads it
             return None if node.left == t and _row_only(node.right) else _cmp(op, t, bound, pos)
-        return self.isolate(t, op, bound, node)
+        found = self.isolate(t, op, bound, node)
+        return _cmp(op, t, bound, pos) if found is None and scaled else found
 
     def isolate(self, t: Node, op: str, bound: Node, original: Node) -> Node | None:
         """``t op bound``, t the one key-reading term, bound row-only."""
