@@ -57,7 +57,7 @@ def test_build_find_and_deploy_a_real_module(vg_env, toolchain):
     assert (entry.path / "build.log").is_file() and not (entry.path / "obj").exists()
     assert list((vg_env.cache_dir / ".staging").iterdir()) == []
     assert exported_functions(entry.module_path) == {"plan", "paged_run", "build_launches", "plan_direct", "schedule",
-                                                     "merge_pieces", "merge_inline", "read_indices"}
+                                                     "merge_pieces", "merge_inline", "read_indices", "classify_rows"}
     # sm90: one kernel per run() code (causal's exact and tail units) and CTA tile, at the KV tile
     # kv_tile.py pins - not FlashInfer's four
     pinned = {cta: kv_tile.fa2_num_mma_kv(cta, 128, 128, 2, 2, "9.0a") for cta in FA2_CTA_TILES_Q}
@@ -147,7 +147,7 @@ def test_build_an_fa3_module_without_a_gpu(vg_env, toolchain, tmp_path):
     # what the fa3 wrapper calls, exported and loadable as a serving host loads it (no GPU needed to load)
     # (its work lists come from the launch builder, exported by every paged-prefill module)
     assert exported_functions(entry.module_path) == {"paged_run", "build_launches", "plan_direct", "schedule",
-                                                     "merge_pieces", "merge_inline", "read_indices"}
+                                                     "merge_pieces", "merge_inline", "read_indices", "classify_rows"}
     module = build.load_module(entry)
     assert callable(module.paged_run) and callable(module.plan_direct)
 
