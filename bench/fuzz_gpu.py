@@ -46,6 +46,7 @@ import torch  # noqa: E402
 
 from variantgen.testing import fuzz_compare, fuzz_run, fuzz_shrink  # noqa: E402
 from variantgen.testing.fuzz_cases import (  # noqa: E402
+    SPEC_DIRS,
     TARGET_BY_NAME,
     TARGETS,
     Batch,
@@ -65,7 +66,7 @@ from variantgen.testing.harness import source_commit  # noqa: E402
 
 SPECS = tuple(sorted(p.stem for p in (REPO / "specs").glob("*.yaml")))
 # --specs may name these too: the benchmarks' masks and their rewritten forms (bench/make_forms.py)
-COLLECTION = tuple(sorted(p.stem for d in ("masks", "masks/forms") for p in (REPO / "bench" / d).glob("*.yaml")))
+COLLECTION = tuple(sorted(p.stem for d in SPEC_DIRS[1:] for p in d.glob("*.yaml")))
 M = ModuleKey
 # Fuzzed on only some kinds, to keep the matrix small: learned sinks where a kernel adds the sink
 # its own way (fa2 prefill's m/d update - also run by the graph and tensor-core decode targets -,
@@ -115,10 +116,8 @@ def modules_of(target: Target, specs: tuple[str, ...] = SPECS) -> tuple[ModuleKe
 
 def spec_path(name: str) -> str:
     """A --specs name as a path a precompile command takes (shipped spec or the collection's mask)."""
-    if name in SPECS:
-        return f"specs/{name}.yaml"
-    return f"bench/masks/forms/{name}.yaml" if (REPO / "bench" / "masks" / "forms" / f"{name}.yaml").exists() \
-        else f"bench/masks/{name}.yaml"
+    path = next(d / f"{name}.yaml" for d in SPEC_DIRS if (d / f"{name}.yaml").is_file())  # (as shipped_spec finds it)
+    return str(path.relative_to(REPO))
 
 
 def list_modules(fmt: str, targets: list[Target], specs: tuple[str, ...]) -> str:

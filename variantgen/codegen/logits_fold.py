@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..lang import nodes
-from ..lang.nodes import Binary, Call, Const, Index, Name, Node, Unary
+from ..lang.nodes import Binary, Call, Const, Index, Name, Node
 from ..lang.values import VariantSpec
 
 
@@ -136,23 +136,6 @@ def _logits_uses(node: Node, spec: VariantSpec, out: list[tuple[Node, Factor]]) 
         _logits_uses(child, spec, out)
 
 
-def _replace(node: Node, targets: set[int]) -> Node:
-    """``node`` with the subtrees in ``targets`` (by identity) replaced by ``logits``."""
-    if id(node) in targets:
-        return Name(pos=node.pos, ty=nodes.Type.FLOAT, id="logits")
-    if isinstance(node, Binary):
-        return Binary(node.pos, node.ty, node.op, _replace(node.left, targets), _replace(node.right, targets))
-    if isinstance(node, Unary):
-        return Unary(node.pos, node.ty, node.op, _replace(node.operand, targets))
-    if isinstance(node, Call):
-        return Call(node.pos, node.ty, node.func, tuple(_replace(a, targets) for a in node.args))
-    if isinstance(node, nodes.Cond):
-        return nodes.Cond(node.pos, node.ty, *(_replace(c, targets) for c in node.children()))
-    if isinstance(node, Index):
-        return Index(node.pos, node.ty, node.tensor, tuple(_replace(i, targets) for i in node.indices))
-    return node
-
-
 def _hoistable(node: Node, spec: VariantSpec, out: list[Node]) -> None:
     """The maximal launch-uniform subtrees worth a member (not a bare constant or scalar)."""
     if is_uniform(node, spec):
@@ -173,7 +156,7 @@ def fold(spec: VariantSpec) -> FoldedLogits | None:
     in_scale = Factor()
     if uses and len({f.key() for _, f in uses}) == 1 and uses[0][1]:
         in_scale = uses[0][1]
-        body = _replace(body, {id(n) for n, _ in uses})
+        body = nodes.substitute(body, {id(n): Name(pos=n.pos, ty=nodes.Type.FLOAT, id="logits") for n, _ in uses})
     hoisted: list[Node] = []
     _hoistable(body, spec, hoisted)
     return FoldedLogits(body, in_scale, out_scale, tuple(hoisted))

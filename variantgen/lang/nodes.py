@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32: beyond it a kernel sees inf
@@ -101,6 +101,25 @@ def walk(node: Node) -> Iterator[Node]:
     yield node
     for child in node.children():
         yield from walk(child)
+
+
+def substitute(node: Node, by_id: Mapping[int, Node]) -> Node:
+    """``node`` with each subtree whose ``id()`` is a key of ``by_id`` replaced by its value
+    (subtrees by identity: equal subtrees elsewhere in the tree stay)."""
+    if id(node) in by_id:
+        return by_id[id(node)]
+    if isinstance(node, Unary):
+        return replace(node, operand=substitute(node.operand, by_id))
+    if isinstance(node, Binary):
+        return replace(node, left=substitute(node.left, by_id), right=substitute(node.right, by_id))
+    if isinstance(node, Index):
+        return replace(node, indices=tuple(substitute(i, by_id) for i in node.indices))
+    if isinstance(node, Call):
+        return replace(node, args=tuple(substitute(a, by_id) for a in node.args))
+    if isinstance(node, Cond):
+        return replace(node, test=substitute(node.test, by_id), then=substitute(node.then, by_id),
+                       orelse=substitute(node.orelse, by_id))
+    return node
 
 
 def names_used(node: Node) -> set[str]:

@@ -10,10 +10,9 @@ these two shapes exists (page_list_atoms), and the planner lists pages only ther
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import NamedTuple
 
-from .nodes import Binary, Call, Cond, Index, Name, Node, Type, Unary, names_used, walk
+from .nodes import Binary, Cond, Name, Node, Type, Unary, names_used, substitute, walk
 
 KEY_NAMES = frozenset({"kv_pos", "kv_row"})
 HEAD_NAMES = frozenset({"qo_head", "kv_head"})
@@ -102,24 +101,6 @@ def bounds_the_key(node: Node) -> bool:
 MAX_BRANCH_TESTS = 64  # tests an expression's ``if`` branches may expand into (past it: the test as written)
 
 
-def _substituted(node: Node, target: Node, by: Node) -> Node:
-    """``node`` with its subexpression ``target`` (that very node) replaced by ``by``."""
-    if node is target:
-        return by
-    if isinstance(node, Unary):
-        return replace(node, operand=_substituted(node.operand, target, by))
-    if isinstance(node, Binary):
-        return replace(node, left=_substituted(node.left, target, by), right=_substituted(node.right, target, by))
-    if isinstance(node, Index):
-        return replace(node, indices=tuple(_substituted(i, target, by) for i in node.indices))
-    if isinstance(node, Call):
-        return replace(node, args=tuple(_substituted(a, target, by) for a in node.args))
-    if isinstance(node, Cond):
-        return replace(node, test=_substituted(node.test, target, by), then=_substituted(node.then, target, by),
-                       orelse=_substituted(node.orelse, target, by))
-    return node
-
-
 def _branch_tests(test: Node, budget: list[int]) -> list[Node]:
     """``test`` with each ``if`` inside it resolved to either branch (as the planner lifts them:
     ``(a if c else b) == 0`` is ``c and a == 0 or not c and b == 0``), plus the ifs' conditions."""
@@ -127,8 +108,8 @@ def _branch_tests(test: Node, budget: list[int]) -> list[Node]:
     if cond is None or budget[0] <= 0:
         return [test]
     budget[0] -= 1
-    return (_branch_tests(_substituted(test, cond, cond.then), budget)
-            + _branch_tests(_substituted(test, cond, cond.orelse), budget) + list(tests(cond.test)))
+    return (_branch_tests(substitute(test, {id(cond): cond.then}), budget)
+            + _branch_tests(substitute(test, {id(cond): cond.orelse}), budget) + list(tests(cond.test)))
 
 
 def tests(node: Node):

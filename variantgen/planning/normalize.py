@@ -99,12 +99,8 @@ def _fold(node: Node) -> Node:
     as its constant truth; anything else unchanged. Exact: equal int expressions are equal values,
     wrapping included."""
     if (isinstance(node, Binary) and node.op in FLIP and node.left.ty is Type.INT
-            and node.right.ty is Type.INT):
-        terms: Terms = []
-        _flatten(node.left, 1, terms)
-        _flatten(node.right, -1, terms)
-        if not _merge(terms):
-            return _c(node.op in ("==", "<=", ">="), node.pos)
+            and node.right.ty is Type.INT and not _difference(node.left, node.right)):
+        return _c(node.op in ("==", "<=", ">="), node.pos)
     return node
 
 
@@ -258,10 +254,7 @@ class Rewriter:
             return _or(parts[0] or lt, parts[1] or gt)
         if op == "==" and _is_chunk(node):
             return None  # kv_pos // c == r: intervals' chunk pattern
-        terms: Terms = []
-        _flatten(node.left, 1, terms)
-        _flatten(node.right, -1, terms)
-        merged = _merge(terms)
+        merged = _difference(node.left, node.right)
         terms = _common_factor_out(merged)
         scaled = terms != merged  # (then the comparison is rewritten even where isolate finds nothing more)
         key = [(c, t) for c, t in terms if not _row_only(t)]
@@ -496,13 +489,18 @@ def _is_linear_as_written(node: Binary) -> bool:
     return linear(node.left) and linear(node.right)
 
 
-def constant_difference(a: Node, b: Node) -> int | None:
-    """``a - b`` where it is a constant (``(q_pos + 1) - q_pos`` is 1), else None."""
+def _difference(a: Node, b: Node) -> Terms:
+    """``a - b`` as a sum of terms, equal terms summed (empty: the same sum)."""
     terms: Terms = []
     _flatten(a, 1, terms)
     _flatten(b, -1, terms)
+    return _merge(terms)
+
+
+def constant_difference(a: Node, b: Node) -> int | None:
+    """``a - b`` where it is a constant (``(q_pos + 1) - q_pos`` is 1), else None."""
     total = 0
-    for coef, node in _merge(terms):
+    for coef, node in _difference(a, b):
         value = _const(node)
         if value is None:
             return None
